@@ -1,0 +1,30 @@
+# The two commands the README opens with live here, so CI and humans run the same thing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PACKAGES := admission gateway scheduler bench
+
+.PHONY: test lint typecheck unit redis-server bench-core
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,fast]'
+	touch $@
+
+# Tests start their own redis-server processes; install the binary when this machine lacks it.
+redis-server:
+	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server; }
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy $(PACKAGES) tests
+
+unit: $(VENV)/.installed redis-server
+	$(PY) -m pytest -q
+
+test: lint typecheck unit
+
+bench-core: $(VENV)/.installed redis-server
+	$(PY) -m bench.core

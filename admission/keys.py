@@ -1,0 +1,125 @@
+"""Every Redis key this project uses, in one place.
+
+All keys of one model pool share the hash tag ``{pool}`` so that each script touches one slot
+and the code runs unchanged on Redis Cluster; the scheduler's leadership keys share ``{sched}``.
+Key names are plain words so operators can read them with redis-cli, for example::
+
+    kvg:{llama-8b}:queue:vip        ZSET  task id -> enqueue time (µs, Redis TIME)
+    kvg:{llama-8b}:task:4f1c2a...   HASH  tenant, tier, cost, state, node, gateway, ...
+
+The Lua scripts build the names of keys they discover at run time (a task id popped from a
+queue) from the same ``prefix`` the Python side passes in; `lua/_lib.lua` mirrors the suffixes
+of `task_key`, `bucket_key` and `gateway_tasks_key` and a test checks that they agree.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from admission.tiers import Tier
+
+ROOT = "kvg"
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    """Names end up inside keys and hash tags: no braces, colons or spaces."""
+    if not NAME_PATTERN.match(value):
+        raise ValueError(
+            f"{kind} name {value!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
+            " and start with a letter or digit"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class PoolKeys:
+    """The keys of one model pool."""
+
+    pool: str
+
+    def __post_init__(self) -> None:
+        check_name("pool", self.pool)
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}:{{{self.pool}}}:"
+
+    @property
+    def state(self) -> str:
+        """HASH written by the scheduler: zone, epoch, updated_us, drain rates, usage."""
+        return self.prefix + "state"
+
+    @property
+    def clock(self) -> str:
+        """HASH: last_us (queue clock); frozen_us (set by tests only, never in production)."""
+        return self.prefix + "clock"
+
+    @property
+    def node_capacity(self) -> str:
+        """HASH node -> tokens of KV the scheduler lets gateways reserve on that node."""
+        return self.prefix + "node_capacity"
+
+    @property
+    def node_reserved(self) -> str:
+        """HASH node -> tokens reserved by released, unsettled tasks."""
+        return self.prefix + "node_reserved"
+
+    def queue(self, tier: Tier) -> str:
+        """ZSET task id -> enqueue time in µs of Redis TIME (FIFO within the tier)."""
+        return f"{self.prefix}queue:{tier.label}"
+
+    @property
+    def queues(self) -> tuple[str, str, str]:
+        return (self.queue(Tier.VIP), self.queue(Tier.NORMAL), self.queue(Tier.BATCH))
+
+    @property
+    def deadlines(self) -> str:
+        """ZSET queued task id -> deadline in µs."""
+        return self.prefix + "deadlines"
+
+    @property
+    def leases(self) -> str:
+        """ZSET gateway id -> lease expiry in µs; one entry per live gateway, not per task."""
+        return self.prefix + "leases"
+
+    @property
+    def tenant_queued(self) -> str:
+        """HASH tenant -> number of its tasks queued in this pool."""
+        return self.prefix + "tenant_queued"
+
+    @property
+    def stats(self) -> str:
+        """HASH of monotonic counters (released per tier, settled, cost and usage sums)."""
+        return self.prefix + "stats"
+
+    def task_key(self, task_id: str) -> str:
+        return f"{self.prefix}task:{task_id}"
+
+    def bucket_key(self, tenant: str) -> str:
+        """HASH micro_tokens, updated_us, rate, burst: the tenant's token bucket in this pool."""
+        return f"{self.prefix}bucket:{tenant}"
+
+    def gateway_tasks_key(self, gateway: str) -> str:
+        """SET of the live (queued or released) task ids a gateway holds in this pool."""
+        return f"{self.prefix}gateway:{gateway}"
+
+    def wake_channel(self, gateway: str) -> str:
+        """Pub/sub channel on which a gateway hears about its released tasks."""
+        return f"{self.prefix}wake:{gateway}"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerKeys:
+    """Leadership keys, shared by all scheduler replicas."""
+
+    @property
+    def leader(self) -> str:
+        """STRING holding the leader's id, with a TTL: the lease."""
+        return f"{ROOT}:{{sched}}:leader"
+
+    @property
+    def epoch(self) -> str:
+        """STRING counter: the fencing epoch, raised by each new leader."""
+        return f"{ROOT}:{{sched}}:epoch"

@@ -1,0 +1,155 @@
+"""Private redis-server processes on free loopback ports.
+
+Used by the tests, the benchmarks and the local demo so that none of them depends on a Redis
+somebody started by hand (or on the one this machine happens to run on 6379).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+START_TIMEOUT_S = 10.0
+
+
+class RedisBinaryMissing(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found is None:
+        raise RedisBinaryMissing(
+            "redis-server is not installed; `make redis-server` installs the Debian package"
+        )
+    return found
+
+
+@dataclass
+class LocalRedis:
+    """One redis-server child process; `url` is what clients connect to."""
+
+    port: int
+    workdir: Path
+    process: subprocess.Popen[bytes]
+    password: str | None = None
+    tls: bool = False
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        scheme = "rediss" if self.tls else "redis"
+        auth = f":{self.password}@" if self.password else ""
+        return f"{scheme}://{auth}127.0.0.1:{self.port}/0"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.alive():
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def _wait_listening(port: int, process: subprocess.Popen[bytes], logfile: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log = logfile.read_text(errors="replace") if logfile.exists() else ""
+            raise RuntimeError(f"redis-server exited with {process.returncode}: {log[-2000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"redis-server did not listen on {port} within {START_TIMEOUT_S}s")
+
+
+def start_redis(
+    *,
+    port: int | None = None,
+    password: str | None = None,
+    tls_dir: Path | None = None,
+    args: Sequence[str] = (),
+    workdir: Path | None = None,
+) -> LocalRedis:
+    """Start a redis-server with no persistence on a free port and wait until it listens.
+
+    With `tls_dir` (holding ca.crt, server.crt, server.key) the port speaks TLS only.
+    """
+    binary = redis_server_binary()
+    port = port or free_port()
+    workdir = workdir or Path(tempfile.mkdtemp(prefix=f"kvgate-redis-{port}-"))
+    logfile = workdir / "redis.log"
+    cmd = [
+        binary,
+        "--bind", "127.0.0.1",
+        "--save", "",
+        "--appendonly", "no",
+        "--dir", str(workdir),
+        "--logfile", str(logfile),
+        "--maxmemory-policy", "noeviction",
+    ]
+    if tls_dir is not None:
+        cmd += [
+            "--port", "0",
+            "--tls-port", str(port),
+            "--tls-cert-file", str(tls_dir / "server.crt"),
+            "--tls-key-file", str(tls_dir / "server.key"),
+            "--tls-ca-cert-file", str(tls_dir / "ca.crt"),
+            "--tls-auth-clients", "no",
+        ]
+    else:
+        cmd += ["--port", str(port)]
+    if password:
+        cmd += ["--requirepass", password]
+    cmd += list(args)
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port, process, logfile)
+    except BaseException:
+        process.kill()
+        raise
+    return LocalRedis(
+        port=port,
+        workdir=workdir,
+        process=process,
+        password=password,
+        tls=tls_dir is not None,
+        extra=list(args),
+    )
+
+
+@contextlib.contextmanager
+def running_redis(**kwargs: object) -> Iterator[LocalRedis]:
+    server = start_redis(**kwargs)  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(server.workdir, ignore_errors=True)

@@ -1,0 +1,289 @@
+"""Typed async API over the Lua scripts of one model pool.
+
+One `PoolStore` per (client, pool). Every method is one script call, i.e. one round trip;
+nothing here reads a client clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from admission.errors import FencedError, ScriptReplyError
+from admission.keys import PoolKeys, SchedulerKeys, check_name
+from admission.scripts import Scripts
+from admission.tiers import Tier, Zone
+
+MICRO = 1_000_000
+
+
+class AdmitOutcome(enum.StrEnum):
+    RELEASED = "released"
+    QUEUED = "queued"
+    REJECTED = "rejected"
+    DUPLICATE = "duplicate"
+
+
+class RejectReason(enum.StrEnum):
+    EXCEEDS_BURST = "exceeds_burst"
+    QUOTA = "quota"
+    ZONE_RED = "zone_red"
+    QUEUE_FULL = "queue_full"
+    TENANT_QUEUE_FULL = "tenant_queue_full"
+
+
+class TaskState(enum.StrEnum):
+    QUEUED = "queued"
+    RELEASED = "released"
+    SETTLED = "settled"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    REAPED = "reaped"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (TaskState.QUEUED, TaskState.RELEASED)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPolicy:
+    """Per-pool settings the scripts need on every call."""
+
+    tier_queue_caps: tuple[int, int, int] = (10_000, 10_000, 100_000)
+    lease_ttl_ms: int = 10_000
+    stale_after_ms: int = 0
+    default_retry_ms: int = 1_000
+    retention_s: int = 600
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQuota:
+    name: str
+    rate: int
+    """Bucket refill, tokens per second."""
+    burst: int
+    """Bucket size, tokens: the largest single reservation the tenant can ever make."""
+    max_queued: int
+
+    def __post_init__(self) -> None:
+        check_name("tenant", self.name)
+        if self.rate < 0 or self.burst < 0 or self.burst > 1_000_000_000:
+            raise ValueError("tenant rate must be >= 0 and burst within 0..1e9 tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    outcome: AdmitOutcome
+    zone: Zone
+    depth: int
+    node: str | None = None
+    reason: RejectReason | None = None
+    retry_after_ms: int | None = None
+    """None when no retry can succeed (the request exceeds the tenant's burst, or rate is 0)."""
+    state: TaskState | None = None
+    """For DUPLICATE: the state the existing task is in."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasedTask:
+    task_id: str
+    gateway: str
+    node: str | None
+    """None: the task expired in the queue instead of being released."""
+    tier: Tier
+
+
+@dataclass(frozen=True, slots=True)
+class FinishResult:
+    outcome: str
+    """The state the task ended in, or 'noop' when it had already ended (or never existed)."""
+    previous: str
+    refunded: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    reaped: int
+    expired: int
+    returned_tokens: int
+    more: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Leadership:
+    leading: bool
+    epoch: int
+    holder: str | None
+    lease_left_ms: int
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class PoolStore:
+    def __init__(self, client: Any, scripts: Scripts, pool: str, policy: PoolPolicy) -> None:
+        self.client = client
+        self.scripts = scripts
+        self.keys = PoolKeys(pool)
+        self.policy = policy
+
+    @property
+    def pool(self) -> str:
+        return self.keys.pool
+
+    def _finish_keys(self, task_id: str) -> list[str]:
+        k = self.keys
+        return [
+            k.clock, k.node_reserved, *k.queues, k.deadlines, k.tenant_queued, k.stats,
+            k.task_key(task_id),
+        ]
+
+    async def admit(
+        self,
+        *,
+        task_id: str,
+        tenant: TenantQuota,
+        tier: Tier,
+        prompt_tokens: int,
+        max_tokens: int,
+        gateway: str,
+        queue_timeout_ms: int,
+    ) -> AdmitResult:
+        check_name("task", task_id)
+        k, p = self.keys, self.policy
+        cost = prompt_tokens + max_tokens
+        reply = await self.scripts.admit(
+            keys=[
+                k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
+                k.leases, k.tenant_queued, k.stats, k.task_key(task_id),
+                k.bucket_key(tenant.name), k.gateway_tasks_key(gateway),
+            ],
+            args=[
+                task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
+                tenant.rate, tenant.burst, tenant.max_queued, p.tier_queue_caps[tier],
+                queue_timeout_ms, gateway, p.lease_ttl_ms, p.stale_after_ms,
+                p.default_retry_ms,
+            ],
+        )
+        return parse_admit(reply)
+
+    async def finish(self, task_id: str, usage: int | None, *, cancelled: bool) -> FinishResult:
+        """Settle (response done) or cancel (client gone) a task; `usage` None = unknown."""
+        reply = await self.scripts.finish(
+            keys=self._finish_keys(task_id),
+            args=[
+                self.keys.prefix, task_id, -1 if usage is None else max(0, usage),
+                self.policy.retention_s, "cancelled" if cancelled else "settled",
+            ],
+        )
+        return FinishResult(_text(reply[0]), _text(reply[1]), int(reply[2]))
+
+    async def settle(self, task_id: str, usage: int) -> FinishResult:
+        return await self.finish(task_id, usage, cancelled=False)
+
+    async def cancel(self, task_id: str, usage: int | None = None) -> FinishResult:
+        return await self.finish(task_id, usage, cancelled=True)
+
+    async def renew(self, gateway: str) -> int:
+        """Extend the lease of all of `gateway`'s tasks in this pool; returns how many it holds."""
+        k = self.keys
+        reply = await self.scripts.renew(
+            keys=[k.clock, k.leases, k.gateway_tasks_key(gateway)],
+            args=[gateway, self.policy.lease_ttl_ms],
+        )
+        return int(reply[1])
+
+    async def reap(self, max_tasks: int = 1000) -> ReapResult:
+        k = self.keys
+        reply = await self.scripts.reap(
+            keys=[k.clock, k.node_reserved, *k.queues, k.deadlines, k.leases, k.tenant_queued,
+                  k.stats],
+            args=[k.prefix, max_tasks, self.policy.retention_s],
+        )
+        return ReapResult(int(reply[0]), int(reply[1]), int(reply[2]), bool(int(reply[3])))
+
+    async def release(self, epoch: int, limits: tuple[int, int, int]) -> list[ReleasedTask]:
+        """Pop up to `limits` tasks per tier (VIP, Normal, Batch); raises FencedError."""
+        k = self.keys
+        reply = await self.scripts.release(
+            keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
+                  k.tenant_queued, k.stats],
+            args=[k.prefix, epoch, *limits, self.policy.retention_s],
+        )
+        if _text(reply[0]) == "fenced":
+            raise FencedError(self.pool, epoch, int(reply[1]))
+        out = []
+        for i in range(2, len(reply), 4):
+            node = _text(reply[i + 2])
+            out.append(ReleasedTask(_text(reply[i]), _text(reply[i + 1]), node or None,
+                                    Tier(int(reply[i + 3]))))
+        return out
+
+    async def publish_state(
+        self,
+        epoch: int,
+        zone: Zone,
+        node_capacity: Mapping[str, int],
+        extra: Mapping[str, str | int | float] | None = None,
+    ) -> int:
+        """Write the zone and node capacities (fenced); returns the Redis time written, µs."""
+        k = self.keys
+        args: list[str | int | float] = [epoch, zone.value, len(node_capacity)]
+        for node, capacity in sorted(node_capacity.items()):
+            args += [node, int(capacity)]
+        for field, value in (extra or {}).items():
+            args += [field, value]
+        reply = await self.scripts.state(keys=[k.state, k.clock, k.node_capacity], args=args)
+        if _text(reply[0]) == "fenced":
+            raise FencedError(self.pool, epoch, int(reply[1]))
+        return int(reply[2])
+
+    async def notify(self, released: Sequence[ReleasedTask], *, sharded: bool = False) -> None:
+        """Wake the gateways of released or expired tasks; the task record stays the truth."""
+        if not released:
+            return
+        publish = "SPUBLISH" if sharded else "PUBLISH"
+        async with self.client.pipeline(transaction=False) as pipe:
+            for task in released:
+                pipe.execute_command(publish, self.keys.wake_channel(task.gateway),
+                                     f"{task.task_id} {task.node or ''}")
+            await pipe.execute()
+
+    async def task(self, task_id: str) -> dict[str, str] | None:
+        raw = await self.client.hgetall(self.keys.task_key(task_id))
+        if not raw:
+            return None
+        return {_text(f): _text(v) for f, v in raw.items()}
+
+
+async def leadership(
+    client: Any, scripts: Scripts, me: str, ttl_ms: int, *, resign: bool = False
+) -> Leadership:
+    keys = SchedulerKeys()
+    reply = await scripts.leader(
+        keys=[keys.leader, keys.epoch], args=[me, ttl_ms, "resign" if resign else "acquire"]
+    )
+    holder = _text(reply[2])
+    return Leadership(bool(int(reply[0])), int(reply[1]), holder or None, int(reply[3]))
+
+
+def parse_admit(reply: Sequence[Any]) -> AdmitResult:
+    try:
+        outcome = AdmitOutcome(_text(reply[0]))
+        detail = _text(reply[1])
+        retry = int(reply[2])
+        depth = int(reply[3])
+        zone = Zone(_text(reply[4]))
+    except (ValueError, IndexError) as exc:
+        raise ScriptReplyError(f"unexpected admit reply {reply!r}") from exc
+    if outcome is AdmitOutcome.RELEASED:
+        return AdmitResult(outcome, zone, depth, node=detail)
+    if outcome is AdmitOutcome.REJECTED:
+        return AdmitResult(outcome, zone, depth, reason=RejectReason(detail),
+                           retry_after_ms=None if retry < 0 else retry)
+    if outcome is AdmitOutcome.DUPLICATE:
+        return AdmitResult(outcome, zone, depth, state=TaskState(detail))
+    return AdmitResult(outcome, zone, depth)

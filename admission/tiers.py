@@ -1,0 +1,32 @@
+"""Priority tiers and load zones, the two vocabularies every component shares."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Tier(enum.IntEnum):
+    """Lower value = higher priority, as vLLM's `priority` field orders requests."""
+
+    VIP = 0
+    NORMAL = 1
+    BATCH = 2
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def parse(cls, value: str | int) -> Tier:
+        if isinstance(value, int):
+            return cls(value)
+        try:
+            return cls[value.strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown tier {value!r}; expected vip, normal or batch") from None
+
+
+class Zone(enum.StrEnum):
+    GREEN = "GREEN"
+    YELLOW = "YELLOW"
+    RED = "RED"

@@ -1,0 +1,150 @@
+-- _lib.lua: helpers prepended to every script at load time; not a script of its own.
+--
+-- Units used everywhere: times in microseconds of Redis TIME (unless the pool clock holds
+-- frozen_us, which only tests set, so that they can stop and move time without sleeping);
+-- token amounts in whole tokens, except a bucket's level, kept in micro-tokens so that
+-- refill (rate tokens/s x elapsed µs) stays an exact integer.
+-- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:).
+
+local TIER_QUEUE_COUNT = 3
+
+local function fmt(n)
+  return string.format('%.0f', n)
+end
+
+local function now_us(clock_key)
+  local frozen = redis.call('HGET', clock_key, 'frozen_us')
+  if frozen then return tonumber(frozen) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+-- Queue scores must be strictly increasing even if the server clock steps back or two
+-- admits share a microsecond, or FIFO within a tier would fall back to member order.
+local function queue_clock(clock_key, now)
+  local last = tonumber(redis.call('HGET', clock_key, 'last_us') or '0') or 0
+  local score = now
+  if score <= last then score = last + 1 end
+  redis.call('HSET', clock_key, 'last_us', fmt(score))
+  return score
+end
+
+local function task_key(prefix, id) return prefix .. 'task:' .. id end
+local function bucket_key(prefix, tenant) return prefix .. 'bucket:' .. tenant end
+local function gateway_key(prefix, gw) return prefix .. 'gateway:' .. gw end
+
+-- Lazily refilled level of a bucket at `now`, in micro-tokens; does not write.
+-- A bucket that does not exist yet starts full.
+local function bucket_level(bkey, now, rate, burst)
+  local b = redis.call('HMGET', bkey, 'micro_tokens', 'updated_us')
+  local cap = burst * 1000000
+  local level = tonumber(b[1])
+  local ts = tonumber(b[2])
+  if level == nil or ts == nil then return cap end
+  if now > ts then level = level + rate * (now - ts) end
+  if level > cap then level = cap end
+  return level
+end
+
+local function bucket_store(bkey, level, now, rate, burst)
+  redis.call('HSET', bkey, 'micro_tokens', fmt(level), 'updated_us', fmt(now),
+    'rate', fmt(rate), 'burst', fmt(burst))
+end
+
+-- Give `tokens` back to a tenant's bucket (negative takes more, never below zero), using the
+-- rate and burst stored by its last admit so the scheduler's reaper needs no tenant config.
+local function bucket_credit(bkey, now, tokens)
+  local params = redis.call('HMGET', bkey, 'rate', 'burst')
+  local rate = tonumber(params[1])
+  local burst = tonumber(params[2])
+  if rate == nil or burst == nil then return 0 end
+  local level = bucket_level(bkey, now, rate, burst) + tokens * 1000000
+  if level < 0 then level = 0 end
+  if level > burst * 1000000 then level = burst * 1000000 end
+  bucket_store(bkey, level, now, rate, burst)
+  return tokens
+end
+
+-- The node with the most headroom (capacity - reserved); ties go to the first name in order
+-- so that every replica would pick the same one.
+local function best_node(cap_key, resv_key)
+  local caps = redis.call('HGETALL', cap_key)
+  local best, best_room = nil, nil
+  for i = 1, #caps, 2 do
+    local node = caps[i]
+    local room = (tonumber(caps[i + 1]) or 0) - (tonumber(redis.call('HGET', resv_key, node) or '0') or 0)
+    if best_room == nil or room > best_room or (room == best_room and node < best) then
+      best, best_room = node, room
+    end
+  end
+  return best, best_room
+end
+
+local function reserve_node(resv_key, node, cost)
+  redis.call('HINCRBY', resv_key, node, cost)
+end
+
+local function unreserve_node(resv_key, node, cost)
+  local left = redis.call('HINCRBY', resv_key, node, -cost)
+  if left <= 0 then redis.call('HDEL', resv_key, node) end
+end
+
+local function tenant_dequeued(tq_key, tenant)
+  local left = redis.call('HINCRBY', tq_key, tenant, -1)
+  if left <= 0 then redis.call('HDEL', tq_key, tenant) end
+end
+
+-- Move a task to a terminal state and let its record expire after `retention_s`, so a late
+-- settle or cancel still finds it and does nothing.
+local function task_finish(tkey, state, now, retention_s, extra)
+  redis.call('HSET', tkey, 'state', state, 'finished_us', fmt(now))
+  if extra then redis.call('HSET', tkey, unpack(extra)) end
+  redis.call('EXPIRE', tkey, retention_s)
+end
+
+-- A queued task leaves its queue without being released: the tenant gets its whole
+-- reservation back.
+local function drop_queued(prefix, queues, deadlines_key, tq_key, id, task, state, now, retention_s)
+  redis.call('ZREM', queues[tonumber(task.tier) + 1], id)
+  redis.call('ZREM', deadlines_key, id)
+  tenant_dequeued(tq_key, task.tenant)
+  redis.call('SREM', gateway_key(prefix, task.gateway), id)
+  bucket_credit(bucket_key(prefix, task.tenant), now, tonumber(task.cost))
+  task_finish(task_key(prefix, id), state, now, retention_s)
+end
+
+-- A released task ends: the pool gets its reservation back and the tenant the unused part.
+-- usage < 0 means "unknown, charge nothing" (the client never got an answer).
+local function drop_released(prefix, resv_key, stats_key, id, task, state, usage, now, retention_s)
+  local cost = tonumber(task.cost)
+  unreserve_node(resv_key, task.node, cost)
+  redis.call('SREM', gateway_key(prefix, task.gateway), id)
+  local refund = cost
+  if usage >= 0 then
+    refund = cost - usage
+    redis.call('HINCRBY', stats_key, 'settled', 1)
+    redis.call('HINCRBY', stats_key, 'settled_cost', cost)
+    redis.call('HINCRBY', stats_key, 'settled_usage', usage)
+  end
+  bucket_credit(bucket_key(prefix, task.tenant), now, refund)
+  local extra = nil
+  if usage >= 0 then extra = {'usage', fmt(usage)} end
+  task_finish(task_key(prefix, id), state, now, retention_s, extra)
+  return refund
+end
+
+local function load_task(tkey)
+  local f = redis.call('HMGET', tkey, 'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'deadline_us')
+  if not f[1] then return nil end
+  return { state = f[1], tenant = f[2], tier = f[3], cost = f[4], node = f[5],
+           gateway = f[6], deadline_us = f[7] }
+end
+
+-- Fencing: a caller with an older epoch than the pool has seen is a deposed leader.
+-- A newer epoch is recorded, so the first write of a new leader fences out the old one.
+local function check_epoch(state_key, epoch)
+  local current = tonumber(redis.call('HGET', state_key, 'epoch') or '0') or 0
+  if epoch < current then return false, current end
+  if epoch > current then redis.call('HSET', state_key, 'epoch', fmt(epoch)) end
+  return true, epoch
+end

@@ -1,0 +1,115 @@
+-- admit.lua: admit, queue or reject one request, atomically.
+--
+-- KEYS[1]  state            HASH  zone, updated_us, drain_0..2 (tasks/s), written by the scheduler
+-- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
+-- KEYS[3]  node_capacity    HASH  node -> tokens
+-- KEYS[4]  node_reserved    HASH  node -> tokens
+-- KEYS[5..7] queue vip, normal, batch   ZSET task id -> enqueue µs
+-- KEYS[8]  deadlines        ZSET  task id -> deadline µs
+-- KEYS[9]  leases           ZSET  gateway -> lease expiry µs
+-- KEYS[10] tenant_queued    HASH  tenant -> queued count
+-- KEYS[11] stats            HASH  counters
+-- KEYS[12] task             HASH  this task's record (must not exist yet)
+-- KEYS[13] bucket           HASH  the tenant's bucket in this pool
+-- KEYS[14] gateway tasks    SET   the calling gateway's live tasks
+--
+-- ARGV[1]  task id          ARGV[2]  tenant         ARGV[3] tier (0 VIP, 1 Normal, 2 Batch)
+-- ARGV[4]  cost W = prompt + max output tokens (tokens)
+-- ARGV[5]  prompt tokens    ARGV[6]  max output tokens (both recorded for the scheduler)
+-- ARGV[7]  bucket rate (tokens/s, integer)   ARGV[8] bucket burst (tokens)
+-- ARGV[9]  max queued tasks of this tenant   ARGV[10] max queued tasks in this tier
+-- ARGV[11] queue timeout (ms): a queued task expires after it
+-- ARGV[12] gateway id       ARGV[13] gateway lease TTL (ms)
+-- ARGV[14] stale_after_ms: no fast path if the scheduler's state is older (0 = do not check)
+-- ARGV[15] default retry hint (ms) when no drain rate is known
+--
+-- Returns {outcome, detail, retry_after_ms, depth, zone}:
+--   {'released', node, 0, 0, zone}            fast path: budget debited, node chosen
+--   {'queued', '', 0, position, zone}         position counts tasks ahead at this tier or above, itself included
+--   {'rejected', reason, retry_after_ms, depth, zone}
+--        reason: exceeds_burst (retry_after_ms -1: never fits), quota (exact refill time),
+--                zone_red, queue_full, tenant_queue_full (queue drain estimate)
+--   {'duplicate', state, 0, 0, zone}          the task id exists: nothing changed (idempotent retry)
+-- Rejections charge nothing.
+
+local id, tenant = ARGV[1], ARGV[2]
+local tier = tonumber(ARGV[3])
+local cost = tonumber(ARGV[4])
+local rate, burst = tonumber(ARGV[7]), tonumber(ARGV[8])
+local tenant_cap, tier_cap = tonumber(ARGV[9]), tonumber(ARGV[10])
+local timeout_ms = tonumber(ARGV[11])
+local gateway, lease_ms = ARGV[12], tonumber(ARGV[13])
+local stale_ms, default_retry_ms = tonumber(ARGV[14]), tonumber(ARGV[15])
+local queues = {KEYS[5], KEYS[6], KEYS[7]}
+
+local now = now_us(KEYS[2])
+local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2')
+local zone = st[1] or 'GREEN'
+
+local existing = redis.call('HGET', KEYS[12], 'state')
+if existing then return {'duplicate', existing, 0, 0, zone} end
+
+-- Tasks ahead of this one: everything queued at its tier or above, and their drain rate.
+local ahead, drain = 0, 0
+for t = 0, tier do
+  ahead = ahead + redis.call('ZCARD', queues[t + 1])
+  drain = drain + (tonumber(st[3 + t]) or 0)
+end
+
+local function drain_hint()
+  local ms = default_retry_ms
+  if drain > 0 then ms = math.max(ms, math.ceil((ahead + 1) * 1000 / drain)) end
+  return math.min(ms, 60000)
+end
+
+if cost > burst then return {'rejected', 'exceeds_burst', -1, ahead, zone} end
+if zone == 'RED' and tier > 0 then return {'rejected', 'zone_red', drain_hint(), ahead, zone} end
+
+local level = bucket_level(KEYS[13], now, rate, burst)
+local need = cost * 1000000
+if level < need then
+  local wait_ms = -1
+  if rate > 0 then wait_ms = math.ceil((need - level) / rate / 1000) end
+  return {'rejected', 'quota', wait_ms, ahead, zone}
+end
+
+-- Fast path: nothing waits at this tier or above, the zone releases this tier freely
+-- (GREEN releases every tier, YELLOW and RED still release VIP), the scheduler's view is
+-- fresh, and a node has room for the whole reservation.
+local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 1000)
+local node = nil
+if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
+  local best, room = best_node(KEYS[3], KEYS[4])
+  if best and room >= cost then node = best end
+end
+
+if node == nil then
+  if redis.call('ZCARD', queues[tier + 1]) >= tier_cap then
+    return {'rejected', 'queue_full', drain_hint(), ahead, zone}
+  end
+  if (tonumber(redis.call('HGET', KEYS[10], tenant) or '0') or 0) >= tenant_cap then
+    return {'rejected', 'tenant_queue_full', drain_hint(), ahead, zone}
+  end
+end
+
+bucket_store(KEYS[13], level - need, now, rate, burst)
+redis.call('ZADD', KEYS[9], fmt(now + lease_ms * 1000), gateway)
+redis.call('SADD', KEYS[14], id)
+redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 'cost', cost,
+  'prompt_tokens', ARGV[5], 'max_tokens', ARGV[6], 'gateway', gateway,
+  'enqueued_us', fmt(now))
+
+if node then
+  reserve_node(KEYS[4], node, cost)
+  redis.call('HSET', KEYS[12], 'state', 'released', 'node', node, 'released_us', fmt(now))
+  redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
+  redis.call('HINCRBY', KEYS[11], 'fast_path', 1)
+  return {'released', node, 0, 0, zone}
+end
+
+local deadline = now + timeout_ms * 1000
+redis.call('HSET', KEYS[12], 'deadline_us', fmt(deadline))
+redis.call('ZADD', queues[tier + 1], fmt(queue_clock(KEYS[2], now)), id)
+redis.call('ZADD', KEYS[8], fmt(deadline), id)
+redis.call('HINCRBY', KEYS[10], tenant, 1)
+return {'queued', '', 0, ahead + 1, zone}

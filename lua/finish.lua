@@ -1,0 +1,37 @@
+-- finish.lua: settle or cancel one task, exactly once (idempotent: repeating it is a no-op).
+--
+-- KEYS[1]  clock            HASH  frozen_us (tests only)
+-- KEYS[2]  node_reserved    HASH  node -> tokens
+-- KEYS[3..5] queue vip, normal, batch   ZSET
+-- KEYS[6]  deadlines        ZSET
+-- KEYS[7]  tenant_queued    HASH
+-- KEYS[8]  stats            HASH  settled, settled_cost, settled_usage (tokens)
+-- KEYS[9]  task             HASH
+--
+-- ARGV[1]  key prefix of the pool   ARGV[2] task id
+-- ARGV[3]  real usage, prompt + generated tokens; -1 = unknown (the client got nothing it can
+--          use, so the tenant is refunded in full and nothing is learned from it)
+-- ARGV[4]  retention (s) of the finished record
+-- ARGV[5]  final state of a released task: 'settled' (response done) or 'cancelled'
+--          (client gone, upstream failed)
+--
+-- A released task: the pool gets its whole reservation back (the sequence left the GPU), the
+-- tenant gets cost - usage back (usage above the reservation takes the excess from the
+-- bucket, never below zero). A queued task leaves its queue as 'cancelled' with a full refund.
+-- A finished or unknown task is left alone.
+-- Returns {final state | 'noop', previous state | 'unknown', tokens refunded to the tenant}.
+
+local prefix, id = ARGV[1], ARGV[2]
+local usage, retention_s, final = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local task = load_task(KEYS[9])
+if task == nil then return {'noop', 'unknown', 0} end
+local now = now_us(KEYS[1])
+if task.state == 'released' then
+  local refund = drop_released(prefix, KEYS[2], KEYS[8], id, task, final, usage, now, retention_s)
+  return {final, 'released', refund}
+end
+if task.state == 'queued' then
+  drop_queued(prefix, {KEYS[3], KEYS[4], KEYS[5]}, KEYS[6], KEYS[7], id, task, 'cancelled', now, retention_s)
+  return {'cancelled', 'queued', tonumber(task.cost)}
+end
+return {'noop', task.state, 0}

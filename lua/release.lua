@@ -1,0 +1,77 @@
+-- release.lua: the leader pops queued tasks in tier order and assigns them nodes.
+--
+-- KEYS[1]  state            HASH  epoch (fencing), zone
+-- KEYS[2]  clock            HASH  frozen_us (tests only)
+-- KEYS[3]  node_capacity    HASH  node -> tokens
+-- KEYS[4]  node_reserved    HASH  node -> tokens
+-- KEYS[5..7] queue vip, normal, batch   ZSET task id -> enqueue µs
+-- KEYS[8]  deadlines        ZSET  task id -> deadline µs
+-- KEYS[9]  tenant_queued    HASH  tenant -> queued count
+-- KEYS[10] stats            HASH  counters
+--
+-- ARGV[1]  key prefix of the pool (for task, bucket and gateway keys found at run time)
+-- ARGV[2]  caller's fencing epoch
+-- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
+-- ARGV[6]  retention (s) of finished task records
+--
+-- Order: tiers strictly by priority, FIFO within a tier. When the head of a tier does not fit
+-- on any node, nothing of that tier or below is released in this call (no tier overtakes a
+-- higher one and no task overtakes an older one of its tier). A tier that only reached its
+-- own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch trickle).
+-- Queued tasks found past their deadline are expired on the way (tenant refunded).
+--
+-- Returns {'ok', epoch, task, gateway, node, tier, ...} with one 4-tuple per task released or
+-- expired (node '' = expired: its gateway must answer the client), or {'fenced', epoch} when the
+-- caller's epoch is older than the pool's, in which case nothing changed.
+
+local prefix = ARGV[1]
+local ok, epoch = check_epoch(KEYS[1], tonumber(ARGV[2]))
+if not ok then return {'fenced', epoch} end
+local limits = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
+local retention_s = tonumber(ARGV[6])
+local queues = {KEYS[5], KEYS[6], KEYS[7]}
+local now = now_us(KEYS[2])
+local out = {'ok', epoch}
+-- Bounds the work of one call even if a queue holds many expired tasks.
+local budget = 2000
+
+for t = 0, TIER_QUEUE_COUNT - 1 do
+  local released = 0
+  local blocked = false
+  while released < limits[t + 1] and budget > 0 do
+    budget = budget - 1
+    local head = redis.call('ZRANGE', queues[t + 1], 0, 0)[1]
+    if not head then break end
+    local task = load_task(task_key(prefix, head))
+    if task == nil or task.state ~= 'queued' then
+      -- A queue entry without a live record can only come from a bug or a manual edit;
+      -- dropping it keeps the queue moving.
+      redis.call('ZREM', queues[t + 1], head)
+      redis.call('ZREM', KEYS[8], head)
+    elseif tonumber(task.deadline_us) <= now then
+      drop_queued(prefix, queues, KEYS[8], KEYS[9], head, task, 'expired', now, retention_s)
+      table.insert(out, head); table.insert(out, task.gateway)
+      table.insert(out, ''); table.insert(out, t)
+    else
+      local cost = tonumber(task.cost)
+      local node, room = best_node(KEYS[3], KEYS[4])
+      if node == nil or room < cost then
+        blocked = true
+        break
+      end
+      redis.call('ZREM', queues[t + 1], head)
+      redis.call('ZREM', KEYS[8], head)
+      tenant_dequeued(KEYS[9], task.tenant)
+      reserve_node(KEYS[4], node, cost)
+      redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
+        'released_us', fmt(now))
+      redis.call('HDEL', task_key(prefix, head), 'deadline_us')
+      redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)
+      released = released + 1
+      table.insert(out, head); table.insert(out, task.gateway)
+      table.insert(out, node); table.insert(out, t)
+    end
+  end
+  if blocked or budget <= 0 then break end
+end
+return out

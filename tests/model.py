@@ -1,0 +1,254 @@
+"""A plain-Python reference model of the admission core (lua/*.lua), for property tests.
+
+It keeps the same state as Redis in dicts and lists and applies the same rules, written the
+obvious way; the stateful test runs both side by side and compares them after every step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from admission.store import TaskState
+
+MICRO = 1_000_000
+TIERS = (0, 1, 2)
+
+
+@dataclass
+class ModelTask:
+    tenant: str
+    tier: int
+    cost: int
+    gateway: str
+    state: TaskState
+    deadline_us: int = 0
+    node: str | None = None
+    releases: int = 0
+    finishes: int = 0
+
+
+@dataclass
+class Bucket:
+    level: int  # micro-tokens
+    updated_us: int
+    rate: int
+    burst: int
+
+    def level_at(self, now: int) -> int:
+        level = self.level + self.rate * max(0, now - self.updated_us)
+        return min(level, self.burst * MICRO)
+
+
+@dataclass
+class Model:
+    now: int
+    tier_caps: tuple[int, int, int]
+    lease_ttl_ms: int
+    stale_after_ms: int
+    default_retry_ms: int
+    zone: str = "GREEN"
+    epoch: int = 0
+    state_updated_us: int | None = None
+    drain: tuple[int, int, int] = (0, 0, 0)
+    capacity: dict[str, int] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)
+    queues: tuple[list[str], list[str], list[str]] = field(default_factory=lambda: ([], [], []))
+    tasks: dict[str, ModelTask] = field(default_factory=dict)
+    buckets: dict[str, Bucket] = field(default_factory=dict)
+    leases: dict[str, int] = field(default_factory=dict)
+
+    # --- derived views -------------------------------------------------------------------
+    def tenant_queued(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for queue in self.queues:
+            for tid in queue:
+                tenant = self.tasks[tid].tenant
+                counts[tenant] = counts.get(tenant, 0) + 1
+        return counts
+
+    def live_tasks_of(self, gateway: str) -> set[str]:
+        return {
+            tid for tid, t in self.tasks.items()
+            if t.gateway == gateway and not t.state.terminal
+        }
+
+    def best_node(self) -> tuple[str | None, int]:
+        best: str | None = None
+        room = 0
+        for node in sorted(self.capacity):
+            r = self.capacity[node] - self.reserved.get(node, 0)
+            if best is None or r > room:
+                best, room = node, r
+        return best, room
+
+    # --- bucket helpers --------------------------------------------------------------------
+    def credit(self, tenant: str, tokens: int) -> None:
+        b = self.buckets[tenant]
+        level = b.level_at(self.now) + tokens * MICRO
+        b.level = max(0, min(level, b.burst * MICRO))
+        b.updated_us = self.now
+
+    def _unreserve(self, node: str, cost: int) -> None:
+        left = self.reserved.get(node, 0) - cost
+        if left <= 0:
+            self.reserved.pop(node, None)
+        else:
+            self.reserved[node] = left
+
+    def _drop_queued(self, tid: str, state: TaskState) -> None:
+        t = self.tasks[tid]
+        self.queues[t.tier].remove(tid)
+        self.credit(t.tenant, t.cost)
+        t.state = state
+        t.finishes += 1
+
+    def _drop_released(self, tid: str, state: TaskState, usage: int | None) -> int:
+        t = self.tasks[tid]
+        assert t.node is not None
+        self._unreserve(t.node, t.cost)
+        refund = t.cost if usage is None else t.cost - usage
+        self.credit(t.tenant, refund)
+        t.state = state
+        t.finishes += 1
+        return refund
+
+    # --- operations, mirroring the scripts --------------------------------------------------
+    def admit(
+        self, tid: str, tenant: str, tier: int, cost: int, rate: int, burst: int,
+        tenant_cap: int, timeout_ms: int, gateway: str,
+    ) -> tuple[str, str, int, int]:
+        """Returns (outcome, detail, retry_after_ms, depth) as the script does."""
+        if tid in self.tasks:
+            return ("duplicate", self.tasks[tid].state.value, 0, 0)
+        ahead = sum(len(self.queues[t]) for t in range(tier + 1))
+        drain = sum(self.drain[t] for t in range(tier + 1))
+
+        def drain_hint() -> int:
+            ms = self.default_retry_ms
+            if drain > 0:
+                ms = max(ms, math.ceil((ahead + 1) * 1000 / drain))
+            return min(ms, 60_000)
+
+        if cost > burst:
+            return ("rejected", "exceeds_burst", -1, ahead)
+        if self.zone == "RED" and tier > 0:
+            return ("rejected", "zone_red", drain_hint(), ahead)
+        bucket = self.buckets.get(tenant)
+        level = burst * MICRO if bucket is None else min(
+            bucket.level + rate * max(0, self.now - bucket.updated_us), burst * MICRO
+        )
+        need = cost * MICRO
+        if level < need:
+            wait = -1 if rate == 0 else math.ceil((need - level) / rate / 1000)
+            return ("rejected", "quota", wait, ahead)
+        fresh = self.stale_after_ms == 0 or (
+            self.state_updated_us is not None
+            and self.now - self.state_updated_us <= self.stale_after_ms * 1000
+        )
+        node = None
+        if ahead == 0 and fresh and (self.zone == "GREEN" or tier == 0):
+            best, room = self.best_node()
+            if best is not None and room >= cost:
+                node = best
+        if node is None:
+            if len(self.queues[tier]) >= self.tier_caps[tier]:
+                return ("rejected", "queue_full", drain_hint(), ahead)
+            if self.tenant_queued().get(tenant, 0) >= tenant_cap:
+                return ("rejected", "tenant_queue_full", drain_hint(), ahead)
+        self.buckets[tenant] = Bucket(level - need, self.now, rate, burst)
+        self.leases[gateway] = self.now + self.lease_ttl_ms * 1000
+        task = ModelTask(tenant, tier, cost, gateway, TaskState.QUEUED)
+        self.tasks[tid] = task
+        if node is not None:
+            task.state, task.node, task.releases = TaskState.RELEASED, node, 1
+            self.reserved[node] = self.reserved.get(node, 0) + cost
+            return ("released", node, 0, 0)
+        task.deadline_us = self.now + timeout_ms * 1000
+        self.queues[tier].append(tid)
+        return ("queued", "", 0, ahead + 1)
+
+    def release(
+        self, epoch: int, limits: tuple[int, int, int]
+    ) -> list[tuple[str, str, str | None, int]] | None:
+        """None = fenced; else (task, gateway, node or None if expired, tier) in order."""
+        if epoch < self.epoch:
+            return None
+        self.epoch = epoch
+        out: list[tuple[str, str, str | None, int]] = []
+        for tier in TIERS:
+            released = 0
+            blocked = False
+            queue = self.queues[tier]
+            while released < limits[tier] and queue:
+                tid = queue[0]
+                t = self.tasks[tid]
+                if t.deadline_us <= self.now:
+                    self._drop_queued(tid, TaskState.EXPIRED)
+                    out.append((tid, t.gateway, None, tier))
+                    continue
+                node, room = self.best_node()
+                if node is None or room < t.cost:
+                    blocked = True
+                    break
+                queue.pop(0)
+                self.reserved[node] = self.reserved.get(node, 0) + t.cost
+                t.state, t.node = TaskState.RELEASED, node
+                t.releases += 1
+                released += 1
+                out.append((tid, t.gateway, node, tier))
+            if blocked:
+                break
+        return out
+
+    def finish(self, tid: str, usage: int | None, cancelled: bool) -> tuple[str, str, int]:
+        t = self.tasks.get(tid)
+        if t is None:
+            return ("noop", "unknown", 0)
+        if t.state is TaskState.RELEASED:
+            final = TaskState.CANCELLED if cancelled else TaskState.SETTLED
+            return (final.value, "released", self._drop_released(tid, final, usage))
+        if t.state is TaskState.QUEUED:
+            self._drop_queued(tid, TaskState.CANCELLED)
+            return ("cancelled", "queued", t.cost)
+        return ("noop", t.state.value, 0)
+
+    def renew(self, gateway: str) -> int:
+        live = len(self.live_tasks_of(gateway))
+        if live == 0:
+            self.leases.pop(gateway, None)
+        else:
+            self.leases[gateway] = self.now + self.lease_ttl_ms * 1000
+        return live
+
+    def reap(self) -> tuple[int, int, int]:
+        """With a budget larger than everything, so the order of SPOP does not matter."""
+        reaped = expired = returned = 0
+        for gateway in sorted(g for g, exp in self.leases.items() if exp <= self.now):
+            for tid in sorted(self.live_tasks_of(gateway)):
+                t = self.tasks[tid]
+                if t.state is TaskState.QUEUED:
+                    self._drop_queued(tid, TaskState.REAPED)
+                else:
+                    self._drop_released(tid, TaskState.REAPED, None)
+                    returned += t.cost
+                reaped += 1
+            del self.leases[gateway]
+        for queue in self.queues:
+            for tid in list(queue):
+                if self.tasks[tid].deadline_us <= self.now:
+                    self._drop_queued(tid, TaskState.EXPIRED)
+                    expired += 1
+        return reaped, expired, returned
+
+    def publish_state(
+        self, epoch: int, zone: str, capacity: dict[str, int], drain: tuple[int, int, int]
+    ) -> bool:
+        if epoch < self.epoch:
+            return False
+        self.epoch = epoch
+        self.zone = zone
+        self.capacity = dict(capacity)
+        self.drain = drain
+        self.state_updated_us = self.now
+        return True

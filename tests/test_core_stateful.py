@@ -1,0 +1,241 @@
+"""Stateful property test: random interleavings against real Redis and the reference model.
+
+After every step the whole pool state in Redis is compared with the model, and the invariants
+are checked on Redis' own data: budget conservation, exactly-once, FIFO within a tier, strict
+tier order, RED rejects new Normal and Batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from admission.errors import FencedError
+from admission.scripts import register_scripts
+from admission.store import (
+    AdmitOutcome,
+    PoolPolicy,
+    PoolStore,
+    TenantQuota,
+)
+from admission.tiers import Tier, Zone
+from tests.model import MICRO, Model
+
+START_US = 1_700_000_000_000_000
+POLICY = PoolPolicy(tier_queue_caps=(4, 5, 6), lease_ttl_ms=3_000, stale_after_ms=4_000,
+                    default_retry_ms=500, retention_s=3600)
+TENANTS = {
+    "alpha": TenantQuota("alpha", rate=50, burst=600, max_queued=4),
+    "beta": TenantQuota("beta", rate=0, burst=500, max_queued=3),
+    "gamma": TenantQuota("gamma", rate=2_000, burst=5_000, max_queued=8),
+}
+GATEWAYS = ("gw-a", "gw-b", "gw-c")
+NODES = ("node-1", "node-2", "node-3")
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class CoreMachine(RuleBasedStateMachine):
+    redis_url = ""
+    task_ids = Bundle("task_ids")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.client = aioredis.Redis.from_url(self.redis_url)
+        self.store = PoolStore(self.client, register_scripts(self.client), "prop", POLICY)
+        self.model = Model(now=START_US, tier_caps=POLICY.tier_queue_caps,
+                           lease_ttl_ms=POLICY.lease_ttl_ms,
+                           stale_after_ms=POLICY.stale_after_ms,
+                           default_retry_ms=POLICY.default_retry_ms)
+        self.counter = 0
+        self.released_ever: set[str] = set()
+        self.run(self.client.flushdb())
+        self.run(self.client.hset(self.store.keys.clock, "frozen_us", START_US))
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def teardown(self) -> None:
+        self.run(self.client.aclose())
+        self.loop.close()
+
+    # --- rules -----------------------------------------------------------------------------
+    @initialize()
+    def first_leader_publishes(self) -> None:
+        self._publish(1, Zone.GREEN, {"node-1": 800, "node-2": 500}, (0, 0, 0))
+
+    def _publish(self, epoch: int, zone: Zone, caps: dict[str, int],
+                 drain: tuple[int, int, int]) -> None:
+        accepted = self.model.publish_state(epoch, zone.value, caps, drain)
+        extra = {f"drain_{t}": d for t, d in enumerate(drain)}
+        if accepted:
+            self.run(self.store.publish_state(epoch, zone, caps, extra))
+        else:
+            with pytest.raises(FencedError):
+                self.run(self.store.publish_state(epoch, zone, caps, extra))
+
+    @rule(target=task_ids, tenant=st.sampled_from(sorted(TENANTS)),
+          tier=st.sampled_from(list(Tier)), prompt=st.integers(1, 300),
+          out=st.integers(0, 300), gateway=st.sampled_from(GATEWAYS),
+          timeout_ms=st.integers(100, 8_000))
+    def admit(self, tenant: str, tier: Tier, prompt: int, out: int, gateway: str,
+              timeout_ms: int) -> str:
+        self.counter += 1
+        tid = f"t{self.counter}"
+        return self._admit(tid, tenant, tier, prompt, out, gateway, timeout_ms)
+
+    @rule(tid=task_ids, tenant=st.sampled_from(sorted(TENANTS)))
+    def admit_again(self, tid: str, tenant: str) -> None:
+        self._admit(tid, tenant, Tier.VIP, 5, 5, "gw-a", 1000)
+
+    def _admit(self, tid: str, tenant: str, tier: Tier, prompt: int, out: int, gateway: str,
+               timeout_ms: int) -> str:
+        q = TENANTS[tenant]
+        zone = self.model.zone
+        expected = self.model.admit(tid, tenant, int(tier), prompt + out, q.rate, q.burst,
+                                    q.max_queued, timeout_ms, gateway)
+        got = self.run(self.store.admit(task_id=tid, tenant=q, tier=tier, prompt_tokens=prompt,
+                                        max_tokens=out, gateway=gateway,
+                                        queue_timeout_ms=timeout_ms))
+        detail = got.node or (got.reason.value if got.reason else "") or (
+            got.state.value if got.state else "")
+        retry = -1 if got.retry_after_ms is None else got.retry_after_ms
+        if got.outcome is not AdmitOutcome.REJECTED:
+            retry = 0
+        assert (got.outcome.value, detail, retry, got.depth) == expected
+        if zone == "RED" and tier > 0:
+            assert got.outcome in (AdmitOutcome.REJECTED, AdmitOutcome.DUPLICATE)
+        if got.outcome is AdmitOutcome.RELEASED:
+            self._released_once(tid)
+        return tid
+
+    def _released_once(self, tid: str) -> None:
+        assert tid not in self.released_ever, f"{tid} released twice"
+        self.released_ever.add(tid)
+
+    @rule(limits=st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)))
+    def release(self, limits: tuple[int, int, int]) -> None:
+        expected = self.model.release(self.model.epoch, limits)
+        got = self.run(self.store.release(self.model.epoch, limits))
+        assert [(r.task_id, r.gateway, r.node, int(r.tier)) for r in got] == expected
+        released = [r for r in got if r.node is not None]
+        for r in released:
+            self._released_once(r.task_id)
+        tiers = [int(r.tier) for r in released]
+        assert tiers == sorted(tiers), "a lower tier overtook a higher one"
+
+    @rule()
+    def deposed_leader_release_is_refused(self) -> None:
+        if self.model.epoch == 0:
+            return
+        with pytest.raises(FencedError):
+            self.run(self.store.release(self.model.epoch - 1, (9, 9, 9)))
+
+    @rule(tid=task_ids, usage=st.one_of(st.none(), st.integers(0, 700)),
+          cancelled=st.booleans())
+    def finish(self, tid: str, usage: int | None, cancelled: bool) -> None:
+        if usage is None and not cancelled:
+            usage = 0
+        expected = self.model.finish(tid, usage, cancelled)
+        got = self.run(self.store.finish(tid, usage, cancelled=cancelled))
+        assert (got.outcome, got.previous, got.refunded) == expected
+
+    @rule(gateway=st.sampled_from(GATEWAYS))
+    def renew(self, gateway: str) -> None:
+        assert self.run(self.store.renew(gateway)) == self.model.renew(gateway)
+
+    @rule()
+    def reap(self) -> None:
+        got = self.run(self.store.reap(max_tasks=10_000))
+        assert (got.reaped, got.expired, got.returned_tokens) == self.model.reap()
+        assert not got.more
+
+    @rule(ms=st.integers(0, 5_000))
+    def advance_time(self, ms: int) -> None:
+        self.model.now += ms * 1000
+        self.run(self.client.hset(self.store.keys.clock, "frozen_us", self.model.now))
+
+    @rule(zone=st.sampled_from(list(Zone)),
+          caps=st.dictionaries(st.sampled_from(NODES), st.integers(0, 1500), max_size=3),
+          drain=st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
+          new_leader=st.booleans())
+    def scheduler_publishes(self, zone: Zone, caps: dict[str, int],
+                            drain: tuple[int, int, int], new_leader: bool) -> None:
+        self._publish(self.model.epoch + int(new_leader), zone, caps, drain)
+
+    @rule()
+    def deposed_leader_publish_is_refused(self) -> None:
+        if self.model.epoch > 0:
+            self._publish(self.model.epoch - 1, Zone.GREEN, {"node-1": 10**6}, (0, 0, 0))
+
+    # --- comparison and invariants ---------------------------------------------------------
+    @invariant()
+    def redis_matches_model(self) -> None:
+        k = self.store.keys
+        ids = sorted(self.model.tasks)
+
+        async def snapshot() -> list[Any]:
+            async with self.client.pipeline(transaction=True) as pipe:
+                for queue in k.queues:
+                    pipe.zrange(queue, 0, -1)
+                pipe.hgetall(k.node_reserved)
+                pipe.hgetall(k.tenant_queued)
+                pipe.zrange(k.leases, 0, -1, withscores=True)
+                for tenant in sorted(TENANTS):
+                    pipe.hget(k.bucket_key(tenant), "micro_tokens")
+                for tid in ids:
+                    pipe.hmget(k.task_key(tid), "state", "node", "cost")
+                result: list[Any] = await pipe.execute()
+                return result
+
+        snap = self.run(snapshot())
+        m = self.model
+        for tier in range(3):
+            assert [_s(x) for x in snap[tier]] == m.queues[tier], f"queue {tier} order"
+        reserved = {_s(a): int(b) for a, b in snap[3].items()}
+        assert reserved == m.reserved
+        assert {_s(a): int(b) for a, b in snap[4].items()} == m.tenant_queued()
+        assert {_s(a): int(b) for a, b in snap[5]} == m.leases
+        for i, tenant in enumerate(sorted(TENANTS)):
+            raw = snap[6 + i]
+            bucket = m.buckets.get(tenant)
+            assert (None if raw is None else int(raw)) == (None if bucket is None
+                                                           else bucket.level)
+            if raw is not None:
+                assert 0 <= int(raw) <= TENANTS[tenant].burst * MICRO
+        # Budget conservation on Redis' own records: what each node has reserved is exactly
+        # the sum of the costs of the tasks released to it and not finished.
+        from_tasks: dict[str, int] = {}
+        for tid, (state, node, cost) in zip(ids, snap[6 + len(TENANTS):], strict=True):
+            assert _s(state) == m.tasks[tid].state.value, tid
+            if _s(state) == "released":
+                from_tasks[_s(node)] = from_tasks.get(_s(node), 0) + int(cost)
+        assert from_tasks == reserved
+        assert all(v > 0 for v in reserved.values())
+        for t in m.tasks.values():
+            assert t.releases <= 1 and t.finishes <= 1
+
+
+def test_core_state_machine(redis_url: str) -> None:
+    CoreMachine.redis_url = redis_url
+    run_state_machine_as_test(
+        CoreMachine,
+        settings=settings(max_examples=300, stateful_step_count=30, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow]),
+    )

@@ -1,7 +1,7 @@
 # The two commands the README opens with live here, so CI and humans run the same thing.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PACKAGES := admission gateway scheduler bench
+PACKAGES := admission gateway scheduler bench clients/python/kvgate_client
 
 .PHONY: test lint typecheck unit redis-server bench-core
 
@@ -9,6 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,fast]'
+	$(PY) -m pip install -q -e 'clients/python[openai]'
 	touch $@
 
 # Tests start their own redis-server processes; install the binary when this machine lacks it.

@@ -1,0 +1,285 @@
+"""A small standalone client (sync and async) for chat and completions, streaming included.
+
+For code that does not use the `openai` SDK. Responses are the server's JSON as dicts. The
+retries happen in the transport, before a response is returned: a stream is retried only while
+no byte of its body has reached the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from ._sse import aiter_events, iter_events
+from .budget import RetryBudget
+from .errors import APIConnectionError, APIStatusError, StreamError, status_error
+from .policy import RetryPolicy
+from .retrying import RetryStats
+from .transport import AsyncRetryTransport, RetryTransport
+
+DEFAULT_BASE_URL = "http://localhost:8080/v1"
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+DEFAULT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+
+Message = Mapping[str, Any]
+Chunk = dict[str, Any]
+
+
+def _api_key(api_key: str | None) -> str | None:
+    return api_key or os.environ.get("KVGATE_API_KEY") or os.environ.get("OPENAI_API_KEY")
+
+
+def _headers(api_key: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
+    headers = {"accept": "application/json"}
+    if api_key:
+        headers["authorization"] = f"Bearer {api_key}"
+    headers.update(extra or {})
+    return headers
+
+
+def _error(response: httpx.Response) -> APIStatusError:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    return status_error(response.status_code, body, response.headers)
+
+
+def _chunk(data: str) -> Chunk:
+    chunk = json.loads(data)
+    if not isinstance(chunk, dict):
+        raise StreamError(chunk)
+    if "error" in chunk:
+        raise StreamError(chunk["error"])
+    return chunk
+
+
+def _chat_body(model: str, messages: Sequence[Message], stream: bool, params: Any) -> Chunk:
+    return {"model": model, "messages": [dict(m) for m in messages], **params, "stream": stream}
+
+
+def _completion_body(model: str, prompt: str | list[str], stream: bool, params: Any) -> Chunk:
+    return {"model": model, "prompt": prompt, **params, "stream": stream}
+
+
+class Stream:
+    """Parsed chunks of a streaming response; close it (or use `with`) if you stop early."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for data in iter_events(self.response.iter_lines()):
+                yield _chunk(data)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
+        finally:
+            self.response.close()
+
+    def close(self) -> None:
+        self.response.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncStream:
+    """Async counterpart of Stream."""
+
+    def __init__(self, response: httpx.Response) -> None:
+        self.response = response
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        try:
+            async for data in aiter_events(self.response.aiter_lines()):
+                yield _chunk(data)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
+        finally:
+            await self.response.aclose()
+
+    async def aclose(self) -> None:
+        await self.response.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class KvgateClient:
+    """Sync client. `api_key` defaults to $KVGATE_API_KEY, then $OPENAI_API_KEY."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        api_key: str | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        budget: RetryBudget | None = None,
+        retry_transport: RetryTransport | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        limits: httpx.Limits | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if retry_transport is None:
+            inner = httpx.HTTPTransport(limits=limits if limits is not None else DEFAULT_LIMITS)
+            retry_transport = RetryTransport(inner, policy=policy, budget=budget)
+        elif policy is not None or budget is not None:
+            raise TypeError("pass either retry_transport or policy/budget, not both")
+        self.transport = retry_transport
+        self._http = httpx.Client(
+            base_url=base_url,
+            transport=retry_transport,
+            timeout=timeout,
+            headers=_headers(_api_key(api_key), headers),
+        )
+
+    def stats(self) -> RetryStats:
+        return self.transport.stats()
+
+    def chat(self, model: str, messages: Sequence[Message], **params: Any) -> Chunk:
+        return self._post("chat/completions", _chat_body(model, messages, False, params))
+
+    def completions(self, model: str, prompt: str | list[str], **params: Any) -> Chunk:
+        return self._post("completions", _completion_body(model, prompt, False, params))
+
+    def stream_chat(self, model: str, messages: Sequence[Message], **params: Any) -> Stream:
+        return self._stream("chat/completions", _chat_body(model, messages, True, params))
+
+    def stream_completions(self, model: str, prompt: str | list[str], **params: Any) -> Stream:
+        return self._stream("completions", _completion_body(model, prompt, True, params))
+
+    def _post(self, path: str, body: Chunk) -> Chunk:
+        try:
+            response = self._http.post(path, json=body)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(repr(exc)) from exc
+        if response.status_code >= 400:
+            raise _error(response)
+        result: Chunk = response.json()
+        return result
+
+    def _stream(self, path: str, body: Chunk) -> Stream:
+        request = self._http.build_request(
+            "POST", path, json=body, headers={"accept": "text/event-stream"}
+        )
+        try:
+            response = self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(repr(exc)) from exc
+        if response.status_code >= 400:
+            try:
+                response.read()
+            finally:
+                response.close()
+            raise _error(response)
+        return Stream(response)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AsyncKvgateClient:
+    """Async client; same arguments and methods as KvgateClient, awaited."""
+
+    def __init__(
+        self,
+        base_url: str = DEFAULT_BASE_URL,
+        api_key: str | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        budget: RetryBudget | None = None,
+        retry_transport: AsyncRetryTransport | None = None,
+        timeout: float | httpx.Timeout = DEFAULT_TIMEOUT,
+        limits: httpx.Limits | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        if retry_transport is None:
+            inner = httpx.AsyncHTTPTransport(
+                limits=limits if limits is not None else DEFAULT_LIMITS
+            )
+            retry_transport = AsyncRetryTransport(inner, policy=policy, budget=budget)
+        elif policy is not None or budget is not None:
+            raise TypeError("pass either retry_transport or policy/budget, not both")
+        self.transport = retry_transport
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            transport=retry_transport,
+            timeout=timeout,
+            headers=_headers(_api_key(api_key), headers),
+        )
+
+    def stats(self) -> RetryStats:
+        return self.transport.stats()
+
+    async def chat(self, model: str, messages: Sequence[Message], **params: Any) -> Chunk:
+        return await self._post("chat/completions", _chat_body(model, messages, False, params))
+
+    async def completions(self, model: str, prompt: str | list[str], **params: Any) -> Chunk:
+        return await self._post("completions", _completion_body(model, prompt, False, params))
+
+    async def stream_chat(
+        self, model: str, messages: Sequence[Message], **params: Any
+    ) -> AsyncStream:
+        return await self._stream("chat/completions", _chat_body(model, messages, True, params))
+
+    async def stream_completions(
+        self, model: str, prompt: str | list[str], **params: Any
+    ) -> AsyncStream:
+        return await self._stream("completions", _completion_body(model, prompt, True, params))
+
+    async def _post(self, path: str, body: Chunk) -> Chunk:
+        try:
+            response = await self._http.post(path, json=body)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(repr(exc)) from exc
+        if response.status_code >= 400:
+            raise _error(response)
+        result: Chunk = response.json()
+        return result
+
+    async def _stream(self, path: str, body: Chunk) -> AsyncStream:
+        request = self._http.build_request(
+            "POST", path, json=body, headers={"accept": "text/event-stream"}
+        )
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise APIConnectionError(repr(exc)) from exc
+        if response.status_code >= 400:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+            raise _error(response)
+        return AsyncStream(response)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()

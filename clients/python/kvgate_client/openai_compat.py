@@ -1,0 +1,125 @@
+"""Drop-in for the official `openai` SDK: same client classes, kvgate's retry policy underneath.
+
+The SDK's own retries are switched off (`max_retries=0`) and an httpx client whose transport
+is a RetryTransport takes their place, so existing code changes only where it builds its
+client. `openai` is an optional dependency: it is imported when a factory is called.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+
+from .budget import RetryBudget
+from .policy import RetryPolicy
+from .transport import AsyncRetryTransport, RetryTransport
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI, OpenAI
+
+ClientT = TypeVar("ClientT", bound="OpenAI | AsyncOpenAI")
+
+# The OpenAI SDK's own defaults (10 min overall, 5 s to connect; 1000 connections, 100 kept
+# alive), restated because a custom transport owns its pool and the SDK's are not applied.
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
+DEFAULT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+
+
+def wrap(
+    cls: type[ClientT],
+    *,
+    policy: RetryPolicy | None = None,
+    budget: RetryBudget | None = None,
+    retry_transport: RetryTransport | AsyncRetryTransport | None = None,
+    limits: httpx.Limits | None = None,
+    **kwargs: Any,
+) -> ClientT:
+    """Build `cls` (OpenAI, AsyncOpenAI, AzureOpenAI, ...) with kvgate's retries.
+
+    `kwargs` go to the class unchanged (api_key, base_url, organization, ...). Pass a `budget`
+    to share one retry budget among several clients or to read its counters; pass a ready
+    `retry_transport` to control everything (inner transport, clock, sleep) yourself.
+    """
+    import openai as openai_sdk
+
+    if kwargs.get("max_retries", 0) != 0:
+        raise TypeError(
+            "max_retries must stay 0: the SDK's retries would run on top of kvgate's policy "
+            "(configure RetryPolicy.max_attempts instead)"
+        )
+    if "http_client" in kwargs:
+        raise TypeError("http_client is built by kvgate_client; pass retry_transport instead")
+    kwargs["max_retries"] = 0
+    is_async = issubclass(cls, openai_sdk.AsyncOpenAI)
+    if retry_transport is not None:
+        if policy is not None or budget is not None or limits is not None:
+            raise TypeError("pass either retry_transport or policy/budget/limits, not both")
+        if is_async != isinstance(retry_transport, AsyncRetryTransport):
+            raise TypeError(f"{cls.__name__} needs a{'n Async' if is_async else ' '}RetryTransport")
+    pool = limits if limits is not None else DEFAULT_LIMITS
+    if is_async:
+        atransport = (
+            retry_transport
+            if isinstance(retry_transport, AsyncRetryTransport)
+            else (
+                AsyncRetryTransport(
+                    httpx.AsyncHTTPTransport(limits=pool), policy=policy, budget=budget
+                )
+            )
+        )
+        kwargs["http_client"] = httpx.AsyncClient(
+            transport=atransport, timeout=DEFAULT_TIMEOUT, follow_redirects=True
+        )
+    else:
+        stransport = (
+            retry_transport
+            if isinstance(retry_transport, RetryTransport)
+            else (RetryTransport(httpx.HTTPTransport(limits=pool), policy=policy, budget=budget))
+        )
+        kwargs["http_client"] = httpx.Client(
+            transport=stransport, timeout=DEFAULT_TIMEOUT, follow_redirects=True
+        )
+    return cls(**kwargs)
+
+
+def openai(
+    *,
+    policy: RetryPolicy | None = None,
+    budget: RetryBudget | None = None,
+    retry_transport: RetryTransport | None = None,
+    limits: httpx.Limits | None = None,
+    **kwargs: Any,
+) -> OpenAI:
+    """`openai.OpenAI(**kwargs)` with kvgate's retry policy."""
+    from openai import OpenAI
+
+    return wrap(
+        OpenAI,
+        policy=policy,
+        budget=budget,
+        retry_transport=retry_transport,
+        limits=limits,
+        **kwargs,
+    )
+
+
+def async_openai(
+    *,
+    policy: RetryPolicy | None = None,
+    budget: RetryBudget | None = None,
+    retry_transport: AsyncRetryTransport | None = None,
+    limits: httpx.Limits | None = None,
+    **kwargs: Any,
+) -> AsyncOpenAI:
+    """`openai.AsyncOpenAI(**kwargs)` with kvgate's retry policy."""
+    from openai import AsyncOpenAI
+
+    return wrap(
+        AsyncOpenAI,
+        policy=policy,
+        budget=budget,
+        retry_transport=retry_transport,
+        limits=limits,
+        **kwargs,
+    )

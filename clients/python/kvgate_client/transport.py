@@ -1,0 +1,171 @@
+"""httpx transports that apply the retry policy below any httpx client (and so below the
+official OpenAI SDK, which takes an `http_client`).
+
+Working at the transport level means a retry happens only before a response is handed up:
+once a status line below 400 (or a final error) has been returned, its body, streamed or not,
+belongs to the caller and is never replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from .budget import RetryBudget
+from .policy import RetryPolicy
+from .retrying import Retrier, RetryStats
+
+# Sent on every retry so the gateway (and its metrics) can tell retries from first attempts.
+RETRY_COUNT_HEADER = "x-kvgate-retry-count"
+
+# Failures where the request either never reached the server or the connection died before a
+# status line came back. Read and write *timeouts* are not here: the request may be running on
+# a GPU, and a second copy doubles the load exactly when the fleet is slow.
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    httpx.ConnectError,
+    httpx.ConnectTimeout,
+    httpx.ReadError,
+    httpx.WriteError,
+    httpx.RemoteProtocolError,
+)
+
+
+def _make_retrier(
+    retrier: Retrier | None,
+    policy: RetryPolicy | None,
+    budget: RetryBudget | None,
+    clock: Callable[[], float],
+    wall_clock: Callable[[], float],
+    rand: Callable[[], float],
+) -> Retrier:
+    if retrier is not None:
+        if policy is not None or budget is not None:
+            raise TypeError("pass either retrier or policy/budget, not both")
+        return retrier
+    return Retrier(policy, budget, clock=clock, wall_clock=wall_clock, rand=rand)
+
+
+class RetryTransport(httpx.BaseTransport):
+    """Wraps a sync transport (an `httpx.HTTPTransport` by default) with the retry policy."""
+
+    def __init__(
+        self,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        budget: RetryBudget | None = None,
+        retrier: Retrier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        rand: Callable[[], float] = random.random,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.inner = transport if transport is not None else httpx.HTTPTransport()
+        self.retrier = _make_retrier(retrier, policy, budget, clock, wall_clock, rand)
+        self._sleep = sleep
+
+    @property
+    def budget(self) -> RetryBudget:
+        return self.retrier.budget
+
+    def stats(self) -> RetryStats:
+        return self.retrier.stats()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        # Buffer the body once so every attempt can send it again (a generator body could not).
+        request.read()
+        state = self.retrier.begin()
+        while True:
+            try:
+                response = self.inner.handle_request(request)
+            except CONNECTION_ERRORS as exc:
+                decision = state.after_error(exc, retryable=True)
+                if not decision.retry:
+                    raise
+            except Exception as exc:
+                state.after_error(exc, retryable=False)
+                raise
+            else:
+                decision = state.after_response(response.status_code, response.headers)
+                if not decision.retry:
+                    return response
+                _discard(response)
+            self._sleep(decision.delay_s)
+            request.headers[RETRY_COUNT_HEADER] = str(state.attempts - 1)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class AsyncRetryTransport(httpx.AsyncBaseTransport):
+    """Wraps an async transport (an `httpx.AsyncHTTPTransport` by default) with the policy."""
+
+    def __init__(
+        self,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        policy: RetryPolicy | None = None,
+        budget: RetryBudget | None = None,
+        retrier: Retrier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        rand: Callable[[], float] = random.random,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.inner = transport if transport is not None else httpx.AsyncHTTPTransport()
+        self.retrier = _make_retrier(retrier, policy, budget, clock, wall_clock, rand)
+        self._sleep = sleep
+
+    @property
+    def budget(self) -> RetryBudget:
+        return self.retrier.budget
+
+    def stats(self) -> RetryStats:
+        return self.retrier.stats()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await request.aread()
+        state = self.retrier.begin()
+        while True:
+            try:
+                response = await self.inner.handle_async_request(request)
+            except CONNECTION_ERRORS as exc:
+                decision = state.after_error(exc, retryable=True)
+                if not decision.retry:
+                    raise
+            except Exception as exc:
+                state.after_error(exc, retryable=False)
+                raise
+            else:
+                decision = state.after_response(response.status_code, response.headers)
+                if not decision.retry:
+                    return response
+                await _adiscard(response)
+            await self._sleep(decision.delay_s)
+            request.headers[RETRY_COUNT_HEADER] = str(state.attempts - 1)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _discard(response: httpx.Response) -> None:
+    # Reading the (small) error body first lets the connection go back to the pool.
+    try:
+        response.read()
+    except httpx.HTTPError:
+        pass
+    finally:
+        response.close()
+
+
+async def _adiscard(response: httpx.Response) -> None:
+    try:
+        await response.aread()
+    except httpx.HTTPError:
+        pass
+    finally:
+        await response.aclose()

@@ -1,0 +1,63 @@
+"""Parsing `retry-after-ms`, `Retry-After` (seconds or HTTP date) and `x-should-retry`."""
+
+from __future__ import annotations
+
+import email.utils
+import math
+
+import httpx
+import pytest
+
+from kvgate_client import parse_hints, parse_retry_after, parse_should_retry
+
+NOW = 1_700_000_000.0
+
+
+def wall() -> float:
+    return NOW
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"retry-after-ms": "3500", "retry-after": "3"}, 3.5),  # ms wins, as in the OpenAI SDK
+        ({"Retry-After": "3"}, 3.0),
+        ({"retry-after": "0.25"}, 0.25),
+        ({"retry-after-ms": "garbage", "retry-after": "2"}, 2.0),  # bad ms falls back
+        ({"retry-after-ms": "-5"}, None),
+        ({"retry-after": "soon"}, None),
+        ({"retry-after": "nan"}, None),
+        ({}, None),
+    ],
+)
+def test_retry_after_values(headers: dict[str, str], expected: float | None) -> None:
+    assert parse_retry_after(headers, wall_clock=wall) == expected
+
+
+def test_retry_after_http_date() -> None:
+    date = email.utils.formatdate(NOW + 42, usegmt=True)
+    assert parse_retry_after({"Retry-After": date}, wall_clock=wall) == pytest.approx(42.0)
+    past = email.utils.formatdate(NOW - 42, usegmt=True)
+    assert parse_retry_after({"Retry-After": past}, wall_clock=wall) == 0.0
+
+
+def test_infinite_hint_is_too_long_not_forever() -> None:
+    assert parse_retry_after({"retry-after-ms": "inf"}, wall_clock=wall) == math.inf
+
+
+def test_works_on_httpx_headers_any_case() -> None:
+    headers = httpx.Headers({"Retry-After-Ms": "1200", "X-Should-Retry": "FALSE"})
+    hints = parse_hints(headers, wall_clock=wall)
+    assert hints.retry_after_s == 1.2
+    assert hints.should_retry is False
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("true", True), ("false", False), (" False ", False), ("maybe", None)]
+)
+def test_should_retry(value: str, expected: bool | None) -> None:
+    assert parse_should_retry({"X-Should-Retry": value}) is expected
+
+
+def test_should_retry_absent() -> None:
+    assert parse_should_retry({"retry-after": "1"}) is None

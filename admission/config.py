@@ -1,0 +1,427 @@
+"""The TOML configuration shared by gateways and schedulers, validated at start.
+
+One file describes the whole deployment (Redis, model pools and their backends, tiers,
+tenants); each service reads the sections it needs. Every error names the key that is wrong,
+e.g. ``pools[0].zones.red: must be a number between 0 and 1``. ``REDIS_URL`` in the environment
+overrides ``redis.url``.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from admission.keys import check_name
+from admission.store import PoolPolicy, TenantQuota
+from admission.tiers import Tier
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    socket_timeout_ms: int = 500
+    connect_timeout_ms: int = 500
+    max_connections: int = 128
+    """Bounded on purpose: callers wait for a connection instead of opening unbounded ones."""
+    pool_timeout_ms: int = 1_000
+    ssl_ca_file: str | None = None
+    cluster: bool = False
+    sharded_pubsub: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    queue_timeout_ms: int
+    max_queued: int
+
+
+@dataclass(frozen=True, slots=True)
+class ZoneSettings:
+    yellow: float = 0.70
+    red: float = 0.85
+    hysteresis: float = 0.03
+    kv_target: float = 0.78
+    """Projected KV usage (fraction) the scheduler releases up to."""
+    yellow_normal_rate: float = 20.0
+    """Normal releases per second allowed in YELLOW."""
+    batch_trickle_rate: float = 0.0
+    """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    url: str
+    capacity_tokens: int | None = None
+    """KV capacity in tokens; None = read from vllm:cache_config_info."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    name: str
+    backends: tuple[Backend, ...]
+    context_length: int = 32_768
+    default_max_tokens: int = 1_024
+    max_max_tokens: int = 8_192
+    tokenizer: str | None = None
+    """Path to tokenizer.json(.gz); None = the shipped Qwen2 tokenizer."""
+    default_system_prompt: str | None = None
+    pass_priority: bool = False
+    """Forward the tier as vLLM's `priority` (needs --scheduling-policy priority)."""
+    stale_after_ms: int = 2_000
+    zones: ZoneSettings = field(default_factory=ZoneSettings)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSettings:
+    name: str
+    tier: Tier
+    key_sha256: tuple[str, ...]
+    rate: int
+    burst: int
+    max_queued: int
+
+    @property
+    def quota(self) -> TenantQuota:
+        return TenantQuota(self.name, self.rate, self.burst, self.max_queued)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    id: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    lease_ttl_ms: int = 10_000
+    renew_interval_ms: int = 3_000
+    wake_fallback_ms: int = 250
+    """How often a queued request checks its task record in case a wake-up was lost."""
+    upstream_timeout_ms: int = 600_000
+    fail_open_tiers: tuple[Tier, ...] = ()
+    admin_token_sha256: str | None = None
+    tenant_metrics: bool = False
+    retention_s: int = 600
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    host: str = "127.0.0.1"
+    port: int = 9100
+    id: str | None = None
+    poll_interval_ms: int = 50
+    scrape_timeout_ms: int = 200
+    eject_after_failures: int = 3
+    leader_ttl_ms: int = 2_000
+    stale_policy: str = "full"
+    """What a node whose metrics are stale counts as: 'full' (no releases to it) or 'last'."""
+    reap_interval_ms: int = 1_000
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    redis: RedisSettings
+    gateway: GatewaySettings
+    scheduler: SchedulerSettings
+    tiers: Mapping[Tier, TierSettings]
+    pools: Mapping[str, PoolSettings]
+    tenants: tuple[TenantSettings, ...]
+
+    def pool_policy(self, pool: str) -> PoolPolicy:
+        return PoolPolicy(
+            tier_queue_caps=(
+                self.tiers[Tier.VIP].max_queued,
+                self.tiers[Tier.NORMAL].max_queued,
+                self.tiers[Tier.BATCH].max_queued,
+            ),
+            lease_ttl_ms=self.gateway.lease_ttl_ms,
+            stale_after_ms=self.pools[pool].stale_after_ms,
+            retention_s=self.gateway.retention_s,
+        )
+
+
+DEFAULT_TIERS = {
+    Tier.VIP: TierSettings(queue_timeout_ms=30_000, max_queued=10_000),
+    Tier.NORMAL: TierSettings(queue_timeout_ms=60_000, max_queued=10_000),
+    Tier.BATCH: TierSettings(queue_timeout_ms=600_000, max_queued=100_000),
+}
+
+
+class _Reader:
+    """Pulls typed values out of one TOML table, naming the full key on any error."""
+
+    def __init__(self, table: Any, where: str) -> None:
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where or 'config'}: must be a table")
+        self.table: dict[str, Any] = table
+        self.where = where
+        self.used: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
+
+    def get(self, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+        self.used.add(name)
+        if name not in self.table:
+            return default
+        value = self.table[name]
+        if isinstance(value, bool) and kind is not bool and bool not in (
+            kind if isinstance(kind, tuple) else (kind,)
+        ):
+            raise ConfigError(f"{self.key(name)}: expected {_kind_name(kind)}, got a boolean")
+        if not isinstance(value, kind):
+            raise ConfigError(
+                f"{self.key(name)}: expected {_kind_name(kind)}, got {type(value).__name__}"
+            )
+        return value
+
+    def integer(self, name: str, default: int, minimum: int = 0) -> int:
+        value: int = self.get(name, int, default)
+        if value < minimum:
+            raise ConfigError(f"{self.key(name)}: must be >= {minimum}, got {value}")
+        return value
+
+    def number(self, name: str, default: float, lo: float, hi: float) -> float:
+        value = float(self.get(name, (int, float), default))
+        if not lo <= value <= hi:
+            raise ConfigError(f"{self.key(name)}: must be between {lo} and {hi}, got {value}")
+        return value
+
+    def string(self, name: str, default: str | None = None) -> str | None:
+        value: str | None = self.get(name, str, default)
+        return value
+
+    def required(self, name: str, kind: type) -> Any:
+        if name not in self.table:
+            raise ConfigError(f"{self.key(name)}: is required")
+        return self.get(name, kind)
+
+    def sub(self, name: str) -> _Reader:
+        self.used.add(name)
+        return _Reader(self.table.get(name, {}), self.key(name))
+
+    def done(self) -> None:
+        unknown = sorted(set(self.table) - self.used)
+        if unknown:
+            raise ConfigError(f"{self.key(unknown[0])}: unknown key")
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+             list: "an array", dict: "a table"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _name(r: _Reader, key: str, kind: str) -> str:
+    value: str = r.required(key, str)
+    try:
+        return check_name(kind, value)
+    except ValueError as exc:
+        raise ConfigError(f"{r.key(key)}: {exc}") from None
+
+
+def _redis(r: _Reader, env: Mapping[str, str]) -> RedisSettings:
+    d = RedisSettings()
+    settings = RedisSettings(
+        url=env.get("REDIS_URL") or r.string("url", d.url) or d.url,
+        socket_timeout_ms=r.integer("socket_timeout_ms", d.socket_timeout_ms, 1),
+        connect_timeout_ms=r.integer("connect_timeout_ms", d.connect_timeout_ms, 1),
+        max_connections=r.integer("max_connections", d.max_connections, 1),
+        pool_timeout_ms=r.integer("pool_timeout_ms", d.pool_timeout_ms, 1),
+        ssl_ca_file=r.string("ssl_ca_file"),
+        cluster=r.get("cluster", bool, d.cluster),
+        sharded_pubsub=r.get("sharded_pubsub", bool, d.sharded_pubsub),
+    )
+    if not settings.url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(f"{r.key('url')}: must start with redis://, rediss:// or unix://")
+    r.done()
+    return settings
+
+
+def _tiers(r: _Reader) -> dict[Tier, TierSettings]:
+    tiers = {}
+    for tier, default in DEFAULT_TIERS.items():
+        t = r.sub(tier.label)
+        tiers[tier] = TierSettings(
+            queue_timeout_ms=t.integer("queue_timeout_ms", default.queue_timeout_ms, 1),
+            max_queued=t.integer("max_queued", default.max_queued, 0),
+        )
+        t.done()
+    r.done()
+    return tiers
+
+
+def _zones(r: _Reader) -> ZoneSettings:
+    d = ZoneSettings()
+    z = ZoneSettings(
+        yellow=r.number("yellow", d.yellow, 0.0, 1.0),
+        red=r.number("red", d.red, 0.0, 1.0),
+        hysteresis=r.number("hysteresis", d.hysteresis, 0.0, 0.5),
+        kv_target=r.number("kv_target", d.kv_target, 0.0, 1.0),
+        yellow_normal_rate=r.number("yellow_normal_rate", d.yellow_normal_rate, 0.0, 1e6),
+        batch_trickle_rate=r.number("batch_trickle_rate", d.batch_trickle_rate, 0.0, 1e6),
+    )
+    if not z.yellow < z.red:
+        raise ConfigError(f"{r.key('yellow')}: must be below {r.key('red')}")
+    r.done()
+    return z
+
+
+def _backend(value: Any, where: str, index: int) -> Backend:
+    if isinstance(value, str):
+        return Backend(name=f"node-{index}", url=value.rstrip("/"))
+    b = _Reader(value, where)
+    url: str = b.required("url", str)
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{b.key('url')}: must be an http:// or https:// URL")
+    capacity = b.get("capacity_tokens", int)
+    backend = Backend(name=_name(b, "name", "backend"), url=url.rstrip("/"),
+                      capacity_tokens=capacity)
+    b.done()
+    return backend
+
+
+def _pool(r: _Reader) -> PoolSettings:
+    d_ctx, d_max = 32_768, 8_192
+    raw_backends = r.get("backends", list, [])
+    backends = tuple(
+        _backend(b, f"{r.key('backends')}[{i}]", i) for i, b in enumerate(raw_backends)
+    )
+    if len({b.name for b in backends}) != len(backends):
+        raise ConfigError(f"{r.key('backends')}: backend names must be unique")
+    pool = PoolSettings(
+        name=_name(r, "name", "pool"),
+        backends=backends,
+        context_length=r.integer("context_length", d_ctx, 1),
+        default_max_tokens=r.integer("default_max_tokens", 1_024, 1),
+        max_max_tokens=r.integer("max_max_tokens", d_max, 1),
+        tokenizer=r.string("tokenizer"),
+        default_system_prompt=r.string("default_system_prompt"),
+        pass_priority=r.get("pass_priority", bool, False),
+        stale_after_ms=r.integer("stale_after_ms", 2_000, 0),
+        zones=_zones(r.sub("zones")),
+    )
+    if pool.default_max_tokens > pool.max_max_tokens:
+        raise ConfigError(f"{r.key('default_max_tokens')}: above max_max_tokens")
+    r.done()
+    return pool
+
+
+def _tenant(r: _Reader) -> TenantSettings:
+    keys = r.get("key_sha256", list, [])
+    for i, k in enumerate(keys):
+        if not (isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)):
+            raise ConfigError(f"{r.key('key_sha256')}[{i}]: must be a lowercase hex SHA-256")
+    tier_name: str = r.required("tier", str)
+    try:
+        tier = Tier.parse(tier_name)
+    except ValueError as exc:
+        raise ConfigError(f"{r.key('tier')}: {exc}") from None
+    tenant = TenantSettings(
+        name=_name(r, "name", "tenant"),
+        tier=tier,
+        key_sha256=tuple(keys),
+        rate=r.integer("rate", 10_000, 0),
+        burst=r.integer("burst", 100_000, 1),
+        max_queued=r.integer("max_queued", 100, 0),
+    )
+    if tenant.burst > 1_000_000_000:
+        raise ConfigError(f"{r.key('burst')}: must be at most 1e9 tokens")
+    r.done()
+    return tenant
+
+
+def _gateway(r: _Reader) -> GatewaySettings:
+    d = GatewaySettings()
+    fail_open = r.get("fail_open_tiers", list, [])
+    try:
+        tiers = tuple(Tier.parse(t) for t in fail_open)
+    except ValueError as exc:
+        raise ConfigError(f"{r.key('fail_open_tiers')}: {exc}") from None
+    g = GatewaySettings(
+        host=r.string("host", d.host) or d.host,
+        port=r.integer("port", d.port, 0),
+        id=r.string("id"),
+        max_body_bytes=r.integer("max_body_bytes", d.max_body_bytes, 1024),
+        lease_ttl_ms=r.integer("lease_ttl_ms", d.lease_ttl_ms, 100),
+        renew_interval_ms=r.integer("renew_interval_ms", d.renew_interval_ms, 10),
+        wake_fallback_ms=r.integer("wake_fallback_ms", d.wake_fallback_ms, 10),
+        upstream_timeout_ms=r.integer("upstream_timeout_ms", d.upstream_timeout_ms, 100),
+        fail_open_tiers=tiers,
+        admin_token_sha256=r.string("admin_token_sha256"),
+        tenant_metrics=r.get("tenant_metrics", bool, False),
+        retention_s=r.integer("retention_s", d.retention_s, 1),
+    )
+    if g.renew_interval_ms * 2 > g.lease_ttl_ms:
+        raise ConfigError(f"{r.key('renew_interval_ms')}: must be at most half of lease_ttl_ms")
+    r.done()
+    return g
+
+
+def _scheduler(r: _Reader) -> SchedulerSettings:
+    d = SchedulerSettings()
+    s = SchedulerSettings(
+        host=r.string("host", d.host) or d.host,
+        port=r.integer("port", d.port, 0),
+        id=r.string("id"),
+        poll_interval_ms=r.integer("poll_interval_ms", d.poll_interval_ms, 5),
+        scrape_timeout_ms=r.integer("scrape_timeout_ms", d.scrape_timeout_ms, 5),
+        eject_after_failures=r.integer("eject_after_failures", d.eject_after_failures, 1),
+        leader_ttl_ms=r.integer("leader_ttl_ms", d.leader_ttl_ms, 100),
+        stale_policy=r.string("stale_policy", d.stale_policy) or d.stale_policy,
+        reap_interval_ms=r.integer("reap_interval_ms", d.reap_interval_ms, 10),
+    )
+    if s.stale_policy not in ("full", "last"):
+        raise ConfigError(f"{r.key('stale_policy')}: must be 'full' or 'last'")
+    r.done()
+    return s
+
+
+def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
+    root = _Reader(dict(data), "")
+    env = os.environ if env is None else env
+    pools_raw = root.get("pools", list, [])
+    pools = [_pool(_Reader(p, f"pools[{i}]")) for i, p in enumerate(pools_raw)]
+    if not pools:
+        raise ConfigError("pools: at least one [[pools]] table is required")
+    names = [p.name for p in pools]
+    if len(set(names)) != len(names):
+        raise ConfigError("pools: pool names must be unique")
+    tenants = tuple(
+        _tenant(_Reader(t, f"tenants[{i}]"))
+        for i, t in enumerate(root.get("tenants", list, []))
+    )
+    if len({t.name for t in tenants}) != len(tenants):
+        raise ConfigError("tenants: tenant names must be unique")
+    all_keys = [k for t in tenants for k in t.key_sha256]
+    if len(set(all_keys)) != len(all_keys):
+        raise ConfigError("tenants: the same key_sha256 is listed for two tenants")
+    config = Config(
+        redis=_redis(root.sub("redis"), env),
+        gateway=_gateway(root.sub("gateway")),
+        scheduler=_scheduler(root.sub("scheduler")),
+        tiers=_tiers(root.sub("tiers")),
+        pools={p.name: p for p in pools},
+        tenants=tenants,
+    )
+    root.done()
+    return config
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Config:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return parse_config(data, env)

@@ -1,0 +1,307 @@
+"""The admission core against a real redis-server: concurrency, crashes, script cache loss."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from admission.errors import FencedError
+from admission.keys import PoolKeys, SchedulerKeys
+from admission.scripts import load_scripts, register_scripts, script_source
+from admission.store import (
+    AdmitOutcome,
+    PoolPolicy,
+    PoolStore,
+    RejectReason,
+    TaskState,
+    TenantQuota,
+    leadership,
+)
+from admission.tiers import Tier, Zone
+
+POOL = "core"
+
+
+@pytest.fixture
+async def store(redis_client: aioredis.Redis) -> PoolStore:
+    return PoolStore(redis_client, register_scripts(redis_client), POOL, PoolPolicy())
+
+
+def _int(raw: bytes | str | None) -> int:
+    assert raw is not None
+    return int(raw)
+
+
+async def _give_capacity(store: PoolStore, caps: dict[str, int], epoch: int = 1) -> None:
+    await store.publish_state(epoch, Zone.GREEN, caps)
+
+
+async def _wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(0.05)
+
+
+async def test_200_concurrent_admits_from_3_clients_admit_exactly_k(redis_url: str) -> None:
+    """Check-and-debit is one script: no interleaving lets a 6th request through."""
+    k_requests, cost = 5, 100
+    tenant = TenantQuota("acme", rate=0, burst=k_requests * cost, max_queued=1000)
+    clients = [aioredis.Redis.from_url(redis_url) for _ in range(3)]
+    await clients[0].flushdb()
+    stores = [PoolStore(c, register_scripts(c), POOL, PoolPolicy()) for c in clients]
+    await _give_capacity(stores[0], {"n1": 10**9})
+
+    async def one(i: int) -> Any:
+        return await stores[i % 3].admit(
+            task_id=f"c{i}", tenant=tenant, tier=Tier.NORMAL, prompt_tokens=60,
+            max_tokens=40, gateway=f"gw{i % 3}", queue_timeout_ms=10_000,
+        )
+
+    results = await asyncio.gather(*(one(i) for i in range(200)))
+    admitted = [f"c{i}" for i, r in enumerate(results) if r.outcome is AdmitOutcome.RELEASED]
+    rejected = [r for r in results if r.outcome is AdmitOutcome.REJECTED]
+    assert len(admitted) == k_requests
+    assert len(rejected) == 200 - k_requests
+    assert all(r.reason is RejectReason.QUOTA and r.retry_after_ms is None for r in rejected)
+
+    keys = PoolKeys(POOL)
+    await asyncio.gather(*(stores[i % 3].settle(tid, 37) for i, tid in enumerate(admitted)))
+    bucket = await clients[1].hget(keys.bucket_key("acme"), "micro_tokens")
+    # Settling refunds cost - usage, so the bucket holds burst - 5 x usage, exactly.
+    assert _int(bucket) == (k_requests * cost - k_requests * 37) * 1_000_000
+    assert await clients[2].hgetall(keys.node_reserved) == {}
+    stats = await clients[0].hgetall(keys.stats)
+    assert int(stats[b"settled"]) == k_requests and int(stats[b"settled_usage"]) == 5 * 37
+    for c in clients:
+        await c.aclose()
+
+
+async def test_cancel_returns_every_balance_to_its_start(store: PoolStore,
+                                                         redis_client: aioredis.Redis) -> None:
+    tenant = TenantQuota("acme", rate=0, burst=1_000, max_queued=10)
+    await _give_capacity(store, {"n1": 250})
+    ids = [f"t{i}" for i in range(6)]
+    outcomes = [
+        (await store.admit(task_id=tid, tenant=tenant, tier=Tier.BATCH, prompt_tokens=50,
+                           max_tokens=50, gateway="gw", queue_timeout_ms=60_000)).outcome
+        for tid in ids
+    ]
+    assert outcomes[:2] == [AdmitOutcome.RELEASED] * 2 and AdmitOutcome.QUEUED in outcomes
+    for tid in ids:
+        assert (await store.cancel(tid)).outcome == "cancelled"
+        assert (await store.cancel(tid)).outcome == "noop"
+    keys = store.keys
+    assert _int(await redis_client.hget(keys.bucket_key("acme"), "micro_tokens")) == 10**9
+    assert await redis_client.hgetall(keys.node_reserved) == {}
+    assert await redis_client.hgetall(keys.tenant_queued) == {}
+    assert all([await redis_client.zcard(q) == 0 for q in keys.queues])
+    assert await redis_client.zcard(keys.deadlines) == 0
+
+
+GATEWAY_THAT_DIES = """
+import asyncio, sys
+import redis.asyncio as aioredis
+from admission.scripts import register_scripts
+from admission.store import PoolPolicy, PoolStore, TenantQuota
+from admission.tiers import Tier
+
+async def main() -> None:
+    client = aioredis.Redis.from_url(sys.argv[1])
+    store = PoolStore(client, register_scripts(client), sys.argv[2], PoolPolicy(lease_ttl_ms=400))
+    tenant = TenantQuota("acme", rate=0, burst=10_000, max_queued=10)
+    for i in range(4):
+        await store.admit(task_id=f"dead{i}", tenant=tenant, tier=Tier.NORMAL,
+                          prompt_tokens=100, max_tokens=200, gateway="gw-doomed",
+                          queue_timeout_ms=600_000)
+    print("admitted", flush=True)
+    while True:  # a live gateway would renew here; this one only waits to be killed
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_killed_gateway_tasks_are_reaped_and_late_settle_is_noop(
+    store: PoolStore, redis_client: aioredis.Redis, redis_url: str
+) -> None:
+    await _give_capacity(store, {"n1": 600})  # two of the four fit; two stay queued
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", GATEWAY_THAT_DIES, redis_url, POOL,
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert proc.stdout is not None
+    assert (await asyncio.wait_for(proc.stdout.readline(), 10)).strip() == b"admitted"
+    proc.send_signal(signal.SIGKILL)
+    await asyncio.wait_for(proc.wait(), 5)
+    keys = store.keys
+    assert _int(await redis_client.hget(keys.node_reserved, "n1")) == 600
+    assert await redis_client.zcard(keys.queue(Tier.NORMAL)) == 2
+
+    reaped: list[int] = []
+
+    async def reaped_all() -> bool:
+        result = await store.reap()
+        reaped.append(result.reaped)
+        return sum(reaped) == 4
+
+    await _wait_for(reaped_all, timeout_s=5)
+    assert await redis_client.hgetall(keys.node_reserved) == {}
+    assert await redis_client.zcard(keys.queue(Tier.NORMAL)) == 0
+    assert await redis_client.zcard(keys.leases) == 0
+    assert _int(await redis_client.hget(keys.bucket_key("acme"), "micro_tokens")) == 10**10
+    for i in range(4):
+        assert (await store.task(f"dead{i}") or {}).get("state") == TaskState.REAPED
+        late = await store.settle(f"dead{i}", 120)
+        assert (late.outcome, late.previous) == ("noop", "reaped")
+    assert _int(await redis_client.hget(keys.bucket_key("acme"), "micro_tokens")) == 10**10
+
+
+async def test_renewing_gateway_keeps_its_tasks(store: PoolStore,
+                                                redis_client: aioredis.Redis) -> None:
+    await redis_client.hset(store.keys.clock, "frozen_us", 10**15)
+    tenant = TenantQuota("acme", rate=0, burst=10_000, max_queued=10)
+    await _give_capacity(store, {"n1": 10_000})
+    await store.admit(task_id="live", tenant=tenant, tier=Tier.VIP, prompt_tokens=10,
+                      max_tokens=10, gateway="gw-live", queue_timeout_ms=1_000)
+    ttl_us = store.policy.lease_ttl_ms * 1000
+    for step in range(1, 4):  # three TTLs pass, renewed each time before expiry
+        await redis_client.hset(store.keys.clock, "frozen_us", 10**15 + step * ttl_us - 1)
+        assert await store.renew("gw-live") == 1
+        assert (await store.reap()).reaped == 0
+    await redis_client.hset(store.keys.clock, "frozen_us", 10**15 + 5 * ttl_us)
+    assert (await store.reap()).reaped == 1
+
+
+async def test_script_flush_mid_test_does_not_break_later_calls(
+    store: PoolStore, redis_client: aioredis.Redis
+) -> None:
+    tenant = TenantQuota("acme", rate=1000, burst=10_000, max_queued=10)
+    await _give_capacity(store, {"n1": 10_000})
+    await load_scripts(redis_client, store.scripts)
+    first = await store.admit(task_id="a", tenant=tenant, tier=Tier.VIP, prompt_tokens=10,
+                              max_tokens=10, gateway="gw", queue_timeout_ms=1_000)
+    assert first.outcome is AdmitOutcome.RELEASED
+    await redis_client.script_flush()
+    assert not any(await redis_client.script_exists(store.scripts.admit.sha))
+    second = await store.admit(task_id="b", tenant=tenant, tier=Tier.VIP, prompt_tokens=10,
+                               max_tokens=10, gateway="gw", queue_timeout_ms=1_000)
+    assert second.outcome is AdmitOutcome.RELEASED
+    await redis_client.script_flush()
+    assert (await store.settle("a", 5)).outcome == "settled"
+    await redis_client.script_flush()
+    assert (await store.release(1, (5, 5, 5))) == []
+    await redis_client.script_flush()
+    async with redis_client.pipeline(transaction=False) as pipe:
+        # Inside a pipeline redis-py checks SCRIPT EXISTS first and loads what is missing.
+        await store.scripts.finish(keys=store._finish_keys("b"),
+                                   args=[store.keys.prefix, "b", 7, 60, "settled"], client=pipe)
+        reply = await pipe.execute()
+    assert reply[-1][0] == b"settled"
+
+
+async def test_lua_key_formats_match_the_key_schema(store: PoolStore,
+                                                    redis_client: aioredis.Redis) -> None:
+    """Scripts build task, bucket and gateway keys from the prefix; they must be keys.py's."""
+    tenant = TenantQuota("t-1", rate=0, burst=1_000, max_queued=5)
+    await store.admit(task_id="x1", tenant=tenant, tier=Tier.NORMAL, prompt_tokens=1,
+                      max_tokens=1, gateway="gw-9", queue_timeout_ms=60_000)
+    await _give_capacity(store, {"n1": 100})
+    [released] = await store.release(1, (1, 1, 1))
+    assert released.task_id == "x1" and released.node == "n1"
+    keys = store.keys
+    assert await redis_client.hget(keys.task_key("x1"), "state") == b"released"
+    assert await redis_client.smembers(keys.gateway_tasks_key("gw-9")) == {b"x1"}
+    await store.settle("x1", 1)  # the refund goes through bucket_key() built in Lua
+    assert _int(await redis_client.hget(keys.bucket_key("t-1"), "micro_tokens")) == 999_000_000
+    assert await redis_client.smembers(keys.gateway_tasks_key("gw-9")) == set()
+    for name in ("task", "bucket", "gateway"):
+        assert f"prefix .. '{name}:'" in script_source("release")
+
+
+async def test_retry_hints_come_from_the_state(store: PoolStore,
+                                               redis_client: aioredis.Redis) -> None:
+    await redis_client.hset(store.keys.clock, "frozen_us", 10**15)
+    slow = TenantQuota("slow", rate=40, burst=400, max_queued=10)
+    await store.publish_state(1, Zone.GREEN, {"n1": 10**6}, {"drain_0": 4, "drain_1": 6})
+    ok = await store.admit(task_id="q1", tenant=slow, tier=Tier.NORMAL, prompt_tokens=100,
+                           max_tokens=200, gateway="gw", queue_timeout_ms=1_000)
+    assert ok.outcome is AdmitOutcome.RELEASED
+    # 100 left, 300 needed: 200 tokens at 40/s is exactly 5 s.
+    denied = await store.admit(task_id="q2", tenant=slow, tier=Tier.NORMAL, prompt_tokens=100,
+                               max_tokens=200, gateway="gw", queue_timeout_ms=1_000)
+    assert (denied.reason, denied.retry_after_ms) == (RejectReason.QUOTA, 5_000)
+    huge = await store.admit(task_id="q3", tenant=slow, tier=Tier.NORMAL, prompt_tokens=300,
+                             max_tokens=200, gateway="gw", queue_timeout_ms=1_000)
+    assert (huge.reason, huge.retry_after_ms) == (RejectReason.EXCEEDS_BURST, None)
+
+    big = TenantQuota("big", rate=0, burst=10**6, max_queued=100)
+    await store.publish_state(1, Zone.YELLOW, {"n1": 10**6}, {"drain_0": 4, "drain_1": 6})
+    for i in range(29):
+        queued = await store.admit(task_id=f"w{i}", tenant=big, tier=Tier.NORMAL,
+                                   prompt_tokens=1, max_tokens=1, gateway="gw",
+                                   queue_timeout_ms=60_000)
+        assert queued.outcome is AdmitOutcome.QUEUED and queued.depth == i + 1
+    await store.publish_state(1, Zone.RED, {"n1": 10**6}, {"drain_0": 4, "drain_1": 6})
+    red = await store.admit(task_id="r1", tenant=big, tier=Tier.NORMAL, prompt_tokens=1,
+                            max_tokens=1, gateway="gw", queue_timeout_ms=60_000)
+    # 29 ahead + itself, drained at 4 + 6 tasks/s: 3 s.
+    assert (red.reason, red.retry_after_ms, red.depth, red.zone) == (
+        RejectReason.ZONE_RED, 3_000, 29, Zone.RED)
+    vip = await store.admit(task_id="v1", tenant=big, tier=Tier.VIP, prompt_tokens=1,
+                            max_tokens=1, gateway="gw", queue_timeout_ms=60_000)
+    assert vip.outcome is AdmitOutcome.RELEASED  # VIP still takes the fast path in RED
+
+
+async def test_tenant_queue_cap_protects_other_tenants(store: PoolStore) -> None:
+    await store.publish_state(1, Zone.YELLOW, {"n1": 10**6})
+    flood = TenantQuota("flood", rate=0, burst=10**6, max_queued=3)
+    other = TenantQuota("other", rate=0, burst=10**6, max_queued=3)
+    results = [
+        await store.admit(task_id=f"f{i}", tenant=flood, tier=Tier.NORMAL, prompt_tokens=1,
+                          max_tokens=1, gateway="gw", queue_timeout_ms=60_000)
+        for i in range(5)
+    ]
+    assert [r.outcome for r in results].count(AdmitOutcome.QUEUED) == 3
+    assert results[-1].reason is RejectReason.TENANT_QUEUE_FULL
+    fine = await store.admit(task_id="o1", tenant=other, tier=Tier.NORMAL, prompt_tokens=1,
+                             max_tokens=1, gateway="gw", queue_timeout_ms=60_000)
+    assert fine.outcome is AdmitOutcome.QUEUED
+
+
+async def test_leader_lease_and_fencing(redis_client: aioredis.Redis, store: PoolStore) -> None:
+    scripts = store.scripts
+    a = await leadership(redis_client, scripts, "sched-a", 10_000)
+    b = await leadership(redis_client, scripts, "sched-b", 10_000)
+    assert a.leading and not b.leading and b.holder == "sched-a"
+    await store.publish_state(a.epoch, Zone.GREEN, {"n1": 1})
+    await leadership(redis_client, scripts, "sched-b", 10_000, resign=True)  # not the holder
+    assert await redis_client.get(SchedulerKeys().leader) == b"sched-a"
+    await leadership(redis_client, scripts, "sched-a", 10_000, resign=True)
+    b = await leadership(redis_client, scripts, "sched-b", 10_000)
+    assert b.leading and b.epoch == a.epoch + 1
+    await store.release(b.epoch, (1, 1, 1))
+    with pytest.raises(FencedError):
+        await store.release(a.epoch, (1, 1, 1))
+    with pytest.raises(FencedError):
+        await store.publish_state(a.epoch, Zone.RED, {})
+
+
+async def test_lease_expiry_hands_over(redis_client: aioredis.Redis, store: PoolStore) -> None:
+    a = await leadership(redis_client, store.scripts, "sched-a", 150)
+    assert a.leading
+
+    async def b_leads() -> bool:
+        return (await leadership(redis_client, store.scripts, "sched-b", 150)).leading
+
+    await _wait_for(b_leads, timeout_s=3)
+    assert _int(await redis_client.get(SchedulerKeys().epoch)) == a.epoch + 1

@@ -230,8 +230,9 @@ def _name(r: _Reader, key: str, kind: str) -> str:
 
 def _redis(r: _Reader, env: Mapping[str, str]) -> RedisSettings:
     d = RedisSettings()
+    file_url = r.string("url", d.url) or d.url
     settings = RedisSettings(
-        url=env.get("REDIS_URL") or r.string("url", d.url) or d.url,
+        url=env.get("REDIS_URL") or file_url,
         socket_timeout_ms=r.integer("socket_timeout_ms", d.socket_timeout_ms, 1),
         connect_timeout_ms=r.integer("connect_timeout_ms", d.connect_timeout_ms, 1),
         max_connections=r.integer("max_connections", d.max_connections, 1),

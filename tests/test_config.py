@@ -1,0 +1,90 @@
+"""Configuration: validated at start, every error names the key that is wrong."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from admission.config import ConfigError, load_config, parse_config
+from admission.tiers import Tier
+
+KEY_HASH = hashlib.sha256(b"sk-test").hexdigest()
+
+
+def minimal(**overrides: Any) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "pools": [{"name": "llama", "backends": ["http://127.0.0.1:9001/"]}],
+        "tenants": [{"name": "acme", "tier": "vip", "key_sha256": [KEY_HASH]}],
+    }
+    data.update(overrides)
+    return data
+
+
+def test_minimal_config_gets_defaults() -> None:
+    config = parse_config(minimal(), env={})
+    pool = config.pools["llama"]
+    assert pool.backends[0].url == "http://127.0.0.1:9001"
+    assert pool.backends[0].name == "node-0"
+    assert config.tenants[0].tier is Tier.VIP
+    assert config.scheduler.poll_interval_ms == 50
+    assert config.pool_policy("llama").tier_queue_caps == (10_000, 10_000, 100_000)
+
+
+def test_redis_url_from_environment_wins() -> None:
+    config = parse_config(minimal(redis={"url": "redis://file:1/0"}),
+                          env={"REDIS_URL": "rediss://env:2/0"})
+    assert config.redis.url == "rediss://env:2/0"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (minimal(pools=[]), "pools: at least one"),
+        (minimal(pools=[{"name": "a b"}]), "pools[0].name: pool name 'a b'"),
+        (minimal(pools=[{"name": "p", "zones": {"red": 1.5}}]), "pools[0].zones.red: must be"),
+        (minimal(pools=[{"name": "p", "zones": {"yellow": 0.9, "red": 0.8}}]),
+         "pools[0].zones.yellow: must be below"),
+        (minimal(pools=[{"name": "p", "context_length": "big"}]),
+         "pools[0].context_length: expected an integer, got str"),
+        (minimal(pools=[{"name": "p", "backends": [{"url": "ftp://x", "name": "n"}]}]),
+         "pools[0].backends[0].url: must be an http"),
+        (minimal(tenants=[{"name": "t", "tier": "gold"}]), "tenants[0].tier: unknown tier"),
+        (minimal(tenants=[{"name": "t", "tier": "vip", "key_sha256": ["sk-plain"]}]),
+         "tenants[0].key_sha256[0]: must be a lowercase hex SHA-256"),
+        (minimal(tenants=[{"name": "t", "tier": "vip", "rate": -1}]),
+         "tenants[0].rate: must be >= 0"),
+        (minimal(gateway={"lease_ttl_ms": 1000, "renew_interval_ms": 800}),
+         "gateway.renew_interval_ms: must be at most half"),
+        (minimal(gateway={"port": True}), "gateway.port: expected an integer, got a boolean"),
+        (minimal(scheduler={"stale_policy": "hope"}), "scheduler.stale_policy: must be"),
+        (minimal(redis={"url": "http://x"}), "redis.url: must start with"),
+        (minimal(tiers={"vip": {"max_queued": -5}}), "tiers.vip.max_queued: must be >= 0"),
+        (minimal(gatewy={}), "gatewy: unknown key"),
+        (minimal(gateway={"prot": 1}), "gateway.prot: unknown key"),
+    ],
+)
+def test_errors_name_the_key(data: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data, env={})
+    assert message in str(err.value)
+
+
+def test_duplicate_keys_across_tenants_are_refused() -> None:
+    tenants = [
+        {"name": "a", "tier": "vip", "key_sha256": [KEY_HASH]},
+        {"name": "b", "tier": "batch", "key_sha256": [KEY_HASH]},
+    ]
+    with pytest.raises(ConfigError, match="same key_sha256"):
+        parse_config(minimal(tenants=tenants), env={})
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pools\nname=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)

@@ -76,6 +76,9 @@ class PoolSettings:
     default_system_prompt: str | None = None
     pass_priority: bool = False
     """Forward the tier as vLLM's `priority` (needs --scheduling-policy priority)."""
+    served_model_name: str | None = None
+    """The model name the backends serve (vLLM --served-model-name); None = the pool name.
+    The gateway writes it into the forwarded request's `model`."""
     stale_after_ms: int = 2_000
     zones: ZoneSettings = field(default_factory=ZoneSettings)
 
@@ -105,7 +108,16 @@ class GatewaySettings:
     wake_fallback_ms: int = 250
     """How often a queued request checks its task record in case a wake-up was lost."""
     upstream_timeout_ms: int = 600_000
+    """Longest silence from a backend (between two reads) before the request fails with 502."""
+    upstream_connect_timeout_ms: int = 2_000
     fail_open_tiers: tuple[Tier, ...] = ()
+    """Tiers sent straight to a backend, unadmitted and counted, while Redis is unreachable
+    (default: none, every tier fails closed with 503)."""
+    retry_jitter: float = 0.25
+    """Retry hints are spread upward by a random 0..retry_jitter fraction of their value."""
+    unavailable_retry_ms: int = 2_000
+    """Retry hint of a 503 while Redis is unreachable."""
+    access_log: bool = True
     admin_token_sha256: str | None = None
     tenant_metrics: bool = False
     retention_s: int = 600
@@ -307,6 +319,7 @@ def _pool(r: _Reader) -> PoolSettings:
         tokenizer=r.string("tokenizer"),
         default_system_prompt=r.string("default_system_prompt"),
         pass_priority=r.get("pass_priority", bool, False),
+        served_model_name=r.string("served_model_name"),
         stale_after_ms=r.integer("stale_after_ms", 2_000, 0),
         zones=_zones(r.sub("zones")),
     )
@@ -356,7 +369,13 @@ def _gateway(r: _Reader) -> GatewaySettings:
         renew_interval_ms=r.integer("renew_interval_ms", d.renew_interval_ms, 10),
         wake_fallback_ms=r.integer("wake_fallback_ms", d.wake_fallback_ms, 10),
         upstream_timeout_ms=r.integer("upstream_timeout_ms", d.upstream_timeout_ms, 100),
+        upstream_connect_timeout_ms=r.integer(
+            "upstream_connect_timeout_ms", d.upstream_connect_timeout_ms, 1
+        ),
         fail_open_tiers=tiers,
+        retry_jitter=r.number("retry_jitter", d.retry_jitter, 0.0, 1.0),
+        unavailable_retry_ms=r.integer("unavailable_retry_ms", d.unavailable_retry_ms, 1),
+        access_log=r.get("access_log", bool, d.access_log),
         admin_token_sha256=r.string("admin_token_sha256"),
         tenant_metrics=r.get("tenant_metrics", bool, False),
         retention_s=r.integer("retention_s", d.retention_s, 1),

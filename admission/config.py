@@ -54,6 +54,12 @@ class ZoneSettings:
     """Normal releases per second allowed in YELLOW."""
     batch_trickle_rate: float = 0.0
     """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
+    aggregate: str = "max"
+    """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
+    max_overcommit: float = 3.0
+    """Upper bound on reserved tokens / KV tokens the scheduler allows from learned usage."""
+    usage_margin: float = 0.10
+    """Safety margin added to the learned usage/reservation ratio before overcommitting."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,10 +137,17 @@ class SchedulerSettings:
     poll_interval_ms: int = 50
     scrape_timeout_ms: int = 200
     eject_after_failures: int = 3
-    leader_ttl_ms: int = 2_000
+    leader_ttl_ms: int = 1_500
+    """Leader lease; a standby takes over at most this long after the leader dies."""
     stale_policy: str = "full"
     """What a node whose metrics are stale counts as: 'full' (no releases to it) or 'last'."""
     reap_interval_ms: int = 1_000
+    release_batch: int = 2_000
+    """Most tasks one release script call may pop (bounds the script's run time)."""
+    usage_halflife_s: float = 60.0
+    """Half-life of the learned usage/reservation ratio (older settles weigh less)."""
+    preemption_cooldown_ms: int = 10_000
+    """After a node reports a preemption, no overcommit on it for this long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,9 +294,14 @@ def _zones(r: _Reader) -> ZoneSettings:
         kv_target=r.number("kv_target", d.kv_target, 0.0, 1.0),
         yellow_normal_rate=r.number("yellow_normal_rate", d.yellow_normal_rate, 0.0, 1e6),
         batch_trickle_rate=r.number("batch_trickle_rate", d.batch_trickle_rate, 0.0, 1e6),
+        aggregate=r.string("aggregate", d.aggregate) or d.aggregate,
+        max_overcommit=r.number("max_overcommit", d.max_overcommit, 1.0, 100.0),
+        usage_margin=r.number("usage_margin", d.usage_margin, 0.0, 1.0),
     )
     if not z.yellow < z.red:
         raise ConfigError(f"{r.key('yellow')}: must be below {r.key('red')}")
+    if z.aggregate not in ("max", "total"):
+        raise ConfigError(f"{r.key('aggregate')}: must be 'max' or 'total'")
     r.done()
     return z
 
@@ -398,6 +416,11 @@ def _scheduler(r: _Reader) -> SchedulerSettings:
         leader_ttl_ms=r.integer("leader_ttl_ms", d.leader_ttl_ms, 100),
         stale_policy=r.string("stale_policy", d.stale_policy) or d.stale_policy,
         reap_interval_ms=r.integer("reap_interval_ms", d.reap_interval_ms, 10),
+        release_batch=r.integer("release_batch", d.release_batch, 1),
+        usage_halflife_s=r.number("usage_halflife_s", d.usage_halflife_s, 0.1, 86_400.0),
+        preemption_cooldown_ms=r.integer(
+            "preemption_cooldown_ms", d.preemption_cooldown_ms, 0
+        ),
     )
     if s.stale_policy not in ("full", "last"):
         raise ConfigError(f"{r.key('stale_policy')}: must be 'full' or 'last'")

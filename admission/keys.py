@@ -123,3 +123,8 @@ class SchedulerKeys:
     def epoch(self) -> str:
         """STRING counter: the fencing epoch, raised by each new leader."""
         return f"{ROOT}:{{sched}}:epoch"
+
+    @property
+    def handover(self) -> str:
+        """Pub/sub channel: a resigning leader says so, and standbys try to lead at once."""
+        return f"{ROOT}:{{sched}}:handover"

@@ -118,6 +118,7 @@ def test_v0_names_have_no_engine_label() -> None:
     assert usage.value == pytest.approx(runner.engine.kv_usage)
     assert "vllm:time_per_output_token_seconds" in m
     assert "vllm:inter_token_latency_seconds" not in m
+    assert only(m["vllm:num_requests_swapped"]).value == 0
     info = only(m["vllm:cache_config_info"])
     assert "engine" not in info.labels
     for samples in m.values():
@@ -132,12 +133,14 @@ def test_two_nodes_in_one_process_keep_separate_registries() -> None:
     assert only(scrape(busy)["vllm:num_preemptions"], "vllm:num_preemptions_total").value == 1
 
 
-def test_loop_lag_is_exported() -> None:
+def test_simulator_health_is_exported() -> None:
     runner = busy_runner()
+    runner.kv_usage_peak = 0.75
     runner.lag.record(0.25, wall=1e9)  # far in the future: inside any window ending "now"
     runner.lag.record(0.05, wall=1e9)
     assert runner.loop_lag_max_total() == 0.25
     m = scrape(runner)
-    assert "sim:loop_lag_seconds" in m
+    assert only(m["sim:loop_lag_seconds"]).value == 0.25
+    assert only(m["sim:kv_cache_usage_peak"]).value == 0.75
     runner.reset_lag()
     assert runner.loop_lag_max_total() == 0.0

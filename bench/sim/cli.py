@@ -31,7 +31,8 @@ _CRASH_EXIT_CODE = 137  # what an OOM-killed process reports (128 + SIGKILL)
 def build_parser() -> argparse.ArgumentParser:
     d = SimConfig()
     c = StepCosts()
-    p = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.sim",
+                                description="One simulated vLLM node (OpenAI API, /metrics).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--model", default=d.model, help="served model name")

@@ -67,6 +67,11 @@ class NodeCollector(Collector):
         )
         if self.v0:
             yield self._gauge(
+                "vllm:num_requests_swapped",
+                "Number of requests swapped to CPU.",
+                0,
+            )
+            yield self._gauge(
                 "vllm:gpu_cache_usage_perc",
                 "GPU KV-cache usage. 1 means 100 percent usage.",
                 engine.kv_usage,
@@ -132,6 +137,11 @@ class NodeCollector(Collector):
             "sim:loop_lag_seconds",
             "Simulator event-loop lag, maximum over the lag window (wall-clock seconds).",
             runner.loop_lag_max(),
+        )
+        yield self._gauge(
+            "sim:kv_cache_usage_peak",
+            "Highest KV-cache usage reached by any engine step since start (0..1).",
+            runner.kv_usage_peak,
         )
         yield self._gauge(
             "sim:time_scale", "Simulated seconds per wall-clock second.", runner.config.time_scale

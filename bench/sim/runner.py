@@ -91,6 +91,8 @@ class NodeRunner:
         self._work = asyncio.Event()
         self._last_arrival = 0.0
         self._full_since: float | None = None
+        self.kv_usage_peak = 0.0
+        """Highest KV usage any step reached (at scheduling, before finished requests free)."""
         self._crash_callbacks: list[Callable[[], None]] = []
         self._changed = asyncio.Event()
 
@@ -192,6 +194,7 @@ class NodeRunner:
                 start = now
             plan = engine.schedule(start)
             peak_usage = engine.kv_usage
+            self.kv_usage_peak = max(self.kv_usage_peak, peak_usage)
             end = start + engine.step_seconds(plan)
             deadline = self._wall_of(end)
             # Sleep even when late: handlers must get the loop between steps.

@@ -7,6 +7,7 @@ somebody started by hand (or on the one this machine happens to run on 6379).
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
 import socket
 import subprocess
@@ -28,6 +29,25 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too; Redis caps it at 55535."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(20_000, 45_000)
+        if _bindable(port) and _bindable(port + 10_000):
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
 
 
 def redis_server_binary() -> str:
@@ -153,3 +173,57 @@ def running_redis(**kwargs: object) -> Iterator[LocalRedis]:
     finally:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@dataclass
+class LocalCluster:
+    """A Redis Cluster of `masters` primaries (no replicas) on loopback."""
+
+    nodes: list[LocalRedis]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+            shutil.rmtree(node.workdir, ignore_errors=True)
+
+
+def start_cluster(masters: int = 3) -> LocalCluster:
+    """Start `masters` cluster-enabled servers and join them with `redis-cli --cluster create`."""
+    nodes: list[LocalRedis] = []
+    try:
+        for _ in range(masters):
+            port = free_cluster_port()
+            nodes.append(start_redis(port=port, args=[
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", f"nodes-{port}.conf",
+                "--cluster-node-timeout", "2000",
+            ]))
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RedisBinaryMissing("redis-cli is not installed (Debian package redis-tools)")
+        subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=30,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            states = [
+                subprocess.run([cli, "-p", str(n.port), "cluster", "info"], capture_output=True,
+                               text=True, timeout=5).stdout
+                for n in nodes
+            ]
+            if all("cluster_state:ok" in s for s in states):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the cluster did not reach cluster_state:ok")
+            time.sleep(0.05)
+    except BaseException:
+        for node in nodes:
+            node.stop()
+        raise
+    return LocalCluster(nodes)

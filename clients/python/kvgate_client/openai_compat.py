@@ -7,6 +7,7 @@ client. `openai` is an optional dependency: it is imported when a factory is cal
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -26,6 +27,13 @@ DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 DEFAULT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
 
 
+def _require_openai() -> None:
+    if importlib.util.find_spec("openai") is None:
+        raise ImportError(
+            "the openai drop-in needs the openai package: pip install 'kvgate-client[openai]'"
+        )
+
+
 def wrap(
     cls: type[ClientT],
     *,
@@ -41,6 +49,7 @@ def wrap(
     to share one retry budget among several clients or to read its counters; pass a ready
     `retry_transport` to control everything (inner transport, clock, sleep) yourself.
     """
+    _require_openai()
     import openai as openai_sdk
 
     if kwargs.get("max_retries", 0) != 0:
@@ -92,6 +101,7 @@ def openai(
     **kwargs: Any,
 ) -> OpenAI:
     """`openai.OpenAI(**kwargs)` with kvgate's retry policy."""
+    _require_openai()
     from openai import OpenAI
 
     return wrap(
@@ -113,6 +123,7 @@ def async_openai(
     **kwargs: Any,
 ) -> AsyncOpenAI:
     """`openai.AsyncOpenAI(**kwargs)` with kvgate's retry policy."""
+    _require_openai()
     from openai import AsyncOpenAI
 
     return wrap(

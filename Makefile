@@ -5,7 +5,7 @@ PACKAGES := admission gateway scheduler bench clients/python/kvgate_client
 
 .PHONY: test lint typecheck unit redis-server bench-core
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,fast]'

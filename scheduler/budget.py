@@ -1,0 +1,160 @@
+"""The predictive KV budget: how many reservation tokens each node may hold, every poll.
+
+Gateways and the release script admit a task of cost W (prompt + max output tokens) to a node
+only while ``node_capacity - node_reserved >= W``. The scheduler steers the fleet through the
+one number it writes, ``node_capacity`` (called the *budget* B here), recomputed per node at
+every poll from the node's metrics and the pool's reservations in Redis.
+
+Model, per node (all in tokens of KV):
+
+    C   capacity (cache_config_info num_gpu_blocks x block_size, or configuration)
+    T   = kv_target x C                       the ceiling projected usage must stay under
+    U   = measured usage x C                  from the last scrape
+    R   = node_reserved                       reservations of released, unsettled tasks, now
+    new = max(0, R - R at the previous scrape) reserved since: the metrics cannot show it yet
+    f   = learned usage / reservation ratio   (see `UsageLearner`), with margin, per node
+
+    ours_now  = min(U, R - new)       the measured usage our visible reservations can explain
+    foreign   = U - ours_now          usage nothing of ours explains (other clients, leaks)
+    pad       = (running + waiting) x block_size   paged-KV rounding, one partial block each
+    projected = foreign + pad + max(f x R, ours_now + f x new)
+    B         = R + (T - projected) / f                  (never below 0)
+
+``f x R`` is where our reservations end up once their sequences have decoded: it already
+counts what was released but is not visible yet and the growth of running sequences (the
+difference ``f x R - ours_now``). The second term of the ``max`` takes over when the
+measured usage runs ahead of that expectation, so a workload that outgrows what was learned
+stops further releases at once instead of after the next settles. Releases add to R, never to
+U, so a burst released between two polls can use at most ``B - R`` and lands exactly on T:
+the metrics' lag cannot make the scheduler overshoot.
+
+Overcommit: requests rarely reach max_tokens, so ``f < 1`` lets the pool reserve more than
+its KV. f comes from the pool's settle counters (settled_usage / settled_cost), decayed with
+a half-life so that the workload's current mix dominates, starts at 1 (no overcommit until
+settles are seen), gets a safety margin, and is floored at ``1 / max_overcommit``. A node that
+reports a preemption gets f = 1 for a cool-down: the engine told us the guess was wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from scheduler.scrape import NodeView
+
+PRIOR_TOKENS = 50_000.0
+"""Weight of the initial f = 1 belief, in settled cost tokens: some tens of requests' worth."""
+
+
+class UsageLearner:
+    """Decayed ratio of the tokens settled tasks really used to what they had reserved."""
+
+    def __init__(self, halflife_s: float, margin: float, max_overcommit: float) -> None:
+        self.halflife_s = halflife_s
+        self.margin = margin
+        self.floor = 1.0 / max_overcommit
+        self.cost = PRIOR_TOKENS
+        self.usage = PRIOR_TOKENS
+        self._last: tuple[int, int] | None = None
+        self._at: float | None = None
+
+    def observe(self, settled_cost: int, settled_usage: int, now: float) -> None:
+        """Feed the pool's monotonic counters; the first call learns the whole history."""
+        if self._at is not None:
+            decay = math.pow(0.5, max(0.0, now - self._at) / self.halflife_s)
+            self.cost *= decay
+            self.usage *= decay
+        self._at = now
+        prev_cost, prev_usage = self._last if self._last is not None else (0, 0)
+        d_cost, d_usage = settled_cost - prev_cost, settled_usage - prev_usage
+        if d_cost < 0 or d_usage < 0:
+            # The counters went back (Redis flushed or restored): start counting again.
+            d_cost, d_usage = settled_cost, settled_usage
+        self._last = (settled_cost, settled_usage)
+        self.cost += d_cost
+        self.usage += d_usage
+
+    @property
+    def ratio(self) -> float:
+        """Raw learned ratio, 0..1."""
+        return min(1.0, max(0.0, self.usage / self.cost)) if self.cost > 0 else 1.0
+
+    @property
+    def factor(self) -> float:
+        """f used for budgets: the ratio plus margin, within [1 / max_overcommit, 1]."""
+        return min(1.0, max(self.floor, self.ratio * (1.0 + self.margin)))
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    name: str
+    capacity: int
+    measured: float
+    """Measured usage, fraction of capacity (NaN when unknown)."""
+    projected: float
+    """Projected usage, fraction of capacity."""
+    reserved: int
+    budget: int | None
+    """node_capacity to publish; None = leave the node out (ejected or capacity unknown)."""
+    factor: float
+    stale: bool
+    ejected: bool
+    reason: str
+    """Why the node gets no new work ('' when it may): ejected, no_capacity, stale."""
+
+    @property
+    def usable(self) -> bool:
+        """Counted in the pool's zone: it answered recently and has a known capacity."""
+        return self.budget is not None
+
+
+def plan_node(
+    view: NodeView,
+    *,
+    reserved: int,
+    reserved_at_scrape: int,
+    factor: float,
+    kv_target: float,
+    stale_policy: str,
+) -> NodePlan:
+    """The budget and projected usage of one node (see the module docstring)."""
+    capacity = view.capacity or 0
+    if view.ejected or view.metrics is None or capacity <= 0:
+        reason = "ejected" if view.ejected else ("no_capacity" if capacity <= 0 else "stale")
+        # A node never heard from, or of unknown size, gets no work and no say in the zone.
+        return NodePlan(view.name, capacity, math.nan, math.nan, reserved, None, factor,
+                        view.stale, view.ejected, reason)
+    m = view.metrics
+    target = kv_target * capacity
+    measured = m.kv_usage * capacity
+    new = max(0, min(reserved, reserved - reserved_at_scrape))
+    ours_now = min(measured, float(reserved - new))
+    foreign = measured - ours_now
+    pad = float((m.running + m.waiting) * m.block_size)
+    projected = foreign + pad + max(factor * reserved, ours_now + factor * new)
+    budget = max(0, math.floor(reserved + (target - projected) / factor))
+    reason = ""
+    if view.stale and stale_policy == "full":
+        # Declared policy 'full': no new work to a node we cannot see, and it counts as sitting
+        # at the ceiling (YELLOW at most, never RED by staleness alone: a metrics blip on a
+        # one-node pool must not turn into 429s for everyone).
+        budget = 0
+        projected = max(projected, target)
+        reason = "stale"
+    return NodePlan(view.name, capacity, m.kv_usage, projected / capacity, reserved, budget,
+                    factor, view.stale, False, reason)
+
+
+def pool_usage(plans: Sequence[NodePlan], aggregate: str) -> float | None:
+    """The figure the pool's zone follows; None when no node is usable."""
+    usable = [p for p in plans if p.usable]
+    if not usable:
+        return None
+    if aggregate == "total":
+        return sum(p.projected * p.capacity for p in usable) / sum(p.capacity for p in usable)
+    return max(p.projected for p in usable)
+
+
+def budgets(plans: Sequence[NodePlan]) -> Mapping[str, int]:
+    return {p.name: p.budget for p in plans if p.budget is not None}

@@ -1,0 +1,148 @@
+"""Leadership: a Redis lease with a fencing epoch (`lua/leader.lua`), seen from one replica.
+
+The leader renews every ttl/3. It trusts its lease only until ``t_sent + ttl x (1 - SAFETY)``
+by its own monotonic clock, where t_sent is when the renewing call left (Redis starts the TTL
+later than that, so the local deadline always falls before the lease ends in Redis): a leader
+that cannot reach Redis, or that was paused, stops releasing by itself before anyone else can
+take over. What a paused process sends after that is refused by the epoch the new leader
+writes (`FencedError`), and the replica steps down.
+
+A standby retries when the holder's lease is due to end (the script tells it the time left),
+so it takes over at most ~ttl after the leader died. A leader that resigns (SIGTERM) frees the
+lease and publishes on the handover channel; standbys listen and try at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from admission.keys import SchedulerKeys
+from admission.scripts import Scripts
+from admission.store import leadership
+
+SAFETY = 0.1
+"""Part of the lease given up to clock drift between this host and Redis."""
+
+log = logging.getLogger("kvgate.scheduler.leader")
+
+
+class Elector:
+    def __init__(
+        self,
+        client: Any,
+        scripts: Scripts,
+        me: str,
+        ttl_ms: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.scripts = scripts
+        self.me = me
+        self.ttl_s = ttl_ms / 1000
+        self.clock = clock
+        self.epoch: int | None = None
+        self.holder: str | None = None
+        self.deadline = 0.0
+        self.changes = 0
+        """Leadership gained or lost, for metrics."""
+        self._leading_event = asyncio.Event()
+        self._wake = asyncio.Event()
+
+    @property
+    def leading(self) -> bool:
+        """True only while this replica holds the lease by its own clock."""
+        return self.epoch is not None and self.clock() < self.deadline
+
+    def lease_left_s(self) -> float:
+        return max(0.0, self.deadline - self.clock()) if self.epoch is not None else 0.0
+
+    async def attempt(self) -> float:
+        """One acquire-or-renew call; returns the seconds to wait before the next one."""
+        sent = self.clock()
+        try:
+            result = await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000))
+        except (RedisError, OSError) as exc:
+            log.warning("leadership call failed: %s", exc)
+            # Keep trying often: the lease may still be ours for a while.
+            return self.ttl_s / 10
+        self.holder = result.holder
+        if result.leading:
+            if self.epoch != result.epoch:
+                log.info("%s leads with epoch %d", self.me, result.epoch)
+                self.changes += 1
+            self.epoch = result.epoch
+            self.deadline = sent + self.ttl_s * (1 - SAFETY)
+            self._leading_event.set()
+            return self.ttl_s / 3
+        if self.epoch is not None:
+            self.step_down(f"lease held by {result.holder}")
+        left = result.lease_left_ms / 1000 if result.lease_left_ms > 0 else 0.0
+        return max(0.005, min(self.ttl_s / 3, left + 0.005))
+
+    def step_down(self, why: str) -> None:
+        if self.epoch is not None:
+            log.warning("%s steps down from epoch %d: %s", self.me, self.epoch, why)
+            self.changes += 1
+        self.epoch = None
+        self.deadline = 0.0
+        self._leading_event.clear()
+
+    async def wait_leading(self) -> int:
+        """Wait until this replica leads; returns the epoch."""
+        while True:
+            epoch = self.epoch
+            if epoch is not None and self.leading:
+                return epoch
+            self._leading_event.clear()
+            await self._leading_event.wait()
+
+    async def resign(self) -> None:
+        """Free the lease now (if held) and tell the standbys."""
+        was = self.epoch
+        self.step_down("resigning")
+        if was is None:
+            return
+        with contextlib.suppress(RedisError, OSError):
+            await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000),
+                             resign=True)
+            await self.client.publish(SchedulerKeys().handover, self.me)
+
+    async def run(self) -> None:
+        """Acquire or renew for ever (cancel to stop)."""
+        listener = asyncio.create_task(self._listen_handover())
+        try:
+            while True:
+                delay = await self.attempt()
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+        finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
+
+    async def _listen_handover(self) -> None:
+        """Wake the loop when a leader resigns; best effort (the timed retry is the fallback)."""
+        while True:
+            pubsub = self.client.pubsub()
+            try:
+                await pubsub.subscribe(SchedulerKeys().handover)
+                while True:
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=1.0)
+                    if message is not None and self.epoch is None:
+                        self._wake.set()
+            except (RedisError, OSError) as exc:
+                log.debug("handover listener: %s", exc)
+                await asyncio.sleep(self.ttl_s / 3)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()

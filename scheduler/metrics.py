@@ -1,0 +1,72 @@
+"""The scheduler's own Prometheus metrics, in a registry per service instance (tests run several
+in one process). Names start with ``kvgate_scheduler_``; zones are exported as a number
+(0 GREEN, 1 YELLOW, 2 RED) so a graph shows the level and an alert can compare it."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from admission.tiers import Zone
+
+ZONE_LEVEL = {Zone.GREEN: 0, Zone.YELLOW: 1, Zone.RED: 2}
+_FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "kvgate_scheduler_"
+        self.leader = Gauge(p + "leader", "1 while this replica leads, else 0.", registry=r)
+        self.epoch = Gauge(p + "epoch", "Fencing epoch of this replica's leadership (0: none).",
+                           registry=r)
+        self.leadership_changes = Counter(p + "leadership_changes",
+                                          "Leadership gained or lost by this replica.",
+                                          registry=r)
+        self.fenced = Counter(p + "fenced", "Writes refused for an old epoch (stepped down).",
+                              ["pool"], registry=r)
+        self.zone = Gauge(p + "zone", "Load zone: 0 GREEN, 1 YELLOW, 2 RED.", ["pool"],
+                          registry=r)
+        self.pool_usage = Gauge(p + "pool_usage",
+                                "Projected KV usage the zone follows (fraction).", ["pool"],
+                                registry=r)
+        self.usage_ratio = Gauge(p + "usage_ratio",
+                                 "Learned tokens used / tokens reserved by settled tasks.",
+                                 ["pool"], registry=r)
+        self.kv_usage = Gauge(p + "kv_usage", "Measured KV usage per node (fraction).",
+                              ["pool", "node"], registry=r)
+        self.projected = Gauge(p + "projected_usage", "Projected KV usage per node (fraction).",
+                               ["pool", "node"], registry=r)
+        self.budget = Gauge(p + "node_budget_tokens",
+                            "Reservation budget published per node (node_capacity).",
+                            ["pool", "node"], registry=r)
+        self.reserved = Gauge(p + "node_reserved_tokens",
+                              "Tokens reserved by released, unsettled tasks per node.",
+                              ["pool", "node"], registry=r)
+        self.ejected = Gauge(p + "node_ejected", "1 while the node is ejected.",
+                             ["pool", "node"], registry=r)
+        self.preemptions = Gauge(p + "node_preemptions",
+                                 "vllm:num_preemptions_total as last scraped.",
+                                 ["pool", "node"], registry=r)
+        self.queue_depth = Gauge(p + "queue_depth", "Queued tasks per tier.", ["pool", "tier"],
+                                 registry=r)
+        self.released = Counter(p + "released", "Tasks released by the scheduler per tier.",
+                                ["pool", "tier"], registry=r)
+        self.expired = Counter(p + "expired", "Queued tasks expired by the scheduler.",
+                               ["pool"], registry=r)
+        self.reaped = Counter(p + "reaped", "Tasks reaped (dead gateway) or expired by the reaper.",
+                              ["pool", "kind"], registry=r)
+        self.drain = Gauge(p + "drain_rate", "Tasks/s leaving each tier's queue (EWMA).",
+                           ["pool", "tier"], registry=r)
+        self.scrape_errors = Counter(p + "scrape_errors", "Failed scrapes per node and reason.",
+                                     ["pool", "node", "reason"], registry=r)
+        self.scrape_duration = Histogram(p + "scrape_duration_seconds",
+                                         "Time to scrape one node's /metrics.",
+                                         ["pool", "node"], buckets=_FAST, registry=r)
+        self.stale = Counter(p + "stale_scrapes",
+                             "Ticks that used a node without a fresh scrape, by stale policy.",
+                             ["pool", "node", "policy"], registry=r)
+        self.tick_duration = Histogram(p + "tick_duration_seconds",
+                                       "One pool's poll-publish-release tick.", ["pool"],
+                                       buckets=_FAST, registry=r)
+        self.redis_errors = Counter(p + "redis_errors", "Redis calls that failed in a tick.",
+                                    ["pool"], registry=r)

@@ -1,0 +1,233 @@
+"""One model pool's tick on the leader: poll, plan budgets, publish, release, notify.
+
+Every tick costs the pool four Redis round trips whatever the queue length: one pipelined read
+(reservations, counters, queue depths), the fenced state write, one release script call for a
+whole batch, and one pipeline of wake-ups. Before each write the replica checks that it still
+holds its lease by its own clock; the epoch it passes is the second line of defence.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission.config import PoolSettings, SchedulerSettings
+from admission.store import PoolStore, ReleasedTask
+from admission.tiers import Tier, Zone
+from scheduler.budget import NodePlan, UsageLearner, budgets, plan_node, pool_usage
+from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
+from scheduler.policy import DrainRates, ReleasePolicy
+from scheduler.scrape import NodeView, Poller
+from scheduler.zones import ZoneTracker
+
+log = logging.getLogger("kvgate.scheduler.pool")
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    reserved: Mapping[str, int]
+    stats: Mapping[str, int]
+    depths: tuple[int, int, int]
+
+
+@dataclass(slots=True)
+class TickResult:
+    zone: Zone
+    usage: float | None
+    plans: list[NodePlan]
+    limits: tuple[int, int, int]
+    depths: tuple[int, int, int]
+    released: list[ReleasedTask] = field(default_factory=list)
+    published: bool = False
+
+    def count(self, tier: Tier) -> int:
+        return sum(1 for t in self.released if t.node is not None and t.tier is tier)
+
+
+def _int_map(raw: Mapping[Any, Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k, v in raw.items():
+        key = k.decode() if isinstance(k, bytes) else str(k)
+        try:
+            out[key] = int(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+class PoolScheduler:
+    def __init__(
+        self,
+        store: PoolStore,
+        pool: PoolSettings,
+        settings: SchedulerSettings,
+        poller: Poller,
+        metrics: SchedulerMetrics,
+        *,
+        me: str,
+        sharded_pubsub: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.settings = settings
+        self.poller = poller
+        self.metrics = metrics
+        self.me = me
+        self.sharded = sharded_pubsub
+        self.clock = clock
+        zones = pool.zones
+        self.tracker = ZoneTracker(zones)
+        self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
+                                    zones.max_overcommit)
+        self.policy = ReleasePolicy(zones, settings.release_batch, clock())
+        self.drains = DrainRates()
+        self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
+        self._prev_reserved: dict[str, int] = {}
+        self._base: dict[str, int] = {}
+        self._seen_seq: dict[str, int] = {}
+        self._preemptions: dict[str, float] = {}
+        self._cooldown_until: dict[str, float] = {}
+
+    @property
+    def name(self) -> str:
+        return self.pool.name
+
+    def new_term(self) -> None:
+        """A new leadership starts: rates start empty, the learned ratio is kept."""
+        self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock())
+
+    async def read_snapshot(self) -> Snapshot:
+        k = self.store.keys
+        async with self.store.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(k.node_reserved)
+            pipe.hgetall(k.stats)
+            for queue in k.queues:
+                pipe.zcard(queue)
+            reply = await pipe.execute()
+        depths = (int(reply[2]), int(reply[3]), int(reply[4]))
+        return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths)
+
+    def _node_factor(self, view: NodeView, now: float) -> float:
+        """The pool's learned factor, or 1 (no overcommit) while the node cools down from a
+        preemption it reported."""
+        m = view.metrics
+        if m is not None and m.preemptions is not None:
+            before = self._preemptions.get(view.name)
+            if before is not None and m.preemptions > before:
+                log.warning("pool %s node %s preempted: no overcommit for %d ms", self.name,
+                            view.name, self.settings.preemption_cooldown_ms)
+                self._cooldown_until[view.name] = (
+                    now + self.settings.preemption_cooldown_ms / 1000
+                )
+            self._preemptions[view.name] = m.preemptions
+        if now < self._cooldown_until.get(view.name, 0.0):
+            return 1.0
+        return self.learner.factor
+
+    def plan(self, views: list[NodeView], snap: Snapshot, now: float) -> list[NodePlan]:
+        self.learner.observe(snap.stats.get("settled_cost", 0),
+                             snap.stats.get("settled_usage", 0), now)
+        self.drains.observe(snap.stats, now)
+        plans = []
+        for view in views:
+            reserved = snap.reserved.get(view.name, 0)
+            prev = self._prev_reserved.get(view.name, reserved)
+            if view.seq != self._seen_seq.get(view.name):
+                # A new reading: it can show what was reserved up to the previous tick, not
+                # what was reserved since.
+                self._seen_seq[view.name] = view.seq
+                self._base[view.name] = prev
+            self._prev_reserved[view.name] = reserved
+            plans.append(plan_node(
+                view,
+                reserved=reserved,
+                reserved_at_scrape=self._base.get(view.name, reserved),
+                factor=self._node_factor(view, now),
+                kv_target=self.pool.zones.kv_target,
+                stale_policy=self.settings.stale_policy,
+            ))
+            if view.stale and not view.ejected:
+                self.metrics.stale.labels(self.name, view.name,
+                                          self.settings.stale_policy).inc()
+        return plans
+
+    def _extra(self, result: TickResult) -> dict[str, str | int | float]:
+        extra: dict[str, str | int | float] = dict(self.drains.fields())
+        out = []
+        for p in result.plans:
+            if not math.isnan(p.measured):
+                extra[f"usage:{p.name}"] = f"{p.measured:.4f}"
+                extra[f"projected:{p.name}"] = f"{p.projected:.4f}"
+            if p.reason:
+                out.append(f"{p.name}:{p.reason}")
+        extra["nodes_out"] = ",".join(out)
+        extra["pool_usage"] = "" if result.usage is None else f"{result.usage:.4f}"
+        extra["usage_ratio"] = f"{self.learner.ratio:.4f}"
+        extra["leader"] = self.me
+        return extra
+
+    async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:
+        """One poll and release; raises FencedError (step down) or Redis errors."""
+        started = self.clock()
+        views = await self.poller.poll(self.wait_s)
+        snap = await self.read_snapshot()
+        now = self.clock()
+        plans = self.plan(views, snap, now)
+        usage = pool_usage(plans, self.pool.zones.aggregate)
+        zone = self.tracker.update(usage)
+        limits = self.policy.limits(zone, now)
+        result = TickResult(zone, usage, plans, limits, snap.depths)
+        if not leading():
+            return result
+        await self.store.publish_state(epoch, zone, budgets(plans), self._extra(result))
+        result.published = True
+        if not leading() or not any(snap.depths):
+            self._observe(result)
+            return result
+        result.released = await self.store.release(epoch, limits)
+        per_tier = [result.count(t) for t in Tier]
+        self.policy.released(zone, per_tier)
+        trickle = self.policy.trickle_limit(zone, self.clock())
+        higher_waiting = (snap.depths[Tier.VIP] + snap.depths[Tier.NORMAL]
+                          > per_tier[Tier.VIP] + per_tier[Tier.NORMAL])
+        batch_waiting = snap.depths[Tier.BATCH] > per_tier[Tier.BATCH]
+        if trickle and higher_waiting and batch_waiting and leading():
+            # Anti-starvation: a second call that skips the waiting higher tiers.
+            more = await self.store.release(epoch, (0, 0, trickle))
+            self.policy.released(zone, [0, 0, sum(1 for t in more if t.node)], trickle=True)
+            result.released += more
+        await self.store.notify(result.released, sharded=self.sharded)
+        self._observe(result)
+        self.metrics.tick_duration.labels(self.name).observe(self.clock() - started)
+        return result
+
+    def _observe(self, result: TickResult) -> None:
+        m, pool = self.metrics, self.name
+        m.zone.labels(pool).set(ZONE_LEVEL[result.zone])
+        m.pool_usage.labels(pool).set(math.nan if result.usage is None else result.usage)
+        m.usage_ratio.labels(pool).set(self.learner.ratio)
+        for p in result.plans:
+            m.kv_usage.labels(pool, p.name).set(p.measured)
+            m.projected.labels(pool, p.name).set(p.projected)
+            m.budget.labels(pool, p.name).set(p.budget if p.budget is not None else 0)
+            m.reserved.labels(pool, p.name).set(p.reserved)
+            m.ejected.labels(pool, p.name).set(1 if p.ejected else 0)
+        for node in self.poller.nodes:
+            if node.metrics is not None and node.metrics.preemptions is not None:
+                m.preemptions.labels(pool, node.name).set(node.metrics.preemptions)
+        for tier in Tier:
+            released = result.count(tier)
+            m.queue_depth.labels(pool, tier.label).set(
+                max(0, result.depths[tier] - released)
+            )
+            if released:
+                m.released.labels(pool, tier.label).inc(released)
+            m.drain.labels(pool, tier.label).set(self.drains.rates[tier])
+        expired = sum(1 for t in result.released if t.node is None)
+        if expired:
+            m.expired.labels(pool).inc(expired)

@@ -1,0 +1,245 @@
+"""Scraping vLLM's ``/metrics``: parsing one page, and polling a pool's backends.
+
+Parsing uses prometheus-client's text parser. A busy vLLM page is tens of kilobytes of
+histograms the scheduler never reads, and the parser is pure Python, so lines are first
+*selected* by the names we read (a `str.startswith` over a tuple, done in C) and only those
+go through the parser: parsing cost stays flat as vLLM adds metrics.
+
+Names: `vllm:kv_cache_usage_perc` (V1, vLLM >= 0.10) is read first, the V0 name
+`vllm:gpu_cache_usage_perc` (removed in 0.12) when the first is absent. Capacity comes from
+`vllm:cache_config_info` (`num_gpu_blocks` x `block_size`) when the page has it; a backend's
+`capacity_tokens` in the configuration wins over it (an operator's explicit decision).
+
+A server running several engines (data parallel) exposes one sample per `engine` label:
+usage is the highest engine's (conservative), counts and capacities are summed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from admission.config import Backend
+
+USAGE_V1 = "vllm:kv_cache_usage_perc"
+USAGE_V0 = "vllm:gpu_cache_usage_perc"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREEMPTIONS = "vllm:num_preemptions"
+CACHE_INFO = "vllm:cache_config_info"
+DEFAULT_BLOCK_SIZE = 16
+
+_NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO)
+_WANTED = tuple(
+    prefix + name for name in _NAMES for prefix in ("", "# HELP ", "# TYPE ")
+)
+
+
+class MetricsError(ValueError):
+    """The page answered but lacks what the scheduler needs (no KV usage gauge)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMetrics:
+    kv_usage: float
+    """Fraction 0..1 of the KV cache in use."""
+    usage_metric: str
+    """Which name the usage came from (V1 or V0)."""
+    running: int
+    waiting: int
+    preemptions: float | None
+    """vllm:num_preemptions_total, or None when the page lacks it."""
+    capacity_tokens: int | None
+    """num_gpu_blocks x block_size from cache_config_info, None when absent."""
+    block_size: int
+
+
+def _select(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if line.startswith(_WANTED)) + "\n"
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    try:
+        return int(labels[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def parse_vllm_metrics(text: str) -> NodeMetrics:
+    """Read what the scheduler needs from one vLLM /metrics page; raises MetricsError."""
+    usage: dict[str, list[float]] = {USAGE_V1: [], USAGE_V0: []}
+    running = waiting = 0.0
+    preemptions: float | None = None
+    capacity = 0
+    block_size: int | None = None
+    try:
+        families = list(text_string_to_metric_families(_select(text)))
+    except ValueError as exc:
+        raise MetricsError(f"unparsable metrics: {exc}") from None
+    for family in families:
+        for sample in family.samples:
+            name = sample.name
+            if name in usage:
+                usage[name].append(sample.value)
+            elif name == RUNNING:
+                running += sample.value
+            elif name == WAITING:
+                waiting += sample.value
+            elif name in (PREEMPTIONS + "_total", PREEMPTIONS):
+                preemptions = (preemptions or 0.0) + sample.value
+            elif name == CACHE_INFO:
+                blocks = _int_label(sample.labels, "num_gpu_blocks")
+                size = _int_label(sample.labels, "block_size")
+                if blocks is not None and size is not None and blocks > 0 and size > 0:
+                    capacity += blocks * size
+                    block_size = size
+    metric = USAGE_V1 if usage[USAGE_V1] else USAGE_V0
+    if not usage[metric]:
+        raise MetricsError(f"neither {USAGE_V1} nor {USAGE_V0} on the page")
+    kv = max(usage[metric])
+    if kv != kv:  # NaN: an engine that has not reported yet
+        raise MetricsError(f"{metric} is NaN")
+    return NodeMetrics(
+        kv_usage=min(1.0, max(0.0, kv)),
+        usage_metric=metric,
+        running=int(running),
+        waiting=int(waiting),
+        preemptions=preemptions,
+        capacity_tokens=capacity or None,
+        block_size=block_size or DEFAULT_BLOCK_SIZE,
+    )
+
+
+@dataclass(slots=True)
+class NodeState:
+    """What the poller knows about one backend across polls."""
+
+    backend: Backend
+    metrics: NodeMetrics | None = None
+    ok_at: float = 0.0
+    """Monotonic time of the last successful scrape."""
+    failures: int = 0
+    """Failed scrapes in a row; reset by one success."""
+    last_error: str = ""
+    seq: int = 0
+    """Successful scrapes so far: a new value means a new reading."""
+    inflight: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    @property
+    def capacity(self) -> int | None:
+        if self.backend.capacity_tokens is not None:
+            return self.backend.capacity_tokens
+        return self.metrics.capacity_tokens if self.metrics else None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One backend as one tick sees it."""
+
+    name: str
+    metrics: NodeMetrics | None
+    capacity: int | None
+    stale: bool
+    """The newest scrape failed or is overdue: the stale policy applies."""
+    ejected: bool
+    """Failed `eject_after` scrapes in a row: no work goes to it until it answers again."""
+    age_s: float
+    seq: int
+    """Number of the reading (see NodeState.seq)."""
+    error: str
+
+
+ScrapeHook = Callable[[str, float, str | None], None]
+"""Called after every scrape with (node, seconds taken, error reason or None)."""
+
+
+class Poller:
+    """Scrapes every backend of one pool concurrently; at most one scrape per backend in flight.
+
+    `poll()` starts a scrape for each backend that has none running and waits for them at most
+    `wait_s`: a slow backend's scrape goes on (until `timeout_s`) while the tick proceeds with its
+    previous reading marked stale, so one hung server cannot delay releases to the others.
+    """
+
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        session: aiohttp.ClientSession,
+        *,
+        timeout_s: float,
+        stale_after_s: float,
+        eject_after: int,
+        on_scrape: ScrapeHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.nodes = [NodeState(b) for b in backends]
+        self.session = session
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.stale_after_s = stale_after_s
+        self.eject_after = eject_after
+        self.on_scrape = on_scrape
+        self.clock = clock
+
+    async def _scrape(self, node: NodeState) -> None:
+        started = self.clock()
+        error: str | None = None
+        try:
+            async with self.session.get(
+                node.backend.url + "/metrics", timeout=self.timeout
+            ) as response:
+                if response.status != 200:
+                    error = f"http_{response.status}"
+                else:
+                    node.metrics = parse_vllm_metrics(await response.text())
+        except TimeoutError:
+            error = "timeout"
+        except aiohttp.ClientError:
+            error = "connect"
+        except MetricsError:
+            error = "parse"
+        if error is None:
+            node.failures, node.ok_at, node.last_error = 0, self.clock(), ""
+            node.seq += 1
+        else:
+            node.failures += 1
+            node.last_error = error
+        if self.on_scrape is not None:
+            self.on_scrape(node.name, self.clock() - started, error)
+
+    async def poll(self, wait_s: float) -> list[NodeView]:
+        for node in self.nodes:
+            if node.inflight is None or node.inflight.done():
+                node.inflight = asyncio.create_task(self._scrape(node))
+        pending = [n.inflight for n in self.nodes if n.inflight is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=wait_s)
+        return [self.view(node) for node in self.nodes]
+
+    def view(self, node: NodeState) -> NodeView:
+        age = self.clock() - node.ok_at if node.metrics is not None else float("inf")
+        return NodeView(
+            name=node.name,
+            metrics=node.metrics,
+            capacity=node.capacity,
+            stale=node.metrics is None or node.failures > 0 or age > self.stale_after_s,
+            ejected=node.failures >= self.eject_after,
+            age_s=age,
+            seq=node.seq,
+            error=node.last_error,
+        )
+
+    async def close(self) -> None:
+        tasks = [n.inflight for n in self.nodes if n.inflight is not None and not n.inflight.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,93 @@
+"""A stand-in vLLM server for the scheduler's tests: real HTTP, vLLM-format ``/metrics`` whose
+values the test sets (V1 or V0 names, with or without ``cache_config_info``), plus a histogram
+and other lines the scheduler must skip, as a real page has them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import web
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+@dataclass
+class FakeVllm:
+    usage: float = 0.0
+    running: int = 0
+    waiting: int = 0
+    preemptions: int = 0
+    num_gpu_blocks: int | None = 6_250
+    """6,250 blocks x 16 = 100,000 tokens; None: no cache_config_info on the page."""
+    block_size: int = 16
+    v0: bool = False
+    status: int = 200
+    delay_s: float = 0.0
+    scrapes: int = 0
+
+    def render(self) -> str:
+        labels = f'model_name="{MODEL}"' if self.v0 else f'engine="0",model_name="{MODEL}"'
+        usage_name = "vllm:gpu_cache_usage_perc" if self.v0 else "vllm:kv_cache_usage_perc"
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {float(self.running)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} {float(self.waiting)}",
+            f"# HELP {usage_name} KV-cache usage. 1 means 100 percent usage.",
+            f"# TYPE {usage_name} gauge",
+            f"{usage_name}{{{labels}}} {self.usage}",
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{{{labels}}} {float(self.preemptions)}",
+            "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+        ]
+        for b in _BUCKETS:
+            lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},le="{b}"}} 3.0')
+        lines += [
+            f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}} 3.0',
+            f"vllm:time_to_first_token_seconds_count{{{labels}}} 3.0",
+            f"vllm:time_to_first_token_seconds_sum{{{labels}}} 0.12",
+        ]
+        if self.num_gpu_blocks is not None:
+            engine = "" if self.v0 else 'engine="0",'
+            lines += [
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge",
+                f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
+                f'enable_prefix_caching="True",{engine}gpu_memory_utilization="0.9",'
+                f'num_cpu_blocks="None",num_gpu_blocks="{self.num_gpu_blocks}",'
+                f'sliding_window="None"}} 1.0',
+            ]
+        return "\n".join(lines) + "\n"
+
+
+@asynccontextmanager
+async def serve_fake(fake: FakeVllm) -> AsyncIterator[str]:
+    """Serve `fake` on a free loopback port; yields the base URL."""
+
+    async def handler(request: web.Request) -> web.Response:
+        fake.scrapes += 1
+        if fake.delay_s:
+            await asyncio.sleep(fake.delay_s)
+        if fake.status != 200:
+            return web.Response(status=fake.status, text="engine dead")
+        return web.Response(text=fake.render(), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,280 @@
+"""Admission of one request: one admit call, then the wait if it queued.
+
+Outcomes, as the client sees them:
+
+- released (fast path, or by the scheduler while the request waited): a `Ticket` naming the node;
+- rejected: 429 with the backpressure protocol (`capacity_exceeded`: zone RED, queue full;
+  `rate_limit_exceeded`: the tenant's bucket, with its exact refill time), or a 4xx with
+  `x-should-retry: false` when the request can never be admitted as sent;
+- queued past the tier's timeout or the client's deadline (`X-Request-Timeout`, seconds): the
+  task is cancelled and the client gets a 429 with a hint from the queue's drain rate;
+- Redis unreachable: 503 with Retry-After (fail closed), unless the tier is in
+  `gateway.fail_open_tiers`, which goes straight to a backend, counted in a metric.
+
+A client that disconnects while queued cancels its task at once (the handler is cancelled; the
+cancel runs in the settler, which cancellation cannot interrupt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from admission.config import Config, TenantSettings
+from admission.errors import AdmissionError
+from admission.store import AdmitOutcome, AdmitResult, PoolStore, RejectReason
+from admission.tiers import Tier
+from gateway.errors import (
+    CAPACITY_EXCEEDED,
+    RATE_LIMIT_EXCEEDED,
+    ApiError,
+    jittered,
+    never_retry,
+    too_many_requests,
+    unavailable,
+)
+from gateway.metrics import QUEUE_TIMEOUT, GatewayMetrics
+from gateway.parse import Inbound
+from gateway.pools import PoolRuntime
+from gateway.settle import Settler
+from gateway.waiter import WakeHub, wait_for_release
+
+log = logging.getLogger("kvgate.gateway")
+
+STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError, AdmissionError)
+
+_CAPACITY_MESSAGES = {
+    RejectReason.ZONE_RED: "Cluster KV-Cache is currently saturated. Please backoff.",
+    RejectReason.QUEUE_FULL: "The queue of this priority tier is full. Please backoff.",
+    RejectReason.TENANT_QUEUE_FULL: "This API key has too many requests queued. Please backoff.",
+}
+
+
+@dataclass(slots=True)
+class Ticket:
+    task_id: str
+    pool: PoolRuntime
+    node: str
+    url: str
+    tier: Tier
+    labels: tuple[str, ...]
+    admitted: bool = True
+    """False when let through unadmitted (fail-open): there is nothing to settle."""
+    queued_s: float = 0.0
+
+
+class Admitter:
+    def __init__(
+        self,
+        gateway_id: str,
+        config: Config,
+        hub: WakeHub,
+        settler: Settler,
+        metrics: GatewayMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.gateway_id = gateway_id
+        self.config = config
+        self.hub = hub
+        self.settler = settler
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self.jitter = config.gateway.retry_jitter
+        self.poll_s = config.gateway.wake_fallback_ms / 1000
+
+    def _hint(self, retry_ms: int) -> int:
+        return jittered(retry_ms, self.jitter, self.rng)
+
+    async def admit(
+        self,
+        inbound: Inbound,
+        tenant: TenantSettings,
+        tier: Tier,
+        client_timeout_ms: int | None,
+    ) -> Ticket:
+        pool = inbound.pool
+        store = pool.store
+        labels = self.metrics.tier_labels(pool.name, tier, tenant.name)
+        timeout_ms = self.config.tiers[tier].queue_timeout_ms
+        if client_timeout_ms is not None:
+            timeout_ms = max(1, min(timeout_ms, client_timeout_ms))
+        task_id = uuid.uuid4().hex
+        woken = self.hub.expect(task_id)
+        try:
+            try:
+                result = await store.admit(
+                    task_id=task_id,
+                    tenant=tenant.quota,
+                    tier=tier,
+                    prompt_tokens=inbound.prompt_tokens,
+                    max_tokens=inbound.max_tokens,
+                    gateway=self.gateway_id,
+                    queue_timeout_ms=timeout_ms,
+                )
+            except STORE_ERRORS as exc:
+                return self._store_failed(exc, task_id, inbound, tier, labels)
+            if result.outcome is AdmitOutcome.RELEASED:
+                assert result.node is not None
+                self.metrics.tokens_reserved.labels(*labels).inc(inbound.cost)
+                return self._ticket(task_id, pool, result.node, tier, labels, 0.0)
+            if result.outcome is AdmitOutcome.QUEUED:
+                self.metrics.tokens_reserved.labels(*labels).inc(inbound.cost)
+                return await self._wait(task_id, woken, pool, tier, labels, timeout_ms)
+            if result.outcome is AdmitOutcome.REJECTED:
+                self.metrics.rejections.labels(*labels, str(result.reason)).inc()
+                raise self._rejection(result, inbound, tenant)
+            raise ApiError(500, "Duplicate task id; please retry.", type_="server_error",
+                           code="internal_error", retry_after_ms=self._hint(100))
+        finally:
+            self.hub.forget(task_id)
+
+    def _ticket(
+        self, task_id: str, pool: PoolRuntime, node: str, tier: Tier, labels: tuple[str, ...],
+        queued_s: float,
+    ) -> Ticket:
+        url = pool.url(node)
+        if url is None:
+            # The scheduler knows a node this gateway's config does not: give the budget back.
+            log.error("task %s released to node %r, unknown to this gateway", task_id, node)
+            self.settler.finish(pool.store, task_id, None, cancelled=True, labels=labels)
+            raise unavailable(
+                "The request was routed to a node this gateway does not know.",
+                code="unknown_node", retry_ms=self._hint(1000), status=502,
+            )
+        return Ticket(task_id, pool, node, url, tier, labels, queued_s=queued_s)
+
+    def _store_failed(
+        self, exc: BaseException, task_id: str, inbound: Inbound, tier: Tier,
+        labels: tuple[str, ...],
+    ) -> Ticket:
+        self.metrics.redis_errors.labels("admit").inc()
+        log.warning("admission store unavailable (%s)", type(exc).__name__)
+        pool = inbound.pool
+        # The admit may have run before the reply was lost: cancelling is a no-op otherwise.
+        self.settler.finish(pool.store, task_id, None, cancelled=True, labels=labels)
+        if tier in self.config.gateway.fail_open_tiers:
+            node = pool.any_node()
+            url = pool.url(node) if node is not None else None
+            if node is not None and url is not None:
+                self.metrics.fail_open.labels(pool.name, tier.label).inc()
+                return Ticket(task_id, pool, node, url, tier, labels, admitted=False)
+        raise unavailable(
+            "The admission service is unavailable. Please retry later.",
+            code="admission_unavailable",
+            retry_ms=self._hint(self.config.gateway.unavailable_retry_ms),
+        )
+
+    def _rejection(
+        self, result: AdmitResult, inbound: Inbound, tenant: TenantSettings
+    ) -> ApiError:
+        reason = result.reason
+        if reason is RejectReason.EXCEEDS_BURST:
+            return never_retry(
+                400,
+                f"This request needs {inbound.cost} tokens ({inbound.prompt_tokens} prompt + "
+                f"{inbound.max_tokens} max output), more than this API key's burst of "
+                f"{tenant.burst} tokens, so it can never be admitted. Lower max_tokens or "
+                "shorten the prompt.",
+                code="exceeds_burst",
+                param="max_tokens",
+            )
+        if reason is RejectReason.QUOTA:
+            if result.retry_after_ms is None:
+                return never_retry(
+                    403,
+                    "This API key's token quota is exhausted and does not refill.",
+                    code="insufficient_quota",
+                )
+            return too_many_requests(
+                RATE_LIMIT_EXCEEDED,
+                f"Token rate limit exceeded: this request needs {inbound.cost} tokens; "
+                f"the quota refills enough in {result.retry_after_ms} ms.",
+                retry_ms=self._hint(result.retry_after_ms),
+                zone=result.zone.value,
+                depth=result.depth,
+            )
+        assert reason is not None
+        return too_many_requests(
+            CAPACITY_EXCEEDED,
+            _CAPACITY_MESSAGES.get(reason, "Capacity exceeded. Please backoff."),
+            retry_ms=self._hint(result.retry_after_ms or 1000),
+            zone=result.zone.value,
+            depth=result.depth,
+        )
+
+    async def _wait(
+        self,
+        task_id: str,
+        woken: asyncio.Future[str],
+        pool: PoolRuntime,
+        tier: Tier,
+        labels: tuple[str, ...],
+        timeout_ms: int,
+    ) -> Ticket:
+        store = pool.store
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        queued = self.metrics.queued.labels(pool.name)
+        queued.inc()
+        try:
+            outcome = await wait_for_release(
+                self.hub, store, task_id, woken, timeout_s=timeout_ms / 1000, poll_s=self.poll_s
+            )
+        except BaseException:
+            # Client gone (handler cancelled) or shutting down: leave the queue now.
+            self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
+            raise
+        finally:
+            queued.dec()
+        waited = loop.time() - started
+        if outcome is not None and outcome.node is not None:
+            self.metrics.queue_wait.labels(pool.name, tier.label).observe(waited)
+            return self._ticket(task_id, pool, outcome.node, tier, labels, waited)
+        if outcome is None:
+            # Our deadline came first: take the task out of the queue ourselves.
+            self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
+        elif outcome.state != "expired":
+            # Reaped (this gateway's lease lapsed) or ended by someone else.
+            raise unavailable(
+                "The queued request was dropped by the cluster. Please retry.",
+                code="queue_task_lost", retry_ms=self._hint(1000),
+            )
+        self.metrics.rejections.labels(*labels, QUEUE_TIMEOUT).inc()
+        zone, depth, retry_ms = await self._drain_hint(store, tier)
+        error = too_many_requests(
+            CAPACITY_EXCEEDED,
+            f"The request waited {waited:.1f} s in the queue without being scheduled. "
+            "Please backoff.",
+            retry_ms=self._hint(retry_ms),
+            zone=zone,
+            depth=depth,
+        )
+        error.tag = QUEUE_TIMEOUT
+        raise error
+
+    async def _drain_hint(self, store: PoolStore, tier: Tier) -> tuple[str, int, int]:
+        """(zone, tasks queued at `tier` or above, their expected drain time in ms)."""
+        keys = store.keys
+        try:
+            async with store.client.pipeline(transaction=False) as pipe:
+                pipe.hmget(keys.state, "zone", "drain_0", "drain_1", "drain_2")
+                for t in range(int(tier) + 1):
+                    pipe.zcard(keys.queue(Tier(t)))
+                replies = await pipe.execute()
+        except STORE_ERRORS:
+            self.metrics.redis_errors.labels("drain_hint").inc()
+            return "UNKNOWN", 0, store.policy.default_retry_ms
+        state = replies[0]
+        zone = (state[0] or b"GREEN").decode() if isinstance(state[0], bytes) else (
+            state[0] or "GREEN")
+        depth = sum(int(n) for n in replies[1:])
+        drain = sum(float(state[1 + t] or 0) for t in range(int(tier) + 1))
+        retry_ms = store.policy.default_retry_ms
+        if drain > 0:
+            retry_ms = max(retry_ms, int((depth + 1) * 1000 / drain))
+        return zone, depth, retry_ms

@@ -1,0 +1,151 @@
+"""The application factory: routes, middleware and the resources built at startup.
+
+`create_app(config)` does no I/O. Starting the app (its cleanup context) loads each pool's
+tokenizer off the event loop, connects to Redis (a failure there does not stop the start:
+/readyz says not ready and requests fail closed until Redis answers), subscribes to this
+gateway's wake channels and starts the lease renewer. Stopping it waits for pending settles
+before closing Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import re
+import secrets
+import socket
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from admission.config import Config
+from admission.connection import connect
+from admission.keys import check_name
+from admission.scripts import load_scripts, register_scripts
+from admission.store import PoolStore
+from gateway import handlers
+from gateway.admit import STORE_ERRORS, Admitter
+from gateway.auth import TenantDirectory
+from gateway.errors import openai_errors
+from gateway.estimator import ChatFormat, TokenCounter
+from gateway.metrics import GatewayMetrics
+from gateway.openapi import openapi_document
+from gateway.pools import PoolRuntime
+from gateway.proxy import Upstream
+from gateway.settle import Settler, renew_leases
+from gateway.state import CONFIG, GATEWAY, GATEWAY_ID, METRICS, OPENAPI, Gateway
+from gateway.waiter import WakeHub
+
+log = logging.getLogger("kvgate.gateway")
+
+SETTLE_DRAIN_S = 5.0
+
+
+def default_gateway_id() -> str:
+    """Unique per process: replicas sharing one config file must not share an id."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:32].strip("-.") or "host"
+    return f"gw-{host}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def create_app(config: Config, *, gateway_id: str | None = None) -> web.Application:
+    gid = check_name("gateway", gateway_id or config.gateway.id or default_gateway_id())
+    app = web.Application(
+        client_max_size=config.gateway.max_body_bytes, middlewares=[openai_errors]
+    )
+    app[CONFIG] = config
+    app[GATEWAY_ID] = gid
+    app[METRICS] = GatewayMetrics(tenant_labels=config.gateway.tenant_metrics)
+    app[OPENAPI] = orjson.dumps(openapi_document(config))
+    app.cleanup_ctx.append(_runtime)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/readyz", handlers.readyz)
+    app.router.add_get("/metrics", handlers.metrics_endpoint)
+    app.router.add_get("/openapi.json", handlers.openapi)
+    return app
+
+
+async def _counters(config: Config) -> dict[str, TokenCounter]:
+    loop = asyncio.get_running_loop()
+    counters: dict[str, TokenCounter] = {}
+    for name, pool in config.pools.items():
+        make = functools.partial(
+            TokenCounter.from_path, pool.tokenizer,
+            chat_format=ChatFormat(default_system_prompt=pool.default_system_prompt),
+        )
+        counters[name] = await loop.run_in_executor(None, make)
+    return counters
+
+
+def _session(config: Config) -> aiohttp.ClientSession:
+    g = config.gateway
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        sock_connect=g.upstream_connect_timeout_ms / 1000,
+        sock_read=g.upstream_timeout_ms / 1000,
+    )
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=60)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                 skip_auto_headers=("User-Agent",))
+
+
+async def _runtime(app: web.Application) -> AsyncIterator[None]:
+    config, metrics, gid = app[CONFIG], app[METRICS], app[GATEWAY_ID]
+    counters = await _counters(config)
+    client = connect(config.redis)
+    scripts = register_scripts(client)
+    try:
+        await load_scripts(client, scripts)
+    except STORE_ERRORS as exc:
+        log.warning("Redis unavailable at start (%s): not ready until it answers",
+                    type(exc).__name__)
+    pools = {
+        name: PoolRuntime(settings, PoolStore(client, scripts, name, config.pool_policy(name)),
+                          counters[name])
+        for name, settings in config.pools.items()
+    }
+    stores = [pool.store for pool in pools.values()]
+    hub = WakeHub(client, [s.keys.wake_channel(gid) for s in stores], metrics,
+                  sharded=config.redis.sharded_pubsub)
+    settler = Settler(metrics)
+    session = _session(config)
+    gateway = Gateway(
+        id=gid,
+        config=config,
+        metrics=metrics,
+        tenants=TenantDirectory(config.tenants),
+        pools=pools,
+        redis=client,
+        scripts=scripts,
+        hub=hub,
+        settler=settler,
+        admitter=Admitter(gid, config, hub, settler, metrics),
+        upstream=Upstream(session, metrics, jitter=config.gateway.retry_jitter),
+    )
+    app[GATEWAY] = gateway
+    background = [
+        asyncio.create_task(hub.run(), name="kvgate-wake"),
+        asyncio.create_task(
+            renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, metrics),
+            name="kvgate-renew",
+        ),
+    ]
+    log.info("gateway %s serving pools %s", gid, ", ".join(sorted(pools)))
+    try:
+        yield
+    finally:
+        await settler.drain(SETTLE_DRAIN_S)
+        for task in background:
+            task.cancel()
+        for task in background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await session.close()
+        await client.aclose()

@@ -1,0 +1,78 @@
+"""Tenants: `Authorization: Bearer <key>` -> tenant -> tier, and per-request priority lowering.
+
+Only SHA-256 digests of keys are configured. A presented key is hashed and compared with every
+configured digest by `hmac.compare_digest`, all of them, with no early exit: how long the check
+takes says nothing about which digest (or how much of one) matched. Keys never reach a log line
+or an error message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+
+from admission.config import TenantSettings
+from admission.tiers import Tier
+from gateway.errors import ApiError
+
+PRIORITY_HEADER = "X-Priority"
+"""Lowers a request's tier below its tenant's (`normal`, `batch`, or 0..2); never raises it."""
+
+
+class TenantDirectory:
+    def __init__(self, tenants: Iterable[TenantSettings]) -> None:
+        self._entries: list[tuple[bytes, TenantSettings]] = [
+            (bytes.fromhex(digest), tenant) for tenant in tenants for digest in tenant.key_sha256
+        ]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def authenticate(self, authorization: str | None) -> TenantSettings:
+        key = _bearer(authorization)
+        digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+        found: TenantSettings | None = None
+        for expected, tenant in self._entries:
+            if hmac.compare_digest(expected, digest):
+                found = tenant
+        if found is None:
+            raise ApiError(
+                401,
+                "Incorrect API key provided.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return found
+
+
+def _bearer(authorization: str | None) -> str:
+    if authorization is not None:
+        scheme, _, key = authorization.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() == "bearer" and key:
+            return key
+    raise ApiError(
+        401,
+        "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+        code="missing_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def effective_tier(tenant: TenantSettings, requested: str | None) -> Tier:
+    """The tenant's tier, or a lower one if the request asks for it; asking for a higher tier
+    than the tenant's is not an error, it just has no effect."""
+    if requested is None:
+        return tenant.tier
+    value = requested.strip()
+    try:
+        tier = Tier(int(value)) if value.isdigit() else Tier.parse(value)
+    except ValueError:
+        raise ApiError(
+            400,
+            f"{PRIORITY_HEADER} must be one of vip, normal, batch (or 0, 1, 2).",
+            param=PRIORITY_HEADER,
+            code="invalid_priority",
+        ) from None
+    return max(tier, tenant.tier)

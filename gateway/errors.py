@@ -1,0 +1,170 @@
+"""Every error the gateway answers, in OpenAI's shape, and the 429 backpressure protocol.
+
+Body: ``{"error": {"message", "type", "param", "code"}}`` (plus ``retry_after_ms`` when the
+client should come back). Retry hints come from the admission state and are spread upward by
+jitter so that clients rejected together do not return together::
+
+    HTTP/1.1 429 Too Many Requests
+    Retry-After: 4                          integer seconds, ceil (RFC 9110)
+    retry-after-ms: 3500                    read first by the official OpenAI SDKs
+    X-RateLimit-Backpressure-Level: RED     the pool's load zone
+    X-Queue-Depth: 142                      tasks queued at the request's tier or above
+
+Hints never exceed 60 s (the OpenAI SDK gives up above 120 s). A request that can never
+succeed as sent carries ``x-should-retry: false`` and a 4xx other than 429.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Mapping
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+log = logging.getLogger("kvgate.gateway")
+
+MAX_RETRY_MS = 60_000
+
+# Codes of the 429 protocol.
+CAPACITY_EXCEEDED = "capacity_exceeded"
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "insufficient_quota",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    408: "timeout",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class ApiError(Exception):
+    """An answer other than success; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        retry_after_ms: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_ or _TYPES.get(status, "server_error")
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        self.retry_after_ms = retry_after_ms
+        self.tag: str | None = None
+        """What happened, for metrics (e.g. 'queue_timeout'); not sent."""
+        if retry_after_ms is not None:
+            self.headers.update(retry_headers(retry_after_ms))
+
+    def body(self) -> dict[str, object]:
+        error: dict[str, object] = {
+            "message": self.message,
+            "type": self.type,
+            "param": self.param,
+            "code": self.code,
+        }
+        if self.retry_after_ms is not None:
+            error["retry_after_ms"] = self.retry_after_ms
+        return {"error": error}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=orjson.dumps(self.body()),
+            content_type="application/json",
+            headers=self.headers,
+        )
+
+
+def retry_headers(retry_ms: int) -> dict[str, str]:
+    return {"Retry-After": str(max(1, math.ceil(retry_ms / 1000))), "retry-after-ms": str(retry_ms)}
+
+
+def jittered(retry_ms: int, jitter: float, rng: random.Random) -> int:
+    """`retry_ms` spread upward by 0..`jitter` of itself, at least 1 ms, at most 60 s.
+
+    Upward only: a quota hint is the bucket's exact refill time, and coming back sooner
+    would only earn another 429.
+    """
+    base = max(1, retry_ms)
+    return min(MAX_RETRY_MS, math.ceil(base * (1.0 + jitter * rng.random())))
+
+
+def too_many_requests(
+    code: str, message: str, *, retry_ms: int, zone: str, depth: int
+) -> ApiError:
+    return ApiError(
+        429,
+        message,
+        code=code,
+        retry_after_ms=retry_ms,
+        headers={"X-RateLimit-Backpressure-Level": zone, "X-Queue-Depth": str(depth)},
+    )
+
+
+def never_retry(status: int, message: str, *, code: str, param: str | None = None) -> ApiError:
+    """A request that cannot succeed as sent, whatever the load: clients must not retry it."""
+    return ApiError(status, message, code=code, param=param, headers={"x-should-retry": "false"})
+
+
+def unavailable(message: str, *, code: str, retry_ms: int, status: int = 503) -> ApiError:
+    return ApiError(status, message, type_="server_error", code=code, retry_after_ms=retry_ms)
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+_HTTP_CODES = {
+    404: ("Not found: {path}", "not_found"),
+    405: ("Method {method} is not allowed on {path}", "method_not_allowed"),
+    413: ("Request body too large. {text}", "request_too_large"),
+}
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.Response:
+    template, code = _HTTP_CODES.get(exc.status, ("{reason}", None))
+    message = template.format(
+        path=request.path, method=request.method, text=exc.text or "", reason=exc.reason
+    )
+    headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+    error = ApiError(exc.status, message, code=code, headers=headers)
+    return error.response()
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turns aiohttp's own errors (404, 405, 413, ...) and unexpected failures into the
+    OpenAI error shape; handlers raise `ApiError` for everything they decide themselves."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _from_http_exception(request, exc)
+    except ConnectionResetError as exc:
+        # The client went away while we wrote to it: nothing can be answered.
+        log.debug("client connection lost on %s: %s", request.path, type(exc).__name__)
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return ApiError(500, "Internal error in the gateway.", type_="server_error",
+                        code="internal_error").response()

@@ -1,0 +1,150 @@
+"""HTTP handlers: the two generation endpoints (auth, estimate, admit, proxy, settle) and the
+operational ones (/v1/models, /healthz, /readyz, /metrics, /openapi.json)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway import metrics as m
+from gateway.admit import STORE_ERRORS
+from gateway.auth import PRIORITY_HEADER, effective_tier
+from gateway.errors import ApiError, bad_request
+from gateway.parse import Kind, parse_inbound
+from gateway.proxy import Meter, Phase
+from gateway.state import GATEWAY, METRICS, OPENAPI
+
+log = logging.getLogger("kvgate.gateway")
+
+TIMEOUT_HEADER = "X-Request-Timeout"
+"""Seconds the client is willing to wait for its request to leave the queue."""
+
+
+def _client_timeout_ms(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise bad_request(f"{TIMEOUT_HEADER} must be a positive number of seconds.",
+                          param=TIMEOUT_HEADER, code="invalid_timeout")
+    return max(1, math.ceil(seconds * 1000))
+
+
+def _outcome_of(error: ApiError) -> str:
+    if error.code == "admission_unavailable":
+        return m.UNAVAILABLE
+    if error.status >= 500:
+        return m.UPSTREAM_ERROR
+    if error.tag is not None:
+        return error.tag
+    return m.REJECTED
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    gw = request.app[GATEWAY]
+    metrics = gw.metrics
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    tenant = gw.tenants.authenticate(request.headers.get("Authorization"))
+    tier = effective_tier(tenant, request.headers.get(PRIORITY_HEADER))
+    client_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
+    raw = await request.read()
+    try:
+        inbound = await parse_inbound(kind, raw, gw.pools, tier)
+    except ApiError:
+        metrics.requests.labels(*metrics.tier_labels("none", tier, tenant.name), m.INVALID).inc()
+        raise
+    pool = inbound.pool
+    outcome = m.REJECTED
+    in_flight = metrics.in_flight.labels(pool.name)
+    in_flight.inc()
+    try:
+        ticket = await gw.admitter.admit(inbound, tenant, tier, client_timeout_ms)
+        meter = Meter(inbound.prompt_tokens)
+        outcome = m.CLIENT_GONE
+        try:
+            response = await gw.upstream.forward(request, inbound, ticket, meter, started)
+        finally:
+            usage, cancelled = meter.finish_args()
+            if ticket.admitted:
+                gw.settler.finish(pool.store, ticket.task_id, usage, cancelled=cancelled,
+                                  labels=ticket.labels)
+            if meter.first_byte_s is not None:
+                metrics.ttft.labels(pool.name, tier.label).observe(meter.first_byte_s)
+            log.debug("task %s tenant=%s tier=%s pool=%s node=%s phase=%s usage=%s",
+                      ticket.task_id, tenant.name, tier.label, pool.name, ticket.node,
+                      meter.phase.value, usage)
+        if response.status != 200:
+            outcome = m.INVALID
+        elif meter.phase is Phase.DONE:
+            outcome = m.OK if ticket.admitted else m.FAIL_OPEN
+        else:
+            outcome = m.CLIENT_GONE if request.transport is None or (
+                request.transport.is_closing()) else m.UPSTREAM_ERROR
+        return response
+    except ApiError as exc:
+        outcome = _outcome_of(exc)
+        raise
+    finally:
+        in_flight.dec()
+        metrics.requests.labels(*metrics.tier_labels(pool.name, tier, tenant.name),
+                                outcome).inc()
+
+
+async def models(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    gw.tenants.authenticate(request.headers.get("Authorization"))
+    now = int(time.time())
+    data = [
+        {"id": name, "object": "model", "created": now, "owned_by": "kvgate",
+         "max_model_len": pool.settings.context_length}
+        for name, pool in sorted(gw.pools.items())
+    ]
+    return web.Response(body=orjson.dumps({"object": "list", "data": data}),
+                        content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(body=b'{"status":"ok"}', content_type="application/json")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    try:
+        await gw.redis.ping()
+        scripts = gw.scripts.all()
+        present = await gw.redis.script_exists(*(s.sha for s in scripts))
+        if not all(present):
+            for script in scripts:
+                script.sha = await gw.redis.script_load(script.script)
+    except STORE_ERRORS as exc:
+        body = {"status": "not ready", "detail": f"redis: {type(exc).__name__}"}
+        return web.Response(status=503, body=orjson.dumps(body),
+                            content_type="application/json")
+    return web.Response(body=b'{"status":"ready"}', content_type="application/json")
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")

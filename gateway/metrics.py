@@ -1,0 +1,85 @@
+"""The gateway's Prometheus metrics, in a registry of its own (one per app).
+
+Labels are bounded: pool (configured), tier (3), outcome and reason (fixed vocabularies). Tenant
+names appear only when `gateway.tenant_metrics` is set; raw keys and prompts never do.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+from admission.tiers import Tier
+
+# Request outcomes (label values of kvgate_gateway_requests_total).
+OK = "ok"
+REJECTED = "rejected"  # 429 / never-fits 4xx from admission
+INVALID = "invalid"  # 4xx before admission (auth, body, model, context)
+QUEUE_TIMEOUT = "queue_timeout"
+CLIENT_GONE = "client_gone"
+UPSTREAM_ERROR = "upstream_error"
+UNAVAILABLE = "unavailable"  # Redis unreachable, failed closed
+FAIL_OPEN = "fail_open"
+
+_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class GatewayMetrics:
+    def __init__(self, *, tenant_labels: bool = False) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.tenant_labels = tenant_labels
+        r = self.registry
+        by_tier = ["pool", "tier"] + (["tenant"] if tenant_labels else [])
+        self.requests = Counter(
+            "kvgate_gateway_requests", "Completion requests by tier and outcome.",
+            [*by_tier, "outcome"], registry=r)
+        self.rejections = Counter(
+            "kvgate_gateway_rejections", "Requests refused by admission, by reason "
+            "(quota, zone_red, queue_full, tenant_queue_full, exceeds_burst, queue_timeout).",
+            [*by_tier, "reason"], registry=r)
+        self.queue_wait = Histogram(
+            "kvgate_gateway_queue_wait_seconds", "Time queued before release.",
+            ["pool", "tier"], buckets=_WAIT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "kvgate_gateway_ttft_seconds",
+            "Arrival to first byte of the streamed answer sent to the client.",
+            ["pool", "tier"], buckets=_TTFT_BUCKETS, registry=r)
+        self.tokens_reserved = Counter(
+            "kvgate_gateway_tokens_reserved", "Tokens reserved at admission (prompt + max out).",
+            by_tier, registry=r)
+        self.tokens_settled = Counter(
+            "kvgate_gateway_tokens_settled", "Tokens charged when tasks ended (real usage).",
+            by_tier, registry=r)
+        self.in_flight = Gauge(
+            "kvgate_gateway_in_flight", "Completion requests being handled (queued or proxied).",
+            ["pool"], registry=r)
+        self.queued = Gauge(
+            "kvgate_gateway_queued", "Requests of this gateway waiting in the queue.",
+            ["pool"], registry=r)
+        self.fail_open = Counter(
+            "kvgate_gateway_fail_open", "Requests let through unadmitted while Redis was "
+            "unreachable (gateway.fail_open_tiers).", ["pool", "tier"], registry=r)
+        self.redis_errors = Counter(
+            "kvgate_gateway_redis_errors", "Failed Redis operations by operation.",
+            ["op"], registry=r)
+        self.wake_fallbacks = Counter(
+            "kvgate_gateway_wake_fallbacks", "Released or expired tasks found by polling their "
+            "record rather than by a pub/sub wake-up.", ["pool"], registry=r)
+        self.pubsub_reconnects = Counter(
+            "kvgate_gateway_pubsub_reconnects", "Reconnections of the wake-up subscription.",
+            registry=r)
+        self.settle_retries = Counter(
+            "kvgate_gateway_settle_retries", "Settle or cancel calls retried after an error.",
+            registry=r)
+        self.upstream_errors = Counter(
+            "kvgate_gateway_upstream_errors", "Failed requests to backends by kind.",
+            ["pool", "node", "kind"], registry=r)
+
+    def tier_labels(self, pool: str, tier: Tier, tenant: str) -> tuple[str, ...]:
+        if self.tenant_labels:
+            return (pool, tier.label, tenant)
+        return (pool, tier.label)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

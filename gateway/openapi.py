@@ -1,0 +1,251 @@
+"""The OpenAPI 3.0 document of the gateway's public API, served at /openapi.json.
+
+Request schemas list the fields the gateway itself reads or rewrites and allow any other
+(they are forwarded to vLLM untouched). Every error response uses OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from admission.config import Config
+
+_ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
+_JSON_ERROR = {"application/json": {"schema": _ERROR}}
+_RETRY_HEADERS = {
+    "Retry-After": {"description": "Seconds to wait before retrying (integer, rounded up).",
+                    "schema": {"type": "integer", "minimum": 1}},
+    "retry-after-ms": {"description": "Milliseconds to wait before retrying (read first by "
+                       "the OpenAI SDKs).", "schema": {"type": "integer", "minimum": 1}},
+}
+_BACKPRESSURE_HEADERS = {
+    **_RETRY_HEADERS,
+    "X-RateLimit-Backpressure-Level": {
+        "description": "Load zone of the model pool.",
+        "schema": {"type": "string", "enum": ["GREEN", "YELLOW", "RED", "UNKNOWN"]}},
+    "X-Queue-Depth": {"description": "Requests queued at this request's tier or above.",
+                      "schema": {"type": "integer", "minimum": 0}},
+}
+_NO_RETRY = {"x-should-retry": {"description": "false: do not retry this request as sent.",
+                                "schema": {"type": "string", "enum": ["false"]}}}
+
+
+def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description, "content": _JSON_ERROR}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+_GENERATION_ERRORS = {
+    "400": _error("Malformed request, prompt over the context length, max_tokens above the "
+                  "pool's limit, or a request larger than the key's burst (exceeds_burst, "
+                  "never retry).", _NO_RETRY),
+    "401": _error("Missing or unknown API key."),
+    "403": _error("The key's quota is exhausted and never refills (insufficient_quota).",
+                  _NO_RETRY),
+    "404": _error("Unknown model (pool)."),
+    "413": _error("Request body larger than the configured limit."),
+    "429": _error("Backpressure: capacity_exceeded (pool saturated, queue full, queue "
+                  "timeout) or rate_limit_exceeded (the key's token bucket).",
+                  _BACKPRESSURE_HEADERS),
+    "502": _error("The inference node failed.", _RETRY_HEADERS),
+    "503": _error("Admission store or inference node unavailable.", _RETRY_HEADERS),
+}
+
+_REQUEST_HEADERS = [
+    {"name": "X-Priority", "in": "header", "required": False,
+     "description": "Lower this request's priority below the key's tier (never raises it).",
+     "schema": {"type": "string", "enum": ["vip", "normal", "batch", "0", "1", "2"]}},
+    {"name": "X-Request-Timeout", "in": "header", "required": False,
+     "description": "Seconds this client will wait for its request to leave the queue.",
+     "schema": {"type": "number", "exclusiveMinimum": True, "minimum": 0}},
+]
+
+_SCHEMAS: dict[str, Any] = {
+    "ErrorResponse": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": "string", "nullable": True},
+                "code": {"type": "string", "nullable": True},
+                "retry_after_ms": {"type": "integer"},
+            },
+        }},
+    },
+    "StreamOptions": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
+    "ChatMessage": {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"type": "string", "minLength": 1},
+            "content": {"nullable": True, "oneOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "object"}},
+            ]},
+            "name": {"type": "string"},
+            "tool_calls": {"type": "array", "items": {"type": "object"}},
+        },
+    },
+    "ChatCompletionRequest": {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            "model": {"type": "string"},
+            "messages": {"type": "array", "minItems": 1,
+                         "items": {"$ref": "#/components/schemas/ChatMessage"}},
+            "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+            "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+            "n": {"type": "integer", "minimum": 1, "maximum": 128, "nullable": True},
+            "stream": {"type": "boolean", "nullable": True},
+            "stream_options": {"$ref": "#/components/schemas/StreamOptions"},
+            "tools": {"type": "array", "items": {"type": "object"}},
+        },
+        "additionalProperties": True,
+    },
+    "CompletionRequest": {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"oneOf": [
+                {"type": "string"},
+                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {"type": "array", "minItems": 1, "items": {
+                    "type": "array", "minItems": 1,
+                    "items": {"type": "integer", "minimum": 0}}},
+            ]},
+            "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+            "n": {"type": "integer", "minimum": 1, "maximum": 128, "nullable": True},
+            "best_of": {"type": "integer", "minimum": 1, "maximum": 128, "nullable": True},
+            "stream": {"type": "boolean", "nullable": True},
+            "stream_options": {"$ref": "#/components/schemas/StreamOptions"},
+        },
+        "additionalProperties": True,
+    },
+    "Usage": {
+        "type": "object",
+        "properties": {
+            "prompt_tokens": {"type": "integer"},
+            "completion_tokens": {"type": "integer"},
+            "total_tokens": {"type": "integer"},
+        },
+    },
+    "Completion": {
+        "type": "object",
+        "description": "vLLM's response (chat.completion or text_completion), relayed as is.",
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": {"type": "object"}},
+            "usage": {"$ref": "#/components/schemas/Usage"},
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"type": "string", "enum": ["list"]},
+            "data": {"type": "array", "items": {
+                "type": "object",
+                "required": ["id", "object"],
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"type": "string", "enum": ["model"]},
+                    "created": {"type": "integer"},
+                    "owned_by": {"type": "string"},
+                    "max_model_len": {"type": "integer"},
+                },
+            }},
+        },
+    },
+    "Status": {
+        "type": "object",
+        "required": ["status"],
+        "properties": {"status": {"type": "string"}, "detail": {"type": "string"}},
+    },
+}
+
+
+def _generation(summary: str, schema: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "parameters": _REQUEST_HEADERS,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{schema}"}}}},
+        "responses": {
+            "200": {
+                "description": "The completion (JSON), or with stream=true a text/event-stream "
+                               "of chunks ending with `data: [DONE]`.",
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            **_GENERATION_ERRORS,
+        },
+    }}
+
+
+def _status(summary: str, ok: str, failing: str | None = None) -> dict[str, Any]:
+    responses: dict[str, Any] = {"200": {"description": ok, "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/Status"}}}}}
+    if failing:
+        responses["503"] = {"description": failing, "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/Status"}}}}
+    return {"get": {"summary": summary, "security": [], "responses": responses}}
+
+
+def openapi_document(config: Config) -> dict[str, Any]:
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "kvgate gateway",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible admission gateway in front of vLLM. Models: "
+                           + ", ".join(sorted(config.pools)) + ".",
+        },
+        "servers": [{"url": "/"}],
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/chat/completions": _generation("Chat completion", "ChatCompletionRequest"),
+            "/v1/completions": _generation("Text completion", "CompletionRequest"),
+            "/v1/models": {"get": {
+                "summary": "The model pools served",
+                "security": [{"bearer": []}],
+                "responses": {
+                    "200": {"description": "Model list", "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/ModelList"}}}},
+                    "401": _error("Missing or unknown API key."),
+                },
+            }},
+            "/healthz": _status("Liveness", "The process serves requests."),
+            "/readyz": _status("Readiness", "Redis reachable and scripts loaded.",
+                               "Not ready: Redis unreachable or scripts not loadable."),
+            "/metrics": {"get": {
+                "summary": "Prometheus metrics", "security": [],
+                "responses": {"200": {"description": "Prometheus text format", "content": {
+                    "text/plain": {"schema": {"type": "string"}}}}},
+            }},
+            "/openapi.json": {"get": {
+                "summary": "This document", "security": [],
+                "responses": {"200": {"description": "OpenAPI 3.0 document", "content": {
+                    "application/json": {"schema": {"type": "object"}}}}},
+            }},
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": _SCHEMAS,
+        },
+    }

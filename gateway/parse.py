@@ -1,0 +1,172 @@
+"""From a request body to what admission needs (`W = T_in + T_out`) and what the node gets.
+
+T_in is the real token count of the prompt (the pool's tokenizer, chat template applied);
+T_out is the client's `max_completion_tokens` / `max_tokens` times the number of sequences, or
+the pool's default, which is then written into the forwarded body so that the reservation is a
+true bound. Prompts that cannot fit the context get vLLM's own 400 messages.
+
+The forwarded body differs from the client's in four places only: `model` (the served name),
+`max_tokens` (when defaulted), `stream_options.include_usage` (always on when streaming, so
+the gateway learns exact usage) and `priority` (the tier, when the pool passes it; a client's
+own `priority` is never forwarded, or it could raise itself inside the engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from admission.tiers import Tier
+from gateway.errors import ApiError, bad_request
+from gateway.estimator import InvalidRequestError, estimate_cost
+from gateway.pools import PoolRuntime
+
+Kind = Literal["chat", "completion"]
+MAX_SEQUENCES = 128
+
+
+@dataclass(slots=True)
+class Inbound:
+    kind: Kind
+    pool: PoolRuntime
+    body: dict[str, Any]
+    """The body to forward (already rewritten)."""
+    stream: bool
+    client_wants_usage: bool
+    """The client asked for the final usage chunk itself (else the gateway strips it)."""
+    prompt_tokens: int
+    max_tokens: int
+    """T_out of the whole request: per-sequence limit x sequences."""
+
+    @property
+    def cost(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise bad_request("The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _int(body: Mapping[str, Any], name: str, *, minimum: int = 1) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or value < minimum:
+        raise bad_request(f"'{name}' must be an integer >= {minimum}.", param=name)
+    return value
+
+
+def pool_of(body: Mapping[str, Any], pools: Mapping[str, PoolRuntime]) -> PoolRuntime:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string.", param="model")
+    pool = pools.get(model)
+    if pool is None:
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model",
+                       code="model_not_found")
+    return pool
+
+
+async def parse_inbound(
+    kind: Kind, raw: bytes, pools: Mapping[str, PoolRuntime], tier: Tier
+) -> Inbound:
+    body = decode(raw)
+    pool = pool_of(body, pools)
+    settings = pool.settings
+
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean.", param="stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object.", param="stream_options")
+        if not stream:
+            raise bad_request("Stream options can only be defined when `stream=True`.",
+                              param="stream_options")
+
+    n = _int(body, "n") or 1
+    best_of = _int(body, "best_of") if kind == "completion" else None
+    sequences_per_prompt = max(n, best_of or 0)
+    if sequences_per_prompt > MAX_SEQUENCES:
+        raise bad_request(f"'n' must be at most {MAX_SEQUENCES}.", param="n")
+
+    if kind == "chat":
+        requested = body.get("max_completion_tokens")
+        param = "max_completion_tokens"
+        if requested is None:
+            requested, param = body.get("max_tokens"), "max_tokens"
+    else:
+        requested, param = body.get("max_tokens"), "max_tokens"
+    if requested is not None and (type(requested) is not int or requested < 1):
+        raise bad_request(f"'{param}' must be a positive integer.", param=param)
+    if requested is not None and requested > settings.max_max_tokens:
+        raise bad_request(
+            f"'{param}' is too large: {requested}. This deployment allows at most "
+            f"{settings.max_max_tokens} output tokens per sequence.",
+            param=param,
+            code="max_tokens_too_large",
+        )
+
+    try:
+        if kind == "chat":
+            prompts = [await pool.counter.count_chat_async(body.get("messages"),
+                                                           body.get("tools"))]
+        else:
+            prompts = await pool.counter.count_prompts_async(body.get("prompt"))
+    except InvalidRequestError as exc:
+        raise bad_request(exc.message, param=exc.param, code=exc.code) from None
+
+    limit = settings.context_length
+    longest = max(prompts)
+    if longest >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{longest} input tokens. Please reduce the length of the input messages.",
+            param="input_tokens",
+        )
+    if requested is not None and longest + requested > limit:
+        raise bad_request(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's "
+            f"maximum context length is {limit} tokens and your request has {longest} input "
+            f"tokens ({requested} > {limit} - {longest}).",
+            param=param,
+        )
+    per_sequence = requested if requested is not None else min(
+        settings.default_max_tokens, limit - longest
+    )
+    estimate = estimate_cost(
+        sum(prompts),
+        per_sequence,
+        default_max_tokens=settings.default_max_tokens,
+        sequences=sequences_per_prompt * len(prompts),
+    )
+
+    body["model"] = pool.served_model
+    if requested is None:
+        body["max_tokens"] = per_sequence
+    client_wants_usage = False
+    if stream:
+        client_wants_usage = bool(options and options.get("include_usage"))
+        body["stream_options"] = {**(options or {}), "include_usage": True}
+    body.pop("priority", None)
+    if settings.pass_priority:
+        body["priority"] = int(tier)
+    return Inbound(
+        kind=kind,
+        pool=pool,
+        body=body,
+        stream=bool(stream),
+        client_wants_usage=client_wants_usage,
+        prompt_tokens=estimate.t_in,
+        max_tokens=estimate.t_out,
+    )

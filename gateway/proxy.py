@@ -1,0 +1,313 @@
+"""Forwarding an admitted request to its node and learning what it really cost.
+
+Streaming responses pass through event by event as they arrive: nothing is held back except
+the incomplete tail of an SSE event. The gateway always asks the node for
+`stream_options.include_usage`, reads the exact usage from the final chunk, and drops that
+chunk when the client did not ask for it. Token chunks are counted on the way, so that when a
+stream ends early (client gone, node failed) the tokens generated so far can be charged:
+prompt + one per chunk that carried output (vLLM sends one token per chunk unless it batches
+them with --stream-interval; a batched chunk is then undercounted).
+
+Failures before a response: 503 (node unreachable) or 502 (node error, timeout, broken
+connection), both with Retry-After, and the reservation refunded. A node's own 4xx (e.g. its
+context-length check) is relayed as is. A failure mid-stream ends the stream with an error
+event, as vLLM itself does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.admit import Ticket
+from gateway.errors import ApiError, jittered, unavailable
+from gateway.metrics import GatewayMetrics
+from gateway.parse import Inbound
+
+log = logging.getLogger("kvgate.gateway")
+
+_ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+# Client headers never forwarded: hop-by-hop, credentials, framing, and the gateway's own.
+_DROP_HEADERS = frozenset({
+    "host", "authorization", "content-length", "content-type", "connection", "keep-alive",
+    "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+    "cookie", "accept-encoding", "expect", "x-priority", "x-request-timeout", "x-request-id",
+})
+_DONE = b"data: [DONE]\n\n"
+
+
+class Phase(enum.Enum):
+    PENDING = "pending"
+    """Not sent yet, or refused before any response: nothing was generated."""
+    SENT = "sent"
+    """The node has the request; its answer has not completed."""
+    DONE = "done"
+    """The whole answer reached the client."""
+
+
+@dataclass(slots=True)
+class Meter:
+    """What a request has cost so far; the settle is computed from it when the request ends."""
+
+    prompt_tokens: int
+    completion_tokens: int = 0
+    exact_total: int | None = None
+    phase: Phase = Phase.PENDING
+    first_byte_s: float | None = None
+
+    def finish_args(self) -> tuple[int | None, bool]:
+        """(usage to charge or None for a full refund, whether the task ends 'cancelled')."""
+        if self.phase is Phase.PENDING:
+            return None, True
+        used = self.exact_total
+        if used is None:
+            used = self.prompt_tokens + self.completion_tokens
+        return used, self.phase is not Phase.DONE
+
+    def take_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            self.prompt_tokens = prompt
+            self.completion_tokens = completion
+            total = usage.get("total_tokens")
+            self.exact_total = total if isinstance(total, int) else prompt + completion
+
+
+class SseRelay:
+    """Splits an SSE byte stream into events, counts output, drops the usage-only chunk."""
+
+    __slots__ = ("_buf", "_strip_usage", "meter")
+
+    def __init__(self, meter: Meter, *, strip_usage: bool) -> None:
+        self._buf = b""
+        self._strip_usage = strip_usage
+        self.meter = meter
+
+    def feed(self, data: bytes) -> bytes:
+        """Bytes to send now: every complete event received so far, minus dropped ones."""
+        if self._buf:
+            data = self._buf + data
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buf = data
+            return b""
+        cut = end + 2
+        complete, self._buf = data[:cut], data[cut:]
+        events = complete.split(b"\n\n")
+        events.pop()  # the empty string after the last separator
+        kept = [event for event in events if self._keep(event)]
+        if len(kept) == len(events):
+            return complete
+        return b"".join(event + b"\n\n" for event in kept)
+
+    def flush(self) -> bytes:
+        """Whatever trails the last complete event (a well-formed stream leaves nothing)."""
+        tail, self._buf = self._buf, b""
+        return tail
+
+    def _keep(self, event: bytes) -> bool:
+        if not event.startswith(b"data:"):
+            return True
+        payload = event[5:].strip()
+        if payload == b"[DONE]" or not payload.startswith(b"{"):
+            return True
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return True
+        meter = self.meter
+        choices = chunk.get("choices")
+        usage = chunk.get("usage")
+        if choices:
+            if usage is None:
+                for choice in choices:
+                    if _carries_output(choice):
+                        meter.completion_tokens += 1
+            else:  # continuous usage stats: exact so far
+                meter.take_usage(usage)
+            return True
+        if usage is not None:
+            meter.take_usage(usage)
+            return not self._strip_usage
+        return True
+
+
+def _carries_output(choice: Any) -> bool:
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("finish_reason") is not None or choice.get("text"):
+        return True
+    delta = choice.get("delta")
+    return isinstance(delta, dict) and bool(
+        delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+    )
+
+
+def forwarded_headers(request: web.Request, task_id: str) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-Request-Id": task_id}
+    for name, value in request.headers.items():
+        if name.lower() not in _DROP_HEADERS and not name.lower().startswith("proxy-"):
+            headers[name] = value
+    return headers
+
+
+class Upstream:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        *,
+        jitter: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.session = session
+        self.metrics = metrics
+        self.jitter = jitter
+        self.rng = rng or random.Random()
+
+    def _failed(self, ticket: Ticket, kind: str, status: int, message: str) -> ApiError:
+        self.metrics.upstream_errors.labels(ticket.pool.name, ticket.node, kind).inc()
+        log.warning("task %s: node %s failed: %s", ticket.task_id, ticket.node, kind)
+        return unavailable(message, code=f"upstream_{kind}",
+                           retry_ms=jittered(1000, self.jitter, self.rng), status=status)
+
+    async def forward(
+        self, request: web.Request, inbound: Inbound, ticket: Ticket, meter: Meter,
+        started: float,
+    ) -> web.StreamResponse:
+        url = ticket.url + _ROUTES[inbound.kind]
+        try:
+            upstream = await self.session.post(
+                url,
+                data=orjson.dumps(inbound.body),
+                headers=forwarded_headers(request, ticket.task_id),
+            )
+        except aiohttp.ClientConnectorError:
+            raise self._failed(ticket, "unreachable", 503,
+                               "The inference node is unreachable. Please retry.") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._failed(ticket, "error", 502,
+                               f"The inference node failed ({type(exc).__name__}). "
+                               "Please retry.") from None
+        meter.phase = Phase.SENT
+        try:
+            if upstream.status != 200:
+                return await self._relay_error(upstream, ticket, meter)
+            if inbound.stream:
+                return await self._stream(request, upstream, inbound, ticket, meter, started)
+            return await self._whole(request, upstream, ticket, meter)
+        except BaseException:
+            upstream.close()  # abort the generation on the node
+            raise
+        finally:
+            upstream.release()
+
+    async def _relay_error(
+        self, upstream: aiohttp.ClientResponse, ticket: Ticket, meter: Meter
+    ) -> web.StreamResponse:
+        try:
+            body = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError):
+            body = b""
+        meter.phase = Phase.PENDING  # nothing generated: refund in full
+        if upstream.status >= 500 or upstream.status == 429:
+            message = _error_message(body) or f"HTTP {upstream.status}"
+            raise self._failed(ticket, "error", 502,
+                               f"The inference node failed: {message}. Please retry.")
+        return web.Response(
+            status=upstream.status, body=body,
+            headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                     "X-Request-Id": ticket.task_id},
+        )
+
+    async def _whole(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, ticket: Ticket,
+        meter: Meter,
+    ) -> web.StreamResponse:
+        try:
+            body = await upstream.read()
+        except (aiohttp.ClientError, TimeoutError):
+            raise self._failed(ticket, "error", 502,
+                               "The inference node broke off its answer. Please retry.") from None
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            meter.take_usage(parsed.get("usage"))
+        response = web.Response(
+            body=body,
+            headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"),
+                     "X-Request-Id": ticket.task_id},
+        )
+        await response.prepare(request)
+        await response.write_eof()
+        meter.phase = Phase.DONE
+        return response
+
+    async def _stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, inbound: Inbound,
+        ticket: Ticket, meter: Meter, started: float,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Cache-Control": "no-cache",
+            "X-Request-Id": ticket.task_id,
+        })
+        relay = SseRelay(meter, strip_usage=not inbound.client_wants_usage)
+        loop = asyncio.get_running_loop()
+        try:
+            await response.prepare(request)
+            broken = False
+            try:
+                async for data in upstream.content.iter_any():
+                    out = relay.feed(data)
+                    if out:
+                        if meter.first_byte_s is None:
+                            meter.first_byte_s = loop.time() - started
+                        await response.write(out)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                broken = True
+                kind = "timeout" if isinstance(exc, TimeoutError) else "broken_stream"
+                self.metrics.upstream_errors.labels(ticket.pool.name, ticket.node, kind).inc()
+                log.warning("task %s: stream from node %s broke off (%s)", ticket.task_id,
+                            ticket.node, type(exc).__name__)
+            tail = relay.flush()
+            if broken:
+                error = ApiError(502, "The inference node broke off the stream.",
+                                 type_="server_error", code="upstream_broken_stream")
+                tail += b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
+            if tail:
+                await response.write(tail)
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client left (without handler cancellation): abort the node's work.
+            upstream.close()
+            return response
+        if not broken:
+            meter.phase = Phase.DONE
+        return response
+
+
+def _error_message(body: bytes) -> str | None:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])[:200]
+        if isinstance(parsed.get("message"), str):
+            return str(parsed["message"])[:200]
+    return None

@@ -1,0 +1,118 @@
+"""Ending tasks off the latency path, and keeping this gateway's lease alive.
+
+A response is sent first; its settle (or cancel) then runs as a background task that survives the
+handler being cancelled by a client disconnect, retries on Redis errors (the finish script is
+idempotent: a repeat is a no-op) and is awaited at shutdown. While it has not succeeded, the
+task stays in this gateway's set, so nothing leaks: either it succeeds, or the gateway dies and
+its lease expires, and the scheduler's reaper returns the whole reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from admission.store import FinishResult, PoolStore
+from gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("kvgate.gateway")
+
+
+class Settler:
+    def __init__(self, metrics: GatewayMetrics, *, max_backoff_s: float = 2.0) -> None:
+        self.metrics = metrics
+        self.max_backoff_s = max_backoff_s
+        self._tasks: set[asyncio.Task[FinishResult | None]] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._tasks)
+
+    def finish(
+        self,
+        store: PoolStore,
+        task_id: str,
+        usage: int | None,
+        *,
+        cancelled: bool,
+        labels: tuple[str, ...],
+    ) -> asyncio.Task[FinishResult | None]:
+        """Settle (`cancelled` False) or cancel the task in the background; returns at once.
+
+        `usage`: real tokens (prompt + generated) to charge the tenant; None = unknown, refund
+        the whole reservation.
+        """
+        task = asyncio.get_running_loop().create_task(
+            self._finish(store, task_id, usage, cancelled, labels)
+        )
+        self._tasks.add(task)
+        self._idle.clear()
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[FinishResult | None]) -> None:
+        self._tasks.discard(task)
+        if not self._tasks:
+            self._idle.set()
+
+    async def _finish(
+        self,
+        store: PoolStore,
+        task_id: str,
+        usage: int | None,
+        cancelled: bool,
+        labels: tuple[str, ...],
+    ) -> FinishResult | None:
+        delay = 0.01
+        while True:
+            try:
+                result = await store.finish(task_id, usage, cancelled=cancelled)
+            except asyncio.CancelledError:
+                log.warning("task %s left unsettled at shutdown; its lease will expire", task_id)
+                return None
+            except Exception as exc:
+                self.metrics.settle_retries.inc()
+                self.metrics.redis_errors.labels("settle").inc()
+                log.warning("settling task %s failed (%s); retrying in %.2fs",
+                            task_id, type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_backoff_s)
+                continue
+            if usage is not None and result.outcome != "noop":
+                self.metrics.tokens_settled.labels(*labels).inc(usage)
+            return result
+
+    async def idle(self) -> None:
+        """Until no settle is pending (tests, shutdown)."""
+        await self._idle.wait()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for pending settles at shutdown; those still failing after `timeout_s` are
+        abandoned to the lease reaper."""
+        if not self._tasks:
+            return
+        _, stuck = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        for task in stuck:
+            task.cancel()
+        if stuck:
+            await asyncio.wait(stuck)
+
+
+async def renew_leases(
+    stores: Sequence[PoolStore], gateway_id: str, interval_s: float, metrics: GatewayMetrics
+) -> None:
+    """One renew call per pool every `interval_s` keeps all of this gateway's tasks alive."""
+    while True:
+        for store in stores:
+            try:
+                await store.renew(gateway_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                metrics.redis_errors.labels("renew").inc()
+                log.warning("renewing the lease in pool %s failed: %s", store.pool,
+                            type(exc).__name__)
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,487 @@
+"""``python -m admission.inspect``: what Redis says about every model pool, right now.
+
+Per pool: the zone the leader published and how old that is, the nodes with their capacity,
+reservations, headroom and measured usage, queue depth and oldest wait per tier, the
+reservations in flight, the gateways' leases, and every tenant's token bucket; plus who leads
+the schedulers. Plain tables by default, ``--json`` for machines, ``--watch`` to refresh.
+
+It only reads. "Now" is the clock the Lua scripts use (Redis ``TIME``, or the pool clock's
+``frozen_us``, which only tests set), so waits, ages and bucket refills shown here are the ones
+the next admit would compute, whatever this machine's clock says. Bucket keys are found with
+SCAN (never KEYS, which blocks a busy server). A pool's reads are one MULTI on a standalone
+Redis, so the numbers are one consistent snapshot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from admission.config import ConfigError, RedisSettings, TenantSettings, load_config
+from admission.connection import connect
+from admission.keys import ROOT, PoolKeys, SchedulerKeys, check_name
+from admission.store import MICRO
+from admission.tiers import Tier
+
+CORE_STATE_FIELDS = ("zone", "epoch", "updated_us", "nodes_out")
+DRAIN_FIELDS = tuple(f"drain_{t.value}" for t in Tier)
+SCAN_COUNT = 500
+"""Keys per SCAN step: large enough to be quick, small enough not to stall the server."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    node: str
+    capacity: int
+    """Tokens the leader lets gateways reserve on the node (0 once it is taken out)."""
+    reserved: int
+    headroom: int
+    usage: float | None
+    """Measured KV-cache usage (0..1) the leader last published, if any."""
+    projected: float | None
+    out: str | None
+    """Why the leader took the node out (stale, ejected, ...), from the state's nodes_out."""
+    fields: dict[str, str]
+    """Any other per-node state field (`name:node` in the state hash)."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    tier: str
+    depth: int
+    oldest_task: str | None
+    oldest_wait_us: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayView:
+    gateway: str
+    lease_expiry_us: int
+    lease_left_us: int
+    """Negative: the lease expired and the reaper has not returned its tasks yet."""
+    live_tasks: int
+    """Queued or released tasks the gateway holds in this pool."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantView:
+    tenant: str
+    bucket: bool
+    """False: no bucket key in this pool yet; the first admit finds it full."""
+    micro_tokens: int | None
+    """Level after the lazy refill up to now, in micro-tokens (exact)."""
+    tokens: float | None
+    burst: int | None
+    rate: int | None
+    percent: float | None
+    """Level as a percentage of the burst, two decimals."""
+    queued: int
+
+
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    pool: str
+    now_us: int
+    clock: str
+    """'redis' (TIME) or 'frozen' (the pool clock's frozen_us, tests only)."""
+    zone: str | None
+    """None: no leader has published this pool's state yet (admits treat it as GREEN)."""
+    epoch: int | None
+    updated_us: int | None
+    state_age_us: int | None
+    drain: list[float | None]
+    """Release rate per tier (tasks/s) the leader measured, VIP first."""
+    state: dict[str, str]
+    """The state hash's other fields (pool_usage, usage_ratio, leader, ...)."""
+    nodes: list[NodeView]
+    queues: list[QueueView]
+    queued: int
+    in_flight_tasks: int
+    """Released, unsettled tasks: what the gateways hold minus what is queued."""
+    in_flight_tokens: int
+    """Tokens those tasks hold (the sum of node_reserved)."""
+    gateways: list[GatewayView]
+    tenants: list[TenantView]
+    stats: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerView:
+    leader: str | None
+    epoch: int
+    lease_left_ms: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    scheduler: SchedulerView
+    pools: list[PoolView]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _hash(raw: Mapping[Any, Any]) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def _int(value: str | None) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(float(value)) if "." in value or "e" in value else int(value)
+    except ValueError:
+        return None
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return None if value is None or value == "" else float(value)
+    except ValueError:
+        return None
+
+
+def bucket_level(raw: Mapping[str, str], now_us: int) -> tuple[int, int, int] | None:
+    """(micro-tokens at `now_us`, rate, burst) the way `_lib.lua`'s bucket_level computes it."""
+    level, ts = _int(raw.get("micro_tokens")), _int(raw.get("updated_us"))
+    rate, burst = _int(raw.get("rate")), _int(raw.get("burst"))
+    if rate is None or burst is None:
+        return None
+    cap = burst * MICRO
+    if level is None or ts is None:
+        return cap, rate, burst
+    if now_us > ts:
+        level += rate * (now_us - ts)
+    return min(level, cap), rate, burst
+
+
+def _tenant_view(name: str, level: tuple[int, int, int] | None, queued: int,
+                 bucket: bool) -> TenantView:
+    if level is None:
+        return TenantView(name, bucket, None, None, None, None, None, queued)
+    micro, rate, burst = level
+    percent = round(100 * micro / (burst * MICRO), 2) if burst else None
+    return TenantView(name, bucket, micro, micro / MICRO, burst, rate, percent, queued)
+
+
+async def _now(client: Any) -> int:
+    sec, usec = await client.time()
+    return int(sec) * 1_000_000 + int(usec)
+
+
+async def read_scheduler(client: Any) -> SchedulerView:
+    k = SchedulerKeys()
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.get(k.leader)
+        pipe.pttl(k.leader)
+        pipe.get(k.epoch)
+        leader, pttl, epoch = await pipe.execute()
+    return SchedulerView(
+        leader=None if leader is None else _text(leader),
+        epoch=int(epoch or 0),
+        lease_left_ms=int(pttl) if leader is not None and int(pttl) >= 0 else None,
+    )
+
+
+async def _buckets(client: Any, keys: PoolKeys) -> dict[str, dict[str, str]]:
+    prefix = keys.bucket_key("")
+    names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
+    out: dict[str, dict[str, str]] = {}
+    for start in range(0, len(names), SCAN_COUNT):
+        chunk = names[start:start + SCAN_COUNT]
+        async with client.pipeline(transaction=False) as pipe:
+            for name in chunk:
+                pipe.hgetall(name)
+            replies = await pipe.execute()
+        for name, raw in zip(chunk, replies, strict=True):
+            if raw:  # a bucket may vanish between SCAN and HGETALL (flush, manual DEL)
+                out[name[len(prefix):]] = _hash(raw)
+    return out
+
+
+def _nodes(state: dict[str, str], capacity: Mapping[str, str],
+           reserved: Mapping[str, str]) -> list[NodeView]:
+    per_node: dict[str, dict[str, str]] = {}
+    for field in [f for f in state if ":" in f]:
+        kind, node = field.split(":", 1)
+        per_node.setdefault(node, {})[kind] = state.pop(field)
+    out_reasons = dict(
+        item.split(":", 1) for item in state.get("nodes_out", "").split(",") if ":" in item
+    )
+    views = []
+    for node in sorted(set(capacity) | set(reserved) | set(per_node) | set(out_reasons)):
+        extra = per_node.get(node, {})
+        cap, res = _int(capacity.get(node)) or 0, _int(reserved.get(node)) or 0
+        views.append(NodeView(
+            node=node, capacity=cap, reserved=res, headroom=cap - res,
+            usage=_float(extra.pop("usage", None)),
+            projected=_float(extra.pop("projected", None)),
+            out=out_reasons.get(node), fields=extra,
+        ))
+    return views
+
+
+async def read_pool(client: Any, pool: str,
+                    tenants: Sequence[TenantSettings] = ()) -> PoolView:
+    keys = PoolKeys(pool)
+    cluster = isinstance(client, RedisCluster)
+    # MULTI makes one consistent snapshot; every key here shares the pool's hash tag.
+    async with client.pipeline(transaction=True) as pipe:
+        if not cluster:  # a keyless TIME cannot join a cluster transaction
+            pipe.time()
+        pipe.hget(keys.clock, "frozen_us")
+        for key in (keys.state, keys.node_capacity, keys.node_reserved):
+            pipe.hgetall(key)
+        for queue in keys.queues:
+            pipe.zcard(queue)
+            pipe.zrange(queue, 0, 0, withscores=True)
+        pipe.zrange(keys.leases, 0, -1, withscores=True)
+        pipe.hgetall(keys.tenant_queued)
+        pipe.hgetall(keys.stats)
+        replies = list(await pipe.execute())
+    redis_now = await _now(client) if cluster else _time_us(replies.pop(0))
+    frozen, state_raw, cap_raw, res_raw = replies[:4]
+    queue_replies = replies[4:10]
+    leases_raw, queued_raw, stats_raw = replies[10:13]
+
+    now = int(frozen) if frozen is not None else redis_now
+    state = _hash(state_raw)
+    capacity, reserved = _hash(cap_raw), _hash(res_raw)
+    updated = _int(state.get("updated_us"))
+    drain = [_float(state.get(f)) for f in DRAIN_FIELDS]
+    nodes = _nodes(state, capacity, reserved)
+
+    queues = []
+    for tier in Tier:
+        depth = int(queue_replies[2 * tier])
+        head = queue_replies[2 * tier + 1]
+        oldest, wait = None, None
+        if head:
+            oldest, wait = _text(head[0][0]), now - int(head[0][1])
+        queues.append(QueueView(tier.label, depth, oldest, wait))
+    queued = sum(q.depth for q in queues)
+
+    leases = [(_text(g), int(score)) for g, score in leases_raw]
+    async with client.pipeline(transaction=False) as pipe:
+        for gateway, _ in leases:
+            pipe.scard(keys.gateway_tasks_key(gateway))
+        live = [int(n) for n in await pipe.execute()] if leases else []
+    gateways = [GatewayView(g, expiry, expiry - now, n)
+                for (g, expiry), n in zip(leases, live, strict=True)]
+
+    queued_by_tenant = {k: int(v) for k, v in _hash(queued_raw).items()}
+    buckets = await _buckets(client, keys)
+    configured = {t.name: t for t in tenants}
+    views = []
+    for name in sorted(set(buckets) | set(configured) | set(queued_by_tenant)):
+        queued_n = queued_by_tenant.get(name, 0)
+        if name in buckets:
+            views.append(_tenant_view(name, bucket_level(buckets[name], now), queued_n, True))
+        elif name in configured:
+            t = configured[name]
+            views.append(_tenant_view(name, (t.burst * MICRO, t.rate, t.burst), queued_n, False))
+        else:
+            views.append(_tenant_view(name, None, queued_n, False))
+
+    return PoolView(
+        pool=pool, now_us=now, clock="redis" if frozen is None else "frozen",
+        zone=state.get("zone"), epoch=_int(state.get("epoch")), updated_us=updated,
+        state_age_us=None if updated is None else now - updated, drain=drain,
+        state={k: v for k, v in state.items()
+               if k not in CORE_STATE_FIELDS and k not in DRAIN_FIELDS},
+        nodes=nodes, queues=queues, queued=queued,
+        in_flight_tasks=max(0, sum(live) - queued),
+        in_flight_tokens=sum(n.reserved for n in nodes),
+        gateways=gateways, tenants=views,
+        stats={k: v for k, v in ((k, _int(v)) for k, v in _hash(stats_raw).items())
+               if v is not None},
+    )
+
+
+def _time_us(reply: Any) -> int:
+    sec, usec = reply
+    return int(sec) * 1_000_000 + int(usec)
+
+
+async def discover_pools(client: Any) -> list[str]:
+    """Pool names found in the keyspace (one SCAN pass), for when none is named."""
+    pools: set[str] = set()
+    async for raw in client.scan_iter(match=f"{ROOT}:{{*}}:*", count=SCAN_COUNT):
+        key = _text(raw)
+        tag = key[len(ROOT) + 2:key.find("}")]
+        if tag != "sched":
+            pools.add(tag)
+    return sorted(pools)
+
+
+async def snapshot(client: Any, pools: Sequence[str],
+                   tenants: Sequence[TenantSettings] = ()) -> Snapshot:
+    views = [await read_pool(client, pool, tenants) for pool in pools]
+    return Snapshot(await read_scheduler(client), views)
+
+
+# --- Plain-text rendering ---------------------------------------------------------------
+
+
+def _duration(us: int | None) -> str:
+    if us is None:
+        return "-"
+    sign, us = ("-" if us < 0 else ""), abs(us)
+    if us < 1_000:
+        return f"{sign}{us} µs"
+    if us < 1_000_000:
+        return f"{sign}{us / 1_000:.1f} ms"
+    if us < 600_000_000:
+        return f"{sign}{us / 1_000_000:.1f} s"
+    return f"{sign}{us / 60_000_000:.1f} min"
+
+
+def _num(value: float | int | None, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "  ") -> list[str]:
+    """Left-aligned columns, two spaces apart; the first column's header starts the block."""
+    body = [list(headers), *[list(r) for r in rows]]
+    widths = [max(len(r[i]) for r in body) for i in range(len(headers))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in body]
+
+
+def render_pool(p: PoolView) -> list[str]:
+    drain = " ".join(f"{t.label} {_num(d, '{:g}')}/s" for t, d in zip(Tier, p.drain, strict=True))
+    clock = "" if p.clock == "redis" else "  (clock frozen)"
+    lines = [
+        f"pool {p.pool}  zone {p.zone or 'GREEN (no state published)'}  "
+        f"epoch {_num(p.epoch)}  state age {_duration(p.state_age_us)}{clock}",
+        f"  drain {drain}"
+        + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
+    ]
+    lines += table(
+        ["node", "capacity", "reserved", "headroom", "usage", "projected", "out"],
+        ([n.node, str(n.capacity), str(n.reserved), str(n.headroom),
+          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), n.out or ""]
+         for n in p.nodes),
+    ) if p.nodes else ["  no nodes (no capacity published)"]
+    lines += table(["tier", "depth", "oldest wait", "oldest task"],
+                   ([q.tier, str(q.depth), _duration(q.oldest_wait_us), q.oldest_task or "-"]
+                    for q in p.queues))
+    lines.append(f"  in flight: {p.in_flight_tasks} tasks, {p.in_flight_tokens} tokens "
+                 f"reserved; queued: {p.queued}")
+    if p.gateways:
+        lines += table(["gateway", "live tasks", "lease left"],
+                       ([g.gateway, str(g.live_tasks),
+                         _duration(g.lease_left_us) + (" EXPIRED" if g.lease_left_us < 0 else "")]
+                        for g in p.gateways))
+    else:
+        lines.append("  no gateway holds a lease")
+    if p.tenants:
+        lines += table(["tenant", "tokens", "burst", "% of burst", "rate/s", "queued"],
+                       ([t.tenant, _num(t.tokens, "{:.1f}"), _num(t.burst), _num(t.percent),
+                         _num(t.rate), str(t.queued)] for t in p.tenants))
+    return lines
+
+
+def render(s: Snapshot) -> str:
+    left = s.scheduler.lease_left_ms
+    lease = "" if left is None else f"  lease left {left} ms"
+    lines = [f"scheduler leader {s.scheduler.leader or 'NONE'}  epoch {s.scheduler.epoch}{lease}"]
+    for pool in s.pools:
+        lines += ["", *render_pool(pool)]
+    return "\n".join(lines) + "\n"
+
+
+# --- Command line -----------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="kvgate-inspect", description=__doc__.split("\n\n")[1] if __doc__ else None)
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--config", help="the services' TOML file (Redis settings, pools, tenants)")
+    src.add_argument("--redis-url", help="Redis URL (default: $REDIS_URL, else localhost)")
+    parser.add_argument("--pool", action="append", default=[],
+                        help="pool to show (repeatable; default: all configured or found)")
+    parser.add_argument("--cluster", action="store_true", help="--redis-url is a Redis Cluster")
+    parser.add_argument("--ssl-ca-file", help="CA bundle for a rediss:// URL")
+    parser.add_argument("--json", action="store_true", help="one JSON document per refresh")
+    parser.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                        help="refresh every SECONDS (default 2) until interrupted")
+    parser.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
+    args = parser.parse_args(argv)
+    if args.watch is not None and args.watch <= 0:
+        parser.error("--watch SECONDS must be positive")
+    if args.count is not None and args.count < 1:
+        parser.error("--count must be at least 1")
+    for pool in args.pool:
+        try:
+            check_name("pool", pool)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return args
+
+
+async def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    tenants: Sequence[TenantSettings] = ()
+    pools: list[str] = list(args.pool)
+    if args.config:
+        config = load_config(args.config, env)
+        settings = config.redis
+        tenants = config.tenants
+        pools = pools or list(config.pools)
+    else:
+        settings = RedisSettings(
+            url=args.redis_url or env.get("REDIS_URL") or RedisSettings().url,
+            cluster=args.cluster, ssl_ca_file=args.ssl_ca_file)
+    client = connect(settings)
+    try:
+        pools = pools or await discover_pools(client)
+        interval = 2.0 if args.watch is None else args.watch
+        frames = args.count or (1 if args.watch is None else None)
+        clear = args.watch is not None and not args.json and sys.stdout.isatty()
+        shown = 0
+        while True:
+            snap = await snapshot(client, pools, tenants)
+            out = snap.to_json() + "\n" if args.json else render(snap)
+            sys.stdout.write(("\x1b[H\x1b[2J" if clear else "") + out)
+            sys.stdout.flush()
+            shown += 1
+            if frames is not None and shown >= frames:
+                return 0
+            if not clear and not args.json:
+                sys.stdout.write("\n")
+            await asyncio.sleep(interval)
+    finally:
+        await client.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return asyncio.run(run(args, os.environ))
+    except ConfigError as exc:
+        print(f"kvgate-inspect: {exc}", file=sys.stderr)
+        return 2
+    except (RedisError, OSError) as exc:
+        # redis-py's messages name host and port, never the password in the URL.
+        print(f"kvgate-inspect: Redis: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The inspection CLI against a real Redis populated through the admission core's own calls.
+
+The pool clock is frozen (`frozen_us`, as the core tests do) so that every wait, age and
+bucket level the CLI reports can be checked to the microsecond against a hand computation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from admission import inspect
+from admission.config import TenantSettings
+from admission.localredis import free_port
+from admission.scripts import register_scripts
+from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota, leadership
+from admission.tiers import Tier, Zone
+
+POOL = "insp"
+T0 = 10**15
+S = 1_000_000
+ACME = TenantQuota("acme", rate=100, burst=10_000, max_queued=10)
+ETL = TenantQuota("etl", rate=10, burst=50_000, max_queued=10)
+IDLE = TenantSettings("idle", Tier.NORMAL, (), rate=5, burst=2_000, max_queued=1)
+CAPS = {"gpu-0": 10_000, "gpu-1": 8_000}
+EXTRA = {
+    "usage:gpu-0": "0.5000", "projected:gpu-0": "0.6000", "nodes_out": "gpu-1:stale",
+    "drain_0": "2.000", "drain_1": "1.000", "drain_2": "0.000", "pool_usage": "0.5000",
+    "leader": "sched-a",
+}
+
+
+class World:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self.store = PoolStore(client, register_scripts(client), POOL, PoolPolicy())
+        self.epoch = 0
+
+    async def at(self, us: int) -> None:
+        await self.client.hset(self.store.keys.clock, "frozen_us", us)
+
+    async def admit(self, task: str, tenant: TenantQuota, tier: Tier, prompt: int, out: int,
+                    gateway: str) -> AdmitOutcome:
+        result = await self.store.admit(
+            task_id=task, tenant=tenant, tier=tier, prompt_tokens=prompt, max_tokens=out,
+            gateway=gateway, queue_timeout_ms=600_000)
+        return result.outcome
+
+
+async def populate(client: aioredis.Redis) -> World:
+    """A pool in YELLOW at T0+5 s: one task in flight on gpu-0, two Batch tasks queued."""
+    w = World(client)
+    lead = await leadership(client, w.store.scripts, "sched-a", 60_000)
+    w.epoch = lead.epoch
+    await w.at(T0)
+    await w.store.publish_state(w.epoch, Zone.GREEN, CAPS, EXTRA)
+    # Fast path to the node with most headroom; acme: 10000 - 1500 = 8500 at T0.
+    assert await w.admit("a", ACME, Tier.VIP, 1000, 500, "gw-1") is AdmitOutcome.RELEASED
+    await w.store.publish_state(w.epoch, Zone.YELLOW, CAPS)
+    await w.at(T0 + 1 * S)
+    # YELLOW queues Normal; acme: 8500 + 100 refilled - 500 = 8100 at T0+1s; gw-1 lease T0+11s.
+    assert await w.admit("b", ACME, Tier.NORMAL, 200, 300, "gw-1") is AdmitOutcome.QUEUED
+    await w.at(T0 + 2 * S)
+    # etl: 50000 - 4000 - 1000 = 45000 at T0+2s; d is enqueued 1 µs after c (strict FIFO).
+    assert await w.admit("c", ETL, Tier.BATCH, 3000, 1000, "gw-2") is AdmitOutcome.QUEUED
+    assert await w.admit("d", ETL, Tier.BATCH, 500, 500, "gw-2") is AdmitOutcome.QUEUED
+    await w.at(T0 + 3 * S)
+    released = await w.store.release(w.epoch, (0, 1, 0))
+    assert [(t.task_id, t.node) for t in released] == [("b", "gpu-0")]
+    # a used 700 of 1500: acme gets 800 back at T0+3s: 8100 + 200 refilled + 800 = 9100.
+    assert (await w.store.settle("a", 700)).refunded == 800
+    await w.at(T0 + 5 * S)
+    return w
+
+
+async def test_snapshot_numbers_are_exact(redis_client: aioredis.Redis) -> None:
+    await populate(redis_client)
+    snap = await inspect.snapshot(redis_client, [POOL], [IDLE])
+    assert snap.scheduler.leader == "sched-a"
+    assert snap.scheduler.epoch == 1
+    assert snap.scheduler.lease_left_ms is not None and 0 < snap.scheduler.lease_left_ms <= 60_000
+    (p,) = snap.pools
+    assert (p.now_us, p.clock, p.zone, p.epoch) == (T0 + 5 * S, "frozen", "YELLOW", 1)
+    assert (p.updated_us, p.state_age_us) == (T0, 5 * S)
+    assert p.drain == [2.0, 1.0, 0.0]
+    assert p.state == {"pool_usage": "0.5000", "leader": "sched-a"}
+    assert [(n.node, n.capacity, n.reserved, n.headroom, n.usage, n.projected, n.out)
+            for n in p.nodes] == [
+        ("gpu-0", 10_000, 500, 9_500, 0.5, 0.6, None),
+        ("gpu-1", 8_000, 0, 8_000, None, None, "stale"),
+    ]
+    assert [(q.tier, q.depth, q.oldest_task, q.oldest_wait_us) for q in p.queues] == [
+        ("vip", 0, None, None), ("normal", 0, None, None), ("batch", 2, "c", 3 * S),
+    ]
+    assert (p.queued, p.in_flight_tasks, p.in_flight_tokens) == (2, 1, 500)
+    assert [(g.gateway, g.lease_expiry_us, g.lease_left_us, g.live_tasks)
+            for g in p.gateways] == [("gw-1", T0 + 11 * S, 6 * S, 1),
+                                     ("gw-2", T0 + 12 * S, 7 * S, 2)]
+    tenants = {t.tenant: t for t in p.tenants}
+    assert list(tenants) == ["acme", "etl", "idle"]
+    acme, etl, idle = tenants["acme"], tenants["etl"], tenants["idle"]
+    # acme: 9100 at T0+3s + 2 s x 100/s; etl: 45000 at T0+2s + 3 s x 10/s.
+    assert (acme.micro_tokens, acme.tokens, acme.percent, acme.queued) == (
+        9_300 * S, 9_300.0, 93.0, 0)
+    assert (etl.micro_tokens, etl.tokens, etl.percent, etl.queued, etl.rate, etl.burst) == (
+        45_030 * S, 45_030.0, 90.06, 2, 10, 50_000)
+    assert (idle.bucket, idle.tokens, idle.percent, idle.burst) == (False, 2_000.0, 100.0, 2_000)
+    assert p.stats == {"released_0": 1, "released_1": 1, "fast_path": 1, "settled": 1,
+                       "settled_cost": 1500, "settled_usage": 700}
+    # The JSON document carries the same numbers.
+    doc = json.loads(snap.to_json())
+    assert doc["pools"][0]["tenants"][0]["micro_tokens"] == 9_300 * S
+    assert doc["pools"][0]["queues"][2]["oldest_wait_us"] == 3 * S
+
+
+async def test_bucket_refill_caps_at_burst_and_expired_lease_then_reap(
+    redis_client: aioredis.Redis,
+) -> None:
+    w = await populate(redis_client)
+    await w.at(T0 + 100 * S)
+    (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
+    acme = next(t for t in p.tenants if t.tenant == "acme")
+    assert (acme.micro_tokens, acme.percent) == (10_000 * S, 100.0)
+    assert [(g.gateway, g.lease_left_us) for g in p.gateways] == [
+        ("gw-1", -89 * S), ("gw-2", -88 * S)]
+    assert "EXPIRED" in inspect.render(await inspect.snapshot(redis_client, [POOL]))
+    # The reaper returns what the dead gateways held; the CLI shows the pool empty again.
+    await w.store.reap()
+    (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
+    assert (p.queued, p.in_flight_tasks, p.in_flight_tokens, p.gateways) == (0, 0, 0, [])
+    assert [n.headroom for n in p.nodes] == [10_000, 8_000]
+
+
+async def test_buckets_found_by_scan_across_pages(redis_client: aioredis.Redis) -> None:
+    """More buckets than one SCAN step and one pipeline chunk return; other pools' do not."""
+    n = inspect.SCAN_COUNT * 2 + 7
+    async with redis_client.pipeline(transaction=False) as pipe:
+        for i in range(n):
+            pipe.hset(f"kvg:{{{POOL}}}:bucket:t{i:04d}", mapping={
+                "micro_tokens": i * S, "updated_us": T0, "rate": 0, "burst": 10_000})
+        pipe.hset("kvg:{other}:bucket:t0000", mapping={
+            "micro_tokens": 1, "updated_us": T0, "rate": 0, "burst": 1})
+        await pipe.execute()
+    (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
+    assert len(p.tenants) == n
+    assert [t.micro_tokens for t in p.tenants] == [i * S for i in range(n)]
+    assert p.zone is None and p.nodes == [] and p.state_age_us is None
+    assert await inspect.discover_pools(redis_client) == [POOL, "other"]
+
+
+async def test_real_redis_time_when_not_frozen(redis_client: aioredis.Redis) -> None:
+    w = World(redis_client)
+    lead = await leadership(redis_client, w.store.scripts, "s", 5_000)
+    written = await w.store.publish_state(lead.epoch, Zone.GREEN, CAPS)
+    (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
+    assert p.clock == "redis"
+    assert p.updated_us == written
+    assert p.state_age_us is not None and 0 <= p.state_age_us < 5 * S
+
+
+async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None:
+    await populate(redis_client)
+    text = inspect.render(await inspect.snapshot(redis_client, [POOL], [IDLE]))
+    lines = text.splitlines()
+    assert lines[0].startswith("scheduler leader sched-a  epoch 1  lease left ")
+    assert any(line.startswith("pool insp  zone YELLOW  epoch 1  state age 5.0 s")
+               for line in lines)
+
+    def row(first: str) -> list[str]:
+        (found,) = [line.split() for line in lines if line.split()[:1] == [first]]
+        return found
+
+    assert row("gpu-0") == ["gpu-0", "10000", "500", "9500", "0.5000", "0.6000"]
+    assert row("gpu-1") == ["gpu-1", "8000", "0", "8000", "-", "-", "stale"]
+    assert row("batch") == ["batch", "2", "3.0", "s", "c"]
+    assert row("gw-2") == ["gw-2", "2", "7.0", "s"]
+    assert row("acme") == ["acme", "9300.0", "10000", "93.0", "100", "0"]
+    assert row("idle") == ["idle", "2000.0", "2000", "100.0", "5", "0"]
+    assert "  in flight: 1 tasks, 500 tokens reserved; queued: 2" in lines
+
+
+async def _run_cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admission.inspect", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_subprocess_json_watch_and_config(
+    redis_client: aioredis.Redis, redis_url: str, tmp_path: Path,
+) -> None:
+    await populate(redis_client)
+    code, out, err = await _run_cli("--redis-url", redis_url, "--pool", POOL, "--json",
+                                    "--watch", "0.05", "--count", "2")
+    assert code == 0, err
+    docs: list[dict[str, Any]] = [json.loads(line) for line in out.splitlines()]
+    assert len(docs) == 2
+    assert docs[1]["pools"][0]["in_flight_tokens"] == 500
+    assert docs[1]["pools"][0]["tenants"][1]["micro_tokens"] == 45_030 * S
+
+    config = tmp_path / "kvgate.toml"
+    config.write_text(
+        f'[redis]\nurl = "{redis_url}"\n\n[[pools]]\nname = "{POOL}"\n'
+        'backends = ["http://127.0.0.1:1"]\n\n'
+        '[[tenants]]\nname = "idle"\ntier = "normal"\nrate = 5\nburst = 2000\n')
+    code, out, err = await _run_cli("--config", str(config))
+    assert code == 0, err
+    assert "pool insp  zone YELLOW" in out
+    assert any(line.split()[:3] == ["idle", "2000.0", "2000"] for line in out.splitlines())
+
+
+def test_cli_errors_exit_nonzero_with_a_message(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    port = free_port()  # nothing listens there
+    assert inspect.main(["--redis-url", f"redis://:hunter2@127.0.0.1:{port}/0",
+                         "--pool", POOL]) == 1
+    err = capsys.readouterr().err
+    assert "kvgate-inspect: Redis:" in err and "hunter2" not in err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[pools]]\nname = 'x'\nbogus = 1\n")
+    assert inspect.main(["--config", str(bad)]) == 2
+    assert "pools[0].bogus: unknown key" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        inspect.main(["--pool", "bad name"])

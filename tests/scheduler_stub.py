@@ -5,11 +5,22 @@ and other lines the scheduler must skip, as a real page has them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
+import aiohttp
 from aiohttp import web
+
+from admission.config import Config, parse_config
+from admission.scripts import register_scripts
+from admission.store import AdmitOutcome, AdmitResult, PoolStore, TenantQuota
+from admission.tiers import Tier
+from scheduler.metrics import SchedulerMetrics
+from scheduler.pool import PoolScheduler
+from scheduler.scrape import Poller
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 _BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -91,3 +102,95 @@ async def serve_fake(fake: FakeVllm) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+# --- building a scheduler against stubs ------------------------------------------------------
+
+
+class FakeClock:
+    """Monotonic time the test moves by hand (token buckets, cool-downs, learning decay)."""
+
+    def __init__(self, now: float = 1_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def make_config(
+    redis_url: str,
+    backends: Sequence[Mapping[str, Any]],
+    *,
+    pool: str = "p",
+    zones: Mapping[str, Any] | None = None,
+    scheduler: Mapping[str, Any] | None = None,
+) -> Config:
+    return parse_config(
+        {
+            "redis": {"url": redis_url},
+            "scheduler": dict(scheduler or {}),
+            "pools": [{"name": pool, "backends": list(backends), "zones": dict(zones or {})}],
+        },
+        env={},
+    )
+
+
+@asynccontextmanager
+async def pool_scheduler(
+    client: Any, config: Config, *, clock: Callable[[], float] | None = None
+) -> AsyncIterator[PoolScheduler]:
+    """One pool's scheduler, ticked by the test itself (no service loop)."""
+    clock = clock or time.monotonic
+    settings = config.scheduler
+    pool = next(iter(config.pools.values()))
+    async with aiohttp.ClientSession() as session:
+        poller = Poller(
+            pool.backends, session,
+            timeout_s=settings.scrape_timeout_ms / 1000,
+            stale_after_s=(settings.scrape_timeout_ms + settings.poll_interval_ms) / 1000,
+            eject_after=settings.eject_after_failures, clock=clock,
+        )
+        store = PoolStore(client, register_scripts(client), pool.name,
+                          config.pool_policy(pool.name))
+        scheduler = PoolScheduler(store, pool, settings, poller, SchedulerMetrics(), me="test",
+                                  clock=clock)
+        try:
+            yield scheduler
+        finally:
+            await poller.close()
+
+
+def always() -> bool:
+    return True
+
+
+TENANT = TenantQuota("t", rate=1_000_000, burst=1_000_000_000, max_queued=1_000_000)
+
+
+async def admit(
+    store: PoolStore, task_id: str, tier: Tier, cost: int, *, gateway: str = "gw"
+) -> AdmitResult:
+    return await store.admit(task_id=task_id, tenant=TENANT, tier=tier, prompt_tokens=cost // 2,
+                             max_tokens=cost - cost // 2, gateway=gateway,
+                             queue_timeout_ms=600_000)
+
+
+async def queue_tasks(store: PoolStore, spec: Sequence[tuple[str, Tier, int]]) -> None:
+    """Queue tasks for sure: with no node capacity published the fast path cannot fire."""
+    await store.client.delete(store.keys.node_capacity)
+    for task_id, tier, cost in spec:
+        result = await admit(store, task_id, tier, cost)
+        assert result.outcome is AdmitOutcome.QUEUED, result
+
+
+async def reserved(store: PoolStore) -> dict[str, int]:
+    raw = await store.client.hgetall(store.keys.node_reserved)
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+async def state(store: PoolStore) -> dict[str, str]:
+    raw = await store.client.hgetall(store.keys.state)
+    return {k.decode(): v.decode() for k, v in raw.items()}

@@ -1,0 +1,133 @@
+"""The predictive budget model and the pieces of zone policy, as pure functions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from admission.config import ZoneSettings
+from admission.tiers import Zone
+from scheduler.budget import NodePlan, UsageLearner, plan_node, pool_usage
+from scheduler.policy import DrainRates, ReleasePolicy
+from scheduler.scrape import NodeMetrics, NodeView
+from scheduler.zones import ZoneTracker
+
+
+def view(usage: float, *, running: int = 0, capacity: int = 100_000, stale: bool = False,
+         ejected: bool = False) -> NodeView:
+    metrics = NodeMetrics(usage, "vllm:kv_cache_usage_perc", running, 0, 0.0, capacity, 16)
+    return NodeView("n", metrics, capacity, stale, ejected, 0.0, 1, "")
+
+
+def plan(v: NodeView, reserved: int, at_scrape: int, factor: float = 1.0,
+         policy: str = "full") -> NodePlan:
+    return plan_node(v, reserved=reserved, reserved_at_scrape=at_scrape, factor=factor,
+                     kv_target=0.8, stale_policy=policy)
+
+
+def test_budget_counts_reservations_not_yet_visible() -> None:
+    # 30k reserved and visible, 20k more reserved since the scrape; the cache shows 25k.
+    p = plan(view(0.25), reserved=50_000, at_scrape=30_000)
+    # Expected end state f x R = 50k dominates 25k measured + 20k coming.
+    assert p.projected == pytest.approx(0.50)
+    assert p.budget == 80_000  # R + (T - projected) / f = 50k + 30k
+
+
+def test_measured_usage_ahead_of_plan_takes_over() -> None:
+    # Requests grow beyond what was learned (f = 0.5): 30k visible reservations already fill
+    # 30k of cache, and 10k more were just released.
+    p = plan(view(0.30), reserved=40_000, at_scrape=30_000, factor=0.5)
+    assert p.projected == pytest.approx((30_000 + 0.5 * 10_000) / 100_000)
+    assert p.budget == math.floor(40_000 + (80_000 - 35_000) / 0.5)
+
+
+def test_unexplained_usage_is_foreign_and_padding_counts_blocks() -> None:
+    p = plan(view(0.30, running=100), reserved=10_000, at_scrape=10_000)
+    # 20k of the 30k measured cannot be ours; each running sequence may hold a partial block.
+    assert p.projected == pytest.approx((20_000 + 1_600 + 10_000) / 100_000)
+    assert p.budget == 80_000 - 20_000 - 1_600
+
+
+def test_over_target_gives_no_room_and_never_a_negative_budget() -> None:
+    assert plan(view(0.95), reserved=0, at_scrape=0).budget == 0
+    over = plan(view(0.5), reserved=90_000, at_scrape=90_000)
+    assert over.budget is not None and over.budget < over.reserved
+
+
+def test_stale_nodes_follow_the_declared_policy() -> None:
+    full = plan(view(0.1, stale=True), reserved=0, at_scrape=0, policy="full")
+    assert (full.budget, full.reason, full.projected) == (0, "stale", 0.8)
+    last = plan(view(0.1, stale=True), reserved=0, at_scrape=0, policy="last")
+    assert (last.budget, last.reason) == (70_000, "")
+    gone = plan(view(0.1, stale=True, ejected=True), reserved=5, at_scrape=5)
+    assert (gone.budget, gone.reason, gone.usable) == (None, "ejected", False)
+
+
+def test_pool_usage_aggregates() -> None:
+    a = plan(view(0.1), reserved=0, at_scrape=0)
+    b = plan(view(0.5, capacity=300_000), reserved=0, at_scrape=0)
+    assert pool_usage([a, b], "max") == pytest.approx(0.5)
+    assert pool_usage([a, b], "total") == pytest.approx((10_000 + 150_000) / 400_000)
+    assert pool_usage([plan(view(0.1, ejected=True), reserved=0, at_scrape=0)], "max") is None
+
+
+def test_learner_starts_without_overcommit_and_is_bounded() -> None:
+    learner = UsageLearner(halflife_s=60.0, margin=0.1, max_overcommit=2.5)
+    assert learner.factor == 1.0
+    learner.observe(0, 0, 0.0)
+    learner.observe(1_000_000, 100_000, 1.0)
+    assert learner.ratio == pytest.approx(150_000 / 1_050_000, rel=0.01)
+    assert learner.factor == pytest.approx(0.4)  # 1 / max_overcommit
+    learner.observe(1_000_000 + 400_000, 100_000 + 400_000, 2.0)  # a burst of full-length runs
+    assert learner.factor > 0.4
+
+
+def test_learner_forgets_with_its_half_life_and_survives_a_counter_reset() -> None:
+    learner = UsageLearner(halflife_s=10.0, margin=0.0, max_overcommit=10.0)
+    learner.observe(10_000_000, 9_000_000, 0.0)
+    learner.observe(10_000_000, 9_000_000, 100.0)  # ten half-lives, nothing new
+    learner.observe(10_100_000, 9_010_000, 100.0)  # fresh settles at 10% dominate
+    assert learner.ratio < 0.2
+    learner.observe(50_000, 40_000, 101.0)  # counters went back: counted from zero again
+    assert 0.1 < learner.ratio < 0.5
+
+
+@pytest.mark.parametrize(
+    ("usages", "zones"),
+    [
+        ([0.1, 0.7, 0.68, 0.669], "GYYG"),
+        ([0.9, 0.83, 0.8, 0.6], "RRYG"),
+        ([0.86, 0.5], "RG"),
+        ([0.72, 0.85, 0.66], "YRG"),
+    ],
+)
+def test_hysteresis(usages: list[float], zones: str) -> None:
+    tracker = ZoneTracker(ZoneSettings(yellow=0.7, red=0.85, hysteresis=0.03))
+    assert "".join(tracker.update(u).value[0] for u in usages) == zones
+
+
+def test_no_usable_node_is_red() -> None:
+    assert ZoneTracker(ZoneSettings()).update(None) is Zone.RED
+
+
+def test_release_limits_per_zone() -> None:
+    policy = ReleasePolicy(ZoneSettings(yellow_normal_rate=10.0), batch_size=500, now=0.0)
+    assert policy.limits(Zone.GREEN, 0.0) == (500, 500, 500)
+    assert policy.limits(Zone.YELLOW, 0.0) == (500, 0, 0)
+    assert policy.limits(Zone.YELLOW, 0.15) == (500, 1, 0)
+    policy.released(Zone.YELLOW, [3, 1, 0])
+    assert policy.limits(Zone.YELLOW, 0.16) == (500, 0, 0)  # 0.5 left + 0.1 refilled
+    assert policy.limits(Zone.RED, 5.0) == (500, 0, 0)
+    # Back in YELLOW after RED: the bucket starts empty, not with what it would have gathered.
+    assert policy.limits(Zone.YELLOW, 9.0) == (500, 0, 0)
+
+
+def test_drain_rate_follows_released_counters() -> None:
+    drains = DrainRates(tau_s=1.0)
+    drains.observe({}, 0.0)
+    for second in range(1, 11):
+        drains.observe({"released_1": 100 * second}, float(second))
+    assert drains.rates[1] == pytest.approx(100.0, rel=0.01)
+    assert drains.fields() == {"drain_0": "0.000", "drain_1": f"{drains.rates[1]:.3f}",
+                               "drain_2": "0.000"}

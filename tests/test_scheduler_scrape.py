@@ -1,0 +1,157 @@
+"""Reading vLLM's /metrics: both usage names, capacity with and without cache_config_info,
+ejection after failures in a row and return on the first answer, stale scrapes counted."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import aiohttp
+import pytest
+
+from admission.tiers import Tier
+from scheduler.scrape import USAGE_V0, USAGE_V1, MetricsError, Poller, parse_vllm_metrics
+from tests.scheduler_stub import (
+    FakeVllm,
+    always,
+    make_config,
+    pool_scheduler,
+    queue_tasks,
+    serve_fake,
+    state,
+)
+
+
+def test_parses_v1_page() -> None:
+    m = parse_vllm_metrics(FakeVllm(usage=0.4375, running=7, waiting=2, preemptions=3).render())
+    assert m.usage_metric == USAGE_V1
+    assert m.kv_usage == 0.4375
+    assert (m.running, m.waiting, m.preemptions) == (7, 2, 3.0)
+    assert m.capacity_tokens == 6_250 * 16
+    assert m.block_size == 16
+
+
+def test_parses_v0_page() -> None:
+    m = parse_vllm_metrics(FakeVllm(usage=0.25, v0=True, num_gpu_blocks=1_952).render())
+    assert m.usage_metric == USAGE_V0
+    assert m.kv_usage == 0.25
+    assert m.capacity_tokens == 1_952 * 16
+
+
+def test_v1_name_wins_when_both_present() -> None:
+    page = FakeVllm(usage=0.5).render() + f'{USAGE_V0}{{model_name="m"}} 0.9\n'
+    assert parse_vllm_metrics(page).kv_usage == 0.5
+
+
+def test_missing_cache_config_info_leaves_capacity_unknown() -> None:
+    m = parse_vllm_metrics(FakeVllm(usage=0.1, num_gpu_blocks=None).render())
+    assert m.capacity_tokens is None
+    assert m.block_size == 16
+
+
+def test_several_engines_take_the_fullest_and_sum_capacity() -> None:
+    page = (
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.2\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6\n'
+        'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
+        'vllm:num_requests_running{engine="1",model_name="m"} 4\n'
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0\n'
+    )
+    m = parse_vllm_metrics(page)
+    assert (m.kv_usage, m.running, m.capacity_tokens) == (0.6, 7, 3_200)
+
+
+@pytest.mark.parametrize("page", ["", 'vllm:num_requests_running{engine="0"} 1\n',
+                                  "vllm:kv_cache_usage_perc NaN\n", "vllm:kv_cache_usage_perc {\n"])
+def test_page_without_usable_usage_is_an_error(page: str) -> None:
+    with pytest.raises(MetricsError):
+        parse_vllm_metrics(page)
+
+
+async def test_poller_ejects_after_failures_in_a_row_and_readmits() -> None:
+    fake = FakeVllm(usage=0.3)
+    errors: list[str | None] = []
+    async with serve_fake(fake) as url, aiohttp.ClientSession() as session:
+        config = make_config("redis://x", [{"name": "n1", "url": url}])
+        poller = Poller(config.pools["p"].backends, session, timeout_s=1.0, stale_after_s=5.0,
+                        eject_after=3, on_scrape=lambda n, s, e: errors.append(e))
+        view = (await poller.poll(1.0))[0]
+        assert (view.stale, view.ejected, view.metrics is not None) == (False, False, True)
+        fake.status = 503
+        for expected_ejected in (False, False, True):
+            view = (await poller.poll(1.0))[0]
+            assert view.stale
+            assert view.ejected is expected_ejected
+        assert errors == [None, "http_503", "http_503", "http_503"]
+        fake.status = 200
+        view = (await poller.poll(1.0))[0]
+        assert (view.stale, view.ejected) == (False, False)
+        await poller.close()
+
+
+async def test_slow_node_is_stale_for_the_tick_but_does_not_delay_it() -> None:
+    slow, fast = FakeVllm(usage=0.5, delay_s=0.5), FakeVllm(usage=0.2)
+    async with serve_fake(slow) as slow_url, serve_fake(fast) as fast_url, \
+            aiohttp.ClientSession() as session:
+        config = make_config("redis://x", [{"name": "slow", "url": slow_url},
+                                           {"name": "fast", "url": fast_url}])
+        poller = Poller(config.pools["p"].backends, session, timeout_s=2.0, stale_after_s=0.1,
+                        eject_after=3)
+        views = {v.name: v for v in await poller.poll(0.05)}
+        assert views["fast"].metrics is not None and not views["fast"].stale
+        assert views["slow"].metrics is None and views["slow"].stale
+        # Its scrape was not abandoned: it completes in the background and is not a failure.
+        assert not views["slow"].ejected
+        await poller.close()
+
+
+@pytest.mark.parametrize(("policy", "budget_expected"), [("full", 0), ("last", 78_000)])
+async def test_stale_policy_is_applied_and_counted(
+    redis_client: Any, redis_url: str, policy: str, budget_expected: int
+) -> None:
+    fake = FakeVllm(usage=0.0)
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             scheduler={"stale_policy": policy, "eject_after_failures": 5})
+        async with pool_scheduler(redis_client, config) as ps:
+            await ps.tick(1, always)
+            fake.status = 500
+            result = await ps.tick(1, always)
+            plan = result.plans[0]
+            assert plan.stale and not plan.ejected
+            assert plan.budget == budget_expected
+            stale = ps.metrics.stale.labels("p", "n1", policy)._value.get()
+            assert stale == 1
+            capacity = await redis_client.hget(ps.store.keys.node_capacity, "n1")
+            assert int(capacity) == budget_expected
+            if policy == "full":
+                assert (await state(ps.store))["nodes_out"] == "n1:stale"
+
+
+async def test_capacity_from_config_when_cache_config_info_missing(
+    redis_client: Any, redis_url: str
+) -> None:
+    with_info, without = FakeVllm(usage=0.0), FakeVllm(usage=0.0, num_gpu_blocks=None, v0=True)
+    unknown = FakeVllm(usage=0.0, num_gpu_blocks=None)
+    async with serve_fake(with_info) as u1, serve_fake(without) as u2, \
+            serve_fake(unknown) as u3:
+        config = make_config(redis_url, [
+            {"name": "info", "url": u1},
+            {"name": "configured", "url": u2, "capacity_tokens": 50_000},
+            {"name": "unknown", "url": u3},
+        ])
+        async with pool_scheduler(redis_client, config) as ps:
+            await queue_tasks(ps.store, [("a", Tier.VIP, 1_000)])
+            result = await ps.tick(1, always)
+            plans = {p.name: p for p in result.plans}
+            assert plans["info"].budget == 78_000
+            assert plans["configured"].budget == 39_000
+            # Without cache_config_info nor capacity_tokens the node gets nothing, and says why.
+            assert plans["unknown"].budget is None and plans["unknown"].reason == "no_capacity"
+            assert math.isnan(plans["unknown"].projected)
+            caps = await redis_client.hgetall(ps.store.keys.node_capacity)
+            assert {k.decode(): int(v) for k, v in caps.items()} == {
+                "info": 78_000, "configured": 39_000}
+            assert [t.task_id for t in result.released] == ["a"]

@@ -236,8 +236,10 @@ class Admitter:
             self.metrics.queue_wait.labels(pool.name, tier.label).observe(waited)
             return self._ticket(task_id, pool, outcome.node, tier, labels, waited)
         if outcome is None:
-            # Our deadline came first: take the task out of the queue ourselves.
-            self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
+            # Our deadline came first: take the task out of the queue ourselves (before the
+            # drain hint is read, so that the depth reported no longer counts it).
+            leaving = self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
+            await asyncio.wait((leaving,), timeout=1.0)
         elif outcome.state != "expired":
             # Reaped (this gateway's lease lapsed) or ended by someone else.
             raise unavailable(

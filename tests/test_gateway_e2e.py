@@ -1,0 +1,190 @@
+"""End to end through the official OpenAI SDK: gateway, redis-server and an instant backend,
+all on real sockets. Exact usage is checked in Redis (task record, tenant bucket)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from admission.tiers import Zone
+from tests.gateway_harness import BIG, Harness, running_gateway
+
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours of the rainbow."},
+]
+
+
+@pytest.fixture
+async def gw(redis_url: str, redis_client: aioredis.Redis) -> Any:
+    async with running_gateway(redis_url) as harness:
+        await harness.publish(Zone.GREEN)
+        await harness.freeze_clock()
+        yield harness
+
+
+async def _expected_prompt(gw: Harness, messages: list[Any]) -> int:
+    return gw.gateway.pools["demo"].counter.count_chat(messages)
+
+
+async def test_chat_non_streaming_settles_exact_usage(gw: Harness) -> None:
+    raw = await gw.openai("vip").chat.completions.with_raw_response.create(
+        model="demo", messages=MESSAGES, max_tokens=20)
+    completion = raw.parse()
+    task_id = raw.headers["x-request-id"]
+    assert completion.choices[0].message.content
+    assert completion.usage is not None
+    prompt = await _expected_prompt(gw, MESSAGES)
+    assert completion.usage.prompt_tokens == prompt
+    assert completion.usage.completion_tokens == 20
+    await gw.settled()
+    record = await gw.task(task_id)
+    assert record["state"] == "settled"
+    assert int(record["usage"]) == completion.usage.total_tokens == prompt + 20
+    assert int(record["cost"]) == prompt + 20  # reservation: prompt + max_tokens
+    assert record["tier"] == "0" and record["tenant"] == "vip"
+    # The bucket (full before; clock frozen: no refill) was charged exactly the usage.
+    assert await gw.bucket("vip") == 1_000_000 - (prompt + 20)
+    forwarded = gw.backends[0].received[-1].body
+    assert forwarded["model"] == "demo" and forwarded["max_tokens"] == 20
+    assert "stream_options" not in forwarded and "priority" not in forwarded
+
+
+async def test_bucket_charged_exactly_the_usage(gw: Harness) -> None:
+    client = gw.openai("normal")
+    first = await client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5)
+    await gw.settled()
+    level = await gw.bucket("normal")
+    second = await client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5)
+    await gw.settled()
+    assert first.usage is not None and second.usage is not None
+    assert level - await gw.bucket("normal") == second.usage.total_tokens
+    assert level == 1_000_000 - first.usage.total_tokens
+
+
+async def test_default_max_tokens_is_written_into_the_forwarded_body(gw: Harness) -> None:
+    raw = await gw.openai("vip").chat.completions.with_raw_response.create(
+        model="demo", messages=MESSAGES)
+    completion = raw.parse()
+    assert completion.usage is not None and completion.usage.completion_tokens == 64
+    assert gw.backends[0].received[-1].body["max_tokens"] == 64  # the pool's default
+    await gw.settled()
+    record = await gw.task(raw.headers["x-request-id"])
+    assert int(record["cost"]) == completion.usage.prompt_tokens + 64
+
+
+async def test_chat_stream_strips_the_usage_chunk_the_client_did_not_ask_for(gw: Harness) -> None:
+    raw = await gw.openai("vip").chat.completions.with_raw_response.create(
+        model="demo", messages=MESSAGES, max_tokens=7, stream=True)
+    task_id = raw.headers["x-request-id"]
+    chunks = [chunk async for chunk in raw.parse()]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(f" t{i}" for i in range(7))
+    assert all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks)  # no usage-only chunk reached the client
+    forwarded = gw.backends[0].received[-1].body
+    assert forwarded["stream_options"] == {"include_usage": True}
+    await gw.settled()
+    record = await gw.task(task_id)
+    assert int(record["usage"]) == await _expected_prompt(gw, MESSAGES) + 7
+
+
+async def test_chat_stream_keeps_the_usage_chunk_when_asked(gw: Harness) -> None:
+    raw = await gw.openai("vip").chat.completions.with_raw_response.create(
+        model="demo", messages=MESSAGES, max_tokens=4, stream=True,
+        stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in raw.parse()]
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert usage.completion_tokens == 4
+    await gw.settled()
+    record = await gw.task(raw.headers["x-request-id"])
+    assert int(record["usage"]) == usage.total_tokens
+
+
+async def test_completions_non_streaming_and_streaming(gw: Harness) -> None:
+    client = gw.openai("normal")
+    raw = await client.completions.with_raw_response.create(
+        model="demo", prompt="Once upon a time", max_tokens=6)
+    done = raw.parse()
+    assert done.choices[0].text == "".join(f" t{i}" for i in range(6))
+    assert done.usage is not None
+    prompt = gw.gateway.pools["demo"].counter.count_prompt("Once upon a time")
+    assert done.usage.prompt_tokens == prompt
+    stream_raw = await client.completions.with_raw_response.create(
+        model="demo", prompt="Once upon a time", max_tokens=3, stream=True)
+    pieces = [c.choices[0].text async for c in stream_raw.parse() if c.choices]
+    assert "".join(pieces) == " t0 t1 t2"
+    await gw.settled()
+    assert int((await gw.task(raw.headers["x-request-id"]))["usage"]) == prompt + 6
+    assert int((await gw.task(stream_raw.headers["x-request-id"]))["usage"]) == prompt + 3
+
+
+async def test_unknown_key_raises_authentication_error(gw: Harness) -> None:
+    with pytest.raises(openai.AuthenticationError) as info:
+        await gw.openai("sk-not-a-key").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=1)
+    assert info.value.status_code == 401
+    assert info.value.code == "invalid_api_key"
+    assert "sk-not-a-key" not in info.value.response.text
+    assert gw.backends[0].received == []
+
+
+async def test_quota_429_is_a_rate_limit_error_with_the_exact_refill_time(gw: Harness) -> None:
+    client = gw.openai("small")  # burst 1,000 tokens, refill 10 tokens/s
+    first = await client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=500)
+    assert first.usage is not None
+    await gw.settled()
+    level = await gw.bucket("small")
+    assert level == 1000 - first.usage.total_tokens
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=500)
+    headers = info.value.response.headers
+    cost = first.usage.total_tokens  # the same request again
+    exact_ms = (cost - level) * 1000 / 10  # tokens missing / rate, in ms
+    retry_ms = int(headers["retry-after-ms"])
+    assert exact_ms <= retry_ms <= exact_ms * 1.25 + 1
+    assert int(headers["retry-after"]) == -(-retry_ms // 1000)
+    assert headers["x-ratelimit-backpressure-level"] == "GREEN"
+    assert int(headers["x-queue-depth"]) == 0
+    body = info.value.response.json()["error"]
+    assert body["code"] == "rate_limit_exceeded" and body["retry_after_ms"] == retry_ms
+    assert set(body) >= {"message", "type", "param", "code"}
+    assert await gw.bucket("small") == level  # a rejection charges nothing
+
+
+async def test_priority_header_lowers_but_never_raises(gw: Harness) -> None:
+    lowered = await gw.openai("normal").chat.completions.with_raw_response.create(
+        model="demo", messages=MESSAGES, max_tokens=1, extra_headers={"X-Priority": "batch"})
+    raised = await gw.openai("batch").chat.completions.with_raw_response.create(
+        model="demo", messages=MESSAGES, max_tokens=1, extra_headers={"X-Priority": "vip"})
+    await gw.settled()
+    assert (await gw.task(lowered.headers["x-request-id"]))["tier"] == "2"
+    assert (await gw.task(raised.headers["x-request-id"]))["tier"] == "2"
+    with pytest.raises(openai.BadRequestError):
+        await gw.openai("vip").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=1, extra_headers={"X-Priority": "top"})
+
+
+async def test_pass_priority_forwards_the_tier(redis_url: str,
+                                               redis_client: aioredis.Redis) -> None:
+    def adjust(data: dict[str, Any]) -> None:
+        data["pools"][0]["pass_priority"] = True
+        data["pools"][0]["served_model_name"] = "served-name"
+
+    async with running_gateway(redis_url, adjust=adjust,
+                               backend_options={"model": "served-name"}) as gw:
+        await gw.publish(Zone.GREEN, BIG)
+        await gw.openai("batch").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=1, extra_body={"priority": -5})
+        body = gw.backends[0].received[-1].body
+        assert body["priority"] == 2  # the tier, not the client's -5
+        assert body["model"] == "served-name"
+
+
+async def test_models_lists_the_pools(gw: Harness) -> None:
+    models = await gw.openai("batch").models.list()
+    assert [m.id for m in models.data] == ["demo"]

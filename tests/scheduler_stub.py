@@ -194,3 +194,22 @@ async def reserved(store: PoolStore) -> dict[str, int]:
 async def state(store: PoolStore) -> dict[str, str]:
     raw = await store.client.hgetall(store.keys.state)
     return {k.decode(): v.decode() for k, v in raw.items()}
+
+
+async def next_message(pubsub: Any, timeout_s: float = 3.0) -> Any:
+    """The next published message, skipping subscribe confirmations; None after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=left)
+        if message is not None:
+            return message
+    return None
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> float:
+    """Poll `condition` (another loop's doing) until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, "condition not met in time"
+        await asyncio.sleep(0.005)
+    return time.monotonic() - start

@@ -17,6 +17,7 @@ from tests.scheduler_stub import (
     admit,
     always,
     make_config,
+    next_message,
     pool_scheduler,
     queue_tasks,
     reserved,
@@ -171,7 +172,8 @@ async def test_learned_usage_overcommits_within_bounds(redis_client: Any, redis_
                 for task in result.released:
                     await ps.store.settle(task.task_id, 3_333)
             assert 0.33 < ps.learner.ratio < 0.6  # the f = 1 prior fades as settles come in
-            assert TARGET < result.plans[0].budget <= 2 * TARGET
+            budget = result.plans[0].budget
+            assert budget is not None and TARGET < budget <= 2 * TARGET
             # A long history in the pool's counters (a previous leader's) outweighs the prior.
             await redis_client.hincrby(ps.store.keys.stats, "settled_cost", 30_000_000)
             await redis_client.hincrby(ps.store.keys.stats, "settled_usage", 10_000_000)
@@ -259,10 +261,8 @@ async def test_expired_queued_task_is_returned_to_its_gateway(
             await pubsub.subscribe(ps.store.keys.wake_channel("gw"))
             result = await ps.tick(1, always)
             assert [(t.task_id, t.node) for t in result.released] == [("old", None)]
-            message = None
-            while message is None:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=2.0)
-            assert message["data"] == b"old "
+            message = await next_message(pubsub)
+            assert message is not None and message["data"] == b"old "
             assert (await ps.store.task("old") or {})["state"] == TaskState.EXPIRED
             await pubsub.aclose()
 

@@ -1,0 +1,94 @@
+"""Leadership in-process against real Redis: one leader, a lease trusted only by the local
+clock, immediate handover on resignation, and a fenced leader stepping down."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from admission.errors import FencedError
+from admission.keys import SchedulerKeys
+from admission.scripts import register_scripts
+from admission.store import leadership
+from admission.tiers import Tier, Zone
+from scheduler.leader import SAFETY, Elector
+from scheduler.service import SchedulerService
+from tests.scheduler_stub import FakeClock, FakeVllm, admit, eventually, make_config, serve_fake
+
+
+async def test_one_leader_and_a_standby_told_when_to_retry(redis_client: Any) -> None:
+    scripts = register_scripts(redis_client)
+    a = Elector(redis_client, scripts, "a", 3_000)
+    b = Elector(redis_client, scripts, "b", 3_000)
+    assert await a.attempt() == 1.0  # renew every ttl / 3
+    retry = await b.attempt()
+    assert a.leading and not b.leading
+    assert (a.epoch, b.holder) == (1, "a")
+    assert 0.9 < retry <= 1.0
+    await a.attempt()  # a renewal keeps the epoch
+    assert a.epoch == 1
+
+
+async def test_leader_stops_by_its_own_clock_before_the_lease_ends(redis_client: Any) -> None:
+    clock = FakeClock()
+    a = Elector(redis_client, register_scripts(redis_client), "a", 2_000, clock=clock)
+    await a.attempt()
+    clock.advance(2.0 * (1 - SAFETY) - 0.01)
+    assert a.leading
+    clock.advance(0.02)
+    # Redis still holds the lease for this replica; it no longer trusts it.
+    assert not a.leading
+    assert (await redis_client.get(SchedulerKeys().leader)) == b"a"
+
+
+async def test_resignation_hands_over_at_once(redis_client: Any) -> None:
+    scripts = register_scripts(redis_client)
+    a = Elector(redis_client, scripts, "a", 5_000)
+    b = Elector(redis_client, scripts, "b", 5_000)
+    await a.attempt()
+    runner = asyncio.create_task(b.run())
+    try:
+        await asyncio.sleep(0.05)  # let b subscribe; its timed retry is ~1.7 s away
+        await a.resign()
+        took = await eventually(lambda: b.leading)
+        assert took < 0.5
+        assert b.epoch == 2 and not a.leading
+    finally:
+        runner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await runner
+
+
+async def test_fenced_leader_steps_down_and_releases_nothing(
+    redis_client: Any, redis_url: str
+) -> None:
+    async with serve_fake(FakeVllm()) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             scheduler={"poll_interval_ms": 10, "leader_ttl_ms": 60_000})
+        service = SchedulerService(config, me="old", client=redis_client)
+        await service.start()
+        try:
+            await eventually(lambda: service.leading and service.ticks > 0)
+            old_epoch = service.elector.epoch if service.elector else None
+            # The lease vanishes (a partition, a paused process) and another replica leads and
+            # writes: from then on the old leader's epoch is refused.
+            await redis_client.delete(SchedulerKeys().leader)
+            scripts = register_scripts(redis_client)
+            new = await leadership(redis_client, scripts, "new", 60_000)
+            store = service.pools[0].store
+            await store.publish_state(new.epoch, Zone.GREEN, {})
+            await eventually(lambda: not service.leading)
+            assert service.metrics.fenced.labels("p")._value.get() >= 1
+            await admit(store, "v0", Tier.VIP, 100)
+            await asyncio.sleep(0.05)  # several of the old leader's poll intervals
+            assert (await store.task("v0") or {})["state"] == "queued"
+            assert old_epoch is not None and new.epoch > old_epoch
+            try:
+                await store.release(old_epoch, (1, 1, 1))
+            except FencedError as exc:
+                assert exc.current == new.epoch
+            else:
+                raise AssertionError("release with the old epoch was accepted")
+        finally:
+            await service.stop()

@@ -1,0 +1,88 @@
+"""The service as deployed in-process: the app's endpoints, a queued task released and its
+gateway woken by the poll loop, and the reaper returning a dead gateway's reservation."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from admission.scripts import register_scripts
+from admission.store import AdmitOutcome, PoolPolicy, PoolStore
+from admission.tiers import Tier
+from scheduler.app import SERVICE, create_app
+from tests.scheduler_stub import (
+    FakeVllm,
+    admit,
+    eventually,
+    make_config,
+    next_message,
+    queue_tasks,
+    reserved,
+    serve_fake,
+)
+
+
+async def test_app_serves_health_and_metrics_and_releases(
+    redis_client: Any, redis_url: str
+) -> None:
+    fake = FakeVllm(usage=0.25, preemptions=2)
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             scheduler={"poll_interval_ms": 20})
+        # Queued before any scheduler ran: no budget was published, the fast path cannot fire.
+        store = PoolStore(redis_client, register_scripts(redis_client), "p", PoolPolicy())
+        await queue_tasks(store, [("q1", Tier.NORMAL, 1_000)])
+        pubsub = redis_client.pubsub()
+        await pubsub.subscribe(store.keys.wake_channel("gw"))
+        app = create_app(config, me="s1")
+        async with TestClient(TestServer(app)) as client:
+            service = app[SERVICE]
+            message = await next_message(pubsub)
+            assert message is not None and message["data"] == b"q1 n1"
+            await pubsub.aclose()
+            await eventually(lambda: service.ticks >= 1)
+            assert service.leading
+
+            health = await (await client.get("/healthz")).json()
+            assert health["id"] == "s1" and health["leading"] is True
+            assert health["epoch"] == 1
+            assert health["pools"]["p"]["zone"] == "GREEN"
+            text = await (await client.get("/metrics")).text()
+            for line in ('kvgate_scheduler_leader 1.0', 'kvgate_scheduler_zone{pool="p"} 0.0',
+                         'kvgate_scheduler_kv_usage{node="n1",pool="p"} 0.25',
+                         'kvgate_scheduler_released_total{pool="p",tier="normal"} 1.0',
+                         'kvgate_scheduler_node_preemptions{node="n1",pool="p"} 2.0',
+                         'kvgate_scheduler_epoch 1.0'):
+                assert line in text, line
+            assert 'kvgate_scheduler_scrape_duration_seconds_count{node="n1",pool="p"}' in text
+            assert 'kvgate_scheduler_queue_depth{pool="p",tier="vip"} 0.0' in text
+        # The app's cleanup resigned the lease.
+        assert await redis_client.get("kvg:{sched}:leader") is None
+
+
+async def test_reaper_returns_a_dead_gateways_reservation(
+    redis_client: Any, redis_url: str
+) -> None:
+    async with serve_fake(FakeVllm()) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             scheduler={"poll_interval_ms": 20, "reap_interval_ms": 20})
+        config = dataclasses.replace(config, gateway=dataclasses.replace(
+            config.gateway, lease_ttl_ms=100, renew_interval_ms=50))
+        app = create_app(config, me="s1")
+        async with TestClient(TestServer(app)):
+            service = app[SERVICE]
+            await eventually(lambda: service.leading and service.ticks > 1)
+            store = service.pools[0].store
+            result = await admit(store, "t1", Tier.VIP, 5_000, gateway="doomed")
+            assert result.outcome is AdmitOutcome.RELEASED
+            assert await reserved(store) == {"n1": 5_000}
+            # The gateway never renews its 100 ms lease: it died.
+            for _ in range(300):
+                if (await store.task("t1") or {}).get("state") == "reaped":
+                    break
+                await asyncio.sleep(0.01)
+            assert (await store.task("t1") or {})["state"] == "reaped"
+            assert await reserved(store) == {}

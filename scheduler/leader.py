@@ -89,7 +89,8 @@ class Elector:
 
     def step_down(self, why: str) -> None:
         if self.epoch is not None:
-            log.warning("%s steps down from epoch %d: %s", self.me, self.epoch, why)
+            level = logging.INFO if why == "resigning" else logging.WARNING
+            log.log(level, "%s steps down from epoch %d: %s", self.me, self.epoch, why)
             self.changes += 1
         self.epoch = None
         self.deadline = 0.0

@@ -1,0 +1,238 @@
+{{/*
+Names, labels, and the pieces the gateway and scheduler pods share (Redis env, config
+volumes). The TOML emitter lives in _toml.tpl.
+*/}}
+
+{{- define "kvgate.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Truncated to 52 so that "-scheduler" (and pod hashes) still fit Kubernetes' 63. */}}
+{{- define "kvgate.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvgate.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvgate.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* Call with (dict "root" $ "component" "gateway"). */}}
+{{- define "kvgate.labels" -}}
+helm.sh/chart: {{ include "kvgate.chart" .root }}
+{{ include "kvgate.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: kvgate
+{{- end }}
+
+{{- define "kvgate.image" -}}
+{{- $tag := default .Chart.AppVersion .Values.image.tag }}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "kvgate.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- Redis */}}
+
+{{- define "kvgate.redis.host" -}}
+{{- printf "%s-redis" (include "kvgate.fullname" .) }}
+{{- end }}
+
+{{/*
+Refuses combinations that would deploy something that cannot work, with a message naming the
+value to change (the schema checks each value alone; these need two).
+*/}}
+{{- define "kvgate.validate" -}}
+{{- $r := .Values.redis }}
+{{- if eq $r.mode "external" }}
+{{- if not $r.external.url }}
+{{- fail "redis.external.url is required when redis.mode is external" }}
+{{- end }}
+{{- if and $r.tls.enabled (not (hasPrefix "rediss://" $r.external.url)) }}
+{{- fail "redis.tls.enabled needs a rediss:// redis.external.url" }}
+{{- end }}
+{{- if and (hasPrefix "rediss://" $r.external.url) (not $r.tls.enabled) }}
+{{- fail "redis.external.url is rediss://: set redis.tls.enabled=true" }}
+{{- end }}
+{{- if and $r.auth.enabled (not $r.auth.existingSecret) (not $r.auth.password) }}
+{{- fail "redis.auth: set existingSecret (recommended) or password, or auth.enabled=false" }}
+{{- end }}
+{{- else }}
+{{- if $r.tls.enabled }}
+{{- fail "redis.tls is for an external Redis; the bundled one speaks plain TCP inside the cluster" }}
+{{- end }}
+{{- if not $r.auth.enabled }}
+{{- fail "the bundled Redis always requires a password: keep redis.auth.enabled=true" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.tenants.existingSecret .Values.tenants.items }}
+{{- fail "tenants: use either tenants.items or tenants.existingSecret, not both" }}
+{{- end }}
+{{- end }}
+
+{{/* The Redis URL without credentials: what the ConfigMap may show. */}}
+{{- define "kvgate.redis.url" -}}
+{{- if eq .Values.redis.mode "external" }}
+{{- .Values.redis.external.url }}
+{{- else }}
+{{- printf "redis://%s:%d/0" (include "kvgate.redis.host" .) (int .Values.redis.bundled.port) }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.redis.secretName" -}}
+{{- default (printf "%s-redis-auth" (include "kvgate.fullname" .)) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{- define "kvgate.redis.secretKey" -}}
+{{- if .Values.redis.auth.existingSecret }}
+{{- .Values.redis.auth.existingSecretPasswordKey }}
+{{- else -}}
+redis-password
+{{- end }}
+{{- end }}
+
+{{/*
+REDIS_URL with the password, assembled by the kubelet from REDIS_PASSWORD ($(VAR) expansion)
+so that the password only ever lives in a Secret. It is inserted as is, not URL-encoded: use
+a password of URL-safe characters (A-Z a-z 0-9 . _ ~ -), as the chart's generated one is.
+*/}}
+{{- define "kvgate.redis.env" -}}
+{{- $url := include "kvgate.redis.url" . }}
+{{- if .Values.redis.auth.enabled }}
+{{- $scheme := regexFind "^rediss?://" $url }}
+{{- $user := .Values.redis.auth.username }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvgate.redis.secretName" . }}
+      key: {{ include "kvgate.redis.secretKey" . }}
+- name: REDIS_URL
+  value: {{ printf "%s%s:$(REDIS_PASSWORD)@%s" $scheme $user (trimPrefix $scheme $url) | quote }}
+{{- else }}
+- name: REDIS_URL
+  value: {{ $url | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.redis.caPath" -}}
+/etc/kvgate/redis-ca/ca.crt
+{{- end }}
+
+{{/* ---------------------------------------------------------------- config */}}
+
+{{/*
+The [redis], [gateway], [scheduler], [tiers] and [[pools]] tables, from .Values.config, plus
+the keys the chart owns: where Redis is (never its password), the CA path, and the listen
+address and ports the probes and Services use. Tenants are not here: see tenants.toml.
+*/}}
+{{- define "kvgate.config.toml" -}}
+{{- $cfg := deepCopy .Values.config }}
+{{- $redis := default (dict) $cfg.redis }}
+{{- $_ := set $redis "url" (include "kvgate.redis.url" .) }}
+{{- if and .Values.redis.tls.enabled .Values.redis.tls.caSecret }}
+{{- $_ := set $redis "ssl_ca_file" (include "kvgate.redis.caPath" .) }}
+{{- end }}
+{{- $gateway := default (dict) $cfg.gateway }}
+{{- $_ := set $gateway "host" .Values.listenAddress }}
+{{- $_ := set $gateway "port" (int .Values.gateway.port) }}
+{{- $scheduler := default (dict) $cfg.scheduler }}
+{{- $_ := set $scheduler "host" .Values.listenAddress }}
+{{- $_ := set $scheduler "port" (int .Values.scheduler.port) }}
+{{- $_ := set $cfg "redis" $redis }}
+{{- $_ := set $cfg "gateway" $gateway }}
+{{- $_ := set $cfg "scheduler" $scheduler -}}
+# kvgate configuration rendered by the Helm chart {{ include "kvgate.chart" . }}.
+# REDIS_URL (from a Secret) overrides redis.url; tenants live in a Secret (tenants.toml).
+{{ include "kvgate.toml.table" (dict "path" "" "map" $cfg) | trim }}
+{{- end }}
+
+{{/* [[tenants]] tables only, so that the file can be appended to config.toml. */}}
+{{- define "kvgate.tenants.toml" -}}
+# kvgate tenants: API keys as SHA-256 hex only.
+{{- if .Values.tenants.items }}
+{{ include "kvgate.toml.table" (dict "path" "" "map" (dict "tenants" .Values.tenants.items)) | trim }}
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.tenants.secretName" -}}
+{{- default (printf "%s-tenants" (include "kvgate.fullname" .)) .Values.tenants.existingSecret }}
+{{- end }}
+
+{{- define "kvgate.tenants.secretKey" -}}
+{{- if .Values.tenants.existingSecret }}
+{{- .Values.tenants.existingSecretKey }}
+{{- else -}}
+tenants.toml
+{{- end }}
+{{- end }}
+
+{{/* Paths inside the pods. */}}
+{{- define "kvgate.paths.config" -}}/etc/kvgate/config/config.toml{{- end }}
+{{- define "kvgate.paths.tenants" -}}/etc/kvgate/tenants/tenants.toml{{- end }}
+{{- define "kvgate.paths.merged" -}}/run/kvgate/kvgate.toml{{- end }}
+
+{{/* Volumes and mounts every kvgate container has: /tmp, and the Redis CA if any. */}}
+{{- define "kvgate.commonVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 64Mi
+{{- if and .Values.redis.tls.enabled .Values.redis.tls.caSecret }}
+- name: redis-ca
+  secret:
+    secretName: {{ .Values.redis.tls.caSecret }}
+    defaultMode: 0444
+    items:
+      - key: {{ .Values.redis.tls.caSecretKey }}
+        path: ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "kvgate.commonMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- if and .Values.redis.tls.enabled .Values.redis.tls.caSecret }}
+- name: redis-ca
+  mountPath: /etc/kvgate/redis-ca
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* preStop: let endpoint removal reach every load balancer before the server stops. */}}
+{{- define "kvgate.preStop" -}}
+{{- if gt (int .seconds) 0 }}
+lifecycle:
+  preStop:
+{{- if semverCompare ">=1.30-0" .root.Capabilities.KubeVersion.Version }}
+    sleep:
+      seconds: {{ int .seconds }}
+{{- else }}
+    exec:
+      command: ["sleep", "{{ int .seconds }}"]
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,457 @@
+"""The Helm chart, rendered and linted by Helm's own Go code (helm-python-sdk, no helm binary).
+
+Every rendered manifest is validated against the Kubernetes OpenAPI schemas
+(kubernetes-validate, strict: unknown fields fail), and the config the pods get is run
+through the same steps the pods take (the gateway's init container joins config and tenants)
+and then parsed by `admission.config`, so a chart that renders but would crash-loop fails here.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from admission import config as cfg
+from admission.tiers import Tier
+
+CHART = Path(__file__).resolve().parent.parent / "helm" / "kvgate"
+RELEASE, NAMESPACE = "kv", "inference"
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+PASSWORD = "0123456789abcdef-not-a-real-password"
+HASHES = ["5d6bf7b999239eddfd0a32aede86c79e58e1b3a03a2685fbe53c5980581bdc1d",
+          "7f6ba71affeeeed6fd1d41c5a5cc85c7a75de664e3548faa8020d85bfbc9237e"]
+TENANTS = [
+    {"name": "acme", "tier": "vip", "key_sha256": [HASHES[0]], "rate": 20_000,
+     "burst": 1_000_000_000, "max_queued": 1000},
+    {"name": "nightly-etl", "tier": "batch", "key_sha256": [HASHES[1]], "rate": 5_000,
+     "burst": 400_000, "max_queued": 10_000},
+]
+WITH_TENANTS: dict[str, Any] = {
+    "tenants": {"items": TENANTS},
+    "redis": {"auth": {"password": PASSWORD}},
+    "config": {"pools": [{
+        "name": "llama-8b", "served_model_name": "meta-llama/Llama-3.1-8B-Instruct",
+        "default_system_prompt": 'Say "hi"\\ then\n\ttab, <b>&</b> ünïcode',
+        "backends": [{"name": "gpu-0", "url": "http://vllm-0:8000", "capacity_tokens": 400_000},
+                     "http://vllm-1:8000"],
+        "zones": {"yellow": 0.7, "red": 0.85, "batch_trickle_rate": 0.5},
+    }]},
+}
+@cache
+def chart() -> helm.Chart:
+    return helm.Chart.load(CHART)
+
+
+def production_values() -> dict[str, Any]:
+    return helm.values_from_yaml((CHART / "values-production.yaml").read_text())
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    out = chart().render(values, name=RELEASE, namespace=NAMESPACE)
+    docs: list[dict[str, Any]] = []
+    for path, text in sorted(out.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+VARIANTS: dict[str, Any] = {
+    "defaults": lambda: None,
+    "production": production_values,
+    "tenants": lambda: WITH_TENANTS,
+}
+
+
+def one(docs: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    return found
+
+
+def containers(pod: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield from pod.get("initContainers", [])
+    yield from pod["containers"]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def secret_strings(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return {f"{d['metadata']['name']}/{k}": base64.b64decode(v).decode()
+            for d in docs if d["kind"] == "Secret" for k, v in d.get("data", {}).items()}
+
+
+def check_service_monitor(doc: dict[str, Any]) -> None:
+    """The fields of monitoring.coreos.com/v1 ServiceMonitor this chart relies on."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    assert doc["metadata"]["name"] and doc["metadata"]["namespace"]
+    spec = doc["spec"]
+    assert set(spec) <= {"selector", "endpoints", "namespaceSelector"}
+    assert spec["selector"]["matchLabels"]
+    assert spec["namespaceSelector"] == {"matchNames": [doc["metadata"]["namespace"]]}
+    for endpoint in spec["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout"}
+        assert isinstance(endpoint["port"], str) and endpoint["path"] == "/metrics"
+        for key in ("interval", "scrapeTimeout"):
+            assert re.fullmatch(r"[0-9]+(ms|s|m|h)", endpoint[key])
+
+
+def configmap(docs: list[dict[str, Any]]) -> str:
+    text: str = one(docs, "ConfigMap", "-config")["data"]["config.toml"]
+    return text
+
+
+# --- lint and validation --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lint_has_no_errors_or_warnings(variant: str) -> None:
+    report = helm.lint(CHART, VARIANTS[variant](), strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    # Severity 2 is a warning, 3 an error; the only note allowed is "icon is recommended".
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_manifest_validates_against_kubernetes_schemas(variant: str) -> None:
+    docs = render(VARIANTS[variant]())
+    kinds = {d["kind"] for d in docs}
+    assert {"ConfigMap", "Deployment", "Service", "PodDisruptionBudget"} <= kinds
+    for doc in docs:
+        assert doc["metadata"]["namespace"] == NAMESPACE
+        if doc["kind"] == "ServiceMonitor":  # a CRD: no schema in kubernetes-validate
+            check_service_monitor(doc)
+            continue
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_a_typo_in_a_manifest_would_fail_validation() -> None:
+    """The validator really is strict: an unknown field (readOnlyRootFileSystem) is caught."""
+    deployment = one(render(), "Deployment", "-gateway")
+    sc = deployment["spec"]["template"]["spec"]["containers"][0]["securityContext"]
+    sc["readOnlyRootFileSystem"] = sc.pop("readOnlyRootFilesystem")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+
+
+# --- what the workloads must be -------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scheduler_runs_two_replicas_with_a_standby_on_another_node(variant: str) -> None:
+    docs = render(VARIANTS[variant]())
+    sched = one(docs, "Deployment", "-scheduler")
+    assert sched["spec"]["replicas"] == 2
+    assert sched["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    pod = sched["spec"]["template"]["spec"]
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    (c,) = pod["containers"]
+    assert c["command"] == ["python", "-m", "scheduler"]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert [p["containerPort"] for p in c["ports"] if p["name"] == "metrics"] == [9100]
+    # Least privilege: the scheduler never mounts the tenants' Secret.
+    assert all(v["name"] != "tenants" for v in pod["volumes"])
+    assert one(docs, "PodDisruptionBudget", "-scheduler")["spec"]["maxUnavailable"] == 1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gateway_probes_ports_and_service(variant: str) -> None:
+    docs = render(VARIANTS[variant]())
+    gw = one(docs, "Deployment", "-gateway")
+    pod = gw["spec"]["template"]["spec"]
+    c = next(c for c in pod["containers"] if c["name"] == "gateway")
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert [p["containerPort"] for p in c["ports"] if p["name"] == "http"] == [8000]
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 5
+    # SIGTERM grace covers the preStop sleep plus the server's own drain timeout.
+    shutdown = int(c["args"][c["args"].index("--shutdown-timeout") + 1])
+    assert pod["terminationGracePeriodSeconds"] > shutdown + 5
+    svc = one(docs, "Service", "-gateway")
+    assert svc["spec"]["selector"].items() <= gw["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["spec"]["ports"][0]["targetPort"] == "http"
+    assert one(docs, "PodDisruptionBudget", "-gateway")["spec"]["selector"]["matchLabels"] == (
+        gw["spec"]["selector"]["matchLabels"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_container_runs_restricted(variant: str) -> None:
+    docs = render(VARIANTS[variant]())
+    workloads = [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+    assert len(workloads) == (2 if variant == "production" else 3)
+    for w in workloads:
+        pod = w["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in containers(pod):
+            sc = c["securityContext"]
+            assert sc["readOnlyRootFilesystem"] is True, c["name"]
+            assert sc["allowPrivilegeEscalation"] is False, c["name"]
+            assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+
+
+def test_production_autoscales_and_is_scraped() -> None:
+    docs = render(production_values())
+    gw = one(docs, "Deployment", "-gateway")
+    assert "replicas" not in gw["spec"]  # the HPA owns the count
+    hpa = one(docs, "HorizontalPodAutoscaler", "-gateway")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (4, 16)
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": gw["metadata"]["name"]}
+    assert one(docs, "PodDisruptionBudget", "-gateway")["spec"] == {
+        "minAvailable": 3, "selector": gw["spec"]["selector"]}
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 2
+    services = [d for d in docs if d["kind"] == "Service"]
+    for sm in monitors:
+        assert sm["metadata"]["labels"]["release"] == "prometheus"
+        selector = sm["spec"]["selector"]["matchLabels"]
+        (svc,) = [s for s in services if s["metadata"]["labels"].items() >= selector.items()]
+        assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    # External Redis: no bundled StatefulSet, no chart-made Redis Secret, TLS with the CA.
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert 'url = "rediss://kvgate-redis.prod.internal:6380/0"' in configmap(docs)
+
+
+def test_defaults_have_no_hpa_or_servicemonitor_and_bundle_a_noeviction_redis() -> None:
+    docs = render()
+    assert {d["kind"] for d in docs}.isdisjoint({"HorizontalPodAutoscaler", "ServiceMonitor"})
+    assert one(docs, "Deployment", "-gateway")["spec"]["replicas"] == 2
+    sts = one(docs, "StatefulSet", "-redis")
+    assert sts["spec"]["replicas"] == 1
+    (redis,) = sts["spec"]["template"]["spec"]["containers"]
+    args = redis["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    secret_name = env_of(redis)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"]
+    generated = secret_strings(docs)[f"{secret_name}/redis-password"]
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", generated)
+    svc = one(docs, "Service", "-redis")
+    gw = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(gw)["REDIS_URL"]["value"] == (
+        f"redis://:$(REDIS_PASSWORD)@{svc['metadata']['name']}:"
+        f"{svc['spec']['ports'][0]['port']}/0")
+
+
+# --- secrets stay in Secrets ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_secret_data_in_any_configmap_or_plain_env(variant: str) -> None:
+    docs = render(VARIANTS[variant]())
+    secrets = secret_strings(docs)
+    if variant == "tenants":
+        assert secrets[f"{RELEASE}-kvgate-redis-auth/redis-password"] == PASSWORD
+        assert all(h in secrets[f"{RELEASE}-kvgate-tenants/tenants.toml"] for h in HASHES)
+    # Every secret value whole, and every key hash inside the tenants' TOML.
+    needles = [PASSWORD, *HASHES]
+    for name, value in secrets.items():
+        needles += re.findall(r"[0-9a-f]{64}", value) if name.endswith(".toml") else [value]
+        assert "sk-" not in value, name
+    for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+        text = json.dumps(cm)
+        assert not [n for n in needles if n in text]
+        assert not re.search(r"[0-9a-f]{64}", text)  # no key hash of any kind
+        assert "password" not in text.lower() and "sk-" not in text
+        assert "@" not in cfg.parse_config(_toml(cm["data"]["config.toml"]), env={}).redis.url
+    for w in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+        for c in containers(w["spec"]["template"]["spec"]):
+            for e in c.get("env", []):
+                assert PASSWORD not in e.get("value", ""), (c["name"], e["name"])
+
+
+def _toml(text: str) -> dict[str, Any]:
+    return tomllib.loads(text)
+
+
+# --- the config the pods get is the config the services accept ---------------------------
+
+
+def _run_init_container(docs: list[dict[str, Any]], tmp: Path) -> tuple[Path, dict[str, str]]:
+    """Lay out the gateway pod's volumes in `tmp` and run its init container's command."""
+    pod = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    sources: dict[str, dict[str, str]] = {}
+    for vol in pod["volumes"]:
+        if "configMap" in vol:
+            sources[vol["name"]] = one(docs, "ConfigMap", "-config")["data"]
+        elif "secret" in vol and vol["name"] == "tenants":
+            data = secret_strings(docs)
+            ref = vol["secret"]
+            sources["tenants"] = {item["path"]: data[f"{ref['secretName']}/{item['key']}"]
+                                  for item in ref["items"]}
+    remap: dict[str, str] = {}
+    for m in init["volumeMounts"]:
+        folder = tmp / m["name"]
+        folder.mkdir()
+        for fname, content in sources.get(m["name"], {}).items():
+            (folder / fname).write_text(content, encoding="utf-8")
+        remap[m["mountPath"]] = str(folder)
+
+    def on_disk(path: str) -> str:
+        mount = next(m for m in remap if path.startswith(m + "/"))
+        return remap[mount] + path[len(mount):]
+
+    command = init["command"]
+    assert command[:2] == ["python", "-c"]
+    subprocess.run([sys.executable, "-c", command[2], *map(on_disk, command[3:])],
+                   check=True, timeout=20)
+    gw = next(c for c in pod["containers"] if c["name"] == "gateway")
+    config_path = gw["args"][gw["args"].index("--config") + 1]
+    return Path(on_disk(config_path)), {e["name"]: e.get("value", "") for e in gw["env"]}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gateway_pod_config_is_accepted(variant: str, tmp_path: Path) -> None:
+    values = VARIANTS[variant]()
+    docs = render(values)
+    if variant == "production":  # tenants from an existing Secret: stand one in
+        docs.append({"kind": "Secret", "metadata": {"name": "kvgate-tenants"}, "data": {
+            "tenants.toml": base64.b64encode(
+                f'[[tenants]]\nname = "t"\ntier = "vip"\nkey_sha256 = ["{HASHES[0]}"]\n'
+                .encode()).decode()}})
+    path, env = _run_init_container(docs, tmp_path)
+    pod_env = {"REDIS_URL": env["REDIS_URL"].replace("$(REDIS_PASSWORD)", "pw")}
+    config = cfg.load_config(path, env=pod_env)
+    merged = chart().merge_values(values)
+    assert list(config.pools) == [p["name"] for p in merged["config"]["pools"]]
+    assert (config.gateway.host, config.gateway.port) == ("0.0.0.0", 8000)
+    assert config.redis.url == pod_env["REDIS_URL"]
+    if variant == "tenants":
+        assert [(t.name, t.tier, t.key_sha256, t.rate, t.burst) for t in config.tenants] == [
+            ("acme", Tier.VIP, (HASHES[0],), 20_000, 1_000_000_000),
+            ("nightly-etl", Tier.BATCH, (HASHES[1],), 5_000, 400_000)]
+        pool = config.pools["llama-8b"]
+        assert pool.default_system_prompt == WITH_TENANTS["config"]["pools"][0][
+            "default_system_prompt"]
+        assert [(b.name, b.url, b.capacity_tokens) for b in pool.backends] == [
+            ("gpu-0", "http://vllm-0:8000", 400_000), ("node-1", "http://vllm-1:8000", None)]
+        assert (pool.zones.yellow, pool.zones.batch_trickle_rate) == (0.7, 0.5)
+    if variant == "production":
+        assert [t.name for t in config.tenants] == ["t"]
+        assert config.pools["llama-8b"].pass_priority is True
+        assert config.tiers[Tier.BATCH].queue_timeout_ms == 1_800_000
+        ca = config.redis.ssl_ca_file
+        gw = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+        (mount,) = [m for m in gw["containers"][0]["volumeMounts"] if m["name"] == "redis-ca"]
+        (vol,) = [v for v in gw["volumes"] if v["name"] == "redis-ca"]
+        assert ca == f"{mount['mountPath']}/{vol['secret']['items'][0]['path']}"
+        assert vol["secret"]["secretName"] == "kvgate-redis-ca"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_scheduler_pod_config_is_accepted(variant: str) -> None:
+    docs = render(VARIANTS[variant]())
+    pod = one(docs, "Deployment", "-scheduler")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    path = c["args"][c["args"].index("--config") + 1]
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert vol["configMap"]["name"] == one(docs, "ConfigMap", "-config")["metadata"]["name"]
+    text = one(docs, "ConfigMap", "-config")["data"][path[len(mount["mountPath"]) + 1:]]
+    config = cfg.parse_config(_toml(text), env={})
+    assert (config.scheduler.host, config.scheduler.port) == ("0.0.0.0", 9100)
+    assert config.tenants == ()
+
+
+def test_schema_covers_every_config_key() -> None:
+    """A key added to admission.config must be added to values.schema.json (or listed here)."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]
+    props = schema["properties"]
+    set_by_chart = {"redis": {"url", "ssl_ca_file"}, "gateway": {"host", "port", "id"},
+                    "scheduler": {"host", "port", "id"}}
+    # admin_token_sha256 is not exposed: it would have to sit in the ConfigMap.
+    not_exposed = {"gateway": {"admin_token_sha256"}}
+    for section, settings in (("redis", cfg.RedisSettings), ("gateway", cfg.GatewaySettings),
+                              ("scheduler", cfg.SchedulerSettings)):
+        fields = {f.name for f in dataclasses.fields(settings)}
+        exposed = set(props[section]["properties"])
+        assert exposed | set_by_chart.get(section, set()) | not_exposed.get(section, set()) == (
+            fields), section
+    pool = props["pools"]["items"]["properties"]
+    assert set(pool) == {f.name for f in dataclasses.fields(cfg.PoolSettings)}
+    assert set(pool["zones"]["properties"]) == {
+        f.name for f in dataclasses.fields(cfg.ZoneSettings)}
+    assert set(props["tiers"]["properties"]) == {t.label for t in Tier}
+    tenant = json.loads((CHART / "values.schema.json").read_text())["properties"]["tenants"]
+    assert set(tenant["properties"]["items"]["items"]["properties"]) == {
+        f.name for f in dataclasses.fields(cfg.TenantSettings)}
+
+
+# --- bad values are refused before anything is deployed ----------------------------------
+
+BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
+    "plaintext key": ({"tenants": {"items": [
+        {"name": "a", "tier": "vip", "key_sha256": ["sk-live-123"]}]}}, "key_sha256"),
+    "credentials in url": ({"redis": {"mode": "external", "external": {
+        "url": "redis://:hunter2@redis:6379/0"}}}, "/redis/external/url"),
+    "url set in config": ({"config": {"redis": {"url": "redis://x"}}}, "/config/redis"),
+    "typo in config": ({"config": {"gateway": {"lease_ttl": 5}}}, "/config/gateway"),
+    "no standby possible": ({"scheduler": {"replicas": 0}}, "/scheduler/replicas"),
+    "unknown tier": ({"tenants": {"items": [
+        {"name": "a", "tier": "gold", "key_sha256": []}]}}, "/tenants/items/0/tier"),
+    "pool name with braces": ({"config": {"pools": [
+        {"name": "a{b}", "backends": []}]}}, "/config/pools/0/name"),
+    "external without url": ({"redis": {"mode": "external"}}, "/redis/external/url"),
+    "port as text": ({"gateway": {"port": "8000"}}, "/gateway/port"),
+    "unsafe password": ({"redis": {"auth": {"password": "a@b/c"}}}, "/redis/auth/password"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_schema_rejects_bad_values(case: str) -> None:
+    values, where = BAD_VALUES[case]
+    with pytest.raises(helm.HelmValuesError, match=re.escape(where)):
+        chart().validate_schema(chart().merge_values(values))
+    report = helm.lint(CHART, values)
+    assert any(where in e for e in report["errors"])
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0"},
+                "tls": {"enabled": True}}}, "needs a rediss://"),
+    ({"redis": {"mode": "external", "external": {"url": "rediss://r:6380/0"},
+                "auth": {"existingSecret": "s"}}}, "set redis.tls.enabled=true"),
+    ({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0"}}},
+     "redis.auth: set existingSecret"),
+    ({"tenants": {"existingSecret": "t", "items": TENANTS}}, "not both"),
+    ({"redis": {"auth": {"enabled": False}}}, "bundled Redis always requires a password"),
+])
+def test_combinations_that_cannot_work_fail_with_a_message(values: dict[str, Any],
+                                                           message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(values)
+
+
+def test_external_redis_without_auth_and_username_urls() -> None:
+    plain = render({"redis": {"mode": "external", "external": {"url": "redis://r:6379/2"},
+                              "auth": {"enabled": False}}})
+    c = one(plain, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(c)["REDIS_URL"]["value"] == "redis://r:6379/2"
+    assert "REDIS_PASSWORD" not in env_of(c)
+    acl = render({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0"},
+                            "auth": {"existingSecret": "s", "username": "kvgate"}}})
+    c = one(acl, "Deployment", "-scheduler")["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(c)["REDIS_URL"]["value"] == "redis://kvgate:$(REDIS_PASSWORD)@r:6379/0"
+    assert env_of(c)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "s", "key": "redis-password"}

@@ -8,8 +8,8 @@ the schedulers. Plain tables by default, ``--json`` for machines, ``--watch`` to
 It only reads. "Now" is the clock the Lua scripts use (Redis ``TIME``, or the pool clock's
 ``frozen_us``, which only tests set), so waits, ages and bucket refills shown here are the ones
 the next admit would compute, whatever this machine's clock says. Bucket keys are found with
-SCAN (never KEYS, which blocks a busy server). A pool's reads are one MULTI on a standalone
-Redis, so the numbers are one consistent snapshot.
+SCAN (never KEYS, which blocks a busy server). A pool's reads are one MULTI (its keys share
+one hash tag, so this holds on Redis Cluster too): the numbers are one consistent snapshot.
 """
 
 from __future__ import annotations

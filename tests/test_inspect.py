@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from admission import inspect
 from admission.config import TenantSettings
-from admission.localredis import free_port
+from admission.localredis import free_port, start_cluster
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota, leadership
 from admission.tiers import Tier, Zone
@@ -36,8 +37,11 @@ EXTRA = {
 }
 
 
+Client = aioredis.Redis | RedisCluster
+
+
 class World:
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: Client) -> None:
         self.client = client
         self.store = PoolStore(client, register_scripts(client), POOL, PoolPolicy())
         self.epoch = 0
@@ -53,7 +57,7 @@ class World:
         return result.outcome
 
 
-async def populate(client: aioredis.Redis) -> World:
+async def populate(client: Client) -> World:
     """A pool in YELLOW at T0+5 s: one task in flight on gpu-0, two Batch tasks queued."""
     w = World(client)
     lead = await leadership(client, w.store.scripts, "sched-a", 60_000)
@@ -79,9 +83,8 @@ async def populate(client: aioredis.Redis) -> World:
     return w
 
 
-async def test_snapshot_numbers_are_exact(redis_client: aioredis.Redis) -> None:
-    await populate(redis_client)
-    snap = await inspect.snapshot(redis_client, [POOL], [IDLE])
+def check_populated(snap: inspect.Snapshot) -> None:
+    """The numbers `populate` leads to, computed by hand."""
     assert snap.scheduler.leader == "sched-a"
     assert snap.scheduler.epoch == 1
     assert snap.scheduler.lease_left_ms is not None and 0 < snap.scheduler.lease_left_ms <= 60_000
@@ -117,6 +120,24 @@ async def test_snapshot_numbers_are_exact(redis_client: aioredis.Redis) -> None:
     doc = json.loads(snap.to_json())
     assert doc["pools"][0]["tenants"][0]["micro_tokens"] == 9_300 * S
     assert doc["pools"][0]["queues"][2]["oldest_wait_us"] == 3 * S
+
+
+async def test_snapshot_numbers_are_exact(redis_client: aioredis.Redis) -> None:
+    await populate(redis_client)
+    check_populated(await inspect.snapshot(redis_client, [POOL], [IDLE]))
+
+
+async def test_snapshot_on_a_redis_cluster() -> None:
+    """Same numbers on a 3-master cluster: one slot per pool, SCAN across every master."""
+    cluster = start_cluster(3)
+    client = RedisCluster.from_url(cluster.url)
+    try:
+        await populate(client)
+        check_populated(await inspect.snapshot(client, [POOL], [IDLE]))
+        assert await inspect.discover_pools(client) == [POOL]
+    finally:
+        await client.aclose()
+        cluster.stop()
 
 
 async def test_bucket_refill_caps_at_burst_and_expired_lease_then_reap(

@@ -1,0 +1,15 @@
+# The image the Helm chart runs: one image, two entry points (gateway, scheduler).
+FROM python:3.11-slim
+RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin kvgate
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY admission admission
+COPY gateway gateway
+COPY scheduler scheduler
+COPY lua lua
+COPY bench bench
+RUN pip install --no-cache-dir '.[fast]' && rm -rf /root/.cache
+USER 10001
+EXPOSE 8000 9100
+ENTRYPOINT ["python", "-m"]
+CMD ["gateway", "--config", "/etc/kvgate/config.toml"]

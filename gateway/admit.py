@@ -130,6 +130,9 @@ class Admitter:
                 raise self._rejection(result, inbound, tenant)
             raise ApiError(500, "Duplicate task id; please retry.", type_="server_error",
                            code="internal_error", retry_after_ms=self._hint(100))
+        except ApiError as exc:
+            exc.headers.setdefault("X-Request-Id", task_id)
+            raise
         finally:
             self.hub.forget(task_id)
 

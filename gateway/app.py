@@ -10,7 +10,6 @@ before closing Redis.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -38,12 +37,21 @@ from gateway.openapi import openapi_document
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
 from gateway.settle import Settler, renew_leases
-from gateway.state import CONFIG, GATEWAY, GATEWAY_ID, METRICS, OPENAPI, Gateway
+from gateway.state import (
+    CONFIG,
+    GATEWAY,
+    GATEWAY_ID,
+    METRICS,
+    OPENAPI,
+    SETTLE_DRAIN,
+    Gateway,
+)
 from gateway.waiter import WakeHub
 
 log = logging.getLogger("kvgate.gateway")
 
 SETTLE_DRAIN_S = 5.0
+BACKGROUND_STOP_S = 2.0
 
 
 def default_gateway_id() -> str:
@@ -52,7 +60,10 @@ def default_gateway_id() -> str:
     return f"gw-{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def create_app(config: Config, *, gateway_id: str | None = None) -> web.Application:
+def create_app(
+    config: Config, *, gateway_id: str | None = None, settle_drain_s: float = SETTLE_DRAIN_S
+) -> web.Application:
+    """`settle_drain_s`: how long stopping waits for settles still failing (Redis down)."""
     gid = check_name("gateway", gateway_id or config.gateway.id or default_gateway_id())
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes, middlewares=[openai_errors]
@@ -61,6 +72,7 @@ def create_app(config: Config, *, gateway_id: str | None = None) -> web.Applicat
     app[GATEWAY_ID] = gid
     app[METRICS] = GatewayMetrics(tenant_labels=config.gateway.tenant_metrics)
     app[OPENAPI] = orjson.dumps(openapi_document(config))
+    app[SETTLE_DRAIN] = settle_drain_s
     app.cleanup_ctx.append(_runtime)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
@@ -130,10 +142,12 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         upstream=Upstream(session, metrics, jitter=config.gateway.retry_jitter),
     )
     app[GATEWAY] = gateway
+    stop_renewing = asyncio.Event()
     background = [
         asyncio.create_task(hub.run(), name="kvgate-wake"),
         asyncio.create_task(
-            renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, metrics),
+            renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, metrics,
+                         stop_renewing),
             name="kvgate-renew",
         ),
     ]
@@ -141,11 +155,13 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await settler.drain(SETTLE_DRAIN_S)
+        await settler.drain(app[SETTLE_DRAIN])
+        hub.stop.set()
+        stop_renewing.set()
         for task in background:
             task.cancel()
-        for task in background:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        _, stuck = await asyncio.wait(background, timeout=BACKGROUND_STOP_S)
+        for task in stuck:
+            log.warning("background task %s did not stop", task.get_name())
         await session.close()
         await client.aclose()

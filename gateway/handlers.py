@@ -73,10 +73,12 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise
     pool = inbound.pool
     outcome = m.REJECTED
+    task_id: str | None = None
     in_flight = metrics.in_flight.labels(pool.name)
     in_flight.inc()
     try:
         ticket = await gw.admitter.admit(inbound, tenant, tier, client_timeout_ms)
+        task_id = ticket.task_id
         meter = Meter(inbound.prompt_tokens)
         outcome = m.CLIENT_GONE
         try:
@@ -101,6 +103,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         return response
     except ApiError as exc:
         outcome = _outcome_of(exc)
+        if task_id is not None:
+            exc.headers.setdefault("X-Request-Id", task_id)
         raise
     finally:
         in_flight.dec()

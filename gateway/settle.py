@@ -10,6 +10,7 @@ its lease expires, and the scheduler's reaper returns the whole reservation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -102,17 +103,26 @@ class Settler:
 
 
 async def renew_leases(
-    stores: Sequence[PoolStore], gateway_id: str, interval_s: float, metrics: GatewayMetrics
+    stores: Sequence[PoolStore],
+    gateway_id: str,
+    interval_s: float,
+    metrics: GatewayMetrics,
+    stop: asyncio.Event,
 ) -> None:
-    """One renew call per pool every `interval_s` keeps all of this gateway's tasks alive."""
-    while True:
+    """One renew call per pool every `interval_s` keeps all of this gateway's tasks alive.
+
+    Runs until `stop` is set. (Not only until cancelled: a cancellation that lands inside the
+    Redis client can come out as a connection error, which this loop must survive.)
+    """
+    while not stop.is_set():
         for store in stores:
             try:
                 await store.renew(gateway_id)
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:
+                if stop.is_set():
+                    return
                 metrics.redis_errors.labels("renew").inc()
                 log.warning("renewing the lease in pool %s failed: %s", store.pool,
                             type(exc).__name__)
-        await asyncio.sleep(interval_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)

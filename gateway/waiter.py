@@ -50,6 +50,7 @@ class WakeHub:
         self._waiting: dict[str, asyncio.Future[str]] = {}
         self._resync: asyncio.Future[None] | None = None
         self.subscribed = asyncio.Event()
+        self.stop = asyncio.Event()
 
     def expect(self, task_id: str) -> asyncio.Future[str]:
         """Register before admitting, so that a release published at once is not missed."""
@@ -80,16 +81,16 @@ class WakeHub:
             future.set_result(node.strip())
 
     async def run(self) -> None:
-        """Listen until cancelled; reconnects with backoff, never raises."""
+        """Listen until `stop` is set (or cancelled); reconnects with backoff, never raises."""
         backoff = 0.05
-        while True:
+        while not self.stop.is_set():
             pubsub = self.client.pubsub()
             try:
                 if self.sharded:
                     await pubsub.ssubscribe(*self.channels)
                 else:
                     await pubsub.subscribe(*self.channels)
-                while True:
+                while not self.stop.is_set():
                     message = await pubsub.get_message(timeout=1.0)
                     if message is None:
                         continue
@@ -103,13 +104,16 @@ class WakeHub:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
+                if self.stop.is_set():
+                    return
                 self.subscribed.clear()
                 self.metrics.pubsub_reconnects.inc()
                 self.metrics.redis_errors.labels("subscribe").inc()
                 log.warning("wake-up subscription lost (%s); reconnecting in %.2fs",
                             type(exc).__name__, backoff)
                 self._trigger_resync()
-                await asyncio.sleep(backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:
                 with contextlib.suppress(Exception):

@@ -147,15 +147,15 @@ class Harness:
         await self.gateway.settler.idle()
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0,
-                     interval: float = 0.01) -> None:
+async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0,
+                     interval_s: float = 0.01) -> None:
     """Until `check()` holds: for conditions only observable in Redis or over a socket."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + within_s
     while not await check():
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval_s)
 
 
 @asynccontextmanager
@@ -165,6 +165,7 @@ async def running_gateway(
     backends: int = 1,
     adjust: Callable[[dict[str, Any]], None] | None = None,
     backend_options: Mapping[str, Any] | None = None,
+    wait_subscribed: bool = True,
     **gateway: Any,
 ) -> AsyncIterator[Harness]:
     options = {"model": POOL, "max_model_len": 4096, **(backend_options or {})}
@@ -174,14 +175,15 @@ async def running_gateway(
         if adjust is not None:
             adjust(data)
         config = parse_config(data, env={})
-        app = create_app(config, gateway_id="gw-test")
+        app = create_app(config, gateway_id="gw-test", settle_drain_s=0.5)
         server = TestServer(app, host="127.0.0.1")
         client = aioredis.Redis.from_url(redis_url)
         store = PoolStore(client, register_scripts(client), POOL, config.pool_policy(POOL))
         harness = Harness(config, app, server, client, store, instants)
         await server.start_server()
         try:
-            await app[GATEWAY].hub.subscribed.wait()
+            if wait_subscribed:
+                await app[GATEWAY].hub.subscribed.wait()
             yield harness
         finally:
             for sdk in harness.clients:

@@ -1,0 +1,216 @@
+"""Every answer other than success keeps OpenAI's error shape; Redis trouble fails closed (or
+open for the configured tiers, counted); operational endpoints; nothing secret is logged."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from admission.localredis import free_port
+from admission.tiers import Zone
+from tests.gateway_harness import BIG, KEYS, Harness, running_gateway
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Say hi."}]
+
+
+def _user(text: str) -> list[Any]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture
+async def gw(redis_url: str, redis_client: aioredis.Redis) -> Any:
+    async with running_gateway(redis_url) as harness:
+        await harness.publish(Zone.GREEN, BIG)
+        yield harness
+
+
+async def _post(gw: Harness, body: bytes | dict[str, Any], *, who: str | None = "vip",
+                path: str = "/v1/chat/completions",
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any], Any]:
+    all_headers = {**(gw.auth(who) if who else {}), **(headers or {})}
+    async with aiohttp.ClientSession() as http:
+        kwargs: dict[str, Any] = {"data": body} if isinstance(body, bytes) else {"json": body}
+        async with http.post(gw.url + path, headers=all_headers, **kwargs) as response:
+            return response.status, await response.json(), response.headers
+
+
+def _openai_shape(payload: dict[str, Any]) -> dict[str, Any]:
+    error = payload["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    return dict(error)
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    (b"{not json", None, "invalid_json"),
+    (b"[1, 2]", None, "invalid_json"),
+    ({"model": "demo"}, "messages", None),
+    ({"model": "demo", "messages": [{"content": "no role"}]}, "messages[0].role", None),
+    ({"model": "demo", "messages": MESSAGES, "max_tokens": 0}, "max_tokens", None),
+    ({"model": "demo", "messages": MESSAGES, "stream": "yes"}, "stream", None),
+    ({"model": "demo", "messages": MESSAGES, "stream_options": {"include_usage": True}},
+     "stream_options", None),
+    ({"messages": MESSAGES}, "model", None),
+])
+async def test_malformed_requests_are_400(gw: Harness, body: Any, param: str | None,
+                                          code: str | None) -> None:
+    status, payload, _ = await _post(gw, body)
+    assert status == 400
+    error = _openai_shape(payload)
+    assert error["param"] == param and error["code"] == code
+    assert error["type"] == "invalid_request_error"
+    assert gw.backends[0].received == []
+
+
+async def test_unknown_model_is_404(gw: Harness) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await gw.openai("vip").chat.completions.create(model="gpt-9", messages=MESSAGES)
+    assert info.value.code == "model_not_found"
+
+
+async def test_missing_key_is_401(gw: Harness) -> None:
+    status, payload, headers = await _post(gw, {"model": "demo", "messages": MESSAGES}, who=None)
+    assert status == 401 and _openai_shape(payload)["code"] == "missing_api_key"
+    assert headers["WWW-Authenticate"] == "Bearer"
+
+
+async def test_limits_on_max_tokens_and_context(gw: Harness) -> None:
+    client = gw.openai("vip")
+    with pytest.raises(openai.BadRequestError) as too_many:
+        await client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=1025)
+    assert too_many.value.code == "max_tokens_too_large"
+    long_prompt = _user("word " * 5000)  # > 4,096-token context
+    with pytest.raises(openai.BadRequestError) as too_long:
+        await client.chat.completions.create(model="demo", messages=long_prompt, max_tokens=5)
+    assert "maximum context length is 4096 tokens" in too_long.value.message
+    fits = _user("word " * 3500)
+    with pytest.raises(openai.BadRequestError) as over:
+        await client.chat.completions.create(model="demo", messages=fits, max_tokens=1000)
+    assert "'max_tokens' or 'max_completion_tokens' is too large: 1000" in over.value.message
+    # Without max_tokens the default (64) is cut to what the context leaves, as vLLM does.
+    near_full = _user("word " * 4070)
+    done = await client.chat.completions.create(model="demo", messages=near_full)
+    assert done.usage is not None and done.usage.total_tokens == 4096
+
+
+async def test_body_over_the_limit_is_413(redis_url: str, redis_client: aioredis.Redis) -> None:
+    async with running_gateway(redis_url, max_body_bytes=2048) as gw:
+        status, payload, _ = await _post(
+            gw, {"model": "demo", "messages": [{"role": "user", "content": "x" * 4096}]})
+        assert status == 413 and _openai_shape(payload)["code"] == "request_too_large"
+
+
+async def test_wrong_method_and_path_keep_the_openai_shape(gw: Harness) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/v1/chat/completions") as response:
+            assert response.status == 405
+            assert _openai_shape(await response.json())["code"] == "method_not_allowed"
+            assert "POST" in response.headers["Allow"]
+        async with http.get(gw.url + "/v2/nothing") as response:
+            assert response.status == 404
+            assert _openai_shape(await response.json())["code"] == "not_found"
+
+
+async def test_requests_that_can_never_fit_say_do_not_retry(gw: Harness) -> None:
+    # Bigger than the tenant's whole burst (1,000 tokens): 400, never a 429 loop.
+    status, payload, headers = await _post(
+        gw, {"model": "demo", "messages": MESSAGES, "max_tokens": 1000}, who="small")
+    assert status == 400 and headers["x-should-retry"] == "false"
+    assert _openai_shape(payload)["code"] == "exceeds_burst"
+    # A bucket that never refills, once spent: 403, not retryable either.
+    status, _, _ = await _post(gw, {"model": "demo", "messages": MESSAGES, "max_tokens": 900},
+                               who="frozen")
+    assert status == 200
+    status, payload, headers = await _post(
+        gw, {"model": "demo", "messages": MESSAGES, "max_tokens": 900}, who="frozen")
+    assert status == 403 and headers["x-should-retry"] == "false"
+    assert _openai_shape(payload)["code"] == "insufficient_quota"
+
+
+async def test_redis_unreachable_fails_closed_except_fail_open_tiers(
+    redis_client: aioredis.Redis,
+) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    async with running_gateway(dead, fail_open_tiers=["vip"], wait_subscribed=False) as gw:
+        with pytest.raises(openai.InternalServerError) as info:
+            await gw.openai("normal").chat.completions.create(
+                model="demo", messages=MESSAGES, max_tokens=3)
+        assert info.value.status_code == 503
+        headers = info.value.response.headers
+        assert int(headers["retry-after"]) >= 2 and int(headers["retry-after-ms"]) >= 2000
+        assert info.value.response.json()["error"]["code"] == "admission_unavailable"
+        assert gw.backends[0].received == []
+        vip = await gw.openai("vip").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=3)
+        assert vip.choices  # straight to the backend, unadmitted
+        registry = gw.gateway.metrics.registry
+        assert registry.get_sample_value("kvgate_gateway_fail_open_total",
+                                         {"pool": "demo", "tier": "vip"}) == 1
+        assert registry.get_sample_value("kvgate_gateway_requests_total", {
+            "pool": "demo", "tier": "normal", "outcome": "unavailable"}) == 1
+        assert (registry.get_sample_value("kvgate_gateway_redis_errors_total",
+                                          {"op": "admit"}) or 0) >= 2
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/readyz") as response:
+                assert response.status == 503
+            async with http.get(gw.url + "/healthz") as response:
+                assert response.status == 200
+
+
+async def test_script_cache_flush_is_survived(gw: Harness) -> None:
+    client = gw.openai("vip")
+    assert (await client.completions.create(model="demo", prompt="a", max_tokens=1)).choices
+    await gw.redis.script_flush()
+    assert (await client.completions.create(model="demo", prompt="b", max_tokens=1)).choices
+    await gw.settled()
+    stats = await gw.redis.hgetall(gw.store.keys.stats)
+    assert int(stats[b"settled"]) == 2
+
+
+async def test_operational_endpoints(gw: Harness) -> None:
+    await gw.openai("vip").chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/healthz") as response:
+            assert response.status == 200
+        async with http.get(gw.url + "/readyz") as response:
+            assert response.status == 200 and (await response.json())["status"] == "ready"
+        async with http.get(gw.url + "/metrics") as response:
+            text = await response.text()
+        async with http.get(gw.url + "/openapi.json") as response:
+            document = await response.json()
+    assert 'kvgate_gateway_requests_total{outcome="ok",pool="demo",tier="vip"} 1.0' in text
+    assert "kvgate_gateway_tokens_reserved_total" in text
+    assert "vip\"" in text and "tenant=" not in text  # no tenant label unless configured
+    assert document["openapi"].startswith("3.")
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz",
+            "/metrics"} <= set(document["paths"])
+    validator = pytest.importorskip("openapi_spec_validator")
+    validator.validate(document)
+
+
+async def test_no_keys_or_prompt_text_in_logs(gw: Harness, caplog: pytest.LogCaptureFixture,
+                                              ) -> None:
+    secret_prompt = "the launch code is PURPLE-HIPPO-42"
+    messages = _user(secret_prompt)
+    caplog.set_level(logging.DEBUG)
+    await gw.openai("vip").chat.completions.create(model="demo", messages=messages, max_tokens=2)
+    stream = await gw.openai("normal").chat.completions.create(
+        model="demo", messages=messages, max_tokens=2, stream=True)
+    assert [c async for c in stream]
+    with pytest.raises(openai.AuthenticationError):
+        await gw.openai("sk-leaked-KEY-7731").chat.completions.create(
+            model="demo", messages=messages)
+    with pytest.raises(openai.BadRequestError):
+        await gw.openai("small").chat.completions.create(
+            model="demo", messages=messages, max_tokens=1000)
+    await _post(gw, b'{"model": "demo", "messages": "' + secret_prompt.encode())
+    await gw.settled()
+    logged = caplog.text
+    assert "task " in logged  # the gateway did log these requests
+    for secret in (secret_prompt, "PURPLE-HIPPO", "sk-leaked-KEY-7731", *KEYS.values()):
+        assert secret not in logged

@@ -1,0 +1,107 @@
+"""Pieces of the gateway on their own: SSE relay, usage meter, retry hints, tenant lookup."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import orjson
+import pytest
+
+from admission.config import TenantSettings
+from admission.tiers import Tier
+from gateway.auth import TenantDirectory, effective_tier
+from gateway.errors import MAX_RETRY_MS, ApiError, jittered, retry_headers
+from gateway.proxy import Meter, Phase, SseRelay
+
+
+def _event(payload: object) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _token(text: str, finish: str | None = None) -> bytes:
+    return _event({"id": "c", "object": "chat.completion.chunk", "choices": [
+        {"index": 0, "delta": {"content": text}, "finish_reason": finish}]})
+
+
+ROLE = _event({"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "finish_reason": None}]})
+USAGE = _event({"id": "c", "choices": [],
+                "usage": {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}})
+DONE = b"data: [DONE]\n\n"
+STREAM = ROLE + _token("a") + _token("b") + _token("", "stop") + USAGE + DONE
+
+
+@pytest.mark.parametrize("strip", [True, False])
+@pytest.mark.parametrize("piece", [1, 2, 7, 64, len(STREAM)])
+def test_sse_relay_at_any_split(strip: bool, piece: int) -> None:
+    meter = Meter(prompt_tokens=11)
+    relay = SseRelay(meter, strip_usage=strip)
+    out = b"".join(relay.feed(STREAM[i:i + piece]) for i in range(0, len(STREAM), piece))
+    out += relay.flush()
+    assert out == (STREAM.replace(USAGE, b"") if strip else STREAM)
+    assert meter.exact_total == 14 and meter.completion_tokens == 3
+
+
+def test_sse_relay_counts_tokens_of_a_stream_cut_short() -> None:
+    meter = Meter(prompt_tokens=11)
+    relay = SseRelay(meter, strip_usage=True)
+    sent = relay.feed(ROLE + _token("a") + _token("b") + b"data: {\"partial")
+    assert sent == ROLE + _token("a") + _token("b")  # the incomplete event waits
+    meter.phase = Phase.SENT
+    assert meter.finish_args() == (11 + 2, True)  # prompt + tokens seen, task cancelled
+
+
+def test_sse_relay_passes_unusual_events_through() -> None:
+    relay = SseRelay(Meter(1), strip_usage=True)
+    odd = b": keep-alive\n\nevent: x\ndata: not json\n\ndata: [1, 2]\n\n"
+    assert relay.feed(odd) == odd
+
+
+def test_meter_outcomes() -> None:
+    assert Meter(5).finish_args() == (None, True)  # never reached a node: full refund
+    done = Meter(5, completion_tokens=2, phase=Phase.DONE)
+    assert done.finish_args() == (7, False)
+    exact = Meter(5, phase=Phase.DONE)
+    exact.take_usage({"prompt_tokens": 6, "completion_tokens": 4, "total_tokens": 10})
+    assert exact.finish_args() == (10, False)
+
+
+def test_jitter_spreads_upward_within_bounds() -> None:
+    rng = random.Random(7)
+    hints = [jittered(4000, 0.25, rng) for _ in range(2000)]
+    assert min(hints) >= 4000 and max(hints) <= 5000
+    assert len(set(hints)) > 500  # actually spread
+    assert jittered(10 * MAX_RETRY_MS, 0.25, rng) == MAX_RETRY_MS
+    assert jittered(0, 0.25, rng) >= 1
+
+
+def test_retry_headers_round_seconds_up() -> None:
+    assert retry_headers(3500) == {"Retry-After": "4", "retry-after-ms": "3500"}
+    assert retry_headers(1) == {"Retry-After": "1", "retry-after-ms": "1"}
+    assert retry_headers(2000)["Retry-After"] == "2"
+    error = ApiError(429, "x", code="capacity_exceeded", retry_after_ms=1500)
+    assert error.body()["error"] == {"message": "x", "type": "rate_limit_error", "param": None,
+                                     "code": "capacity_exceeded", "retry_after_ms": 1500}
+
+
+def _tenant(name: str, tier: Tier, key: str) -> TenantSettings:
+    return TenantSettings(name, tier, (hashlib.sha256(key.encode()).hexdigest(),), 1, 1, 1)
+
+
+def test_tenant_directory_and_priority_lowering() -> None:
+    alice, bob = _tenant("alice", Tier.NORMAL, "sk-a"), _tenant("bob", Tier.VIP, "sk-b")
+    directory = TenantDirectory([alice, bob])
+    assert directory.authenticate("Bearer sk-a") is alice
+    assert directory.authenticate("bearer  sk-b ") is bob
+    for bad in (None, "", "Bearer", "Basic sk-a", "Bearer sk-c", "sk-a"):
+        with pytest.raises(ApiError) as info:
+            directory.authenticate(bad)
+        assert info.value.status == 401
+    assert effective_tier(alice, None) is Tier.NORMAL
+    assert effective_tier(alice, "batch") is Tier.BATCH
+    assert effective_tier(alice, "2") is Tier.BATCH
+    assert effective_tier(alice, "vip") is Tier.NORMAL  # never raised
+    assert effective_tier(bob, "NORMAL") is Tier.NORMAL
+    with pytest.raises(ApiError):
+        effective_tier(alice, "urgent")

@@ -1,0 +1,177 @@
+"""Settings of the burst experiment, its presets, and the TOML file arm (c) runs with."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from admission.tiers import Tier
+from bench.sim.config import DEFAULT_MODEL, SimConfig
+from bench.workload import DEFAULT_CLASSES, Profile, Scale, TrafficClass, burst_profile
+
+ARMS = ("a", "b", "c")
+ARM_TITLES = {
+    "a": "(a) no gateway",
+    "b": "(b) FIFO limit",
+    "c": "(c) kvgate",
+}
+POOL = "llama-3-8b"
+"""The model name clients ask the gateway for; the nodes serve DEFAULT_MODEL."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    nodes: int = 4
+    capacity_scale: float = 1.0
+    time_scale: float = 1.0
+    baseline_sim_s: float = 120.0
+    burst_sim_s: float = 240.0
+    burst_factor: float = 4.0
+    drain_factor: float = 2.0
+    """The arm observes up to this many burst durations after the burst (the bar's window)."""
+    min_after_sim_s: float = 60.0
+    """...and at least this long, even when every Batch request is done sooner."""
+    seed: int = 20_240_531
+    max_model_len: int = 16_384
+    crash_after_full_sim_s: float | None = 60.0
+    """A node that stays full (KV >= 99% or preempting) this long dies like an OOM kill."""
+    fifo_max_inflight: int = 64
+    """Arm (b): requests in flight per node at real scale (scaled by capacity_scale)."""
+    gateways: int = 2
+    schedulers: int = 2
+    pass_priority: bool = True
+    """Arm (c) forwards the tier as vLLM's priority and the nodes run the priority policy."""
+    max_loop_lag_ms: float = 50.0
+    """A run whose simulator event loops lagged more than this (wall ms) is flagged invalid."""
+    max_send_lag_ms: float = 50.0
+    """...as is one whose load generator sent a request later than this after its time."""
+    sample_interval_s: float = 0.25
+    capacity_warmup_sim_s: float = 120.0
+    capacity_measure_sim_s: float = 120.0
+    classes: tuple[TrafficClass, ...] = DEFAULT_CLASSES
+
+    def wall(self, sim_s: float) -> float:
+        return sim_s / self.time_scale
+
+    @property
+    def scale(self) -> Scale:
+        return Scale(self.nodes, self.capacity_scale, self.time_scale)
+
+    @property
+    def profile(self) -> Profile:
+        after = self.wall(self.drain_factor * self.burst_sim_s)
+        return burst_profile(self.wall(self.baseline_sim_s), self.wall(self.burst_sim_s), after,
+                             self.burst_factor)
+
+    @property
+    def fifo_slots(self) -> int:
+        return max(1, round(self.fifo_max_inflight * self.capacity_scale))
+
+    def sim_config(self, index: int, *, priority: bool) -> SimConfig:
+        return SimConfig(
+            model=DEFAULT_MODEL,
+            max_model_len=self.max_model_len,
+            scheduling_policy="priority" if priority else "fcfs",
+            time_scale=self.time_scale,
+            capacity_scale=self.capacity_scale,
+            engine_index=0,
+            seed=self.seed + index,
+            crash_after_full_s=self.crash_after_full_sim_s,
+            lag_window_s=2.0,
+        )
+
+
+PRESETS: dict[str, Settings] = {
+    # The reference run: real-scale nodes, the simulation in real time.
+    "full": Settings(),
+    # `make demo`: three arms in under three minutes on two cores. Quarter-size nodes and the
+    # clock eight times faster: the same shape, coarser (see bench/results/README notes).
+    "short": Settings(capacity_scale=0.25, time_scale=8.0, baseline_sim_s=64.0,
+                      burst_sim_s=96.0, min_after_sim_s=48.0, capacity_warmup_sim_s=48.0,
+                      capacity_measure_sim_s=64.0, max_loop_lag_ms=25.0, max_send_lag_ms=25.0),
+    # The CI smoke test: arms (a) and (c) only, a burst hard enough to fill (a) in seconds.
+    "smoke": Settings(capacity_scale=0.25, time_scale=8.0, baseline_sim_s=40.0,
+                      burst_sim_s=80.0, burst_factor=8.0, drain_factor=0.2,
+                      min_after_sim_s=16.0, crash_after_full_sim_s=None,
+                      max_loop_lag_ms=25.0, max_send_lag_ms=25.0),
+}
+
+
+def api_key(klass: str) -> str:
+    return f"sk-bench-{klass}"
+
+
+def key_sha256(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _toml_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def kvgate_toml(
+    settings: Settings,
+    redis_url: str,
+    node_urls: Sequence[str],
+    scheduler_port: int,
+    queue_window_s: float,
+) -> str:
+    """The configuration both services read in arm (c).
+
+    Quotas are generous on purpose: the experiment tests KV-aware admission, not tenant rate
+    limits, so each tenant's bucket holds ten times what its class offers at the burst's peak.
+    Zones and the scheduler run with the project's defaults.
+    """
+    scale = settings.scale
+    lines = [
+        "[redis]",
+        f"url = {_toml_str(redis_url)}",
+        "max_connections = 256",
+        "",
+        "[gateway]",
+        'host = "127.0.0.1"',
+        "port = 0",
+        "access_log = false",
+        "",
+        "[scheduler]",
+        'host = "127.0.0.1"',
+        f"port = {scheduler_port}",
+        "",
+        # Batch may wait the whole observation window in the queue: deferred, not dropped.
+        "[tiers.batch]",
+        f"queue_timeout_ms = {int(queue_window_s * 1000)}",
+        "",
+        "[[pools]]",
+        f"name = {_toml_str(POOL)}",
+        f"served_model_name = {_toml_str(DEFAULT_MODEL)}",
+        f"context_length = {settings.max_model_len}",
+        "default_max_tokens = 1024",
+        "max_max_tokens = 8192",
+        f"pass_priority = {'true' if settings.pass_priority else 'false'}",
+        "backends = [",
+        *(f"    {{ name = \"node-{i}\", url = {_toml_str(u)} }}," for i, u in enumerate(node_urls)),
+        "]",
+        "",
+    ]
+    for klass in settings.classes:
+        peak = klass.rate * (settings.burst_factor if klass.burst else 1.0)
+        tokens_per_s = scale.wall_rate(peak) * (klass.prompt.hi + klass.output.hi)
+        lines += [
+            "[[tenants]]",
+            f"name = {_toml_str(klass.name)}",
+            f"tier = {_toml_str(klass.tier.label)}",
+            f"key_sha256 = [{_toml_str(key_sha256(api_key(klass.name)))}]",
+            f"rate = {max(1000, int(10 * tokens_per_s))}",
+            f"burst = {min(10**9, max(100_000, int(600 * tokens_per_s)))}",
+            f"max_queued = {100_000 if klass.tier is Tier.BATCH else 10_000}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def with_overrides(settings: Settings, **changes: Any) -> Settings:
+    """``dataclasses.replace`` that ignores None values (unset CLI flags)."""
+    return dataclasses.replace(settings, **{k: v for k, v in changes.items() if v is not None})

@@ -1,0 +1,226 @@
+"""The 400% long-text burst, against (a) no gateway, (b) a FIFO concurrency limit, (c) kvgate.
+
+    python -m bench.experiment            # the reference run (about 45 minutes)
+    python -m bench.experiment --short    # `make demo`: the same experiment in under 3 minutes
+    python -m bench.experiment --arms a,c --burst 120
+
+N simulated vLLM nodes (bench.sim) take the same seeded open-loop traffic in every arm
+(bench.workload, bench.loadgen): 1x baseline, then 4x the long-text (Batch) traffic, then 1x
+while the deferred work drains. Before the arms, bench.capacity measures the nodes'
+preemption-free maximum throughput on the burst's mix. Progress prints once per second; the
+table (bench/results/<name>.md), the timeline plot (<name>.png) and raw figures (<name>.json)
+are written at the end and the table is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+
+from bench.arm import ArmResult, flush_print, run_arm
+from bench.capacity import CapacityResult, measure_capacity
+from bench.expconfig import ARM_TITLES, ARMS, PRESETS, Settings, with_overrides
+from bench.plot import plot
+from bench.report import ArmSummary, bar_verdicts, markdown_table, shows_failure, summarize
+from bench.sim.cluster import SimCluster
+from bench.workload import Schedule, plan
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.experiment",
+                                description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    p.add_argument("--short", action="store_const", const="short", dest="preset",
+                   help="the <3 minute demo (same as --preset short)")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of a,b,c")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    p.add_argument("--name", help="file name stem (default: burst, or burst-<preset>)")
+    p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
+    p.add_argument("--nodes", type=int)
+    p.add_argument("--capacity-scale", type=float)
+    p.add_argument("--time-scale", type=float)
+    p.add_argument("--baseline", type=float, dest="baseline_sim_s", help="simulated seconds")
+    p.add_argument("--burst", type=float, dest="burst_sim_s", help="simulated seconds")
+    p.add_argument("--burst-factor", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--gateways", type=int)
+    p.add_argument("--no-capacity", action="store_true",
+                   help="skip measuring the preemption-free maximum (no goodput ratio)")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return with_overrides(
+        PRESETS[args.preset], nodes=args.nodes, capacity_scale=args.capacity_scale,
+        time_scale=args.time_scale, baseline_sim_s=args.baseline_sim_s,
+        burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
+        gateways=args.gateways,
+    )
+
+
+async def run_capacity(settings: Settings, log_dir: Path) -> CapacityResult:
+    configs = [settings.sim_config(i, priority=False) for i in range(settings.nodes)]
+    # The oracle never overfills, so no node can crash; the option stays as in the arms.
+    cluster = await asyncio.to_thread(SimCluster.start, configs, log_dir=log_dir / "capacity")
+    try:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None),
+        ) as session:
+            return await measure_capacity(
+                session, cluster.urls, configs[0], settings.classes, settings.burst_factor,
+                warmup_s=settings.wall(settings.capacity_warmup_sim_s),
+                measure_s=settings.wall(settings.capacity_measure_sim_s), seed=settings.seed)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+def describe(settings: Settings, schedule: Schedule) -> list[str]:
+    prof = settings.profile
+    counts = Counter(r.klass for r in schedule.requests)
+    return [
+        f"{settings.nodes} simulated nodes, capacity scale {settings.capacity_scale:g}, "
+        f"time scale {settings.time_scale:g} (simulated s per wall s); seed {settings.seed}",
+        f"profile (simulated s): baseline {settings.baseline_sim_s:g}, burst "
+        f"{settings.burst_sim_s:g} at {settings.burst_factor:g}x Batch, then 1x for up to "
+        f"{settings.drain_factor:g}x the burst; {prof.duration_s:.0f} wall s at most per arm",
+        "planned requests: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
+    ]
+
+
+async def run_experiment(
+    settings: Settings,
+    arms: Sequence[str],
+    log_dir: Path,
+    *,
+    capacity: bool = True,
+    progress: bool = True,
+) -> tuple[CapacityResult | None, list[ArmResult], list[ArmSummary]]:
+    say = flush_print if progress else (lambda _line: None)
+    schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
+    for line in describe(settings, schedule):
+        say(line)
+    cap = None
+    if capacity:
+        total = settings.capacity_warmup_sim_s + settings.capacity_measure_sim_s
+        say(f"measuring the preemption-free maximum ({settings.wall(total):.0f} wall s)...")
+        cap = await run_capacity(settings, log_dir)
+        say(f"  {cap.total_tokens_per_s / settings.time_scale:,.0f} tok/s (simulated), "
+            f"{cap.preemptions} preemptions, KV peak {cap.kv_peak:.1%}")
+    say("progress columns: tier sent/ok/429/failed, KV usage per node, queued by tier, "
+        "engines' waiting, zone, simulator loop lag")
+    results: list[ArmResult] = []
+    summaries: list[ArmSummary] = []
+    for arm in arms:
+        say(f"--- arm {ARM_TITLES[arm]} ---")
+        started = time.monotonic()
+        result = await run_arm(arm, settings, schedule, log_dir / f"arm-{arm}", progress=say)
+        summary = summarize(result, cap)
+        results.append(result)
+        summaries.append(summary)
+        say(f"    done in {time.monotonic() - started:.0f} s: KV peak {summary.kv_peak:.1%}, "
+            f"{summary.preemptions} preemptions, {summary.crashed_nodes} crashed; cores used: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sorted(result.cpu.items())))
+    return cap, results, summaries
+
+
+def report_markdown(settings: Settings, schedule_lines: list[str], cap: CapacityResult | None,
+                    summaries: Sequence[ArmSummary], command: str) -> str:
+    from bench import report
+
+    parts = [
+        "# The 400% long-text burst",
+        "",
+        f"`{command}`",
+        "",
+        *[f"- {line}" for line in schedule_lines],
+        "",
+        markdown_table(summaries, cap, settings.time_scale, settings.burst_sim_s),
+        "",
+    ]
+    for s in summaries:
+        if s.arm == "c":
+            parts.append("**Issue 5's bar for (c):**")
+            parts.append("")
+            for text, ok in bar_verdicts(s, settings.burst_sim_s, settings.drain_factor):
+                parts.append(f"- {'PASS' if ok else 'MISS'}: {text}")
+        else:
+            ok, text = shows_failure(s)
+            parts.append(f"**{ARM_TITLES[s.arm]} shows the failure:** "
+                         f"{'yes' if ok else 'NO'} ({text})")
+        parts.append("")
+        if s.errors:
+            parts.append(f"{ARM_TITLES[s.arm]}, why requests did not succeed: " + "; ".join(
+                f"{reason} ({count})" for reason, count in s.errors))
+            parts.append("")
+    doc = report.__doc__ or ""
+    parts += ["## Definitions", "", doc.split("Definitions (also printed under the table):")[-1]
+              .strip(), ""]
+    return "\n".join(parts)
+
+
+def _summary_json(settings: Settings, cap: CapacityResult | None,
+                  summaries: Sequence[ArmSummary]) -> str:
+    def clean(x: object) -> object:
+        if isinstance(x, float) and not math.isfinite(x):
+            return str(x)
+        if isinstance(x, dict):
+            return {str(getattr(k, "label", k)): clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    data = {
+        "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "classes"},
+        "capacity": cap.as_dict() if cap else None,
+        "arms": [clean(dataclasses.asdict(s)) for s in summaries],
+    }
+    return json.dumps(clean(data), indent=2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = settings_from_args(args)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        print(f"error: unknown arm(s) {unknown}; choose from a, b, c", file=sys.stderr)
+        return 2
+    name = args.name or ("burst" if args.preset == "full" else f"burst-{args.preset}")
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-burst-"))
+    print(f"logs: {log_dir}", flush=True)
+    coro = run_experiment(settings, arms, log_dir, capacity=not args.no_capacity)
+    try:
+        import uvloop
+    except ImportError:
+        cap, results, summaries = asyncio.run(coro)
+    else:
+        cap, results, summaries = uvloop.run(coro)
+    schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
+    command = "python -m bench.experiment " + " ".join(argv if argv is not None else sys.argv[1:])
+    md = report_markdown(settings, describe(settings, schedule), cap, summaries, command.strip())
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.md").write_text(md)
+    (args.out / f"{name}.json").write_text(_summary_json(settings, cap, summaries))
+    plot(results, args.out / f"{name}.png")
+    print()
+    print(md)
+    print(f"written: {args.out / (name + '.md')}, {args.out / (name + '.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

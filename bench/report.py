@@ -1,0 +1,241 @@
+"""From an arm's raw results to the table's figures, the bar's verdicts, and markdown.
+
+Units: times and rates are reported in *simulated* time (wall time x time scale), the clock the
+engines' calibration speaks, so figures read like a real fleet's at any time scale. Token rates
+are for the simulated cluster as configured (nodes x capacity scale).
+
+Definitions (also printed under the table):
+
+* success: answered in full (every forced output token, ``[DONE]`` for streams) over requests
+  with a known outcome. Requests still in flight when the arm stops count as failures if they
+  were sent before the burst ended, and are left out ("censored") if sent after it.
+* TTFT: intended send time to the first content chunk, streaming VIP requests. A VIP request
+  that never got a first token counts as infinitely slow (a failure is not a fast answer), so a
+  P99 over a phase with more than 1% failures reads "inf".
+* last Batch: when the last Batch request sent before the burst's end completed, in seconds
+  after the burst's end (the bar: at most twice the burst's duration, and all of them).
+* goodput: prompt + generated tokens the engines processed during the burst (the vLLM counters:
+  recomputation after preemption is not in them), per second, against the preemption-free
+  maximum measured by bench.capacity on the same nodes with the burst's request mix.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from admission.tiers import Tier
+from bench.arm import ArmResult
+from bench.capacity import CapacityResult
+from bench.expconfig import ARM_TITLES
+from bench.loadgen import OK, Outcome
+from bench.monitor import Sample
+from bench.stats import percentile
+
+
+@dataclass(slots=True)
+class ArmSummary:
+    arm: str
+    kv_peak: float
+    preemptions: int
+    crashed_nodes: int
+    success: dict[Tier, float]
+    counted: dict[Tier, int]
+    vip_ttft_base: tuple[float, float]
+    """P50, P99 in simulated ms."""
+    vip_ttft_burst: tuple[float, float]
+    last_batch_s: float | None
+    """Simulated seconds after the burst's end; None if some never completed."""
+    batch_unfinished: int
+    goodput: float
+    """Tokens per simulated second during the burst."""
+    goodput_ratio: float | None
+    invalid: list[str] = field(default_factory=list)
+    errors: list[tuple[str, int]] = field(default_factory=list)
+    """The most common reasons requests did not succeed, with counts."""
+
+
+def _censored(o: Outcome, burst_end: float) -> bool:
+    return not o.finished and o.req.at >= burst_end
+
+
+def _ttft_ms(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
+             burst_end: float) -> tuple[float, float]:
+    values = []
+    for o in outcomes:
+        if o.req.tier is not Tier.VIP or not o.req.stream or not lo <= o.req.at < hi:
+            continue
+        if _censored(o, burst_end):
+            continue
+        # A first token is a first token even if the stream broke later (that shows in the
+        # success rate); no first token at all counts as infinitely slow.
+        values.append(o.ttft * ts * 1000 if o.ttft is not None else math.inf)
+    return percentile(values, 50), percentile(values, 99)
+
+
+def _at(samples: Sequence[Sample], t: float) -> Sample:
+    return min(samples, key=lambda s: abs(s.t - t))
+
+
+def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
+    s = result.settings
+    ts = s.time_scale
+    profile = s.profile
+    b0, b1 = profile.window("burst")
+    outcomes = result.outcomes
+    success: dict[Tier, float] = {}
+    counted: dict[Tier, int] = {}
+    for tier in Tier:
+        mine = [o for o in outcomes if o.req.tier is tier and not _censored(o, b1)
+                and o.req.at < result.stopped_at]
+        counted[tier] = len(mine)
+        success[tier] = sum(o.status == OK for o in mine) / len(mine) if mine else math.nan
+    batch = [o for o in outcomes if o.req.tier is Tier.BATCH and o.req.at < b1]
+    unfinished = sum(o.status != OK for o in batch)
+    last = max((o.done_at for o in batch if o.done_at is not None), default=b1)
+    samples = result.samples
+    final = samples[-1]
+    goodput = math.nan
+    if samples:
+        first, last_sample = _at(samples, b0), _at(samples, b1)
+        span = last_sample.t - first.t
+        if span > 0:
+            tokens = sum(
+                n1.prompt_tokens + n1.generation_tokens - n0.prompt_tokens - n0.generation_tokens
+                for n0, n1 in zip(first.nodes, last_sample.nodes, strict=True)
+            )
+            goodput = tokens / span / ts
+    ratio = None
+    if capacity is not None and capacity.total_tokens_per_s > 0:
+        ratio = goodput / (capacity.total_tokens_per_s / ts)
+    invalid = []
+    if result.max_loop_lag_s * 1000 > s.max_loop_lag_ms:
+        invalid.append(f"simulator loop lag {result.max_loop_lag_s * 1000:.0f} ms "
+                       f"> {s.max_loop_lag_ms:.0f} ms")
+    if result.send_lag_max_s * 1000 > s.max_send_lag_ms:
+        invalid.append(f"load generator sent up to {result.send_lag_max_s * 1000:.0f} ms late "
+                       f"> {s.max_send_lag_ms:.0f} ms")
+    reasons = Counter(_reason(o, result.stopped_at) for o in outcomes
+                      if o.status != OK and not _censored(o, b1) and o.req.at < result.stopped_at)
+    return ArmSummary(
+        arm=result.arm,
+        kv_peak=max(n.kv_peak for n in final.nodes) if samples else math.nan,
+        preemptions=int(sum(n.preemptions for n in final.nodes)) if samples else 0,
+        crashed_nodes=result.crashed_nodes,
+        success=success,
+        counted=counted,
+        vip_ttft_base=_ttft_ms(outcomes, 0.0, b0, ts, b1),
+        vip_ttft_burst=_ttft_ms(outcomes, b0, b1, ts, b1),
+        last_batch_s=None if unfinished else (last - b1) * ts,
+        batch_unfinished=unfinished,
+        goodput=goodput,
+        goodput_ratio=ratio,
+        invalid=invalid,
+        errors=reasons.most_common(6),
+    )
+
+
+def _reason(o: Outcome, stopped_at: float) -> str:
+    if not o.finished:
+        return f"{o.req.tier.label}: still in flight when the arm stopped"
+    # Numbers (token counts, ids) would make every reason unique; group by the words.
+    text = re.sub(r"\d+", "N", o.error or o.status)[:90]
+    return f"{o.req.tier.label}: {text}"
+
+
+def bar_verdicts(summary: ArmSummary, burst_sim_s: float, drain_factor: float
+                 ) -> list[tuple[str, bool]]:
+    """Issue 5's bar for arm (c), one line per criterion."""
+    p99_base, p99_burst = summary.vip_ttft_base[1], summary.vip_ttft_burst[1]
+    return [
+        (f"KV peak below 80% ({summary.kv_peak:.1%})", summary.kv_peak < 0.80),
+        (f"zero preemptions ({summary.preemptions})", summary.preemptions == 0),
+        (f"zero crashed nodes ({summary.crashed_nodes})", summary.crashed_nodes == 0),
+        (f"VIP success >= 99.99% ({summary.success[Tier.VIP]:.2%})",
+         summary.success[Tier.VIP] >= 0.9999),
+        (f"VIP P99 TTFT <= 1.10x baseline ({_ratio(p99_burst, p99_base)})",
+         p99_burst <= 1.10 * p99_base),
+        ("every Batch request done within "
+         f"{drain_factor:g}x the burst ({_last_batch(summary, burst_sim_s)})",
+         summary.last_batch_s is not None
+         and summary.last_batch_s <= drain_factor * burst_sim_s),
+        (f"goodput >= 90% of the preemption-free maximum ({_pct(summary.goodput_ratio)})",
+         summary.goodput_ratio is not None and summary.goodput_ratio >= 0.90),
+    ]
+
+
+def shows_failure(summary: ArmSummary) -> tuple[bool, str]:
+    """What (a) and (b) must show: preemptions and VIP TTFT several (>= 3) times baseline."""
+    p50 = _times(summary.vip_ttft_burst[0], summary.vip_ttft_base[0])
+    p99 = _times(summary.vip_ttft_burst[1], summary.vip_ttft_base[1])
+    several = max(p50, p99) >= 3.0
+    ok = (summary.preemptions > 0 or summary.crashed_nodes > 0) and several
+    return ok, (f"{summary.preemptions} preemptions, {summary.crashed_nodes} crashed, "
+                f"VIP TTFT P50 x{p50:.1f}, P99 x{p99:.1f} of baseline")
+
+
+def _times(a: float, b: float) -> float:
+    if b <= 0 or math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b
+
+
+def _ratio(a: float, b: float) -> str:
+    r = _times(a, b)
+    return "inf" if math.isinf(r) else f"x{r:.2f}"
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.0%}"
+
+
+def _ms(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    return "n/a" if math.isnan(x) else f"{x:,.0f}"
+
+
+def _last_batch(s: ArmSummary, burst_sim_s: float) -> str:
+    if s.last_batch_s is None:
+        return f"{s.batch_unfinished} not completed"
+    return f"+{s.last_batch_s:,.0f} s ({s.last_batch_s / burst_sim_s:.2f}x the burst)"
+
+
+def markdown_table(summaries: Sequence[ArmSummary], capacity: CapacityResult | None,
+                   time_scale: float, burst_sim_s: float) -> str:
+    head = "| | " + " | ".join(ARM_TITLES[s.arm] for s in summaries) + " |"
+    rule = "|---|" + "---:|" * len(summaries)
+    rows: list[tuple[str, list[str]]] = [
+        ("KV-cache peak (max over nodes)", [f"{s.kv_peak:.1%}" for s in summaries]),
+        ("preemptions", [f"{s.preemptions:,}" for s in summaries]),
+        ("crashed nodes", [str(s.crashed_nodes) for s in summaries]),
+    ]
+    for tier in Tier:
+        rows.append((f"{tier.label} success", [
+            f"{s.success[tier]:.2%} of {s.counted[tier]:,}" for s in summaries]))
+    rows += [
+        ("VIP TTFT P50 / P99, baseline (ms)",
+         [f"{_ms(s.vip_ttft_base[0])} / {_ms(s.vip_ttft_base[1])}" for s in summaries]),
+        ("VIP TTFT P50 / P99, burst (ms)",
+         [f"{_ms(s.vip_ttft_burst[0])} / {_ms(s.vip_ttft_burst[1])}" for s in summaries]),
+        ("VIP P99 TTFT burst / baseline",
+         [_ratio(s.vip_ttft_burst[1], s.vip_ttft_base[1]) for s in summaries]),
+        ("last Batch request done, after burst end",
+         [_last_batch(s, burst_sim_s) for s in summaries]),
+        ("goodput during the burst (tok/s)", [f"{s.goodput:,.0f}" for s in summaries]),
+        ("goodput / preemption-free max", [_pct(s.goodput_ratio) for s in summaries]),
+        ("valid run", ["yes" if not s.invalid else "NO: " + "; ".join(s.invalid)
+                       for s in summaries]),
+    ]
+    lines = [head, rule] + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    if capacity is not None:
+        lines.append("")
+        lines.append(
+            f"Preemption-free maximum (bench.capacity, burst mix, measured): "
+            f"{capacity.total_tokens_per_s / time_scale:,.0f} tok/s prompt + generated "
+            f"({capacity.generation_tokens_per_s / time_scale:,.0f} generated), "
+            f"{capacity.preemptions} preemptions, KV peak {capacity.kv_peak:.1%}.")
+    return "\n".join(lines)

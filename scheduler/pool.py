@@ -92,14 +92,17 @@ class PoolScheduler:
         self._seen_seq: dict[str, int] = {}
         self._preemptions: dict[str, float] = {}
         self._cooldown_until: dict[str, float] = {}
+        self._first_poll = True
 
     @property
     def name(self) -> str:
         return self.pool.name
 
     def new_term(self) -> None:
-        """A new leadership starts: rates start empty, the learned ratio is kept."""
+        """A new leadership starts: rates start empty, the learned ratio is kept, and the first
+        poll waits for the whole scrape timeout (connections are cold)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock())
+        self._first_poll = True
 
     async def read_snapshot(self) -> Snapshot:
         k = self.store.keys
@@ -174,7 +177,13 @@ class PoolScheduler:
     async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:
         """One poll and release; raises FencedError (step down) or Redis errors."""
         started = self.clock()
-        views = await self.poller.poll(self.wait_s)
+        first, self._first_poll = self._first_poll, False
+        views = await self.poller.poll(self.settings.scrape_timeout_ms / 1000 if first
+                                       else self.wait_s)
+        if all(v.metrics is None and not v.ejected for v in views):
+            # Nothing heard yet (a leader just took over): publishing now would say "no usable
+            # node", i.e. RED, and turn clients away for a tick. Keep the state as it is.
+            return TickResult(self.tracker.zone, None, [], (0, 0, 0), (0, 0, 0))
         snap = await self.read_snapshot()
         now = self.clock()
         plans = self.plan(views, snap, now)

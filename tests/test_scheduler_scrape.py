@@ -9,7 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from admission.tiers import Tier
+from admission.localredis import free_port
+from admission.tiers import Tier, Zone
 from scheduler.scrape import USAGE_V0, USAGE_V1, MetricsError, Poller, parse_vllm_metrics
 from tests.scheduler_stub import (
     FakeVllm,
@@ -92,7 +93,7 @@ async def test_poller_ejects_after_failures_in_a_row_and_readmits() -> None:
 
 
 async def test_slow_node_is_stale_for_the_tick_but_does_not_delay_it() -> None:
-    slow, fast = FakeVllm(usage=0.5, delay_s=0.5), FakeVllm(usage=0.2)
+    slow, fast = FakeVllm(usage=0.5, delay_s=0.3), FakeVllm(usage=0.2)
     async with serve_fake(slow) as slow_url, serve_fake(fast) as fast_url, \
             aiohttp.ClientSession() as session:
         config = make_config("redis://x", [{"name": "slow", "url": slow_url},
@@ -155,3 +156,22 @@ async def test_capacity_from_config_when_cache_config_info_missing(
             assert {k.decode(): int(v) for k, v in caps.items()} == {
                 "info": 78_000, "configured": 39_000}
             assert [t.task_id for t in result.released] == ["a"]
+
+
+async def test_unreachable_pool_publishes_nothing_until_ejected_then_red(
+    redis_client: Any, redis_url: str
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+    config = make_config(redis_url, [{"name": "n1", "url": dead}],
+                         scheduler={"eject_after_failures": 3})
+    async with pool_scheduler(redis_client, config) as ps:
+        for _ in range(2):
+            # Never heard from: a new leader keeps the previous state rather than saying RED.
+            result = await ps.tick(1, always)
+            assert not result.published
+            assert await redis_client.exists(ps.store.keys.state) == 0
+        result = await ps.tick(1, always)
+        assert result.published and result.zone is Zone.RED
+        assert result.plans[0].reason == "ejected"
+        assert await redis_client.exists(ps.store.keys.node_capacity) == 0
+        assert (await state(ps.store))["nodes_out"] == "n1:ejected"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import platform
 import re
 import shutil
@@ -136,6 +137,9 @@ async def run(seconds: float, concurrency: int, rate: float) -> str:
         f"| admit latency p99 | {p99:.3f} ms |",
         f"| admit latency p99.9 | {p999:.3f} ms |",
         f"| load generator's own lag behind schedule, p99 (included above) | {lag99:.3f} ms |",
+        "",
+        f"Load average at the end of the run: {os.getloadavg()[0]:.2f} on "
+        f"{os.cpu_count()} cores (other work on the machine shows up in the tail).",
         "",
         "Targets (issue 2): at least 5,000 pairs/s from one process; admit p99 at most 1 ms "
         "at 1,000/s.",

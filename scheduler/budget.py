@@ -11,22 +11,30 @@ Model, per node (all in tokens of KV):
     T   = kv_target x C                       the ceiling projected usage must stay under
     U   = measured usage x C                  from the last scrape
     R   = node_reserved                       reservations of released, unsettled tasks, now
-    new = max(0, R - R at the previous scrape) reserved since: the metrics cannot show it yet
     f   = learned usage / reservation ratio   (see `UsageLearner`), with margin, per node
 
-    ours_now  = min(U, R - new)       the measured usage our visible reservations can explain
+    ours_now  = min(U, R)             the measured usage our reservations can explain
     foreign   = U - ours_now          usage nothing of ours explains (other clients, leaks)
     pad       = (running + waiting) x block_size   paged-KV rounding, one partial block each
-    projected = foreign + pad + max(f x R, ours_now + f x new)
+    projected = foreign + pad + max(f x R, ours_now)
     B         = R + (T - projected) / f                  (never below 0)
 
-``f x R`` is where our reservations end up once their sequences have decoded: it already
-counts what was released but is not visible yet and the growth of running sequences (the
-difference ``f x R - ours_now``). The second term of the ``max`` takes over when the
-measured usage runs ahead of that expectation, so a workload that outgrows what was learned
-stops further releases at once instead of after the next settles. Releases add to R, never to
-U, so a burst released between two polls can use at most ``B - R`` and lands exactly on T:
-the metrics' lag cannot make the scheduler overshoot.
+Read as "measured usage + what was released but is not visible yet + the growth of running
+sequences as they decode": ``f x R = ours_now + (f x R - ours_now)``, the bracket being the
+last two together. They are not split because the split cannot be known from outside the
+engine: a task released 2 ms before the scrape may already be prefilled, one released 2 s
+ago may still sit in vLLM's own waiting queue. Counting each reservation at its expected final
+size is exact about the total and never counts a task twice (a split by release time did, and
+turned a burst that the engine had already picked up into a false RED). Measured usage enters
+as a floor: when our tasks already hold more than f x R (the workload outgrew what was learned)
+``ours_now`` takes over and further releases stop at once, not after the next settles.
+Foreign usage is what exceeds everything reserved on the node; other clients' usage that fits
+inside our reservations looks like ours running ahead, which the floor bounds without its
+future growth (a known limit: the gateway is meant to be the only way in).
+
+Releases add to R, never to U, so a burst released between two polls, by the scheduler or by
+the gateways' fast path, can use at most ``B - R`` and lands exactly on T: the metrics' lag
+cannot make the pool overshoot.
 
 Overcommit: requests rarely reach max_tokens, so ``f < 1`` lets the pool reserve more than
 its KV. f comes from the pool's settle counters (settled_usage / settled_cost), decayed with
@@ -113,7 +121,6 @@ def plan_node(
     view: NodeView,
     *,
     reserved: int,
-    reserved_at_scrape: int,
     factor: float,
     kv_target: float,
     stale_policy: str,
@@ -128,11 +135,10 @@ def plan_node(
     m = view.metrics
     target = kv_target * capacity
     measured = m.kv_usage * capacity
-    new = max(0, min(reserved, reserved - reserved_at_scrape))
-    ours_now = min(measured, float(reserved - new))
+    ours_now = min(measured, float(reserved))
     foreign = measured - ours_now
     pad = float((m.running + m.waiting) * m.block_size)
-    projected = foreign + pad + max(factor * reserved, ours_now + factor * new)
+    projected = foreign + pad + max(factor * reserved, ours_now)
     budget = max(0, math.floor(reserved + (target - projected) / factor))
     reason = ""
     if view.stale and stale_policy == "full":

@@ -87,9 +87,6 @@ class PoolScheduler:
         self.policy = ReleasePolicy(zones, settings.release_batch, clock())
         self.drains = DrainRates()
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
-        self._prev_reserved: dict[str, int] = {}
-        self._base: dict[str, int] = {}
-        self._seen_seq: dict[str, int] = {}
         self._preemptions: dict[str, float] = {}
         self._cooldown_until: dict[str, float] = {}
         self._first_poll = True
@@ -139,17 +136,9 @@ class PoolScheduler:
         plans = []
         for view in views:
             reserved = snap.reserved.get(view.name, 0)
-            prev = self._prev_reserved.get(view.name, reserved)
-            if view.seq != self._seen_seq.get(view.name):
-                # A new reading: it can show what was reserved up to the previous tick, not
-                # what was reserved since.
-                self._seen_seq[view.name] = view.seq
-                self._base[view.name] = prev
-            self._prev_reserved[view.name] = reserved
             plans.append(plan_node(
                 view,
                 reserved=reserved,
-                reserved_at_scrape=self._base.get(view.name, reserved),
                 factor=self._node_factor(view, now),
                 kv_target=self.pool.zones.kv_target,
                 stale_policy=self.settings.stale_policy,

@@ -20,56 +20,59 @@ def view(usage: float, *, running: int = 0, capacity: int = 100_000, stale: bool
     return NodeView("n", metrics, capacity, stale, ejected, 0.0, 1, "")
 
 
-def plan(v: NodeView, reserved: int, at_scrape: int, factor: float = 1.0,
-         policy: str = "full") -> NodePlan:
-    return plan_node(v, reserved=reserved, reserved_at_scrape=at_scrape, factor=factor,
-                     kv_target=0.8, stale_policy=policy)
+def plan(v: NodeView, reserved: int, factor: float = 1.0, policy: str = "full") -> NodePlan:
+    return plan_node(v, reserved=reserved, factor=factor, kv_target=0.8, stale_policy=policy)
 
 
-def test_budget_counts_reservations_not_yet_visible() -> None:
-    # 30k reserved and visible, 20k more reserved since the scrape; the cache shows 25k.
-    p = plan(view(0.25), reserved=50_000, at_scrape=30_000)
-    # Expected end state f x R = 50k dominates 25k measured + 20k coming.
-    assert p.projected == pytest.approx(0.50)
-    assert p.budget == 80_000  # R + (T - projected) / f = 50k + 30k
+def test_budget_counts_every_reservation_at_its_expected_final_size() -> None:
+    # 50k reserved, whether prefilled yet or not; requests end at 60% of their reservation; the
+    # cache shows 25k so far (some tasks still waiting or early in their decoding).
+    p = plan(view(0.25), reserved=50_000, factor=0.6)
+    assert p.projected == pytest.approx(0.30)  # 0.6 x 50k: the 25k now + growth + unseen
+    assert p.budget == 50_000 + math.floor((80_000 - 30_000) / 0.6)
+
+
+def test_a_burst_the_engine_already_picked_up_is_not_counted_twice() -> None:
+    # Everything was reserved since the last poll and the engine prefilled it all already.
+    p = plan(view(0.144), reserved=23_913)
+    assert p.projected == pytest.approx(23_913 / 100_000)
 
 
 def test_measured_usage_ahead_of_plan_takes_over() -> None:
-    # Requests grow beyond what was learned (f = 0.5): 30k visible reservations already fill
-    # 30k of cache, and 10k more were just released.
-    p = plan(view(0.30), reserved=40_000, at_scrape=30_000, factor=0.5)
-    assert p.projected == pytest.approx((30_000 + 0.5 * 10_000) / 100_000)
-    assert p.budget == math.floor(40_000 + (80_000 - 35_000) / 0.5)
+    # Requests grow beyond what was learned (f = 0.5): 40k reserved already fill 30k of cache.
+    p = plan(view(0.30), reserved=40_000, factor=0.5)
+    assert p.projected == pytest.approx(0.30)
+    assert p.budget == 40_000 + math.floor((80_000 - 30_000) / 0.5)
 
 
 def test_unexplained_usage_is_foreign_and_padding_counts_blocks() -> None:
-    p = plan(view(0.30, running=100), reserved=10_000, at_scrape=10_000)
+    p = plan(view(0.30, running=100), reserved=10_000)
     # 20k of the 30k measured cannot be ours; each running sequence may hold a partial block.
     assert p.projected == pytest.approx((20_000 + 1_600 + 10_000) / 100_000)
     assert p.budget == 80_000 - 20_000 - 1_600
 
 
 def test_over_target_gives_no_room_and_never_a_negative_budget() -> None:
-    assert plan(view(0.95), reserved=0, at_scrape=0).budget == 0
-    over = plan(view(0.5), reserved=90_000, at_scrape=90_000)
+    assert plan(view(0.95), reserved=0).budget == 0
+    over = plan(view(0.5), reserved=90_000)
     assert over.budget is not None and over.budget < over.reserved
 
 
 def test_stale_nodes_follow_the_declared_policy() -> None:
-    full = plan(view(0.1, stale=True), reserved=0, at_scrape=0, policy="full")
+    full = plan(view(0.1, stale=True), reserved=0, policy="full")
     assert (full.budget, full.reason, full.projected) == (0, "stale", 0.8)
-    last = plan(view(0.1, stale=True), reserved=0, at_scrape=0, policy="last")
+    last = plan(view(0.1, stale=True), reserved=0, policy="last")
     assert (last.budget, last.reason) == (70_000, "")
-    gone = plan(view(0.1, stale=True, ejected=True), reserved=5, at_scrape=5)
+    gone = plan(view(0.1, stale=True, ejected=True), reserved=5)
     assert (gone.budget, gone.reason, gone.usable) == (None, "ejected", False)
 
 
 def test_pool_usage_aggregates() -> None:
-    a = plan(view(0.1), reserved=0, at_scrape=0)
-    b = plan(view(0.5, capacity=300_000), reserved=0, at_scrape=0)
+    a = plan(view(0.1), reserved=0)
+    b = plan(view(0.5, capacity=300_000), reserved=0)
     assert pool_usage([a, b], "max") == pytest.approx(0.5)
     assert pool_usage([a, b], "total") == pytest.approx((10_000 + 150_000) / 400_000)
-    assert pool_usage([plan(view(0.1, ejected=True), reserved=0, at_scrape=0)], "max") is None
+    assert pool_usage([plan(view(0.1, ejected=True), reserved=0)], "max") is None
 
 
 def test_learner_starts_without_overcommit_and_is_bounded() -> None:

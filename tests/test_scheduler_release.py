@@ -224,7 +224,8 @@ async def test_drain_rates_and_operator_figures_are_published(
             assert float(st["drain_0"]) < 50.0
             assert float(st["drain_2"]) == 0.0
             assert st["usage:n1"] == "0.1000"
-            assert float(st["projected:n1"]) > 0.1
+            # 5,000 tokens reserved, 10,000 measured: the rest belongs to someone else.
+            assert st["projected:n1"] == "0.1000"
             assert st["epoch"] == "1" and st["leader"] == "test"
 
 

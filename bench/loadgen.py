@@ -144,6 +144,11 @@ class LoadGenerator:
     def pending(self) -> int:
         return len(self._tasks)
 
+    async def wait_idle(self) -> None:
+        """Until every dispatched request has finished (bound it with ``asyncio.timeout``)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
     async def cancel(self) -> None:
         """Stop everything still in flight; those requests keep status INCOMPLETE."""
         tasks = list(self._tasks)

@@ -1,0 +1,256 @@
+"""The burst experiment's parts: schedule, prompt sizes, FIFO limiter, load generator, report."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from admission.tiers import Tier
+from bench.arm import ArmResult
+from bench.expconfig import PRESETS, Settings
+from bench.fifo_proxy import FifoLimiter
+from bench.loadgen import FAILED, OK, REJECTED, ClientSettings, LoadGenerator, Outcome
+from bench.monitor import NodeSample, Sample, parse_metrics
+from bench.report import summarize
+from bench.sim.config import SimConfig
+from bench.sim.metrics import make_registry, render
+from bench.sim.runner import NodeRunner
+from bench.sim.tokens import chat_prompt_tokens
+from bench.workload import (
+    DEFAULT_CLASSES,
+    PlannedRequest,
+    Scale,
+    Schedule,
+    burst_profile,
+    plan,
+    prompt_text,
+)
+from gateway.estimator import load_tokenizer
+from kvgate_client.policy import RetryPolicy
+
+# -- schedule --------------------------------------------------------------------------------
+
+
+def test_plan_is_seeded_and_poisson_rates_hold() -> None:
+    profile = burst_profile(100.0, 100.0, 100.0, factor=4.0)
+    scale = Scale(nodes=4, capacity_scale=0.5, time_scale=2.0)
+    first = plan(profile, DEFAULT_CLASSES, scale, seed=7)
+    assert plan(profile, DEFAULT_CLASSES, scale, seed=7).requests == first.requests
+    assert plan(profile, DEFAULT_CLASSES, scale, seed=8).requests != first.requests
+    assert [r.index for r in first.requests] == list(range(len(first.requests)))
+    assert all(a.at <= b.at for a, b in zip(first.requests, first.requests[1:], strict=False))
+    for klass in DEFAULT_CLASSES:
+        for lo, hi, factor in ((0, 100, 1.0), (100, 200, 4.0 if klass.burst else 1.0)):
+            n = sum(1 for r in first.requests if r.klass == klass.name and lo <= r.at < hi)
+            expected = scale.wall_rate(klass.rate * factor) * 100
+            # Poisson: the count is within 5 standard deviations of its mean.
+            assert abs(n - expected) <= 5 * math.sqrt(expected), (klass.name, lo, n, expected)
+    for r in first.requests:
+        klass = next(c for c in DEFAULT_CLASSES if c.name == r.klass)
+        assert klass.prompt.lo <= r.prompt_tokens <= klass.prompt.hi
+        assert klass.output.lo <= r.output_tokens <= klass.output.hi
+
+
+@pytest.mark.parametrize("tokens", [11, 12, 300, 8000])
+def test_prompt_sizes_agree_between_simulator_and_gateway_tokenizer(tokens: int) -> None:
+    text = prompt_text(tokens)
+    assert chat_prompt_tokens([text]) == tokens
+    # The gateway's Qwen2 tokenizer sees one token per word; the template adds its own.
+    assert len(load_tokenizer().encode(text).ids) == tokens - 10
+
+
+# -- FIFO limiter ----------------------------------------------------------------------------
+
+
+async def test_fifo_limiter_is_first_come_first_served_per_node_cap() -> None:
+    limiter = FifoLimiter(["http://a", "http://b"], max_inflight=1)
+    assert {await limiter.acquire("vip"), await limiter.acquire("vip")} == {0, 1}
+    order: list[str] = []
+
+    async def wait(name: str) -> int:
+        node = await limiter.acquire(name)
+        order.append(name)
+        return node
+
+    first = asyncio.create_task(wait("batch"))
+    second = asyncio.create_task(wait("normal"))
+    leaver = asyncio.create_task(wait("gone"))
+    third = asyncio.create_task(wait("vip"))
+    await asyncio.sleep(0)
+    assert limiter.queued_by_tier() == {"batch": 1, "normal": 1, "gone": 1, "vip": 1}
+    leaver.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaver
+    limiter.release(1)
+    assert await first == 1
+    limiter.release(0)
+    assert await second == 0
+    limiter.release(1)
+    assert await third == 1
+    # A VIP that came last waited for everyone before it: no tiers in a FIFO.
+    assert order == ["batch", "normal", "vip"]
+    assert limiter.inflight == [1, 1] and not limiter.queue
+
+
+# -- load generator --------------------------------------------------------------------------
+
+
+class _Stub:
+    """An OpenAI-ish endpoint: 429 for the first ``reject`` attempts of each request id."""
+
+    def __init__(self, reject: int, first_chunk_delay: float) -> None:
+        self.reject = reject
+        self.delay = first_chunk_delay
+        self.seen: dict[str, list[float]] = {}
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        key = request.headers["Authorization"] + body["messages"][0]["content"][:40]
+        attempts = self.seen.setdefault(key, [])
+        attempts.append(time.perf_counter())
+        if len(attempts) <= self.reject:
+            return web.Response(status=429, headers={"retry-after-ms": "120", "Retry-After": "1"},
+                                body=b'{"error": {"code": "capacity_exceeded"}}')
+        n = int(request.headers["X-Sim-Output-Tokens"])
+        assert body["max_tokens"] == n
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(self.delay)
+        chunk = {"choices": [{"delta": {"content": " the"}, "index": 0}]}
+        await resp.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        usage = {"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": n}}
+        await resp.write(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+
+async def _serve(stub: _Stub) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", stub.handle)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+def _request(index: int, klass: str, tier: Tier, at: float) -> PlannedRequest:
+    return PlannedRequest(index, klass, tier, at, prompt_tokens=50 + index, output_tokens=7,
+                          stream=True)
+
+
+async def _run(stub: _Stub, schedule: Schedule) -> LoadGenerator:
+    clients = {
+        "vip": ClientSettings("k-vip", None),
+        "normal": ClientSettings("k-normal", RetryPolicy(base_delay_s=0.05, max_delay_s=0.1)),
+    }
+    async for url in _serve(stub):
+        gen = LoadGenerator(schedule, [url], "m", clients, seed=1)
+        async with aiohttp.ClientSession() as session:
+            await gen.run(session, time.perf_counter())
+            async with asyncio.timeout(10):
+                await gen.wait_idle()
+    return gen
+
+
+async def test_vip_is_not_retried_and_normal_retries_no_sooner_than_the_hint() -> None:
+    stub = _Stub(reject=1, first_chunk_delay=0.0)
+    gen = await _run(stub, Schedule([_request(0, "vip", Tier.VIP, 0.0),
+                                     _request(1, "normal", Tier.NORMAL, 0.0)]))
+    vip, normal = gen.outcomes
+    assert (vip.status, vip.attempts, vip.rejections) == (REJECTED, 1, 1)
+    assert vip.ttft is None and vip.finished
+    assert (normal.status, normal.attempts, normal.rejections) == (OK, 2, 1)
+    assert normal.completion_tokens == 7
+    times = next(v for k, v in stub.seen.items() if k.startswith("Bearer k-normal"))
+    assert times[1] - times[0] >= 0.120  # retry-after-ms is a floor, jitter only adds
+    counters = gen.stats.tiers
+    assert (counters[Tier.VIP].failed, counters[Tier.NORMAL].ok) == (1, 1)
+    assert counters[Tier.NORMAL].rejected_responses == 1
+    assert len(gen.stats.rejected) == 2 and len(gen.stats.admitted) == 1
+
+
+async def test_ttft_counts_from_the_intended_send_time() -> None:
+    stub = _Stub(reject=0, first_chunk_delay=0.08)
+    gen = await _run(stub, Schedule([_request(0, "vip", Tier.VIP, 0.05)]))
+    (out,) = gen.outcomes
+    assert out.status == OK
+    assert out.ttft is not None and 0.08 <= out.ttft < 1.0
+    assert out.sent_at is not None and out.sent_at >= 0.05
+
+
+async def test_a_stream_cut_short_is_a_failure() -> None:
+    async def short(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        usage = {"choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 3}}
+        await resp.write(b"data: " + orjson.dumps(usage) + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", short)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        gen = LoadGenerator(Schedule([_request(0, "vip", Tier.VIP, 0.0)]),
+                            [str(server.make_url("")).rstrip("/")], "m",
+                            {"vip": ClientSettings("k", None)})
+        async with aiohttp.ClientSession() as session:
+            await gen.run(session, time.perf_counter())
+            async with asyncio.timeout(10):
+                await gen.wait_idle()
+    finally:
+        await server.close()
+    assert gen.outcomes[0].status == FAILED
+    assert "3/7" in (gen.outcomes[0].error or "")
+
+
+# -- metrics and report ----------------------------------------------------------------------
+
+
+def test_parse_metrics_reads_the_simulator_exposition() -> None:
+    runner = NodeRunner(SimConfig(capacity_scale=0.1, max_model_len=4096))
+    runner.engine.stats.preemptions = 3
+    runner.engine.stats.generation_tokens = 1234
+    runner.kv_usage_peak = 0.5
+    sample = parse_metrics(render(make_registry(runner)).decode())
+    assert (sample.preemptions, sample.generation_tokens, sample.kv_peak) == (3, 1234, 0.5)
+    assert sample.kv == 0.0 and sample.up
+
+
+def _outcome(req: PlannedRequest, status: str, ttft: float | None, finished: bool = True
+             ) -> Outcome:
+    return Outcome(req, status=status, ttft=ttft, finished=finished,
+                   done_at=req.at + 1 if finished else None, sent_at=req.at)
+
+
+def test_report_counts_failures_as_infinitely_slow_and_censors_late_requests() -> None:
+    settings: Settings = PRESETS["smoke"]
+    b0, b1 = settings.profile.window("burst")
+    vip = [_request(i, "vip-chat", Tier.VIP, b0 + 0.01 * i) for i in range(100)]
+    outcomes = [_outcome(r, OK, 0.01) for r in vip[:98]]
+    outcomes.append(_outcome(vip[98], FAILED, None))
+    outcomes.append(_outcome(vip[99], OK, 0.02))
+    late = _request(100, "vip-chat", Tier.VIP, b1 + 0.1)
+    outcomes.append(_outcome(late, "incomplete", None, finished=False))
+    node = NodeSample(kv_peak=0.5)
+    samples = [Sample(0.0, [node]), Sample(b1, [node])]
+    result = ArmResult(arm="c", settings=settings, outcomes=outcomes, samples=samples,
+                       admitted=[], rejected=[], crashed_nodes=0, max_loop_lag_s=0.0,
+                       send_lag_max_s=0.0, stopped_at=b1 + 1)
+    s = summarize(result, None)
+    assert s.counted[Tier.VIP] == 100  # the late, unfinished one is censored
+    assert s.success[Tier.VIP] == pytest.approx(0.99)
+    p50, p99 = s.vip_ttft_burst
+    assert p50 == pytest.approx(0.01 * settings.time_scale * 1000)
+    assert p99 == pytest.approx(0.02 * settings.time_scale * 1000)
+    outcomes[0] = _outcome(vip[0], FAILED, None)
+    assert math.isinf(summarize(result, None).vip_ttft_burst[1])

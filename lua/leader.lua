@@ -1,7 +1,10 @@
 -- leader.lua: scheduler leadership as a lease with a fencing epoch.
 --
 -- KEYS[1]  leader           STRING the holder's id, expiring after the lease TTL
--- KEYS[2]  epoch            STRING counter, raised once per new leadership
+-- KEYS[2]  epoch            STRING counter, raised once per new leadership; when it is missing
+--                          (first start, or a Redis that lost its data) it starts from Redis
+--                          TIME in µs, so epochs never go backwards and a paused leader from
+--                          before the loss cannot fence out the new one
 --
 -- ARGV[1]  caller's id      ARGV[2] lease TTL (ms)
 -- ARGV[3]  'acquire' (take the lease if free, or renew it if held) or 'resign' (free it now
@@ -13,7 +16,8 @@
 
 local me, ttl, op = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local holder = redis.call('GET', KEYS[1])
-local epoch = tonumber(redis.call('GET', KEYS[2]) or '0')
+local stored = redis.call('GET', KEYS[2])
+local epoch = tonumber(stored or '0')
 if op == 'resign' then
   if holder == me then redis.call('DEL', KEYS[1]) end
   return {0, epoch, '', 0}
@@ -25,6 +29,12 @@ end
 if holder then
   return {0, epoch, holder, redis.call('PTTL', KEYS[1])}
 end
-epoch = redis.call('INCR', KEYS[2])
+if not stored then
+  local t = redis.call('TIME')
+  epoch = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  redis.call('SET', KEYS[2], string.format('%.0f', epoch))
+else
+  epoch = redis.call('INCR', KEYS[2])
+end
 redis.call('SET', KEYS[1], me, 'PX', ttl)
 return {1, epoch, me, ttl}

@@ -305,3 +305,19 @@ async def test_lease_expiry_hands_over(redis_client: aioredis.Redis, store: Pool
 
     await _wait_for(b_leads, timeout_s=3)
     assert _int(await redis_client.get(SchedulerKeys().epoch)) == a.epoch + 1
+
+
+async def test_epochs_never_go_backwards_when_redis_loses_its_data(
+    redis_client: aioredis.Redis, store: PoolStore
+) -> None:
+    """A paused leader from before a data loss must not outrank the leader elected after it."""
+    old = await leadership(redis_client, store.scripts, "sched-old", 10_000)
+    await leadership(redis_client, store.scripts, "sched-old", 10_000, resign=True)
+    second = await leadership(redis_client, store.scripts, "sched-2", 10_000)
+    assert second.epoch == old.epoch + 1
+    await redis_client.flushall()  # a restart without persistence
+    new = await leadership(redis_client, store.scripts, "sched-new", 10_000)
+    assert new.leading and new.epoch > second.epoch
+    await store.publish_state(new.epoch, Zone.GREEN, {"n1": 1})
+    with pytest.raises(FencedError):
+        await store.release(second.epoch, (1, 1, 1))

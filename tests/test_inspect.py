@@ -18,6 +18,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from admission import inspect
 from admission.config import TenantSettings
+from admission.keys import SchedulerKeys
 from admission.localredis import free_port, start_cluster
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota, leadership
@@ -60,6 +61,8 @@ class World:
 async def populate(client: Client) -> World:
     """A pool in YELLOW at T0+5 s: one task in flight on gpu-0, two Batch tasks queued."""
     w = World(client)
+    # Epochs start from Redis TIME on an empty Redis; a known start keeps the figures exact.
+    await client.set(SchedulerKeys().epoch, 0)
     lead = await leadership(client, w.store.scripts, "sched-a", 60_000)
     w.epoch = lead.epoch
     await w.at(T0)

@@ -9,6 +9,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from admission.keys import SchedulerKeys
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore
 from admission.tiers import Tier
@@ -35,6 +36,7 @@ async def test_app_serves_health_and_metrics_and_releases(
         # Queued before any scheduler ran: no budget was published, the fast path cannot fire.
         store = PoolStore(redis_client, register_scripts(redis_client), "p", PoolPolicy())
         await queue_tasks(store, [("q1", Tier.NORMAL, 1_000)])
+        await redis_client.set(SchedulerKeys().epoch, 0)  # a known epoch: the next one is 1
         pubsub = redis_client.pubsub()
         await pubsub.subscribe(store.keys.wake_channel("gw"))
         app = create_app(config, me="s1")

@@ -1,6 +1,7 @@
 -- state.lua: the leader publishes a pool's zone and node capacities for the gateways.
 --
--- KEYS[1]  state            HASH  epoch, zone, updated_us, and any extra fields given
+-- KEYS[1]  state            HASH  epoch, zone, updated_us, and the extra fields given (replaced
+--                          whole, so a node that left takes its figures with it)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens (replaced whole: absent nodes get nothing)
 --
@@ -20,7 +21,8 @@ redis.call('DEL', KEYS[3])
 for i = 0, n - 1 do
   redis.call('HSET', KEYS[3], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
 end
-redis.call('HSET', KEYS[1], 'zone', ARGV[2], 'updated_us', fmt(now))
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'epoch', fmt(epoch), 'zone', ARGV[2], 'updated_us', fmt(now))
 local extra_start = 4 + 2 * n
 if #ARGV >= extra_start + 1 then
   redis.call('HSET', KEYS[1], unpack(ARGV, extra_start))

@@ -69,7 +69,7 @@ async def populate(client: Client) -> World:
     await w.store.publish_state(w.epoch, Zone.GREEN, CAPS, EXTRA)
     # Fast path to the node with most headroom; acme: 10000 - 1500 = 8500 at T0.
     assert await w.admit("a", ACME, Tier.VIP, 1000, 500, "gw-1") is AdmitOutcome.RELEASED
-    await w.store.publish_state(w.epoch, Zone.YELLOW, CAPS)
+    await w.store.publish_state(w.epoch, Zone.YELLOW, CAPS, EXTRA)
     await w.at(T0 + 1 * S)
     # YELLOW queues Normal; acme: 8500 + 100 refilled - 500 = 8100 at T0+1s; gw-1 lease T0+11s.
     assert await w.admit("b", ACME, Tier.NORMAL, 200, 300, "gw-1") is AdmitOutcome.QUEUED

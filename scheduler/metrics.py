@@ -70,3 +70,11 @@ class SchedulerMetrics:
                                        buckets=_FAST, registry=r)
         self.redis_errors = Counter(p + "redis_errors", "Redis calls that failed in a tick.",
                                     ["pool"], registry=r)
+
+    def forget_pools(self) -> None:
+        """Drop every per-pool gauge: a replica that stopped leading must not go on exporting
+        the last figures it saw, or sums over replicas count them twice."""
+        for gauge in (self.zone, self.pool_usage, self.usage_ratio, self.kv_usage,
+                      self.projected, self.budget, self.reserved, self.ejected,
+                      self.preemptions, self.queue_depth, self.drain):
+            gauge.clear()

@@ -9,7 +9,6 @@ epoch refusal (`FencedError`) makes the replica step down at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -66,6 +65,7 @@ class SchedulerService:
         self._term: int | None = None
         self._changes_seen = 0
         self.ticks = 0
+        self._redis_failed_at: float | None = None
 
     async def start(self) -> None:
         self.client = self._client if self._client is not None else connect(self.config.redis)
@@ -135,6 +135,8 @@ class SchedulerService:
         leading = self.elector.leading
         self.metrics.leader.set(1 if leading else 0)
         self.metrics.epoch.set((self.elector.epoch or 0) if leading else 0)
+        if not leading:
+            self.metrics.forget_pools()
         delta = self.elector.changes - self._changes_seen
         if delta > 0:
             self.metrics.leadership_changes.inc(delta)
@@ -169,19 +171,33 @@ class SchedulerService:
             self.metrics.fenced.labels(pool.name).inc()
             elector.step_down(str(exc))
         except (RedisError, OSError) as exc:
+            self._redis_failed_at = self.clock()
             self.metrics.redis_errors.labels(pool.name).inc()
             log.warning("pool %s tick failed: %s", pool.name, exc)
+
+    def reaping_allowed(self) -> bool:
+        """After Redis was unreachable, wait one gateway lease TTL before reaping: the leases
+        expired in Redis time while nobody could renew them, and live gateways must get the
+        chance to renew before their requests are taken for dead."""
+        if self._redis_failed_at is None:
+            return True
+        grace = self.config.gateway.lease_ttl_ms / 1000
+        return self.clock() - self._redis_failed_at >= grace
 
     async def _reap_loop(self) -> None:
         assert self.elector is not None
         interval = self.settings.reap_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
-            if not self.elector.leading:
+            if not self.elector.leading or not self.reaping_allowed():
                 continue
             for pool in self.pools:
-                with contextlib.suppress(RedisError, OSError):
+                try:
                     await self.reap(pool)
+                except (RedisError, OSError) as exc:
+                    self._redis_failed_at = self.clock()
+                    self.metrics.redis_errors.labels(pool.name).inc()
+                    log.warning("pool %s reap failed: %s", pool.name, exc)
 
     async def reap(self, pool: PoolScheduler) -> None:
         for _ in range(REAP_CALLS):

@@ -8,12 +8,14 @@ import dataclasses
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import generate_latest
 
 from admission.keys import SchedulerKeys
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore
 from admission.tiers import Tier
 from scheduler.app import SERVICE, create_app
+from scheduler.service import SchedulerService
 from tests.scheduler_stub import (
     FakeVllm,
     admit,
@@ -88,3 +90,37 @@ async def test_reaper_returns_a_dead_gateways_reservation(
                 await asyncio.sleep(0.01)
             assert (await store.task("t1") or {})["state"] == "reaped"
             assert await reserved(store) == {}
+
+
+async def test_a_replica_that_stops_leading_stops_exporting_pool_gauges(
+    redis_client: Any, redis_url: str
+) -> None:
+    async with serve_fake(FakeVllm(usage=0.3)) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             scheduler={"poll_interval_ms": 20})
+        app = create_app(config, me="s1")
+        async with TestClient(TestServer(app)) as client:
+            service = app[SERVICE]
+            await eventually(lambda: service.leading and service.ticks > 1)
+            assert 'kvgate_scheduler_kv_usage{node="n1",pool="p"} 0.3' in await (
+                await client.get("/metrics")).text()
+            assert service.elector is not None
+            service.elector.step_down("test")
+            service._sync_leader_metrics()
+            # Read synchronously: no await lets the elector lead again in between.
+            text = generate_latest(service.metrics.registry).decode()
+            assert "kvgate_scheduler_kv_usage{" not in text
+            assert "kvgate_scheduler_zone{" not in text
+            assert "kvgate_scheduler_leader 0.0" in text
+
+
+def test_reaper_waits_one_lease_after_redis_failed() -> None:
+    now = [100.0]
+    config = make_config("redis://127.0.0.1:1/0", [{"name": "n1", "url": "http://x"}])
+    service = SchedulerService(config, me="s1", clock=lambda: now[0])
+    assert service.reaping_allowed()
+    service._redis_failed_at = now[0]
+    now[0] += config.gateway.lease_ttl_ms / 1000 - 0.001
+    assert not service.reaping_allowed()
+    now[0] += 0.002
+    assert service.reaping_allowed()

@@ -120,13 +120,13 @@ class Admitter:
                 return self._store_failed(exc, task_id, inbound, tier, labels)
             if result.outcome is AdmitOutcome.RELEASED:
                 assert result.node is not None
-                self.metrics.tokens_reserved.labels(*labels).inc(inbound.cost)
+                self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
                 return self._ticket(task_id, pool, result.node, tier, labels, 0.0)
             if result.outcome is AdmitOutcome.QUEUED:
-                self.metrics.tokens_reserved.labels(*labels).inc(inbound.cost)
+                self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
                 return await self._wait(task_id, woken, pool, tier, labels, timeout_ms)
             if result.outcome is AdmitOutcome.REJECTED:
-                self.metrics.rejections.labels(*labels, str(result.reason)).inc()
+                self.metrics.child(self.metrics.rejections, *labels, str(result.reason)).inc()
                 raise self._rejection(result, inbound, tenant)
             raise ApiError(500, "Duplicate task id; please retry.", type_="server_error",
                            code="internal_error", retry_after_ms=self._hint(100))
@@ -155,7 +155,7 @@ class Admitter:
         self, exc: BaseException, task_id: str, inbound: Inbound, tier: Tier,
         labels: tuple[str, ...],
     ) -> Ticket:
-        self.metrics.redis_errors.labels("admit").inc()
+        self.metrics.child(self.metrics.redis_errors, "admit").inc()
         log.warning("admission store unavailable (%s)", type(exc).__name__)
         pool = inbound.pool
         # The admit may have run before the reply was lost: cancelling is a no-op otherwise.
@@ -164,7 +164,7 @@ class Admitter:
             node = pool.any_node()
             url = pool.url(node) if node is not None else None
             if node is not None and url is not None:
-                self.metrics.fail_open.labels(pool.name, tier.label).inc()
+                self.metrics.child(self.metrics.fail_open, pool.name, tier.label).inc()
                 return Ticket(task_id, pool, node, url, tier, labels, admitted=False)
         raise unavailable(
             "The admission service is unavailable. Please retry later.",
@@ -222,7 +222,7 @@ class Admitter:
         store = pool.store
         loop = asyncio.get_running_loop()
         started = loop.time()
-        queued = self.metrics.queued.labels(pool.name)
+        queued = self.metrics.child(self.metrics.queued, pool.name)
         queued.inc()
         try:
             outcome = await wait_for_release(
@@ -236,7 +236,7 @@ class Admitter:
             queued.dec()
         waited = loop.time() - started
         if outcome is not None and outcome.node is not None:
-            self.metrics.queue_wait.labels(pool.name, tier.label).observe(waited)
+            self.metrics.child(self.metrics.queue_wait, pool.name, tier.label).observe(waited)
             return self._ticket(task_id, pool, outcome.node, tier, labels, waited)
         if outcome is None:
             # Our deadline came first: take the task out of the queue ourselves (before the
@@ -249,7 +249,7 @@ class Admitter:
                 "The queued request was dropped by the cluster. Please retry.",
                 code="queue_task_lost", retry_ms=self._hint(1000),
             )
-        self.metrics.rejections.labels(*labels, QUEUE_TIMEOUT).inc()
+        self.metrics.child(self.metrics.rejections, *labels, QUEUE_TIMEOUT).inc()
         zone, depth, retry_ms = await self._drain_hint(store, tier)
         error = too_many_requests(
             CAPACITY_EXCEEDED,
@@ -272,7 +272,7 @@ class Admitter:
                     pipe.zcard(keys.queue(Tier(t)))
                 replies = await pipe.execute()
         except STORE_ERRORS:
-            self.metrics.redis_errors.labels("drain_hint").inc()
+            self.metrics.child(self.metrics.redis_errors, "drain_hint").inc()
             return "UNKNOWN", 0, store.policy.default_retry_ms
         state = replies[0]
         zone = (state[0] or b"GREEN").decode() if isinstance(state[0], bytes) else (

@@ -36,6 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openapi import openapi_document
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
+from gateway.redismux import RedisMux, mux_scripts
 from gateway.settle import Settler, renew_leases
 from gateway.state import (
     CONFIG,
@@ -104,7 +105,10 @@ def _session(config: Config) -> aiohttp.ClientSession:
         sock_read=g.upstream_timeout_ms / 1000,
     )
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=60)
+    # No cookies, no decompression: bodies pass through as the node sent them (the gateway
+    # asks for identity encoding so that it can read SSE events and usage).
     return aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
                                  skip_auto_headers=("User-Agent",))
 
 
@@ -118,8 +122,11 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     except STORE_ERRORS as exc:
         log.warning("Redis unavailable at start (%s): not ready until it answers",
                     type(exc).__name__)
+    # Script calls (admit, settle, renew) go through one multiplexed connection.
+    mux = None if config.redis.cluster else RedisMux(config.redis)
+    hot = scripts if mux is None else mux_scripts(scripts, mux)
     pools = {
-        name: PoolRuntime(settings, PoolStore(client, scripts, name, config.pool_policy(name)),
+        name: PoolRuntime(settings, PoolStore(client, hot, name, config.pool_policy(name)),
                           counters[name])
         for name, settings in config.pools.items()
     }
@@ -164,4 +171,6 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         for task in stuck:
             log.warning("background task %s did not stop", task.get_name())
         await session.close()
+        if mux is not None:
+            await mux.close()
         await client.aclose()

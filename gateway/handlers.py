@@ -69,12 +69,13 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         inbound = await parse_inbound(kind, raw, gw.pools, tier)
     except ApiError:
-        metrics.requests.labels(*metrics.tier_labels("none", tier, tenant.name), m.INVALID).inc()
+        labels = metrics.tier_labels("none", tier, tenant.name)
+        metrics.child(metrics.requests, *labels, m.INVALID).inc()
         raise
     pool = inbound.pool
     outcome = m.REJECTED
     task_id: str | None = None
-    in_flight = metrics.in_flight.labels(pool.name)
+    in_flight = metrics.child(metrics.in_flight, pool.name)
     in_flight.inc()
     try:
         ticket = await gw.admitter.admit(inbound, tenant, tier, client_timeout_ms)
@@ -89,7 +90,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
                 gw.settler.finish(pool.store, ticket.task_id, usage, cancelled=cancelled,
                                   labels=ticket.labels)
             if meter.first_byte_s is not None:
-                metrics.ttft.labels(pool.name, tier.label).observe(meter.first_byte_s)
+                metrics.child(metrics.ttft, pool.name, tier.label).observe(meter.first_byte_s)
             log.debug("task %s tenant=%s tier=%s pool=%s node=%s phase=%s usage=%s",
                       ticket.task_id, tenant.name, tier.label, pool.name, ticket.node,
                       meter.phase.value, usage)
@@ -108,7 +109,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise
     finally:
         in_flight.dec()
-        metrics.requests.labels(*metrics.tier_labels(pool.name, tier, tenant.name),
+        metrics.child(metrics.requests, *metrics.tier_labels(pool.name, tier, tenant.name),
                                 outcome).inc()
 
 

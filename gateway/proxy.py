@@ -154,7 +154,8 @@ def _carries_output(choice: Any) -> bool:
 
 
 def forwarded_headers(request: web.Request, task_id: str) -> dict[str, str]:
-    headers = {"Content-Type": "application/json", "X-Request-Id": task_id}
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
+               "X-Request-Id": task_id}
     for name, value in request.headers.items():
         if name.lower() not in _DROP_HEADERS and not name.lower().startswith("proxy-"):
             headers[name] = value
@@ -176,7 +177,7 @@ class Upstream:
         self.rng = rng or random.Random()
 
     def _failed(self, ticket: Ticket, kind: str, status: int, message: str) -> ApiError:
-        self.metrics.upstream_errors.labels(ticket.pool.name, ticket.node, kind).inc()
+        self.metrics.child(self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
         log.warning("task %s: node %s failed: %s", ticket.task_id, ticket.node, kind)
         return unavailable(message, code=f"upstream_{kind}",
                            retry_ms=jittered(1000, self.jitter, self.rng), status=status)
@@ -279,7 +280,8 @@ class Upstream:
             except (aiohttp.ClientError, TimeoutError) as exc:
                 broken = True
                 kind = "timeout" if isinstance(exc, TimeoutError) else "broken_stream"
-                self.metrics.upstream_errors.labels(ticket.pool.name, ticket.node, kind).inc()
+                self.metrics.child(
+                    self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
                 log.warning("task %s: stream from node %s broke off (%s)", ticket.task_id,
                             ticket.node, type(exc).__name__)
             tail = relay.flush()

@@ -76,14 +76,14 @@ class Settler:
                 return None
             except Exception as exc:
                 self.metrics.settle_retries.inc()
-                self.metrics.redis_errors.labels("settle").inc()
+                self.metrics.child(self.metrics.redis_errors, "settle").inc()
                 log.warning("settling task %s failed (%s); retrying in %.2fs",
                             task_id, type(exc).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.max_backoff_s)
                 continue
             if usage is not None and result.outcome != "noop":
-                self.metrics.tokens_settled.labels(*labels).inc(usage)
+                self.metrics.child(self.metrics.tokens_settled, *labels).inc(usage)
             return result
 
     async def idle(self) -> None:
@@ -121,7 +121,7 @@ async def renew_leases(
             except Exception as exc:
                 if stop.is_set():
                     return
-                metrics.redis_errors.labels("renew").inc()
+                metrics.child(metrics.redis_errors, "renew").inc()
                 log.warning("renewing the lease in pool %s failed: %s", store.pool,
                             type(exc).__name__)
         with contextlib.suppress(TimeoutError):

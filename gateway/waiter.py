@@ -108,7 +108,7 @@ class WakeHub:
                     return
                 self.subscribed.clear()
                 self.metrics.pubsub_reconnects.inc()
-                self.metrics.redis_errors.labels("subscribe").inc()
+                self.metrics.child(self.metrics.redis_errors, "subscribe").inc()
                 log.warning("wake-up subscription lost (%s); reconnecting in %.2fs",
                             type(exc).__name__, backoff)
                 self._trigger_resync()
@@ -150,13 +150,13 @@ async def wait_for_release(
         try:
             record = await store.client.hmget(store.keys.task_key(task_id), "state", "node")
         except Exception as exc:  # a poll is best effort; the deadline still holds
-            hub.metrics.redis_errors.labels("poll").inc()
+            hub.metrics.child(hub.metrics.redis_errors, "poll").inc()
             log.debug("polling task record failed: %s", type(exc).__name__)
             continue
         state = _text(record[0]) or "unknown"
         if state == TaskState.QUEUED:
             continue
-        hub.metrics.wake_fallbacks.labels(store.pool).inc()
+        hub.metrics.child(hub.metrics.wake_fallbacks, store.pool).inc()
         node = _text(record[1])
         if state == TaskState.RELEASED and node:
             return Woken(node, state, True)

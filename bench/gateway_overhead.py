@@ -28,7 +28,6 @@ import os
 import platform
 import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -265,7 +264,7 @@ async def _stats(redis_url: str) -> dict[str, int]:
     client = aioredis.Redis.from_url(redis_url)
     try:
         raw = await client.hgetall(PoolKeys(POOL).stats)
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
     finally:
         await client.aclose()
 
@@ -274,6 +273,18 @@ def _policy() -> Any:
     from admission.store import PoolPolicy
 
     return PoolPolicy(stale_after_ms=0)
+
+
+def _sustained(sweep: list[Phase], target: str) -> float:
+    """The highest rate that passed, every lower rate of the sweep having passed too."""
+    best = 0.0
+    for phase in sweep:
+        if phase.target != target:
+            continue
+        if not phase.sustained:
+            break
+        best = phase.rate
+    return best
 
 
 def _table(phases: list[Phase]) -> list[str]:
@@ -346,10 +357,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(redis.workdir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    sustained = max((ph.rate for ph in sweep if ph.target == "gateway" and ph.sustained),
-                    default=0.0)
-    direct_sustained = max((ph.rate for ph in sweep if ph.target == "direct" and ph.sustained),
-                           default=0.0)
+    sustained = _sustained(sweep, "gateway")
+    direct_sustained = _sustained(sweep, "direct")
     added_p50 = through.p50 - direct.p50
     added_p99 = through.p99 - direct.p99
     met = {
@@ -384,7 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         *_table(sweep),
         "",
         f"Highest rate sustained through the gateway (achieved >= 98% of offered, no errors, "
-        f"p99 <= {P99_LIMIT_MS:.0f} ms): **{sustained:.0f} RPS** (target >= 1,000: "
+        f"p99 <= {P99_LIMIT_MS:.0f} ms, and so at every lower rate of the sweep): "
+        f"**{sustained:.0f} RPS** (target >= 1,000: "
         f"{'met' if met['rps'] else 'missed'}); direct to the backend: "
         f"{direct_sustained:.0f} RPS.",
         "",

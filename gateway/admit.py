@@ -118,6 +118,10 @@ class Admitter:
                 )
             except STORE_ERRORS as exc:
                 return self._store_failed(exc, task_id, inbound, tier, labels)
+            except BaseException:
+                # Cancelled (client gone) while the admit was in flight: it may have run.
+                self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
+                raise
             if result.outcome is AdmitOutcome.RELEASED:
                 assert result.node is not None
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)

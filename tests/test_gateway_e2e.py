@@ -48,6 +48,8 @@ async def test_chat_non_streaming_settles_exact_usage(gw: Harness) -> None:
     assert record["tier"] == "0" and record["tenant"] == "vip"
     # The bucket (full before; clock frozen: no refill) was charged exactly the usage.
     assert await gw.bucket("vip") == 1_000_000 - (prompt + 20)
+    stats = await gw.redis.hgetall(gw.store.keys.stats)
+    assert int(stats[b"fast_path"]) == 1  # released by the admit call itself
     forwarded = gw.backends[0].received[-1].body
     assert forwarded["model"] == "demo" and forwarded["max_tokens"] == 20
     assert "stream_options" not in forwarded and "priority" not in forwarded
@@ -188,3 +190,14 @@ async def test_pass_priority_forwards_the_tier(redis_url: str,
 async def test_models_lists_the_pools(gw: Harness) -> None:
     models = await gw.openai("batch").models.list()
     assert [m.id for m in models.data] == ["demo"]
+
+
+async def test_tenant_label_only_when_configured(redis_url: str,
+                                                 redis_client: aioredis.Redis) -> None:
+    async with running_gateway(redis_url, tenant_metrics=True) as gw:
+        await gw.publish(Zone.GREEN, BIG)
+        await gw.openai("batch").completions.create(model="demo", prompt="x", max_tokens=1)
+        count = gw.gateway.metrics.registry.get_sample_value(
+            "kvgate_gateway_requests_total",
+            {"pool": "demo", "tier": "batch", "tenant": "batch", "outcome": "ok"})
+        assert count == 1

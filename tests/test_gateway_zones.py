@@ -151,3 +151,14 @@ async def test_full_tier_queue_is_a_capacity_429(redis_url: str,
 
 async def _is(value: Any, expected: int) -> bool:
     return bool(await value == expected)
+
+
+async def test_a_release_while_the_subscription_is_down_still_completes(gw: Harness) -> None:
+    await gw.publish(Zone.YELLOW, capacity=BIG)
+    batch = asyncio.create_task(_chat(gw, "batch"))
+    await eventually(lambda: _is(gw.queued(2), 1))
+    killed = await gw.redis.client_kill_filter(_type="pubsub")
+    assert killed == 1
+    await gw.release()  # published while the gateway's subscriber is reconnecting
+    assert (await asyncio.wait_for(batch, 5)).parse().choices
+    assert await gw.queued(2) == 0

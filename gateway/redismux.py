@@ -5,8 +5,7 @@ connection from the pool, packs, sends, waits and gives the connection back, abo
 CPU per call on the reference machine, a third of the gateway's budget. RESP answers commands
 on a connection in the order they were sent, so one connection can carry every call at once:
 write the command, queue a future, and resolve futures in order as replies are parsed (hiredis).
-Calls issued in the same loop iteration share a TCP segment (pipelining, without a pool to
-size or exhaust).
+Calls overlap on the connection (pipelining) with no pool to size or exhaust.
 
 Failure semantics match a redis-py connection with socket timeouts: a reply that does not come
 within `socket_timeout_ms`, or a lost connection, fails every call in flight on it with

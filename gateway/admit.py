@@ -42,7 +42,7 @@ from gateway.metrics import QUEUE_TIMEOUT, GatewayMetrics
 from gateway.parse import Inbound
 from gateway.pools import PoolRuntime
 from gateway.settle import Settler
-from gateway.waiter import WakeHub, wait_for_release
+from gateway.waiter import WakeHub, Woken, wait_for_release
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -85,7 +85,6 @@ class Admitter:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.jitter = config.gateway.retry_jitter
-        self.poll_s = config.gateway.wake_fallback_ms / 1000
 
     def _hint(self, retry_ms: int) -> int:
         return jittered(retry_ms, self.jitter, self.rng)
@@ -128,6 +127,7 @@ class Admitter:
                 return self._ticket(task_id, pool, result.node, tier, labels, 0.0)
             if result.outcome is AdmitOutcome.QUEUED:
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
+                self.hub.queued(task_id, store, tier)
                 return await self._wait(task_id, woken, pool, tier, labels, timeout_ms)
             if result.outcome is AdmitOutcome.REJECTED:
                 self.metrics.child(self.metrics.rejections, *labels, str(result.reason)).inc()
@@ -217,7 +217,7 @@ class Admitter:
     async def _wait(
         self,
         task_id: str,
-        woken: asyncio.Future[str],
+        woken: asyncio.Future[Woken],
         pool: PoolRuntime,
         tier: Tier,
         labels: tuple[str, ...],
@@ -229,9 +229,7 @@ class Admitter:
         queued = self.metrics.child(self.metrics.queued, pool.name)
         queued.inc()
         try:
-            outcome = await wait_for_release(
-                self.hub, store, task_id, woken, timeout_s=timeout_ms / 1000, poll_s=self.poll_s
-            )
+            outcome = await wait_for_release(woken, timeout_s=timeout_ms / 1000)
         except BaseException:
             # Client gone (handler cancelled) or shutting down: leave the queue now.
             self.settler.finish(store, task_id, None, cancelled=True, labels=labels)

@@ -132,6 +132,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     }
     stores = [pool.store for pool in pools.values()]
     hub = WakeHub(client, [s.keys.wake_channel(gid) for s in stores], metrics,
+                  poll_s=config.gateway.wake_fallback_ms / 1000,
                   sharded=config.redis.sharded_pubsub)
     settler = Settler(metrics)
     session = _session(config)
@@ -152,6 +153,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     stop_renewing = asyncio.Event()
     background = [
         asyncio.create_task(hub.run(), name="kvgate-wake"),
+        asyncio.create_task(hub.poll_forever(), name="kvgate-wake-fallback"),
         asyncio.create_task(
             renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, metrics,
                          stop_renewing),

@@ -1,0 +1,67 @@
+"""The wake-up hub's fallback: lost messages are found by one check for all waiters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from admission.scripts import register_scripts
+from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.tiers import Tier, Zone
+from gateway.metrics import GatewayMetrics
+from gateway.waiter import WakeHub, wait_for_release
+
+
+async def _calls(client: aioredis.Redis, command: str) -> int:
+    stats = await client.info("commandstats")
+    entry = stats.get(f"cmdstat_{command}")
+    return int(entry["calls"]) if entry else 0
+
+
+async def test_one_check_finds_every_task_whose_wake_up_was_lost(
+    redis_client: aioredis.Redis,
+) -> None:
+    store = PoolStore(redis_client, register_scripts(redis_client), "p",
+                      PoolPolicy(stale_after_ms=0))
+    await store.publish_state(1, Zone.YELLOW, {"n": 10_000_000})  # Batch queues in YELLOW
+    tenant = TenantQuota("t", 1_000_000, 1_000_000, 1000)
+    metrics = GatewayMetrics()
+    hub = WakeHub(redis_client, [store.keys.wake_channel("g")], metrics, poll_s=60)
+    futures = {}
+    for i in range(300):
+        task_id = f"task{i}"
+        futures[task_id] = hub.expect(task_id)
+        result = await store.admit(task_id=task_id, tenant=tenant, tier=Tier.BATCH,
+                                   prompt_tokens=10, max_tokens=10, gateway="g",
+                                   queue_timeout_ms=60_000)
+        assert result.outcome is AdmitOutcome.QUEUED
+        hub.queued(task_id, store, Tier.BATCH)
+    released = await store.release(1, (0, 0, 100))  # no notify: every message "lost"
+    assert len(released) == 100
+    zmscore, hmget = await _calls(redis_client, "zmscore"), await _calls(redis_client, "hmget")
+    assert await hub.poll_once() == 100
+    assert await _calls(redis_client, "zmscore") - zmscore == 1  # one check for 300 waiters
+    assert await _calls(redis_client, "hmget") - hmget == 100  # records of those that left
+    for task in released:
+        woken = await wait_for_release(futures[task.task_id], timeout_s=0)
+        assert woken is not None and woken.node == "n" and woken.polled
+    still = [f for f in futures.values() if not f.done()]
+    assert len(still) == 200
+    assert await wait_for_release(still[0], timeout_s=0.01) is None
+    assert metrics.registry.get_sample_value("kvgate_gateway_wake_fallbacks_total",
+                                             {"pool": "p"}) == 100
+
+
+async def test_a_message_resolves_the_waiter_without_any_read(
+    redis_client: aioredis.Redis,
+) -> None:
+    hub = WakeHub(redis_client, ["unused"], GatewayMetrics(), poll_s=60)
+    released, expired = hub.expect("a"), hub.expect("b")
+    hub.deliver(b"a node-3")
+    hub.deliver("b ")
+    hub.deliver(b"unknown node-1")  # a task this gateway no longer waits for: ignored
+    a = await asyncio.wait_for(released, 1)
+    b = await asyncio.wait_for(expired, 1)
+    assert (a.node, a.state, a.polled) == ("node-3", "released", False)
+    assert (b.node, b.state) == (None, "expired")

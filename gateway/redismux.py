@@ -39,7 +39,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from admission.config import RedisSettings
 from admission.scripts import SCRIPT_NAMES, Scripts
 
-_CRLF = b"\r\n"
+MIN_DOWN_S = 0.1
+MAX_DOWN_S = 2.0
 
 
 def pack(args: Sequence[bytes | str | int | float]) -> bytes:
@@ -121,6 +122,11 @@ class RedisMux:
         self._conn: _Protocol | None = None
         self._connecting: asyncio.Task[_Protocol] | None = None
         self._closed = False
+        # Circuit breaker: after a failed connect, calls fail at once until `_down_until`
+        # (backing off to MAX_DOWN_S), instead of each waiting for its own connect timeout.
+        self._down_until = 0.0
+        self._down_s = MIN_DOWN_S
+        self.connects = 0
 
     def _lost(self, conn: _Protocol) -> None:
         if self._conn is conn:
@@ -164,14 +170,24 @@ class RedisMux:
             return conn
         if self._closed:
             raise ConnectionError("client closed")
+        loop = asyncio.get_running_loop()
         if self._connecting is None:
+            if loop.time() < self._down_until:
+                raise ConnectionError("Redis unreachable (circuit open)")
+            self.connects += 1
             self._connecting = asyncio.ensure_future(self._open())
         connecting = self._connecting
         try:
             conn = await asyncio.shield(connecting)
+        except ConnectionError:
+            if self._connecting is connecting:
+                self._down_until = loop.time() + self._down_s
+                self._down_s = min(self._down_s * 2, MAX_DOWN_S)
+            raise
         finally:
             if connecting.done() and self._connecting is connecting:
                 self._connecting = None
+        self._down_s = MIN_DOWN_S
         self._conn = conn
         return conn
 

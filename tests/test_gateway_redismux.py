@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 
 from admission.config import RedisSettings
-from admission.localredis import LocalRedis
+from admission.localredis import LocalRedis, free_port
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
@@ -113,3 +113,17 @@ async def test_auth_and_database_from_the_url(
     finally:
         await good.close()
         await bad.close()
+
+
+async def test_an_unreachable_redis_opens_the_circuit() -> None:
+    mux = RedisMux(RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
+    try:
+        with pytest.raises(ConnectionError):
+            await mux.execute("PING")
+        assert mux.connects == 1
+        for _ in range(20):  # fail at once, without a connection attempt each
+            with pytest.raises(ConnectionError, match="circuit open"):
+                await mux.execute("PING")
+        assert mux.connects == 1
+    finally:
+        await mux.close()

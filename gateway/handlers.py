@@ -107,10 +107,16 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         if task_id is not None:
             exc.headers.setdefault("X-Request-Id", task_id)
         raise
+    except ConnectionResetError:
+        outcome = m.CLIENT_GONE
+        raise
+    except Exception:
+        outcome = m.INTERNAL_ERROR
+        raise
     finally:
         in_flight.dec()
-        metrics.child(metrics.requests, *metrics.tier_labels(pool.name, tier, tenant.name),
-                                outcome).inc()
+        labels = metrics.tier_labels(pool.name, tier, tenant.name)
+        metrics.child(metrics.requests, *labels, outcome).inc()
 
 
 async def models(request: web.Request) -> web.Response:

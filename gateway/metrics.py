@@ -22,6 +22,7 @@ CLIENT_GONE = "client_gone"
 UPSTREAM_ERROR = "upstream_error"
 UNAVAILABLE = "unavailable"  # Redis unreachable, failed closed
 FAIL_OPEN = "fail_open"
+INTERNAL_ERROR = "internal_error"
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -104,6 +104,8 @@ class Admitter:
             timeout_ms = max(1, min(timeout_ms, client_timeout_ms))
         task_id = uuid.uuid4().hex
         woken = self.hub.expect(task_id)
+        live = self.settler.live
+        live.add(task_id)
         try:
             try:
                 result = await store.admit(
@@ -129,6 +131,7 @@ class Admitter:
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
                 self.hub.queued(task_id, store, tier)
                 return await self._wait(task_id, woken, pool, tier, labels, timeout_ms)
+            live.discard(task_id)  # refused: nothing was written
             if result.outcome is AdmitOutcome.REJECTED:
                 self.metrics.child(self.metrics.rejections, *labels, str(result.reason)).inc()
                 raise self._rejection(result, inbound, tenant)
@@ -162,8 +165,10 @@ class Admitter:
         self.metrics.child(self.metrics.redis_errors, "admit").inc()
         log.warning("admission store unavailable (%s)", type(exc).__name__)
         pool = inbound.pool
-        # The admit may have run before the reply was lost: cancelling is a no-op otherwise.
-        self.settler.finish(pool.store, task_id, None, cancelled=True, labels=labels)
+        # If the admit ran before its reply was lost, the task is an orphan now: the lease
+        # renewal's sweep cancels it once Redis answers again. (No retry loop per request
+        # here: during an outage that would pile up one per rejected request.)
+        self.settler.live.discard(task_id)
         if tier in self.config.gateway.fail_open_tiers:
             node = pool.any_node()
             url = pool.url(node) if node is not None else None
@@ -245,7 +250,9 @@ class Admitter:
             # drain hint is read, so that the depth reported no longer counts it).
             leaving = self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
             await asyncio.wait((leaving,), timeout=1.0)
-        elif outcome.state != "expired":
+        else:
+            self.settler.live.discard(task_id)  # already ended in Redis
+        if outcome is not None and outcome.state != "expired":
             # Reaped (this gateway's lease lapsed) or ended by someone else.
             raise unavailable(
                 "The queued request was dropped by the cluster. Please retry.",

@@ -37,7 +37,7 @@ from gateway.openapi import openapi_document
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
 from gateway.redismux import RedisMux, mux_scripts
-from gateway.settle import Settler, renew_leases
+from gateway.settle import LiveTasks, Settler, renew_leases
 from gateway.state import (
     CONFIG,
     GATEWAY,
@@ -134,7 +134,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     hub = WakeHub(client, [s.keys.wake_channel(gid) for s in stores], metrics,
                   poll_s=config.gateway.wake_fallback_ms / 1000,
                   sharded=config.redis.sharded_pubsub)
-    settler = Settler(metrics)
+    live = LiveTasks()
+    settler = Settler(metrics, live)
     session = _session(config)
     gateway = Gateway(
         id=gid,
@@ -155,7 +156,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(hub.run(), name="kvgate-wake"),
         asyncio.create_task(hub.poll_forever(), name="kvgate-wake-fallback"),
         asyncio.create_task(
-            renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, metrics,
+            renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, settler,
                          stop_renewing),
             name="kvgate-renew",
         ),

@@ -75,6 +75,9 @@ class GatewayMetrics:
         self.pubsub_reconnects = Counter(
             "kvgate_gateway_pubsub_reconnects", "Reconnections of the wake-up subscription.",
             registry=r)
+        self.orphans = Counter(
+            "kvgate_gateway_orphans", "Tasks found in this gateway's set in Redis but unknown "
+            "to the process (an admit whose reply was lost), cancelled.", ["pool"], registry=r)
         self.settle_retries = Counter(
             "kvgate_gateway_settle_retries", "Settle or cancel calls retried after an error.",
             registry=r)

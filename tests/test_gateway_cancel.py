@@ -12,7 +12,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission.localredis import free_port
-from admission.tiers import Zone
+from admission.store import AdmitOutcome
+from admission.tiers import Tier, Zone
 from tests.gateway_harness import BIG, Harness, eventually, running_gateway
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Write a long story about a lighthouse."}]
@@ -144,3 +145,27 @@ async def _equals(value: Any, expected: int) -> bool:
 
 async def _differs(value: Any, unexpected: str) -> bool:
     return bool(await value != unexpected)
+
+
+async def test_a_task_the_process_does_not_hold_is_cancelled_by_the_lease_sweep(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
+    # As if an admit ran in Redis but its reply never reached the gateway.
+    async with running_gateway(redis_url, renew_interval_ms=100) as gw:
+        await gw.publish(Zone.YELLOW, BIG)
+        waiting = asyncio.create_task(gw.openai("batch").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=5))  # a live, queued request
+        await eventually(lambda: _equals(gw.queued(2), 1))
+        tenant = gw.config.tenants[1].quota
+        orphan = await gw.store.admit(task_id="lost-reply", tenant=tenant, tier=Tier.NORMAL,
+                                      prompt_tokens=10, max_tokens=10, gateway="gw-test",
+                                      queue_timeout_ms=60_000)
+        assert orphan.outcome is AdmitOutcome.QUEUED
+        await eventually(lambda: _differs(_state(gw, "lost-reply"), "queued"))
+        assert await _state(gw, "lost-reply") == "cancelled"
+        assert await gw.queued(1) == 0
+        assert await gw.queued(2) == 1  # the live request was left alone
+        assert gw.gateway.metrics.registry.get_sample_value(
+            "kvgate_gateway_orphans_total", {"pool": "demo"}) == 1
+        await gw.release()
+        assert (await waiting).choices

@@ -1,13 +1,30 @@
 """Retry storm: 1,000 clients rejected in the same instant, and when they come back.
 
-    python -m bench.retry_storm [--clients N] [--output FILE]
+    python -m bench.retry_storm [--clients N] [--repeats K] [--output FILE]
 
 A real aiohttp server (its own process, so it has a core to itself) holds the first request of
 every client until all have arrived, then answers them all with 429 at the same moment T0. For
 the next second it keeps answering 429 (with the gateway's headers); after that it answers 200.
-It records when each later request arrives. The figure of merit is the peak number of arrivals
-in a 100 ms bin divided by the mean per bin, bins running from T0 to the last arrival: 1.0 is a
-perfectly even return, a synchronised herd scores far higher.
+It records when each later request (a retry) arrives.
+
+The figure of merit is peak / mean over the *return window*, in 100 ms bins:
+
+- the window opens at T0 + h0, h0 being the shortest hint sent with the T0 rejections (T0 itself
+  when they carried none): the instant the server allowed the clients back. A policy whose
+  retries come sooner (the fixed delay ignores hints) opens it at its first retry instead;
+- it closes at the last retry, and spans at least MIN_WINDOW_S (1 s, ten bins);
+- peak = the busiest bin of the window, mean = retries / bins of the window.
+
+Why this window. Bins before T0 + h0 are the silence the server asked for: they are the same
+for every policy that obeys it, and counting them (as the first version of this bench did,
+with bins from T0) bounds the figure below by (h0 + s) / s for *any* return spread evenly over
+s after the hint: it then measures how long clients were told to wait, and a policy can only
+improve it by making them wait longer. The window's start is still fixed by the server, not by
+the arrivals, and it is at least ten bins long, so that a herd stays visible: 1,000 clients
+back within one bin score 10. A window from the first to the last retry, with no minimum, would
+score that herd 1.0 (a herd no wider than a bin is its own mean): it would rank the official
+SDK, which returns everyone exactly when the hint expires, as the flattest policy of all. Both
+other windows are reported beside it (`from T0`, `first-last`) so the choice can be checked.
 
 Policies, all measured in the same run, each client with its own state:
 - kvgate: this SDK's decision engine (kvgate_client.Retrier: hints, full jitter, budget,
@@ -19,8 +36,10 @@ Policies, all measured in the same run, each client with its own state:
 - fixed: a naive client retrying every 0.5 s, hints ignored, 3 attempts.
 
 Scenarios (server hint on each 429): `remaining` = the exact time until the server recovers
-(identical for everyone rejected at T0: the worst case for a herd); `short` = a constant 100 ms
-(a hint shorter than the overload lasts); `none` = no hint (most peers send none).
+(identical for everyone rejected at T0: the worst case for a herd); `gateway` = the same time
+spread upward by 0-25% per response, as kvgate's gateway does (`gateway.errors.jittered`,
+`retry_jitter` = 0.25); `short` = a constant 100 ms (a hint shorter than the overload lasts);
+`none` = no hint (most peers send none).
 
 All clients talk HTTP/1.1 over their own keep-alive loopback connection with a minimal client,
 the same for every policy: a full HTTP stack in one process on 2 cores would spend longer
@@ -47,17 +66,21 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from admission.config import GatewaySettings
+from gateway.errors import jittered
 from kvgate_client import Retrier, RetryPolicy
 
 CLIENTS = 1000
 REJECT_S = 1.0  # how long after T0 the server keeps answering 429
 BIN_S = 0.1
+MIN_WINDOW_S = 1.0  # the return window spans at least this (ten bins): see the module docstring
+GATEWAY_JITTER = GatewaySettings().retry_jitter  # the gateway's default upward hint spread
 FIXED_DELAY_S = 0.5
 SHORT_HINT_MS = 100
 BARRIER_TIMEOUT_S = 30.0
 TARGET_RATIO = 2.0
 DEFAULT_OUTPUT = Path(__file__).parent / "results" / "retry_storm.md"
-SCENARIOS = ("remaining", "short", "none")
+SCENARIOS = ("remaining", "gateway", "short", "none")
 
 
 # --- the figures ------------------------------------------------------------------------------
@@ -66,22 +89,58 @@ SCENARIOS = ("remaining", "short", "none")
 @dataclass(frozen=True)
 class StormFigures:
     arrivals: int
-    peak: int
-    mean: float
-    ratio: float
+    peak: int  # retries in the busiest bin of the return window
+    mean: float  # retries per bin over the return window
+    ratio: float  # peak / mean: the figure of merit
+    start_s: float  # the return window, seconds after T0
+    end_s: float
+    ratio_t0: float  # peak / mean over bins from T0 to the last retry (this bench's first figure)
+    ratio_span: float  # over bins from the first to the last retry, no minimum (herd-blind)
     last_s: float
 
 
-def storm_figures(arrivals: Sequence[float], bin_s: float = BIN_S) -> StormFigures:
-    """Peak and mean arrivals per bin over [T0, last arrival]; arrivals are seconds after T0."""
-    if not arrivals:
-        return StormFigures(0, 0, 0.0, math.nan, 0.0)
-    last = max(arrivals)
-    bins = [0] * (int(last / bin_s) + 1)
+def _peak(arrivals: Sequence[float], start: float, nbins: int, bin_s: float) -> int:
+    bins = [0] * nbins
     for t in arrivals:
-        bins[int(max(t, 0.0) / bin_s)] += 1
-    mean = len(arrivals) / len(bins)
-    return StormFigures(len(arrivals), max(bins), mean, max(bins) / mean, last)
+        bins[min(nbins - 1, max(0, int((t - start) / bin_s)))] += 1
+    return max(bins)
+
+
+def _bins(start: float, last: float, bin_s: float, min_window_s: float = 0.0) -> int:
+    return max(round(min_window_s / bin_s), int((last - start) / bin_s) + 1, 1)
+
+
+def storm_figures(
+    arrivals: Sequence[float],
+    *,
+    opened_s: float = 0.0,
+    bin_s: float = BIN_S,
+    min_window_s: float = MIN_WINDOW_S,
+) -> StormFigures:
+    """The figures of one round. `arrivals`: retries, seconds after T0; `opened_s`: the shortest
+    hint sent with the T0 rejections (0 without one), i.e. when the server let clients back."""
+    if not arrivals:
+        nan = math.nan
+        return StormFigures(0, 0, 0.0, nan, opened_s, opened_s, nan, nan, 0.0)
+    n = len(arrivals)
+    first, last = min(arrivals), max(arrivals)
+    start = min(opened_s, first)
+    nbins = _bins(start, last, bin_s, min_window_s)
+    peak = _peak(arrivals, start, nbins, bin_s)
+    mean = n / nbins
+    t0_bins = _bins(0.0, last, bin_s)
+    span_bins = _bins(first, last, bin_s)
+    return StormFigures(
+        arrivals=n,
+        peak=peak,
+        mean=mean,
+        ratio=peak / mean,
+        start_s=start,
+        end_s=start + nbins * bin_s,
+        ratio_t0=_peak(arrivals, 0.0, t0_bins, bin_s) * t0_bins / n,
+        ratio_span=_peak(arrivals, first, span_bins, bin_s) * span_bins / n,
+        last_s=last,
+    )
 
 
 # --- the policies -----------------------------------------------------------------------------
@@ -173,21 +232,33 @@ def policies(hint_spread: float | None = None) -> dict[str, PolicyFactory]:
 class _Round:
     clients: int = CLIENTS
     hint: str = "remaining"
+    seed: int = 0
     held: int = 0
     t0: float | None = None
     release: asyncio.Event = field(default_factory=asyncio.Event)
     arrivals: list[float] = field(default_factory=list)
-    served: int = 0
+    served_at: list[float] = field(default_factory=list)
+    opened_ms: int | None = None  # the shortest hint sent with the T0 rejections
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
 
 
-def _reject(rnd: _Round, now: float) -> web.Response:
-    headers = {"X-RateLimit-Backpressure-Level": "RED", "X-Queue-Depth": str(rnd.clients)}
-    hint_ms: int | None = None
-    if rnd.hint == "remaining":
+def _hint_ms(rnd: _Round, now: float) -> int | None:
+    if rnd.hint in ("remaining", "gateway"):
         assert rnd.t0 is not None
-        hint_ms = max(1, math.ceil((rnd.t0 + REJECT_S - now) * 1000))
-    elif rnd.hint == "short":
-        hint_ms = SHORT_HINT_MS
+        remaining = max(1, math.ceil((rnd.t0 + REJECT_S - now) * 1000))
+        if rnd.hint == "gateway":
+            return jittered(remaining, GATEWAY_JITTER, rnd.rng)
+        return remaining
+    if rnd.hint == "short":
+        return SHORT_HINT_MS
+    return None
+
+
+def _reject(rnd: _Round, hint_ms: int | None) -> web.Response:
+    headers = {"X-RateLimit-Backpressure-Level": "RED", "X-Queue-Depth": str(rnd.clients)}
     if hint_ms is not None:
         headers["retry-after-ms"] = str(hint_ms)
         headers["Retry-After"] = str(math.ceil(hint_ms / 1000))
@@ -211,10 +282,13 @@ def _serve(sock: socket.socket) -> None:
         await request.read()
         if request.path == "/control/reset":
             cfg = json.loads(await request.read())
-            rnd = _Round(clients=int(cfg["clients"]), hint=str(cfg["hint"]))
+            rnd = _Round(clients=int(cfg["clients"]), hint=str(cfg["hint"]), seed=int(cfg["seed"]))
             return web.json_response({"ok": True})
         if request.path == "/control/results":
-            return web.json_response({"arrivals": rnd.arrivals, "served": rnd.served})
+            opened = (rnd.opened_ms or 0) / 1000
+            return web.json_response(
+                {"arrivals": rnd.arrivals, "served_at": rnd.served_at, "opened_s": opened}
+            )
         current = rnd
         if current.t0 is None:
             # Hold every first attempt so that all clients are rejected in the same instant.
@@ -229,11 +303,14 @@ def _serve(sock: socket.socket) -> None:
                     current.t0 = current.t0 or time.monotonic()
                     current.release.set()
             assert current.t0 is not None
-            return _reject(current, current.t0)
+            hint_ms = _hint_ms(current, current.t0)
+            if hint_ms is not None:
+                current.opened_ms = min(hint_ms, current.opened_ms or hint_ms)
+            return _reject(current, hint_ms)
         current.arrivals.append(now - current.t0)
         if now - current.t0 < REJECT_S:
-            return _reject(current, now)
-        current.served += 1
+            return _reject(current, _hint_ms(current, now))
+        current.served_at.append(now - current.t0)
         return web.json_response({"ok": True})
 
     async def main() -> None:
@@ -330,13 +407,14 @@ class RoundResult:
     figures: StormFigures
     outcome: Outcome
     arrivals: list[float]
+    served_at: list[float]  # seconds after T0 at which each successful attempt arrived
 
 
 async def _round(
     port: int, scenario: str, policy: str, factory: PolicyFactory, clients: int, seed: int
 ) -> RoundResult:
     control = await Conn.open(port)
-    cfg = {"clients": clients, "hint": scenario}
+    cfg = {"clients": clients, "hint": scenario, "seed": seed}
     await control.post("/control/reset", json.dumps(cfg).encode())
     sem = asyncio.Semaphore(64)  # connect in waves: a SYN flood of 1,000 overflows backlogs
 
@@ -355,8 +433,11 @@ async def _round(
     await asyncio.gather(*tasks)
     _, _, payload = await control.post("/control/results", b"{}")
     control.close()
-    arrivals = [float(t) for t in json.loads(payload)["arrivals"]]
-    return RoundResult(scenario, policy, storm_figures(arrivals), out, arrivals)
+    data = json.loads(payload)
+    arrivals = [float(t) for t in data["arrivals"]]
+    figures = storm_figures(arrivals, opened_s=float(data["opened_s"]))
+    served = [float(t) for t in data["served_at"]]
+    return RoundResult(scenario, policy, figures, out, arrivals, served)
 
 
 def _histogram(arrivals: Sequence[float], until: float) -> str:
@@ -369,8 +450,14 @@ def _histogram(arrivals: Sequence[float], until: float) -> str:
 
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
+    if not ordered:
+        return math.nan
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
 def _report(results: list[RoundResult], clients: int, repeats: int, elapsed: float) -> str:
@@ -379,11 +466,24 @@ def _report(results: list[RoundResult], clients: int, repeats: int, elapsed: flo
         "",
         f"`python -m bench.retry_storm --clients {clients} --repeats {repeats}`: {clients} clients"
         f" rejected with 429 at the same instant T0; the server answers 429 until"
-        f" T0 + {REJECT_S:.0f} s, then 200. Arrivals are counted at the server (retries only), in"
-        " 100 ms bins from T0 to the last arrival. **peak / mean** = the busiest bin over the"
-        " mean bin (1.0 = perfectly even); **worst 100 ms** = the busiest bin as a share of all"
-        " clients. Medians over the repeats, [min - max] in brackets. Target: kvgate peak / mean"
-        f" <= {TARGET_RATIO:.0f}.",
+        f" T0 + {REJECT_S:.0f} s, then 200. Retries are counted at the server in 100 ms bins."
+        f" **peak / mean** = the busiest bin over the mean bin of the *return window*, which"
+        f" opens at T0 + h0 (h0 = the shortest hint sent with the T0 rejections, 0 without one:"
+        f" when the server let clients back; or at the first retry, if a policy came sooner),"
+        f" closes at the last retry and spans at least {MIN_WINDOW_S:.0f} s (ten bins)."
+        f" 1.0 = perfectly even. Target: kvgate peak / mean <= {TARGET_RATIO:.0f}."
+        " Why this window, in short: the bins before T0 + h0 are the silence the server asked"
+        " for, the same for every policy that obeys it; counting them (`from T0`, this bench's"
+        " first figure) bounds the ratio below by (h0 + s) / s for any return spread evenly over s"
+        " after the hint, so it rewards longer waits, not flatter returns. A window from the"
+        " first to the last retry with no minimum (`first-last`) is blind to herds: 1,000"
+        " clients back within one bin score 1.0 there, 10 here. Both are shown for comparison;"
+        " the full argument is in `bench/retry_storm.py`.",
+        "",
+        "**worst 100 ms** = the busiest bin as a share of all clients; **served at** = mean time"
+        " after T0 at which the clients that succeeded got through (what the spread costs them;"
+        f" the server recovers at {REJECT_S:.0f} s). Medians over the repeats, [min - max] in"
+        " brackets.",
         "",
         f"Machine: {platform.machine()}, {mp.cpu_count()} cores, Python "
         f"{platform.python_version()}; whole run {elapsed:.1f} s; load average at the end"
@@ -393,41 +493,65 @@ def _report(results: list[RoundResult], clients: int, repeats: int, elapsed: flo
         " openai = the official SDK's default policy, reimplemented from its source (not the"
         " SDK's HTTP stack); fixed = every 0.5 s, hints ignored, 3 attempts.",
         "",
-        "| scenario (hint) | policy | retries | peak / mean | worst 100 ms | last arrival "
-        "| succeeded | gave up |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| scenario (hint) | policy | retries | peak / mean | from T0 | first-last "
+        "| worst 100 ms | return window | served at | succeeded | gave up |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     groups: dict[tuple[str, str], list[RoundResult]] = {}
     for r in results:
         groups.setdefault((r.scenario, r.policy), []).append(r)
+    verdicts: list[str] = []
     for (scenario, policy), rs in groups.items():
         ratios = [r.figures.ratio for r in rs]
         shares = [100.0 * r.figures.peak / clients for r in rs]
+        served = _median([_mean(r.served_at) for r in rs])
         lines.append(
             f"| {scenario} | {policy} | {_median([r.figures.arrivals for r in rs]):.0f} | "
             f"**{_median(ratios):.2f}** [{min(ratios):.2f} - {max(ratios):.2f}] | "
-            f"{_median(shares):.1f}% | {_median([r.figures.last_s for r in rs]):.2f} s | "
+            f"{_median([r.figures.ratio_t0 for r in rs]):.2f} | "
+            f"{_median([r.figures.ratio_span for r in rs]):.2f} | "
+            f"{_median(shares):.1f}% | "
+            f"{_median([r.figures.start_s for r in rs]):.2f}-"
+            f"{_median([r.figures.end_s for r in rs]):.2f} s | "
+            f"{'-' if math.isnan(served) else f'{served:.2f} s'} | "
             f"{_median([r.outcome.succeeded for r in rs]):.0f} | "
             f"{_median([r.outcome.gave_up + r.outcome.errors for r in rs]):.0f} |"
         )
+        if policy == "kvgate":
+            met = "met" if max(ratios) <= TARGET_RATIO else "**not met**"
+            verdicts.append(f"`{scenario}` {met} ({_median(ratios):.2f}, worst {max(ratios):.2f})")
+    if verdicts:
+        lines += ["", f"kvgate against the target (every repeat): {'; '.join(verdicts)}."]
     lines += [
         "",
         "Reading the figures:",
         "",
-        "- `remaining`: every policy that honours the hint is silent for the first second, so"
-        " peak / mean cannot fall below (h + s) / s, s being how widely the returns are spread"
-        " after the hint h. kvgate spreads over s = max(window, HINT_SPREAD x h) = 1 s, hence"
-        " about 2 plus sampling noise; `--hint-spread 2` brings it under 2 at the price of a"
-        " longer mean wait (1.5 h -> 2 h).",
-        "- `short` / openai: a low ratio with 100% of the clients in the worst 100 ms is the"
-        " degenerate case of this figure: all clients came back twice within 0.3 s, in step,"
-        " and all gave up, so the mean is taken over almost nothing.",
-        "- `none` / `short`, kvgate: exponential windows put the first retries densely into the"
-        " first second and later ones thinly over the next two, so the tail lowers the mean."
-        " Some clients give up: full jitter draws short waits too, and 3 attempts inside a 1 s"
-        " outage do not always reach its end.",
+        "- `remaining`, `gateway`: the SDK waits uniformly on [h, h + max(1 s, h)] after a hint h,"
+        " so its retries come back flat; in `remaining` what is left of the ratio is the"
+        " sampling noise of 1,000 independent draws over ten-odd bins (the busiest of ten bins"
+        " of ~100 holds ~125). In `gateway` each client's h is its own, between 1 and 1.25 s,"
+        " and the union of the [h, 2h] is a trapezoid (ramps over [1, 1.25] and [2, 2.5] s):"
+        " 1.33 in expectation before noise. The official SDK returns every client the instant"
+        " its hint expires: one bin, (nearly) 100% of the clients, in `remaining`; the"
+        " gateway's own 0-25% jitter spreads that herd over 250 ms only. The price of the"
+        " spread is in `served at`: about 1.5 h on average instead of h.",
+        "- `from T0` is what this bench first reported: with the hint's second of silence"
+        " counted, an even return over s = 1 s after h = 1 s scores (h + s) / s = 2 before any"
+        " noise. `first-last` shows why the return window has a fixed start and a minimum"
+        " length: there the official SDK's herds score about 1 to 1.6, as if they were flat.",
+        "- `short`, `none`, kvgate: with no hint, or a hint much shorter than the overload, the"
+        " delays are the issue's full jitter, random(0, min(8 s, 1 s x 2^n)), and two waves"
+        " overlap inside the 1 s overload: first retries at 1,000/s over [0, 1 s], second"
+        " retries (first retry + U[0, 2 s]) ramping up to 500/s by 1 s, flat to 2 s, down to"
+        " 0 at 3 s. The busiest bin, just before 1 s, runs at ~1,500/s; the mean over [0, 3 s]"
+        " is 2,000 / 3 s: 2.25 in expectation, plus noise. It stays at or above 2 whatever the"
+        " base delay (a longer base thins the second wave but stretches the window by as"
+        " much), so the target is not met there, by construction of the formula the issue"
+        " requires. It is a smooth, decaying load, not a herd: about 15% of the clients in the"
+        " worst 100 ms, against 80-100% for the other two policies. Clients that give up drew"
+        " three short waits inside the 1 s overload (3 attempts at most).",
     ]
-    lines += ["", "Arrivals per 100 ms bin from T0 (first 3 s, first repeat):", ""]
+    lines += ["", "Retries per 100 ms bin from T0 (first 3 s, first repeat):", ""]
     for (scenario, policy), rs in groups.items():
         lines.append(f"- {scenario} / {policy}: `{_histogram(rs[0].arrivals, 2.999)}`")
     lines.append("")
@@ -450,7 +574,8 @@ async def _run_all(
                 f, o = result.figures, result.outcome
                 print(
                     f"{scenario:>9} {policy:>6}: retries={f.arrivals:5d} peak={f.peak:4d} "
-                    f"mean={f.mean:6.1f} ratio={f.ratio:5.2f} last={f.last_s:5.2f}s "
+                    f"mean={f.mean:6.1f} ratio={f.ratio:5.2f} (T0 {f.ratio_t0:5.2f}, "
+                    f"span {f.ratio_span:5.2f}) window={f.start_s:.2f}-{f.end_s:.2f}s "
                     f"ok={o.succeeded} gave_up={o.gave_up} errors={o.errors}",
                     flush=True,
                 )

@@ -135,7 +135,7 @@ async def test_sustained_429s_cost_at_most_ten_percent_more_attempts(
     # policy alone would have made MAX_ATTEMPTS (3) attempts of every request.
     assert attempts >= REQUESTS * (1 + EARN_PER_REQUEST) - 1
     outcomes = transport.stats().outcomes
-    assert set(outcomes) == {retrying.BUDGET, retrying.MAX_ATTEMPTS}
+    assert set(outcomes) <= {retrying.BUDGET, retrying.MAX_ATTEMPTS}
     assert outcomes[retrying.BUDGET] >= REQUESTS - (attempts - REQUESTS)
     assert len(sleeps.slept) == attempts - REQUESTS
 

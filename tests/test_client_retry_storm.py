@@ -12,17 +12,50 @@ from bench.retry_storm import (
     FixedDelayPolicy,
     KvgatePolicy,
     OpenAIDefaultPolicy,
+    _hint_ms,
+    _Round,
     storm_figures,
 )
 
 
 def test_figures_tell_a_herd_from_an_even_return() -> None:
-    herd = storm_figures([1.0] * 1000)
+    # Everyone back the instant a 1 s hint expires: one bin of the (at least ten-bin) window.
+    herd = storm_figures([1.0] * 1000, opened_s=1.0)
     assert (herd.peak, herd.arrivals) == (1000, 1000)
-    assert herd.ratio == pytest.approx(11.0)  # 11 bins from T0 to 1.0 s, all in one
-    even = storm_figures([(i + 0.5) / 1000 for i in range(1000)])
+    assert herd.ratio == pytest.approx(10.0)
+    assert (herd.start_s, herd.end_s) == pytest.approx((1.0, 2.0))
+    assert herd.ratio_t0 == pytest.approx(11.0)  # 11 bins from T0 to 1.0 s, all in one
+    assert herd.ratio_span == pytest.approx(1.0)  # first-to-last: a herd is its own mean
+    # Back evenly over the second after the hint: flat, however long the silence before it.
+    even = storm_figures([1.0 + (i + 0.5) / 1000 for i in range(1000)], opened_s=1.0)
     assert even.ratio == pytest.approx(1.0)
+    assert even.ratio_t0 == pytest.approx(2.0)  # (h + s) / s: what counting the silence costs
     assert storm_figures([]).arrivals == 0
+
+
+def test_return_window_edges() -> None:
+    # Retries before the server allowed them (hints ignored) open the window themselves.
+    fixed = storm_figures([0.5] * 1000 + [1.0] * 1000, opened_s=1.0)
+    assert fixed.start_s == pytest.approx(0.5)
+    assert fixed.ratio == pytest.approx(5.0)  # 2,000 over ten bins, 1,000 in the busiest
+    # Without a hint it opens at T0; a return longer than the minimum sets its own end.
+    long_even = storm_figures([(i + 0.5) * 3.0 / 3000 for i in range(3000)])
+    assert (long_even.start_s, long_even.end_s) == pytest.approx((0.0, 3.0))
+    assert long_even.ratio == pytest.approx(1.0)
+    # Twice as dense in the first of three seconds: peak / mean = 2 / (4 / 3).
+    front = [(i + 0.5) / 1000 for i in range(1000)] * 2 + [
+        1.0 + (i + 0.5) * 2.0 / 2000 for i in range(2000)
+    ]
+    assert storm_figures(front).ratio == pytest.approx(1.5)
+
+
+def test_gateway_scenario_spreads_hints_like_the_gateway() -> None:
+    rnd = _Round(hint="gateway", seed=3)
+    rnd.t0 = 10.0
+    hints = [_hint_ms(rnd, 10.0) for _ in range(200)]
+    assert all(h is not None and 1000 <= h <= 1250 for h in hints)
+    assert len(set(hints)) > 50
+    assert _hint_ms(_Round(hint="none"), 10.0) is None
 
 
 def _sdk_delay(remaining: int, headers: dict[str, str], u: float) -> float:

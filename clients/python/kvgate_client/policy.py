@@ -31,7 +31,10 @@ MAX_RETRY_AFTER_S = 120.0
 # When the server sends a hint, the jitter window above it is at least this fraction of the
 # hint. Clients rejected in the same instant all receive (nearly) the same hint; if they all
 # returned exactly when it expires they would recreate the burst that was just shed. Spreading
-# the returns over a window as long as the wait caps the returning rate at N / hint.
+# the returns evenly over a window as long as the wait caps the returning rate at N / hint,
+# the rate at which kvgate's gateway expects its queue to drain (its hint is the work ahead
+# divided by the drain rate). A wider window only makes clients wait longer: the returns are
+# already flat (bench/results/retry_storm.md), and the mean wait is (1 + HINT_SPREAD / 2) x h.
 HINT_SPREAD = 1.0
 
 # Statuses worth another attempt: the gateway's backpressure (429) and an overloaded or timed

@@ -6,8 +6,9 @@
 
 N simulated vLLM nodes (bench.sim) take the same seeded open-loop traffic in every arm
 (bench.workload, bench.loadgen): 1x baseline, then 4x the long-text (Batch) traffic, then 1x
-while the deferred work drains. Before the arms, bench.capacity measures the nodes'
-preemption-free maximum throughput on the burst's mix. Progress prints once per second; the
+while the deferred work drains. Before the arms, bench.capacity derives the preemption-free
+maximum: the same requests replayed offline on the simulator's engine behind an ideal admission
+controller. Progress prints once per second; the
 table (bench/results/<name>.md), the timeline plot (<name>.png) and raw figures (<name>.json)
 are written at the end and the table is printed.
 """
@@ -26,14 +27,11 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-import aiohttp
-
 from bench.arm import ArmResult, flush_print, run_arm
-from bench.capacity import CapacityResult, measure_capacity
+from bench.capacity import CapacityResult, ideal_replay
 from bench.expconfig import ARM_TITLES, ARMS, PRESETS, Settings, with_overrides
 from bench.plot import plot
 from bench.report import ArmSummary, bar_verdicts, markdown_table, shows_failure, summarize
-from bench.sim.cluster import SimCluster
 from bench.workload import Schedule, plan
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -57,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-factor", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--gateways", type=int)
+    p.add_argument("--fifo-slots", type=int, dest="fifo_max_inflight",
+                   help="arm (b): requests in flight per node at real scale (default 128)")
     p.add_argument("--no-capacity", action="store_true",
                    help="skip measuring the preemption-free maximum (no goodput ratio)")
     return p
@@ -67,25 +67,30 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         PRESETS[args.preset], nodes=args.nodes, capacity_scale=args.capacity_scale,
         time_scale=args.time_scale, baseline_sim_s=args.baseline_sim_s,
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
-        gateways=args.gateways,
+        gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
     )
 
 
-async def run_capacity(settings: Settings, log_dir: Path) -> CapacityResult:
-    configs = [settings.sim_config(i, priority=False) for i in range(settings.nodes)]
-    # The oracle never overfills, so no node can crash; the option stays as in the arms.
-    cluster = await asyncio.to_thread(SimCluster.start, configs, log_dir=log_dir / "capacity")
-    try:
-        async with aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
-            timeout=aiohttp.ClientTimeout(total=None),
-        ) as session:
-            return await measure_capacity(
-                session, cluster.urls, configs[0], settings.classes, settings.burst_factor,
-                warmup_s=settings.wall(settings.capacity_warmup_sim_s),
-                measure_s=settings.wall(settings.capacity_measure_sim_s), seed=settings.seed)
-    finally:
-        await asyncio.to_thread(cluster.stop)
+def run_capacity(settings: Settings, schedule: Schedule) -> CapacityResult:
+    return ideal_replay(settings.sim_config(0, priority=False), settings.nodes,
+                        schedule.requests, settings.time_scale, settings.profile.window("burst"))
+
+
+def dump_raw(result: ArmResult, directory: Path) -> None:
+    """Every request's outcome and every timeline sample, one JSON object per line, so that a
+    run can be analysed after the fact (they stay in the log directory, not in results/)."""
+    with (directory / "requests.jsonl").open("w") as f:
+        for o in result.outcomes:
+            row = {"index": o.req.index, "class": o.req.klass, "tier": o.req.tier.label,
+                   "at": o.req.at, "prompt": o.req.prompt_tokens, "output": o.req.output_tokens,
+                   "stream": o.req.stream, "status": o.status, "finished": o.finished,
+                   "attempts": o.attempts, "rejections": o.rejections, "sent_at": o.sent_at,
+                   "ttft": o.ttft, "done_at": o.done_at, "error": o.error}
+            f.write(json.dumps(row) + "\n")
+    with (directory / "samples.jsonl").open("w") as f:
+        for smp in result.samples:
+            f.write(json.dumps({"t": smp.t, "queues": smp.queues, "zone": smp.zone,
+                                "nodes": [dataclasses.asdict(n) for n in smp.nodes]}) + "\n")
 
 
 def describe(settings: Settings, schedule: Schedule) -> list[str]:
@@ -115,11 +120,11 @@ async def run_experiment(
         say(line)
     cap = None
     if capacity:
-        total = settings.capacity_warmup_sim_s + settings.capacity_measure_sim_s
-        say(f"measuring the preemption-free maximum ({settings.wall(total):.0f} wall s)...")
-        cap = await run_capacity(settings, log_dir)
-        say(f"  {cap.total_tokens_per_s / settings.time_scale:,.0f} tok/s (simulated), "
-            f"{cap.preemptions} preemptions, KV peak {cap.kv_peak:.1%}")
+        say("deriving the preemption-free maximum (the same requests, offline, ideal "
+            "admission)...")
+        cap = await asyncio.to_thread(run_capacity, settings, schedule)
+        say(f"  {cap.total_tokens_per_s:,.0f} tok/s during the burst, {cap.preemptions} "
+            f"preemptions, KV peak {cap.kv_peak:.1%}")
     say("progress columns: tier sent/ok/429/failed, KV usage per node, queued by tier, "
         "engines' waiting, zone, simulator loop lag")
     results: list[ArmResult] = []
@@ -128,6 +133,7 @@ async def run_experiment(
         say(f"--- arm {ARM_TITLES[arm]} ---")
         started = time.monotonic()
         result = await run_arm(arm, settings, schedule, log_dir / f"arm-{arm}", progress=say)
+        await asyncio.to_thread(dump_raw, result, log_dir / f"arm-{arm}")
         summary = summarize(result, cap)
         results.append(result)
         summaries.append(summary)
@@ -148,7 +154,7 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
         "",
         *[f"- {line}" for line in schedule_lines],
         "",
-        markdown_table(summaries, cap, settings.time_scale, settings.burst_sim_s),
+        markdown_table(summaries, cap, settings.burst_sim_s),
         "",
     ]
     for s in summaries:

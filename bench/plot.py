@@ -16,17 +16,22 @@ import matplotlib.pyplot as plt
 from admission.tiers import Tier
 from bench.arm import ArmResult
 from bench.expconfig import ARM_TITLES
-from bench.loadgen import OK
 
 _TIER_COLORS = {Tier.VIP: "tab:red", Tier.NORMAL: "tab:blue", Tier.BATCH: "tab:green"}
 
 
+_BIN_SIM_S = 10.0
+"""Rates are counted in bins of this many simulated seconds: Poisson counts per second are
+too noisy to read at a few requests per second."""
+
+
 def _rate(events: Sequence[tuple[float, Tier]], tier: Tier, ts: float, end: float
           ) -> tuple[list[float], list[float]]:
-    """Events per simulated second, in one-wall-second bins."""
-    counts = Counter(int(t) for t, k in events if k is tier)
-    xs = [i * ts for i in range(int(end) + 1)]
-    return xs, [counts.get(i, 0) / ts for i in range(int(end) + 1)]
+    """Events per simulated second, at the middle of each bin."""
+    width = _BIN_SIM_S / ts
+    counts = Counter(int(t / width) for t, k in events if k is tier)
+    bins = range(int(end / width) + 1)
+    return [(i + 0.5) * _BIN_SIM_S for i in bins], [counts.get(i, 0) / _BIN_SIM_S for i in bins]
 
 
 def plot(results: Sequence[ArmResult], path: Path) -> None:
@@ -65,10 +70,13 @@ def plot(results: Sequence[ArmResult], path: Path) -> None:
                 ax_rate.plot(xs, ys, color=_TIER_COLORS[tier], lw=0.8, ls="--",
                              label=f"{tier.label} 429")
         ok_x, ok_y, bad_x = [], [], []
+        burst_end = b1 / ts
         for o in result.outcomes:
             if o.req.tier is not Tier.VIP or not o.req.stream or o.req.at > end:
                 continue
-            if o.status == OK and o.ttft is not None:
+            if not o.finished and o.req.at >= burst_end:
+                continue  # censored: sent after the burst, cut off by the arm's end
+            if o.ttft is not None:
                 ok_x.append(o.req.at * ts)
                 ok_y.append(o.ttft * ts * 1000)
             else:
@@ -82,7 +90,7 @@ def plot(results: Sequence[ArmResult], path: Path) -> None:
         ax_ttft.set_xlabel("simulated seconds")
     axes[0][0].set_ylabel("KV-cache usage per node (%)")
     axes[1][0].set_ylabel("queued requests")
-    axes[2][0].set_ylabel("answers per simulated second")
+    axes[2][0].set_ylabel(f"answers per simulated second ({_BIN_SIM_S:g} s bins)")
     axes[3][0].set_ylabel("VIP TTFT (simulated ms)")
     for row in range(4):
         axes[row][cols - 1].legend(fontsize=7, loc="upper right")

@@ -347,10 +347,14 @@ def _pool(r: _Reader) -> PoolSettings:
     return pool
 
 
+def _is_sha256(value: str) -> bool:
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def _tenant(r: _Reader) -> TenantSettings:
     keys = r.get("key_sha256", list, [])
     for i, k in enumerate(keys):
-        if not (isinstance(k, str) and len(k) == 64 and all(c in "0123456789abcdef" for c in k)):
+        if not (isinstance(k, str) and _is_sha256(k)):
             raise ConfigError(f"{r.key('key_sha256')}[{i}]: must be a lowercase hex SHA-256")
     tier_name: str = r.required("tier", str)
     try:
@@ -398,6 +402,9 @@ def _gateway(r: _Reader) -> GatewaySettings:
         tenant_metrics=r.get("tenant_metrics", bool, False),
         retention_s=r.integer("retention_s", d.retention_s, 1),
     )
+    if g.admin_token_sha256 is not None and not _is_sha256(g.admin_token_sha256):
+        raise ConfigError(f"{r.key('admin_token_sha256')}: must be a lowercase hex SHA-256 "
+                          "(of the admin token, never the token itself)")
     if g.renew_interval_ms * 2 > g.lease_ttl_ms:
         raise ConfigError(f"{r.key('renew_interval_ms')}: must be at most half of lease_ttl_ms")
     r.done()

@@ -28,8 +28,9 @@ from admission.keys import check_name
 from admission.scripts import load_scripts, register_scripts
 from admission.store import PoolStore
 from gateway import handlers
+from gateway.admin import ADMIN_POOLS_PATH, admin_pools
 from gateway.admit import STORE_ERRORS, Admitter
-from gateway.auth import TenantDirectory
+from gateway.auth import AdminToken, TenantDirectory
 from gateway.errors import openai_errors
 from gateway.estimator import ChatFormat, TokenCounter
 from gateway.metrics import GatewayMetrics
@@ -39,6 +40,7 @@ from gateway.proxy import Upstream
 from gateway.redismux import RedisMux, mux_scripts
 from gateway.settle import LiveTasks, Settler, renew_leases
 from gateway.state import (
+    ADMIN,
     CONFIG,
     GATEWAY,
     GATEWAY_ID,
@@ -74,6 +76,7 @@ def create_app(
     app[METRICS] = GatewayMetrics(tenant_labels=config.gateway.tenant_metrics)
     app[OPENAPI] = orjson.dumps(openapi_document(config))
     app[SETTLE_DRAIN] = settle_drain_s
+    app[ADMIN] = AdminToken(config.gateway.admin_token_sha256)
     app.cleanup_ctx.append(_runtime)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
@@ -82,6 +85,7 @@ def create_app(
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics_endpoint)
     app.router.add_get("/openapi.json", handlers.openapi)
+    app.router.add_get(ADMIN_POOLS_PATH, admin_pools)
     return app
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from admission.config import TenantSettings
 from admission.tiers import Tier
-from gateway.errors import ApiError
+from gateway.errors import ApiError, never_retry
 
 PRIORITY_HEADER = "X-Priority"
 """Lowers a request's tier below its tenant's (`normal`, `batch`, or 0..2); never raises it."""
@@ -76,3 +76,33 @@ def effective_tier(tenant: TenantSettings, requested: str | None) -> Tier:
             code="invalid_priority",
         ) from None
     return max(tier, tenant.tier)
+
+
+class AdminToken:
+    """Checks `Authorization` headers against the configured SHA-256 of the admin token."""
+
+    def __init__(self, token_sha256: str | None) -> None:
+        self._digest = bytes.fromhex(token_sha256) if token_sha256 else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._digest is not None
+
+    def check(self, authorization: str | None) -> None:
+        """Returns when the header carries the admin token; raises ApiError otherwise."""
+        if self._digest is None:
+            raise never_retry(403, "The admin API is disabled: gateway.admin_token_sha256 is "
+                              "not set.", code="admin_disabled")
+        token = ""
+        if authorization is not None:
+            scheme, _, value = authorization.strip().partition(" ")
+            if scheme.lower() == "bearer":
+                token = value.strip()
+        if not token:
+            raise ApiError(401, "This endpoint needs the admin token: send it as "
+                           "'Authorization: Bearer <token>'.", code="missing_admin_token",
+                           headers={"WWW-Authenticate": "Bearer"})
+        digest = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        if not hmac.compare_digest(self._digest, digest):
+            raise ApiError(401, "Incorrect admin token.", code="invalid_admin_token",
+                           headers={"WWW-Authenticate": "Bearer"})

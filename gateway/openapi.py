@@ -238,6 +238,19 @@ def openapi_document(config: Config) -> dict[str, Any]:
                 "responses": {"200": {"description": "Prometheus text format", "content": {
                     "text/plain": {"schema": {"type": "string"}}}}},
             }},
+            "/admin/pools": {"get": {
+                "summary": "Inspection snapshot of every pool (what kvgate-inspect --json "
+                           "shows); needs the admin token (gateway.admin_token_sha256)",
+                "security": [{"admin": []}],
+                "responses": {
+                    "200": {"description": "Snapshot", "content": {"application/json": {
+                        "schema": {"type": "object", "required": ["scheduler", "pools"]}}}},
+                    "401": _error("Missing or wrong admin token."),
+                    "403": _error("The admin API is disabled (no admin_token_sha256).",
+                                  _NO_RETRY),
+                    "503": _error("Redis unavailable.", _RETRY_HEADERS),
+                },
+            }},
             "/openapi.json": {"get": {
                 "summary": "This document", "security": [],
                 "responses": {"200": {"description": "OpenAPI 3.0 document", "content": {
@@ -245,7 +258,12 @@ def openapi_document(config: Config) -> dict[str, Any]:
             }},
         },
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer",
+                           "description": "A tenant's API key."},
+                "admin": {"type": "http", "scheme": "bearer",
+                          "description": "The admin token (its SHA-256 is configured)."},
+            },
             "schemas": _SCHEMAS,
         },
     }

@@ -10,7 +10,7 @@ from aiohttp import web
 from admission.config import Config
 from admission.scripts import Scripts
 from gateway.admit import Admitter
-from gateway.auth import TenantDirectory
+from gateway.auth import AdminToken, TenantDirectory
 from gateway.metrics import GatewayMetrics
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
@@ -41,4 +41,5 @@ METRICS: Final = web.AppKey("kvgate_metrics", GatewayMetrics)
 GATEWAY_ID: Final = web.AppKey("kvgate_gateway_id", str)
 GATEWAY: Final = web.AppKey("kvgate_gateway", Gateway)
 OPENAPI: Final = web.AppKey("kvgate_openapi", bytes)
+ADMIN: Final = web.AppKey("kvgate_admin", AdminToken)
 SETTLE_DRAIN: Final = web.AppKey("kvgate_settle_drain_s", float)

@@ -440,11 +440,17 @@ class TokenCounter:
         return self._store(plan, lengths, offloaded=True)
 
 
+MAX_TOKEN_ID = 2**31 - 1
+"""No vocabulary comes near it; engines hold ids in 32-bit tensors. (Found by fuzzing: 2**63
+passed as a token id and was admitted, to be refused only by the node.)"""
+
+
 def _token_ids_length(ids: object, param: str) -> int:
     if not isinstance(ids, list) or not ids:
         raise InvalidRequestError("token ids must be a non-empty list of integers", param=param)
-    if not all(type(t) is int for t in ids) or min(ids) < 0:
-        raise InvalidRequestError("token ids must be non-negative integers", param=param)
+    if not all(type(t) is int for t in ids) or min(ids) < 0 or max(ids) > MAX_TOKEN_ID:
+        raise InvalidRequestError(
+            f"token ids must be integers between 0 and {MAX_TOKEN_ID}", param=param)
     return len(ids)
 
 

@@ -24,6 +24,9 @@ log = logging.getLogger("kvgate.gateway")
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 """Seconds the client is willing to wait for its request to leave the queue."""
+MAX_CLIENT_TIMEOUT_S = 1e9
+"""Larger values mean "no deadline of my own" (the tier's queue timeout applies); capped before
+the conversion to ms, which would overflow for values like 1e308."""
 
 
 def _client_timeout_ms(value: str | None) -> int | None:
@@ -36,7 +39,7 @@ def _client_timeout_ms(value: str | None) -> int | None:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise bad_request(f"{TIMEOUT_HEADER} must be a positive number of seconds.",
                           param=TIMEOUT_HEADER, code="invalid_timeout")
-    return max(1, math.ceil(seconds * 1000))
+    return max(1, math.ceil(min(seconds, MAX_CLIENT_TIMEOUT_S) * 1000))
 
 
 def _outcome_of(error: ApiError) -> str:

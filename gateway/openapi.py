@@ -190,7 +190,10 @@ def _generation(summary: str, schema: str) -> dict[str, Any]:
                                "of chunks ending with `data: [DONE]`.",
                 "content": {
                     "application/json": {"schema": {"$ref": "#/components/schemas/Completion"}},
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    # OpenAPI 3.0 cannot describe SSE framing; any event is allowed here.
+                    "text/event-stream": {"schema": {
+                        "description": "Server-sent events `data: <chunk JSON>`, one per "
+                                       "chunk, the last `data: [DONE]`."}},
                 },
             },
             **_GENERATION_ERRORS,
@@ -205,6 +208,18 @@ def _status(summary: str, ok: str, failing: str | None = None) -> dict[str, Any]
         responses["503"] = {"description": failing, "content": {
             "application/json": {"schema": {"$ref": "#/components/schemas/Status"}}}}
     return {"get": {"summary": summary, "security": [], "responses": responses}}
+
+
+def _schemas(config: Config) -> dict[str, Any]:
+    """The request schemas name the configured pools as the values of `model`."""
+    models = sorted(config.pools)
+    schemas = {name: dict(schema) for name, schema in _SCHEMAS.items()}
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        properties = dict(schemas[name]["properties"])
+        properties["model"] = {"type": "string", "enum": models,
+                               "description": "A model pool of this gateway."}
+        schemas[name]["properties"] = properties
+    return schemas
 
 
 def openapi_document(config: Config) -> dict[str, Any]:
@@ -264,6 +279,6 @@ def openapi_document(config: Config) -> dict[str, Any]:
                 "admin": {"type": "http", "scheme": "bearer",
                           "description": "The admin token (its SHA-256 is configured)."},
             },
-            "schemas": _SCHEMAS,
+            "schemas": _schemas(config),
         },
     }

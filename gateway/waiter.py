@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
+
 from admission.store import PoolStore, TaskState
 from admission.tiers import Tier
 from gateway.metrics import GatewayMetrics
@@ -70,6 +72,9 @@ class WakeHub:
         self.sharded = sharded
         self._waiting: dict[str, _Waiter] = {}
         self._kick = asyncio.Event()
+        self._listeners = 1
+        self._subscribed: set[int] = set()
+        """Listeners (one, or one per channel) whose subscription is confirmed."""
         self.subscribed = asyncio.Event()
         self.stop = asyncio.Event()
 
@@ -98,17 +103,34 @@ class WakeHub:
             waiter.future.set_result(Woken(node or None, state, False))
 
     async def run(self) -> None:
-        """Listen until `stop` is set (or cancelled); reconnects with backoff, never raises."""
+        """Listen until `stop` is set (or cancelled); reconnects with backoff, never raises.
+
+        On a Redis Cluster with sharded pub/sub each channel lives on its own pool's shard:
+        one listener per channel then, because redis-py's cluster pub/sub reads the shards'
+        connections one after the other, each read waiting out its timeout, so a quiet shard
+        would hold up the messages of another for up to a second.
+        """
+        per_channel = self.sharded and isinstance(self.client, RedisCluster)
+        groups = [[c] for c in self.channels] if per_channel else [self.channels]
+        self._listeners = len(groups)
+        await asyncio.gather(*(self._listen(i, group, per_channel)
+                               for i, group in enumerate(groups)))
+
+    async def _listen(self, index: int, channels: list[str], cluster_sharded: bool) -> None:
         backoff = 0.05
         while not self.stop.is_set():
             pubsub = self.client.pubsub()
             try:
                 if self.sharded:
-                    await pubsub.ssubscribe(*self.channels)
+                    await pubsub.ssubscribe(*channels)
                 else:
-                    await pubsub.subscribe(*self.channels)
+                    await pubsub.subscribe(*channels)
+                read = pubsub.get_sharded_message if cluster_sharded else pubsub.get_message
                 while not self.stop.is_set():
-                    message = await pubsub.get_message(timeout=1.0)
+                    if cluster_sharded and not pubsub.node_pubsub_mapping:
+                        # Nothing to read from (it would return at once, for ever).
+                        raise ConnectionError("shard subscription lost")
+                    message = await read(timeout=1.0)
                     if message is None:
                         continue
                     kind = message.get("type")
@@ -116,14 +138,17 @@ class WakeHub:
                         self.deliver(message["data"])
                     elif kind in ("subscribe", "ssubscribe"):
                         # (Re)subscribed: whatever was published meanwhile is lost; look now.
-                        self.subscribed.set()
+                        self._subscribed.add(index)
+                        if len(self._subscribed) >= self._listeners:
+                            self.subscribed.set()
                         self._kick.set()
                         backoff = 0.05
             except Exception as exc:
                 if self.stop.is_set():
                     return
+                self._subscribed.discard(index)
                 self.subscribed.clear()
-                self.metrics.child(self.metrics.pubsub_reconnects).inc()
+                self.metrics.pubsub_reconnects.inc()  # no labels: no child
                 self.metrics.child(self.metrics.redis_errors, "subscribe").inc()
                 log.warning("wake-up subscription lost (%s); reconnecting in %.2fs",
                             type(exc).__name__, backoff)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from admission.keys import SchedulerKeys
@@ -135,6 +136,10 @@ class Elector:
         while True:
             pubsub = self.client.pubsub()
             try:
+                if isinstance(self.client, RedisCluster):
+                    # Cluster pub/sub looks the channel's node up in the slot map, which is
+                    # empty until the client's first command: fill it (a no-op afterwards).
+                    await self.client.initialize()
                 await pubsub.subscribe(SchedulerKeys().handover)
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True,
@@ -143,6 +148,9 @@ class Elector:
                         self._wake.set()
             except (RedisError, OSError) as exc:
                 log.debug("handover listener: %s", exc)
+                await asyncio.sleep(self.ttl_s / 3)
+            except Exception as exc:  # never end silently: only the timed retry would be left
+                log.warning("handover listener failed: %r", exc)
                 await asyncio.sleep(self.ttl_s / 3)
             finally:
                 with contextlib.suppress(RedisError, OSError):

@@ -65,3 +65,32 @@ async def test_a_message_resolves_the_waiter_without_any_read(
     b = await asyncio.wait_for(expired, 1)
     assert (a.node, a.state, a.polled) == ("node-3", "released", False)
     assert (b.node, b.state) == (None, "expired")
+
+
+async def test_the_subscription_comes_back_after_its_connection_is_killed(
+    redis_client: aioredis.Redis,
+) -> None:
+    metrics = GatewayMetrics()
+    hub = WakeHub(redis_client, ["wake:g"], metrics, poll_s=60)  # no fallback in this test
+    listener = asyncio.create_task(hub.run())
+    try:
+        await asyncio.wait_for(hub.subscribed.wait(), 2)
+        assert await redis_client.client_kill_filter(_type="pubsub") == 1
+        woken = hub.expect("t1")
+
+        async def deliver_until_woken() -> None:
+            # Published until the new subscription hears it: what is sent while it reconnects
+            # is lost (the fallback, off here, covers that in production).
+            while not woken.done():
+                await redis_client.publish("wake:g", "t1 node-1")
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(deliver_until_woken(), 3)
+        assert woken.result().node == "node-1" and not woken.result().polled
+        assert not listener.done()
+        assert metrics.registry.get_sample_value(
+            "kvgate_gateway_pubsub_reconnects_total") == 1
+    finally:
+        hub.stop.set()
+        listener.cancel()
+        await asyncio.gather(listener, return_exceptions=True)

@@ -227,6 +227,9 @@ def test_production_autoscales_and_is_scraped() -> None:
         selector = sm["spec"]["selector"]["matchLabels"]
         (svc,) = [s for s in services if s["metadata"]["labels"].items() >= selector.items()]
         assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    dashboard = one(docs, "ConfigMap", "-dashboard")["metadata"]
+    assert dashboard["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["annotations"] == {"grafana_folder": "Inference"}
     # External Redis: no bundled StatefulSet, no chart-made Redis Secret, TLS with the CA.
     assert not [d for d in docs if d["kind"] == "StatefulSet"]
     assert not [d for d in docs if d["kind"] == "Secret"]
@@ -273,7 +276,9 @@ def test_no_secret_data_in_any_configmap_or_plain_env(variant: str) -> None:
         assert not [n for n in needles if n in text]
         assert not re.search(r"[0-9a-f]{64}", text)  # no key hash of any kind
         assert "password" not in text.lower() and "sk-" not in text
-        assert "@" not in cfg.parse_config(_toml(cm["data"]["config.toml"]), env={}).redis.url
+        if "config.toml" in cm["data"]:  # (not in the dashboard's)
+            config = cfg.parse_config(_toml(cm["data"]["config.toml"]), env={})
+            assert "@" not in config.redis.url
     for w in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
         for c in containers(w["spec"]["template"]["spec"]):
             for e in c.get("env", []):
@@ -415,6 +420,10 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "external without url": ({"redis": {"mode": "external"}}, "/redis/external/url"),
     "port as text": ({"gateway": {"port": "8000"}}, "/gateway/port"),
     "unsafe password": ({"redis": {"auth": {"password": "a@b/c"}}}, "/redis/auth/password"),
+    "dashboard label key": ({"grafanaDashboard": {"labelKey": "grafana dashboard"}},
+                            "/grafanaDashboard/labelKey"),
+    "dashboard label value": ({"grafanaDashboard": {"labelValue": 1}},
+                              "/grafanaDashboard/labelValue"),
 }
 
 
@@ -436,6 +445,8 @@ def test_schema_rejects_bad_values(case: str) -> None:
      "redis.auth: set existingSecret"),
     ({"tenants": {"existingSecret": "t", "items": TENANTS}}, "not both"),
     ({"redis": {"auth": {"enabled": False}}}, "bundled Redis always requires a password"),
+    ({"grafanaDashboard": {"enabled": True, "labelKey": "app.kubernetes.io/component"}},
+     "is one of the chart's own labels"),
 ])
 def test_combinations_that_cannot_work_fail_with_a_message(values: dict[str, Any],
                                                            message: str) -> None:
@@ -455,3 +466,44 @@ def test_external_redis_without_auth_and_username_urls() -> None:
     assert env_of(c)["REDIS_URL"]["value"] == "redis://kvgate:$(REDIS_PASSWORD)@r:6379/0"
     assert env_of(c)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "s", "key": "redis-password"}
+
+
+# --- the Grafana dashboard ConfigMap ---------------------------------------------------
+
+DASHBOARD = CHART.parent.parent / "deploy" / "grafana" / "kvgate-dashboard.json"
+
+
+def test_the_chart_ships_the_same_dashboard_as_deploy() -> None:
+    """helm/kvgate/dashboards/ is a copy (Helm reads files only from inside the chart):
+    change deploy/grafana/kvgate-dashboard.json, then copy it over."""
+    chart_copy = CHART / "dashboards" / "kvgate-dashboard.json"
+    assert chart_copy.read_bytes() == DASHBOARD.read_bytes()
+
+
+def test_no_dashboard_configmap_by_default() -> None:
+    assert [d for d in render() if d["metadata"]["name"].endswith("-dashboard")] == []
+
+
+@pytest.mark.parametrize(("settings", "label"), [
+    ({}, ("grafana_dashboard", "1")),
+    ({"labelKey": "grafana.example.com/dashboard", "labelValue": "kvgate",
+      "annotations": {"grafana_folder": "Inference"}},
+     ("grafana.example.com/dashboard", "kvgate")),
+])
+def test_dashboard_configmap_for_the_grafana_sidecar(
+    settings: dict[str, Any], label: tuple[str, str]
+) -> None:
+    values = {"grafanaDashboard": {"enabled": True, **settings}}
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+    doc = one(render(values), "ConfigMap", "-dashboard")
+    for version in K8S_VERSIONS:
+        kubernetes_validate.validate(doc, version, strict=True)
+    meta = doc["metadata"]
+    assert meta["labels"][label[0]] == label[1]
+    assert meta["labels"]["app.kubernetes.io/component"] == "dashboard"
+    assert meta.get("annotations", {}) == settings.get("annotations", {})
+    (key,) = doc["data"]
+    assert key.endswith(".json")
+    assert json.loads(doc["data"][key]) == json.loads(DASHBOARD.read_text())

@@ -54,6 +54,8 @@ class Elector:
         self.deadline = 0.0
         self.changes = 0
         """Leadership gained or lost, for metrics."""
+        self.failed_at: float | None = None
+        """When a leadership call last failed on a Redis error (this replica's clock)."""
         self._leading_event = asyncio.Event()
         self._wake = asyncio.Event()
 
@@ -71,6 +73,7 @@ class Elector:
         try:
             result = await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000))
         except (RedisError, OSError) as exc:
+            self.failed_at = self.clock()
             log.warning("leadership call failed: %s", exc)
             # Keep trying often: the lease may still be ours for a while.
             return self.ttl_s / 10

@@ -178,11 +178,18 @@ class SchedulerService:
     def reaping_allowed(self) -> bool:
         """After Redis was unreachable, wait one gateway lease TTL before reaping: the leases
         expired in Redis time while nobody could renew them, and live gateways must get the
-        chance to renew before their requests are taken for dead."""
-        if self._redis_failed_at is None:
+        chance to renew before their requests are taken for dead.
+
+        Failed leadership calls count too: a leader loses its lease during an outage longer
+        than the lease, its ticks and reaps stop (so they record no failure), and without them
+        it would reap the live gateways' tasks the moment it leads again."""
+        failures = [t for t in (self._redis_failed_at,
+                                self.elector.failed_at if self.elector else None)
+                    if t is not None]
+        if not failures:
             return True
         grace = self.config.gateway.lease_ttl_ms / 1000
-        return self.clock() - self._redis_failed_at >= grace
+        return self.clock() - max(failures) >= grace
 
     async def _reap_loop(self) -> None:
         assert self.elector is not None

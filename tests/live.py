@@ -115,6 +115,19 @@ class Processes:
         assert match is not None
         return child, match.group(1)
 
+    def chaos_backend(self, name: str, *, delay_ms: float = 0.0,
+                      hold_after: int | None = None, model: str = "demo") -> tuple[Child, str]:
+        """`tests.chaos_backend`: the instant backend with a delay and held streams."""
+        argv = python_module("tests.chaos_backend", "--port", "0", "--model", model,
+                             "--delay-ms", str(delay_ms))
+        if hold_after is not None:
+            argv += ["--hold-after", str(hold_after)]
+        child = spawn(name, argv, self.workdir, ready=BACKEND_READY, timeout=60)
+        self.children.append(child)
+        match = BACKEND_READY.search(child.ready_line)
+        assert match is not None
+        return child, match.group(1)
+
     def stop_all(self) -> None:
         for child in reversed(self.children):
             child.stop(timeout=5.0)

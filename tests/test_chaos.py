@@ -314,7 +314,7 @@ async def test_pubsub_killed_no_wait_beyond_fallback(redis_factory: Callable[...
         kills = 0
         while not background.done():
             kills += int(await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub"))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.03)
         await background
         await settled(redis, 10)
         states = await assert_conserved(redis)
@@ -334,8 +334,8 @@ async def test_pubsub_killed_no_wait_beyond_fallback(redis_factory: Callable[...
     assert len(noticed) >= 10, len(noticed)  # requests did queue and wait for a wake-up
     worst = max(noticed)
     assert worst <= FALLBACK_MS / 1000 + 0.15, worst
-    assert kills >= 10 and reconnects >= 5 and fallbacks >= 1
-    report(Row("pub/sub connections killed (CLIENT KILL TYPE pubsub every 100 ms)",
+    assert kills >= 10 and reconnects >= 5 and fallbacks >= 1  # wake-ups were really lost
+    report(Row("pub/sub connections killed (CLIENT KILL TYPE pubsub every 30 ms)",
                f"8 Normal workers on a node with room for ~4 ({len(load.results)} requests, "
                f"{len(noticed)} queued)", "no queued request waited past the fallback",
                {"kills": kills, "gateway resubscriptions": int(reconnects),

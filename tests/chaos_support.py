@@ -221,6 +221,8 @@ async def metric(url: str, name: str, **labels: str) -> float:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as response:
         text = await response.text()
     total = 0.0
+    assert f"# TYPE {name.removesuffix('_total')} " in text or f"# TYPE {name} " in text, (
+        f"{name} is not on {url}/metrics")
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):
             continue

@@ -43,8 +43,11 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
             response = await handler(request)
             assert isinstance(response, web.Response) and response.text is not None
             twice = sum(1 for n in seen.values() if n > 1)
-            response.text = (response.text + f"chaos:requests_total {sum(seen.values())}\n"
-                             f"chaos:tasks_seen_twice {twice}\n")
+            response.text = (response.text
+                             + "# TYPE chaos:requests counter\n"
+                             + f"chaos:requests_total {sum(seen.values())}\n"
+                             + "# TYPE chaos:tasks_seen_twice gauge\n"
+                             + f"chaos:tasks_seen_twice {twice}\n")
             return response
         return await handler(request)
 

@@ -35,6 +35,23 @@ class RedisSettings:
     ssl_ca_file: str | None = None
     cluster: bool = False
     sharded_pubsub: bool = False
+    sentinel_master: str | None = None
+    """The primary's name at the Sentinels; set: the primary is found through `sentinels`."""
+    sentinels: tuple[str, ...] = ()
+    """Sentinel addresses, "host:port"."""
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        return [split_address(a) for a in self.sentinels]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" ("[v6::addr]:port" for IPv6); ValueError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port")
+    return host, int(port)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,11 +282,41 @@ def _redis(r: _Reader, env: Mapping[str, str]) -> RedisSettings:
         ssl_ca_file=r.string("ssl_ca_file"),
         cluster=r.get("cluster", bool, d.cluster),
         sharded_pubsub=r.get("sharded_pubsub", bool, d.sharded_pubsub),
+        sentinel_master=r.string("sentinel_master"),
+        sentinels=tuple(r.get("sentinels", list, [])),
     )
     if not settings.url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError(f"{r.key('url')}: must start with redis://, rediss:// or unix://")
+    _sentinel(r, settings)
     r.done()
     return settings
+
+
+def _sentinel(r: _Reader, settings: RedisSettings) -> None:
+    for i, address in enumerate(settings.sentinels):
+        where = f"{r.key('sentinels')}[{i}]"
+        if not isinstance(address, str):
+            raise ConfigError(f"{where}: expected a string \"host:port\"")
+        try:
+            split_address(address)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    master = settings.sentinel_master
+    if master is None:
+        if settings.sentinels:
+            raise ConfigError(f"{r.key('sentinel_master')}: is required with "
+                              f"{r.key('sentinels')}")
+        return
+    if not master or any(c.isspace() for c in master):
+        raise ConfigError(f"{r.key('sentinel_master')}: must be a name without spaces")
+    if not settings.sentinels:
+        raise ConfigError(f"{r.key('sentinels')}: at least one \"host:port\" is required with "
+                          f"{r.key('sentinel_master')}")
+    if settings.cluster:
+        raise ConfigError(f"{r.key('sentinel_master')}: not with {r.key('cluster')} = true "
+                          "(a Redis Cluster fails over by itself)")
+    if settings.url.startswith("unix://"):
+        raise ConfigError(f"{r.key('url')}: must be redis:// or rediss:// with Sentinel")
 
 
 def _tiers(r: _Reader) -> dict[Tier, TierSettings]:

@@ -1,13 +1,19 @@
-"""Redis clients built the same way by every service: bounded pools, timeouts, TLS, cluster."""
+"""Redis clients built the same way by every service: bounded pools, timeouts, TLS, cluster,
+Sentinel."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import BlockingConnectionPool, parse_url
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 
 from admission.config import RedisSettings
+
+PrimaryLocator = Callable[[], Awaitable[tuple[str, int]]]
 
 
 def connect(settings: RedisSettings) -> Any:
@@ -16,6 +22,10 @@ def connect(settings: RedisSettings) -> Any:
     A blocking pool caps connections at `max_connections` and makes callers wait up to
     `pool_timeout_ms` for one, instead of failing with MaxConnectionsError under load.
     Socket timeouts keep a stuck Redis from hanging requests forever.
+
+    With `sentinel_master` the client asks the Sentinels where the primary is whenever it
+    opens a connection, so after a failover its next connections go to the new primary; the
+    URL gives only the scheme (TLS or not), the credentials and the database.
     """
     timeout = settings.socket_timeout_ms / 1000
     connect_timeout = settings.connect_timeout_ms / 1000
@@ -30,6 +40,8 @@ def connect(settings: RedisSettings) -> Any:
             max_connections=settings.max_connections,
             **ssl,
         )
+    if settings.sentinel_master is not None:
+        return _sentinel_primary(settings, timeout, connect_timeout, ssl)
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.url,
         max_connections=settings.max_connections,
@@ -40,3 +52,55 @@ def connect(settings: RedisSettings) -> Any:
         **ssl,
     )
     return aioredis.Redis(connection_pool=pool)
+
+
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's pool (connections to the current primary) with the blocking pool's bound."""
+
+
+class _SentinelPrimary(aioredis.Redis):
+    """The primary's client; closing it closes the connections to the Sentinels too."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        pool = self.connection_pool
+        if isinstance(pool, SentinelConnectionPool):
+            await pool.sentinel_manager.aclose()
+
+
+def _sentinel_primary(
+    settings: RedisSettings, timeout: float, connect_timeout: float, ssl: dict[str, Any]
+) -> aioredis.Redis:
+    assert settings.sentinel_master is not None
+    params: dict[str, Any] = dict(parse_url(settings.url))
+    for key in ("host", "port", "connection_class"):  # the Sentinels name the primary
+        params.pop(key, None)
+    tls = settings.url.startswith("rediss://")
+    sockets = {"socket_timeout": timeout, "socket_connect_timeout": connect_timeout}
+    # The Sentinels are reached like the primary (TLS or not), without its credentials.
+    sentinel_kwargs: dict[str, Any] = {**sockets, **({"ssl": True, **ssl} if tls else {})}
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        settings.sentinel_addresses(), sentinel_kwargs=sentinel_kwargs)
+    client: aioredis.Redis = sentinel.master_for(
+        settings.sentinel_master,
+        redis_class=_SentinelPrimary,
+        connection_pool_class=_BlockingSentinelPool,
+        max_connections=settings.max_connections,
+        timeout=settings.pool_timeout_ms / 1000,
+        health_check_interval=30,
+        ssl=tls,
+        **sockets,
+        **ssl,
+        **params,
+    )
+    return client
+
+
+def primary_locator(client: Any) -> PrimaryLocator | None:
+    """How to find the current primary of a client built by `connect` with Sentinel (asks the
+    Sentinels); None for other clients, whose address is fixed."""
+    pool = getattr(client, "connection_pool", None)
+    if isinstance(pool, SentinelConnectionPool):
+        locate: PrimaryLocator = pool.get_master_address
+        return locate
+    return None

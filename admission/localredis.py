@@ -175,6 +175,69 @@ def running_redis(**kwargs: object) -> Iterator[LocalRedis]:
         shutil.rmtree(server.workdir, ignore_errors=True)
 
 
+def start_replica(primary: LocalRedis, *, args: Sequence[str] = ()) -> LocalRedis:
+    """A replica of `primary` (same password), returned once its initial sync is done.
+
+    The primary is told to start that sync at once (`repl-diskless-sync-delay 0`) instead of
+    waiting 5 s for more replicas.
+    """
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise RedisBinaryMissing("redis-cli is not installed (Debian package redis-tools)")
+    auth = ["-a", primary.password, "--no-auth-warning"] if primary.password else []
+    subprocess.run([cli, "-p", str(primary.port), *auth, "config", "set",
+                    "repl-diskless-sync-delay", "0"], check=True, capture_output=True, timeout=5)
+    extra = ["--replicaof", "127.0.0.1", str(primary.port)]
+    if primary.password:
+        extra += ["--masterauth", primary.password]
+    replica = start_redis(password=primary.password, args=[*extra, *args])
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        info = subprocess.run([cli, "-p", str(replica.port), *auth, "info", "replication"],
+                              capture_output=True, text=True, timeout=5).stdout
+        if "master_link_status:up" in info:
+            return replica
+        if time.monotonic() > deadline:
+            replica.stop()
+            raise TimeoutError(f"the replica on {replica.port} did not sync with the primary")
+        time.sleep(0.05)
+
+
+def start_sentinel(
+    primary_port: int,
+    *,
+    name: str = "kvgate",
+    quorum: int = 2,
+    down_after_ms: int = 1_000,
+    failover_timeout_ms: int = 10_000,
+) -> LocalRedis:
+    """A Sentinel (`redis-server CONF --sentinel`) watching the primary on `primary_port` as
+    `name`. It rewrites its own config file, so each one gets a directory of its own."""
+    binary = redis_server_binary()
+    port = free_port()
+    workdir = Path(tempfile.mkdtemp(prefix=f"kvgate-sentinel-{port}-"))
+    logfile = workdir / "sentinel.log"
+    conf = workdir / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\n"
+        "bind 127.0.0.1\n"
+        f"dir {workdir}\n"
+        f"logfile {logfile}\n"
+        f"sentinel monitor {name} 127.0.0.1 {primary_port} {quorum}\n"
+        f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
+        f"sentinel failover-timeout {name} {failover_timeout_ms}\n"
+        f"sentinel parallel-syncs {name} 1\n"
+    )
+    process = subprocess.Popen([binary, str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port, process, logfile)
+    except BaseException:
+        process.kill()
+        raise
+    return LocalRedis(port=port, workdir=workdir, process=process)
+
+
 @dataclass
 class LocalCluster:
     """A Redis Cluster of `masters` primaries (no replicas) on loopback."""

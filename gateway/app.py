@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from admission.config import Config
-from admission.connection import connect
+from admission.connection import connect, primary_locator
 from admission.keys import check_name
 from admission.scripts import load_scripts, register_scripts
 from admission.store import PoolStore
@@ -127,7 +127,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         log.warning("Redis unavailable at start (%s): not ready until it answers",
                     type(exc).__name__)
     # Script calls (admit, settle, renew) go through one multiplexed connection.
-    mux = None if config.redis.cluster else RedisMux(config.redis)
+    mux = None if config.redis.cluster else RedisMux(config.redis,
+                                                      locate=primary_locator(client))
     hot = scripts if mux is None else mux_scripts(scripts, mux)
     pools = {
         name: PoolRuntime(settings, PoolStore(client, hot, name, config.pool_policy(name)),

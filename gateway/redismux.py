@@ -14,7 +14,9 @@ survive a flushed script cache (NOSCRIPT: load and retry once), as redis-py's do
 
 Only the script calls of admission go through here (`mux_scripts`); pub/sub, record polls,
 readiness and the scheduler's operations use the regular redis-py client. Redis Cluster is not
-multiplexed (the gateway keeps redis-py's scripts there).
+multiplexed (the gateway keeps redis-py's scripts there). With Sentinel, each connect asks
+where the primary is (`locate`), and a READONLY reply (the server was demoted to a replica by a
+failover) drops the connection, so the next call reconnects to the new primary.
 """
 
 from __future__ import annotations
@@ -32,15 +34,20 @@ from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
     NoScriptError,
+    RedisError,
     ResponseError,
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission.config import RedisSettings
+from admission.connection import PrimaryLocator
 from admission.scripts import SCRIPT_NAMES, Scripts
 
 MIN_DOWN_S = 0.1
 MAX_DOWN_S = 2.0
+LOCATED_MAX_DOWN_S = 0.5
+"""With Sentinel: a new primary is usually promoted while the circuit is open; trying again
+(one Sentinel query and a connect) at least twice a second finds it soon after."""
 
 
 def pack(args: Sequence[bytes | str | int | float]) -> bytes:
@@ -90,6 +97,13 @@ class _Protocol(asyncio.Protocol):
                 continue
             if isinstance(reply, hiredis.ReplyError):
                 message = str(reply)
+                if message.startswith("READONLY"):
+                    # A failover made this server a replica: every call on this connection
+                    # fails alike; drop it so that the next call finds the new primary.
+                    lost = ConnectionError(f"Redis is a replica now: {message}")
+                    future.set_exception(lost)
+                    self.fail(lost)
+                    return
                 error = NoScriptError(message) if message.startswith("NOSCRIPT") else (
                     ResponseError(message))
                 future.set_exception(error)
@@ -112,10 +126,12 @@ class _Protocol(asyncio.Protocol):
 
 
 class RedisMux:
-    def __init__(self, settings: RedisSettings) -> None:
+    def __init__(self, settings: RedisSettings, *, locate: PrimaryLocator | None = None) -> None:
+        """`locate`: where the primary is now (Sentinel); None: the URL's host and port."""
         if settings.cluster:
             raise ValueError("RedisMux does not speak Redis Cluster")
         self.settings = settings
+        self.locate = locate
         self.params: dict[str, Any] = parse_url(settings.url)  # type: ignore[no-untyped-call]
         self.timeout_s = settings.socket_timeout_ms / 1000
         self.connect_timeout_s = settings.connect_timeout_ms / 1000
@@ -123,9 +139,11 @@ class RedisMux:
         self._connecting: asyncio.Task[_Protocol] | None = None
         self._closed = False
         # Circuit breaker: after a failed connect, calls fail at once until `_down_until`
-        # (backing off to MAX_DOWN_S), instead of each waiting for its own connect timeout.
+        # (backing off to MAX_DOWN_S, LOCATED_MAX_DOWN_S with Sentinel), instead of each
+        # waiting for its own connect timeout.
         self._down_until = 0.0
         self._down_s = MIN_DOWN_S
+        self._max_down_s = MAX_DOWN_S if locate is None else LOCATED_MAX_DOWN_S
         self.connects = 0
 
     def _lost(self, conn: _Protocol) -> None:
@@ -136,16 +154,20 @@ class RedisMux:
         loop = asyncio.get_running_loop()
         params = self.params
         conn = _Protocol(self._lost)
+        host, port = params.get("host", "localhost"), params.get("port", 6379)
+        if self.locate is not None:
+            try:
+                async with asyncio.timeout(self.connect_timeout_s):
+                    host, port = await self.locate()
+            except (RedisError, OSError, TimeoutError) as exc:
+                raise ConnectionError(f"No primary found: {type(exc).__name__}") from exc
         if "path" in params:
             connect = loop.create_unix_connection(lambda: conn, params["path"])
         else:
             context: ssl.SSLContext | None = None
             if self.settings.url.startswith("rediss://"):
                 context = ssl.create_default_context(cafile=self.settings.ssl_ca_file)
-            connect = loop.create_connection(
-                lambda: conn, params.get("host", "localhost"), params.get("port", 6379),
-                ssl=context,
-            )
+            connect = loop.create_connection(lambda: conn, host, port, ssl=context)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await connect
@@ -182,7 +204,7 @@ class RedisMux:
         except ConnectionError:
             if self._connecting is connecting:
                 self._down_until = loop.time() + self._down_s
-                self._down_s = min(self._down_s * 2, MAX_DOWN_S)
+                self._down_s = min(self._down_s * 2, self._max_down_s)
             raise
         finally:
             if connecting.done() and self._connecting is connecting:

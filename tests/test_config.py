@@ -88,3 +88,28 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("[pools\nname=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_sentinel_settings() -> None:
+    redis = parse_config(minimal(redis={
+        "sentinel_master": "kvgate", "sentinels": ["10.0.0.1:26379", "[fd00::2]:26380"]}),
+        env={}).redis
+    assert redis.sentinel_addresses() == [("10.0.0.1", 26379), ("fd00::2", 26380)]
+
+
+@pytest.mark.parametrize(("redis", "message"), [
+    ({"sentinels": ["s:26379"]}, "redis.sentinel_master: is required with redis.sentinels"),
+    ({"sentinel_master": "kvgate"}, "redis.sentinels: at least one"),
+    ({"sentinel_master": "kvgate", "sentinels": ["s"]}, "redis.sentinels[0]: 's' is not"),
+    ({"sentinel_master": "kvgate", "sentinels": ["s:0"]}, "redis.sentinels[0]: 's:0' is not"),
+    ({"sentinel_master": "kvgate", "sentinels": [26379]}, "redis.sentinels[0]: expected a str"),
+    ({"sentinel_master": "my master", "sentinels": ["s:1"]}, "redis.sentinel_master: must be"),
+    ({"sentinel_master": "kvgate", "sentinels": ["s:1"], "cluster": True},
+     "redis.sentinel_master: not with redis.cluster = true"),
+    ({"sentinel_master": "kvgate", "sentinels": ["s:1"], "url": "unix:///run/redis.sock"},
+     "redis.url: must be redis:// or rediss:// with Sentinel"),
+])
+def test_sentinel_errors_name_the_key(redis: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(minimal(redis=redis), env={})
+    assert str(caught.value).startswith(message)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Callable
 
 import pytest
@@ -10,7 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 
 from admission.config import RedisSettings
-from admission.localredis import LocalRedis, free_port
+from admission.localredis import LocalRedis, free_port, start_replica
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
@@ -127,3 +128,31 @@ async def test_an_unreachable_redis_opens_the_circuit() -> None:
         assert mux.connects == 1
     finally:
         await mux.close()
+
+
+async def test_a_demoted_primary_is_left_for_the_one_the_locator_names(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    """With Sentinel, each connect asks where the primary is; a server that answers READONLY
+    (a failover made it a replica) is dropped, and the next call goes to the new primary."""
+    primary = redis_factory()
+    replica = start_replica(primary)
+    try:
+        where = [replica.port]  # the locator is behind: it still names the old primary
+
+        async def locate() -> tuple[str, int]:
+            return "127.0.0.1", where[0]
+
+        # The URL's host and port are not used once there is a locator.
+        mux = RedisMux(RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"), locate=locate)
+        try:
+            with pytest.raises(ConnectionError, match="replica"):
+                await mux.execute("SET", "k", "v")
+            where[0] = primary.port
+            assert await mux.execute("SET", "k", "v") == b"OK"
+            assert mux.connects == 2
+        finally:
+            await mux.close()
+    finally:
+        replica.stop()
+        shutil.rmtree(replica.workdir, ignore_errors=True)

@@ -420,6 +420,9 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "external without url": ({"redis": {"mode": "external"}}, "/redis/external/url"),
     "port as text": ({"gateway": {"port": "8000"}}, "/gateway/port"),
     "unsafe password": ({"redis": {"auth": {"password": "a@b/c"}}}, "/redis/auth/password"),
+    "sentinel without port": ({"config": {"redis": {"sentinel_master": "kv",
+                                                     "sentinels": ["sentinel-0"]}}},
+                              "/config/redis/sentinels/0"),
     "dashboard label key": ({"grafanaDashboard": {"labelKey": "grafana dashboard"}},
                             "/grafanaDashboard/labelKey"),
     "dashboard label value": ({"grafanaDashboard": {"labelValue": 1}},
@@ -466,6 +469,18 @@ def test_external_redis_without_auth_and_username_urls() -> None:
     assert env_of(c)["REDIS_URL"]["value"] == "redis://kvgate:$(REDIS_PASSWORD)@r:6379/0"
     assert env_of(c)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
         "name": "s", "key": "redis-password"}
+
+
+def test_redis_behind_sentinel() -> None:
+    docs = render({
+        "redis": {"mode": "external", "external": {"url": "redis://unused:6379/0"},
+                  "auth": {"enabled": False}},
+        "config": {"redis": {"sentinel_master": "kvgate",
+                             "sentinels": ["sentinel-0:26379", "[fd00::1]:26379"]}},
+    })
+    redis = cfg.parse_config(_toml(configmap(docs)), env={}).redis
+    assert redis.sentinel_master == "kvgate"
+    assert redis.sentinel_addresses() == [("sentinel-0", 26379), ("fd00::1", 26379)]
 
 
 # --- the Grafana dashboard ConfigMap ---------------------------------------------------

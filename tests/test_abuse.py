@@ -178,9 +178,10 @@ def _admission_state(live: Live) -> dict[str, Any]:
     pipe.hgetall(k.bucket_key("batch"))
     for queue in k.queues:
         pipe.zcard(queue)
-    pipe.zcard(k.leases)
+    # (Not the leases: a gateway's entry goes when a renewal finds it holds nothing.)
+    pipe.scard(k.gateway_tasks_key("gw-abuse"))
     names = ("node_reserved", "stats", "tenant_queued", "bucket_normal", "bucket_batch",
-             "queue_vip", "queue_normal", "queue_batch", "leases")
+             "queue_vip", "queue_normal", "queue_batch", "gateway_tasks")
     return dict(zip(names, pipe.execute(), strict=True))
 
 

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PACKAGES := admission gateway scheduler bench clients/python/kvgate_client
 
-.PHONY: test lint typecheck unit redis-server bench-core
+.PHONY: demo test lint typecheck unit redis-server bench-core
 
 $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,3 +29,8 @@ test: lint typecheck unit
 
 bench-core: $(VENV)/.installed redis-server
 	$(PY) -m bench.core
+
+# The 400% burst experiment, short version (about 3 minutes): Redis, simulated vLLM nodes,
+# scheduler with a standby, two gateways; progress on the terminal, the table at the end.
+demo: $(VENV)/.installed redis-server
+	$(PY) -m bench.experiment --short

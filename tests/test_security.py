@@ -44,6 +44,7 @@ from tests.gateway_harness import (
     serve_backend,
     sha,
 )
+from tests.live import to_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "pw-7Zq1-never-logged"
@@ -378,7 +379,7 @@ async def test_gateway_process_logs_hold_no_key_password_or_prompt(
     async with serve_backend(good) as good_url, serve_backend(failing) as bad_url:
         data = config_data("redis://127.0.0.1:1/0", [good_url, bad_url])
         config_file = tmp_path / "gw.toml"
-        config_file.write_text(_toml(data))
+        config_file.write_text(to_toml(data))
         config = parse_config(data, env={"REDIS_URL": server.url})
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway", "--config", str(config_file), "--port", "0",
@@ -420,33 +421,6 @@ async def test_gateway_process_logs_hold_no_key_password_or_prompt(
     assert "task " in logged and "admission store unavailable" in logged
     for secret in (PASSWORD, SECRET_PROMPT, "TANGERINE", leaked, *KEYS.values()):
         assert secret not in logged, secret
-
-
-def _toml(data: dict[str, Any]) -> str:
-    """The harness's config as TOML (the subset of types it uses)."""
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{" + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + "}"
-        return str(v)
-
-    lines: list[str] = []
-    for section in ("redis", "gateway"):
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {value(v)}" for k, v in data[section].items()]
-    for tier, settings in data["tiers"].items():
-        lines.append(f"[tiers.{tier}]")
-        lines += [f"{k} = {value(v)}" for k, v in settings.items()]
-    for table in ("pools", "tenants"):
-        for entry in data[table]:
-            lines.append(f"[[{table}]]")
-            lines += [f"{k} = {value(v)}" for k, v in entry.items()]
-    return "\n".join(lines) + "\n"
 
 
 # --- per-tenant queue caps -------------------------------------------------------------------

@@ -25,19 +25,24 @@ same documents arrive.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from admission.tiers import Tier
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, RequestStatus, SimRequest, StepPlan
+from bench.stats import percentile
 from bench.workload import PlannedRequest
 
 _SCAN_LIMIT = 64
 """Queued requests examined per admission pass (oldest first): bounds the cost of one pass
 while the queue is thousands long, at the price of a slightly less than ideal packing."""
+_VIP_GRACE_S = 300.0
+"""Simulated seconds the replay may run past the burst for its VIP requests' first tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +54,19 @@ class CapacityResult:
     kv_peak: float
     mean_running: float
     """Mean running sequences per node during the burst."""
+    vip_ttft_base: tuple[float, float] = (math.nan, math.nan)
+    """VIP TTFT P50, P99 in simulated ms before the burst (arrival to first token)."""
+    vip_ttft_burst: tuple[float, float] = (math.nan, math.nan)
 
     def as_dict(self) -> dict[str, float]:
         return {"total_tokens_per_s": self.total_tokens_per_s,
                 "generation_tokens_per_s": self.generation_tokens_per_s,
                 "preemptions": self.preemptions, "kv_peak": self.kv_peak,
-                "mean_running": self.mean_running}
+                "mean_running": self.mean_running,
+                "vip_ttft_base_p50": self.vip_ttft_base[0],
+                "vip_ttft_base_p99": self.vip_ttft_base[1],
+                "vip_ttft_burst_p50": self.vip_ttft_burst[0],
+                "vip_ttft_burst_p99": self.vip_ttft_burst[1]}
 
 
 def projected_peak_blocks(requests: Sequence[tuple[int, int]], block_size: int) -> int:
@@ -139,12 +151,20 @@ def ideal_replay(
     window: tuple[float, float],
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
-    engines; measure over ``window`` (wall seconds, converted to simulated time)."""
+    engines; measure over ``window`` (wall seconds, converted to simulated time).
+
+    The ideal is tier-aware like kvgate: VIP before Normal before Batch (FIFO within a tier),
+    and the engines run vLLM's priority policy with the tier as ``priority``. The VIP TTFT it
+    reaches (from arrival, its own queueing included) is the best any admission controller
+    can do on these nodes with this traffic while keeping their throughput at the maximum.
+    """
+    config = dataclasses.replace(config, scheduling_policy="priority")
     lo, hi = window[0] * time_scale, window[1] * time_scale
     fleet = [_Node(config) for _ in range(nodes)]
     arrivals = sorted(((r.at * time_scale, r) for r in requests), key=lambda x: x[0])
-    queue: list[PlannedRequest] = []
+    queues: dict[Tier, list[tuple[float, PlannedRequest]]] = {t: [] for t in Tier}
     steps: list[tuple[float, int]] = []  # (step end, node index), a heap
+    vips: list[tuple[float, SimRequest]] = []
     ids = itertools.count()
     next_arrival = 0
     now = 0.0
@@ -159,22 +179,28 @@ def ideal_replay(
     def admit() -> None:
         for n in fleet:
             n.refresh()
-        kept: list[PlannedRequest] = []
-        for i, req in enumerate(queue):
-            if i >= _SCAN_LIMIT:
-                kept.extend(queue[i:])
-                break
-            node = min((n for n in fleet if n.fits(req.prompt_tokens, req.output_tokens)),
-                       key=lambda n: len(n.live), default=None)
-            if node is None:
-                kept.append(req)
-                continue
-            sim_req = SimRequest(request_id=str(next(ids)), prompt_tokens=req.prompt_tokens,
-                                 max_tokens=req.output_tokens)
-            node.engine.add(sim_req, now)
-            node.live.append(sim_req)
-            node.refresh()
-        queue[:] = kept
+        scanned = 0
+        for tier in Tier:
+            kept: list[tuple[float, PlannedRequest]] = []
+            queue = queues[tier]
+            for i, (arrived, req) in enumerate(queue):
+                if scanned >= _SCAN_LIMIT:
+                    kept.extend(queue[i:])
+                    break
+                scanned += 1
+                node = min((n for n in fleet if n.fits(req.prompt_tokens, req.output_tokens)),
+                           key=lambda n: len(n.live), default=None)
+                if node is None:
+                    kept.append((arrived, req))
+                    continue
+                sim_req = SimRequest(request_id=str(next(ids)), prompt_tokens=req.prompt_tokens,
+                                     max_tokens=req.output_tokens, priority=int(req.tier))
+                node.engine.add(sim_req, now)
+                node.live.append(sim_req)
+                node.refresh()
+                if tier is Tier.VIP:
+                    vips.append((arrived, sim_req))
+            queues[tier] = kept
 
     def start_steps() -> None:
         nonlocal peak, running_sum, samples
@@ -188,6 +214,10 @@ def ideal_replay(
                     running_sum += node.engine.num_running
                     samples += 1
 
+    # Past the window only until the burst's VIP requests have their first tokens.
+    def vips_served() -> bool:
+        return not queues[Tier.VIP] and all(r.first_token_time is not None for _, r in vips)
+
     while next_arrival < len(arrivals) or steps:
         t_arrival = arrivals[next_arrival][0] if next_arrival < len(arrivals) else math.inf
         t_step = steps[0][0] if steps else math.inf
@@ -196,6 +226,7 @@ def ideal_replay(
             start_counts = counts()
         if end_counts is None and now >= hi:
             end_counts = counts()
+        if end_counts is not None and (vips_served() or now >= hi + _VIP_GRACE_S):
             break
         if t_step <= t_arrival:
             _, index = heapq.heappop(steps)
@@ -207,8 +238,11 @@ def ideal_replay(
             if changed:
                 node.live = [r for r in node.live if r.status is not RequestStatus.FINISHED]
         else:
-            queue.append(arrivals[next_arrival][1])
+            arrived, req = arrivals[next_arrival]
             next_arrival += 1
+            # After the window only VIP traffic matters (for the burst's last VIP answers).
+            if arrived < hi or req.tier is Tier.VIP:
+                queues[req.tier].append((arrived, req))
             changed = True
         # Between finishes a node's projection does not move (decode lockstep keeps every
         # future total in place), so only an arrival or a finish can let something in.
@@ -226,4 +260,13 @@ def ideal_replay(
         preemptions=sum(n.engine.stats.preemptions for n in fleet),
         kv_peak=peak,
         mean_running=running_sum / max(1, samples),
+        vip_ttft_base=_ttft_ms(vips, 0.0, lo),
+        vip_ttft_burst=_ttft_ms(vips, lo, hi),
     )
+
+
+def _ttft_ms(vips: Sequence[tuple[float, SimRequest]], lo: float, hi: float
+             ) -> tuple[float, float]:
+    values = [(r.first_token_time - arrived) * 1000 if r.first_token_time is not None
+              else math.inf for arrived, r in vips if lo <= arrived < hi]
+    return percentile(values, 50), percentile(values, 99)

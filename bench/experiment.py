@@ -172,10 +172,54 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
             parts.append(f"{ARM_TITLES[s.arm]}, why requests did not succeed: " + "; ".join(
                 f"{reason} ({count})" for reason, count in s.errors))
             parts.append("")
+    parts += setup_section(settings)
     doc = report.__doc__ or ""
     parts += ["## Definitions", "", doc.split("Definitions (also printed under the table):")[-1]
               .strip(), ""]
     return "\n".join(parts)
+
+
+def setup_section(settings: Settings) -> list[str]:
+    """What ran: the traffic classes and the three arms, from the settings themselves."""
+    k = settings.capacity_scale
+    lines = [
+        "## Setup",
+        "",
+        f"Traffic per real-scale node (the simulated nodes are {k:g} of one and take {k:g} of "
+        "it), Poisson arrivals, exact output lengths (`max_tokens` = `X-Sim-Output-Tokens`):",
+        "",
+        "| tenant | tier | requests/s at 1x | prompt tokens | output tokens | streaming | burst |",
+        "|---|---|---:|---|---|---|---|",
+    ]
+    for c in settings.classes:
+        size = "log-uniform" if c.prompt.log else "uniform"
+        out = "log-uniform" if c.output.log else "uniform"
+        lines.append(
+            f"| {c.name} | {c.tier.label} | {c.rate:g} | {c.prompt.lo:,}-{c.prompt.hi:,} ({size})"
+            f" | {c.output.lo:,}-{c.output.hi:,} ({out}) | {'yes' if c.stream else 'no'} | "
+            f"{f'x{settings.burst_factor:g}' if c.burst else 'x1'} |")
+    lines += [
+        "",
+        "VIP clients do not retry; Normal clients retry 429/503 with the kvgate SDK's policy "
+        "(full jitter, never sooner than `retry-after-ms`, 3 attempts, retry budget); Batch "
+        "clients with the same policy but 6 attempts and a deadline as long as the run.",
+        "",
+        f"- (a) clients round robin over the {settings.nodes} nodes (vLLM FCFS scheduling).",
+        f"- (b) `bench.fifo_proxy`: one FIFO queue, at most {settings.fifo_slots} requests in "
+        f"flight per node ({settings.fifo_max_inflight} at real scale), no tiers, no KV "
+        "awareness (FCFS nodes).",
+        f"- (c) kvgate: {settings.gateways} gateway processes (clients round robin over them), "
+        f"{settings.schedulers} scheduler processes (one leader, the others standing by), a "
+        "private Redis, the project's default zones and scheduler settings"
+        + (", tiers forwarded as vLLM `priority` to nodes run with `--scheduling-policy "
+           "priority`." if settings.pass_priority else "."),
+        f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "
+        f"after step) for {settings.crash_after_full_sim_s or 0:g} simulated seconds dies like "
+        "an OOM-killed one." if settings.crash_after_full_sim_s
+        else "- Every arm gets fresh nodes; nodes never crash in this preset.",
+        "",
+    ]
+    return lines
 
 
 def _summary_json(settings: Settings, cap: CapacityResult | None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -66,8 +67,16 @@ def test_ideal_replay_never_preempts_and_serves_an_overload_at_full_cache() -> N
                        stream=False)
         for i in range(60)
     ]
+    requests += [
+        PlannedRequest(100 + i, "vip", Tier.VIP, at=0.5 * i, prompt_tokens=200, output_tokens=50,
+                       stream=True)
+        for i in range(60)
+    ]
     result = ideal_replay(config, 2, requests, time_scale=1.0, window=(5.0, 30.0))
     assert result.preemptions == 0
+    # VIP goes first: every VIP request got its first token, in finite time.
+    assert all(math.isfinite(x) and x > 0 for x in (*result.vip_ttft_base,
+                                                     *result.vip_ttft_burst))
     assert 0.9 <= result.kv_peak <= 1.0
     assert result.total_tokens_per_s > 0
     assert result.generation_tokens_per_s < result.total_tokens_per_s

@@ -20,6 +20,8 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -241,6 +243,19 @@ def _summary_json(settings: Settings, cap: CapacityResult | None,
     return json.dumps(clean(data), indent=2)
 
 
+def git_revision() -> str:
+    """The commit the run used, with "+changes" when the work tree differs from it."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, cwd=RESULTS_DIR, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, cwd=RESULTS_DIR,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+changes" if dirty else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)
@@ -250,6 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown arm(s) {unknown}; choose from a, b, c", file=sys.stderr)
         return 2
     name = args.name or ("burst" if args.preset == "full" else f"burst-{args.preset}")
+    started = time.monotonic()
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-burst-"))
     print(f"logs: {log_dir}", flush=True)
     coro = run_experiment(settings, arms, log_dir, capacity=not args.no_capacity)
@@ -261,7 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cap, results, summaries = uvloop.run(coro)
     schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
     command = "python -m bench.experiment " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = report_markdown(settings, describe(settings, schedule), cap, summaries, command.strip())
+    lines = [*describe(settings, schedule),
+             f"code {git_revision()}, {time.strftime('%Y-%m-%d %H:%M')} local time, "
+             f"{(time.monotonic() - started) / 60:.0f} minutes on {os.cpu_count()} cores "
+             f"(load average at the end {os.getloadavg()[0]:.1f}: other work shares this machine)"]
+    md = report_markdown(settings, lines, cap, summaries, command.strip())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.md").write_text(md)
     (args.out / f"{name}.json").write_text(_summary_json(settings, cap, summaries))

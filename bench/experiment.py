@@ -187,8 +187,10 @@ def setup_section(settings: Settings) -> list[str]:
     lines = [
         "## Setup",
         "",
-        f"Traffic per real-scale node (the simulated nodes are {k:g} of one and take {k:g} of "
-        "it), Poisson arrivals, exact output lengths (`max_tokens` = `X-Sim-Output-Tokens`):",
+        ("Traffic per node (the simulated nodes are real-scale)" if k == 1 else
+         f"Traffic per real-scale node (each simulated node is {k:g} of one and takes {k:g} of "
+         "this traffic)")
+        + ", Poisson arrivals, exact output lengths (`max_tokens` = `X-Sim-Output-Tokens`):",
         "",
         "| tenant | tier | requests/s at 1x | prompt tokens | output tokens | streaming | burst |",
         "|---|---|---:|---|---|---|---|",
@@ -266,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name = args.name or ("burst" if args.preset == "full" else f"burst-{args.preset}")
     started = time.monotonic()
+    revision = git_revision()  # now: the code that runs, whatever is committed meanwhile
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-burst-"))
     print(f"logs: {log_dir}", flush=True)
     coro = run_experiment(settings, arms, log_dir, capacity=not args.no_capacity)
@@ -278,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
     command = "python -m bench.experiment " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [*describe(settings, schedule),
-             f"code {git_revision()}, {time.strftime('%Y-%m-%d %H:%M')} local time, "
+             f"code {revision}, {time.strftime('%Y-%m-%d %H:%M')} local time, "
              f"{(time.monotonic() - started) / 60:.0f} minutes on {os.cpu_count()} cores "
              f"(load average at the end {os.getloadavg()[0]:.1f}: other work shares this machine)"]
     md = report_markdown(settings, lines, cap, summaries, command.strip())

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
-from admission.localredis import LocalRedis, start_redis
+from admission.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
 
 
 def _docker_reachable() -> bool:
@@ -75,3 +76,25 @@ def redis_factory() -> Iterator[Callable[..., LocalRedis]]:
     for server in started:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    """A real 3-master Redis Cluster on loopback, one per test module."""
+    c = start_cluster(3)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+async def cluster_client(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
+    """A RedisCluster client on `cluster`, emptied before the test."""
+    c = RedisCluster.from_url(cluster.url)
+    await c.initialize()
+    await c.flushall()
+    try:
+        yield c
+    finally:
+        await c.aclose()

@@ -10,7 +10,7 @@ the test sets, so the scheduler polls the same URL the gateway sends requests to
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from admission.config import Config, parse_config
 from admission.keys import PoolKeys, SchedulerKeys
-from admission.localredis import LocalCluster, start_cluster
+from admission.localredis import LocalCluster
 from admission.tiers import Tier
 from bench.instant_backend import InstantBackend
 from gateway.app import create_app as create_gateway
@@ -44,24 +44,9 @@ IDLE, BUSY = 0.10, 0.75
 """KV usage figures: GREEN, and YELLOW (between yellow 0.70 and red 0.85), which holds Batch."""
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    c = start_cluster(3)
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
 @pytest.fixture
-async def client(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
-    c = RedisCluster.from_url(cluster.url)
-    await c.initialize()
-    await c.flushall()
-    try:
-        yield c
-    finally:
-        await c.aclose()
+def client(cluster_client: RedisCluster) -> RedisCluster:
+    return cluster_client
 
 
 def cluster_config(

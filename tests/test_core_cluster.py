@@ -3,15 +3,12 @@ shards, sharded pub/sub for wake-ups."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
-
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 from admission.keys import PoolKeys, SchedulerKeys
-from admission.localredis import LocalCluster, start_cluster
 from admission.scripts import register_scripts
 from admission.store import (
     AdmitOutcome,
@@ -27,24 +24,9 @@ from admission.tiers import Tier, Zone
 POOLS = ("llama", "qwen")
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    c = start_cluster(3)
-    try:
-        yield c
-    finally:
-        c.stop()
-
-
 @pytest.fixture
-async def client(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
-    c = RedisCluster.from_url(cluster.url)
-    await c.initialize()
-    await c.flushall()
-    try:
-        yield c
-    finally:
-        await c.aclose()
+def client(cluster_client: RedisCluster) -> RedisCluster:
+    return cluster_client
 
 
 def _owner(client: RedisCluster, key: str) -> ClusterNode:

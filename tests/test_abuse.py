@@ -90,6 +90,15 @@ async def _publish(settings_: Any, policy: Any) -> None:
         await client.aclose()
 
 
+def rejected_by_http_parser(response: Any) -> bool:
+    """aiohttp's own answer to a request that is not valid HTTP (it never reaches the app)."""
+    return bool(
+        response.status_code == 400
+        and response.headers.get("Content-Type", "").startswith("text/plain")
+        and response.headers.get("Connection", "").lower() == "close"
+    )
+
+
 def openai_error(body: bytes) -> dict[str, Any]:
     payload = json.loads(body)
     assert isinstance(payload, dict) and isinstance(payload.get("error"), dict), payload
@@ -117,6 +126,7 @@ def test_schemathesis_finds_no_server_error_and_only_openai_errors(live: Live) -
     checks = [not_a_server_error, content_type_conformance, response_schema_conformance]
     seen: dict[tuple[str, str], set[int]] = {}
     no_negative: list[str] = []
+    parser_rejections: list[str] = []
 
     def fuzz(operation: Any, mode: Any, statuses: set[int]) -> Any:
         @given(case=operation.as_strategy(generation_mode=mode))
@@ -125,6 +135,12 @@ def test_schemathesis_finds_no_server_error_and_only_openai_errors(live: Live) -
             response = case.call(base_url=live.url, headers=auth, timeout=30)
             statuses.add(response.status_code)
             assert response.status_code < 500, (case.body, response.text[:500])
+            if rejected_by_http_parser(response):
+                # Malformed HTTP (negative mode mutates headers, e.g. an empty Content-Length)
+                # is refused by aiohttp's parser before the application sees it: a plain-text
+                # 400 that closes the connection, outside the gateway's OpenAI error shape.
+                parser_rejections.append(response.text[:200])
+                return
             if response.status_code >= 400:
                 openai_error(response.content)
             case.validate_response(response, checks=checks)

@@ -23,21 +23,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import platform
-import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
+from bench.httpload import Phase, highest_sustained, run_phase, start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-bench-overhead"
@@ -74,192 +71,6 @@ NOTES = [
     "(added p50 0.66 to 0.93 ms, added p99 0.9 to 1.7 ms over four runs).",
     "",
 ]
-
-
-# -- load generator (runs in its own process) ------------------------------------------------
-
-class _Conn:
-    __slots__ = ("reader", "writer")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-
-async def _exchange(conn: _Conn, request: bytes) -> int:
-    conn.writer.write(request)
-    head = await conn.reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    lower = head.lower()
-    at = lower.find(b"\r\ncontent-length:")
-    if at < 0:
-        raise ValueError("response without Content-Length")
-    end = lower.index(b"\r\n", at + 2)
-    length = int(lower[at + 17:end])
-    await conn.reader.readexactly(length)
-    return status
-
-
-async def _loadgen(host: str, port: int, path: str, rate: float, duration: float,
-                   poisson: bool, seed: int) -> dict[str, Any]:
-    body = orjson.dumps(BODY)
-    request = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    idle: list[_Conn] = []
-    for _ in range(32):
-        idle.append(_Conn(*await asyncio.open_connection(host, port)))
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    # Not loop.time(): uvloop's clock has millisecond resolution.
-    clock = time.perf_counter
-    loop = asyncio.get_running_loop()
-    pending: set[asyncio.Task[None]] = set()
-
-    async def one(due: float) -> None:
-        conn = idle.pop() if idle else _Conn(*await asyncio.open_connection(host, port))
-        try:
-            status = await _exchange(conn, request)
-        except (OSError, ValueError, asyncio.IncompleteReadError) as exc:
-            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-            conn.writer.close()
-            return
-        latencies.append((clock() - due) * 1000)
-        if status != 200:
-            errors[str(status)] = errors.get(str(status), 0) + 1
-        idle.append(conn)
-
-    rng = random.Random(seed)
-    n = int(rate * duration)
-    start = clock() + 0.05
-    due = start
-    late_max = 0.0
-    for _ in range(n):
-        wait = due - clock()
-        if wait > 0:
-            await asyncio.sleep(wait)
-        else:
-            late_max = max(late_max, -wait)
-        task = loop.create_task(one(due))
-        pending.add(task)
-        task.add_done_callback(pending.discard)
-        due += rng.expovariate(rate) if poisson else 1.0 / rate
-    sent_span = clock() - start
-    if pending:
-        await asyncio.wait(pending, timeout=30)
-    for conn in idle:
-        conn.writer.close()
-    return {"latencies_ms": latencies, "errors": errors, "offered": n,
-            "send_span_s": sent_span, "duration_s": duration, "late_max_ms": late_max * 1000}
-
-
-def _loadgen_main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gateway_overhead loadgen")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--path", default="/v1/chat/completions")
-    p.add_argument("--rate", type=float, required=True)
-    p.add_argument("--duration", type=float, required=True)
-    p.add_argument("--poisson", action="store_true")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", required=True, help="file to write the JSON result to")
-    args = p.parse_args(argv)
-    coro = _loadgen(args.host, args.port, args.path, args.rate, args.duration, args.poisson,
-                    args.seed)
-    try:
-        import uvloop
-    except ImportError:
-        result = asyncio.run(coro)
-    else:
-        result = uvloop.run(coro)
-    Path(args.out).write_text(json.dumps(result))
-    return 0
-
-
-# -- orchestration ------------------------------------------------------------------------------
-
-@dataclass
-class Phase:
-    target: str
-    rate: float
-    offered: int
-    completed: int
-    errors: dict[str, int]
-    achieved_rps: float
-    p50: float
-    p90: float
-    p99: float
-    p999: float
-    max: float
-    late_max_ms: float
-    cpu_us: dict[str, float]
-    """CPU time per completed request of each server process (user + system), µs."""
-
-    @property
-    def sustained(self) -> bool:
-        return (not self.errors and self.completed >= 0.98 * self.offered
-                and self.p99 <= P99_LIMIT_MS)
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux /proc; 0 elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _run_phase(target: str, port: int, rate: float, duration: float, poisson: bool,
-               pids: dict[str, int]) -> Phase:
-    before = {name: _cpu_s(pid) for name, pid in pids.items()}
-    with tempfile.NamedTemporaryFile(suffix=".json") as result:
-        subprocess.run(
-            [sys.executable, "-m", "bench.gateway_overhead", "loadgen", "--port", str(port),
-             "--rate", str(rate), "--duration", str(duration), "--out", result.name,
-             *(["--poisson"] if poisson else [])],
-            cwd=ROOT, check=True, timeout=duration + 120,
-        )
-        cpu = {name: _cpu_s(pid) - before[name] for name, pid in pids.items()}
-        data = json.loads(Path(result.name).read_text())
-    lat: list[float] = data["latencies_ms"]
-    ok = len(lat) - sum(v for k, v in data["errors"].items() if k.isdigit())
-    if target == "direct":
-        cpu.pop("gateway", None)
-        cpu.pop("redis", None)
-    phase = Phase(
-        target=target, rate=rate, offered=data["offered"], completed=ok,
-        errors=data["errors"], achieved_rps=ok / data["duration_s"],
-        p50=_pct(lat, 0.50), p90=_pct(lat, 0.90), p99=_pct(lat, 0.99), p999=_pct(lat, 0.999),
-        max=max(lat) if lat else float("nan"), late_max_ms=data["late_max_ms"],
-        cpu_us={name: seconds * 1e6 / max(1, len(lat)) for name, seconds in cpu.items()},
-    )
-    print(f"  {target:8s} {rate:7.0f} rps: done {phase.completed}/{phase.offered} "
-          f"p50 {phase.p50:.3f} p99 {phase.p99:.3f} max {phase.max:.2f} ms "
-          f"errors {phase.errors or '-'} cpu us/req "
-          + " ".join(f"{k} {v:.0f}" for k, v in phase.cpu_us.items()), flush=True)
-    return phase
-
-
-def _start(cmd: list[str], marker: str, env: dict[str, str] | None = None
-           ) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if marker not in line:
-        proc.kill()
-        raise RuntimeError(f"{cmd[2]} did not start: {line!r}")
-    return proc, int(line.rsplit(":", 1)[1])
 
 
 def _config(redis_url: str, backend_port: int) -> str:
@@ -322,18 +133,6 @@ def _policy() -> Any:
     return PoolPolicy(stale_after_ms=0)
 
 
-def _sustained(sweep: list[Phase], target: str) -> float:
-    """The highest rate that passed, every lower rate of the sweep having passed too."""
-    best = 0.0
-    for phase in sweep:
-        if phase.target != target:
-            continue
-        if not phase.sustained:
-            break
-        best = phase.rate
-    return best
-
-
 def _table(phases: list[Phase]) -> list[str]:
     rows = ["| target | offered RPS | achieved RPS | errors | p50 ms | p90 ms | p99 ms | "
             "p99.9 ms | max ms | CPU µs/req gateway | backend | redis |",
@@ -349,9 +148,6 @@ def _table(phases: list[Phase]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "loadgen":
-        return _loadgen_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench.gateway_overhead",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=15.0, help="seconds per 200 RPS phase")
@@ -367,34 +163,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvgate-overhead-"))
     procs: list[subprocess.Popen[str]] = []
     try:
-        backend, backend_port = _start(
+        backend, backend_port = start_server(
             [sys.executable, "-m", "bench.instant_backend", "--port", "0", "--model", POOL],
             "listening on")
         procs.append(backend)
         config = workdir / "gateway.toml"
         config.write_text(_config(redis.url, backend_port))
         asyncio.run(_scheduler_step(redis.url))
-        gateway, gateway_port = _start(
+        gateway, gateway_port = start_server(
             [sys.executable, "-m", "gateway", "--config", str(config), "--port", "0",
              "--log-level", "WARNING"], "listening on")
         procs.append(gateway)
         pids = {"gateway": gateway.pid, "backend": backend.pid, "redis": redis.process.pid}
+        direct_pids = {"backend": backend.pid}
         print("warm-up", flush=True)
-        _run_phase("direct", backend_port, 200, 3, args.poisson, pids)
-        _run_phase("gateway", gateway_port, 200, 3, args.poisson, pids)
+        run_phase("direct", [backend_port], 200, 3, args.poisson, direct_pids)
+        run_phase("gateway", [gateway_port], 200, 3, args.poisson, pids)
         print("200 RPS", flush=True)
-        direct = _run_phase("direct", backend_port, 200, args.duration, args.poisson, pids)
-        through = _run_phase("gateway", gateway_port, 200, args.duration, args.poisson, pids)
+        direct = run_phase("direct", [backend_port], 200, args.duration, args.poisson,
+                           direct_pids)
+        through = run_phase("gateway", [gateway_port], 200, args.duration, args.poisson, pids)
         print("sweep", flush=True)
         sweep: list[Phase] = []
         failures = 0
         for rate in (float(r) for r in args.sweep.split(",")):
-            sweep.append(_run_phase("direct", backend_port, rate, args.sweep_duration,
-                                    args.poisson, pids))
-            phase = _run_phase("gateway", gateway_port, rate, args.sweep_duration, args.poisson,
+            sweep.append(run_phase("direct", [backend_port], rate, args.sweep_duration,
+                                   args.poisson, direct_pids))
+            phase = run_phase("gateway", [gateway_port], rate, args.sweep_duration, args.poisson,
                                pids)
             sweep.append(phase)
-            failures += not phase.sustained
+            failures += not phase.sustained(P99_LIMIT_MS)
             if failures >= 2:
                 break
         stats = asyncio.run(_stats(redis.url))
@@ -409,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(redis.workdir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    sustained = _sustained(sweep, "gateway")
-    direct_sustained = _sustained(sweep, "direct")
+    sustained = highest_sustained(sweep, "gateway", P99_LIMIT_MS)
+    direct_sustained = highest_sustained(sweep, "direct", P99_LIMIT_MS)
     added_p50 = through.p50 - direct.p50
     added_p99 = through.p99 - direct.p99
     met = {

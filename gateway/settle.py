@@ -46,6 +46,9 @@ class LiveTasks:
     def __len__(self) -> int:
         return len(self._ids)
 
+    def snapshot(self) -> frozenset[str]:
+        return frozenset(self._ids)
+
 
 class Settler:
     def __init__(
@@ -161,6 +164,10 @@ async def renew_leases(
     metrics = settler.metrics
     while not stop.is_set():
         for store in stores:
+            # A task that finishes while SMEMBERS is in flight leaves the live set after
+            # Redis dropped it but may still be in the reply: held before the read, it is
+            # not an orphan.
+            held_before = settler.live.snapshot()
             try:
                 await store.renew(gateway_id)
                 members = await store.client.smembers(store.keys.gateway_tasks_key(gateway_id))
@@ -173,7 +180,7 @@ async def renew_leases(
                 continue
             for raw in members:
                 task_id = raw.decode() if isinstance(raw, bytes) else str(raw)
-                if task_id not in settler.live:
+                if task_id not in held_before and task_id not in settler.live:
                     metrics.child(metrics.orphans, store.pool).inc()
                     log.warning("cancelling task %s: held in Redis, unknown to this process",
                                 task_id)

@@ -343,7 +343,10 @@ state write, the release script and the wake-up.
 """
 
 
-async def run(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]]:
+async def measure(
+    tasks: int = 20_000, samples: int = 600, rate: float = 50.0, poll_ms: int = 50
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(throughput, latency) figures, as the two functions above return them."""
     nodes = {f"tp{i}": StubNode(usage=1.0, blocks=62_500) for i in range(4)}
     nodes["lat0"] = StubNode(usage=0.0, blocks=6_250)
     server: LocalRedis = start_redis()
@@ -351,7 +354,7 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, flo
     try:
         with MetricsStub(nodes) as stub:
             config = workdir / "bench.toml"
-            write_config(config, server.url, stub, args.poll_ms)
+            write_config(config, server.url, stub, poll_ms)
             pool = aioredis.BlockingConnectionPool.from_url(server.url, max_connections=64)
             client = aioredis.Redis(connection_pool=pool)
             try:
@@ -360,8 +363,8 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, flo
                         return bool(await client.hget("kvg:{tp}:state", "epoch"))
 
                     await wait_for(leading, 20, "the scheduler never published state")
-                    tp = await throughput(client, stub, args.tasks)
-                    lat = await latency(client, args.samples, args.rate, args.poll_ms)
+                    tp = await throughput(client, stub, tasks)
+                    lat = await latency(client, samples, rate, poll_ms)
             finally:
                 await client.aclose()
     finally:
@@ -379,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-ms", type=int, default=50)
     parser.add_argument("--output", default=str(ROOT / "bench/results/scheduler_release.md"))
     args = parser.parse_args(argv)
-    tp, lat = asyncio.run(run(args))
+    tp, lat = asyncio.run(measure(args.tasks, args.samples, args.rate, args.poll_ms))
     report = _report(tp, lat, args)
     Path(args.output).write_text(report)
     print(report)

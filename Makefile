@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PACKAGES := admission gateway scheduler bench clients/python/kvgate_client
 
-.PHONY: demo test lint typecheck unit redis-server bench-core
+.PHONY: demo test lint typecheck unit redis-server bench-core bench-performance
 
 $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,11 @@ test: lint typecheck unit
 
 bench-core: $(VENV)/.installed redis-server
 	$(PY) -m bench.core
+
+# The whole performance suite (issue 9), sections one after another, the 10-minute soak last;
+# run it on a quiet machine. PERF_ARGS=--quick checks that every section runs, in minutes.
+bench-performance: $(VENV)/.installed redis-server
+	$(PY) -m bench.performance $(PERF_ARGS)
 
 # The 400% burst experiment, short version (about 3 minutes): Redis, simulated vLLM nodes,
 # scheduler with a standby, two gateways; progress on the terminal, the table at the end.

@@ -1,11 +1,14 @@
 """An instant backend speaking vLLM's OpenAI-compatible API, for tests and the overhead benchmark.
 
     python -m bench.instant_backend [--port 0] [--model demo] [--output-tokens N]
+        [--token-interval-ms MS]
 
 Generation takes no time: chat and text completions, streaming (one token per chunk, the final
 usage chunk with `stream_options.include_usage`) or not, with exact usage (prompt tokens counted
 with the shipped Qwen2 tokenizer and template, as the gateway counts them). Also `/v1/models`,
-`/health`, and `/metrics` with vLLM's metric names (an idle node).
+`/health`, and `/metrics` with vLLM's metric names (an idle node). `--token-interval-ms` spaces
+a stream's tokens that far apart (the first comes at once), so that many streams stay open at
+the same time, as they do in front of a real engine (the memory benchmark holds 2,000).
 
 For tests, in-process: every forwarded body and header set is recorded; `hold_after` makes a
 stream stop after that many tokens until `gate` is set (a deterministic "mid-stream" moment);
@@ -47,6 +50,8 @@ class InstantBackend:
     output_tokens: int | None = None
     """Tokens generated per sequence; None: exactly max_tokens (16 for completions by default)."""
     hold_after: int | None = None
+    token_interval_ms: float = 0.0
+    """Pause between two tokens of a stream (0: none); non-streaming answers never wait."""
     fail_status: int | None = None
     record: bool = True
     counter: TokenCounter = field(default_factory=TokenCounter)
@@ -176,6 +181,8 @@ async def _stream(
                 chunk([{"index": s, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}]) for s in range(sequences)))
         for i in range(produced):
+            if i and backend.token_interval_ms > 0:
+                await asyncio.sleep(backend.token_interval_ms / 1000)
             if backend.hold_after is not None and i == backend.hold_after:
                 backend.held.set()
                 await backend.gate.wait()
@@ -222,8 +229,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--model", default="demo")
     p.add_argument("--output-tokens", type=int, default=None)
+    p.add_argument("--token-interval-ms", type=float, default=0.0,
+                   help="pause between two tokens of a stream (default 0: none)")
     args = p.parse_args(argv)
-    backend = InstantBackend(model=args.model, output_tokens=args.output_tokens, record=False)
+    if args.token_interval_ms < 0:
+        p.error("--token-interval-ms must be >= 0")
+    backend = InstantBackend(model=args.model, output_tokens=args.output_tokens, record=False,
+                             token_interval_ms=args.token_interval_ms)
 
     async def serve() -> None:
         runner = web.AppRunner(backend.app(), access_log=None, handler_cancellation=True)

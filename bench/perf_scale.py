@@ -157,6 +157,17 @@ def _stop(proc: subprocess.Popen[Any]) -> None:
         proc.wait(timeout=5)
 
 
+def _revision() -> str:
+    """HEAD, and the files under test that differ from it (others work in the same checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+
+    head = git("rev-parse", "--short", "HEAD").strip()
+    dirty = git("status", "--porcelain", "--", "lua", "admission", "gateway").split("\n")
+    changed = [line[3:] for line in dirty if line.strip()]
+    return head + (f" plus uncommitted changes to {', '.join(changed)}" if changed else "")
+
+
 def _load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"{one:.2f} {five:.2f} {fifteen:.2f}"
@@ -584,7 +595,7 @@ def _explain(scale: dict[str, Any]) -> list[str]:
 def run(options: PerfOptions) -> Section:
     options.results_dir.mkdir(parents=True, exist_ok=True)
     options.workdir.mkdir(parents=True, exist_ok=True)
-    load_before = _load()
+    load_before, revision = _load(), _revision()
     started = time.monotonic()
     rig = Rig(options.workdir / "perf-scale")
     try:
@@ -604,7 +615,8 @@ def run(options: PerfOptions) -> Section:
     ]
     load_after = _load()
     markdown = "\n".join([
-        f"Load average (1, 5, 15 min) before: {load_before}, after: {load_after} "
+        f"Code: {revision}. Load average (1, 5, 15 min) before: {load_before}, after: "
+        f"{load_after} "
         f"(other work on the machine shows in the figures); {time.monotonic() - started:.0f} s."
         + (" Quick mode: short phases, figures not meaningful." if options.quick else ""),
         "",
@@ -637,7 +649,7 @@ def run(options: PerfOptions) -> Section:
         title="Scaling out gateways and the Redis cost of a request",
         markdown=markdown, checks=checks, charts=[png],
         data={"scaling": scale, "redis_cost": cost, "load_average_before": load_before,
-              "load_average_after": load_after, "cpus": os.cpu_count()},
+              "load_average_after": load_after, "cpus": os.cpu_count(), "revision": revision},
     )
 
 

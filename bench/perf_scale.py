@@ -108,9 +108,13 @@ class Rig:
         (workdir / "redis").mkdir(parents=True, exist_ok=True)
         self.redis: LocalRedis = start_redis(workdir=workdir / "redis")
         self.client = redis.Redis.from_url(self.redis.url)
-        self.backend, self.backend_port = start_server(
-            [sys.executable, "-m", "bench.instant_backend", "--port", "0", "--model", POOL],
-            "listening on")
+        try:
+            self.backend, self.backend_port = start_server(
+                [sys.executable, "-m", "bench.instant_backend", "--port", "0", "--model", POOL],
+                "listening on")
+        except BaseException:
+            self.redis.stop()
+            raise
         self.config = workdir / "gateway.toml"
         self.config.write_text(_config(self.redis.url, self.backend_port))
         asyncio.run(_publish_green(self.redis.url))

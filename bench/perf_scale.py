@@ -293,17 +293,18 @@ def chart(data: dict[str, Any], path: Path) -> Path:
     left.set_xlabel("offered RPS (round robin over the gateways)")
     left.set_ylabel("p99 latency, ms (log)")
     left.set_title("Tail latency by offered rate")
-    left.legend()
-    labels = [f"{r['gateways']} gw\n{r['highest_sustained_rps']:.0f} RPS" for r in data["runs"]]
+    left.legend(loc="best", fontsize="small")
+    # The lowest rate of the sweep ran for every N: the one comparison that always exists.
+    firsts = [r["phases"][0] for r in data["runs"]]
+    labels = [f"{f['gateways']} gw\np99 {f['p99_ms']:.0f} ms" for f in firsts]
     bottoms = [0.0] * len(labels)
     for part, color in (("gateways", "tab:blue"), ("backend", "tab:orange"),
                         ("redis", "tab:red")):
-        values = [r["at_highest"]["cpu_us"][part] if r["at_highest"] else 0.0
-                  for r in data["runs"]]
+        values = [f["cpu_us"][part] for f in firsts]
         right.bar(labels, values, bottom=bottoms, color=color, label=part)
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     right.set_ylabel("CPU µs per request")
-    right.set_title("CPU per request at the highest sustained rate")
+    right.set_title(f"CPU per request at {firsts[0]['offered_rps']:.0f} RPS")
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -589,11 +590,29 @@ def _explain(scale: dict[str, Any]) -> list[str]:
                 f"gateways' CPU per request {f['cpu_us']['gateways']:.0f} µs in total.")
         else:
             lines.append(f"- {run['gateways']} gateway(s): no rate of the sweep sustained.")
+        failed = next((p for p in run["phases"] if not p["sustained"]), None)
+        if failed is not None and failed["cores_used"] < 0.75 * cpus and (
+                _gateway_cores(failed) < 0.75):
+            # The run's own processes left CPU idle, yet the tail blew up: the CPU went to
+            # something else on the machine, and this rate says nothing about kvgate.
+            lines.append(
+                f"  At {failed['offered_rps']:.0f} RPS (p99 {failed['p99_ms']:.0f} ms) the "
+                f"measured processes used only {failed['cores_used']:.2f} of {cpus} cores: "
+                f"the rest went to other work on the machine (and no gateway process was "
+                f"near a full core: {_gateway_cores(failed):.2f} each), so that failure is "
+                "most likely the machine's, not the gateways' limit.")
     return [*lines, "",
             "\"RPS per core used\" is the inverse of the whole stack's CPU per request "
             "(gateways + backend + Redis): what each further core would add if the work spread "
             "perfectly over cores. It is an upper bound; the sustained rate on this machine "
             "ends where its CPUs (and the latency limit) do."]
+
+
+def _gateway_cores(f: dict[str, Any]) -> float:
+    """Cores used per gateway process over a phase (a gateway is one thread: 1.0 is its max)."""
+    cpu = f["cpu_us"]
+    share = cpu["gateways"] / cpu["total"] if cpu["total"] else 0.0
+    return float(f["cores_used"] * share / f["gateways"])
 
 
 def run(options: PerfOptions) -> Section:

@@ -512,6 +512,30 @@ def _cost_markdown(d: dict[str, Any]) -> list[str]:
     cmd_rows = [f"| {name} | {calls} | {calls / per:.2f} | {usec / max(1, calls):.1f} |"
                 for name, (calls, usec) in sorted(ld["commandstats"].items(),
                                                   key=lambda kv: -kv[1][0])]
+    cpu, set_cpu = d["redis_cpu_us_per_request"], c["redis_cpu_us_per_set_or_get"]
+    measures = [
+        ("round trips per fast-path request, sample (direct calls but the renewal's / "
+         "requests)", f"**{d['sample_round_trips_per_request']:.2f}**"),
+        ("round trips per fast-path request, loaded phase (top-level calls less background)",
+         f"**{d['hot_round_trips_per_request']:.2f}**"),
+        ("top-level calls per request, background included", f"{d['top_level_per_request']:.3f}"),
+        ("commands run inside scripts per request", f"{d['inner_commands_per_request']:.1f}"),
+        ("background, per gateway per second (sample)",
+         ", ".join(f"{k} {v:.2f}" for k, v in d["background_per_s"].items())),
+        ("Redis time inside the script calls per request (commandstats usec)",
+         f"{d['redis_usec_in_commands_per_request']:.1f} µs"),
+        ("Redis CPU per request (`INFO cpu` sys + user)", f"**{cpu:.1f} µs**"),
+        ("same from /proc", f"{d['redis_cpu_us_per_request_proc']:.1f} µs"),
+        ("Redis-bound maximum (1 / Redis CPU per request)", f"{d['redis_bound_rps']:,.0f} RPS"),
+        ("redis-benchmark SET / GET, 50 clients, same server",
+         f"{set_rate:,.0f} / {c.get('get', 0.0):,.0f} ops/s"),
+        ("redis-benchmark EVALSHA admit (fast path)", f"{c['admit_evalsha']:,.0f} calls/s"),
+        ('redis-benchmark EVAL "return 1"', f"{c['eval_return_1']:,.0f} calls/s"),
+        ("Redis CPU per SET/GET under redis-benchmark", f"{set_cpu:.1f} µs"),
+        ("one gateway request costs Redis as much CPU as", f"{cpu / max(1e-9, set_cpu):.1f} SETs"),
+        ("Redis-bound maximum as a share of the SET ceiling",
+         f"{d['redis_bound_rps'] / set_rate:.1%}" if set_rate else "n/a"),
+    ]
     return [
         f"One gateway, {ld['rate']:.0f} RPS for {ld['duration_s']:.0f} s: {ld['admits']} "
         f"fast-path admits and {ld['settles']} settles (pool stats hash), achieved "
@@ -529,34 +553,7 @@ def _cost_markdown(d: dict[str, Any]) -> list[str]:
         "",
         "| measure | value |",
         "|---|---:|",
-        f"| round trips per fast-path request, sample (direct calls but the renewal's / "
-        "requests) | "
-        f"**{d['sample_round_trips_per_request']:.2f}** |",
-        f"| round trips per fast-path request, loaded phase (top-level calls less background)"
-        f" | **{d['hot_round_trips_per_request']:.2f}** |",
-        f"| top-level calls per request, background included | "
-        f"{d['top_level_per_request']:.3f} |",
-        f"| commands run inside scripts per request | {d['inner_commands_per_request']:.1f} |",
-        "| background, per gateway per second | " + ", ".join(
-            f"{k} {v:.2f}" for k, v in d["background_per_s"].items()) + " |",
-        f"| Redis time inside the script calls per request (commandstats usec) | "
-        f"{d['redis_usec_in_commands_per_request']:.1f} µs |",
-        f"| Redis CPU per request (`INFO cpu` sys + user) | "
-        f"**{d['redis_cpu_us_per_request']:.1f} µs** |",
-        f"| same from /proc | {d['redis_cpu_us_per_request_proc']:.1f} µs |",
-        f"| Redis-bound maximum (1 / Redis CPU per request) | "
-        f"{d['redis_bound_rps']:,.0f} RPS |",
-        f"| redis-benchmark SET / GET, 50 clients, same server | {set_rate:,.0f} / "
-        f"{c.get('get', 0.0):,.0f} ops/s |",
-        f"| redis-benchmark EVALSHA admit (fast path) | {c['admit_evalsha']:,.0f} calls/s |",
-        f"| redis-benchmark EVAL \"return 1\" | {c['eval_return_1']:,.0f} calls/s |",
-        f"| Redis CPU per SET/GET under redis-benchmark | "
-        f"{c['redis_cpu_us_per_set_or_get']:.1f} µs |",
-        f"| one gateway request costs Redis as much CPU as | "
-        f"{d['redis_cpu_us_per_request'] / max(1e-9, c['redis_cpu_us_per_set_or_get']):.1f}"
-        " SETs |",
-        f"| Redis-bound maximum as a share of the SET ceiling | "
-        f"{d['redis_bound_rps'] / set_rate:.1%} |" if set_rate else "| SET ceiling | n/a |",
+        *(f"| {label} | {value} |" for label, value in measures),
     ]
 
 

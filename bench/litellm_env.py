@@ -123,8 +123,9 @@ def proxy_config(backend_port: int, redis_host: str, redis_port: int,
         "routing_strategy": "usage-based-routing-v2",
         "redis_host": redis_host,
         "redis_port": redis_port,
-        # Check the limits before each call, not only when choosing among several deployments.
-        "enable_pre_call_checks": True,
+        # No enable_pre_call_checks: it adds a context-window check (a full token count of
+        # every prompt, about a seventh of the proxy's CPU in a profile), not the rate limits,
+        # which usage-based-routing-v2 checks and counts in Redis by itself.
         "num_retries": 0,
     }
     if redis_password:
@@ -203,7 +204,7 @@ def start_proxy(config: Path, port: int, log: Path) -> Proxy:
     """`litellm --config ... --num_workers 1` in the background; returns once it answers."""
     cmd = [str(_bin("litellm")), "--config", str(config), "--host", "127.0.0.1",
            "--port", str(port), "--num_workers", "1"]
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:  # appended: a restarted proxy keeps the earlier lines
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=proxy_env(),
                                    cwd=config.parent)
     proxy = Proxy(process, port, log)

@@ -73,6 +73,9 @@ class ZoneSettings:
     """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
     aggregate: str = "max"
     """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
+    projection: str = "peak"
+    """How released tasks count in projected usage: 'peak' (the highest usage their decoding
+    reaches over time, as the short ones end) or 'final' (every task at its final size)."""
     max_overcommit: float = 3.0
     """Upper bound on reserved tokens / KV tokens the scheduler allows from learned usage."""
     usage_margin: float = 0.10
@@ -342,6 +345,7 @@ def _zones(r: _Reader) -> ZoneSettings:
         yellow_normal_rate=r.number("yellow_normal_rate", d.yellow_normal_rate, 0.0, 1e6),
         batch_trickle_rate=r.number("batch_trickle_rate", d.batch_trickle_rate, 0.0, 1e6),
         aggregate=r.string("aggregate", d.aggregate) or d.aggregate,
+        projection=r.string("projection", d.projection) or d.projection,
         max_overcommit=r.number("max_overcommit", d.max_overcommit, 1.0, 100.0),
         usage_margin=r.number("usage_margin", d.usage_margin, 0.0, 1.0),
     )
@@ -349,6 +353,8 @@ def _zones(r: _Reader) -> ZoneSettings:
         raise ConfigError(f"{r.key('yellow')}: must be below {r.key('red')}")
     if z.aggregate not in ("max", "total"):
         raise ConfigError(f"{r.key('aggregate')}: must be 'max' or 'total'")
+    if z.projection not in ("peak", "final"):
+        raise ConfigError(f"{r.key('projection')}: must be 'peak' or 'final'")
     r.done()
     return z
 

@@ -159,7 +159,7 @@ class PoolStore:
             keys=[
                 k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                 k.leases, k.tenant_queued, k.stats, k.task_key(task_id),
-                k.bucket_key(tenant.name), k.gateway_tasks_key(gateway),
+                k.bucket_key(tenant.name), k.gateway_tasks_key(gateway), k.running,
             ],
             args=[
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,

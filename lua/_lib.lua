@@ -32,6 +32,13 @@ end
 local function task_key(prefix, id) return prefix .. 'task:' .. id end
 local function bucket_key(prefix, tenant) return prefix .. 'bucket:' .. tenant end
 local function gateway_key(prefix, gw) return prefix .. 'gateway:' .. gw end
+local function running_key(prefix) return prefix .. 'running' end
+
+-- A released task's entry in the running index: what the scheduler needs to project how the
+-- node's KV usage will grow (names never contain spaces: admission/keys.py check_name).
+local function running_member(node, prompt_tokens, max_tokens, id)
+  return node .. ' ' .. prompt_tokens .. ' ' .. max_tokens .. ' ' .. id
+end
 
 -- Lazily refilled level of a bucket at `now`, in micro-tokens; does not write.
 -- A bucket that does not exist yet starts full.
@@ -118,6 +125,8 @@ end
 local function drop_released(prefix, resv_key, stats_key, id, task, state, usage, now, retention_s)
   local cost = tonumber(task.cost)
   unreserve_node(resv_key, task.node, cost)
+  redis.call('ZREM', running_key(prefix),
+    running_member(task.node, task.prompt_tokens, task.max_tokens, id))
   redis.call('SREM', gateway_key(prefix, task.gateway), id)
   local refund = cost
   if usage >= 0 then
@@ -134,10 +143,11 @@ local function drop_released(prefix, resv_key, stats_key, id, task, state, usage
 end
 
 local function load_task(tkey)
-  local f = redis.call('HMGET', tkey, 'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'deadline_us')
+  local f = redis.call('HMGET', tkey, 'state', 'tenant', 'tier', 'cost', 'node', 'gateway',
+    'deadline_us', 'prompt_tokens', 'max_tokens')
   if not f[1] then return nil end
   return { state = f[1], tenant = f[2], tier = f[3], cost = f[4], node = f[5],
-           gateway = f[6], deadline_us = f[7] }
+           gateway = f[6], deadline_us = f[7], prompt_tokens = f[8], max_tokens = f[9] }
 end
 
 -- Fencing: a caller with an older epoch than the pool has seen is a deposed leader.

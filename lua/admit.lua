@@ -12,6 +12,7 @@
 -- KEYS[12] task             HASH  this task's record (must not exist yet)
 -- KEYS[13] bucket           HASH  the tenant's bucket in this pool
 -- KEYS[14] gateway tasks    SET   the calling gateway's live tasks
+-- KEYS[15] running          ZSET  'node prompt max id' -> released µs (released tasks)
 --
 -- ARGV[1]  task id          ARGV[2]  tenant         ARGV[3] tier (0 VIP, 1 Normal, 2 Batch)
 -- ARGV[4]  cost W = prompt + max output tokens (tokens)
@@ -102,6 +103,7 @@ redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 
 if node then
   reserve_node(KEYS[4], node, cost)
   redis.call('HSET', KEYS[12], 'state', 'released', 'node', node, 'released_us', fmt(now))
+  redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)
   return {'released', node, 0, 0, zone}

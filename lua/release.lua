@@ -9,7 +9,8 @@
 -- KEYS[9]  tenant_queued    HASH  tenant -> queued count
 -- KEYS[10] stats            HASH  counters
 --
--- ARGV[1]  key prefix of the pool (for task, bucket and gateway keys found at run time)
+-- ARGV[1]  key prefix of the pool (for task, bucket, gateway and running keys: the running
+--          index ZSET 'node prompt max id' -> released µs gets each released task)
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records
@@ -66,6 +67,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
         'released_us', fmt(now))
       redis.call('HDEL', task_key(prefix, head), 'deadline_us')
+      redis.call('ZADD', running_key(prefix), fmt(now),
+        running_member(node, task.prompt_tokens, task.max_tokens, head))
       redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)
       released = released + 1
       table.insert(out, head); table.insert(out, task.gateway)

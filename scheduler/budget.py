@@ -16,7 +16,8 @@ Model, per node (all in tokens of KV):
     ours_now  = min(U, R)             the measured usage our reservations can explain
     foreign   = U - ours_now          usage nothing of ours explains (other clients, leaks)
     pad       = (running + waiting) x block_size   paged-KV rounding, one partial block each
-    projected = foreign + pad + max(f x R, ours_now)
+    P   = what our tasks will hold at most   R, or their peak over time (below)
+    projected = foreign + pad + max(f x P, ours_now)
     B         = R + (T - projected) / f                  (never below 0)
 
 Read as "measured usage + what was released but is not visible yet + the growth of running
@@ -31,6 +32,21 @@ as a floor: when our tasks already hold more than f x R (the workload outgrew wh
 Foreign usage is what exceeds everything reserved on the node; other clients' usage that fits
 inside our reservations looks like ours running ahead, which the floor bounds without its
 future growth (a known limit: the gateway is meant to be the only way in).
+
+Peak over time (``zones.projection = "peak"``, the default). R counts every task at its final
+size, as if none ended before all others had grown to full length. In a node that runs long
+generations next to short ones the sum of final sizes is far above any usage the node will
+ever show (a steady stream of 4,000-token generations is, on average, half done), and a pool
+steered by it holds Batch back at half its KV. The scheduler therefore reads each released
+task's prompt, max_tokens and release time (the pool's running index) and projects decoding
+in lockstep, as a continuous-batching engine runs it: each task gains one token per step
+until it reaches max_tokens, then leaves. Progress so far is calibrated on the measurement:
+one decode rate for the node such that prompts + tokens generated match ``ours_now``, each
+task's share by its age. P is the highest usage this projection reaches at any step; it is
+never above R (the tasks' final sizes), and a new task of cost W raises it by at most W,
+which keeps the budget's guarantee. Measurement lag and tasks still waiting in the engine's
+queue make the calibrated rate low, so tasks look younger and end later than they will:
+the projection errs towards overlap, the safe side.
 
 Releases add to R, never to U, so a burst released between two polls, by the scheduler or by
 the gateways' fast path, can use at most ``B - R`` and lands exactly on T: the metrics' lag
@@ -48,6 +64,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from scheduler.scrape import NodeView
 
@@ -95,6 +112,58 @@ class UsageLearner:
 
 
 @dataclass(frozen=True, slots=True)
+class RunningTask:
+    """A released task as the running index records it."""
+
+    prompt_tokens: int
+    max_tokens: int
+    age_us: int
+    """Since its release, by Redis TIME."""
+
+
+def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:
+    """The tokens per µs r at which sum(min(max_tokens, age x r)) equals `generated`.
+
+    The sum is piecewise linear in r; walking the tasks in the order they saturate (reach
+    max_tokens) finds the piece that holds the solution. Callers keep `generated` within
+    [0, sum of max_tokens]."""
+    growing = sorted((t for t in tasks if t.age_us > 0 and t.max_tokens > 0),
+                     key=lambda t: t.max_tokens / t.age_us)
+    saturated_tokens = 0.0
+    unsaturated_age = float(sum(t.age_us for t in growing))
+    for t in growing:
+        rate = (generated - saturated_tokens) / unsaturated_age
+        if rate <= t.max_tokens / t.age_us:
+            return rate
+        saturated_tokens += t.max_tokens
+        unsaturated_age -= t.age_us
+    return math.inf
+
+
+def peak_usage(tasks: Sequence[RunningTask], ours_now: float) -> float:
+    """Highest KV (tokens) these tasks hold at any future decode step (module docstring)."""
+    if not tasks:
+        return 0.0
+    prompts = sum(t.prompt_tokens for t in tasks)
+    # A task released this very µs cannot have generated anything yet.
+    could_have = float(sum(t.max_tokens for t in tasks if t.age_us > 0))
+    generated = min(max(0.0, ours_now - prompts), could_have)
+    rate = _decode_rate(tasks, generated) if generated > 0 else 0.0
+
+    def made(t: RunningTask) -> float:
+        return t.max_tokens if t.age_us * rate >= t.max_tokens else t.age_us * rate
+
+    states = sorted((t.max_tokens - made(t), t.prompt_tokens + made(t)) for t in tasks)
+    # Just before the j-th task (by remaining tokens) ends, every task not yet ended holds its
+    # current size plus that many steps: the peak is at one of these moments or now.
+    size_from = list(accumulate((size for _, size in reversed(states)), initial=0.0))[::-1]
+    peak = size_from[0]
+    for j, (remaining, _) in enumerate(states):
+        peak = max(peak, size_from[j] + remaining * (len(states) - j))
+    return peak
+
+
+@dataclass(frozen=True, slots=True)
 class NodePlan:
     name: str
     capacity: int
@@ -124,8 +193,10 @@ def plan_node(
     factor: float,
     kv_target: float,
     stale_policy: str,
+    running: Sequence[RunningTask] | None = None,
 ) -> NodePlan:
-    """The budget and projected usage of one node (see the module docstring)."""
+    """The budget and projected usage of one node (see the module docstring); `running` None
+    counts every reservation at its final size."""
     capacity = view.capacity or 0
     if view.ejected or view.metrics is None or capacity <= 0:
         reason = "ejected" if view.ejected else ("no_capacity" if capacity <= 0 else "stale")
@@ -138,7 +209,12 @@ def plan_node(
     ours_now = min(measured, float(reserved))
     foreign = measured - ours_now
     pad = float((m.running + m.waiting) * m.block_size)
-    projected = foreign + pad + max(factor * reserved, ours_now)
+    held = float(reserved)
+    if running is not None:
+        # Reservations missing from the index (released by an older version) count in full.
+        unindexed = max(0.0, reserved - sum(t.prompt_tokens + t.max_tokens for t in running))
+        held = min(held, peak_usage(running, ours_now - unindexed) + unindexed)
+    projected = foreign + pad + max(factor * held, ours_now)
     budget = max(0, math.floor(reserved + (target - projected) / factor))
     reason = ""
     if view.stale and stale_policy == "full":

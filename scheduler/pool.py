@@ -11,14 +11,21 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from admission.config import PoolSettings, SchedulerSettings
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
-from scheduler.budget import NodePlan, UsageLearner, budgets, plan_node, pool_usage
+from scheduler.budget import (
+    NodePlan,
+    RunningTask,
+    UsageLearner,
+    budgets,
+    plan_node,
+    pool_usage,
+)
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.scrape import NodeView, Poller
@@ -32,6 +39,23 @@ class Snapshot:
     reserved: Mapping[str, int]
     stats: Mapping[str, int]
     depths: tuple[int, int, int]
+    running: Mapping[str, list[RunningTask]] = field(default_factory=dict)
+    """Released tasks per node, from the pool's running index."""
+
+
+def _running(members: Sequence[tuple[Any, float]], now_us: int) -> dict[str, list[RunningTask]]:
+    out: dict[str, list[RunningTask]] = {}
+    for raw, released_us in members:
+        member = raw.decode() if isinstance(raw, bytes) else str(raw)
+        try:
+            node, prompt, max_tokens, _ = member.split(" ", 3)
+            task = RunningTask(int(prompt), int(max_tokens), max(0, now_us - int(released_us)))
+        except ValueError:
+            continue  # not written by this version's scripts: counted at full size instead
+        out.setdefault(node, []).append(task)
+    return out
+
+
 
 
 @dataclass(slots=True)
@@ -90,6 +114,8 @@ class PoolScheduler:
         self._preemptions: dict[str, float] = {}
         self._cooldown_until: dict[str, float] = {}
         self._first_poll = True
+        self._published_at: tuple[int, float] | None = None
+        """Redis time (µs) our last publish wrote, and the local clock then."""
 
     @property
     def name(self) -> str:
@@ -108,9 +134,25 @@ class PoolScheduler:
             pipe.hgetall(k.stats)
             for queue in k.queues:
                 pipe.zcard(queue)
+            pipe.zrange(k.running, 0, -1, withscores=True)
+            pipe.hget(k.clock, "frozen_us")
+            pipe.hget(k.state, "updated_us")
             reply = await pipe.execute()
         depths = (int(reply[2]), int(reply[3]), int(reply[4]))
-        return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths)
+        running = _running(reply[5], self._redis_now_us(reply[6], reply[7]))
+        return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths, running)
+
+    def _redis_now_us(self, frozen: Any, last_published: Any) -> int:
+        """The pool clock the scripts use, without a TIME call (Redis Cluster refuses it in a
+        pipeline): frozen_us when a test froze it, else the Redis time our last publish
+        returned plus the local time since, else the last publish anyone made (older: tasks
+        look younger, which the projection treats as more overlap, the safe side)."""
+        if frozen is not None:
+            return int(frozen)
+        if self._published_at is not None:
+            redis_us, local_s = self._published_at
+            return redis_us + int((self.clock() - local_s) * 1_000_000)
+        return int(last_published) if last_published is not None else 0
 
     def _node_factor(self, view: NodeView, now: float) -> float:
         """The pool's learned factor, or 1 (no overcommit) while the node cools down from a
@@ -142,6 +184,8 @@ class PoolScheduler:
                 factor=self._node_factor(view, now),
                 kv_target=self.pool.zones.kv_target,
                 stale_policy=self.settings.stale_policy,
+                running=(snap.running.get(view.name, [])
+                         if self.pool.zones.projection == "peak" else None),
             ))
             if view.stale and not view.ejected:
                 self.metrics.stale.labels(self.name, view.name,
@@ -182,7 +226,9 @@ class PoolScheduler:
         result = TickResult(zone, usage, plans, limits, snap.depths)
         if not leading():
             return result
-        await self.store.publish_state(epoch, zone, budgets(plans), self._extra(result))
+        written_us = await self.store.publish_state(epoch, zone, budgets(plans),
+                                                    self._extra(result))
+        self._published_at = (written_us, self.clock())
         result.published = True
         if not leading() or not any(snap.depths):
             self._observe(result)

@@ -201,6 +201,7 @@ class CoreMachine(RuleBasedStateMachine):
                     pipe.hget(k.bucket_key(tenant), "micro_tokens")
                 for tid in ids:
                     pipe.hmget(k.task_key(tid), "state", "node", "cost")
+                pipe.zrange(k.running, 0, -1)
                 result: list[Any] = await pipe.execute()
                 return result
 
@@ -222,11 +223,21 @@ class CoreMachine(RuleBasedStateMachine):
         # Budget conservation on Redis' own records: what each node has reserved is exactly
         # the sum of the costs of the tasks released to it and not finished.
         from_tasks: dict[str, int] = {}
-        for tid, (state, node, cost) in zip(ids, snap[6 + len(TENANTS):], strict=True):
+        released: dict[str, tuple[str, int]] = {}
+        task_rows = snap[6 + len(TENANTS):-1]
+        for tid, (state, node, cost) in zip(ids, task_rows, strict=True):
             assert _s(state) == m.tasks[tid].state.value, tid
             if _s(state) == "released":
                 from_tasks[_s(node)] = from_tasks.get(_s(node), 0) + int(cost)
+                released[tid] = (_s(node), int(cost))
         assert from_tasks == reserved
+        # The scheduler's running index holds exactly the released tasks, with their sizes.
+        indexed: dict[str, tuple[str, int]] = {}
+        for member in snap[-1]:
+            node, prompt, out, tid = _s(member).split(" ")
+            assert tid not in indexed, tid
+            indexed[tid] = (node, int(prompt) + int(out))
+        assert indexed == released
         assert all(v > 0 for v in reserved.values())
         for t in m.tasks.values():
             assert t.releases <= 1 and t.finishes <= 1

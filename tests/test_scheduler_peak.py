@@ -1,0 +1,125 @@
+"""The peak-over-time projection of released tasks, against a step-by-step reference model."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.budget import RunningTask, _decode_rate, peak_usage, plan_node
+from scheduler.scrape import NodeMetrics, NodeView
+
+tasks_strategy = st.lists(
+    st.builds(RunningTask, st.integers(0, 9_000), st.integers(0, 4_000),
+              st.integers(0, 300_000_000)),
+    min_size=1, max_size=40,
+)
+
+
+def reference_peak(tasks: list[RunningTask], ours_now: float) -> float:
+    """Calibrate by bisection, then decode one step at a time until every task has ended."""
+    prompts = sum(t.prompt_tokens for t in tasks)
+    could_have = float(sum(t.max_tokens for t in tasks if t.age_us > 0))
+    generated = min(max(0.0, ours_now - prompts), could_have)
+
+    def made(rate: float) -> float:
+        return sum(min(t.max_tokens, t.age_us * rate) for t in tasks)
+
+    lo, hi = 0.0, 1.0
+    while made(hi) < generated and hi < 1e12:
+        hi *= 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if made(mid) < generated else (lo, mid)
+    rate = hi if generated > 0 else 0.0
+    live = [(t.prompt_tokens + min(t.max_tokens, t.age_us * rate),
+             t.max_tokens - min(t.max_tokens, t.age_us * rate)) for t in tasks]
+    # Bisection leaves the rate a hair above the solution: compare with a tolerance.
+    peak = sum(size for size, _ in live)
+    step = 0
+    while any(left > step for _, left in live):
+        # Continuous steps: a task with a fraction of a token left still grows to its end.
+        nxt = min(left for _, left in live if left > step)
+        peak = max(peak, sum(size + nxt for size, left in live if left >= nxt))
+        step = nxt  # type: ignore[assignment]
+    return peak
+
+
+@settings(max_examples=150, deadline=None)
+@given(tasks_strategy, st.floats(0, 1))
+def test_peak_matches_the_step_by_step_reference(tasks: list[RunningTask], share: float) -> None:
+    total = sum(t.prompt_tokens + t.max_tokens for t in tasks)
+    ours_now = share * total
+    assert peak_usage(tasks, ours_now) == pytest.approx(reference_peak(tasks, ours_now),
+                                                        rel=1e-6, abs=1e-3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tasks_strategy, st.floats(0, 1))
+def test_peak_is_bounded_by_now_and_by_final_sizes(tasks: list[RunningTask], share: float) -> None:
+    prompts = sum(t.prompt_tokens for t in tasks)
+    final = sum(t.prompt_tokens + t.max_tokens for t in tasks)
+    ours_now = share * final
+    peak = peak_usage(tasks, ours_now)
+    assert peak <= final + 1e-6
+    # Usage the tasks cannot explain (more than a task of age 0 could have generated) is left
+    # to plan_node's floor, max(peak, measured).
+    explainable = prompts + sum(t.max_tokens for t in tasks if t.age_us > 0)
+    assert peak >= max(min(ours_now, explainable), prompts) - 1e-6
+
+
+@settings(max_examples=300, deadline=None)
+@given(tasks_strategy, st.floats(0, 1), st.integers(0, 9_000), st.integers(0, 4_000))
+def test_a_new_task_raises_the_peak_by_at_most_its_cost(
+        tasks: list[RunningTask], share: float, prompt: int, out: int) -> None:
+    # What keeps the budget sound: the gateways may add any task of cost W <= budget - R.
+    ours_now = share * sum(t.prompt_tokens + t.max_tokens for t in tasks)
+    before = peak_usage(tasks, ours_now)
+    # Just prefilled (its prompt in the measurement), nothing generated yet.
+    after = peak_usage([*tasks, RunningTask(prompt, out, 0)], ours_now + prompt)
+    assert after <= before + prompt + out + 1e-6
+
+
+@settings(max_examples=200, deadline=None)
+@given(tasks_strategy, st.floats(0, 1))
+def test_decode_rate_explains_the_generated_tokens(tasks: list[RunningTask], share: float) -> None:
+    generated = share * sum(t.max_tokens for t in tasks if t.age_us > 0)
+    if generated <= 0:
+        return
+    rate = _decode_rate(tasks, generated)
+    assert sum(min(t.max_tokens, t.age_us * rate) for t in tasks) == pytest.approx(
+        generated, rel=1e-9, abs=1e-6)
+
+
+def test_half_done_generations_project_well_below_their_final_sizes() -> None:
+    # 100 generations of 4,000 tokens released one per 0.8 s, decoding 50 tokens/s: the
+    # oldest is nearly done. Their final sizes sum to 400k + prompts; the node will never
+    # hold that, since each ends as a new one starts.
+    tasks = [RunningTask(200, 4_000, i * 800_000) for i in range(100)]
+    generated = sum(i * 40 for i in range(100))
+    peak = peak_usage(tasks, 100 * 200 + generated)
+    final = 100 * 4_200
+    assert peak < 0.6 * final
+    assert peak >= 100 * 200 + generated
+
+
+def test_fresh_tasks_of_equal_length_peak_at_their_final_size() -> None:
+    tasks = [RunningTask(1_000, 500, 0) for _ in range(10)]
+    assert peak_usage(tasks, 0.0) == pytest.approx(15_000)
+
+
+def test_plan_node_budget_grows_with_the_peak_projection() -> None:
+    metrics = NodeMetrics(0.3, "vllm:kv_cache_usage_perc", 100, 0, 0.0, 1_000_000, 16)
+    node = NodeView("n", metrics, 1_000_000, False, False, 0.0, 1, "")
+    tasks = [RunningTask(200, 4_000, i * 800_000) for i in range(100)]
+    reserved = 100 * 4_200
+    final = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78, stale_policy="full")
+    peak = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78, stale_policy="full",
+                     running=tasks)
+    assert peak.projected < final.projected
+    assert final.budget is not None and peak.budget is not None
+    assert peak.budget > final.budget
+    # Reservations the index does not know count in full: nothing is gained from them.
+    unknown = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78,
+                        stale_policy="full", running=[])
+    assert unknown.budget == final.budget

@@ -50,6 +50,9 @@ BENCH_POOL = "rbench"  # redis-benchmark's admits go to a pool of their own
 GATEWAY_COUNTS = (1, 2, 4)
 P99_LIMIT_MS = 50.0
 RENEW_INTERVAL_MS = 3_000
+QUIET_SET_RPS = 153_965.0
+"""redis-benchmark SET on this machine when it was quiet (bench/results/core.md): the yardstick
+for how much of the machine a run got, since other work shares it."""
 BACKGROUND = ("renew", "smembers")
 SCRIPT_CALLS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
 MONITOR_LINE = re.compile(r'^(\d+\.\d+) \[\d+ ([^\]]+)\] "([^"]*)"(?: "([^"]*)")?')
@@ -619,6 +622,8 @@ def run(options: PerfOptions) -> Section:
     started = time.monotonic()
     rig = Rig(options.workdir / "perf-scale")
     try:
+        set_before = redis_benchmark(rig.redis.port, 20_000 if options.quick else 100_000,
+                                     tests="set").get("set", 0.0)
         scale = scaling(rig, options)
         one = next(r for r in scale["runs"] if r["gateways"] == 1)
         cost = redis_cost(rig, options, one["highest_sustained_rps"])
@@ -633,11 +638,15 @@ def run(options: PerfOptions) -> Section:
         Check("RPS per gateway process (1 gateway, p99 <= 50 ms)", ">= 1,000",
               f"{one['highest_sustained_rps']:.0f}", one["highest_sustained_rps"] >= 1000),
     ]
-    load_after = _load()
+    load_after, set_after = _load(), cost["ceiling"].get("set", 0.0)
     markdown = "\n".join([
         f"Code: {revision}. Load average (1, 5, 15 min) before: {load_before}, after: "
-        f"{load_after} "
-        f"(other work on the machine shows in the figures); {time.monotonic() - started:.0f} s."
+        f"{load_after} (other work on the machine shows in the figures); "
+        f"{time.monotonic() - started:.0f} s. redis-benchmark SET on the run's Redis: "
+        f"{set_before:,.0f}/s at the start, {set_after:,.0f}/s at the end; on this machine when "
+        f"quiet (bench/results/core.md) {QUIET_SET_RPS:,.0f}/s, so this run had about "
+        f"{min(set_before, set_after) / QUIET_SET_RPS:.0%} to "
+        f"{max(set_before, set_after) / QUIET_SET_RPS:.0%} of the quiet machine."
         + (" Quick mode: short phases, figures not meaningful." if options.quick else ""),
         "",
         "### 2. Gateway processes sharing one Redis",
@@ -669,7 +678,8 @@ def run(options: PerfOptions) -> Section:
         title="Scaling out gateways and the Redis cost of a request",
         markdown=markdown, checks=checks, charts=[png],
         data={"scaling": scale, "redis_cost": cost, "load_average_before": load_before,
-              "load_average_after": load_after, "cpus": os.cpu_count(), "revision": revision},
+              "load_average_after": load_after, "cpus": os.cpu_count(), "revision": revision,
+              "set_rps_start": set_before, "quiet_set_rps": QUIET_SET_RPS},
     )
 
 

@@ -644,9 +644,10 @@ def run(options: PerfOptions) -> Section:
         f"{load_after} (other work on the machine shows in the figures); "
         f"{time.monotonic() - started:.0f} s. redis-benchmark SET on the run's Redis: "
         f"{set_before:,.0f}/s at the start, {set_after:,.0f}/s at the end; on this machine when "
-        f"quiet (bench/results/core.md) {QUIET_SET_RPS:,.0f}/s, so this run had about "
-        f"{min(set_before, set_after) / QUIET_SET_RPS:.0%} to "
-        f"{max(set_before, set_after) / QUIET_SET_RPS:.0%} of the quiet machine."
+        f"quiet (bench/results/core.md) {QUIET_SET_RPS:,.0f}/s: loopback request/reply "
+        f"exchanges ran at {min(set_before, set_after) / QUIET_SET_RPS:.0%} to "
+        f"{max(set_before, set_after) / QUIET_SET_RPS:.0%} of the quiet machine's rate "
+        "(a ping-pong needs both sides scheduled, so it suffers more than CPU share alone)."
         + (" Quick mode: short phases, figures not meaningful." if options.quick else ""),
         "",
         "### 2. Gateway processes sharing one Redis",

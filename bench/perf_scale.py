@@ -237,8 +237,8 @@ def scaling(rig: Rig, options: PerfOptions) -> dict[str, Any]:
 
 def _scaling_markdown(data: dict[str, Any]) -> list[str]:
     rows = ["| gateways | offered RPS | achieved RPS | p50 ms | p99 ms | errors | CPU µs/req "
-            "gateways | backend | redis | cores used | RPS per core used |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "gateways | backend | redis | cores used | RPS per core used | one gateway's "
+            "CPU-bound RPS |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in data["runs"]:
         for f in run["phases"]:
             cpu = f["cpu_us"]
@@ -247,7 +247,8 @@ def _scaling_markdown(data: dict[str, Any]) -> list[str]:
                 f"| {f['gateways']} | {f['offered_rps']:.0f}{mark} | {f['achieved_rps']:.0f} | "
                 f"{f['p50_ms']:.2f} | {f['p99_ms']:.1f} | {sum(f['errors'].values())} | "
                 f"{cpu['gateways']:.0f} | {cpu['backend']:.0f} | {cpu['redis']:.0f} | "
-                f"{f['cores_used']:.2f} | {f['rps_per_core']:.0f} |")
+                f"{f['cores_used']:.2f} | {f['rps_per_core']:.0f} | "
+                f"{1e6 / cpu['gateways'] if cpu['gateways'] else 0:.0f} |")
     cpus = os.cpu_count() or 1
     summary = ["| gateways | highest sustained RPS | per gateway process | per machine core "
                f"({cpus}) | CPU µs/req gateways | backend | redis | cores used | RPS per core "
@@ -272,7 +273,10 @@ def _scaling_markdown(data: dict[str, Any]) -> list[str]:
         " answered (the gateways' column sums all gateway processes); \"cores used\" is the CPU "
         "time of gateways, backend and Redis over the phase divided by its duration, and \"RPS "
         "per core used\" is the throughput divided by that (the load generator is a further "
-        "process on the same CPUs, not counted). All phases (✗ = not sustained):",
+        "process on the same CPUs, not counted). \"One gateway's CPU-bound RPS\" is 1 s "
+        "divided by the gateways' CPU per request: what one gateway process (one thread) "
+        "would serve with a whole core to itself at that cost; 1,000 RPS per process needs at "
+        "most 1,000 µs. All phases (✗ = not sustained):",
         "",
         *rows,
     ]
@@ -605,7 +609,10 @@ def _explain(scale: dict[str, Any]) -> list[str]:
             "\"RPS per core used\" is the inverse of the whole stack's CPU per request "
             "(gateways + backend + Redis): what each further core would add if the work spread "
             "perfectly over cores. It is an upper bound; the sustained rate on this machine "
-            "ends where its CPUs (and the latency limit) do."]
+            "ends where its CPUs (and the latency limit) do. CPU time per request also grows "
+            "when the machine is shared (caches and cores taken by other processes, more "
+            "context switches): compare the gateway's CPU per request here with "
+            "bench/results/gateway_overhead.md, measured when the machine was quiet."]
 
 
 def _gateway_cores(f: dict[str, Any]) -> float:

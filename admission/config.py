@@ -91,6 +91,20 @@ class Backend:
 
 
 @dataclass(frozen=True, slots=True)
+class DedicatedNodes:
+    """Backends kept for some tiers: they take no other tier's work, and those tiers try them
+    first (then the shared backends). Keeps long prefills off the nodes serving VIP chats."""
+
+    nodes: tuple[str, ...] = ()
+    tiers: tuple[Tier, ...] = ()
+
+    @property
+    def tier_mask(self) -> int:
+        """The tiers as the scripts read them: bit 2^tier for each (1 VIP, 2 Normal, 4 Batch)."""
+        return sum(1 << int(t) for t in set(self.tiers))
+
+
+@dataclass(frozen=True, slots=True)
 class PoolSettings:
     name: str
     backends: tuple[Backend, ...]
@@ -107,6 +121,7 @@ class PoolSettings:
     The gateway writes it into the forwarded request's `model`."""
     stale_after_ms: int = 2_000
     zones: ZoneSettings = field(default_factory=ZoneSettings)
+    dedicated: DedicatedNodes = field(default_factory=DedicatedNodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,11 +408,29 @@ def _pool(r: _Reader) -> PoolSettings:
         served_model_name=r.string("served_model_name"),
         stale_after_ms=r.integer("stale_after_ms", 2_000, 0),
         zones=_zones(r.sub("zones")),
+        dedicated=_dedicated(r.sub("dedicated"), {b.name for b in backends}),
     )
     if pool.default_max_tokens > pool.max_max_tokens:
         raise ConfigError(f"{r.key('default_max_tokens')}: above max_max_tokens")
     r.done()
     return pool
+
+
+def _dedicated(r: _Reader, backends: set[str]) -> DedicatedNodes:
+    nodes = r.get("nodes", list, [])
+    for i, node in enumerate(nodes):
+        if node not in backends:
+            raise ConfigError(f"{r.key('nodes')}[{i}]: {node!r} is not a backend of this pool")
+    try:
+        tiers = tuple(Tier.parse(t) for t in r.get("tiers", list, []))
+    except ValueError as exc:
+        raise ConfigError(f"{r.key('tiers')}: {exc}") from None
+    if nodes and not tiers:
+        raise ConfigError(f"{r.key('tiers')}: name the tiers the dedicated nodes serve")
+    if nodes and set(nodes) == backends and len(set(tiers)) < len(Tier):
+        raise ConfigError(f"{r.key('nodes')}: leaves no backend for the other tiers")
+    r.done()
+    return DedicatedNodes(tuple(nodes), tiers if nodes else ())
 
 
 def _is_sha256(value: str) -> bool:

@@ -72,19 +72,38 @@ local function bucket_credit(bkey, now, tokens)
   return tokens
 end
 
--- The node with the most headroom (capacity - reserved); ties go to the first name in order
--- so that every replica would pick the same one.
-local function best_node(cap_key, resv_key)
+-- Dedicated nodes, as the scheduler publishes them in the state hash: 'dedicated_nodes' (names,
+-- space-separated) serve only the tiers in 'dedicated_tiers' (bit 2^tier: 1 VIP, 2 Normal,
+-- 4 Batch). Absent fields: every node is shared.
+local function placement_of(nodes_field, tiers_field)
+  local nodes = {}
+  if nodes_field then
+    for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
+  end
+  return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0}
+end
+
+-- The node for a task of `tier` that needs `cost` tokens, or nil when none has room: the most
+-- headroom (capacity - reserved) among the nodes the tier may use, a tier with dedicated
+-- nodes trying those before the shared ones. Ties go to the first name in order so that
+-- every replica would pick the same one.
+local function place(cap_key, resv_key, placement, tier, cost)
   local caps = redis.call('HGETALL', cap_key)
-  local best, best_room = nil, nil
+  local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
+  local best = {}
   for i = 1, #caps, 2 do
     local node = caps[i]
-    local room = (tonumber(caps[i + 1]) or 0) - (tonumber(redis.call('HGET', resv_key, node) or '0') or 0)
-    if best_room == nil or room > best_room or (room == best_room and node < best) then
-      best, best_room = node, room
+    local group = placement.nodes[node] and 1 or 2
+    if group == 2 or owns_dedicated then
+      local room = (tonumber(caps[i + 1]) or 0) - (tonumber(redis.call('HGET', resv_key, node) or '0') or 0)
+      local b = best[group]
+      if b == nil or room > b[2] or (room == b[2] and node < b[1]) then best[group] = {node, room} end
     end
   end
-  return best, best_room
+  for group = 1, 2 do
+    if best[group] and best[group][2] >= cost then return best[group][1] end
+  end
+  return nil
 end
 
 local function reserve_node(resv_key, node, cost)

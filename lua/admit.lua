@@ -1,6 +1,7 @@
 -- admit.lua: admit, queue or reject one request, atomically.
 --
--- KEYS[1]  state            HASH  zone, updated_us, drain_0..2 (tasks/s), written by the scheduler
+-- KEYS[1]  state            HASH  zone, updated_us, drain_0..2 (tasks/s), dedicated_nodes,
+--                                dedicated_tiers (see place() in _lib.lua), by the scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -44,7 +45,8 @@ local stale_ms, default_retry_ms = tonumber(ARGV[14]), tonumber(ARGV[15])
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 
 local now = now_us(KEYS[2])
-local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2')
+local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2',
+  'dedicated_nodes', 'dedicated_tiers')
 local zone = st[1] or 'GREEN'
 
 local existing = redis.call('HGET', KEYS[12], 'state')
@@ -76,12 +78,11 @@ end
 
 -- Fast path: nothing waits at this tier or above, the zone releases this tier freely
 -- (GREEN releases every tier, YELLOW and RED still release VIP), the scheduler's view is
--- fresh, and a node has room for the whole reservation.
+-- fresh, and a node the tier may use has room for the whole reservation.
 local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 1000)
 local node = nil
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
-  local best, room = best_node(KEYS[3], KEYS[4])
-  if best and room >= cost then node = best end
+  node = place(KEYS[3], KEYS[4], placement_of(st[6], st[7]), tier, cost)
 end
 
 if node == nil then

@@ -1,6 +1,7 @@
 -- release.lua: the leader pops queued tasks in tier order and assigns them nodes.
 --
--- KEYS[1]  state            HASH  epoch (fencing), zone
+-- KEYS[1]  state            HASH  epoch (fencing), dedicated_nodes and dedicated_tiers (where
+--                                each tier may run, see place() in _lib.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -16,7 +17,7 @@
 -- ARGV[6]  retention (s) of finished task records
 --
 -- Order: tiers strictly by priority, FIFO within a tier. When the head of a tier does not fit
--- on any node, nothing of that tier or below is released in this call (no tier overtakes a
+-- on any node it may use, nothing of that tier or below is released in this call (no tier overtakes a
 -- higher one and no task overtakes an older one of its tier). A tier that only reached its
 -- own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch trickle).
 -- Queued tasks found past their deadline are expired on the way (tenant refunded).
@@ -32,6 +33,8 @@ local limits = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
 local retention_s = tonumber(ARGV[6])
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
+local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers')
+local placement = placement_of(dedicated[1], dedicated[2])
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
@@ -55,8 +58,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       table.insert(out, ''); table.insert(out, t)
     else
       local cost = tonumber(task.cost)
-      local node, room = best_node(KEYS[3], KEYS[4])
-      if node == nil or room < cost then
+      local node = place(KEYS[3], KEYS[4], placement, t, cost)
+      if node == nil then
         blocked = true
         break
       end

@@ -205,6 +205,10 @@ class PoolScheduler:
         extra["pool_usage"] = "" if result.usage is None else f"{result.usage:.4f}"
         extra["usage_ratio"] = f"{self.learner.ratio:.4f}"
         extra["leader"] = self.me
+        dedicated = self.pool.dedicated
+        if dedicated.nodes:
+            extra["dedicated_nodes"] = " ".join(dedicated.nodes)
+            extra["dedicated_tiers"] = dedicated.tier_mask
         return extra
 
     async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:

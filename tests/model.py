@@ -57,6 +57,9 @@ class Model:
     tasks: dict[str, ModelTask] = field(default_factory=dict)
     buckets: dict[str, Bucket] = field(default_factory=dict)
     leases: dict[str, int] = field(default_factory=dict)
+    dedicated_nodes: frozenset[str] = frozenset()
+    dedicated_tiers: int = 0
+    """Bit 2^tier set for each tier the dedicated nodes serve."""
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -73,14 +76,22 @@ class Model:
             if t.gateway == gateway and not t.state.terminal
         }
 
-    def best_node(self) -> tuple[str | None, int]:
-        best: str | None = None
-        room = 0
-        for node in sorted(self.capacity):
-            r = self.capacity[node] - self.reserved.get(node, 0)
-            if best is None or r > room:
-                best, room = node, r
-        return best, room
+    def place(self, tier: int, cost: int) -> str | None:
+        """The most headroom among the nodes the tier may use, dedicated ones first for the
+        tiers they serve; None when the best has no room for `cost`."""
+        groups = [sorted(n for n in self.capacity if n in self.dedicated_nodes)
+                  if self.dedicated_tiers >> tier & 1 else [],
+                  sorted(n for n in self.capacity if n not in self.dedicated_nodes)]
+        for nodes in groups:
+            best: str | None = None
+            room = 0
+            for node in nodes:  # sorted: a tie keeps the first name
+                r = self.capacity[node] - self.reserved.get(node, 0)
+                if best is None or r > room:
+                    best, room = node, r
+            if best is not None and room >= cost:
+                return best
+        return None
 
     # --- bucket helpers --------------------------------------------------------------------
     def credit(self, tenant: str, tokens: int) -> None:
@@ -148,9 +159,7 @@ class Model:
         )
         node = None
         if ahead == 0 and fresh and (self.zone == "GREEN" or tier == 0):
-            best, room = self.best_node()
-            if best is not None and room >= cost:
-                node = best
+            node = self.place(tier, cost)
         if node is None:
             if len(self.queues[tier]) >= self.tier_caps[tier]:
                 return ("rejected", "queue_full", drain_hint(), ahead)
@@ -187,8 +196,8 @@ class Model:
                     self._drop_queued(tid, TaskState.EXPIRED)
                     out.append((tid, t.gateway, None, tier))
                     continue
-                node, room = self.best_node()
-                if node is None or room < t.cost:
+                node = self.place(tier, t.cost)
+                if node is None:
                     blocked = True
                     break
                 queue.pop(0)
@@ -242,10 +251,12 @@ class Model:
         return reaped, expired, returned
 
     def publish_state(
-        self, epoch: int, zone: str, capacity: dict[str, int], drain: tuple[int, int, int]
+        self, epoch: int, zone: str, capacity: dict[str, int], drain: tuple[int, int, int],
+        dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
     ) -> bool:
         if epoch < self.epoch:
             return False
+        self.dedicated_nodes, self.dedicated_tiers = dedicated
         self.epoch = epoch
         self.zone = zone
         self.capacity = dict(capacity)

@@ -113,3 +113,24 @@ def test_sentinel_errors_name_the_key(redis: dict[str, Any], message: str) -> No
     with pytest.raises(ConfigError) as caught:
         parse_config(minimal(redis=redis), env={})
     assert str(caught.value).startswith(message)
+
+
+def test_dedicated_nodes_must_be_backends_of_the_pool_and_name_their_tiers() -> None:
+    from admission.tiers import Tier
+
+    def pool(dedicated: dict[str, object]) -> dict[str, object]:
+        return {"pools": [{"name": "p", "dedicated": dedicated, "backends": [
+            {"name": "gpu-0", "url": "http://127.0.0.1:9001"},
+            {"name": "gpu-1", "url": "http://127.0.0.1:9002"}]}]}
+
+    parsed = parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"]}), env={})
+    assert parsed.pools["p"].dedicated.nodes == ("gpu-0",)
+    assert parsed.pools["p"].dedicated.tier_mask == 1 << Tier.VIP
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.dedicated\.nodes\[0\]: 'gpu-9' is not"):
+        parse_config(pool({"nodes": ["gpu-9"], "tiers": ["vip"]}), env={})
+    with pytest.raises(ConfigError, match=r"dedicated\.tiers: name the tiers"):
+        parse_config(pool({"nodes": ["gpu-0"]}), env={})
+    with pytest.raises(ConfigError, match=r"dedicated\.tiers: unknown tier 'gold'"):
+        parse_config(pool({"nodes": ["gpu-0"], "tiers": ["gold"]}), env={})
+    with pytest.raises(ConfigError, match=r"dedicated\.nodes: leaves no backend"):
+        parse_config(pool({"nodes": ["gpu-0", "gpu-1"], "tiers": ["vip"]}), env={})

@@ -54,6 +54,7 @@ ACCESSORS: dict[str, Callable[[Config], Any]] = {
     "tiers.batch": lambda c: c.tiers[Tier.BATCH],
     "pools": lambda c: c.pools["p"],
     "pools.zones": lambda c: c.pools["p"].zones,
+    "pools.dedicated": lambda c: c.pools["p"].dedicated,
     "pools.backends": lambda c: c.pools["p"].backends[0],
     "tenants": lambda c: c.tenants[0],
 }
@@ -70,6 +71,7 @@ def base() -> dict[str, Any]:
             "name": "p",
             "backends": [{"name": "gpu-0", "url": "http://127.0.0.1:9001"}],
             "zones": {},
+            "dedicated": {},
         }],
         "tenants": [{"name": "acme", "tier": "vip"}],
     }

@@ -321,3 +321,33 @@ async def test_epochs_never_go_backwards_when_redis_loses_its_data(
     await store.publish_state(new.epoch, Zone.GREEN, {"n1": 1})
     with pytest.raises(FencedError):
         await store.release(second.epoch, (1, 1, 1))
+
+
+async def test_dedicated_nodes_serve_only_their_tiers_which_try_them_first(
+        store: PoolStore) -> None:
+    """A node kept for VIP takes no Batch even with the most room; VIP fills it first, then
+    spills to the shared nodes; the release script places the same way as the fast path."""
+    tenant = TenantQuota("acme", rate=0, burst=10**9, max_queued=1000)
+    await store.publish_state(1, Zone.GREEN, {"vip-node": 1_000, "shared": 600},
+                              {"dedicated_nodes": "vip-node", "dedicated_tiers": 1})
+
+    async def admit(task_id: str, tier: Tier, cost: int) -> Any:
+        return await store.admit(task_id=task_id, tenant=tenant, tier=tier,
+                                 prompt_tokens=cost // 2, max_tokens=cost - cost // 2,
+                                 gateway="gw", queue_timeout_ms=60_000)
+
+    batch = await admit("b1", Tier.BATCH, 400)
+    assert (batch.outcome, batch.node) == (AdmitOutcome.RELEASED, "shared")
+    vip = await admit("v1", Tier.VIP, 700)
+    assert (vip.outcome, vip.node) == (AdmitOutcome.RELEASED, "vip-node")
+    spill = await admit("v2", Tier.VIP, 200)  # 300 left on vip-node, 200 on shared
+    assert (spill.outcome, spill.node) == (AdmitOutcome.RELEASED, "vip-node")
+    spill = await admit("v3", Tier.VIP, 150)  # 100 left on vip-node: the shared node
+    assert (spill.outcome, spill.node) == (AdmitOutcome.RELEASED, "shared")
+    # 100 free on vip-node, 50 on shared: a Batch task of 80 waits though vip-node has room.
+    queued = await admit("b2", Tier.BATCH, 80)
+    assert queued.outcome is AdmitOutcome.QUEUED
+    assert await store.release(1, (10, 10, 10)) == []
+    await store.settle("b1", 400)  # shared has 450 free now
+    released = await store.release(1, (10, 10, 10))
+    assert [(t.task_id, t.node) for t in released] == [("b2", "shared")]

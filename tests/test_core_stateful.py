@@ -81,9 +81,13 @@ class CoreMachine(RuleBasedStateMachine):
         self._publish(1, Zone.GREEN, {"node-1": 800, "node-2": 500}, (0, 0, 0))
 
     def _publish(self, epoch: int, zone: Zone, caps: dict[str, int],
-                 drain: tuple[int, int, int]) -> None:
-        accepted = self.model.publish_state(epoch, zone.value, caps, drain)
-        extra = {f"drain_{t}": d for t, d in enumerate(drain)}
+                 drain: tuple[int, int, int],
+                 dedicated: tuple[frozenset[str], int] = (frozenset(), 0)) -> None:
+        accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated)
+        extra: dict[str, str | int | float] = {f"drain_{t}": d for t, d in enumerate(drain)}
+        if dedicated[0]:
+            extra["dedicated_nodes"] = " ".join(sorted(dedicated[0]))
+            extra["dedicated_tiers"] = dedicated[1]
         if accepted:
             self.run(self.store.publish_state(epoch, zone, caps, extra))
         else:
@@ -174,10 +178,14 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(zone=st.sampled_from(list(Zone)),
           caps=st.dictionaries(st.sampled_from(NODES), st.integers(0, 1500), max_size=3),
           drain=st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
-          new_leader=st.booleans())
+          new_leader=st.booleans(),
+          dedicated_nodes=st.frozensets(st.sampled_from(NODES), max_size=2),
+          dedicated_tiers=st.integers(1, 7))
     def scheduler_publishes(self, zone: Zone, caps: dict[str, int],
-                            drain: tuple[int, int, int], new_leader: bool) -> None:
-        self._publish(self.model.epoch + int(new_leader), zone, caps, drain)
+                            drain: tuple[int, int, int], new_leader: bool,
+                            dedicated_nodes: frozenset[str], dedicated_tiers: int) -> None:
+        dedicated = (dedicated_nodes, dedicated_tiers if dedicated_nodes else 0)
+        self._publish(self.model.epoch + int(new_leader), zone, caps, drain, dedicated)
 
     @rule()
     def deposed_leader_publish_is_refused(self) -> None:

@@ -45,6 +45,8 @@ class Settings:
     gateways: int = 2
     schedulers: int = 2
     pass_priority: bool = True
+    vip_nodes: int = 0
+    """Arm (c): nodes kept for VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
     """Arm (c) forwards the tier as vLLM's priority and the nodes run the priority policy."""
     max_loop_lag_ms: float = 50.0
     """A run whose simulator event loops lagged more than this (wall ms) is flagged invalid."""
@@ -156,6 +158,13 @@ def kvgate_toml(
         "]",
         "",
     ]
+    if settings.vip_nodes:
+        lines += [
+            "[pools.dedicated]",
+            "nodes = [" + ", ".join(f'"node-{i}"' for i in range(settings.vip_nodes)) + "]",
+            'tiers = ["vip"]',
+            "",
+        ]
     for klass in settings.classes:
         peak = klass.rate * (settings.burst_factor if klass.burst else 1.0)
         tokens_per_s = scale.wall_rate(peak) * (klass.prompt.hi + klass.output.hi)

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateways", type=int)
     p.add_argument("--fifo-slots", type=int, dest="fifo_max_inflight",
                    help="arm (b): requests in flight per node at real scale (default 128)")
+    p.add_argument("--vip-nodes", type=int, dest="vip_nodes",
+                   help="arm (c): how many nodes to keep for VIP ([pools.dedicated])")
     p.add_argument("--no-capacity", action="store_true",
                    help="skip measuring the preemption-free maximum (no goodput ratio)")
     return p
@@ -70,6 +72,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         time_scale=args.time_scale, baseline_sim_s=args.baseline_sim_s,
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
+        vip_nodes=args.vip_nodes,
     )
 
 
@@ -216,7 +219,10 @@ def setup_section(settings: Settings) -> list[str]:
         f"{settings.schedulers} scheduler processes (one leader, the others standing by), a "
         "private Redis, the project's default zones and scheduler settings"
         + (", tiers forwarded as vLLM `priority` to nodes run with `--scheduling-policy "
-           "priority`." if settings.pass_priority else "."),
+           "priority`" if settings.pass_priority else "")
+        + (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: "
+           "no Normal or Batch work there; VIP tries them first, then the shared nodes)."
+           if settings.vip_nodes else "."),
         f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "
         f"after step) for {settings.crash_after_full_sim_s or 0:g} simulated seconds dies like "
         "an OOM-killed one." if settings.crash_after_full_sim_s

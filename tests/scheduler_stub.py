@@ -127,12 +127,14 @@ def make_config(
     pool: str = "p",
     zones: Mapping[str, Any] | None = None,
     scheduler: Mapping[str, Any] | None = None,
+    dedicated: Mapping[str, Any] | None = None,
 ) -> Config:
     return parse_config(
         {
             "redis": {"url": redis_url},
             "scheduler": dict(scheduler or {}),
-            "pools": [{"name": pool, "backends": list(backends), "zones": dict(zones or {})}],
+            "pools": [{"name": pool, "backends": list(backends), "zones": dict(zones or {}),
+                       "dedicated": dict(dedicated or {})}],
         },
         env={},
     )

@@ -1,0 +1,71 @@
+"""The leader's tick with dedicated nodes and with the peak-over-time projection: real Redis,
+fake vLLM metrics pages over HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from admission.store import AdmitOutcome
+from admission.tiers import Tier
+from tests.scheduler_stub import (
+    FakeVllm,
+    admit,
+    always,
+    make_config,
+    pool_scheduler,
+    queue_tasks,
+    serve_fake,
+    state,
+)
+
+
+async def test_dedicated_nodes_are_published_and_the_release_places_by_them(
+        redis_client: Any, redis_url: str) -> None:
+    async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
+        config = make_config(redis_url, [{"name": "vip-node", "url": vip_url},
+                                         {"name": "shared", "url": shared_url}],
+                             dedicated={"nodes": ["vip-node"], "tiers": ["vip"]})
+        async with pool_scheduler(redis_client, config) as ps:
+            await queue_tasks(ps.store, [("b1", Tier.BATCH, 1_000), ("v1", Tier.VIP, 1_000),
+                                         ("n1", Tier.NORMAL, 1_000)])
+            result = await ps.tick(1, always)
+            published = await state(ps.store)
+            assert (published["dedicated_nodes"], published["dedicated_tiers"]) == ("vip-node",
+                                                                                    "1")
+            placed = {t.task_id: t.node for t in result.released}
+            assert placed == {"v1": "vip-node", "n1": "shared", "b1": "shared"}
+
+
+async def test_half_done_generations_leave_room_that_final_sizes_would_not(
+        redis_client: Any, redis_url: str) -> None:
+    """Released generations, each 200 + 4,000 tokens, one every 2 s of pool time and decoding
+    at 50 tokens/s: the node holds their prompts and what they generated. Counted at final
+    size they fill the 78% target; projected over time they leave room, so the budget grows."""
+    budgets = {}
+    for projection in ("final", "peak"):
+        await redis_client.flushdb()
+        fake = FakeVllm()  # 100,000 tokens of KV
+        async with serve_fake(fake) as url:
+            config = make_config(redis_url, [{"name": "n1", "url": url}],
+                                 zones={"projection": projection})
+            async with pool_scheduler(redis_client, config) as ps:
+                await ps.tick(1, always)  # publishes the node's capacity
+                now_us = 1_000_000_000_000
+                for i in range(18):
+                    await redis_client.hset(ps.store.keys.clock, "frozen_us", now_us)
+                    admitted = await admit(ps.store, f"g{i}", Tier.BATCH, 4_200)
+                    assert admitted.outcome is AdmitOutcome.RELEASED
+                    # admit() splits the cost in halves: 2,100 prompt, 2,100 output tokens.
+                    now_us += 2_000_000
+                ages_s = [2 * (18 - i) for i in range(18)]
+                generated = sum(min(2_100, 50 * a) for a in ages_s)
+                await redis_client.hset(ps.store.keys.clock, "frozen_us", now_us)
+                fake.usage = (18 * 2_100 + generated) / 100_000
+                fake.running = 18
+                plan = (await ps.tick(1, always)).plans[0]
+                assert plan.reserved == 18 * 4_200
+                budgets[projection] = plan.budget
+    assert budgets["final"] is not None and budgets["peak"] is not None
+    # Every reservation at its full size, plus padding:
+    assert budgets["final"] <= 78_000 - 18 * 16, budgets
+    assert budgets["peak"] > budgets["final"] + 10_000, budgets

@@ -200,6 +200,26 @@ def _added(fixed: Sequence[Phase]) -> tuple[list[str], dict[str, dict[str, float
     return rows, added
 
 
+QUIET_BACKEND_CPU_US = 150.0
+"""The instant backend's CPU per request at 200 RPS in a quiet run (bench/results/
+gateway_overhead.md): the yardstick for how much other jobs slowed this run down."""
+
+
+def _contention(fixed: Sequence[Phase]) -> str:
+    """One line saying how loaded the machine was, measured, not guessed from the load average:
+    the same backend code costs more CPU per request when other processes thrash the caches and
+    share the cores, and every figure of the run moves with it."""
+    direct = next((p for p in fixed if p.target == "direct" and p.rate == 200.0), None)
+    if direct is None or "backend" not in direct.cpu_us:
+        return ""
+    cpu = direct.cpu_us["backend"]
+    return (f"Machine slowdown: the backend alone cost {cpu:.0f} µs of CPU per request at 200 "
+            f"RPS direct, against {QUIET_BACKEND_CPU_US:.0f} µs in a quiet run "
+            f"(bench/results/gateway_overhead.md), so this run's CPU was about "
+            f"{cpu / QUIET_BACKEND_CPU_US:.1f}x slower than quiet; latencies and sustained rates "
+            "shift with it, for all three targets.")
+
+
 def _chart(phases: Sequence[Phase], path: Path) -> None:
     import matplotlib
 
@@ -365,6 +385,8 @@ def _section(options: PerfOptions, fixed: list[Phase], sweep: list[Phase], versi
         f"not load the next phase ({restarts} restarts); the other targets were given time to "
         "drain. The kvgate gateway: VIP tenant, fast path "
         "(GREEN with a large capacity, published once), access log off.",
+        "",
+        _contention(fixed),
         "",
         f"### Latency at fixed rates ({duration:.0f} s each)",
         "",

@@ -211,9 +211,13 @@ def exit_code(outcomes: Sequence[Outcome]) -> int:
     return 1 if failed or missed else 0
 
 
-def _cell(text: str) -> str:
-    """Table cells hold one line without pipes."""
-    return " ".join(text.replace("|", "\\|").split())
+def _cell(text: str, limit: int = 0) -> str:
+    """Table cells hold one line without pipes; `limit` shortens long ones (an error carrying a
+    whole command line), whose full text is in the section below."""
+    text = " ".join(text.split())
+    if limit and len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return text.replace("|", "\\|")
 
 
 def _load(load: tuple[float, float, float]) -> str:
@@ -245,7 +249,7 @@ def render(info: RunInfo, outcomes: Sequence[Outcome], output_dir: Path) -> str:
                              f"{_cell(c.value)} | {result} |")
         if o.failed:
             lines.append(f"| {', '.join(o.spec.numbers)} | {o.spec.title}: section did not "
-                         f"complete | - | {_cell(o.error or '')} | **failed** |")
+                         f"complete | - | {_cell(o.error or '', 160)} | **failed** |")
     verdict = ("all checks met" if exit_code(outcomes) == 0
                else "**not all checks met, or a section failed**")
     lines += ["", f"Overall: {verdict}.", "", "| section | module | time | status |",
@@ -263,7 +267,8 @@ def render(info: RunInfo, outcomes: Sequence[Outcome], output_dir: Path) -> str:
             lines += ["", f"## {number}. {section.title}", "", section.markdown.rstrip()]
             for chart in section.charts:
                 link = Path(os.path.relpath(chart, output_dir)).as_posix()
-                lines += ["", f"![{section.title}: {chart.stem}]({link})"]
+                if f"]({link})" not in section.markdown:  # the section placed it already
+                    lines += ["", f"![{section.title}: {chart.stem}]({link})"]
     return "\n".join(lines) + "\n"
 
 

@@ -100,6 +100,16 @@ def test_report_shows_failed_sections_and_missed_checks(tmp_path: Path) -> None:
     one = performance.Outcome(SPEC["scale"], [_section("Both", met)])
     assert "## 2 and 3. Both" in performance.render(_info(), [one], tmp_path)
 
+    # Charts are linked relative to the report, once even when the section placed one itself;
+    # a long error is cut short in the table (whole in performance.json and the traceback).
+    placed = Section("Memory", "![soak](mem.png)\n", [met], [tmp_path / "mem.png",
+                                                              tmp_path / "rss.png"])
+    long_error = "CalledProcessError: " + "x" * 400
+    md = performance.render(_info(), [performance.Outcome(SPEC["memory"], [placed]),
+                                      _outcome("release", error=long_error)], tmp_path)
+    assert md.count("](mem.png)") == 1 and "](rss.png)" in md
+    assert long_error not in md and "| CalledProcessError: xxxxxxxxxx" in md and "x… |" in md
+
     md_path, js_path = performance.write_report(_info(), with_miss, tmp_path / "out")
     data = json.loads(js_path.read_text())
     assert data["exit_code"] == 1

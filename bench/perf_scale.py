@@ -615,6 +615,11 @@ def _explain(scale: dict[str, Any]) -> list[str]:
             "bench/results/gateway_overhead.md, measured when the machine was quiet."]
 
 
+def _span(a: float, b: float) -> str:
+    low, high = f"{min(a, b):.0%}", f"{max(a, b):.0%}"
+    return low if low == high else f"{low} to {high}"
+
+
 def _gateway_cores(f: dict[str, Any]) -> float:
     """Cores used per gateway process over a phase (a gateway is one thread: 1.0 is its max)."""
     cpu = f["cpu_us"]
@@ -652,8 +657,8 @@ def run(options: PerfOptions) -> Section:
         f"{time.monotonic() - started:.0f} s. redis-benchmark SET on the run's Redis: "
         f"{set_before:,.0f}/s at the start, {set_after:,.0f}/s at the end; on this machine when "
         f"quiet (bench/results/core.md) {QUIET_SET_RPS:,.0f}/s: loopback request/reply "
-        f"exchanges ran at {min(set_before, set_after) / QUIET_SET_RPS:.0%} to "
-        f"{max(set_before, set_after) / QUIET_SET_RPS:.0%} of the quiet machine's rate "
+        f"exchanges ran at {_span(set_before / QUIET_SET_RPS, set_after / QUIET_SET_RPS)} of "
+        "the quiet machine's rate "
         "(a ping-pong needs both sides scheduled, so it suffers more than CPU share alone)."
         + (" Quick mode: short phases, figures not meaningful." if options.quick else ""),
         "",

@@ -151,7 +151,10 @@ class PoolStore:
         max_tokens: int,
         gateway: str,
         queue_timeout_ms: int,
+        tier_timeout_ms: int | None = None,
     ) -> AdmitResult:
+        """`tier_timeout_ms`: the tier's configured queue timeout; a task queued with exactly
+        that timeout expires in queue order and takes no deadlines entry (None: always one)."""
         check_name("task", task_id)
         k, p = self.keys, self.policy
         cost = prompt_tokens + max_tokens
@@ -165,7 +168,7 @@ class PoolStore:
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
                 tenant.rate, tenant.burst, tenant.max_queued, p.tier_queue_caps[tier],
                 queue_timeout_ms, gateway, p.lease_ttl_ms, p.stale_after_ms,
-                p.default_retry_ms,
+                p.default_retry_ms, tier_timeout_ms or 0,
             ],
         )
         return parse_admit(reply)

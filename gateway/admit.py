@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import uuid
+import secrets
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -45,6 +45,13 @@ from gateway.settle import Settler
 from gateway.waiter import WakeHub, Woken, wait_for_release
 
 log = logging.getLogger("kvgate.gateway")
+
+
+def new_task_id() -> str:
+    """64 random bits in hex: an id is stored four times per queued task (record key, queue,
+    gateway set, running index), so its length is Redis memory; a collision among live tasks
+    (about 1 in 10^9 with 100,000 queued) is caught by the admit script as 'duplicate'."""
+    return secrets.token_hex(8)
 
 STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError, AdmissionError)
 
@@ -99,10 +106,10 @@ class Admitter:
         pool = inbound.pool
         store = pool.store
         labels = self.metrics.tier_labels(pool.name, tier, tenant.name)
-        timeout_ms = self.config.tiers[tier].queue_timeout_ms
+        tier_timeout_ms = timeout_ms = self.config.tiers[tier].queue_timeout_ms
         if client_timeout_ms is not None:
             timeout_ms = max(1, min(timeout_ms, client_timeout_ms))
-        task_id = uuid.uuid4().hex
+        task_id = new_task_id()
         woken = self.hub.expect(task_id)
         live = self.settler.live
         live.add(task_id)
@@ -116,6 +123,7 @@ class Admitter:
                     max_tokens=inbound.max_tokens,
                     gateway=self.gateway_id,
                     queue_timeout_ms=timeout_ms,
+                    tier_timeout_ms=tier_timeout_ms,
                 )
             except STORE_ERRORS as exc:
                 return self._store_failed(exc, task_id, inbound, tier, labels)

@@ -6,7 +6,8 @@
 -- KEYS[3]  node_capacity    HASH  node -> tokens
 -- KEYS[4]  node_reserved    HASH  node -> tokens
 -- KEYS[5..7] queue vip, normal, batch   ZSET task id -> enqueue µs
--- KEYS[8]  deadlines        ZSET  task id -> deadline µs
+-- KEYS[8]  deadlines        ZSET  task id -> deadline µs, only for tasks whose timeout is shorter
+--                                than their tier's (the others expire in queue order)
 -- KEYS[9]  leases           ZSET  gateway -> lease expiry µs
 -- KEYS[10] tenant_queued    HASH  tenant -> queued count
 -- KEYS[11] stats            HASH  counters
@@ -24,6 +25,8 @@
 -- ARGV[12] gateway id       ARGV[13] gateway lease TTL (ms)
 -- ARGV[14] stale_after_ms: no fast path if the scheduler's state is older (0 = do not check)
 -- ARGV[15] default retry hint (ms) when no drain rate is known
+-- ARGV[16] the tier's own queue timeout (ms); a task queued with exactly that timeout gets no
+--          deadlines entry (optional: absent or 0 indexes every queued task)
 --
 -- Returns {outcome, detail, retry_after_ms, depth, zone}:
 --   {'released', node, 0, 0, zone}            fast path: budget debited, node chosen
@@ -42,6 +45,7 @@ local tenant_cap, tier_cap = tonumber(ARGV[9]), tonumber(ARGV[10])
 local timeout_ms = tonumber(ARGV[11])
 local gateway, lease_ms = ARGV[12], tonumber(ARGV[13])
 local stale_ms, default_retry_ms = tonumber(ARGV[14]), tonumber(ARGV[15])
+local tier_timeout_ms = tonumber(ARGV[16] or '0') or 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 
 local now = now_us(KEYS[2])
@@ -113,6 +117,11 @@ end
 local deadline = now + timeout_ms * 1000
 redis.call('HSET', KEYS[12], 'deadline_us', fmt(deadline))
 redis.call('ZADD', queues[tier + 1], fmt(queue_clock(KEYS[2], now)), id)
-redis.call('ZADD', KEYS[8], fmt(deadline), id)
+-- Within a tier, tasks with the tier's own timeout expire in the order they queued, so the
+-- reaper finds them at the head of the queue; only a shorter (client-set) deadline needs the
+-- index. Saves a sorted-set entry per queued task (bench.perf_memory).
+if tier_timeout_ms <= 0 or timeout_ms < tier_timeout_ms then
+  redis.call('ZADD', KEYS[8], fmt(deadline), id)
+end
 redis.call('HINCRBY', KEYS[10], tenant, 1)
 return {'queued', '', 0, ahead + 1, zone}

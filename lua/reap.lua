@@ -14,7 +14,9 @@
 --
 -- A gateway whose lease expired lost its clients: each of its tasks ends as 'reaped', the pool
 -- and the tenant get the whole reservation back. A queued task past its deadline ends as
--- 'expired' with a full refund (its gateway, if alive, answers the client on its own).
+-- 'expired' with a full refund (its gateway, if alive, answers the client on its own): those
+-- with a deadline of their own are found in the deadlines index, the others (their tier's
+-- timeout) at the head of their queue, where FIFO order puts the earliest deadlines.
 -- Returns {tasks reaped, tasks expired, tokens returned to the pool, 1 if work remains else 0}.
 
 local prefix = ARGV[1]
@@ -52,6 +54,24 @@ if reaped < budget then
       expired = expired + 1
     else
       redis.call('ZREM', KEYS[6], id)
+    end
+  end
+end
+
+for t = 1, TIER_QUEUE_COUNT do
+  while reaped + expired < budget do
+    local head = redis.call('ZRANGE', queues[t], 0, 0)[1]
+    if not head then break end
+    local task = load_task(task_key(prefix, head))
+    if task == nil or task.state ~= 'queued' then
+      -- A queue entry without a live record: only a bug or a manual edit makes one.
+      redis.call('ZREM', queues[t], head)
+      redis.call('ZREM', KEYS[6], head)
+    elseif tonumber(task.deadline_us) <= now then
+      drop_queued(prefix, queues, KEYS[6], KEYS[8], head, task, 'expired', now, retention_s)
+      expired = expired + 1
+    else
+      break
     end
   end
 end

@@ -351,3 +351,30 @@ async def test_dedicated_nodes_serve_only_their_tiers_which_try_them_first(
     await store.settle("b1", 400)  # shared has 450 free now
     released = await store.release(1, (10, 10, 10))
     assert [(t.task_id, t.node) for t in released] == [("b2", "shared")]
+
+
+async def test_tasks_with_their_tiers_timeout_expire_from_the_queue_head_without_an_index(
+        store: PoolStore, redis_client: aioredis.Redis) -> None:
+    tenant = TenantQuota("acme", rate=0, burst=10**9, max_queued=1000)
+    keys = store.keys
+    start = 1_700_000_000_000_000
+    await redis_client.hset(keys.clock, "frozen_us", start)
+
+    async def queue(task_id: str, timeout_ms: int) -> None:
+        result = await store.admit(task_id=task_id, tenant=tenant, tier=Tier.BATCH,
+                                   prompt_tokens=10, max_tokens=10, gateway="gw",
+                                   queue_timeout_ms=timeout_ms, tier_timeout_ms=10_000)
+        assert result.outcome is AdmitOutcome.QUEUED  # no capacity published: all queue
+
+    await queue("own-1", 10_000)
+    await queue("own-2", 10_000)
+    await queue("short", 2_000)  # a client's shorter deadline, behind two that wait longer
+    assert [m.decode() for m in await redis_client.zrange(keys.deadlines, 0, -1)] == ["short"]
+    await redis_client.hset(keys.clock, "frozen_us", start + 3_000_000)
+    assert (await store.reap()).expired == 1
+    assert (await store.task("short") or {}).get("state") == "expired"
+    await redis_client.hset(keys.clock, "frozen_us", start + 10_000_000)
+    await store.renew("gw")  # the gateway is alive: its tasks expire, they are not reaped
+    assert (await store.reap()).expired == 2
+    assert await redis_client.zcard(keys.queue(Tier.BATCH)) == 0
+    assert await redis_client.hgetall(keys.tenant_queued) == {}

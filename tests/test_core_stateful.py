@@ -44,6 +44,9 @@ TENANTS = {
 }
 GATEWAYS = ("gw-a", "gw-b", "gw-c")
 NODES = ("node-1", "node-2", "node-3")
+TIER_TIMEOUT_MS = 8_000
+"""Every tier's own queue timeout: tasks queued with it expire in queue order (no deadlines
+entry), shorter ones through the deadlines index; the model expires both alike."""
 
 
 def _s(v: Any) -> str:
@@ -97,7 +100,7 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(target=task_ids, tenant=st.sampled_from(sorted(TENANTS)),
           tier=st.sampled_from(list(Tier)), prompt=st.integers(1, 300),
           out=st.integers(0, 300), gateway=st.sampled_from(GATEWAYS),
-          timeout_ms=st.integers(100, 8_000))
+          timeout_ms=st.one_of(st.just(TIER_TIMEOUT_MS), st.integers(100, TIER_TIMEOUT_MS)))
     def admit(self, tenant: str, tier: Tier, prompt: int, out: int, gateway: str,
               timeout_ms: int) -> str:
         self.counter += 1
@@ -116,7 +119,8 @@ class CoreMachine(RuleBasedStateMachine):
                                     q.max_queued, timeout_ms, gateway)
         got = self.run(self.store.admit(task_id=tid, tenant=q, tier=tier, prompt_tokens=prompt,
                                         max_tokens=out, gateway=gateway,
-                                        queue_timeout_ms=timeout_ms))
+                                        queue_timeout_ms=timeout_ms,
+                                        tier_timeout_ms=TIER_TIMEOUT_MS))
         detail = got.node or (got.reason.value if got.reason else "") or (
             got.state.value if got.state else "")
         retry = -1 if got.retry_after_ms is None else got.retry_after_ms

@@ -375,7 +375,7 @@ def _section(options: PerfOptions, fixed: list[Phase], sweep: list[Phase], versi
         f"LiteLLM {version} (`litellm[proxy]` from PyPI in its own venv), "
         "`litellm --config ... --num_workers 1`: model `demo` -> `openai/demo` at the instant "
         f"backend's `/v1`; deployment limits rpm {litellm_env.RPM_LIMIT:,} / tpm "
-        f"{litellm_env.TPM_LIMIT:,} (never reached) enforced by `usage-based-routing-v2` with "
+        f"{litellm_env.TPM_LIMIT:,} (never reached) enforced by `usage-based-routing-v2`, "
         "counted in its redis-server (`router_settings` redis_host / "
         "redis_port); master_key set, no database; quiet: `LITELLM_LOG=ERROR`, set_verbose "
         "false, turn_off_message_logging, disable_spend_logs, disable_error_logs, no callbacks. "

@@ -101,9 +101,10 @@ end
 bucket_store(KEYS[13], level - need, now, rate, burst)
 redis.call('ZADD', KEYS[9], fmt(now + lease_ms * 1000), gateway)
 redis.call('SADD', KEYS[14], id)
+-- No enqueue time in the record: while queued it is the task's score in its queue, and the
+-- release copies it in as queued_us (one field less per queued task, bench.perf_memory).
 redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 'cost', cost,
-  'prompt_tokens', ARGV[5], 'max_tokens', ARGV[6], 'gateway', gateway,
-  'enqueued_us', fmt(now))
+  'prompt_tokens', ARGV[5], 'max_tokens', ARGV[6], 'gateway', gateway)
 
 if node then
   reserve_node(KEYS[4], node, cost)

@@ -44,7 +44,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
   local blocked = false
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
-    local head = redis.call('ZRANGE', queues[t + 1], 0, 0)[1]
+    local entry = redis.call('ZRANGE', queues[t + 1], 0, 0, 'WITHSCORES')
+    local head, queued_us = entry[1], entry[2]
     if not head then break end
     local task = load_task(task_key(prefix, head))
     if task == nil or task.state ~= 'queued' then
@@ -68,7 +69,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       tenant_dequeued(KEYS[9], task.tenant)
       reserve_node(KEYS[4], node, cost)
       redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
-        'released_us', fmt(now))
+        'queued_us', queued_us, 'released_us', fmt(now))
       redis.call('HDEL', task_key(prefix, head), 'deadline_us')
       redis.call('ZADD', running_key(prefix), fmt(now),
         running_member(node, task.prompt_tokens, task.max_tokens, head))

@@ -329,7 +329,7 @@ async def test_pubsub_killed_no_wait_beyond_fallback(redis_factory: Callable[...
     noticed = []
     for r in load.results:
         record = records[r.task_id or ""]
-        if "enqueued_us" in record and record.get("released_us") != record["enqueued_us"]:
+        if "queued_us" in record:  # released by the scheduler, not on the fast path
             noticed.append(r.wall_ended - 0.05 - int(record["released_us"]) / 1e6)
     assert len(noticed) >= 10, len(noticed)  # requests did queue and wait for a wake-up
     worst = max(noticed)

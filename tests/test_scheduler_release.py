@@ -11,6 +11,7 @@ import pytest
 from admission.errors import FencedError
 from admission.store import AdmitOutcome, TaskState
 from admission.tiers import Tier, Zone
+from scheduler.budget import peak_usage
 from tests.scheduler_stub import (
     FakeClock,
     FakeVllm,
@@ -122,35 +123,53 @@ async def test_red_releases_only_vip(redis_client: Any, redis_url: str) -> None:
             assert rejected.outcome is AdmitOutcome.REJECTED
 
 
+@pytest.mark.parametrize("projection", ["final", "peak"])
 async def test_burst_between_polls_never_passes_the_ceiling(
-    redis_client: Any, redis_url: str
+    redis_client: Any, redis_url: str, projection: str
 ) -> None:
     # Metrics that lag: the node keeps reporting an idle cache while tasks pour onto it, as
     # vLLM does between two polls. Releases and fast-path admits alike must stop at the target.
     fakes = [FakeVllm(usage=0.0, running=0), FakeVllm(usage=0.05, running=10)]
     async with serve_fake(fakes[0]) as u1, serve_fake(fakes[1]) as u2:
-        config = make_config(redis_url, [{"name": "n1", "url": u1}, {"name": "n2", "url": u2}])
+        config = make_config(redis_url, [{"name": "n1", "url": u1}, {"name": "n2", "url": u2}],
+                             zones={"projection": projection})
         async with pool_scheduler(redis_client, config) as ps:
             costs = [700 + (i * 7919) % 4_300 for i in range(120)]
             await queue_tasks(ps.store, [(f"q{i}", Tier(i % 3), c) for i, c in enumerate(costs)])
             max_cost = max(costs)
+
+            async def holds() -> dict[str, float]:
+                """What each node's tasks will hold at most: f = 1 (nothing settled yet), so
+                every reserved token may become KV; at final size or at the peak over time."""
+                snap = await ps.read_snapshot()
+                out: dict[str, float] = {}
+                for node, fake in zip(("n1", "n2"), fakes, strict=True):
+                    r = snap.reserved.get(node, 0)
+                    out[node] = (float(r) if projection == "final" else
+                                 peak_usage(snap.running.get(node, []),
+                                            min(fake.usage * CAPACITY, r)))
+                return out
+
             for round_ in range(4):
                 result = await ps.tick(1, always)
                 # Gateways' fast path between polls, against the same published budget.
                 for j in range(30):
                     await admit(ps.store, f"f{round_}-{j}", Tier.VIP, 2_000)
                 held = await reserved(ps.store)
+                projected = await holds()
                 for plan, fake in zip(result.plans, fakes, strict=True):
                     r = held.get(plan.name, 0)
                     unexplained = max(0.0, fake.usage * CAPACITY - r)
                     pad = fake.running * 16
-                    # f = 1 (nothing settled yet): every reserved token may become KV.
-                    assert r + unexplained + pad <= TARGET
+                    assert projected[plan.name] + unexplained + pad <= TARGET + 1e-6
                     assert plan.projected <= 0.78 + 1e-9
             # ... and the ceiling is reached, not merely respected: no idle GPU.
+            projected = await holds()
             for fake, node in zip(fakes, ("n1", "n2"), strict=True):
-                room = TARGET - max(fake.usage * CAPACITY, held[node]) - fake.running * 16
+                room = TARGET - max(fake.usage * CAPACITY, projected[node]) - fake.running * 16
                 assert 0 <= room < max_cost
+            if projection == "peak":  # short and long outputs mixed: more fits than at full size
+                assert sum(held.values()) > 2 * TARGET - 2 * 16 * 10
 
 
 async def test_learned_usage_overcommits_within_bounds(redis_client: Any, redis_url: str) -> None:

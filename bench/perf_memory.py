@@ -4,7 +4,8 @@
 
 1. Redis bytes per queued task: a private redis-server, a pool whose leader published zero
    capacity (every node full), so every admit queues; 100,000 admits through the real script
-   (uuid4-hex ids, eight tenants over the three tiers, two gateways), `INFO memory` before and
+   (uuid4-hex ids, eight tenants over the three tiers, two gateways, one request in 20 with a
+   client deadline shorter than its tier's), `INFO memory` before and
    after, and `MEMORY USAGE` of every kind of key to say which one holds what per task.
 2. Gateway RSS with 2,000 streams in flight: one gateway process in front of the instant
    backend spacing each stream's tokens (`--token-interval-ms`); VmRSS before the load and
@@ -57,6 +58,7 @@ MAX_SLOPE_MB_PER_10MIN = 1.0
 REDIS_BACK_TOLERANCE = 128 * 1024
 """Bytes of `used_memory` the end of the soak may differ from its start (client buffers and
 hash-table sizes move by a few KB; a leak at 200 RPS for 10 minutes would be megabytes)."""
+CLIENT_DEADLINE_EVERY = 20
 TENANTS = ["acme", "globex", "initech", "umbrella", "nightly-etl", "evals", "search-rerank",
            "support-bot"]
 
@@ -112,11 +114,14 @@ async def measure_queue_memory(redis_url: str, count: int, *, pool: str = "memq"
             for i in range(start, min(count, start + window)):
                 quota = quotas[i % len(quotas)]
                 tier = Tier(i % len(quotas) % 3)
+                # As the gateway admits: the tier's own timeout, except one request in 20
+                # shortened by its client (X-Request-Timeout), which takes a deadlines entry.
                 calls.append(store.admit(
                     task_id=uuid.UUID(int=rng.getrandbits(128), version=4).hex, tenant=quota,
                     tier=tier, prompt_tokens=rng.randint(20, 4000),
-                    max_tokens=rng.choice((256, 512, 1024, 2048)),
-                    gateway=gateways[i % 2], queue_timeout_ms=timeouts[tier]))
+                    max_tokens=rng.choice((256, 512, 1024, 2048)), gateway=gateways[i % 2],
+                    queue_timeout_ms=timeouts[tier] if i % CLIENT_DEADLINE_EVERY else 10_000,
+                    tier_timeout_ms=timeouts[tier]))
             for result in await asyncio.gather(*calls):
                 outcomes[result.outcome.value] = outcomes.get(result.outcome.value, 0) + 1
         seconds = time.perf_counter() - t0
@@ -142,7 +147,7 @@ async def measure_queue_memory(redis_url: str, count: int, *, pool: str = "memq"
                      "per_task": per_record, "holds": "the task record (HASH), its key name"
                      " and dict entry"})
         await row("queue:vip/normal/batch", list(k.queues), "id -> enqueue µs (FIFO)")
-        await row("deadlines", [k.deadlines], "id -> queue deadline µs")
+        await row("deadlines", [k.deadlines], "id -> deadline µs, client-shortened ones only")
         await row("gateway:<gw>", [k.gateway_tasks_key(g) for g in gateways],
                   "the gateway's live task ids")
         await row("tenant_queued, leases, buckets, state, clock, stats",

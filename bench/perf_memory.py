@@ -4,9 +4,10 @@
 
 1. Redis bytes per queued task: a private redis-server, a pool whose leader published zero
    capacity (every node full), so every admit queues; 100,000 admits through the real script
-   (uuid4-hex ids, eight tenants over the three tiers, two gateways, one request in 20 with a
-   client deadline shorter than its tier's), `INFO memory` before and
-   after, and `MEMORY USAGE` of every kind of key to say which one holds what per task.
+   (ids made as the gateway makes them, `gateway.admit.new_task_id`; eight tenants over the
+   three tiers, two gateways, one request in 20 with a client deadline shorter than its
+   tier's), `INFO memory` before and after, and `MEMORY USAGE` of every kind of key to say
+   which one holds what per task.
 2. Gateway RSS with 2,000 streams in flight: one gateway process in front of the instant
    backend spacing each stream's tokens (`--token-interval-ms`); VmRSS before the load and
    once every stream has received its first chunk and none has ended.
@@ -32,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -89,6 +89,7 @@ async def measure_queue_memory(redis_url: str, count: int, *, pool: str = "memq"
     from admission.scripts import load_scripts, register_scripts
     from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
     from admission.tiers import Tier, Zone
+    from gateway.admit import new_task_id
     from gateway.redismux import RedisMux, mux_scripts
 
     client = aioredis.Redis.from_url(redis_url, decode_responses=True)
@@ -117,7 +118,7 @@ async def measure_queue_memory(redis_url: str, count: int, *, pool: str = "memq"
                 # As the gateway admits: the tier's own timeout, except one request in 20
                 # shortened by its client (X-Request-Timeout), which takes a deadlines entry.
                 calls.append(store.admit(
-                    task_id=uuid.UUID(int=rng.getrandbits(128), version=4).hex, tenant=quota,
+                    task_id=new_task_id(), tenant=quota,
                     tier=tier, prompt_tokens=rng.randint(20, 4000),
                     max_tokens=rng.choice((256, 512, 1024, 2048)), gateway=gateways[i % 2],
                     queue_timeout_ms=timeouts[tier] if i % CLIENT_DEADLINE_EVERY else 10_000,

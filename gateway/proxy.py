@@ -277,6 +277,10 @@ class Upstream:
                         if meter.first_byte_s is None:
                             meter.first_byte_s = loop.time() - started
                         await response.write(out)
+            except ConnectionResetError:
+                # Writing to a client that left (aiohttp's ClientConnectionResetError is also a
+                # ClientError): not the node's fault, handled below.
+                raise
             except (aiohttp.ClientError, TimeoutError) as exc:
                 broken = True
                 kind = "timeout" if isinstance(exc, TimeoutError) else "broken_stream"

@@ -91,6 +91,10 @@ async def test_disconnect_mid_stream_aborts_upstream_and_settles_partial_usage(
         assert int(record["usage"]) == prompt + 3 < int(record["cost"]) == prompt + 200
         assert await gw.bucket("normal") == 1_000_000 - (prompt + 3)
         assert await gw.redis.hget(gw.store.keys.node_reserved, "node-0") is None
+        # A client that leaves is not a node that broke off its stream.
+        assert gw.gateway.metrics.registry.get_sample_value(
+            "kvgate_gateway_upstream_errors_total",
+            {"pool": "demo", "node": "node-0", "kind": "broken_stream"}) is None
 
 
 async def test_node_error_is_a_502_with_retry_after_and_refunds(

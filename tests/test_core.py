@@ -369,7 +369,7 @@ async def test_tasks_with_their_tiers_timeout_expire_from_the_queue_head_without
     await queue("own-1", 10_000)
     await queue("own-2", 10_000)
     await queue("short", 2_000)  # a client's shorter deadline, behind two that wait longer
-    assert [m.decode() for m in await redis_client.zrange(keys.deadlines, 0, -1)] == ["short"]
+    assert await redis_client.zrange(keys.deadlines, 0, -1) == [b"short"]
     await redis_client.hset(keys.clock, "frozen_us", start + 3_000_000)
     assert (await store.reap()).expired == 1
     assert (await store.task("short") or {}).get("state") == "expired"

@@ -38,15 +38,16 @@ size, as if none ended before all others had grown to full length. In a node tha
 generations next to short ones the sum of final sizes is far above any usage the node will
 ever show (a steady stream of 4,000-token generations is, on average, half done), and a pool
 steered by it holds Batch back at half its KV. The scheduler therefore reads each released
-task's prompt, max_tokens and release time (the pool's running index) and projects decoding
-in lockstep, as a continuous-batching engine runs it: each task gains one token per step
-until it reaches max_tokens, then leaves. Progress so far is calibrated on the measurement:
-one decode rate for the node such that prompts + tokens generated match ``ours_now``, each
-task's share by its age. P is the highest usage this projection reaches at any step; it is
-never above R (the tasks' final sizes), and a new task of cost W raises it by at most W,
-which keeps the budget's guarantee. Measurement lag and tasks still waiting in the engine's
-queue make the calibrated rate low, so tasks look younger and end later than they will:
-the projection errs towards overlap, the safe side.
+task's prompt, max_tokens and release time (the pool's running index) and projects decoding in
+lockstep, as a continuous-batching engine runs it: each task gains one token per step until it
+reaches max_tokens, then leaves. Progress so far is calibrated on the measurement: one decode
+rate for the node such that prompts + tokens generated match ``ours_now``, each task's share
+by its age (less an allowance for its prefill: a document that waits for the compute to
+prefill 8k tokens has generated nothing yet). P is the highest usage this projection reaches
+at any step; it is never above R (the tasks' final sizes), and a new task of cost W raises it
+by at most W, which keeps the budget's guarantee. Measurement lag and tasks still waiting in
+the engine's queue make the calibrated rate low, so tasks look younger and end later than they
+will: the projection errs towards overlap, the safe side.
 
 Releases add to R, never to U, so a burst released between two polls, by the scheduler or by
 the gateways' fast path, can use at most ``B - R`` and lands exactly on T: the metrics' lag
@@ -118,7 +119,8 @@ class RunningTask:
     prompt_tokens: int
     max_tokens: int
     age_us: int
-    """Since its release, by Redis TIME."""
+    """Time it may have spent decoding: since its release (Redis TIME), less an allowance for
+    its prefill (scheduler.pool.PREFILL_US_PER_TOKEN)."""
 
 
 def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:

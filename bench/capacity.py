@@ -57,9 +57,13 @@ class CapacityResult:
     vip_ttft_base: tuple[float, float] = (math.nan, math.nan)
     """VIP TTFT P50, P99 in simulated ms before the burst (arrival to first token)."""
     vip_ttft_burst: tuple[float, float] = (math.nan, math.nan)
+    vip_nodes: int = 0
+    """Nodes the ideal kept for VIP (as `[pools.dedicated]` does): 0 = all shared."""
+    alternative: CapacityResult | None = None
+    """The same replay with one node kept for VIP, when measured: the placement's price."""
 
     def as_dict(self) -> dict[str, float]:
-        return {"total_tokens_per_s": self.total_tokens_per_s,
+        return {"vip_nodes": self.vip_nodes, "total_tokens_per_s": self.total_tokens_per_s,
                 "generation_tokens_per_s": self.generation_tokens_per_s,
                 "preemptions": self.preemptions, "kv_peak": self.kv_peak,
                 "mean_running": self.mean_running,
@@ -149,6 +153,8 @@ def ideal_replay(
     requests: Sequence[PlannedRequest],
     time_scale: float,
     window: tuple[float, float],
+    *,
+    vip_nodes: int = 0,
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
     engines; measure over ``window`` (wall seconds, converted to simulated time).
@@ -157,10 +163,17 @@ def ideal_replay(
     and the engines run vLLM's priority policy with the tier as ``priority``. The VIP TTFT it
     reaches (from arrival, its own queueing included) is the best any admission controller
     can do on these nodes with this traffic while keeping their throughput at the maximum.
+
+    With ``vip_nodes`` > 0 the first nodes are kept for VIP, as ``[pools.dedicated]`` keeps
+    them: VIP tries them first, then the others; the other tiers never use them. It prices the
+    trade of that placement: VIP TTFT against throughput.
     """
     config = dataclasses.replace(config, scheduling_policy="priority")
     lo, hi = window[0] * time_scale, window[1] * time_scale
     fleet = [_Node(config) for _ in range(nodes)]
+    kept, shared = fleet[:vip_nodes], fleet[vip_nodes:]
+    # Where each tier may go, in order of preference (Normal and Batch alike: the shared nodes).
+    groups = {Tier.VIP: [g for g in (kept, shared) if g], Tier.BATCH: [shared]}
     arrivals = sorted(((r.at * time_scale, r) for r in requests), key=lambda x: x[0])
     queues: dict[Tier, list[tuple[float, PlannedRequest]]] = {t: [] for t in Tier}
     steps: list[tuple[float, int]] = []  # (step end, node index), a heap
@@ -188,8 +201,13 @@ def ideal_replay(
                     kept.extend(queue[i:])
                     break
                 scanned += 1
-                node = min((n for n in fleet if n.fits(req.prompt_tokens, req.output_tokens)),
-                           key=lambda n: len(n.live), default=None)
+                node = None
+                for group in (groups[Tier.VIP] if tier is Tier.VIP else groups[Tier.BATCH]):
+                    node = min((n for n in group if n.fits(req.prompt_tokens,
+                                                           req.output_tokens)),
+                               key=lambda n: len(n.live), default=None)
+                    if node is not None:
+                        break
                 if node is None:
                     kept.append((arrived, req))
                     continue
@@ -262,6 +280,7 @@ def ideal_replay(
         mean_running=running_sum / max(1, samples),
         vip_ttft_base=_ttft_ms(vips, 0.0, lo),
         vip_ttft_burst=_ttft_ms(vips, lo, hi),
+        vip_nodes=vip_nodes,
     )
 
 

@@ -77,8 +77,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run_capacity(settings: Settings, schedule: Schedule) -> CapacityResult:
-    return ideal_replay(settings.sim_config(0, priority=False), settings.nodes,
-                        schedule.requests, settings.time_scale, settings.profile.window("burst"))
+    """The preemption-free maximum; with more than one node, also the same ideal with one node
+    kept for VIP (what `[pools.dedicated]` trades: VIP TTFT against throughput)."""
+    def replay(vip_nodes: int) -> CapacityResult:
+        return ideal_replay(settings.sim_config(0, priority=False), settings.nodes,
+                            schedule.requests, settings.time_scale,
+                            settings.profile.window("burst"), vip_nodes=vip_nodes)
+
+    best = replay(0)
+    if settings.nodes < 2:
+        return best
+    return dataclasses.replace(best, alternative=replay(1))
 
 
 def dump_raw(result: ArmResult, directory: Path) -> None:

@@ -80,3 +80,24 @@ def test_ideal_replay_never_preempts_and_serves_an_overload_at_full_cache() -> N
     assert 0.9 <= result.kv_peak <= 1.0
     assert result.total_tokens_per_s > 0
     assert result.generation_tokens_per_s < result.total_tokens_per_s
+
+
+def test_a_node_kept_for_vip_spares_vip_the_long_prefills_and_costs_batch_throughput() -> None:
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    rng = random.Random(5)
+    requests = [
+        PlannedRequest(i, "batch", Tier.BATCH, at=rng.uniform(0, 20),
+                       prompt_tokens=rng.randint(3000, 6000), output_tokens=rng.randint(20, 100),
+                       stream=False)
+        for i in range(80)
+    ]
+    requests += [
+        PlannedRequest(100 + i, "vip", Tier.VIP, at=0.25 * i, prompt_tokens=200,
+                       output_tokens=20, stream=True)
+        for i in range(100)
+    ]
+    shared = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0))
+    kept = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0), vip_nodes=1)
+    assert kept.vip_nodes == 1 and kept.preemptions == 0
+    assert kept.vip_ttft_burst[1] < shared.vip_ttft_burst[1]
+    assert kept.total_tokens_per_s < shared.total_tokens_per_s

@@ -32,9 +32,15 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from bench.httpload import Phase, highest_sustained, run_phase, start_server
+from bench.httpload import (
+    Phase,
+    highest_sustained,
+    publish_state_once,
+    run_phase,
+    start_server,
+    stop_processes,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-bench-overhead"
@@ -73,7 +79,9 @@ NOTES = [
 ]
 
 
-def _config(redis_url: str, backend_port: int) -> str:
+def gateway_config(redis_url: str, backend_port: int, gateway_lines: str = "") -> str:
+    """One pool on the instant backend, one VIP tenant with limits no benchmark reaches, the
+    staleness check off (no scheduler refreshes the state)."""
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     return f"""
 [redis]
@@ -82,6 +90,7 @@ max_connections = 64
 
 [gateway]
 access_log = false
+{gateway_lines}
 
 [[pools]]
 name = "{POOL}"
@@ -98,22 +107,6 @@ max_queued = 1000
 """
 
 
-async def _scheduler_step(redis_url: str) -> None:
-    """Publish GREEN with a large capacity, as the scheduler would on its first tick."""
-    import redis.asyncio as aioredis
-
-    from admission.scripts import register_scripts
-    from admission.store import PoolStore
-    from admission.tiers import Zone
-
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        store = PoolStore(client, register_scripts(client), POOL, _policy())
-        await store.publish_state(1, Zone.GREEN, {"node-0": 1_000_000_000})
-    finally:
-        await client.aclose()
-
-
 async def _stats(redis_url: str) -> dict[str, int]:
     import redis.asyncio as aioredis
 
@@ -125,12 +118,6 @@ async def _stats(redis_url: str) -> dict[str, int]:
         return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}
     finally:
         await client.aclose()
-
-
-def _policy() -> Any:
-    from admission.store import PoolPolicy
-
-    return PoolPolicy(stale_after_ms=0)
 
 
 def _table(phases: list[Phase]) -> list[str]:
@@ -168,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "listening on")
         procs.append(backend)
         config = workdir / "gateway.toml"
-        config.write_text(_config(redis.url, backend_port))
-        asyncio.run(_scheduler_step(redis.url))
+        config.write_text(gateway_config(redis.url, backend_port))
+        asyncio.run(publish_state_once(redis.url, [POOL]))
         gateway, gateway_port = start_server(
             [sys.executable, "-m", "gateway", "--config", str(config), "--port", "0",
              "--log-level", "WARNING"], "listening on")
@@ -197,12 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
         stats = asyncio.run(_stats(redis.url))
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs)
         redis.stop()
         shutil.rmtree(redis.workdir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)

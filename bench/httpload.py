@@ -238,6 +238,36 @@ def start_server(cmd: list[str], marker: str, env: Mapping[str, str] | None = No
     return proc, int(line.rsplit(":", 1)[1])
 
 
+def stop_processes(procs: Sequence[subprocess.Popen[Any]], timeout_s: float = 10.0) -> None:
+    """Terminate, newest first; kill what does not exit within `timeout_s`."""
+    for proc in reversed(procs):
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+async def publish_state_once(redis_url: str, pools: Sequence[str], zone: str = "GREEN",
+                             capacity: int = 1_000_000_000) -> None:
+    """What a leader's first tick writes, for benchmarks that run no scheduler: the zone and
+    one node ('node-0') with `capacity` tokens, in each pool."""
+    import redis.asyncio as aioredis
+
+    from admission.scripts import register_scripts
+    from admission.store import PoolPolicy, PoolStore
+    from admission.tiers import Zone
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        for pool in pools:
+            store = PoolStore(client, register_scripts(client), pool, PoolPolicy())
+            await store.publish_state(1, Zone(zone), {"node-0": capacity})
+    finally:
+        await client.aclose()
+
+
 def highest_sustained(sweep: Sequence[Phase], target: str, p99_limit_ms: float) -> float:
     """The highest rate that passed, every lower rate of the sweep having passed too."""
     best = 0.0

@@ -31,8 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from bench import litellm_env
-from bench.gateway_overhead import BODY, KEY, POOL, _config, _scheduler_step
-from bench.httpload import Phase, highest_sustained, run_phase, start_server
+from bench.gateway_overhead import BODY, KEY, POOL, gateway_config
+from bench.httpload import (
+    Phase,
+    highest_sustained,
+    publish_state_once,
+    run_phase,
+    start_server,
+    stop_processes,
+)
 from bench.perfreport import Check, PerfOptions, Section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,16 +151,6 @@ def _measure(group: Sequence[_Target], duration: float, sweep_duration: float,
             if failures >= 2:
                 break
     return fixed, sweep
-
-
-def _stop(procs: Sequence[subprocess.Popen[Any]]) -> None:
-    for proc in reversed(procs):
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _redis_commands(port: int) -> dict[str, int]:
@@ -275,8 +272,8 @@ def run(options: PerfOptions) -> Section:
             "listening on")
         procs.append(backend)
         gw_config = options.workdir / "gateway.toml"
-        gw_config.write_text(_config(gw_redis.url, backend_port))
-        asyncio.run(_scheduler_step(gw_redis.url))
+        gw_config.write_text(gateway_config(gw_redis.url, backend_port))
+        asyncio.run(publish_state_once(gw_redis.url, [POOL]))
         gateway, gateway_port = start_server(
             [sys.executable, "-m", "gateway", "--config", str(gw_config), "--port", "0",
              "--log-level", "WARNING"], "listening on")
@@ -320,7 +317,7 @@ def run(options: PerfOptions) -> Section:
     finally:
         if proxy is not None:
             proxy.stop()
-        _stop(procs)
+        stop_processes(procs)
         for r in (gw_redis, ll_redis):
             r.stop()
             shutil.rmtree(r.workdir, ignore_errors=True)

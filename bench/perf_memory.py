@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.httpload import run_phase, start_server
+from bench.httpload import publish_state_once, run_phase, start_server, stop_processes
 from bench.perfreport import Check, PerfOptions, Section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,36 +223,16 @@ def stack(workdir: Path, zone: str, token_interval_ms: float, retention_s: int
         procs.append(backend)
         config = workdir / f"gateway-{zone.lower()}.toml"
         config.write_text(_config(redis.url, backend_port, retention_s))
-        asyncio.run(_publish(redis.url, zone))
+        asyncio.run(publish_state_once(redis.url, [POOL], zone))
         gateway, port = start_server(
             [sys.executable, "-m", "gateway", "--config", str(config), "--port", "0",
              "--log-level", "WARNING"], "listening on")
         procs.append(gateway)
         yield Stack(redis.url, redis.process.pid, gateway.pid, port)
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(procs, timeout_s=15)
         redis.stop()
         shutil.rmtree(redis.workdir, ignore_errors=True)
-
-
-async def _publish(redis_url: str, zone: str) -> None:
-    import redis.asyncio as aioredis
-
-    from admission.scripts import register_scripts
-    from admission.store import PoolPolicy, PoolStore
-    from admission.tiers import Zone
-
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        store = PoolStore(client, register_scripts(client), POOL, PoolPolicy())
-        await store.publish_state(1, Zone(zone), {"node-0": 1_000_000_000})
-    finally:
-        await client.aclose()
 
 
 def rss_bytes(pid: int) -> int:

@@ -40,12 +40,18 @@ import redis
 from admission.keys import PoolKeys
 from admission.localredis import LocalRedis, start_redis
 from admission.scripts import script_source
-from bench.httpload import Phase, highest_sustained, run_phase, start_server
+from bench.gateway_overhead import POOL, gateway_config
+from bench.httpload import (
+    Phase,
+    highest_sustained,
+    publish_state_once,
+    run_phase,
+    start_server,
+    stop_processes,
+)
 from bench.perfreport import Check, PerfOptions, Section
 
 ROOT = Path(__file__).resolve().parent.parent
-KEY = "sk-bench-overhead"  # bench.httpload's default key
-POOL = "demo"
 BENCH_POOL = "rbench"  # redis-benchmark's admits go to a pool of their own
 GATEWAY_COUNTS = (1, 2, 4)
 P99_LIMIT_MS = 50.0
@@ -58,49 +64,6 @@ SCRIPT_CALLS = ("evalsha", "eval", "evalsha_ro", "eval_ro", "fcall", "fcall_ro")
 MONITOR_LINE = re.compile(r'^(\d+\.\d+) \[\d+ ([^\]]+)\] "([^"]*)"(?: "([^"]*)")?')
 SHAS = {hashlib.sha1(script_source(name).encode()).hexdigest(): name
         for name in ("admit", "finish", "renew", "reap", "release", "state", "leader")}
-
-
-def _config(redis_url: str, backend_port: int) -> str:
-    digest = hashlib.sha256(KEY.encode()).hexdigest()
-    return f"""
-[redis]
-url = "{redis_url}"
-max_connections = 64
-
-[gateway]
-access_log = false
-renew_interval_ms = {RENEW_INTERVAL_MS}
-
-[[pools]]
-name = "{POOL}"
-stale_after_ms = 0
-backends = [{{ name = "node-0", url = "http://127.0.0.1:{backend_port}" }}]
-
-[[tenants]]
-name = "bench"
-tier = "vip"
-key_sha256 = ["{digest}"]
-rate = 1000000000
-burst = 1000000000
-max_queued = 1000
-"""
-
-
-async def _publish_green(redis_url: str) -> None:
-    """GREEN with a large capacity, as the scheduler's first tick would (both pools)."""
-    import redis.asyncio as aioredis
-
-    from admission.scripts import register_scripts
-    from admission.store import PoolPolicy, PoolStore
-    from admission.tiers import Zone
-
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        for pool in (POOL, BENCH_POOL):
-            store = PoolStore(client, register_scripts(client), pool, PoolPolicy(stale_after_ms=0))
-            await store.publish_state(1, Zone.GREEN, {"node-0": 1_000_000_000})
-    finally:
-        await client.aclose()
 
 
 class Rig:
@@ -119,8 +82,9 @@ class Rig:
             self.redis.stop()
             raise
         self.config = workdir / "gateway.toml"
-        self.config.write_text(_config(self.redis.url, self.backend_port))
-        asyncio.run(_publish_green(self.redis.url))
+        self.config.write_text(gateway_config(
+            self.redis.url, self.backend_port, f"renew_interval_ms = {RENEW_INTERVAL_MS}"))
+        asyncio.run(publish_state_once(self.redis.url, [POOL, BENCH_POOL]))
         self.gateways: list[tuple[subprocess.Popen[str], int]] = []
 
     def start_gateways(self, n: int) -> list[int]:
@@ -136,7 +100,7 @@ class Rig:
 
     def stop_gateways(self) -> None:
         for proc, _ in self.gateways:
-            _stop(proc)
+            stop_processes([proc])
         self.gateways = []
 
     def stats(self) -> dict[str, int]:
@@ -149,19 +113,10 @@ class Rig:
 
     def close(self) -> None:
         self.stop_gateways()
-        _stop(self.backend)
+        stop_processes([self.backend])
         self.client.close()
         self.redis.stop()
         shutil.rmtree(self.redis.workdir, ignore_errors=True)
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
 
 
 def _revision() -> str:
@@ -334,7 +289,7 @@ def monitoring(port: int, out: Path) -> Iterator[None]:
         yield
         time.sleep(0.3)  # the last replies reach the file
     finally:
-        _stop(proc)
+        stop_processes([proc])
 
 
 def parse_monitor(text: str, exclude: set[str]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from aiohttp import web
 from admission.keys import PoolKeys
 from bench import instant_backend
 from bench.instant_backend import InstantBackend
-from bench.perf_memory import CLIENT_DEADLINE_EVERY, measure_queue_memory
+from bench.perf_queue_memory import CLIENT_DEADLINE_EVERY, measure_queue_memory
 
 
 async def test_bytes_per_queued_task(redis_client: aioredis.Redis, redis_url: str) -> None:

@@ -73,9 +73,9 @@ class ZoneSettings:
     """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
     aggregate: str = "max"
     """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
-    projection: str = "peak"
-    """How released tasks count in projected usage: 'peak' (the highest usage their decoding
-    reaches over time, as the short ones end) or 'final' (every task at its final size)."""
+    projection: str = "final"
+    """How released tasks count in projected usage: 'final' (every task at its final size) or
+    'peak' (the highest usage their decoding reaches over time, as the short ones end)."""
     max_overcommit: float = 3.0
     """Upper bound on reserved tokens / KV tokens the scheduler allows from learned usage."""
     usage_margin: float = 0.10

@@ -46,6 +46,8 @@ class Settings:
     schedulers: int = 2
     pass_priority: bool = True
     vip_nodes: int = 0
+    projection: str | None = None
+    """Arm (c): `zones.projection` of the pool; None = the project's default."""
     """Arm (c): nodes kept for VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
     """Arm (c) forwards the tier as vLLM's priority and the nodes run the priority policy."""
     max_loop_lag_ms: float = 50.0
@@ -158,6 +160,8 @@ def kvgate_toml(
         "]",
         "",
     ]
+    if settings.projection:
+        lines += ["[pools.zones]", f"projection = {_toml_str(settings.projection)}", ""]
     if settings.vip_nodes:
         lines += [
             "[pools.dedicated]",

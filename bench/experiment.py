@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arm (b): requests in flight per node at real scale (default 128)")
     p.add_argument("--vip-nodes", type=int, dest="vip_nodes",
                    help="arm (c): how many nodes to keep for VIP ([pools.dedicated])")
+    p.add_argument("--projection", choices=("final", "peak"),
+                   help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--no-capacity", action="store_true",
                    help="skip measuring the preemption-free maximum (no goodput ratio)")
     return p
@@ -72,7 +74,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         time_scale=args.time_scale, baseline_sim_s=args.baseline_sim_s,
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
-        vip_nodes=args.vip_nodes,
+        vip_nodes=args.vip_nodes, projection=args.projection,
     )
 
 
@@ -229,6 +231,7 @@ def setup_section(settings: Settings) -> list[str]:
         "private Redis, the project's default zones and scheduler settings"
         + (", tiers forwarded as vLLM `priority` to nodes run with `--scheduling-policy "
            "priority`" if settings.pass_priority else "")
+        + (f", `zones.projection = \"{settings.projection}\"`" if settings.projection else "")
         + (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: "
            "no Normal or Batch work there; VIP tries them first, then the shared nodes)."
            if settings.vip_nodes else "."),

@@ -33,21 +33,21 @@ Foreign usage is what exceeds everything reserved on the node; other clients' us
 inside our reservations looks like ours running ahead, which the floor bounds without its
 future growth (a known limit: the gateway is meant to be the only way in).
 
-Peak over time (``zones.projection = "peak"``, the default). R counts every task at its final
-size, as if none ended before all others had grown to full length. In a node that runs long
-generations next to short ones the sum of final sizes is far above any usage the node will
-ever show (a steady stream of 4,000-token generations is, on average, half done), and a pool
-steered by it holds Batch back at half its KV. The scheduler therefore reads each released
-task's prompt, max_tokens and release time (the pool's running index) and projects decoding in
-lockstep, as a continuous-batching engine runs it: each task gains one token per step until it
-reaches max_tokens, then leaves. Progress so far is calibrated on the measurement: one decode
-rate for the node such that prompts + tokens generated match ``ours_now``, each task's share
-by its age (less an allowance for its prefill: a document that waits for the compute to
-prefill 8k tokens has generated nothing yet). P is the highest usage this projection reaches
-at any step; it is never above R (the tasks' final sizes), and a new task of cost W raises it
-by at most W, which keeps the budget's guarantee. Measurement lag and tasks still waiting in
-the engine's queue make the calibrated rate low, so tasks look younger and end later than they
-will: the projection errs towards overlap, the safe side.
+Peak over time (``zones.projection = "peak"``; the default is "final"). R counts every task at
+its final size, as if none ended before all others had grown to full length. In a node that
+runs long generations next to short ones the sum of final sizes is far above any usage the
+node will ever show (a steady stream of 4,000-token generations is, on average, half done),
+and a pool steered by it holds Batch back at half its KV. The scheduler therefore reads each
+released task's prompt, max_tokens and release time (the pool's running index) and projects
+decoding in lockstep, as a continuous-batching engine runs it: each task gains one token per
+step until it reaches max_tokens, then leaves. Progress so far is calibrated on the
+measurement: one decode rate for the node such that prompts + tokens generated match
+``ours_now``, each task's share by its age (less an allowance for its prefill: a document that
+waits for the compute to prefill 8k tokens has generated nothing yet). P is the highest usage
+this projection reaches at any step; it is never above R (the tasks' final sizes), and a new
+task of cost W raises it by at most W, which keeps the budget's guarantee. Measurement lag and
+tasks still waiting in the engine's queue make the calibrated rate low, so tasks look younger
+and end later than they will: the projection errs towards overlap, the safe side.
 
 Releases add to R, never to U, so a burst released between two polls, by the scheduler or by
 the gateways' fast path, can use at most ``B - R`` and lands exactly on T: the metrics' lag
@@ -142,26 +142,38 @@ def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:
     return math.inf
 
 
-def peak_usage(tasks: Sequence[RunningTask], ours_now: float) -> float:
-    """Highest KV (tokens) these tasks hold at any future decode step (module docstring)."""
+def peak_usage(tasks: Sequence[RunningTask], ours_now: float, waiting: int = 0) -> float:
+    """Highest KV (tokens) these tasks hold at any future decode step (module docstring).
+
+    `waiting`: requests the engine reports queued, not yet prefilled; taken to be the youngest
+    tasks. Their prompts are not in `ours_now` yet, so they stay out of the calibration (or
+    the tasks that are decoding would look as if they had generated nothing) and count at
+    full prompt from now on."""
     if not tasks:
         return 0.0
-    prompts = sum(t.prompt_tokens for t in tasks)
+    by_age = sorted(tasks, key=lambda t: t.age_us)
+    queued, started = by_age[:waiting], by_age[waiting:]
+    prompts = sum(t.prompt_tokens for t in started)
     # A task released this very µs cannot have generated anything yet.
-    could_have = float(sum(t.max_tokens for t in tasks if t.age_us > 0))
+    could_have = float(sum(t.max_tokens for t in started if t.age_us > 0))
     generated = min(max(0.0, ours_now - prompts), could_have)
-    rate = _decode_rate(tasks, generated) if generated > 0 else 0.0
+    rate = _decode_rate(started, generated) if generated > 0 else 0.0
 
     def made(t: RunningTask) -> float:
         return t.max_tokens if t.age_us * rate >= t.max_tokens else t.age_us * rate
 
-    states = sorted((t.max_tokens - made(t), t.prompt_tokens + made(t)) for t in tasks)
+    states = sorted([(t.max_tokens - made(t), t.prompt_tokens + made(t)) for t in started]
+                    + [(float(t.max_tokens), float(t.prompt_tokens)) for t in queued])
     # Just before the j-th task (by remaining tokens) ends, every task not yet ended holds its
     # current size plus that many steps: the peak is at one of these moments or now.
     size_from = list(accumulate((size for _, size in reversed(states)), initial=0.0))[::-1]
     peak = size_from[0]
     for j, (remaining, _) in enumerate(states):
         peak = max(peak, size_from[j] + remaining * (len(states) - j))
+    if queued:
+        # What the cache holds now plus the prompts still to come is a floor, whatever the
+        # calibration made of the rest.
+        peak = max(peak, ours_now + sum(t.prompt_tokens for t in queued))
     return peak
 
 
@@ -215,7 +227,7 @@ def plan_node(
     if running is not None:
         # Reservations missing from the index (released by an older version) count in full.
         unindexed = max(0.0, reserved - sum(t.prompt_tokens + t.max_tokens for t in running))
-        held = min(held, peak_usage(running, ours_now - unindexed) + unindexed)
+        held = min(held, peak_usage(running, ours_now - unindexed, m.waiting) + unindexed)
     projected = foreign + pad + max(factor * held, ours_now)
     budget = max(0, math.floor(reserved + (target - projected) / factor))
     reason = ""

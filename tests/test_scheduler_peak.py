@@ -123,3 +123,29 @@ def test_plan_node_budget_grows_with_the_peak_projection() -> None:
     unknown = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78,
                         stale_policy="full", running=[])
     assert unknown.budget == final.budget
+
+
+def test_requests_waiting_in_the_engine_do_not_hide_the_progress_of_the_decoding_ones() -> None:
+    # 50 generations of 4,000 tokens at uniform progress, and 40 fresh 8k-token documents the
+    # engine has not prefilled yet (it reports 40 waiting): the cache holds the generations'
+    # prompts and output so far, not the documents.
+    gens = [RunningTask(200, 4_000, 1_000_000 + i * 3_200_000) for i in range(50)]
+    docs = [RunningTask(8_000, 100, i * 10_000) for i in range(40)]
+    generated = sum(min(4_000, (1 + i * 3.2) * 50) for i in range(50))
+    ours_now = 50 * 200 + generated
+    peak = peak_usage([*gens, *docs], ours_now, waiting=40)
+    assert peak >= ours_now + 40 * 8_000  # now, once the documents are prefilled
+    # Without the waiting count the documents' prompts swallow the generated tokens in the
+    # calibration: the generations look fresh and the projection falls short of that floor.
+    assert peak_usage([*gens, *docs], ours_now) < ours_now + 40 * 8_000
+
+
+@settings(max_examples=200, deadline=None)
+@given(tasks_strategy, st.floats(0, 1), st.integers(1, 10))
+def test_waiting_requests_never_lower_the_projection(
+        tasks: list[RunningTask], share: float, waiting: int) -> None:
+    ours_now = share * sum(t.prompt_tokens + t.max_tokens for t in tasks)
+    queued = sorted(tasks, key=lambda t: t.age_us)[:waiting]
+    peak = peak_usage(tasks, ours_now, waiting)
+    assert peak >= ours_now + sum(t.prompt_tokens for t in queued) - 1e-6
+    assert peak <= sum(t.prompt_tokens + t.max_tokens for t in tasks) + ours_now + 1e-6

@@ -143,12 +143,16 @@ class PoolScheduler:
             pipe.hgetall(k.stats)
             for queue in k.queues:
                 pipe.zcard(queue)
-            pipe.zrange(k.running, 0, -1, withscores=True)
-            pipe.hget(k.clock, "frozen_us")
-            pipe.hget(k.state, "updated_us")
+            # The whole running index is read only when the projection uses it: with
+            # thousands of tasks in flight it is the largest reply of the tick.
+            peak = self.pool.zones.projection == "peak"
+            if peak:
+                pipe.zrange(k.running, 0, -1, withscores=True)
+                pipe.hget(k.clock, "frozen_us")
+                pipe.hget(k.state, "updated_us")
             reply = await pipe.execute()
         depths = (int(reply[2]), int(reply[3]), int(reply[4]))
-        running = _running(reply[5], self._redis_now_us(reply[6], reply[7]))
+        running = _running(reply[5], self._redis_now_us(reply[6], reply[7])) if peak else {}
         return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths, running)
 
     def _redis_now_us(self, frozen: Any, last_published: Any) -> int:

@@ -40,7 +40,7 @@ from bench.httpload import (
     start_server,
     stop_processes,
 )
-from bench.perfreport import Check, PerfOptions, Section
+from bench.perfreport import Check, PerfOptions, Section, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 RATES = (50.0, 200.0, 500.0)
@@ -246,9 +246,7 @@ def _chart(phases: Sequence[Phase], path: Path) -> None:
     ax.set_title("Instant backend: direct, through kvgate, through LiteLLM")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(options: PerfOptions) -> Section:

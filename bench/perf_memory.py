@@ -43,7 +43,7 @@ import orjson
 
 from bench.httpload import publish_state_once, run_phase, start_server, stop_processes
 from bench.perf_queue_memory import QueueMemory, measure_queue_memory, queue_markdown
-from bench.perfreport import Check, PerfOptions, Section
+from bench.perfreport import Check, PerfOptions, Section, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "demo"
@@ -383,9 +383,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     a.legend(loc="lower right")
     a.set_title(f"Soak: {result['rate']:.0f} RPS for {result['seconds']:.0f} s "
                 f"(records kept {result['retention_s']} s)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- the section ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 
 from bench import scheduler_release
-from bench.perfreport import Check, PerfOptions, Section
+from bench.perfreport import Check, PerfOptions, Section, save_figure
 
 TITLE = "Scheduler release throughput and latency"
 RELEASES_PER_S = 5_000
@@ -38,10 +38,7 @@ def _chart(lat: dict[str, float], path: Path) -> None:
     ax.set_title("Scheduler release latency")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(options: PerfOptions) -> Section:

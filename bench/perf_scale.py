@@ -51,7 +51,7 @@ from bench.perf_redis import (
     redis_benchmark,
     redis_cost,
 )
-from bench.perfreport import Check, PerfOptions, Section
+from bench.perfreport import Check, PerfOptions, Section, save_figure
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY_COUNTS = (1, 2, 4)
@@ -263,9 +263,7 @@ def chart(data: dict[str, Any], path: Path) -> Path:
     right.set_ylabel("CPU µs per request")
     right.set_title(f"CPU per request at {firsts[0]['offered_rps']:.0f} RPS")
     right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import estimator
-from bench.perfreport import Check, PerfOptions, Section
+from bench.perfreport import Check, PerfOptions, Section, save_figure
 
 TITLE = "Token estimation latency, cold and warm"
 WARM32_P99_MS = 1.0
@@ -46,10 +46,7 @@ def _chart(rows: list[estimator.Row], path: Path) -> None:
     ax.set_title("Chat token estimate latency")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(options: PerfOptions) -> Section:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -41,3 +44,14 @@ class Section:
     charts: list[Path] = field(default_factory=list)
     data: dict[str, Any] = field(default_factory=dict)
     """Raw figures, JSON-serialisable, for performance.json."""
+
+
+def save_figure(fig: Figure, path: Path) -> Path:
+    """Lay out, write as PNG (creating the folder) and free the figure: every chart the same."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -169,6 +169,22 @@ local function load_task(tkey)
            gateway = f[6], deadline_us = f[7], prompt_tokens = f[8], max_tokens = f[9] }
 end
 
+-- The head of a queue: id, score (enqueue µs) and record. An entry without a queued record can
+-- only come from a bug or a manual edit: it is dropped (record nil), which keeps the queue
+-- moving. Returns nil when the queue is empty.
+local function queue_head(prefix, queue_key, deadlines_key)
+  local entry = redis.call('ZRANGE', queue_key, 0, 0, 'WITHSCORES')
+  local head = entry[1]
+  if not head then return nil end
+  local task = load_task(task_key(prefix, head))
+  if task == nil or task.state ~= 'queued' then
+    redis.call('ZREM', queue_key, head)
+    redis.call('ZREM', deadlines_key, head)
+    return head, entry[2], nil
+  end
+  return head, entry[2], task
+end
+
 -- Fencing: a caller with an older epoch than the pool has seen is a deposed leader.
 -- A newer epoch is recorded, so the first write of a new leader fences out the old one.
 local function check_epoch(state_key, epoch)

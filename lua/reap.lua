@@ -60,13 +60,10 @@ end
 
 for t = 1, TIER_QUEUE_COUNT do
   while reaped + expired < budget do
-    local head = redis.call('ZRANGE', queues[t], 0, 0)[1]
+    local head, _, task = queue_head(prefix, queues[t], KEYS[6])
     if not head then break end
-    local task = load_task(task_key(prefix, head))
-    if task == nil or task.state ~= 'queued' then
-      -- A queue entry without a live record: only a bug or a manual edit makes one.
-      redis.call('ZREM', queues[t], head)
-      redis.call('ZREM', KEYS[6], head)
+    if task == nil then
+      -- a stray entry, dropped by queue_head
     elseif tonumber(task.deadline_us) <= now then
       drop_queued(prefix, queues, KEYS[6], KEYS[8], head, task, 'expired', now, retention_s)
       expired = expired + 1

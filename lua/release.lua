@@ -44,15 +44,10 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
   local blocked = false
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
-    local entry = redis.call('ZRANGE', queues[t + 1], 0, 0, 'WITHSCORES')
-    local head, queued_us = entry[1], entry[2]
+    local head, queued_us, task = queue_head(prefix, queues[t + 1], KEYS[8])
     if not head then break end
-    local task = load_task(task_key(prefix, head))
-    if task == nil or task.state ~= 'queued' then
-      -- A queue entry without a live record can only come from a bug or a manual edit;
-      -- dropping it keeps the queue moving.
-      redis.call('ZREM', queues[t + 1], head)
-      redis.call('ZREM', KEYS[8], head)
+    if task == nil then
+      -- a stray entry, dropped by queue_head
     elseif tonumber(task.deadline_us) <= now then
       drop_queued(prefix, queues, KEYS[8], KEYS[9], head, task, 'expired', now, retention_s)
       table.insert(out, head); table.insert(out, task.gateway)

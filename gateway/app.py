@@ -18,7 +18,6 @@ import secrets
 import socket
 from collections.abc import AsyncIterator
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -34,6 +33,7 @@ from gateway.auth import AdminToken, TenantDirectory
 from gateway.errors import openai_errors
 from gateway.estimator import ChatFormat, TokenCounter
 from gateway.metrics import GatewayMetrics
+from gateway.nodeclient import NodeClient
 from gateway.openapi import openapi_document
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
@@ -101,19 +101,10 @@ async def _counters(config: Config) -> dict[str, TokenCounter]:
     return counters
 
 
-def _session(config: Config) -> aiohttp.ClientSession:
+def _node_client(config: Config) -> NodeClient:
     g = config.gateway
-    timeout = aiohttp.ClientTimeout(
-        total=None,
-        sock_connect=g.upstream_connect_timeout_ms / 1000,
-        sock_read=g.upstream_timeout_ms / 1000,
-    )
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=60)
-    # No cookies, no decompression: bodies pass through as the node sent them (the gateway
-    # asks for identity encoding so that it can read SSE events and usage).
-    return aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                 cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-                                 skip_auto_headers=("User-Agent",))
+    return NodeClient(connect_timeout_s=g.upstream_connect_timeout_ms / 1000,
+                      read_timeout_s=g.upstream_timeout_ms / 1000)
 
 
 async def _runtime(app: web.Application) -> AsyncIterator[None]:
@@ -141,7 +132,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
                   sharded=config.redis.sharded_pubsub)
     live = LiveTasks()
     settler = Settler(metrics, live)
-    session = _session(config)
+    nodes = _node_client(config)
     gateway = Gateway(
         id=gid,
         config=config,
@@ -153,7 +144,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         hub=hub,
         settler=settler,
         admitter=Admitter(gid, config, hub, settler, metrics),
-        upstream=Upstream(session, metrics, jitter=config.gateway.retry_jitter),
+        upstream=Upstream(nodes, metrics, jitter=config.gateway.retry_jitter),
     )
     app[GATEWAY] = gateway
     stop_renewing = asyncio.Event()
@@ -178,7 +169,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         _, stuck = await asyncio.wait(background, timeout=BACKGROUND_STOP_S)
         for task in stuck:
             log.warning("background task %s did not stop", task.get_name())
-        await session.close()
+        await nodes.close()
         if mux is not None:
             await mux.close()
         await client.aclose()

@@ -23,13 +23,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from gateway.admit import Ticket
 from gateway.errors import ApiError, jittered, unavailable
 from gateway.metrics import GatewayMetrics
+from gateway.nodeclient import NodeClient, NodeError, NodeResponse, NodeUnreachable
 from gateway.parse import Inbound
 
 log = logging.getLogger("kvgate.gateway")
@@ -165,13 +165,13 @@ def forwarded_headers(request: web.Request, task_id: str) -> dict[str, str]:
 class Upstream:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: NodeClient,
         metrics: GatewayMetrics,
         *,
         jitter: float,
         rng: random.Random | None = None,
     ) -> None:
-        self.session = session
+        self.client = client
         self.metrics = metrics
         self.jitter = jitter
         self.rng = rng or random.Random()
@@ -186,17 +186,15 @@ class Upstream:
         self, request: web.Request, inbound: Inbound, ticket: Ticket, meter: Meter,
         started: float,
     ) -> web.StreamResponse:
-        url = ticket.url + _ROUTES[inbound.kind]
         try:
-            upstream = await self.session.post(
-                url,
-                data=orjson.dumps(inbound.body),
-                headers=forwarded_headers(request, ticket.task_id),
+            upstream = await self.client.post(
+                ticket.url, _ROUTES[inbound.kind], orjson.dumps(inbound.body),
+                forwarded_headers(request, ticket.task_id),
             )
-        except aiohttp.ClientConnectorError:
+        except NodeUnreachable:
             raise self._failed(ticket, "unreachable", 503,
                                "The inference node is unreachable. Please retry.") from None
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except NodeError as exc:
             raise self._failed(ticket, "error", 502,
                                f"The inference node failed ({type(exc).__name__}). "
                                "Please retry.") from None
@@ -214,11 +212,11 @@ class Upstream:
             upstream.release()
 
     async def _relay_error(
-        self, upstream: aiohttp.ClientResponse, ticket: Ticket, meter: Meter
+        self, upstream: NodeResponse, ticket: Ticket, meter: Meter
     ) -> web.StreamResponse:
         try:
             body = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError):
+        except NodeError:
             body = b""
         meter.phase = Phase.PENDING  # nothing generated: refund in full
         if upstream.status >= 500 or upstream.status == 429:
@@ -227,17 +225,17 @@ class Upstream:
                                f"The inference node failed: {message}. Please retry.")
         return web.Response(
             status=upstream.status, body=body,
-            headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"),
+            headers={"Content-Type": upstream.headers.get("content-type", "application/json"),
                      "X-Request-Id": ticket.task_id},
         )
 
     async def _whole(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, ticket: Ticket,
+        self, request: web.Request, upstream: NodeResponse, ticket: Ticket,
         meter: Meter,
     ) -> web.StreamResponse:
         try:
             body = await upstream.read()
-        except (aiohttp.ClientError, TimeoutError):
+        except NodeError:
             raise self._failed(ticket, "error", 502,
                                "The inference node broke off its answer. Please retry.") from None
         try:
@@ -248,7 +246,7 @@ class Upstream:
             meter.take_usage(parsed.get("usage"))
         response = web.Response(
             body=body,
-            headers={"Content-Type": upstream.headers.get("Content-Type", "application/json"),
+            headers={"Content-Type": upstream.headers.get("content-type", "application/json"),
                      "X-Request-Id": ticket.task_id},
         )
         await response.prepare(request)
@@ -257,11 +255,11 @@ class Upstream:
         return response
 
     async def _stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, inbound: Inbound,
+        self, request: web.Request, upstream: NodeResponse, inbound: Inbound,
         ticket: Ticket, meter: Meter, started: float,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={
-            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+            "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
             "Cache-Control": "no-cache",
             "X-Request-Id": ticket.task_id,
         })
@@ -271,17 +269,13 @@ class Upstream:
             await response.prepare(request)
             broken = False
             try:
-                async for data in upstream.content.iter_any():
+                async for data in upstream.iter_any():
                     out = relay.feed(data)
                     if out:
                         if meter.first_byte_s is None:
                             meter.first_byte_s = loop.time() - started
                         await response.write(out)
-            except ConnectionResetError:
-                # Writing to a client that left (aiohttp's ClientConnectionResetError is also a
-                # ClientError): not the node's fault, handled below.
-                raise
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except NodeError as exc:
                 broken = True
                 kind = "timeout" if isinstance(exc, TimeoutError) else "broken_stream"
                 self.metrics.child(

@@ -1,0 +1,350 @@
+"""The HTTP/1.1 client for the hop from the gateway to its inference nodes.
+
+aiohttp's client was a third of the gateway's CPU per request (session, request and response
+objects, header multidicts, timers and a stream reader per call), for a hop that only ever
+POSTs a JSON body to a known node and reads back either one JSON body or an SSE stream. This
+client keeps the part that matters: kept-alive connections per node, llhttp (via httptools) to
+parse the answer and undo chunked framing, flow control on a slow reader, a connect timeout,
+and a read timeout that fires when the node has sent nothing for that long (as aiohttp's
+`sock_read`).
+
+Errors: `NodeUnreachable` when no connection could be made (nothing was sent), `NodeTimeout`
+when the node went quiet, `NodeError` for any other failure (connection lost, malformed
+answer). A request that finds its reused connection closed by the node before any byte of an
+answer is sent again once on a new connection: servers close idle keep-alive connections on
+their own schedule (vLLM's uvicorn after 5 s), and such a connection never reached the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = ["NodeClient", "NodeError", "NodeResponse", "NodeTimeout", "NodeUnreachable"]
+
+PAUSE_READING_BYTES = 256 * 1024
+"""A stream whose reader (the gateway's client) lags this far behind stops reading the node
+until it catches up, so a slow client costs the gateway bounded memory."""
+
+
+class NodeError(Exception):
+    """The node failed to give a complete answer."""
+
+
+class NodeUnreachable(NodeError):
+    """No connection to the node could be made; the request was not sent."""
+
+
+class NodeTimeout(NodeError, TimeoutError):
+    """The node sent nothing for the read timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    host: str
+    port: int
+    tls: bool
+    base_path: str
+    host_header: bytes
+
+
+@functools.lru_cache(maxsize=1024)
+def _origin(base_url: str) -> _Origin:
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise NodeUnreachable(f"not an http(s) node URL: {base_url!r}")
+    tls = parts.scheme == "https"
+    port = parts.port or (443 if tls else 80)
+    host = parts.hostname
+    shown = f"[{host}]" if ":" in host else host
+    return _Origin(host, port, tls, parts.path.rstrip("/"), f"{shown}:{port}".encode("idna"))
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection; carries one request at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, origin: _Origin) -> None:
+        self.loop = loop
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.headers_done = False
+        self.keep_alive = False
+        self.complete = False
+        self.received_any = False
+        self.error: NodeError | None = None
+        self.chunks: collections.deque[bytes] = collections.deque()
+        self.buffered = 0
+        self.paused = False
+        self.last_data = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not derive from asyncio.Transport; they quack like one.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.received_any = True
+        self.last_data = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(NodeError("the node switched protocols"))
+        except httptools.HttpParserError as exc:
+            self._fail(NodeError(f"malformed answer from the node: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.headers_done and not self.complete and self._unframed():
+            self.complete = True  # a body delimited by the end of the connection
+            self._wake()
+        elif not self.complete:
+            self._fail(NodeError("the node closed the connection"))
+
+    # -- httptools callbacks ----------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        # Asked now: llhttp's answer is not kept once the message is complete.
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > PAUSE_READING_BYTES and not self.paused and self.transport:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- for the client ---------------------------------------------------------------------
+
+    def _unframed(self) -> bool:
+        h = self.headers
+        return "content-length" not in h and "chunked" not in h.get("transfer-encoding", "")
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _fail(self, error: NodeError) -> None:
+        if self.error is None:
+            self.error = error
+        self.abort()
+        self._wake()
+
+    def abort(self) -> None:
+        self.closed = True
+        self._cancel_timer()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def start(self, request: bytes, read_timeout_s: float) -> None:
+        self._reset()
+        assert self.transport is not None
+        self.last_data = self.loop.time()
+        self.transport.write(request)
+        self._timer = self.loop.call_later(read_timeout_s, self._check_quiet, read_timeout_s)
+
+    def _check_quiet(self, read_timeout_s: float) -> None:
+        quiet_for = self.loop.time() - self.last_data
+        if self.complete:
+            self._timer = None
+        elif quiet_for >= read_timeout_s:
+            self._timer = None
+            self._fail(NodeTimeout(f"the node sent nothing for {read_timeout_s:g} s"))
+        else:
+            self._timer = self.loop.call_later(
+                read_timeout_s - quiet_for, self._check_quiet, read_timeout_s)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def wait(self) -> None:
+        """Until something new arrives (headers, body, end) or the exchange fails."""
+        if self.error is not None:
+            raise self.error
+        waiter = self._waiter = self.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def take(self) -> bytes:
+        data = b"".join(self.chunks) if len(self.chunks) != 1 else self.chunks[0]
+        self.chunks.clear()
+        self.buffered = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def reusable(self) -> bool:
+        return self.complete and self.keep_alive and self.error is None and not self.closed
+
+
+class NodeResponse:
+    """A node's answer: status and headers at hand, the body read whole or as it arrives.
+
+    End every response with `release()` (keeps the connection when the answer was read to
+    its end) or `close()` (drops it, which also tells the node to stop generating)."""
+
+    __slots__ = ("_client", "_conn", "headers", "status")
+
+    def __init__(self, client: NodeClient, conn: _Connection) -> None:
+        self._client = client
+        self._conn = conn
+        self.status = conn.status
+        self.headers: Mapping[str, str] = conn.headers
+        """Lower-case names."""
+
+    async def read(self) -> bytes:
+        conn = self._conn
+        parts: list[bytes] = []
+        while not conn.complete:
+            if conn.chunks:
+                parts.append(conn.take())  # may resume reading: a large body must not stall
+            await conn.wait()
+        parts.append(conn.take())
+        return b"".join(parts)
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive, in pieces of whatever size came."""
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                yield conn.take()
+            elif conn.complete:
+                return
+            else:
+                await conn.wait()
+
+    def close(self) -> None:
+        self._conn.abort()
+
+    def release(self) -> None:
+        conn = self._conn
+        if conn.reusable():
+            conn._cancel_timer()
+            self._client._keep(conn)
+        else:
+            conn.abort()
+
+
+class NodeClient:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        keepalive_s: float = 60.0,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.keepalive_s = keepalive_s
+        self._ssl_context = ssl_context
+        self._idle: dict[_Origin, list[_Connection]] = {}
+        self.connects = 0
+
+    def _keep(self, conn: _Connection) -> None:
+        conn.idle_since = conn.loop.time()
+        self._idle.setdefault(conn.origin, []).append(conn)
+
+    def _idle_connection(self, origin: _Origin, now: float) -> _Connection | None:
+        idle = self._idle.get(origin)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.abort()
+        return None
+
+    async def _connect(self, origin: _Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        conn = _Connection(loop, origin)
+        context: ssl.SSLContext | None = None
+        if origin.tls:
+            if self._ssl_context is None:
+                self._ssl_context = ssl.create_default_context()
+            context = self._ssl_context
+        self.connects += 1
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.create_connection(lambda: conn, origin.host, origin.port, ssl=context)
+        except (OSError, TimeoutError) as exc:
+            raise NodeUnreachable(f"cannot connect to the node: {type(exc).__name__}") from exc
+        return conn
+
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> NodeResponse:
+        """POST `body` to the node at `base_url` + `path`; returns once the headers are in."""
+        origin = _origin(base_url)
+        head = [b"POST ", origin.base_path.encode(), path.encode(), b" HTTP/1.1\r\nHost: ",
+                origin.host_header, b"\r\nContent-Length: %d\r\n" % len(body)]
+        for name, value in headers.items():
+            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+                raise ValueError(f"header {name!r} holds a line break")
+            head.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
+        head.append(b"\r\n")
+        request = b"".join(head) + body
+        conn = self._idle_connection(origin, asyncio.get_running_loop().time())
+        if conn is not None:
+            try:
+                return await self._exchange(conn, request)
+            except NodeError as exc:
+                if conn.received_any or isinstance(exc, NodeTimeout):
+                    raise
+                # Closed by the node while idle, before it read the request: send it anew.
+        return await self._exchange(await self._connect(origin), request)
+
+    async def _exchange(self, conn: _Connection, request: bytes) -> NodeResponse:
+        conn.start(request, self.read_timeout_s)
+        try:
+            while not conn.headers_done:
+                await conn.wait()
+        except BaseException:
+            conn.abort()
+            raise
+        return NodeResponse(self, conn)
+
+    async def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.abort()
+        self._idle.clear()

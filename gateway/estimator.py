@@ -37,6 +37,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from gateway.bpetwin import TwinEncoder, tiktoken_twin
+
 __all__ = [
     "DEFAULT_TOKENIZER_ASSET",
     "ChatFormat",
@@ -235,9 +237,12 @@ class TokenCounter:
         cache_entries: int = 1 << 16,
         offload_bytes: int = 2048,
         executor: Executor | None = None,
+        tiktoken: bool = True,
     ) -> None:
         """`offload_bytes`: async counts whose uncached text exceeds this run in `executor`
-        (None: the loop's default); below it a thread hop costs more than the encode."""
+        (None: the loop's default); below it a thread hop costs more than the encode.
+        `tiktoken`: count with the tokenizer's tiktoken twin where one exists and agrees
+        (`gateway.bpetwin`)."""
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer()
         self.chat_format = chat_format if chat_format is not None else ChatFormat()
         self.offload_bytes = offload_bytes
@@ -248,6 +253,10 @@ class TokenCounter:
         # tokenizers >= 0.20 can skip computing offsets, which counting never needs (~25% faster).
         self._encode_batch = getattr(
             self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch
+        )
+        self.twin: TwinEncoder | None = (
+            tiktoken_twin(self.tokenizer)
+            if tiktoken and isinstance(self.tokenizer, Tokenizer) else None
         )
         self._generation_prompt_tokens = self._encode_lengths([f"{IM_START}assistant\n"])[0]
 
@@ -408,6 +417,8 @@ class TokenCounter:
     # -- encoding: the only expensive step ------------------------------------------------------
 
     def _encode_lengths(self, texts: list[str]) -> list[int]:
+        if self.twin is not None:
+            return self.twin.lengths(texts)
         return [len(encoding) for encoding in self._encode_batch(texts, add_special_tokens=False)]
 
     def _store(self, plan: _Plan, lengths: list[int], offloaded: bool) -> list[int]:

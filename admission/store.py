@@ -127,19 +127,21 @@ class PoolStore:
     def __init__(self, client: Any, scripts: Scripts, pool: str, policy: PoolPolicy) -> None:
         self.client = client
         self.scripts = scripts
-        self.keys = PoolKeys(pool)
+        self.keys = k = PoolKeys(pool)
         self.policy = policy
+        # Built once: the hot path's two scripts name the same pool keys on every call.
+        self._admit_keys = (k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues,
+                            k.deadlines, k.leases, k.tenant_queued, k.stats)
+        self._finish_keys_head = (k.clock, k.node_reserved, *k.queues, k.deadlines,
+                                  k.tenant_queued, k.stats)
+        self._prefix = k.prefix
 
     @property
     def pool(self) -> str:
         return self.keys.pool
 
     def _finish_keys(self, task_id: str) -> list[str]:
-        k = self.keys
-        return [
-            k.clock, k.node_reserved, *k.queues, k.deadlines, k.tenant_queued, k.stats,
-            k.task_key(task_id),
-        ]
+        return [*self._finish_keys_head, self.keys.task_key(task_id)]
 
     async def admit(
         self,
@@ -160,9 +162,8 @@ class PoolStore:
         cost = prompt_tokens + max_tokens
         reply = await self.scripts.admit(
             keys=[
-                k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
-                k.leases, k.tenant_queued, k.stats, k.task_key(task_id),
-                k.bucket_key(tenant.name), k.gateway_tasks_key(gateway), k.running,
+                *self._admit_keys, k.task_key(task_id), k.bucket_key(tenant.name),
+                k.gateway_tasks_key(gateway), k.running,
             ],
             args=[
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
@@ -178,7 +179,7 @@ class PoolStore:
         reply = await self.scripts.finish(
             keys=self._finish_keys(task_id),
             args=[
-                self.keys.prefix, task_id, -1 if usage is None else max(0, usage),
+                self._prefix, task_id, -1 if usage is None else max(0, usage),
                 self.policy.retention_s, "cancelled" if cancelled else "settled",
             ],
         )

@@ -14,7 +14,7 @@ class Tier(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        return self.name.lower()
+        return _TIER_LABELS[self]
 
     @classmethod
     def parse(cls, value: str | int) -> Tier:
@@ -24,6 +24,10 @@ class Tier(enum.IntEnum):
             return cls[value.strip().upper()]
         except KeyError:
             raise ValueError(f"unknown tier {value!r}; expected vip, normal or batch") from None
+
+
+# Read on every request (metric labels); Enum's `name` is a descriptor lookup each time.
+_TIER_LABELS = {tier: tier.name.lower() for tier in Tier}
 
 
 class Zone(enum.StrEnum):

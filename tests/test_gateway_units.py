@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 
 import orjson
@@ -105,3 +106,23 @@ def test_tenant_directory_and_priority_lowering() -> None:
     assert effective_tier(bob, "NORMAL") is Tier.NORMAL
     with pytest.raises(ApiError):
         effective_tier(alice, "urgent")
+
+
+def test_task_ids_are_unique_hex_and_not_shared_with_a_forked_child() -> None:
+    from gateway.admit import new_task_id
+
+    ids = [new_task_id() for _ in range(5000)]  # spans several 4 KB blocks
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 16 and int(i, 16) >= 0 for i in ids)
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        os.write(write_end, ",".join(new_task_id() for _ in range(100)).encode())
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(child, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        from_child = pipe.read().decode().split(",")
+    from_parent = [new_task_id() for _ in range(100)]
+    assert len(from_child) == 100
+    assert not set(from_child) & set(from_parent)

@@ -70,6 +70,17 @@ NOTES = [
     " jar or decompression, and objects built at start are frozen out of the garbage "
     "collector. Result: about 500 µs per request at 1,000 RPS.",
     "",
+    "Second round, on a machine about 1.7x slower (CPython loop and redis-benchmark "
+    "yardsticks): py-spy at 800 RPS put the hop to the node (aiohttp's client: session, "
+    "request and response objects, header multidicts, a timer and a stream reader per call) "
+    "at 28% of the gateway's samples. It is now `gateway/nodeclient.py`: kept-alive "
+    "connections, llhttp through httptools, one quiet-read timer per request, flow control; "
+    "878 -> 688 µs of gateway CPU per request at 800 RPS, and 1,000-1,500 RPS sustained "
+    "where 500-750 were before on the same machine. Smaller items from the same profile: "
+    "pool keys built once per store, tier labels precomputed, task ids cut from a 4 KB "
+    "block of urandom (one system call per 512 ids). What remains is aiohttp's server side "
+    "and the event loop's socket work (about half of the samples), and the two script calls.",
+    "",
     "The machine has 2 CPUs shared by all four processes, so the sweep's upper rates measure "
     "the machine as much as the gateway, and they move with whatever else runs on it: in a "
     "quiet run every rate up to 2,500 RPS passed (p99 5.4 ms at 1,500), while runs that "

@@ -21,7 +21,7 @@ from gateway.waiter import WakeHub
 @dataclass(slots=True)
 class Gateway:
     """Everything a request needs, built in the app's cleanup context (Redis, subscription,
-    tokenizers, upstream session) and torn down with it."""
+    tokenizers, node client) and torn down with it."""
 
     id: str
     config: Config

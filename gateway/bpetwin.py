@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 log = logging.getLogger("kvgate.gateway")
 
-__all__ = ["SELF_CHECK_TEXTS", "TwinEncoder", "tiktoken_twin"]
+__all__ = ["SELF_CHECK_TEXTS", "TwinEncoder", "bytes_to_unicode", "tiktoken_twin"]
 
 SELF_CHECK_TEXTS: tuple[str, ...] = (
     "Hello, world! I'LL be there; they've said it's fine.",
@@ -41,21 +41,21 @@ SELF_CHECK_TEXTS: tuple[str, ...] = (
     "URL https://example.com/a?b=c&d=e#f, email a.b@example.org, path /usr/local/bin",
 )
 
-# GPT-2's byte-level alphabet: every byte spelled as one printable character.
-_PRINTABLE = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-              *range(ord("®"), ord("ÿ") + 1)]
-
-
-def _byte_of_char() -> dict[str, int]:
-    chars = list(_PRINTABLE)
-    bytes_ = list(_PRINTABLE)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map, the alphabet HF ByteLevel uses."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    codepoints = list(printable)
     extra = 0
     for b in range(256):
-        if b not in bytes_:
-            bytes_.append(b)
-            chars.append(256 + extra)
+        if b not in printable:
+            printable.append(b)
+            codepoints.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(bytes_, chars, strict=True)}
+    return {b: chr(c) for b, c in zip(printable, codepoints, strict=True)}
 
 
 class TwinEncoder:
@@ -105,7 +105,7 @@ def _build(tokenizer: Tokenizer) -> TwinEncoder | None:
     pattern = _split_pattern(spec.get("pre_tokenizer"))
     if pattern is None:
         return None
-    byte_of = _byte_of_char()
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
     try:
         ranks = {bytes(byte_of[c] for c in token): rank for token, rank in model["vocab"].items()}
     except KeyError:

@@ -36,6 +36,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from gateway.bpetwin import bytes_to_unicode
+
 ASSET_NAME = "qwen2-tokenizer.json.gz"
 RANKS_RESOURCE = "resources/qwen.tiktoken"
 # Qwen2/2.5 `tokenizer.json` declares only these three of the package's special tokens; the
@@ -60,23 +62,6 @@ def load_ranks(data: bytes) -> dict[bytes, int]:
         base64.b64decode(token): int(rank)
         for token, rank in (line.split() for line in data.splitlines() if line)
     }
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map, the alphabet HF ByteLevel uses."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    codepoints = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            codepoints.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, codepoints, strict=True)}
 
 
 def bpe_split(ranks: dict[bytes, int], token: bytes, max_rank: int) -> list[bytes]:

@@ -115,6 +115,36 @@ def test_chunked_prefill_respects_token_budget() -> None:
     assert [p.shape.prefill_tokens for p in d.plans] == [32, 32, 32, 4]
 
 
+def test_long_prefill_token_threshold_caps_each_chunk_and_leaves_the_budget_to_others() -> None:
+    engine = small_engine(usable_blocks=40, max_num_batched_tokens=64,
+                          long_prefill_token_threshold=24)
+    d = Driver(engine)
+    long = d.add(new_request("long", prompt=100, max_tokens=2))
+    chunks = []
+    while long.num_output == 0:
+        plan, _ = d.step()
+        chunks.append(dict(plan.scheduled)[long])
+        if len(d.plans) == 1:
+            # The rest of the budget goes to a request that arrives behind it.
+            short = d.add(new_request("short", prompt=20, max_tokens=5))
+        assert long.blocks == -(-long.num_computed // BS)
+    # At most the threshold per step, though the budget (64) would take 64 at once.
+    assert chunks == [24, 24, 24, 24, 4]
+    assert d.plans[1].scheduled == [(long, 24), (short, 20)]
+    assert d.plans[1].shape.prefill_tokens == 44
+    d.run_until_idle()
+    assert long.num_output == 2 and short.num_output == 5
+
+
+def test_long_prefill_token_threshold_off_by_default_and_scaled_like_the_budget() -> None:
+    assert SimConfig().long_prefill_token_threshold == 0
+    assert Engine(SimConfig()).long_prefill_token_threshold == 0
+    scaled = SimConfig(capacity_scale=0.25, long_prefill_token_threshold=1024)
+    assert scaled.effective_long_prefill_token_threshold == 256
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SimConfig(long_prefill_token_threshold=-1)
+
+
 def test_running_decodes_go_before_new_prefill_chunks() -> None:
     engine = small_engine(usable_blocks=40, max_num_batched_tokens=64)
     d = Driver(engine)

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--long-prefill-token-threshold", type=int,
+                   default=d.long_prefill_token_threshold,
+                   help="prompt tokens one request may prefill per step (0: no cap)")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     p.add_argument("--time-scale", type=float, default=d.time_scale,
@@ -74,6 +77,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_model_len=args.max_model_len,
         scheduling_policy=args.scheduling_policy,
         time_scale=args.time_scale,
@@ -106,6 +110,7 @@ def config_to_argv(config: SimConfig) -> list[str]:
         "--block-size", str(config.block_size),
         "--max-num-seqs", str(config.max_num_seqs),
         "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+        "--long-prefill-token-threshold", str(config.long_prefill_token_threshold),
         "--max-model-len", str(config.max_model_len),
         "--scheduling-policy", config.scheduling_policy,
         "--time-scale", repr(config.time_scale),

@@ -27,6 +27,10 @@ class SimConfig:
     block_size: int = 16
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 8192
+    long_prefill_token_threshold: int = 0
+    """vLLM V1's cap on the prompt tokens one request computes in a step (0: off, vLLM's default
+    when ``max_num_partial_prefills`` is 1): a long prompt is then prefilled over several steps,
+    leaving the rest of each step's token budget to other requests."""
     max_model_len: int = 32_768
     scheduling_policy: SchedulingPolicy = "fcfs"
 
@@ -70,6 +74,8 @@ class SimConfig:
                      "max_model_len"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            out.append("long_prefill_token_threshold must be >= 0")
         if self.scheduling_policy not in ("fcfs", "priority"):
             out.append("scheduling_policy must be 'fcfs' or 'priority'")
         if not self.time_scale > 0:
@@ -112,3 +118,11 @@ class SimConfig:
     @property
     def effective_max_num_batched_tokens(self) -> int:
         return max(1, math.floor(self.max_num_batched_tokens * self.capacity_scale))
+
+    @property
+    def effective_long_prefill_token_threshold(self) -> int:
+        # Scaled like the token budget, so a scaled node splits a prompt into as many steps of
+        # the same duration as the real one; 0 stays off.
+        if self.long_prefill_token_threshold == 0:
+            return 0
+        return max(1, math.floor(self.long_prefill_token_threshold * self.capacity_scale))

@@ -8,11 +8,12 @@ real time; the tests drive it directly.
 Scheduling follows vllm/v1/core/sched/scheduler.py:
 
 1. Running requests first, in admission order: each asks for its remaining prefill (chunked to
-   the step's token budget) or one decode token, and for the blocks that covers. When the pool
-   cannot supply them, a victim is preempted (FCFS: the last of the running list, i.e. the most
-   recently scheduled; priority: the worst ``(priority, arrival)``), its blocks are freed and it
-   goes back to the front of the waiting queue to be recomputed from scratch, prompt and
-   generated tokens alike. If the victim is the requester itself, the loop stops.
+   the step's token budget, and to ``long_prefill_token_threshold`` when set) or one decode
+   token, and for the blocks that covers. When the pool cannot supply them, a victim is
+   preempted (FCFS: the last of the running list, i.e. the most recently scheduled; priority:
+   the worst ``(priority, arrival)``), its blocks are freed and it goes back to the front of the
+   waiting queue to be recomputed from scratch, prompt and generated tokens alike. If the
+   victim is the requester itself, the loop stops.
 2. Only if nothing was preempted, waiting requests are admitted in queue order while a sequence
    slot, token budget and blocks for their first prefill chunk are available. Admission never
    preempts.
@@ -184,6 +185,7 @@ class Engine:
         self.block_size = config.block_size
         self.max_num_seqs = config.effective_max_num_seqs
         self.max_num_batched_tokens = config.effective_max_num_batched_tokens
+        self.long_prefill_token_threshold = config.effective_long_prefill_token_threshold
         self.max_model_len = config.max_model_len
         self.priority_policy = config.scheduling_policy == "priority"
         self.pool = BlockPool(config.usable_blocks)
@@ -288,6 +290,15 @@ class Engine:
             return victim
         return self.running.pop()
 
+    def _chunk(self, req: SimRequest) -> int:
+        """Tokens ``req`` asks to compute this step before the budget: all it lacks, or at most
+        ``long_prefill_token_threshold`` of them (vLLM V1 caps running and waiting requests
+        alike, recomputation after a preemption included; a decode's one token is below any cap).
+        """
+        n = req.num_tokens - req.num_computed
+        cap = self.long_prefill_token_threshold
+        return cap if 0 < cap < n else n
+
     def schedule(self, now: float) -> StepPlan:
         budget = self.max_num_batched_tokens
         scheduled: dict[SimRequest, int] = {}
@@ -296,7 +307,7 @@ class Engine:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(self._chunk(req), budget)
             need = self.blocks_for(req.num_computed + n) - req.blocks
             while need > self.pool.free:
                 victim = self._pick_victim()
@@ -321,7 +332,7 @@ class Engine:
                 if len(self.running) >= self.max_num_seqs:
                     break
                 req = self.waiting.peek()
-                n = min(req.num_tokens - req.num_computed, budget)
+                n = min(self._chunk(req), budget)
                 need = self.blocks_for(req.num_computed + n) - req.blocks
                 if need > self.pool.free:
                     break

@@ -7,7 +7,9 @@ ones (a node that closes a kept-alive connection, breaks off, goes quiet or answ
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -301,3 +303,34 @@ async def test_line_breaks_in_headers_are_refused() -> None:
     with pytest.raises(ValueError, match="line break"):
         await client().post("http://127.0.0.1:1", "/v1/completions", b"{}",
                             {"X-Evil": "a\r\nHost: elsewhere"})
+
+
+async def test_https_nodes_are_verified_against_the_given_ca(
+    tmp_path: Path, app_server: Callable[[web.Application], Awaitable[str]],
+) -> None:
+    from tests.test_security import make_tls_dir
+
+    certs = make_tls_dir(tmp_path / "tls")
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(certs / "server.crt", certs / "server.key")
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"tls": request.secure})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_side).start()
+    url = f"https://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        trusted = NodeClient(connect_timeout_s=2, read_timeout_s=5,
+                             ssl_context=ssl.create_default_context(cafile=str(certs / "ca.crt")))
+        response = await trusted.post(url, "/v1/completions", b"{}", JSON)
+        assert await response.read() == b'{"tls": true}'
+        response.release()
+        await trusted.close()
+        with pytest.raises(NodeUnreachable, match="SSL"):  # the system store lacks our CA
+            await client().post(url, "/v1/completions", b"{}", JSON)
+    finally:
+        await runner.cleanup()

@@ -30,6 +30,27 @@ from scheduler.pool import PoolScheduler, TickResult
 from scheduler.scrape import Poller
 
 log = logging.getLogger("kvgate.scheduler")
+RECANCEL_S = 0.5
+
+
+async def cancel_until_done(tasks: list[asyncio.Task[Any]], recancel_s: float = RECANCEL_S) -> None:
+    """Cancel `tasks` and wait for them, cancelling again every `recancel_s` until they end.
+
+    One cancel is not always enough on Python 3.11: `asyncio.wait_for` can swallow a
+    cancellation that lands as its inner call completes (CPython gh-86296, fixed in 3.12), and
+    redis-py calls it whenever it opens a connection. A loop that lost its cancel would keep
+    running and `stop()` would never resign the lease.
+    """
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=recancel_s)
+    for task in tasks:  # collect outcomes so that none is reported as never retrieved
+        if not task.cancelled():
+            task.exception()
+
+
 REAP_BATCH = 1000
 REAP_CALLS = 10
 """At most this many reap calls per pool per round, so a backlog cannot stall the loop."""
@@ -114,9 +135,7 @@ class SchedulerService:
     async def stop(self) -> None:
         """Stop ticking, resign (standbys take over at once), close connections. Idempotent."""
         tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_until_done(tasks)
         if self.elector is not None:
             await self.elector.resign()
             self._sync_leader_metrics()

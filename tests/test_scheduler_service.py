@@ -124,3 +124,30 @@ def test_reaper_waits_one_lease_after_redis_failed() -> None:
     assert not service.reaping_allowed()
     now[0] += 0.002
     assert service.reaping_allowed()
+
+
+async def test_stopping_survives_a_lost_cancel() -> None:
+    """A loop whose first cancel is swallowed (as Python 3.11's wait_for can) still stops."""
+    from scheduler.service import cancel_until_done
+
+    swallowed = 0
+
+    async def loop_that_loses_one_cancel() -> None:
+        nonlocal swallowed
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed += 1
+
+    async def failed() -> None:
+        raise RuntimeError("boom")
+
+    tasks = [asyncio.ensure_future(loop_that_loses_one_cancel()), asyncio.ensure_future(failed())]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_until_done(tasks, recancel_s=0.05), 5)
+    assert swallowed == 1
+    assert tasks[0].cancelled()
+    assert isinstance(tasks[1].exception(), RuntimeError)

@@ -29,7 +29,7 @@ import dataclasses
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from admission.tiers import Tier
@@ -103,6 +103,8 @@ class _Node:
         self.live: list[SimRequest] = []
         self.plan: StepPlan | None = None
         """The step in progress (None: idle)."""
+        self.guests = 0
+        """Live non-VIP sequences (what a kept node's guest cap counts)."""
         self._lefts: list[int] = []
         self._suffix: list[int] = []
         self._now_blocks = 0
@@ -110,6 +112,7 @@ class _Node:
 
     def refresh(self) -> None:
         """Recompute the projection from the sequences' actual progress."""
+        self.guests = sum(1 for r in self.live if r.priority != int(Tier.VIP))
         shape = sorted(((r.prompt_tokens + r.num_output, r.max_tokens - r.num_output)
                         for r in self.live), key=lambda x: x[1])
         self._lefts = [left for _, left in shape]
@@ -155,6 +158,9 @@ def ideal_replay(
     window: tuple[float, float],
     *,
     vip_nodes: int = 0,
+    guest_prompt_max: int | None = None,
+    guest_cap: int | None = None,
+    guests_kept_first: bool = True,
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
     engines; measure over ``window`` (wall seconds, converted to simulated time).
@@ -167,6 +173,13 @@ def ideal_replay(
     With ``vip_nodes`` > 0 the first nodes are kept for VIP, as ``[pools.dedicated]`` keeps
     them: VIP tries them first, then the others; the other tiers never use them. It prices the
     trade of that placement: VIP TTFT against throughput.
+
+    Guests (all off by default): with ``guest_prompt_max`` set, Normal and Batch requests whose
+    prompt is at most that many tokens may also use the kept nodes (short chats, long
+    generations with short prompts: no long prefill for a VIP to wait behind), at most
+    ``guest_cap`` of them per kept node at once (None: no cap beyond the cache), trying the kept
+    nodes before the shared ones (``guests_kept_first``) or only when no shared node fits.
+    The engine option ``long_prefill_token_threshold`` comes with ``config``.
     """
     config = dataclasses.replace(config, scheduling_policy="priority")
     lo, hi = window[0] * time_scale, window[1] * time_scale
@@ -174,6 +187,13 @@ def ideal_replay(
     kept, shared = fleet[:vip_nodes], fleet[vip_nodes:]
     # Where each tier may go, in order of preference (Normal and Batch alike: the shared nodes).
     groups = {Tier.VIP: [g for g in (kept, shared) if g], Tier.BATCH: [shared]}
+    guest_groups = [g for g in ((kept, shared) if guests_kept_first else (shared, kept)) if g]
+    kept_ids = {id(n) for n in kept}
+
+    def room(node: _Node, tier: Tier) -> bool:
+        """Whether a guest's tier cap lets ``node`` take one more (VIP and shared: always)."""
+        return (tier is Tier.VIP or guest_cap is None or id(node) not in kept_ids
+                or node.guests < guest_cap)
     arrivals = sorted(((r.at * time_scale, r) for r in requests), key=lambda x: x[0])
     queues: dict[Tier, list[tuple[float, PlannedRequest]]] = {t: [] for t in Tier}
     steps: list[tuple[float, int]] = []  # (step end, node index), a heap
@@ -202,9 +222,15 @@ def ideal_replay(
                     break
                 scanned += 1
                 node = None
-                for group in (groups[Tier.VIP] if tier is Tier.VIP else groups[Tier.BATCH]):
-                    node = min((n for n in group if n.fits(req.prompt_tokens,
-                                                           req.output_tokens)),
+                if tier is Tier.VIP:
+                    options = groups[Tier.VIP]
+                elif guest_prompt_max is not None and req.prompt_tokens <= guest_prompt_max:
+                    options = guest_groups
+                else:
+                    options = groups[Tier.BATCH]
+                for group in options:
+                    node = min((n for n in group if room(n, tier)
+                                and n.fits(req.prompt_tokens, req.output_tokens)),
                                key=lambda n: len(n.live), default=None)
                     if node is not None:
                         break
@@ -289,3 +315,116 @@ def _ttft_ms(vips: Sequence[tuple[float, SimRequest]], lo: float, hi: float
     values = [(r.first_token_time - arrived) * 1000 if r.first_token_time is not None
               else math.inf for arrived, r in vips if lo <= arrived < hi]
     return percentile(values, 50), percentile(values, 99)
+
+
+# -- exploratory entry point: price placements and engine settings on an experiment's schedule --
+
+_SPEC_KEYS = {"vip": "vip_nodes", "n": "guest_prompt_max", "k": "guest_cap", "t": "threshold",
+              "order": "order"}
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One placement/engine setting to replay: ``vip=1,n=512,k=16,t=1024,order=shared``."""
+
+    vip_nodes: int = 0
+    guest_prompt_max: int | None = None
+    guest_cap: int | None = None
+    threshold: int = 0
+    """The fleet's ``long_prefill_token_threshold`` (0: off)."""
+    order: str = "kept"
+    """Guests try the kept nodes first ("kept") or only when no shared node fits ("shared")."""
+
+    @classmethod
+    def parse(cls, spec: str) -> Point:
+        fields: dict[str, object] = {}
+        for item in filter(None, spec.split(",")):
+            key, _, value = item.partition("=")
+            name = _SPEC_KEYS[key.strip()]
+            fields[name] = value.strip() if name == "order" else int(value)
+        point = cls(**fields)  # type: ignore[arg-type]
+        if point.order not in ("kept", "shared"):
+            raise ValueError(f"order must be kept or shared, not {point.order!r}")
+        return point
+
+    @property
+    def label(self) -> str:
+        if not self.vip_nodes:
+            where = "no kept node"
+        elif self.guest_prompt_max is None:
+            where = f"{self.vip_nodes} kept for VIP only"
+        else:
+            cap = "no cap" if self.guest_cap is None else f"<= {self.guest_cap} guests"
+            where = (f"{self.vip_nodes} kept: VIP + prompts <= {self.guest_prompt_max}, {cap}"
+                     + (", guests shared first" if self.order == "shared" else ""))
+        return where + (f"; threshold {self.threshold}" if self.threshold else "")
+
+
+def replay_point(preset: str, point: Point) -> dict[str, object]:
+    """The ideal replay of ``preset``'s schedule (as bench.experiment plans it) at ``point``."""
+    from bench.expconfig import PRESETS
+    from bench.workload import plan
+
+    settings = PRESETS[preset]
+    schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
+    config = dataclasses.replace(settings.sim_config(0, priority=False),
+                                 long_prefill_token_threshold=point.threshold)
+    result = ideal_replay(config, settings.nodes, schedule.requests, settings.time_scale,
+                          settings.profile.window("burst"), vip_nodes=point.vip_nodes,
+                          guest_prompt_max=point.guest_prompt_max, guest_cap=point.guest_cap,
+                          guests_kept_first=point.order == "kept")
+    return {"preset": preset, **dataclasses.asdict(point), **result.as_dict()}
+
+
+def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
+    """Markdown: each point against the maximum (no kept node) of the same preset and engine."""
+    def key(r: Mapping[str, object]) -> tuple[object, object]:
+        return r["preset"], r["threshold"]
+
+    best = {key(r): float(str(r["total_tokens_per_s"])) for r in rows if not r["vip_nodes"]}
+    lines = ["| placement; engine | VIP P99 base / burst (ms) | VIP P99 ratio | tok/s | "
+             "% of max (same fleet) | KV peak | running/node | preemptions |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        point = Point(**{f.name: r[f.name] for f in dataclasses.fields(Point)})  # type: ignore[arg-type]
+        base, burst = float(str(r["vip_ttft_base_p99"])), float(str(r["vip_ttft_burst_p99"]))
+        tps = float(str(r["total_tokens_per_s"]))
+        top = best.get(key(r))
+        share = f"{tps / top:.1%}" if top else "n/a"
+        lines.append(f"| {point.label} | {base:,.0f} / {burst:,.0f} | x{burst / base:.2f} | "
+                     f"{tps:,.0f} | {share} | {float(str(r['kv_peak'])):.1%} | "
+                     f"{float(str(r['mean_running'])):.1f} | {r['preemptions']} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(
+        prog="python -m bench.capacity",
+        description="Exploratory: the ideal replay of an experiment preset's schedule at given "
+                    "placements (kept nodes, guests) and engine settings; JSON lines out, or a "
+                    "markdown table of such lines.")
+    p.add_argument("points", nargs="*", help="e.g. vip=1,n=512,k=16,t=1024 (empty: vip=0)")
+    p.add_argument("--preset", default="full")
+    p.add_argument("--jsonl", type=Path, help="append each point's figures to this file")
+    p.add_argument("--table", type=Path, help="print the markdown table of this JSON lines file")
+    args = p.parse_args(argv)
+    if args.table:
+        rows = [json.loads(line) for line in args.table.read_text().splitlines() if line]
+        print(frontier_table(rows))
+        return 0
+    for spec in args.points or [""]:
+        row = replay_point(args.preset, Point.parse(spec))
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.jsonl:
+            with args.jsonl.open("a") as f:
+                f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

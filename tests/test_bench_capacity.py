@@ -8,7 +8,7 @@ import random
 import pytest
 
 from admission.tiers import Tier
-from bench.capacity import _Node, ideal_replay, projected_peak_blocks
+from bench.capacity import Point, _Node, frontier_table, ideal_replay, projected_peak_blocks
 from bench.sim.config import SimConfig
 from bench.sim.engine import SimRequest
 from bench.workload import PlannedRequest
@@ -101,3 +101,91 @@ def test_a_node_kept_for_vip_spares_vip_the_long_prefills_and_costs_batch_throug
     assert kept.vip_nodes == 1 and kept.preemptions == 0
     assert kept.vip_ttft_burst[1] < shared.vip_ttft_burst[1]
     assert kept.total_tokens_per_s < shared.total_tokens_per_s
+
+
+def _mixed_requests(seed: int) -> list[PlannedRequest]:
+    """Long documents and short-prompt Batch work, VIP chats throughout."""
+    rng = random.Random(seed)
+    requests = [
+        PlannedRequest(i, "docs", Tier.BATCH, at=rng.uniform(0, 20),
+                       prompt_tokens=rng.randint(3000, 6000), output_tokens=rng.randint(20, 100),
+                       stream=False)
+        for i in range(60)
+    ]
+    requests += [
+        PlannedRequest(200 + i, "gen", Tier.BATCH, at=rng.uniform(0, 20),
+                       prompt_tokens=rng.randint(50, 300), output_tokens=rng.randint(100, 400),
+                       stream=False)
+        for i in range(60)
+    ]
+    requests += [
+        PlannedRequest(400 + i, "vip", Tier.VIP, at=0.25 * i, prompt_tokens=200,
+                       output_tokens=20, stream=True)
+        for i in range(100)
+    ]
+    return requests
+
+
+def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    created: list[_Node] = []
+    added: dict[int, list[SimRequest]] = {}
+
+    class Recording(_Node):
+        def __init__(self, config: SimConfig) -> None:
+            super().__init__(config)
+            created.append(self)
+            log = added.setdefault(id(self), [])
+            add = self.engine.add
+
+            def recording_add(req: SimRequest, now: float) -> None:
+                log.append(req)
+                add(req, now)
+
+            self.engine.add = recording_add  # type: ignore[method-assign]
+
+    monkeypatch.setattr("bench.capacity._Node", Recording)
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    result = ideal_replay(config, 2, _mixed_requests(7), time_scale=1.0, window=(2.0, 20.0),
+                          vip_nodes=1, guest_prompt_max=300, guest_cap=3)
+    assert result.preemptions == 0
+    kept_log = added[id(created[0])]
+    guests = [r for r in kept_log if r.priority != int(Tier.VIP)]
+    assert guests, "the kept node took no guest"
+    assert all(r.prompt_tokens <= 300 for r in guests)
+    for r in guests:  # at most 3 guests alive on the kept node whenever one was admitted
+        alive = [g for g in guests if g.arrival <= r.arrival
+                 and (g.finish_time is None or g.finish_time > r.arrival)]
+        assert len(alive) <= 3
+
+
+def test_guest_cap_zero_is_the_vip_only_placement() -> None:
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    requests = _mixed_requests(9)
+    only = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0), vip_nodes=1)
+    capped = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0), vip_nodes=1,
+                          guest_prompt_max=300, guest_cap=0)
+    assert capped == only
+
+
+def test_a_prefill_threshold_fleet_replays_without_preemption() -> None:
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192, long_prefill_token_threshold=512)
+    result = ideal_replay(config, 2, _mixed_requests(11), time_scale=1.0, window=(2.0, 20.0))
+    assert result.preemptions == 0 and result.total_tokens_per_s > 0
+
+
+def test_point_specs_and_the_frontier_table() -> None:
+    point = Point.parse("vip=1,n=512,k=16,t=1024,order=shared")
+    assert point == Point(1, 512, 16, 1024, "shared")
+    assert Point.parse("") == Point()
+    with pytest.raises(ValueError):
+        Point.parse("order=middle")
+    base = {"preset": "x", "guest_prompt_max": None, "guest_cap": None, "threshold": 0,
+            "order": "kept", "kv_peak": 0.5, "mean_running": 10.0, "preemptions": 0}
+    rows = [{**base, "vip_nodes": 0, "total_tokens_per_s": 100.0, "vip_ttft_base_p99": 100.0,
+             "vip_ttft_burst_p99": 300.0},
+            {**base, "vip_nodes": 1, "total_tokens_per_s": 90.0, "vip_ttft_base_p99": 100.0,
+             "vip_ttft_burst_p99": 105.0}]
+    table = frontier_table(rows)
+    assert "| x3.00 |" in table and "| 100.0% |" in table
+    assert "| x1.05 |" in table and "| 90.0% |" in table

@@ -78,6 +78,8 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
+        self.idle_in: list[_Connection] | None = None
+        """The pool list holding this connection while it waits for a request."""
         self._reset()
 
     def _reset(self) -> None:
@@ -116,6 +118,11 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.idle_in is not None:
+            # Nodes close idle connections on their own schedule (uvicorn: 5 s); drop it now
+            # rather than hold it until the pool digs down to it.
+            self.idle_in.remove(self)
+            self.idle_in = None
         if self.headers_done and not self.complete and self._unframed():
             self.complete = True  # a body delimited by the end of the connection
             self._wake()
@@ -283,12 +290,14 @@ class NodeClient:
 
     def _keep(self, conn: _Connection) -> None:
         conn.idle_since = conn.loop.time()
-        self._idle.setdefault(conn.origin, []).append(conn)
+        conn.idle_in = self._idle.setdefault(conn.origin, [])
+        conn.idle_in.append(conn)
 
     def _idle_connection(self, origin: _Origin, now: float) -> _Connection | None:
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()
+            conn.idle_in = None
             if not conn.closed and now - conn.idle_since < self.keepalive_s:
                 return conn
             conn.abort()
@@ -345,6 +354,8 @@ class NodeClient:
 
     async def close(self) -> None:
         for idle in self._idle.values():
-            for conn in idle:
+            while idle:
+                conn = idle.pop()
+                conn.idle_in = None
                 conn.abort()
         self._idle.clear()

@@ -10,6 +10,7 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -334,3 +335,40 @@ async def test_https_nodes_are_verified_against_the_given_ca(
             await client().post(url, "/v1/completions", b"{}", JSON)
     finally:
         await runner.cleanup()
+
+
+async def test_an_idle_connection_the_node_closes_leaves_the_pool_at_once(
+    raw_server: Callable[[Handler], Awaitable[str]],
+) -> None:
+    hang_up = asyncio.Event()
+
+    async def answers_then_hangs_up(reader: asyncio.StreamReader,
+                                    writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await hang_up.wait()  # as uvicorn does after its keep-alive timeout
+        writer.close()
+
+    url = await raw_server(answers_then_hangs_up)
+    nodes = client()
+    responses = [await nodes.post(url, "/v1/completions", b"{}", JSON) for _ in range(3)]
+    lost: list[asyncio.Future[None]] = []
+    for response in responses:
+        assert await response.read() == b"ok"
+        conn = response._conn
+        gone = asyncio.get_running_loop().create_future()
+        lost.append(gone)
+        original = conn.connection_lost
+
+        def noting(exc: Exception | None, original: Any = original, gone: Any = gone) -> None:
+            original(exc)
+            gone.set_result(None)
+
+        conn.connection_lost = noting  # type: ignore[method-assign]
+        response.release()
+    assert sum(len(idle) for idle in nodes._idle.values()) == 3
+    hang_up.set()
+    await asyncio.wait_for(asyncio.gather(*lost), 5)
+    assert all(not idle for idle in nodes._idle.values())
+    await nodes.close()

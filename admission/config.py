@@ -76,6 +76,10 @@ class ZoneSettings:
     projection: str = "final"
     """How released tasks count in projected usage: 'final' (every task at its final size) or
     'peak' (the highest usage their decoding reaches over time, as the short ones end)."""
+    max_engine_waiting: int = 0
+    """A node whose engine reports more requests waiting than this gets no new releases until
+    its queue shrinks (it is out of compute: more work only queues inside it, and queued
+    prompts take KV no projection has seen). 0: off."""
     max_overcommit: float = 3.0
     """Upper bound on reserved tokens / KV tokens the scheduler allows from learned usage."""
     usage_margin: float = 0.10
@@ -361,6 +365,7 @@ def _zones(r: _Reader) -> ZoneSettings:
         batch_trickle_rate=r.number("batch_trickle_rate", d.batch_trickle_rate, 0.0, 1e6),
         aggregate=r.string("aggregate", d.aggregate) or d.aggregate,
         projection=r.string("projection", d.projection) or d.projection,
+        max_engine_waiting=r.integer("max_engine_waiting", d.max_engine_waiting, 0),
         max_overcommit=r.number("max_overcommit", d.max_overcommit, 1.0, 100.0),
         usage_margin=r.number("usage_margin", d.usage_margin, 0.0, 1.0),
     )

@@ -45,11 +45,13 @@ class Settings:
     gateways: int = 2
     schedulers: int = 2
     pass_priority: bool = True
+    """Arm (c) forwards the tier as vLLM's priority and the nodes run the priority policy."""
     vip_nodes: int = 0
+    """Arm (c): nodes kept for VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
     projection: str | None = None
     """Arm (c): `zones.projection` of the pool; None = the project's default."""
-    """Arm (c): nodes kept for VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
-    """Arm (c) forwards the tier as vLLM's priority and the nodes run the priority policy."""
+    max_engine_waiting: int | None = None
+    """Arm (c): `zones.max_engine_waiting` of the pool; None = the project's default."""
     max_loop_lag_ms: float = 50.0
     """A run whose simulator event loops lagged more than this (wall ms) is flagged invalid."""
     max_send_lag_ms: float = 50.0
@@ -160,8 +162,13 @@ def kvgate_toml(
         "]",
         "",
     ]
+    zones = []
     if settings.projection:
-        lines += ["[pools.zones]", f"projection = {_toml_str(settings.projection)}", ""]
+        zones.append(f"projection = {_toml_str(settings.projection)}")
+    if settings.max_engine_waiting is not None:
+        zones.append(f"max_engine_waiting = {settings.max_engine_waiting}")
+    if zones:
+        lines += ["[pools.zones]", *zones, ""]
     if settings.vip_nodes:
         lines += [
             "[pools.dedicated]",

@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arm (c): how many nodes to keep for VIP ([pools.dedicated])")
     p.add_argument("--projection", choices=("final", "peak"),
                    help="arm (c): the pool's zones.projection (default: the project's)")
+    p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
+                   help="arm (c): the pool's zones.max_engine_waiting (default: the project's)")
     p.add_argument("--no-capacity", action="store_true",
                    help="skip measuring the preemption-free maximum (no goodput ratio)")
     return p
@@ -75,6 +77,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
         vip_nodes=args.vip_nodes, projection=args.projection,
+        max_engine_waiting=args.max_engine_waiting,
     )
 
 
@@ -232,6 +235,8 @@ def setup_section(settings: Settings) -> list[str]:
         + (", tiers forwarded as vLLM `priority` to nodes run with `--scheduling-policy "
            "priority`" if settings.pass_priority else "")
         + (f", `zones.projection = \"{settings.projection}\"`" if settings.projection else "")
+        + (f", `zones.max_engine_waiting = {settings.max_engine_waiting}`"
+           if settings.max_engine_waiting is not None else "")
         + (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: "
            "no Normal or Batch work there; VIP tries them first, then the shared nodes)."
            if settings.vip_nodes else "."),

@@ -208,9 +208,11 @@ def plan_node(
     kv_target: float,
     stale_policy: str,
     running: Sequence[RunningTask] | None = None,
+    max_waiting: int = 0,
 ) -> NodePlan:
     """The budget and projected usage of one node (see the module docstring); `running` None
-    counts every reservation at its final size."""
+    counts every reservation at its final size; `max_waiting` > 0: no new releases while the
+    engine queues more requests than that."""
     capacity = view.capacity or 0
     if view.ejected or view.metrics is None or capacity <= 0:
         reason = "ejected" if view.ejected else ("no_capacity" if capacity <= 0 else "stale")
@@ -231,6 +233,11 @@ def plan_node(
     projected = foreign + pad + max(factor * held, ours_now)
     budget = max(0, math.floor(reserved + (target - projected) / factor))
     reason = ""
+    if max_waiting and m.waiting > max_waiting:
+        # Out of compute: a release would only join the engine's queue, and the prompts queued
+        # there get their KV when the engine reaches them, unseen by any projection.
+        budget = min(budget, reserved)
+        reason = "engine_queue"
     if view.stale and stale_policy == "full":
         # Declared policy 'full': no new work to a node we cannot see, and it counts as sitting
         # at the ceiling (YELLOW at most, never RED by staleness alone: a metrics blip on a

@@ -199,6 +199,7 @@ class PoolScheduler:
                 stale_policy=self.settings.stale_policy,
                 running=(snap.running.get(view.name, [])
                          if self.pool.zones.projection == "peak" else None),
+                max_waiting=self.pool.zones.max_engine_waiting,
             ))
             if view.stale and not view.ejected:
                 self.metrics.stale.labels(self.name, view.name,

@@ -134,3 +134,21 @@ def test_drain_rate_follows_released_counters() -> None:
     assert drains.rates[1] == pytest.approx(100.0, rel=0.01)
     assert drains.fields() == {"drain_0": "0.000", "drain_1": f"{drains.rates[1]:.3f}",
                                "drain_2": "0.000"}
+
+
+def test_an_engine_out_of_compute_gets_no_new_releases_while_its_queue_is_long() -> None:
+    def queued(waiting: int) -> NodeView:
+        metrics = NodeMetrics(0.30, "vllm:kv_cache_usage_perc", 40, waiting, 0.0, 100_000, 16)
+        return NodeView("n", metrics, 100_000, False, False, 0.0, 1, "")
+
+    def plan_with(waiting: int, max_waiting: int) -> NodePlan:
+        return plan_node(queued(waiting), reserved=30_000, factor=1.0, kv_target=0.8,
+                         stale_policy="full", max_waiting=max_waiting)
+
+    free = plan_with(9, 0)  # the check is off by default
+    assert free.budget is not None and free.budget > 30_000 and free.reason == ""
+    assert plan_with(8, 8).budget == plan_with(8, 0).budget  # at the limit: still fed
+    held = plan_with(9, 8)
+    assert held.budget == 30_000 and held.reason == "engine_queue"  # what it has, no more
+    assert held.projected == free.projected  # the zone still sees the same usage
+    assert plan_with(9, 8).usable

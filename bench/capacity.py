@@ -360,12 +360,15 @@ class Point:
         return where + (f"; threshold {self.threshold}" if self.threshold else "")
 
 
-def replay_point(preset: str, point: Point) -> dict[str, object]:
-    """The ideal replay of ``preset``'s schedule (as bench.experiment plans it) at ``point``."""
+def replay_point(preset: str, point: Point, seed: int | None = None) -> dict[str, object]:
+    """The ideal replay of ``preset``'s schedule (as bench.experiment plans it, from ``seed``
+    when given: the same traffic classes, other draws) at ``point``."""
     from bench.expconfig import PRESETS
     from bench.workload import plan
 
     settings = PRESETS[preset]
+    if seed is not None:
+        settings = dataclasses.replace(settings, seed=seed)
     schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
     config = dataclasses.replace(settings.sim_config(0, priority=False),
                                  long_prefill_token_threshold=point.threshold)
@@ -373,13 +376,15 @@ def replay_point(preset: str, point: Point) -> dict[str, object]:
                           settings.profile.window("burst"), vip_nodes=point.vip_nodes,
                           guest_prompt_max=point.guest_prompt_max, guest_cap=point.guest_cap,
                           guests_kept_first=point.order == "kept")
-    return {"preset": preset, **dataclasses.asdict(point), **result.as_dict()}
+    return {"preset": preset, "seed": settings.seed, **dataclasses.asdict(point),
+            **result.as_dict()}
 
 
 def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
-    """Markdown: each point against the maximum (no kept node) of the same preset and engine."""
-    def key(r: Mapping[str, object]) -> tuple[object, object]:
-        return r["preset"], r["threshold"]
+    """Markdown: each point against the maximum (no kept node) of the same preset, seed and
+    engine setting (the same fleet on the same traffic)."""
+    def key(r: Mapping[str, object]) -> tuple[object, object, object]:
+        return r["preset"], r.get("seed"), r["threshold"]
 
     best = {key(r): float(str(r["total_tokens_per_s"])) for r in rows if not r["vip_nodes"]}
     lines = ["| placement; engine | VIP P99 base / burst (ms) | VIP P99 ratio | tok/s | "
@@ -409,6 +414,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "markdown table of such lines.")
     p.add_argument("points", nargs="*", help="e.g. vip=1,n=512,k=16,t=1024 (empty: vip=0)")
     p.add_argument("--preset", default="full")
+    p.add_argument("--seed", type=int, help="draw the schedule from this seed instead")
     p.add_argument("--jsonl", type=Path, help="append each point's figures to this file")
     p.add_argument("--table", type=Path, help="print the markdown table of this JSON lines file")
     args = p.parse_args(argv)
@@ -417,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(frontier_table(rows))
         return 0
     for spec in args.points or [""]:
-        row = replay_point(args.preset, Point.parse(spec))
+        row = replay_point(args.preset, Point.parse(spec), args.seed)
         line = json.dumps(row)
         print(line, flush=True)
         if args.jsonl:

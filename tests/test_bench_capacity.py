@@ -187,5 +187,5 @@ def test_point_specs_and_the_frontier_table() -> None:
             {**base, "vip_nodes": 1, "total_tokens_per_s": 90.0, "vip_ttft_base_p99": 100.0,
              "vip_ttft_burst_p99": 105.0}]
     table = frontier_table(rows)
-    assert "| x3.00 |" in table and "| 100.0% |" in table
-    assert "| x1.05 |" in table and "| 90.0% |" in table
+    assert "| x3.000 |" in table and "| 100.00% | no |" in table
+    assert "| x1.050 |" in table and "| 90.00% | yes |" in table

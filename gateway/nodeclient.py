@@ -245,6 +245,7 @@ class NodeResponse:
         while not conn.complete:
             if conn.chunks:
                 parts.append(conn.take())  # may resume reading: a large body must not stall
+                continue
             await conn.wait()
         parts.append(conn.take())
         return b"".join(parts)

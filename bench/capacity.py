@@ -184,11 +184,13 @@ def ideal_replay(
     config = dataclasses.replace(config, scheduling_policy="priority")
     lo, hi = window[0] * time_scale, window[1] * time_scale
     fleet = [_Node(config) for _ in range(nodes)]
-    kept, shared = fleet[:vip_nodes], fleet[vip_nodes:]
-    # Where each tier may go, in order of preference (Normal and Batch alike: the shared nodes).
-    groups = {Tier.VIP: [g for g in (kept, shared) if g], Tier.BATCH: [shared]}
-    guest_groups = [g for g in ((kept, shared) if guests_kept_first else (shared, kept)) if g]
-    kept_ids = {id(n) for n in kept}
+    kept_nodes, shared_nodes = fleet[:vip_nodes], fleet[vip_nodes:]
+    # Where a request may go, groups in order of preference.
+    vip_groups = [g for g in (kept_nodes, shared_nodes) if g]
+    other_groups = [shared_nodes]  # Normal and Batch alike
+    guest_groups = [g for g in ((kept_nodes, shared_nodes) if guests_kept_first
+                                else (shared_nodes, kept_nodes)) if g]
+    kept_ids = {id(n) for n in kept_nodes}
 
     def room(node: _Node, tier: Tier) -> bool:
         """Whether a guest's tier cap lets ``node`` take one more (VIP and shared: always)."""
@@ -223,11 +225,11 @@ def ideal_replay(
                 scanned += 1
                 node = None
                 if tier is Tier.VIP:
-                    options = groups[Tier.VIP]
+                    options = vip_groups
                 elif guest_prompt_max is not None and req.prompt_tokens <= guest_prompt_max:
                     options = guest_groups
                 else:
-                    options = groups[Tier.BATCH]
+                    options = other_groups
                 for group in options:
                     node = min((n for n in group if room(n, tier)
                                 and n.fits(req.prompt_tokens, req.output_tokens)),

@@ -130,6 +130,10 @@ class PoolScheduler:
     def name(self) -> str:
         return self.pool.name
 
+    @property
+    def _peak_projection(self) -> bool:
+        return self.pool.zones.projection == "peak"
+
     def new_term(self) -> None:
         """A new leadership starts: rates start empty, the learned ratio is kept, and the first
         poll waits for the whole scrape timeout (connections are cold)."""
@@ -145,7 +149,7 @@ class PoolScheduler:
                 pipe.zcard(queue)
             # The whole running index is read only when the projection uses it: with
             # thousands of tasks in flight it is the largest reply of the tick.
-            peak = self.pool.zones.projection == "peak"
+            peak = self._peak_projection
             if peak:
                 pipe.zrange(k.running, 0, -1, withscores=True)
                 pipe.hget(k.clock, "frozen_us")
@@ -197,8 +201,7 @@ class PoolScheduler:
                 factor=self._node_factor(view, now),
                 kv_target=self.pool.zones.kv_target,
                 stale_policy=self.settings.stale_policy,
-                running=(snap.running.get(view.name, [])
-                         if self.pool.zones.projection == "peak" else None),
+                running=snap.running.get(view.name, []) if self._peak_projection else None,
                 max_waiting=self.pool.zones.max_engine_waiting,
             ))
             if view.stale and not view.ejected:

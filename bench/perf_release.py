@@ -66,7 +66,10 @@ the nodes report an empty one; timed from that moment to the gateway's last wake
 
 **Latency**: a 1-node pool kept exactly full with a backlog behind it; at Poisson times \
 ({sizes['rate']:.0f}/s) the gateway settles one running task, freeing room for exactly one \
-queued task; from the settle call's start to that task's wake-up.
+queued task; from the settle call's start to that task's wake-up. Meanwhile \
+{scheduler_release.RUNNING_DEFAULT:,} tasks stay in flight in the 4-node pool (four nodes at \
+vLLM's largest default max_num_seqs): under the "peak" projection the leader projects every \
+task in flight on every tick.
 
 | samples | p50 ms | p90 ms | p99 ms | max ms | mean ms |
 |---:|---:|---:|---:|---:|---:|

@@ -14,7 +14,11 @@ process, and this process playing the gateways (admit, wake-up subscription, set
   with a backlog queued behind; at Poisson times the gateway settles one running task, which
   frees room for exactly one queued task. Latency is from the settle call's start (capacity
   freeing, measured pessimistically) to the wake-up for the task that took the room, pairing
-  settles and wake-ups in FIFO order. Target: p99 <= poll interval + 10 ms.
+  settles and wake-ups in FIFO order. Target: p99 <= poll interval + 10 ms. Meanwhile the
+  throughput pool keeps `--running` of its tasks in flight (default 4,096: four nodes at
+  vLLM's largest default max_num_seqs) and the rest are settled: under the "peak" projection
+  (`--projection peak`) the leader reads and projects every task in flight on every tick, so
+  that count is part of the tick's cost.
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ ROOT = Path(__file__).resolve().parent.parent
 TENANT = TenantQuota("bench", rate=1_000_000_000, burst=1_000_000_000, max_queued=10_000_000)
 POLICY = PoolPolicy(tier_queue_caps=(1_000_000, 1_000_000, 1_000_000), lease_ttl_ms=600_000)
 GATEWAY = "gw-bench"
+RUNNING_DEFAULT = 4_096
+"""Throughput tasks still running during the latency phase: 4 nodes at vLLM V1's largest
+default max_num_seqs (1,024, on >= 70 GiB GPUs), the most a real pool of 4 runs at once."""
 
 
 # --- vLLM-format /metrics for many nodes, served from a thread --------------------------------
@@ -119,18 +126,22 @@ class MetricsStub:
 # --- the scheduler process ----------------------------------------------------------------
 
 
-def write_config(path: Path, redis_url: str, stub: MetricsStub, poll_ms: int) -> None:
+def write_config(path: Path, redis_url: str, stub: MetricsStub, poll_ms: int,
+                 projection: str | None = None) -> None:
+    """`projection` None: the project's default."""
     tp_nodes = [n for n in stub.nodes if n.startswith("tp")]
+    projection_line = f'projection = "{projection}"\n' if projection else ""
     lines = [
         f'[redis]\nurl = "{redis_url}"\n',
         f"[scheduler]\npoll_interval_ms = {poll_ms}\n",
-        '[[pools]]\nname = "tp"\n',
+        f'[[pools]]\nname = "tp"\n[pools.zones]\n{projection_line}',
     ]
     for node in tp_nodes:
         lines.append(f'[[pools.backends]]\nname = "{node}"\nurl = "{stub.url(node)}"\n')
     # The latency pool runs full by design (every token of its budget reserved): thresholds
     # above its target keep it GREEN so that Normal is not metered by the YELLOW rate.
-    lines.append('[[pools]]\nname = "lat"\n[pools.zones]\nyellow = 0.85\nred = 0.95\n')
+    lines.append('[[pools]]\nname = "lat"\n[pools.zones]\nyellow = 0.85\nred = 0.95\n'
+                 + projection_line)
     lines.append(f'[[pools.backends]]\nname = "lat0"\nurl = "{stub.url("lat0")}"\n')
     path.write_text("\n".join(lines))
 
@@ -346,12 +357,26 @@ the method.
 
 A release waits for the next tick, so latency is spread evenly over one poll interval (mean
 about half of it) plus the tick's own work: a scrape of every node, one pipelined read, the
-state write, the release script and the wake-up.
+state write, the release script and the wake-up. Projection of both pools:
+{args.projection or "the default"}; tasks in flight in the throughput pool meanwhile:
+{args.running:,} (read and projected on every tick under "peak").
 """
 
 
+async def settle_all_but(client: Any, tasks: int, running: int) -> None:
+    """End the throughput pool's tasks but `running` of them, as their requests would have.
+
+    They stay released otherwise, and the scheduler keeps every released task of a pool in
+    its view: with the "peak" projection it reads and projects them all on every tick."""
+    store = PoolStore(client, register_scripts(client), "tp", POLICY)
+    ids = [f"tp{i}" for i in range(running, tasks)]
+    for i in range(0, len(ids), 512):
+        await asyncio.gather(*(store.settle(task_id, 100) for task_id in ids[i:i + 512]))
+
+
 async def measure(
-    tasks: int = 20_000, samples: int = 600, rate: float = 50.0, poll_ms: int = 50
+    tasks: int = 20_000, samples: int = 600, rate: float = 50.0, poll_ms: int = 50,
+    projection: str | None = None, running: int = RUNNING_DEFAULT,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(throughput, latency) figures, as the two functions above return them."""
     nodes = {f"tp{i}": StubNode(usage=1.0, blocks=62_500) for i in range(4)}
@@ -361,7 +386,7 @@ async def measure(
     try:
         with MetricsStub(nodes) as stub:
             config = workdir / "bench.toml"
-            write_config(config, server.url, stub, poll_ms)
+            write_config(config, server.url, stub, poll_ms, projection)
             pool = aioredis.BlockingConnectionPool.from_url(server.url, max_connections=64)
             client = aioredis.Redis(connection_pool=pool)
             try:
@@ -371,6 +396,7 @@ async def measure(
 
                     await wait_for(leading, 20, "the scheduler never published state")
                     tp = await throughput(client, stub, tasks)
+                    await settle_all_but(client, tasks, running)
                     lat = await latency(client, samples, rate, poll_ms)
             finally:
                 await client.aclose()
@@ -387,9 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--rate", type=float, default=50.0, help="settles per second")
     parser.add_argument("--poll-ms", type=int, default=50)
+    parser.add_argument("--projection", choices=("final", "peak"),
+                        help="zones.projection of both pools (default: the project's)")
+    parser.add_argument("--running", type=int, default=RUNNING_DEFAULT,
+                        help="throughput tasks left running through the latency phase")
     parser.add_argument("--output", default=str(ROOT / "bench/results/scheduler_release.md"))
     args = parser.parse_args(argv)
-    tp, lat = asyncio.run(measure(args.tasks, args.samples, args.rate, args.poll_ms))
+    tp, lat = asyncio.run(measure(args.tasks, args.samples, args.rate, args.poll_ms,
+                                  args.projection, args.running))
     report = _report(tp, lat, args)
     Path(args.output).write_text(report)
     print(report)

@@ -66,6 +66,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import NamedTuple
 
 from scheduler.scrape import NodeView
 
@@ -112,9 +113,9 @@ class UsageLearner:
         return min(1.0, max(self.floor, self.ratio * (1.0 + self.margin)))
 
 
-@dataclass(frozen=True, slots=True)
-class RunningTask:
-    """A released task as the running index records it."""
+class RunningTask(NamedTuple):
+    """A released task as the running index records it (a tuple: the leader builds one per
+    task in flight on every tick)."""
 
     prompt_tokens: int
     max_tokens: int
@@ -151,25 +152,34 @@ def peak_usage(tasks: Sequence[RunningTask], ours_now: float, waiting: int = 0) 
     full prompt from now on."""
     if not tasks:
         return 0.0
-    by_age = sorted(tasks, key=lambda t: t.age_us)
-    queued, started = by_age[:waiting], by_age[waiting:]
+    queued: Sequence[RunningTask] = ()
+    started = tasks
+    if waiting > 0:
+        by_age = sorted(tasks, key=lambda t: t.age_us)
+        queued, started = by_age[:waiting], by_age[waiting:]
     prompts = sum(t.prompt_tokens for t in started)
     # A task released this very µs cannot have generated anything yet.
     could_have = float(sum(t.max_tokens for t in started if t.age_us > 0))
     generated = min(max(0.0, ours_now - prompts), could_have)
     rate = _decode_rate(started, generated) if generated > 0 else 0.0
-
-    def made(t: RunningTask) -> float:
-        return t.max_tokens if t.age_us * rate >= t.max_tokens else t.age_us * rate
-
-    states = sorted([(t.max_tokens - made(t), t.prompt_tokens + made(t)) for t in started]
-                    + [(float(t.max_tokens), float(t.prompt_tokens)) for t in queued])
+    # (tokens still to generate, size now) per task; plain loops: thousands per tick.
+    states: list[tuple[float, float]] = []
+    for prompt, max_tokens, age_us in started:
+        made = age_us * rate
+        if made > max_tokens:
+            made = max_tokens
+        states.append((max_tokens - made, prompt + made))
+    states.extend((float(t.max_tokens), float(t.prompt_tokens)) for t in queued)
+    states.sort()
     # Just before the j-th task (by remaining tokens) ends, every task not yet ended holds its
     # current size plus that many steps: the peak is at one of these moments or now.
     size_from = list(accumulate((size for _, size in reversed(states)), initial=0.0))[::-1]
     peak = size_from[0]
+    alive = len(states)
     for j, (remaining, _) in enumerate(states):
-        peak = max(peak, size_from[j] + remaining * (len(states) - j))
+        at_end = size_from[j] + remaining * (alive - j)
+        if at_end > peak:
+            peak = at_end
     if queued:
         # What the cache holds now plus the prompts still to come is a floor, whatever the
         # calibration made of the rest.

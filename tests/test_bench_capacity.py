@@ -132,8 +132,8 @@ def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
     added: dict[int, list[SimRequest]] = {}
 
     class Recording(_Node):
-        def __init__(self, config: SimConfig) -> None:
-            super().__init__(config)
+        def __init__(self, config: SimConfig, kv_ceiling: float = 1.0) -> None:
+            super().__init__(config, kv_ceiling)
             created.append(self)
             log = added.setdefault(id(self), [])
             add = self.engine.add
@@ -168,6 +168,16 @@ def test_guest_cap_zero_is_the_vip_only_placement() -> None:
     assert capped == only
 
 
+def test_a_kv_ceiling_holds_the_ideal_below_it_at_a_throughput_cost() -> None:
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    requests = _mixed_requests(5)
+    whole = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0))
+    held = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0), kv_ceiling=0.6)
+    assert whole.kv_peak > 0.6 >= held.kv_peak
+    assert held.preemptions == 0
+    assert held.total_tokens_per_s < whole.total_tokens_per_s
+
+
 def test_a_prefill_threshold_fleet_replays_without_preemption() -> None:
     config = SimConfig(capacity_scale=0.05, max_model_len=8192, long_prefill_token_threshold=512)
     result = ideal_replay(config, 2, _mixed_requests(11), time_scale=1.0, window=(2.0, 20.0))
@@ -180,12 +190,19 @@ def test_point_specs_and_the_frontier_table() -> None:
     assert Point.parse("") == Point()
     with pytest.raises(ValueError):
         Point.parse("order=middle")
+    assert Point.parse("vip=1,kv=0.79").kv_ceiling == 0.79
+    with pytest.raises(ValueError):
+        Point.parse("kv=1.5")
     base = {"preset": "x", "guest_prompt_max": None, "guest_cap": None, "threshold": 0,
             "order": "kept", "kv_peak": 0.5, "mean_running": 10.0, "preemptions": 0}
     rows = [{**base, "vip_nodes": 0, "total_tokens_per_s": 100.0, "vip_ttft_base_p99": 100.0,
              "vip_ttft_burst_p99": 300.0},
             {**base, "vip_nodes": 1, "total_tokens_per_s": 90.0, "vip_ttft_base_p99": 100.0,
              "vip_ttft_burst_p99": 105.0}]
+    # Held below a KV ceiling, a point still counts against the whole-cache maximum.
+    rows.append({**base, "vip_nodes": 0, "kv_ceiling": 0.79, "total_tokens_per_s": 95.0,
+                 "vip_ttft_base_p99": 100.0, "vip_ttft_burst_p99": 200.0})
     table = frontier_table(rows)
     assert "| x3.000 |" in table and "| 100.00% | no |" in table
     assert "| x1.050 |" in table and "| 90.00% | yes |" in table
+    assert "| no kept node; KV <= 79% | 100 / 200 | x2.000 | 95 | 95.00% | no |" in table

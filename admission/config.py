@@ -73,10 +73,10 @@ class ZoneSettings:
     """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
     aggregate: str = "max"
     """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
-    projection: str = "final"
-    """How released tasks count in projected usage: 'final' (every task at its final size) or
-    'peak' (the highest usage their decoding reaches over time, as the short ones end)."""
-    max_engine_waiting: int = 0
+    projection: str = "peak"
+    """How released tasks count in projected usage: 'peak' (the highest usage their decoding
+    reaches over time, as the short ones end) or 'final' (every task at its final size)."""
+    max_engine_waiting: int = 8
     """A node whose engine reports more requests waiting than this gets no new releases until
     its queue shrinks (it is out of compute: more work only queues inside it, and queued
     prompts take KV no projection has seen). 0: off."""

@@ -33,7 +33,7 @@ Foreign usage is what exceeds everything reserved on the node; other clients' us
 inside our reservations looks like ours running ahead, which the floor bounds without its
 future growth (a known limit: the gateway is meant to be the only way in).
 
-Peak over time (``zones.projection = "peak"``; the default is "final"). R counts every task at
+Peak over time (``zones.projection = "peak"``, the default; "final" uses R). R counts every task at
 its final size, as if none ended before all others had grown to full length. In a node that
 runs long generations next to short ones the sum of final sizes is far above any usage the
 node will ever show (a steady stream of 4,000-token generations is, on average, half done),

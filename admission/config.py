@@ -96,11 +96,19 @@ class Backend:
 
 @dataclass(frozen=True, slots=True)
 class DedicatedNodes:
-    """Backends kept for some tiers: they take no other tier's work, and those tiers try them
-    first (then the shared backends). Keeps long prefills off the nodes serving VIP chats."""
+    """Backends kept for some tiers: those tiers try them first (then the shared backends),
+    and the other tiers' work reaches them only as guests. Keeps long prefills off the nodes
+    serving VIP chats."""
 
     nodes: tuple[str, ...] = ()
     tiers: tuple[Tier, ...] = ()
+    guest_max_prompt_tokens: int = 0
+    """Work of the other tiers whose prompt is at most this many tokens may run on the kept
+    nodes too, trying them first (0: none). Short prompts mean no long prefill for a VIP to
+    wait behind; the kept nodes' compute does not sit idle between VIP chats."""
+    max_guests_per_node: int = 32
+    """At most this many guests alive on each kept node at once: the cap keeps its batch, and
+    so its step time and the VIP tail, the same before and during a flood."""
 
     @property
     def tier_mask(self) -> int:
@@ -434,8 +442,12 @@ def _dedicated(r: _Reader, backends: set[str]) -> DedicatedNodes:
         raise ConfigError(f"{r.key('tiers')}: name the tiers the dedicated nodes serve")
     if nodes and set(nodes) == backends and len(set(tiers)) < len(Tier):
         raise ConfigError(f"{r.key('nodes')}: leaves no backend for the other tiers")
+    guest_prompt = r.integer("guest_max_prompt_tokens", 0, 0)
+    max_guests = r.integer("max_guests_per_node", 32, 1)
+    if guest_prompt and not nodes:
+        raise ConfigError(f"{r.key('guest_max_prompt_tokens')}: guests need dedicated nodes")
     r.done()
-    return DedicatedNodes(tuple(nodes), tiers if nodes else ())
+    return DedicatedNodes(tuple(nodes), tiers if nodes else (), guest_prompt, max_guests)
 
 
 def _is_sha256(value: str) -> bool:

@@ -50,6 +50,8 @@ class NodeView:
     projected: float | None
     out: str | None
     """Why the leader took the node out (stale, ejected, ...), from the state's nodes_out."""
+    guests: int
+    """Tasks of other tiers alive on a dedicated node as guests ([pools.dedicated])."""
     fields: dict[str, str]
     """Any other per-node state field (`name:node` in the state hash)."""
 
@@ -213,7 +215,7 @@ async def _buckets(client: Any, keys: PoolKeys) -> dict[str, dict[str, str]]:
 
 
 def _nodes(state: dict[str, str], capacity: Mapping[str, str],
-           reserved: Mapping[str, str]) -> list[NodeView]:
+           reserved: Mapping[str, str], guests: Mapping[str, str]) -> list[NodeView]:
     per_node: dict[str, dict[str, str]] = {}
     for field in [f for f in state if ":" in f]:
         kind, node = field.split(":", 1)
@@ -229,7 +231,7 @@ def _nodes(state: dict[str, str], capacity: Mapping[str, str],
             node=node, capacity=cap, reserved=res, headroom=cap - res,
             usage=_float(extra.pop("usage", None)),
             projected=_float(extra.pop("projected", None)),
-            out=out_reasons.get(node), fields=extra,
+            out=out_reasons.get(node), guests=_int(guests.get(node)) or 0, fields=extra,
         ))
     return views
 
@@ -243,7 +245,7 @@ async def read_pool(client: Any, pool: str,
         if not cluster:  # a keyless TIME cannot join a cluster transaction
             pipe.time()
         pipe.hget(keys.clock, "frozen_us")
-        for key in (keys.state, keys.node_capacity, keys.node_reserved):
+        for key in (keys.state, keys.node_capacity, keys.node_reserved, keys.node_guests):
             pipe.hgetall(key)
         for queue in keys.queues:
             pipe.zcard(queue)
@@ -253,16 +255,16 @@ async def read_pool(client: Any, pool: str,
         pipe.hgetall(keys.stats)
         replies = list(await pipe.execute())
     redis_now = await _now(client) if cluster else _time_us(replies.pop(0))
-    frozen, state_raw, cap_raw, res_raw = replies[:4]
-    queue_replies = replies[4:10]
-    leases_raw, queued_raw, stats_raw = replies[10:13]
+    frozen, state_raw, cap_raw, res_raw, guests_raw = replies[:5]
+    queue_replies = replies[5:11]
+    leases_raw, queued_raw, stats_raw = replies[11:14]
 
     now = int(frozen) if frozen is not None else redis_now
     state = _hash(state_raw)
     capacity, reserved = _hash(cap_raw), _hash(res_raw)
     updated = _int(state.get("updated_us"))
     drain = [_float(state.get(f)) for f in DRAIN_FIELDS]
-    nodes = _nodes(state, capacity, reserved)
+    nodes = _nodes(state, capacity, reserved, _hash(guests_raw))
 
     queues = []
     for tier in Tier:
@@ -371,9 +373,9 @@ def render_pool(p: PoolView) -> list[str]:
         + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
     ]
     lines += table(
-        ["node", "capacity", "reserved", "headroom", "usage", "projected", "out"],
+        ["node", "capacity", "reserved", "headroom", "usage", "projected", "guests", "out"],
         ([n.node, str(n.capacity), str(n.reserved), str(n.headroom),
-          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), n.out or ""]
+          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), str(n.guests), n.out or ""]
          for n in p.nodes),
     ) if p.nodes else ["  no nodes (no capacity published)"]
     lines += table(["tier", "depth", "oldest wait", "oldest task"],

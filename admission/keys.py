@@ -9,7 +9,8 @@ Key names are plain words so operators can read them with redis-cli, for example
 
 The Lua scripts build the names of keys they discover at run time (a task id popped from a
 queue) from the same ``prefix`` the Python side passes in; `lua/_lib.lua` mirrors the suffixes
-of `task_key`, `bucket_key`, `gateway_tasks_key` and `running` and a test checks that they agree.
+of `task_key`, `bucket_key`, `gateway_tasks_key`, `running` and `node_guests`, and a test checks
+that they agree.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ class PoolKeys:
         """ZSET 'node prompt_tokens max_tokens task_id' -> released µs, one member per released
         task until it ends: what the scheduler projects each node's KV growth from."""
         return self.prefix + "running"
+
+    @property
+    def node_guests(self) -> str:
+        """HASH dedicated node -> tasks of other tiers alive on it as guests (released and not
+        ended: `[pools.dedicated]` caps them per node)."""
+        return self.prefix + "node_guests"
 
     def task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"

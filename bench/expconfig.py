@@ -48,6 +48,10 @@ class Settings:
     """Arm (c) forwards the tier as vLLM's priority and the nodes run the priority policy."""
     vip_nodes: int = 0
     """Arm (c): nodes kept for VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
+    guest_prompt: int = 0
+    """Arm (c), with vip_nodes: `guest_max_prompt_tokens` of the kept nodes (0: no guests)."""
+    max_guests: int | None = None
+    """Arm (c), with guests: `max_guests_per_node`; None = the project's default."""
     projection: str | None = None
     """Arm (c): `zones.projection` of the pool; None = the project's default."""
     max_engine_waiting: int | None = None
@@ -174,6 +178,10 @@ def kvgate_toml(
             "[pools.dedicated]",
             "nodes = [" + ", ".join(f'"node-{i}"' for i in range(settings.vip_nodes)) + "]",
             'tiers = ["vip"]',
+            *([f"guest_max_prompt_tokens = {settings.guest_prompt}"]
+              if settings.guest_prompt else []),
+            *([f"max_guests_per_node = {settings.max_guests}"]
+              if settings.guest_prompt and settings.max_guests is not None else []),
             "",
         ]
     for klass in settings.classes:

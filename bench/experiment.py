@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arm (b): requests in flight per node at real scale (default 128)")
     p.add_argument("--vip-nodes", type=int, dest="vip_nodes",
                    help="arm (c): how many nodes to keep for VIP ([pools.dedicated])")
+    p.add_argument("--guest-prompt", type=int, dest="guest_prompt",
+                   help="arm (c), with --vip-nodes: Normal and Batch work with prompts up to "
+                        "this many tokens may join the kept nodes as guests")
+    p.add_argument("--max-guests", type=int, dest="max_guests",
+                   help="arm (c), with --guest-prompt: most guests alive per kept node "
+                        "(default: the project's)")
     p.add_argument("--projection", choices=("final", "peak"),
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
@@ -76,7 +82,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         time_scale=args.time_scale, baseline_sim_s=args.baseline_sim_s,
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
-        vip_nodes=args.vip_nodes, projection=args.projection,
+        vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
+        projection=args.projection,
         max_engine_waiting=args.max_engine_waiting,
     )
 
@@ -238,7 +245,10 @@ def setup_section(settings: Settings) -> list[str]:
         + (f", `zones.max_engine_waiting = {settings.max_engine_waiting}`"
            if settings.max_engine_waiting is not None else "")
         + (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: "
-           "no Normal or Batch work there; VIP tries them first, then the shared nodes)."
+           "VIP tries them first, then the shared nodes; "
+           + (f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} tokens, "
+              f"at most {settings.max_guests or 'the default number of'} alive per kept node)."
+              if settings.guest_prompt else "no Normal or Batch work there).")
            if settings.vip_nodes else "."),
         f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "
         f"after step) for {settings.crash_after_full_sim_s or 0:g} simulated seconds dies like "

@@ -4,7 +4,8 @@
 -- frozen_us, which only tests set, so that they can stop and move time without sleeping);
 -- token amounts in whole tokens, except a bucket's level, kept in micro-tokens so that
 -- refill (rate tokens/s x elapsed µs) stays an exact integer.
--- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:).
+-- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:, running,
+-- node_guests).
 
 local TIER_QUEUE_COUNT = 3
 
@@ -33,6 +34,7 @@ local function task_key(prefix, id) return prefix .. 'task:' .. id end
 local function bucket_key(prefix, tenant) return prefix .. 'bucket:' .. tenant end
 local function gateway_key(prefix, gw) return prefix .. 'gateway:' .. gw end
 local function running_key(prefix) return prefix .. 'running' end
+local function guests_key(prefix) return prefix .. 'node_guests' end
 
 -- A released task's entry in the running index: what the scheduler needs to project how the
 -- node's KV usage will grow (names never contain spaces: admission/keys.py check_name).
@@ -73,37 +75,57 @@ local function bucket_credit(bkey, now, tokens)
 end
 
 -- Dedicated nodes, as the scheduler publishes them in the state hash: 'dedicated_nodes' (names,
--- space-separated) serve only the tiers in 'dedicated_tiers' (bit 2^tier: 1 VIP, 2 Normal,
--- 4 Batch). Absent fields: every node is shared.
-local function placement_of(nodes_field, tiers_field)
+-- space-separated) serve the tiers in 'dedicated_tiers' (bit 2^tier: 1 VIP, 2 Normal,
+-- 4 Batch), and of the other tiers only guests: tasks whose prompt is at most
+-- 'dedicated_guest_prompt' tokens, at most 'dedicated_guest_cap' of them alive on each such
+-- node at once (both 0 or absent: no guests). Absent fields: every node is shared.
+local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field)
   local nodes = {}
   if nodes_field then
     for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
   end
-  return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0}
+  return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0,
+          guest_prompt = tonumber(guest_prompt_field or '0') or 0,
+          guest_cap = tonumber(guest_cap_field or '0') or 0}
 end
 
--- The node for a task of `tier` that needs `cost` tokens, or nil when none has room: the most
--- headroom (capacity - reserved) among the nodes the tier may use, a tier with dedicated
--- nodes trying those before the shared ones. Ties go to the first name in order so that
--- every replica would pick the same one.
-local function place(cap_key, resv_key, placement, tier, cost)
+-- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
+-- whether it goes there as a guest: the most headroom (capacity - reserved) among the nodes
+-- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
+-- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
+-- or it never fills its guest slots). Ties go to the first name in order so that every
+-- replica would pick the same one.
+local function place(cap_key, resv_key, gst_key, placement, tier, cost, prompt_tokens)
   local caps = redis.call('HGETALL', cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
+  local may_guest = not owns_dedicated and placement.guest_cap > 0
+    and prompt_tokens <= placement.guest_prompt
   local best = {}
   for i = 1, #caps, 2 do
     local node = caps[i]
     local group = placement.nodes[node] and 1 or 2
-    if group == 2 or owns_dedicated then
+    local allowed = group == 2 or owns_dedicated
+    if not allowed and may_guest then
+      allowed = (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < placement.guest_cap
+    end
+    if allowed then
       local room = (tonumber(caps[i + 1]) or 0) - (tonumber(redis.call('HGET', resv_key, node) or '0') or 0)
       local b = best[group]
       if b == nil or room > b[2] or (room == b[2] and node < b[1]) then best[group] = {node, room} end
     end
   end
   for group = 1, 2 do
-    if best[group] and best[group][2] >= cost then return best[group][1] end
+    if best[group] and best[group][2] >= cost then
+      return best[group][1], group == 1 and not owns_dedicated
+    end
   end
-  return nil
+  return nil, false
+end
+
+-- A task released as a guest holds one of its node's guest slots until it ends.
+local function guest_joined(gst_key, tkey, node)
+  redis.call('HINCRBY', gst_key, node, 1)
+  redis.call('HSET', tkey, 'guest', '1')
 end
 
 local function reserve_node(resv_key, node, cost)
@@ -144,6 +166,10 @@ end
 local function drop_released(prefix, resv_key, stats_key, id, task, state, usage, now, retention_s)
   local cost = tonumber(task.cost)
   unreserve_node(resv_key, task.node, cost)
+  if task.guest then
+    local left = redis.call('HINCRBY', guests_key(prefix), task.node, -1)
+    if left <= 0 then redis.call('HDEL', guests_key(prefix), task.node) end
+  end
   redis.call('ZREM', running_key(prefix),
     running_member(task.node, task.prompt_tokens, task.max_tokens, id))
   redis.call('SREM', gateway_key(prefix, task.gateway), id)
@@ -163,10 +189,11 @@ end
 
 local function load_task(tkey)
   local f = redis.call('HMGET', tkey, 'state', 'tenant', 'tier', 'cost', 'node', 'gateway',
-    'deadline_us', 'prompt_tokens', 'max_tokens')
+    'deadline_us', 'prompt_tokens', 'max_tokens', 'guest')
   if not f[1] then return nil end
   return { state = f[1], tenant = f[2], tier = f[3], cost = f[4], node = f[5],
-           gateway = f[6], deadline_us = f[7], prompt_tokens = f[8], max_tokens = f[9] }
+           gateway = f[6], deadline_us = f[7], prompt_tokens = f[8], max_tokens = f[9],
+           guest = f[10] }
 end
 
 -- The head of a queue: id, score (enqueue µs) and record. An entry without a queued record can

@@ -8,7 +8,7 @@
 -- KEYS[8]  stats            HASH  settled, settled_cost, settled_usage (tokens)
 -- KEYS[9]  task             HASH
 --
--- ARGV[1]  key prefix of the pool (task, bucket, gateway and running index keys)
+-- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index and node_guests keys)
 -- ARGV[2]  task id
 -- ARGV[3]  real usage, prompt + generated tokens; -1 = unknown (the client got nothing it can
 --          use, so the tenant is refunded in full and nothing is learned from it)

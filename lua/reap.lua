@@ -8,7 +8,7 @@
 -- KEYS[8]  tenant_queued    HASH
 -- KEYS[9]  stats            HASH
 --
--- ARGV[1]  key prefix of the pool (task, bucket, gateway and running index keys)
+-- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index and node_guests keys)
 -- ARGV[2]  at most this many tasks handled in this call (bounds the script's run time)
 -- ARGV[3]  retention (s) of finished records
 --

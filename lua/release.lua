@@ -1,7 +1,8 @@
 -- release.lua: the leader pops queued tasks in tier order and assigns them nodes.
 --
--- KEYS[1]  state            HASH  epoch (fencing), dedicated_nodes and dedicated_tiers (where
---                                each tier may run, see place() in _lib.lua)
+-- KEYS[1]  state            HASH  epoch (fencing), dedicated_nodes, dedicated_tiers,
+--                                dedicated_guest_prompt, dedicated_guest_cap (where each task
+--                                may run, see place() in _lib.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -10,8 +11,9 @@
 -- KEYS[9]  tenant_queued    HASH  tenant -> queued count
 -- KEYS[10] stats            HASH  counters
 --
--- ARGV[1]  key prefix of the pool (for task, bucket, gateway and running keys: the running
---          index ZSET 'node prompt max id' -> released µs gets each released task)
+-- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running and node_guests keys:
+--          the running index ZSET 'node prompt max id' -> released µs gets each released
+--          task, the HASH node_guests counts the guests alive on each dedicated node)
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records
@@ -33,8 +35,10 @@ local limits = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
 local retention_s = tonumber(ARGV[6])
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
-local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers')
-local placement = placement_of(dedicated[1], dedicated[2])
+local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers',
+  'dedicated_guest_prompt', 'dedicated_guest_cap')
+local placement = placement_of(dedicated[1], dedicated[2], dedicated[3], dedicated[4])
+local gst_key = guests_key(prefix)
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
@@ -54,7 +58,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       table.insert(out, ''); table.insert(out, t)
     else
       local cost = tonumber(task.cost)
-      local node = place(KEYS[3], KEYS[4], placement, t, cost)
+      local node, guest = place(KEYS[3], KEYS[4], gst_key, placement, t, cost,
+        tonumber(task.prompt_tokens) or math.huge)
       if node == nil then
         blocked = true
         break
@@ -66,6 +71,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
         'queued_us', queued_us, 'released_us', fmt(now))
       redis.call('HDEL', task_key(prefix, head), 'deadline_us')
+      if guest then guest_joined(gst_key, task_key(prefix, head), node) end
       redis.call('ZADD', running_key(prefix), fmt(now),
         running_member(node, task.prompt_tokens, task.max_tokens, head))
       redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

@@ -231,6 +231,9 @@ class PoolScheduler:
         if dedicated.nodes:
             extra["dedicated_nodes"] = " ".join(dedicated.nodes)
             extra["dedicated_tiers"] = dedicated.tier_mask
+            if dedicated.guest_max_prompt_tokens:
+                extra["dedicated_guest_prompt"] = dedicated.guest_max_prompt_tokens
+                extra["dedicated_guest_cap"] = dedicated.max_guests_per_node
         return extra
 
     async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:

@@ -26,6 +26,8 @@ class ModelTask:
     node: str | None = None
     releases: int = 0
     finishes: int = 0
+    prompt: int = 0
+    guest: bool = False
 
 
 @dataclass
@@ -60,6 +62,8 @@ class Model:
     dedicated_nodes: frozenset[str] = frozenset()
     dedicated_tiers: int = 0
     """Bit 2^tier set for each tier the dedicated nodes serve."""
+    guest_prompt: int = 0
+    guest_cap: int = 0
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -76,13 +80,25 @@ class Model:
             if t.gateway == gateway and not t.state.terminal
         }
 
-    def place(self, tier: int, cost: int) -> str | None:
-        """The most headroom among the nodes the tier may use, dedicated ones first for the
-        tiers they serve; None when the best has no room for `cost`."""
-        groups = [sorted(n for n in self.capacity if n in self.dedicated_nodes)
-                  if self.dedicated_tiers >> tier & 1 else [],
-                  sorted(n for n in self.capacity if n not in self.dedicated_nodes)]
-        for nodes in groups:
+    def guests(self) -> dict[str, int]:
+        """Guests alive per node: released as guests and not ended."""
+        counts: dict[str, int] = {}
+        for t in self.tasks.values():
+            if t.guest and t.state is TaskState.RELEASED and t.node is not None:
+                counts[t.node] = counts.get(t.node, 0) + 1
+        return counts
+
+    def place(self, tier: int, cost: int, prompt: int) -> tuple[str | None, bool]:
+        """The most headroom among the nodes the task may use, dedicated ones first for the
+        tiers they serve and for guests (other tiers' short prompts, below the per-node cap);
+        (None, False) when the best has no room for `cost`."""
+        owns = bool(self.dedicated_tiers >> tier & 1)
+        guests = self.guests()
+        may_guest = not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
+        dedicated = sorted(n for n in self.capacity if n in self.dedicated_nodes
+                           and (owns or (may_guest and guests.get(n, 0) < self.guest_cap)))
+        groups = [dedicated, sorted(n for n in self.capacity if n not in self.dedicated_nodes)]
+        for group, nodes in enumerate(groups):
             best: str | None = None
             room = 0
             for node in nodes:  # sorted: a tie keeps the first name
@@ -90,8 +106,8 @@ class Model:
                 if best is None or r > room:
                     best, room = node, r
             if best is not None and room >= cost:
-                return best
-        return None
+                return best, group == 0 and not owns
+        return None, False
 
     # --- bucket helpers --------------------------------------------------------------------
     def credit(self, tenant: str, tokens: int) -> None:
@@ -127,7 +143,7 @@ class Model:
     # --- operations, mirroring the scripts --------------------------------------------------
     def admit(
         self, tid: str, tenant: str, tier: int, cost: int, rate: int, burst: int,
-        tenant_cap: int, timeout_ms: int, gateway: str,
+        tenant_cap: int, timeout_ms: int, gateway: str, prompt: int = 0,
     ) -> tuple[str, str, int, int]:
         """Returns (outcome, detail, retry_after_ms, depth) as the script does."""
         if tid in self.tasks:
@@ -157,9 +173,9 @@ class Model:
             self.state_updated_us is not None
             and self.now - self.state_updated_us <= self.stale_after_ms * 1000
         )
-        node = None
+        node, guest = None, False
         if ahead == 0 and fresh and (self.zone == "GREEN" or tier == 0):
-            node = self.place(tier, cost)
+            node, guest = self.place(tier, cost, prompt)
         if node is None:
             if len(self.queues[tier]) >= self.tier_caps[tier]:
                 return ("rejected", "queue_full", drain_hint(), ahead)
@@ -167,10 +183,11 @@ class Model:
                 return ("rejected", "tenant_queue_full", drain_hint(), ahead)
         self.buckets[tenant] = Bucket(level - need, self.now, rate, burst)
         self.leases[gateway] = self.now + self.lease_ttl_ms * 1000
-        task = ModelTask(tenant, tier, cost, gateway, TaskState.QUEUED)
+        task = ModelTask(tenant, tier, cost, gateway, TaskState.QUEUED, prompt=prompt)
         self.tasks[tid] = task
         if node is not None:
             task.state, task.node, task.releases = TaskState.RELEASED, node, 1
+            task.guest = guest
             self.reserved[node] = self.reserved.get(node, 0) + cost
             return ("released", node, 0, 0)
         task.deadline_us = self.now + timeout_ms * 1000
@@ -196,13 +213,13 @@ class Model:
                     self._drop_queued(tid, TaskState.EXPIRED)
                     out.append((tid, t.gateway, None, tier))
                     continue
-                node = self.place(tier, t.cost)
+                node, guest = self.place(tier, t.cost, t.prompt)
                 if node is None:
                     blocked = True
                     break
                 queue.pop(0)
                 self.reserved[node] = self.reserved.get(node, 0) + t.cost
-                t.state, t.node = TaskState.RELEASED, node
+                t.state, t.node, t.guest = TaskState.RELEASED, node, guest
                 t.releases += 1
                 released += 1
                 out.append((tid, t.gateway, node, tier))
@@ -253,10 +270,13 @@ class Model:
     def publish_state(
         self, epoch: int, zone: str, capacity: dict[str, int], drain: tuple[int, int, int],
         dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
+        guests: tuple[int, int] = (0, 0),
     ) -> bool:
+        """`guests`: (guest prompt limit, guest cap per dedicated node), (0, 0) for none."""
         if epoch < self.epoch:
             return False
         self.dedicated_nodes, self.dedicated_tiers = dedicated
+        self.guest_prompt, self.guest_cap = guests
         self.epoch = epoch
         self.zone = zone
         self.capacity = dict(capacity)

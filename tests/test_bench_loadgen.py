@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import tomllib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -13,9 +14,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from admission.config import DedicatedNodes, parse_config
 from admission.tiers import Tier
 from bench.arm import ArmResult
-from bench.expconfig import PRESETS, Settings
+from bench.expconfig import POOL, PRESETS, Settings, kvgate_toml, with_overrides
 from bench.fifo_proxy import FifoLimiter
 from bench.loadgen import FAILED, OK, REJECTED, ClientSettings, LoadGenerator, Outcome
 from bench.monitor import NodeSample, Sample, parse_metrics
@@ -254,3 +256,17 @@ def test_report_counts_failures_as_infinitely_slow_and_censors_late_requests() -
     assert p99 == pytest.approx(0.02 * settings.time_scale * 1000)
     outcomes[0] = _outcome(vip[0], FAILED, None)
     assert math.isinf(summarize(result, None).vip_ttft_burst[1])
+
+
+def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None:
+    def dedicated(**flags: object) -> DedicatedNodes:
+        settings = with_overrides(PRESETS["smoke"], **flags)
+        text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
+        return parse_config(tomllib.loads(text), env={}).pools[POOL].dedicated
+
+    kept = dedicated(vip_nodes=1, guest_prompt=2048, max_guests=12)
+    assert (kept.nodes, kept.guest_max_prompt_tokens, kept.max_guests_per_node) == (
+        ("node-0",), 2048, 12)
+    assert dedicated(vip_nodes=1).guest_max_prompt_tokens == 0
+    assert dedicated(vip_nodes=1, guest_prompt=512).max_guests_per_node == 32
+    assert dedicated().nodes == ()

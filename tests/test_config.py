@@ -134,3 +134,12 @@ def test_dedicated_nodes_must_be_backends_of_the_pool_and_name_their_tiers() -> 
         parse_config(pool({"nodes": ["gpu-0"], "tiers": ["gold"]}), env={})
     with pytest.raises(ConfigError, match=r"dedicated\.nodes: leaves no backend"):
         parse_config(pool({"nodes": ["gpu-0", "gpu-1"], "tiers": ["vip"]}), env={})
+    guests = parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
+                                "guest_max_prompt_tokens": 2048}), env={}).pools["p"].dedicated
+    assert (guests.guest_max_prompt_tokens, guests.max_guests_per_node) == (2048, 32)
+    assert parsed.pools["p"].dedicated.guest_max_prompt_tokens == 0
+    with pytest.raises(ConfigError, match=r"dedicated\.guest_max_prompt_tokens: guests need"):
+        parse_config(pool({"guest_max_prompt_tokens": 100}), env={})
+    with pytest.raises(ConfigError, match=r"dedicated\.max_guests_per_node: must be >= 1"):
+        parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"], "guest_max_prompt_tokens": 1,
+                           "max_guests_per_node": 0}), env={})

@@ -40,6 +40,10 @@ def _int(raw: bytes | str | None) -> int:
     return int(raw)
 
 
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 async def _give_capacity(store: PoolStore, caps: dict[str, int], epoch: int = 1) -> None:
     await store.publish_state(epoch, Zone.GREEN, caps)
 
@@ -226,6 +230,8 @@ async def test_lua_key_formats_match_the_key_schema(store: PoolStore,
     assert await redis_client.smembers(keys.gateway_tasks_key("gw-9")) == set()
     for name in ("task", "bucket", "gateway"):
         assert f"prefix .. '{name}:'" in script_source("release")
+    for key in (keys.running, keys.node_guests):
+        assert f"prefix .. '{key.removeprefix(keys.prefix)}'" in script_source("release")
 
 
 async def test_retry_hints_come_from_the_state(store: PoolStore,
@@ -351,6 +357,59 @@ async def test_dedicated_nodes_serve_only_their_tiers_which_try_them_first(
     await store.settle("b1", 400)  # shared has 450 free now
     released = await store.release(1, (10, 10, 10))
     assert [(t.task_id, t.node) for t in released] == [("b2", "shared")]
+
+
+async def test_guests_of_a_kept_node_have_short_prompts_fill_it_first_and_respect_the_cap(
+        store: PoolStore, redis_client: aioredis.Redis) -> None:
+    """Work of other tiers with a short prompt goes to the node kept for VIP first, as a guest,
+    at most `dedicated_guest_cap` alive there; each ending (settle, cancel, reap) frees its
+    slot exactly once; long prompts never go there."""
+    await redis_client.hset(store.keys.clock, "frozen_us", 10**15)
+    tenant = TenantQuota("acme", rate=0, burst=10**9, max_queued=1000)
+    await store.publish_state(1, Zone.GREEN, {"vip-node": 10_000, "shared": 10_000},
+                              {"dedicated_nodes": "vip-node", "dedicated_tiers": 1,
+                               "dedicated_guest_prompt": 500, "dedicated_guest_cap": 2})
+
+    async def admit(task_id: str, tier: Tier, prompt: int, gateway: str = "gw") -> Any:
+        return await store.admit(task_id=task_id, tenant=tenant, tier=tier, prompt_tokens=prompt,
+                                 max_tokens=100, gateway=gateway, queue_timeout_ms=60_000)
+
+    async def guests() -> dict[str, int]:
+        raw = await redis_client.hgetall(store.keys.node_guests)
+        return {_text(k): int(v) for k, v in raw.items()}
+
+    long = await admit("long", Tier.NORMAL, 501)
+    assert long.node == "shared"
+    first = await admit("g1", Tier.BATCH, 500)
+    second = await admit("g2", Tier.NORMAL, 20, gateway="gw-dies")
+    # The cap is reached: the next short one goes to the shared node, with less room.
+    third = await admit("g3", Tier.NORMAL, 20)
+    assert [first.node, second.node, third.node] == ["vip-node", "vip-node", "shared"]
+    assert await guests() == {"vip-node": 2}
+    assert await redis_client.hget(store.keys.task_key("g3"), "guest") is None
+    # VIP is no guest: it takes its node whatever the guests.
+    assert (await admit("v1", Tier.VIP, 20)).node == "vip-node"
+    assert await guests() == {"vip-node": 2}
+
+    await store.settle("g1", 300)
+    await store.settle("g1", 300)  # a repeat frees nothing more
+    assert await guests() == {"vip-node": 1}
+    # Queued work released by the scheduler takes the slot the same way.
+    await store.publish_state(1, Zone.YELLOW, {"vip-node": 10_000, "shared": 10_000},
+                              {"dedicated_nodes": "vip-node", "dedicated_tiers": 1,
+                               "dedicated_guest_prompt": 500, "dedicated_guest_cap": 2})
+    assert (await admit("q1", Tier.BATCH, 400)).outcome is AdmitOutcome.QUEUED
+    assert (await admit("q2", Tier.BATCH, 400)).outcome is AdmitOutcome.QUEUED
+    released = await store.release(1, (10, 10, 10))
+    assert [(t.task_id, t.node) for t in released] == [("q1", "vip-node"), ("q2", "shared")]
+    assert await guests() == {"vip-node": 2}
+    await store.cancel("q1")
+    # The gateway holding g2 dies: the reaper frees its slot; nothing is left on the node.
+    await redis_client.hset(store.keys.clock, "frozen_us",
+                            10**15 + store.policy.lease_ttl_ms * 1000 + 1)
+    await store.renew("gw")
+    assert (await store.reap()).reaped == 1
+    assert await guests() == {}
 
 
 async def test_tasks_with_their_tiers_timeout_expire_from_the_queue_head_without_an_index(

@@ -85,12 +85,15 @@ class CoreMachine(RuleBasedStateMachine):
 
     def _publish(self, epoch: int, zone: Zone, caps: dict[str, int],
                  drain: tuple[int, int, int],
-                 dedicated: tuple[frozenset[str], int] = (frozenset(), 0)) -> None:
-        accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated)
+                 dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
+                 guests: tuple[int, int] = (0, 0)) -> None:
+        accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated, guests)
         extra: dict[str, str | int | float] = {f"drain_{t}": d for t, d in enumerate(drain)}
         if dedicated[0]:
             extra["dedicated_nodes"] = " ".join(sorted(dedicated[0]))
             extra["dedicated_tiers"] = dedicated[1]
+        if guests[1]:
+            extra["dedicated_guest_prompt"], extra["dedicated_guest_cap"] = guests
         if accepted:
             self.run(self.store.publish_state(epoch, zone, caps, extra))
         else:
@@ -107,6 +110,14 @@ class CoreMachine(RuleBasedStateMachine):
         tid = f"t{self.counter}"
         return self._admit(tid, tenant, tier, prompt, out, gateway, timeout_ms)
 
+    @rule(target=task_ids, tier=st.sampled_from([Tier.NORMAL, Tier.BATCH]),
+          prompt=st.integers(1, 40), gateway=st.sampled_from(GATEWAYS))
+    def admit_short(self, tier: Tier, prompt: int, gateway: str) -> str:
+        """Short work of the lower tiers, from the tenant with room: what guests are made of."""
+        self.counter += 1
+        return self._admit(f"t{self.counter}", "gamma", tier, prompt, 10, gateway,
+                           TIER_TIMEOUT_MS)
+
     @rule(tid=task_ids, tenant=st.sampled_from(sorted(TENANTS)))
     def admit_again(self, tid: str, tenant: str) -> None:
         self._admit(tid, tenant, Tier.VIP, 5, 5, "gw-a", 1000)
@@ -116,7 +127,7 @@ class CoreMachine(RuleBasedStateMachine):
         q = TENANTS[tenant]
         zone = self.model.zone
         expected = self.model.admit(tid, tenant, int(tier), prompt + out, q.rate, q.burst,
-                                    q.max_queued, timeout_ms, gateway)
+                                    q.max_queued, timeout_ms, gateway, prompt)
         got = self.run(self.store.admit(task_id=tid, tenant=q, tier=tier, prompt_tokens=prompt,
                                         max_tokens=out, gateway=gateway,
                                         queue_timeout_ms=timeout_ms,
@@ -184,12 +195,21 @@ class CoreMachine(RuleBasedStateMachine):
           drain=st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
           new_leader=st.booleans(),
           dedicated_nodes=st.frozensets(st.sampled_from(NODES), max_size=2),
-          dedicated_tiers=st.integers(1, 7))
+          dedicated_tiers=st.integers(1, 7),
+          guests=st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 300), st.integers(1, 3))))
     def scheduler_publishes(self, zone: Zone, caps: dict[str, int],
                             drain: tuple[int, int, int], new_leader: bool,
-                            dedicated_nodes: frozenset[str], dedicated_tiers: int) -> None:
+                            dedicated_nodes: frozenset[str], dedicated_tiers: int,
+                            guests: tuple[int, int]) -> None:
         dedicated = (dedicated_nodes, dedicated_tiers if dedicated_nodes else 0)
-        self._publish(self.model.epoch + int(new_leader), zone, caps, drain, dedicated)
+        self._publish(self.model.epoch + int(new_leader), zone, caps, drain, dedicated,
+                      guests if dedicated_nodes else (0, 0))
+
+    @rule(prompt_limit=st.integers(0, 300), cap=st.integers(1, 2))
+    def scheduler_keeps_a_node_for_vip_with_guests(self, prompt_limit: int, cap: int) -> None:
+        """The random publish above rarely fills a guest cap; this one makes it common."""
+        self._publish(self.model.epoch, Zone.GREEN, dict.fromkeys(NODES, 1_500), self.model.drain,
+                      (frozenset({"node-1"}), 1), (prompt_limit, cap))
 
     @rule()
     def deposed_leader_publish_is_refused(self) -> None:
@@ -213,6 +233,7 @@ class CoreMachine(RuleBasedStateMachine):
                     pipe.hget(k.bucket_key(tenant), "micro_tokens")
                 for tid in ids:
                     pipe.hmget(k.task_key(tid), "state", "node", "cost")
+                pipe.hgetall(k.node_guests)
                 pipe.zrange(k.running, 0, -1)
                 result: list[Any] = await pipe.execute()
                 return result
@@ -236,7 +257,9 @@ class CoreMachine(RuleBasedStateMachine):
         # the sum of the costs of the tasks released to it and not finished.
         from_tasks: dict[str, int] = {}
         released: dict[str, tuple[str, int]] = {}
-        task_rows = snap[6 + len(TENANTS):-1]
+        task_rows = snap[6 + len(TENANTS):-2]
+        # Guest slots: one per task alive as a guest, freed exactly once when it ends.
+        assert {_s(a): int(b) for a, b in snap[-2].items()} == m.guests()
         for tid, (state, node, cost) in zip(ids, task_rows, strict=True):
             assert _s(state) == m.tasks[tid].state.value, tid
             if _s(state) == "released":

@@ -161,6 +161,18 @@ async def test_bucket_refill_caps_at_burst_and_expired_lease_then_reap(
     assert [n.headroom for n in p.nodes] == [10_000, 8_000]
 
 
+async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis) -> None:
+    w = World(redis_client)
+    await w.at(T0)
+    await w.store.publish_state(1, Zone.GREEN, CAPS, {
+        "dedicated_nodes": "gpu-1", "dedicated_tiers": 1, "dedicated_guest_prompt": 500,
+        "dedicated_guest_cap": 4})
+    assert await w.admit("g", ACME, Tier.NORMAL, 100, 100, "gw-1") is AdmitOutcome.RELEASED
+    (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
+    assert [(n.node, n.guests) for n in p.nodes] == [("gpu-0", 0), ("gpu-1", 1)]
+    assert "guests" in inspect.render(await inspect.snapshot(redis_client, [POOL]))
+
+
 async def test_buckets_found_by_scan_across_pages(redis_client: aioredis.Redis) -> None:
     """More buckets than one SCAN step and one pipeline chunk return; other pools' do not."""
     n = inspect.SCAN_COUNT * 2 + 7
@@ -200,8 +212,8 @@ async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None
         (found,) = [line.split() for line in lines if line.split()[:1] == [first]]
         return found
 
-    assert row("gpu-0") == ["gpu-0", "10000", "500", "9500", "0.5000", "0.6000"]
-    assert row("gpu-1") == ["gpu-1", "8000", "0", "8000", "-", "-", "stale"]
+    assert row("gpu-0") == ["gpu-0", "10000", "500", "9500", "0.5000", "0.6000", "0"]
+    assert row("gpu-1") == ["gpu-1", "8000", "0", "8000", "-", "-", "0", "stale"]
     assert row("batch") == ["batch", "2", "3.0", "s", "c"]
     assert row("gw-2") == ["gw-2", "2", "7.0", "s"]
     assert row("acme") == ["acme", "9300.0", "10000", "93.0", "100", "0"]

@@ -34,6 +34,29 @@ async def test_dedicated_nodes_are_published_and_the_release_places_by_them(
                                                                                     "1")
             placed = {t.task_id: t.node for t in result.released}
             assert placed == {"v1": "vip-node", "n1": "shared", "b1": "shared"}
+            assert "dedicated_guest_prompt" not in published
+
+
+async def test_guest_limits_are_published_and_short_work_of_other_tiers_joins_the_kept_node(
+        redis_client: Any, redis_url: str) -> None:
+    async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
+        config = make_config(redis_url, [{"name": "vip-node", "url": vip_url},
+                                         {"name": "shared", "url": shared_url}],
+                             dedicated={"nodes": ["vip-node"], "tiers": ["vip"],
+                                        "guest_max_prompt_tokens": 500,
+                                        "max_guests_per_node": 1})
+        async with pool_scheduler(redis_client, config) as ps:
+            # queue_tasks splits each cost in halves: prompts of 400, 400 and 1,000 tokens.
+            await queue_tasks(ps.store, [("n1", Tier.NORMAL, 800), ("b1", Tier.BATCH, 800),
+                                         ("b2", Tier.BATCH, 2_000)])
+            result = await ps.tick(1, always)
+            published = await state(ps.store)
+            assert (published["dedicated_guest_prompt"],
+                    published["dedicated_guest_cap"]) == ("500", "1")
+            placed = {t.task_id: t.node for t in result.released}
+            # n1 takes the only guest slot; b1 fits the limit but finds the slot taken.
+            assert placed == {"n1": "vip-node", "b1": "shared", "b2": "shared"}
+            assert await redis_client.hgetall(ps.store.keys.node_guests) == {b"vip-node": b"1"}
 
 
 async def test_half_done_generations_leave_room_that_final_sizes_would_not(

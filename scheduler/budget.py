@@ -63,7 +63,7 @@ reports a preemption gets f = 1 for a cool-down: the engine told us the guess wa
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
@@ -259,9 +259,17 @@ def plan_node(
                     factor, view.stale, False, reason)
 
 
-def pool_usage(plans: Sequence[NodePlan], aggregate: str) -> float | None:
-    """The figure the pool's zone follows; None when no node is usable."""
+def pool_usage(plans: Sequence[NodePlan], aggregate: str,
+               dedicated: Collection[str] = ()) -> float | None:
+    """The figure the pool's zone follows; None when no node is usable.
+
+    The zone decides what Normal and Batch may do, and their work runs on the shared nodes:
+    nodes kept for some tiers (`dedicated`) count only when no shared node is usable. A kept
+    node filled by VIP chats or by its capped guests must not hold Batch back from idle shared
+    nodes (each node's own budget already keeps it under the target)."""
     usable = [p for p in plans if p.usable]
+    shared = [p for p in usable if p.name not in dedicated]
+    usable = shared or usable
     if not usable:
         return None
     if aggregate == "total":

@@ -249,7 +249,7 @@ class PoolScheduler:
         snap = await self.read_snapshot()
         now = self.clock()
         plans = self.plan(views, snap, now)
-        usage = pool_usage(plans, self.pool.zones.aggregate)
+        usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes)
         zone = self.tracker.update(usage)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -73,6 +74,18 @@ def test_pool_usage_aggregates() -> None:
     assert pool_usage([a, b], "max") == pytest.approx(0.5)
     assert pool_usage([a, b], "total") == pytest.approx((10_000 + 150_000) / 400_000)
     assert pool_usage([plan(view(0.1, ejected=True), reserved=0)], "max") is None
+
+
+def test_pool_usage_leaves_nodes_kept_for_some_tiers_out_while_a_shared_one_is_usable() -> None:
+    kept = dataclasses.replace(plan(view(0.75), reserved=0), name="kept")
+    shared = dataclasses.replace(plan(view(0.2), reserved=0), name="shared")
+    gone = dataclasses.replace(plan(view(0.2, ejected=True), reserved=0), name="shared")
+    # The kept node, full of VIP chats or capped guests, does not hold Batch off the shared one.
+    assert pool_usage([kept, shared], "max", ("kept",)) == pytest.approx(0.2)
+    assert pool_usage([kept, shared], "total", ("kept",)) == pytest.approx(0.2)
+    assert pool_usage([kept, shared], "max") == pytest.approx(0.75)
+    # With no usable shared node, the kept nodes are all there is to go by.
+    assert pool_usage([kept, gone], "max", ("kept",)) == pytest.approx(0.75)
 
 
 def test_learner_starts_without_overcommit_and_is_bounded() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from admission.store import AdmitOutcome
-from admission.tiers import Tier
+from admission.tiers import Tier, Zone
 from tests.scheduler_stub import (
     FakeVllm,
     admit,
@@ -57,6 +57,26 @@ async def test_guest_limits_are_published_and_short_work_of_other_tiers_joins_th
             # n1 takes the only guest slot; b1 fits the limit but finds the slot taken.
             assert placed == {"n1": "vip-node", "b1": "shared", "b2": "shared"}
             assert await redis_client.hgetall(ps.store.keys.node_guests) == {b"vip-node": b"1"}
+
+
+async def test_a_kept_node_full_of_guests_does_not_hold_batch_off_idle_shared_nodes(
+        redis_client: Any, redis_url: str) -> None:
+    """The zone follows the shared nodes: a kept node at 75% (its VIP chats and guests) would
+    make the pool YELLOW under aggregate "max", and YELLOW holds every Batch task."""
+    kept, shared = FakeVllm(usage=0.75), FakeVllm(usage=0.10)
+    async with serve_fake(kept) as kept_url, serve_fake(shared) as shared_url:
+        config = make_config(redis_url, [{"name": "vip-node", "url": kept_url},
+                                         {"name": "shared", "url": shared_url}],
+                             dedicated={"nodes": ["vip-node"], "tiers": ["vip"],
+                                        "guest_max_prompt_tokens": 500})
+        async with pool_scheduler(redis_client, config) as ps:
+            await queue_tasks(ps.store, [("b1", Tier.BATCH, 20_000)])
+            result = await ps.tick(1, always)
+            assert result.zone is Zone.GREEN
+            assert {t.task_id: t.node for t in result.released} == {"b1": "shared"}
+            shared.usage = 0.75  # now the shared node is where the pressure is
+            result = await ps.tick(1, always)
+            assert result.zone is Zone.YELLOW
 
 
 async def test_half_done_generations_leave_room_that_final_sizes_would_not(

@@ -323,10 +323,12 @@ async def latency(client: Any, samples: int, rate: float, poll_ms: int) -> dict[
 def _report(tp: dict[str, float], lat: dict[str, float], args: argparse.Namespace) -> str:
     ok_tp = "met" if tp["rate_from_capacity"] >= 5_000 else "MISSED"
     ok_lat = "met" if lat["p99_ms"] <= lat["target_ms"] else "MISSED"
+    projection = f" --projection {args.projection}" if args.projection else ""
     return f"""# Scheduler release benchmark
 
 `python -m bench.scheduler_release --tasks {args.tasks} --samples {args.samples} \
---poll-ms {args.poll_ms}` on {platform.machine()}, {os.cpu_count()} CPUs, Python \
+--poll-ms {args.poll_ms} --running {args.running}{projection}` on {platform.machine()}, \
+{os.cpu_count()} CPUs, Python \
 {platform.python_version()}, {platform.system()}. Real redis-server and a real
 `python -m scheduler` process (poll interval {args.poll_ms} ms, release batch 2,000 per tick);
 vLLM nodes are /metrics stubs; this process plays the gateways. See the module docstring for

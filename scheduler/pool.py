@@ -50,25 +50,42 @@ for the queueing behind other prefills). Too long an allowance only makes tasks 
 which the projection treats as more overlap: the safe side."""
 
 
-def _running(members: Sequence[tuple[Any, Any]], now_us: int) -> dict[str, list[RunningTask]]:
-    """The running index's (member, released µs) pairs by node (thousands per tick: kept
-    lean, bytes parsed as they come)."""
-    by_node: dict[bytes, list[RunningTask]] = {}
+_Indexed = tuple[str, int, int, int] | None
+"""A running-index member parsed: node, prompt tokens, max tokens, and when it may have started
+decoding (µs); None for a member this version did not write."""
+
+
+def _parse_member(raw: Any, released_us: Any) -> _Indexed:
+    member = raw.decode() if isinstance(raw, bytes) else str(raw)
+    try:
+        node, prompt, max_tokens, _ = member.split(" ", 3)
+        prompt_tokens = int(prompt)
+        decoding_from = int(float(released_us)) + prompt_tokens * PREFILL_US_PER_TOKEN
+        return node, prompt_tokens, int(max_tokens), decoding_from
+    except ValueError:
+        return None  # counted at full size instead (plan_node's unindexed reservations)
+
+
+def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _Indexed]
+             ) -> tuple[dict[str, list[RunningTask]], dict[Any, _Indexed]]:
+    """Released tasks by node, from the running index's (member, released µs) pairs, and the
+    parsed members to pass as `known` next time: a member never changes while its task runs,
+    and the leader reads thousands of them on every tick."""
+    parsed: dict[Any, _Indexed] = {}
+    out: dict[str, list[RunningTask]] = {}
     for raw, released_us in members:
-        member = raw if isinstance(raw, bytes) else str(raw).encode()
-        try:
-            node, prompt, max_tokens, _ = member.split(b" ", 3)
-            prompt_tokens = int(prompt)
-            decoding_us = now_us - int(float(released_us)) - prompt_tokens * PREFILL_US_PER_TOKEN
-            task = RunningTask(prompt_tokens, int(max_tokens), max(0, decoding_us))
-        except ValueError:
-            continue  # not written by this version's scripts: counted at full size instead
-        tasks = by_node.get(node)
+        entry = known[raw] if raw in known else _parse_member(raw, released_us)
+        parsed[raw] = entry
+        if entry is None:
+            continue
+        node, prompt_tokens, max_tokens, decoding_from = entry
+        task = RunningTask(prompt_tokens, max_tokens, max(0, now_us - decoding_from))
+        tasks = out.get(node)
         if tasks is None:
-            by_node[node] = [task]
+            out[node] = [task]
         else:
             tasks.append(task)
-    return {node.decode(): tasks for node, tasks in by_node.items()}
+    return out, parsed
 
 
 @dataclass(slots=True)
@@ -127,6 +144,8 @@ class PoolScheduler:
         self._preemptions: dict[str, float] = {}
         self._cooldown_until: dict[str, float] = {}
         self._first_poll = True
+        self._indexed: dict[Any, _Indexed] = {}
+        """The running index as parsed on the last tick."""
         self._published_at: tuple[int, float] | None = None
         """Redis time (µs) our last publish wrote, and the local clock then."""
 
@@ -161,7 +180,10 @@ class PoolScheduler:
                 pipe.hget(k.state, "updated_us")
             reply = await pipe.execute()
         depths = (int(reply[2]), int(reply[3]), int(reply[4]))
-        running = _running(reply[5], self._redis_now_us(reply[6], reply[7])) if peak else {}
+        running: dict[str, list[RunningTask]] = {}
+        if peak:
+            running, self._indexed = _running(reply[5], self._redis_now_us(reply[6], reply[7]),
+                                              self._indexed)
         return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths, running)
 
     def _redis_now_us(self, frozen: Any, last_published: Any) -> int:

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.budget import RunningTask, _decode_rate, peak_usage, plan_node
+from scheduler.pool import PREFILL_US_PER_TOKEN, _running
 from scheduler.scrape import NodeMetrics, NodeView
 
 tasks_strategy = st.lists(
@@ -149,3 +150,19 @@ def test_waiting_requests_never_lower_the_projection(
     peak = peak_usage(tasks, ours_now, waiting)
     assert peak >= ours_now + sum(t.prompt_tokens for t in queued) - 1e-6
     assert peak <= sum(t.prompt_tokens + t.max_tokens for t in tasks) + ours_now + 1e-6
+
+
+def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -> None:
+    now = 10_000_000
+    members = [(b"n1 100 50 t1", 1_000_000.0), (b"n2 200 80 t2", 2_000_000.0),
+               (b"garbage", 3_000_000.0)]
+    by_node, known = _running(members, now, {})
+    prefill_us = 100 * PREFILL_US_PER_TOKEN
+    assert by_node == {"n1": [RunningTask(100, 50, now - 1_000_000 - prefill_us)],
+                       "n2": [RunningTask(200, 80, now - 2_000_000 - 200 * PREFILL_US_PER_TOKEN)]}
+    # What was parsed is used as it is on the next tick (ages move with `now`); a member that
+    # left the index leaves the cache too.
+    known[b"n1 100 50 t1"] = ("n1", 100, 50, now - 5)
+    later, known = _running(members[:1] + members[2:], now + 10, known)
+    assert later == {"n1": [RunningTask(100, 50, 15)]}
+    assert set(known) == {b"n1 100 50 t1", b"garbage"}

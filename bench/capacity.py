@@ -429,8 +429,8 @@ def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
              "|---|---:|---:|---:|---:|:-:|---:|---:|---:|"]
     for r in rows:
         # Lines written before a field existed have its default.
-        point = Point(**{f.name: r[f.name] for f in dataclasses.fields(Point)  # type: ignore[arg-type]
-                         if f.name in r})
+        fields = {f.name: r[f.name] for f in dataclasses.fields(Point) if f.name in r}
+        point = Point(**fields)  # type: ignore[arg-type]
         base, burst = float(str(r["vip_ttft_base_p99"])), float(str(r["vip_ttft_burst_p99"]))
         tps = float(str(r["total_tokens_per_s"]))
         top = best.get(key(r))

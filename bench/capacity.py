@@ -161,6 +161,7 @@ def ideal_replay(
     vip_nodes: int = 0,
     guest_prompt_max: int | None = None,
     guest_cap: int | None = None,
+    guest_output_max: int | None = None,
     guests_kept_first: bool = True,
     kv_ceiling: float = 1.0,
     strict_order: bool = False,
@@ -182,6 +183,7 @@ def ideal_replay(
     generations with short prompts: no long prefill for a VIP to wait behind), at most
     ``guest_cap`` of them per kept node at once (None: no cap beyond the cache), trying the kept
     nodes before the shared ones (``guests_kept_first``) or only when no shared node fits.
+    ``guest_output_max`` also keeps requests of longer outputs off the kept nodes.
     The engine option ``long_prefill_token_threshold`` comes with ``config``.
 
     ``kv_ceiling`` < 1 admits only while the projected peak stays within that fraction of each
@@ -238,7 +240,8 @@ def ideal_replay(
                 node = None
                 if tier is Tier.VIP:
                     options = vip_groups
-                elif guest_prompt_max is not None and req.prompt_tokens <= guest_prompt_max:
+                elif (guest_prompt_max is not None and req.prompt_tokens <= guest_prompt_max
+                      and (guest_output_max is None or req.output_tokens <= guest_output_max)):
                     options = guest_groups
                 else:
                     options = other_groups
@@ -338,7 +341,8 @@ def _ttft_ms(vips: Sequence[tuple[float, SimRequest]], lo: float, hi: float
 # -- exploratory entry point: price placements and engine settings on an experiment's schedule --
 
 _SPEC_KEYS = {"vip": "vip_nodes", "n": "guest_prompt_max", "k": "guest_cap", "t": "threshold",
-              "order": "order", "kv": "kv_ceiling", "fifo": "strict_order"}
+              "order": "order", "kv": "kv_ceiling", "fifo": "strict_order",
+              "o": "guest_output_max"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -356,6 +360,8 @@ class Point:
     """Fraction of each node's cache the ideal may fill (1: all of it)."""
     strict_order: bool = False
     """Admit in kvgate's strict tier and FIFO order (``fifo=1``)."""
+    guest_output_max: int | None = None
+    """Guests' outputs at most this many tokens too (``o=``; None: any)."""
 
     @classmethod
     def parse(cls, spec: str) -> Point:
@@ -384,7 +390,10 @@ class Point:
             where = f"{self.vip_nodes} kept for VIP only"
         else:
             cap = "no cap" if self.guest_cap is None else f"<= {self.guest_cap} guests"
-            where = (f"{self.vip_nodes} kept: VIP + prompts <= {self.guest_prompt_max}, {cap}"
+            outputs = ("" if self.guest_output_max is None
+                       else f" and outputs <= {self.guest_output_max}")
+            where = (f"{self.vip_nodes} kept: VIP + prompts <= {self.guest_prompt_max}{outputs}, "
+                     f"{cap}"
                      + (", guests shared first" if self.order == "shared" else ""))
         return (where + (f"; threshold {self.threshold}" if self.threshold else "")
                 + (f"; KV <= {self.kv_ceiling:.0%}" if self.kv_ceiling < 1 else "")
@@ -406,6 +415,7 @@ def replay_point(preset: str, point: Point, seed: int | None = None) -> dict[str
     result = ideal_replay(config, settings.nodes, schedule.requests, settings.time_scale,
                           settings.profile.window("burst"), vip_nodes=point.vip_nodes,
                           guest_prompt_max=point.guest_prompt_max, guest_cap=point.guest_cap,
+                          guest_output_max=point.guest_output_max,
                           guests_kept_first=point.order == "kept", kv_ceiling=point.kv_ceiling,
                           strict_order=point.strict_order)
     return {"preset": preset, "seed": settings.seed, **dataclasses.asdict(point),

@@ -127,8 +127,9 @@ def _mixed_requests(seed: int) -> list[PlannedRequest]:
     return requests
 
 
+@pytest.mark.parametrize("output_max", [None, 250])
 def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, output_max: int | None) -> None:
     created: list[_Node] = []
     added: dict[int, list[SimRequest]] = {}
 
@@ -148,12 +149,15 @@ def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
     monkeypatch.setattr("bench.capacity._Node", Recording)
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     result = ideal_replay(config, 2, _mixed_requests(7), time_scale=1.0, window=(2.0, 20.0),
-                          vip_nodes=1, guest_prompt_max=300, guest_cap=3)
+                          vip_nodes=1, guest_prompt_max=300, guest_cap=3,
+                          guest_output_max=output_max)
     assert result.preemptions == 0
     kept_log = added[id(created[0])]
     guests = [r for r in kept_log if r.priority != int(Tier.VIP)]
     assert guests, "the kept node took no guest"
     assert all(r.prompt_tokens <= 300 for r in guests)
+    longest = max(r.max_tokens for r in guests)
+    assert longest <= 250 if output_max else longest > 250
     for r in guests:  # at most 3 guests alive on the kept node whenever one was admitted
         alive = [g for g in guests if g.arrival <= r.arrival
                  and (g.finish_time is None or g.finish_time > r.arrival)]
@@ -227,6 +231,8 @@ def test_point_specs_and_the_frontier_table() -> None:
         Point.parse("order=middle")
     assert Point.parse("vip=1,kv=0.79").kv_ceiling == 0.79
     assert Point.parse("fifo=1").strict_order and not Point.parse("fifo=0").strict_order
+    assert Point.parse("vip=1,n=4096,o=1000,k=64").label == (
+        "1 kept: VIP + prompts <= 4096 and outputs <= 1000, <= 64 guests")
     with pytest.raises(ValueError):
         Point.parse("kv=1.5")
     base = {"preset": "x", "guest_prompt_max": None, "guest_cap": None, "threshold": 0,

@@ -9,6 +9,7 @@ overrides ``redis.url``.
 from __future__ import annotations
 
 import os
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -132,6 +133,9 @@ class PoolSettings:
     """The model name the backends serve (vLLM --served-model-name); None = the pool name.
     The gateway writes it into the forwarded request's `model`."""
     stale_after_ms: int = 2_000
+    backend_ca_file: str | None = None
+    """PEM bundle of the CA that signed the backends' https certificates (a private CA);
+    trusted beside the system's CAs. None: the system's CAs only."""
     zones: ZoneSettings = field(default_factory=ZoneSettings)
     dedicated: DedicatedNodes = field(default_factory=DedicatedNodes)
 
@@ -217,6 +221,21 @@ class Config:
             stale_after_ms=self.pools[pool].stale_after_ms,
             retention_s=self.gateway.retention_s,
         )
+
+    def backend_ssl_context(self) -> ssl.SSLContext | None:
+        """What https backends are verified against: the system's CAs plus every pool's
+        `backend_ca_file` (one context serves all pools: gateway and scheduler each keep one
+        client for every backend). None when no pool names a file: the clients' default."""
+        files = sorted({p.backend_ca_file for p in self.pools.values() if p.backend_ca_file})
+        if not files:
+            return None
+        context = ssl.create_default_context()
+        for path in files:
+            try:
+                context.load_verify_locations(cafile=path)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"backend_ca_file {path!r}: cannot load it ({exc})") from None
+        return context
 
 
 DEFAULT_TIERS = {
@@ -420,6 +439,7 @@ def _pool(r: _Reader) -> PoolSettings:
         pass_priority=r.get("pass_priority", bool, False),
         served_model_name=r.string("served_model_name"),
         stale_after_ms=r.integer("stale_after_ms", 2_000, 0),
+        backend_ca_file=r.string("backend_ca_file"),
         zones=_zones(r.sub("zones")),
         dedicated=_dedicated(r.sub("dedicated"), {b.name for b in backends}),
     )
@@ -577,4 +597,6 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_config(data, env)
+    config = parse_config(data, env)
+    config.backend_ssl_context()  # a CA file that cannot be loaded is an error of the file
+    return config

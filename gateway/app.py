@@ -104,7 +104,8 @@ async def _counters(config: Config) -> dict[str, TokenCounter]:
 def _node_client(config: Config) -> NodeClient:
     g = config.gateway
     return NodeClient(connect_timeout_s=g.upstream_connect_timeout_ms / 1000,
-                      read_timeout_s=g.upstream_timeout_ms / 1000)
+                      read_timeout_s=g.upstream_timeout_ms / 1000,
+                      ssl_context=config.backend_ssl_context())
 
 
 async def _runtime(app: web.Application) -> AsyncIterator[None]:

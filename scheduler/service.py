@@ -91,8 +91,10 @@ class SchedulerService:
     async def start(self) -> None:
         self.client = self._client if self._client is not None else connect(self.config.redis)
         self.scripts = register_scripts(self.client)
+        backend_tls = self.config.backend_ssl_context()
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60),
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60,
+                                           ssl=backend_tls if backend_tls else True),
         )
         s = self.settings
         for pool in self.config.pools.values():

@@ -5,6 +5,7 @@ and other lines the scheduler must skip, as a real page has them."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -80,8 +81,8 @@ class FakeVllm:
 
 
 @asynccontextmanager
-async def serve_fake(fake: FakeVllm) -> AsyncIterator[str]:
-    """Serve `fake` on a free loopback port; yields the base URL."""
+async def serve_fake(fake: FakeVllm, tls: ssl.SSLContext | None = None) -> AsyncIterator[str]:
+    """Serve `fake` on a free loopback port (https with `tls`); yields the base URL."""
 
     async def handler(request: web.Request) -> web.Response:
         fake.scrapes += 1
@@ -95,11 +96,11 @@ async def serve_fake(fake: FakeVllm) -> AsyncIterator[str]:
     app.router.add_get("/metrics", handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
     await site.start()
     port = runner.addresses[0][1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
 
@@ -128,13 +129,14 @@ def make_config(
     zones: Mapping[str, Any] | None = None,
     scheduler: Mapping[str, Any] | None = None,
     dedicated: Mapping[str, Any] | None = None,
+    pool_extra: Mapping[str, Any] | None = None,
 ) -> Config:
     return parse_config(
         {
             "redis": {"url": redis_url},
             "scheduler": dict(scheduler or {}),
             "pools": [{"name": pool, "backends": list(backends), "zones": dict(zones or {}),
-                       "dedicated": dict(dedicated or {})}],
+                       "dedicated": dict(dedicated or {}), **(pool_extra or {})}],
         },
         env={},
     )

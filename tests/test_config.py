@@ -88,6 +88,11 @@ def test_file_errors(tmp_path: Path) -> None:
     bad.write_text("[pools\nname=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+    no_ca = tmp_path / "no_ca.toml"
+    no_ca.write_text('[[pools]]\nname = "p"\nbackend_ca_file = "/nonexistent/ca.pem"\n'
+                     'backends = [{ name = "n1", url = "https://10.0.0.1:8000" }]\n')
+    with pytest.raises(ConfigError, match=r"backend_ca_file '/nonexistent/ca\.pem': cannot load"):
+        load_config(no_ca)
 
 
 def test_sentinel_settings() -> None:

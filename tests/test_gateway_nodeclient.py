@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from admission.config import ConfigError, parse_config
 from admission.localredis import free_port
+from gateway.app import _node_client
 from gateway.nodeclient import (
     PAUSE_READING_BYTES,
     NodeClient,
@@ -333,6 +335,20 @@ async def test_https_nodes_are_verified_against_the_given_ca(
         await trusted.close()
         with pytest.raises(NodeUnreachable, match="SSL"):  # the system store lacks our CA
             await client().post(url, "/v1/completions", b"{}", JSON)
+        # The gateway's own client trusts a pool's backend_ca_file.
+        config = parse_config({"pools": [{
+            "name": "p", "backend_ca_file": str(certs / "ca.crt"),
+            "backends": [{"name": "n1", "url": url}]}]}, env={})
+        gateway_client = _node_client(config)
+        response = await gateway_client.post(url, "/v1/completions", b"{}", JSON)
+        assert await response.read() == b'{"tls": true}'
+        response.release()
+        await gateway_client.close()
+        missing = parse_config({"pools": [{
+            "name": "p", "backend_ca_file": str(tmp_path / "nowhere.pem"),
+            "backends": [{"name": "n1", "url": url}]}]}, env={})
+        with pytest.raises(ConfigError, match=r"nowhere\.pem"):
+            missing.backend_ssl_context()
     finally:
         await runner.cleanup()
 

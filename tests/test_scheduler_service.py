@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ssl
+from pathlib import Path
 from typing import Any
 
 from aiohttp.test_utils import TestClient, TestServer
@@ -26,6 +28,7 @@ from tests.scheduler_stub import (
     reserved,
     serve_fake,
 )
+from tests.test_security import make_tls_dir
 
 
 async def test_app_serves_health_and_metrics_and_releases(
@@ -151,3 +154,37 @@ async def test_stopping_survives_a_lost_cancel() -> None:
     assert swallowed == 1
     assert tasks[0].cancelled()
     assert isinstance(tasks[1].exception(), RuntimeError)
+
+
+async def test_https_nodes_signed_by_a_private_ca_are_scraped_with_backend_ca_file(
+    redis_client: Any, redis_url: str, tmp_path: Path
+) -> None:
+    certs = make_tls_dir(tmp_path / "tls")
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(certs / "server.crt", certs / "server.key")
+    fake = FakeVllm(usage=0.25)
+    async with serve_fake(fake, tls) as url:
+        assert url.startswith("https://")
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             scheduler={"poll_interval_ms": 20},
+                             pool_extra={"backend_ca_file": str(certs / "ca.crt")})
+        service = SchedulerService(config, me="s1")
+        await service.start()
+        try:
+            await eventually(lambda: fake.scrapes >= 1 and service.ticks >= 1)
+            state = await redis_client.hgetall("kvg:{p}:state")
+            assert state[b"usage:n1"] == b"0.2500"
+        finally:
+            await service.stop()
+        # Without the file the system's CAs do not know ours: the node is never read.
+        plain = make_config(redis_url, [{"name": "n1", "url": url}],
+                            scheduler={"poll_interval_ms": 20})
+        assert plain.backend_ssl_context() is None
+        scrapes = fake.scrapes
+        service = SchedulerService(plain, me="s2")
+        await service.start()
+        try:
+            await eventually(lambda: service.ticks >= 3 or scrapes < fake.scrapes)
+        finally:
+            await service.stop()
+        assert fake.scrapes == scrapes

@@ -379,6 +379,32 @@ def test_scheduler_pod_config_is_accepted(variant: str) -> None:
     assert config.tenants == ()
 
 
+def test_backends_behind_a_private_ca_get_it_mounted_and_named_on_every_pool() -> None:
+    values = {**WITH_TENANTS, "backendTls": {"caSecret": "vllm-ca", "caSecretKey": "bundle.pem"},
+              "config": {"pools": [*WITH_TENANTS["config"]["pools"],
+                                   {"name": "qwen", "backends": ["https://vllm-9:8000"]}]}}
+    docs = render(values)
+    text = one(docs, "ConfigMap", "-config")["data"]["config.toml"]
+    config = cfg.parse_config(_toml(text), env={})
+    paths = {pool.backend_ca_file for pool in config.pools.values()}
+    assert len(config.pools) == 2 and len(paths) == 1
+    (path,) = paths
+    for suffix in ("-gateway", "-scheduler"):
+        pod = one(docs, "Deployment", suffix)["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "backend-ca"]
+        assert vol["secret"]["secretName"] == "vllm-ca"
+        assert vol["secret"]["items"] == [{"key": "bundle.pem", "path": "ca.crt"}]
+        for container in pod["containers"]:
+            (mount,) = [m for m in container["volumeMounts"] if m["name"] == "backend-ca"]
+            assert path == f"{mount['mountPath']}/ca.crt"
+    # Without the Secret nothing is mounted and no pool names a file.
+    plain = render(WITH_TENANTS)
+    text = one(plain, "ConfigMap", "-config")["data"]["config.toml"]
+    assert "backend_ca_file" not in text
+    pod = one(plain, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert not [v for v in pod["volumes"] if v["name"] == "backend-ca"]
+
+
 def test_schema_covers_every_config_key() -> None:
     """A key added to admission.config must be added to values.schema.json (or listed here)."""
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]

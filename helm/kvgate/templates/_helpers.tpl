@@ -143,6 +143,10 @@ a password of URL-safe characters (A-Z a-z 0-9 . _ ~ -), as the chart's generate
 /etc/kvgate/redis-ca/ca.crt
 {{- end }}
 
+{{- define "kvgate.backend.caPath" -}}
+/etc/kvgate/backend-ca/ca.crt
+{{- end }}
+
 {{/* ---------------------------------------------------------------- config */}}
 
 {{/*
@@ -163,6 +167,11 @@ address and ports the probes and Services use. Tenants are not here: see tenants
 {{- $scheduler := default (dict) $cfg.scheduler }}
 {{- $_ := set $scheduler "host" .Values.listenAddress }}
 {{- $_ := set $scheduler "port" (int .Values.scheduler.port) }}
+{{- if .Values.backendTls.caSecret }}
+{{- range $pool := (default (list) $cfg.pools) }}
+{{- $_ := set $pool "backend_ca_file" (include "kvgate.backend.caPath" $) }}
+{{- end }}
+{{- end }}
 {{- $_ := set $cfg "redis" $redis }}
 {{- $_ := set $cfg "gateway" $gateway }}
 {{- $_ := set $cfg "scheduler" $scheduler -}}
@@ -210,6 +219,15 @@ tenants.toml
       - key: {{ .Values.redis.tls.caSecretKey }}
         path: ca.crt
 {{- end }}
+{{- if .Values.backendTls.caSecret }}
+- name: backend-ca
+  secret:
+    secretName: {{ .Values.backendTls.caSecret }}
+    defaultMode: 0444
+    items:
+      - key: {{ .Values.backendTls.caSecretKey }}
+        path: ca.crt
+{{- end }}
 {{- end }}
 
 {{- define "kvgate.commonMounts" -}}
@@ -218,6 +236,11 @@ tenants.toml
 {{- if and .Values.redis.tls.enabled .Values.redis.tls.caSecret }}
 - name: redis-ca
   mountPath: /etc/kvgate/redis-ca
+  readOnly: true
+{{- end }}
+{{- if .Values.backendTls.caSecret }}
+- name: backend-ca
+  mountPath: /etc/kvgate/backend-ca
   readOnly: true
 {{- end }}
 {{- end }}

@@ -38,7 +38,7 @@ from bench.capacity import CapacityResult
 from bench.expconfig import ARM_TITLES
 from bench.loadgen import OK, Outcome
 from bench.monitor import Sample
-from bench.stats import percentile
+from bench.stats import bootstrap_ratio_range, percentile
 
 
 @dataclass(slots=True)
@@ -66,14 +66,17 @@ class ArmSummary:
     of requests sent later than the threshold, the latest (wall ms)."""
     running: tuple[float, float] = (0.0, 0.0)
     """Mean running sequences per node, baseline and burst."""
+    vip_p99_ratio_range: tuple[float, float] = (math.nan, math.nan)
+    """90% bootstrap range of the VIP P99 TTFT ratio, burst / baseline: how much of the ratio
+    is the sampling of a few hundred requests."""
 
 
 def _censored(o: Outcome, burst_end: float) -> bool:
     return not o.finished and o.req.at >= burst_end
 
 
-def _ttft_ms(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
-             burst_end: float) -> tuple[float, float]:
+def _ttft_values(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
+                 burst_end: float) -> list[float]:
     values = []
     for o in outcomes:
         if o.req.tier is not Tier.VIP or not o.req.stream or not lo <= o.req.at < hi:
@@ -83,6 +86,10 @@ def _ttft_ms(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
         # A first token is a first token even if the stream broke later (that shows in the
         # success rate); no first token at all counts as infinitely slow.
         values.append(o.ttft * ts * 1000 if o.ttft is not None else math.inf)
+    return values
+
+
+def _p50_p99(values: Sequence[float]) -> tuple[float, float]:
     return percentile(values, 50), percentile(values, 99)
 
 
@@ -138,6 +145,8 @@ def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
     if lag[2] > MAX_LAGGING_SHARE:
         invalid.append(f"{lag[2]:.1%} of requests sent more than {s.max_send_lag_ms:.0f} ms late")
     running = (_mean_running(samples, 0.0, b0), _mean_running(samples, b0, b1))
+    base_ttft = _ttft_values(outcomes, 0.0, b0, ts, b1)
+    burst_ttft = _ttft_values(outcomes, b0, b1, ts, b1)
     reasons = Counter(_reason(o, result.stopped_at) for o in outcomes
                       if o.status != OK and not _censored(o, b1) and o.req.at < result.stopped_at)
     return ArmSummary(
@@ -147,8 +156,8 @@ def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
         crashed_nodes=result.crashed_nodes,
         success=success,
         counted=counted,
-        vip_ttft_base=_ttft_ms(outcomes, 0.0, b0, ts, b1),
-        vip_ttft_burst=_ttft_ms(outcomes, b0, b1, ts, b1),
+        vip_ttft_base=_p50_p99(base_ttft),
+        vip_ttft_burst=_p50_p99(burst_ttft),
         last_batch_s=None if unfinished else (last - b1) * ts,
         batch_unfinished=unfinished,
         goodput=goodput,
@@ -157,6 +166,7 @@ def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
         errors=reasons.most_common(6),
         lag_ms=lag,
         running=running,
+        vip_p99_ratio_range=bootstrap_ratio_range(burst_ttft, base_ttft, 99),
     )
 
 
@@ -225,6 +235,13 @@ def _ratio(a: float, b: float) -> str:
     return "inf" if math.isinf(r) else f"x{r:.2f}"
 
 
+def _range(bounds: tuple[float, float]) -> str:
+    low, high = bounds
+    if math.isnan(low) or math.isnan(high):
+        return "n/a"
+    return f"{_ratio(low, 1.0)}-{_ratio(high, 1.0)}"
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None or math.isnan(x) else f"{x:.0%}"
 
@@ -258,8 +275,9 @@ def markdown_table(summaries: Sequence[ArmSummary], capacity: CapacityResult | N
          [f"{_ms(s.vip_ttft_base[0])} / {_ms(s.vip_ttft_base[1])}" for s in summaries]),
         ("VIP TTFT P50 / P99, burst (ms)",
          [f"{_ms(s.vip_ttft_burst[0])} / {_ms(s.vip_ttft_burst[1])}" for s in summaries]),
-        ("VIP P99 TTFT burst / baseline",
-         [_ratio(s.vip_ttft_burst[1], s.vip_ttft_base[1]) for s in summaries]),
+        ("VIP P99 TTFT burst / baseline (90% bootstrap range)",
+         [f"{_ratio(s.vip_ttft_burst[1], s.vip_ttft_base[1])} ({_range(s.vip_p99_ratio_range)})"
+          for s in summaries]),
         ("last Batch request done, after burst end",
          [_last_batch(s, burst_sim_s) for s in summaries]),
         ("running sequences per node, mean, baseline / burst",

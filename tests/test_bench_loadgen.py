@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 import tomllib
 from collections.abc import AsyncIterator
@@ -21,11 +22,12 @@ from bench.expconfig import POOL, PRESETS, Settings, kvgate_toml, with_overrides
 from bench.fifo_proxy import FifoLimiter
 from bench.loadgen import FAILED, OK, REJECTED, ClientSettings, LoadGenerator, Outcome
 from bench.monitor import NodeSample, Sample, parse_metrics
-from bench.report import summarize
+from bench.report import markdown_table, summarize
 from bench.sim.config import SimConfig
 from bench.sim.metrics import make_registry, render
 from bench.sim.runner import NodeRunner
 from bench.sim.tokens import chat_prompt_tokens
+from bench.stats import bootstrap_ratio_range
 from bench.workload import (
     DEFAULT_CLASSES,
     PlannedRequest,
@@ -254,8 +256,26 @@ def test_report_counts_failures_as_infinitely_slow_and_censors_late_requests() -
     p50, p99 = s.vip_ttft_burst
     assert p50 == pytest.approx(0.01 * settings.time_scale * 1000)
     assert p99 == pytest.approx(0.02 * settings.time_scale * 1000)
+    assert "VIP P99 TTFT burst / baseline (90% bootstrap range)" in markdown_table([s], None, 1.0)
     outcomes[0] = _outcome(vip[0], FAILED, None)
     assert math.isinf(summarize(result, None).vip_ttft_burst[1])
+
+
+def test_the_p99_ratio_comes_with_a_bootstrap_range_that_narrows_with_more_requests() -> None:
+    rng = random.Random(3)
+
+    def tail(n: int, scale: float) -> list[float]:
+        return [scale * rng.expovariate(1 / 100) for _ in range(n)]
+
+    few = bootstrap_ratio_range(tail(200, 3.0), tail(200, 1.0), 99)
+    many = bootstrap_ratio_range(tail(5_000, 3.0), tail(5_000, 1.0), 99, draws=300)
+    assert few[0] < 3.0 < few[1] and many[0] < 3.0 < many[1]
+    assert many[1] - many[0] < (few[1] - few[0]) / 3
+    assert bootstrap_ratio_range([], [1.0], 99) == pytest.approx((math.nan, math.nan),
+                                                                 nan_ok=True)
+    # Same samples, same range: the report is reproducible.
+    base, burst = tail(300, 1.0), tail(300, 2.0)
+    assert bootstrap_ratio_range(burst, base, 99) == bootstrap_ratio_range(burst, base, 99)
 
 
 def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None:

@@ -92,16 +92,18 @@ def test_a_node_kept_for_vip_spares_vip_the_long_prefills_and_costs_batch_throug
                        stream=False)
         for i in range(80)
     ]
-    requests += [
-        PlannedRequest(100 + i, "vip", Tier.VIP, at=0.25 * i, prompt_tokens=200,
-                       output_tokens=20, stream=True)
-        for i in range(100)
-    ]
+    requests += _vip_chats(first_index=100)
     shared = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0))
     kept = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0), vip_nodes=1)
     assert kept.vip_nodes == 1 and kept.preemptions == 0
     assert kept.vip_ttft_burst[1] < shared.vip_ttft_burst[1]
     assert kept.total_tokens_per_s < shared.total_tokens_per_s
+
+
+def _vip_chats(first_index: int) -> list[PlannedRequest]:
+    """Short VIP chats, one every 0.25 s for 25 s."""
+    return [PlannedRequest(first_index + i, "vip", Tier.VIP, at=0.25 * i, prompt_tokens=200,
+                           output_tokens=20, stream=True) for i in range(100)]
 
 
 def _mixed_requests(seed: int) -> list[PlannedRequest]:
@@ -119,11 +121,7 @@ def _mixed_requests(seed: int) -> list[PlannedRequest]:
                        stream=False)
         for i in range(60)
     ]
-    requests += [
-        PlannedRequest(400 + i, "vip", Tier.VIP, at=0.25 * i, prompt_tokens=200,
-                       output_tokens=20, stream=True)
-        for i in range(100)
-    ]
+    requests += _vip_chats(first_index=400)
     return requests
 
 

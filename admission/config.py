@@ -166,6 +166,9 @@ class GatewaySettings:
     """How often a queued request checks its task record in case a wake-up was lost."""
     upstream_timeout_ms: int = 600_000
     """Longest silence from a backend (between two reads) before the request fails with 502."""
+    upstream_ms_per_output_token: int = 100
+    """Added to `upstream_timeout_ms` per output token a non-streamed request may generate: such
+    a request is silent until its answer is whole, so its silence grows with its length."""
     upstream_connect_timeout_ms: int = 2_000
     fail_open_tiers: tuple[Tier, ...] = ()
     """Tiers sent straight to a backend, unadmitted and counted, while Redis is unreachable
@@ -514,6 +517,9 @@ def _gateway(r: _Reader) -> GatewaySettings:
         renew_interval_ms=r.integer("renew_interval_ms", d.renew_interval_ms, 10),
         wake_fallback_ms=r.integer("wake_fallback_ms", d.wake_fallback_ms, 10),
         upstream_timeout_ms=r.integer("upstream_timeout_ms", d.upstream_timeout_ms, 100),
+        upstream_ms_per_output_token=r.integer(
+            "upstream_ms_per_output_token", d.upstream_ms_per_output_token, 0
+        ),
         upstream_connect_timeout_ms=r.integer(
             "upstream_connect_timeout_ms", d.upstream_connect_timeout_ms, 1
         ),

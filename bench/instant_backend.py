@@ -51,7 +51,10 @@ class InstantBackend:
     """Tokens generated per sequence; None: exactly max_tokens (16 for completions by default)."""
     hold_after: int | None = None
     token_interval_ms: float = 0.0
-    """Pause between two tokens of a stream (0: none); non-streaming answers never wait."""
+    """Pause between two tokens of a stream (0: none)."""
+    whole_answer_delay_ms: float = 0.0
+    """A non-streamed answer is sent this long after the request (0: at once): a generation
+    that is silent until it is done."""
     fail_status: int | None = None
     record: bool = True
     counter: TokenCounter = field(default_factory=TokenCounter)
@@ -133,6 +136,8 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     created = int(time.time())
     finish = "length" if produced == max_tokens else "stop"
     if not body.get("stream"):
+        if backend.whole_answer_delay_ms:
+            await asyncio.sleep(backend.whole_answer_delay_ms / 1000)
         if chat:
             choices: list[dict[str, Any]] = [
                 {"index": i, "message": {"role": "assistant", "content": _text(0, produced)},

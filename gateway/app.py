@@ -145,7 +145,9 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         hub=hub,
         settler=settler,
         admitter=Admitter(gid, config, hub, settler, metrics),
-        upstream=Upstream(nodes, metrics, jitter=config.gateway.retry_jitter),
+        upstream=Upstream(nodes, metrics, jitter=config.gateway.retry_jitter,
+                          whole_answer_s_per_token=(
+                              config.gateway.upstream_ms_per_output_token / 1000)),
     )
     app[GATEWAY] = gateway
     stop_renewing = asyncio.Event()

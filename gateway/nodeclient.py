@@ -321,9 +321,11 @@ class NodeClient:
         return conn
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]
+        self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
+        *, read_timeout_s: float | None = None,
     ) -> NodeResponse:
-        """POST `body` to the node at `base_url` + `path`; returns once the headers are in."""
+        """POST `body` to the node at `base_url` + `path`; returns once the headers are in.
+        `read_timeout_s` replaces the client's own silence limit for this request."""
         origin = _origin(base_url)
         head = [b"POST ", origin.base_path.encode(), path.encode(), b" HTTP/1.1\r\nHost: ",
                 origin.host_header, b"\r\nContent-Length: %d\r\n" % len(body)]
@@ -333,18 +335,20 @@ class NodeClient:
             head.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
         head.append(b"\r\n")
         request = b"".join(head) + body
+        quiet_s = self.read_timeout_s if read_timeout_s is None else read_timeout_s
         conn = self._idle_connection(origin, asyncio.get_running_loop().time())
         if conn is not None:
             try:
-                return await self._exchange(conn, request)
+                return await self._exchange(conn, request, quiet_s)
             except NodeError as exc:
                 if conn.received_any or isinstance(exc, NodeTimeout):
                     raise
                 # Closed by the node while idle, before it read the request: send it anew.
-        return await self._exchange(await self._connect(origin), request)
+        return await self._exchange(await self._connect(origin), request, quiet_s)
 
-    async def _exchange(self, conn: _Connection, request: bytes) -> NodeResponse:
-        conn.start(request, self.read_timeout_s)
+    async def _exchange(self, conn: _Connection, request: bytes,
+                        read_timeout_s: float) -> NodeResponse:
+        conn.start(request, read_timeout_s)
         try:
             while not conn.headers_done:
                 await conn.wait()

@@ -169,11 +169,13 @@ class Upstream:
         metrics: GatewayMetrics,
         *,
         jitter: float,
+        whole_answer_s_per_token: float = 0.0,
         rng: random.Random | None = None,
     ) -> None:
         self.client = client
         self.metrics = metrics
         self.jitter = jitter
+        self.whole_answer_s_per_token = whole_answer_s_per_token
         self.rng = rng or random.Random()
 
     def _failed(self, ticket: Ticket, kind: str, status: int, message: str) -> ApiError:
@@ -186,10 +188,15 @@ class Upstream:
         self, request: web.Request, inbound: Inbound, ticket: Ticket, meter: Meter,
         started: float,
     ) -> web.StreamResponse:
+        read_timeout_s = self.client.read_timeout_s
+        if not inbound.stream:
+            # A streamed answer is never quiet for long on a live node; a whole one is quiet
+            # until the last token, so a long generation must not read as a dead node.
+            read_timeout_s += inbound.max_tokens * self.whole_answer_s_per_token
         try:
             upstream = await self.client.post(
                 ticket.url, _ROUTES[inbound.kind], orjson.dumps(inbound.body),
-                forwarded_headers(request, ticket.task_id),
+                forwarded_headers(request, ticket.task_id), read_timeout_s=read_timeout_s,
             )
         except NodeUnreachable:
             raise self._failed(ticket, "unreachable", 503,

@@ -27,6 +27,7 @@ LEADER_TTL_MS = 1000
 POLL_MS = 50
 FALLBACK_MS = 200
 UPSTREAM_TIMEOUT_MS = 1500
+UPSTREAM_MS_PER_OUTPUT_TOKEN = 25
 SCRAPE_TIMEOUT_MS = 100
 EJECT_AFTER = 3
 
@@ -37,7 +38,9 @@ def chaos_config(redis_url: str, backends: list[str], *, capacity_tokens: int | 
                  redis: dict[str, Any] | None = None) -> dict[str, Any]:
     data = config_data(redis_url, backends, lease_ttl_ms=LEASE_TTL_MS,
                        renew_interval_ms=RENEW_MS, wake_fallback_ms=FALLBACK_MS,
-                       upstream_timeout_ms=UPSTREAM_TIMEOUT_MS, access_log=False,
+                       upstream_timeout_ms=UPSTREAM_TIMEOUT_MS,
+                       upstream_ms_per_output_token=UPSTREAM_MS_PER_OUTPUT_TOKEN,
+                       access_log=False,
                        **(gateway or {}))
     data["redis"].update(redis or {})
     data["scheduler"] = {

@@ -3,6 +3,7 @@ all on real sockets. Exact usage is checked in Redis (task record, tenant bucket
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import openai
@@ -201,3 +202,46 @@ async def test_tenant_label_only_when_configured(redis_url: str,
             "kvgate_gateway_requests_total",
             {"pool": "demo", "tier": "batch", "tenant": "batch", "outcome": "ok"})
         assert count == 1
+
+
+async def test_a_whole_answer_may_be_quiet_longer_the_more_tokens_it_may_generate(
+    redis_url: str, redis_client: aioredis.Redis,
+) -> None:
+    """200 ms of silence plus 10 ms per output token: a node that answers after 600 ms is
+    waited for when the request may generate 100 tokens (1.2 s), not when it may generate 20
+    (0.4 s)."""
+    async with running_gateway(redis_url, backend_options={"whole_answer_delay_ms": 600},
+                               upstream_timeout_ms=200, upstream_ms_per_output_token=10) as gw:
+        await gw.publish(Zone.GREEN)
+        sdk = gw.openai("batch")
+        answer = await sdk.chat.completions.create(model="demo", messages=MESSAGES,
+                                                   max_tokens=100)
+        assert answer.usage is not None and answer.usage.completion_tokens == 100
+        with pytest.raises(openai.APIStatusError) as info:
+            await sdk.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=20)
+        assert info.value.status_code == 502
+        assert info.value.code == "upstream_error"
+        assert "NodeTimeout" in info.value.message
+
+
+async def test_a_stream_gets_no_allowance_for_its_length(
+    redis_url: str, redis_client: aioredis.Redis,
+) -> None:
+    """A live node sends a token every step, so a stream that goes quiet fails after
+    `upstream_timeout_ms` whatever its `max_tokens` (here 500: 5.2 s if it counted)."""
+    async with running_gateway(redis_url, backend_options={"hold_after": 1},
+                               upstream_timeout_ms=200, upstream_ms_per_output_token=10) as gw:
+        await gw.publish(Zone.GREEN)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        stream = await gw.openai("batch").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=500, stream=True)
+        received = []
+        with pytest.raises(openai.APIError) as info:
+            async for chunk in stream:
+                received.append(chunk)
+        elapsed = loop.time() - started
+        text = "".join(c.choices[0].delta.content or "" for c in received if c.choices)
+        assert text == " t0"  # the one token the node sent before it went quiet
+        assert "broke off" in info.value.message
+        assert 0.2 <= elapsed < 2.0, elapsed

@@ -400,15 +400,19 @@ class Point:
                 + ("; strict FIFO" if self.strict_order else ""))
 
 
-def replay_point(preset: str, point: Point, seed: int | None = None) -> dict[str, object]:
+def replay_point(preset: str, point: Point, seed: int | None = None,
+                 baseline_sim_s: float | None = None) -> dict[str, object]:
     """The ideal replay of ``preset``'s schedule (as bench.experiment plans it, from ``seed``
-    when given: the same traffic classes, other draws) at ``point``."""
+    when given: the same traffic classes, other draws; with a baseline of ``baseline_sim_s``
+    when given) at ``point``."""
     from bench.expconfig import PRESETS
     from bench.workload import plan
 
     settings = PRESETS[preset]
     if seed is not None:
         settings = dataclasses.replace(settings, seed=seed)
+    if baseline_sim_s is not None:
+        settings = dataclasses.replace(settings, baseline_sim_s=baseline_sim_s)
     schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
     config = dataclasses.replace(settings.sim_config(0, priority=False),
                                  long_prefill_token_threshold=point.threshold)
@@ -418,15 +422,24 @@ def replay_point(preset: str, point: Point, seed: int | None = None) -> dict[str
                           guest_output_max=point.guest_output_max,
                           guests_kept_first=point.order == "kept", kv_ceiling=point.kv_ceiling,
                           strict_order=point.strict_order)
-    return {"preset": preset, "seed": settings.seed, **dataclasses.asdict(point),
-            **result.as_dict()}
+    return {"preset": preset, "seed": settings.seed, "baseline_sim_s": settings.baseline_sim_s,
+            **dataclasses.asdict(point), **result.as_dict()}
 
 
 def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
     """Markdown: each point against the maximum (no kept node, whole cache) of the same preset,
     seed and engine setting (the same fleet on the same traffic)."""
-    def key(r: Mapping[str, object]) -> tuple[object, object, object]:
-        return r["preset"], r.get("seed"), r["threshold"]
+    from bench.expconfig import PRESETS
+
+    def key(r: Mapping[str, object]) -> tuple[object, ...]:
+        return r["preset"], r.get("seed"), r["threshold"], r.get("baseline_sim_s")
+
+    def baseline_note(r: Mapping[str, object]) -> str:
+        preset = PRESETS.get(str(r["preset"]))
+        seconds = r.get("baseline_sim_s")
+        if seconds is None or (preset is not None and seconds == preset.baseline_sim_s):
+            return ""
+        return f"; baseline {float(str(seconds)):g} s"
 
     # A KV ceiling or an admission order constrains the point, not the fleet: the maximum is
     # the unconstrained ideal's.
@@ -446,7 +459,8 @@ def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
         top = best.get(key(r))
         share = f"{tps / top:.2%}" if top else "n/a"
         both = "yes" if top and burst / base <= 1.10 and tps / top >= 0.90 else "no"
-        lines.append(f"| {point.label} | {base:,.0f} / {burst:,.0f} | x{burst / base:.3f} | "
+        lines.append(f"| {point.label}{baseline_note(r)} | {base:,.0f} / {burst:,.0f} | "
+                     f"x{burst / base:.3f} | "
                      f"{tps:,.0f} | {share} | {both} | {float(str(r['kv_peak'])):.1%} | "
                      f"{float(str(r['mean_running'])):.1f} | {r['preemptions']} |")
     return "\n".join(lines)
@@ -466,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="e.g. vip=1,n=512,k=16,t=1024,kv=0.79 (empty: vip=0)")
     p.add_argument("--preset", default="full")
     p.add_argument("--seed", type=int, help="draw the schedule from this seed instead")
+    p.add_argument("--baseline", type=float, dest="baseline_sim_s",
+                   help="simulated seconds of 1x traffic before the burst (default: the preset's)")
     p.add_argument("--jsonl", type=Path, help="append each point's figures to this file")
     p.add_argument("--table", type=Path, help="print the markdown table of this JSON lines file")
     args = p.parse_args(argv)
@@ -474,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(frontier_table(rows))
         return 0
     for spec in args.points or [""]:
-        row = replay_point(args.preset, Point.parse(spec), args.seed)
+        row = replay_point(args.preset, Point.parse(spec), args.seed, args.baseline_sim_s)
         line = json.dumps(row)
         print(line, flush=True)
         if args.jsonl:

@@ -242,7 +242,14 @@ def test_point_specs_and_the_frontier_table() -> None:
     # Held below a KV ceiling, a point still counts against the whole-cache maximum.
     rows.append({**base, "vip_nodes": 0, "kv_ceiling": 0.79, "total_tokens_per_s": 95.0,
                  "vip_ttft_base_p99": 100.0, "vip_ttft_burst_p99": 200.0})
+    # Another baseline is another schedule: its points count against its own maximum.
+    rows.append({**base, "vip_nodes": 0, "baseline_sim_s": 300.0, "total_tokens_per_s": 80.0,
+                 "vip_ttft_base_p99": 100.0, "vip_ttft_burst_p99": 300.0})
+    rows.append({**base, "vip_nodes": 1, "baseline_sim_s": 300.0, "total_tokens_per_s": 76.0,
+                 "vip_ttft_base_p99": 100.0, "vip_ttft_burst_p99": 100.0})
     table = frontier_table(rows)
+    assert "| 1 kept for VIP only; baseline 300 s | 100 / 100 | x1.000 | 76 | 95.00% | yes |" in (
+        table)
     assert "| x3.000 |" in table and "| 100.00% | no |" in table
     assert "| x1.050 |" in table and "| 90.00% | yes |" in table
     assert "| no kept node; KV <= 79% | 100 / 200 | x2.000 | 95 | 95.00% | no |" in table

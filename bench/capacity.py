@@ -106,6 +106,8 @@ class _Node:
         """The step in progress (None: idle)."""
         self.guests = 0
         """Live non-VIP sequences (what a kept node's guest cap counts)."""
+        self.paced_at = 0.0
+        """When a kept node paced by ``guest_rate`` may take its next guest (simulated s)."""
         self._lefts: list[int] = []
         self._suffix: list[int] = []
         self._now_blocks = 0
@@ -165,6 +167,7 @@ def ideal_replay(
     guests_kept_first: bool = True,
     kv_ceiling: float = 1.0,
     strict_order: bool = False,
+    guest_rate: float | None = None,
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
     engines; measure over ``window`` (wall seconds, converted to simulated time).
@@ -184,6 +187,10 @@ def ideal_replay(
     ``guest_cap`` of them per kept node at once (None: no cap beyond the cache), trying the kept
     nodes before the shared ones (``guests_kept_first``) or only when no shared node fits.
     ``guest_output_max`` also keeps requests of longer outputs off the kept nodes.
+    ``guest_rate`` paces a kept node's guests by their prompts: after a guest of ``p`` prompt
+    tokens the node takes no other guest for ``p / guest_rate`` simulated seconds, so the
+    prefill work guests bring to it is the same whenever guest demand exceeds that rate (at 1x
+    and in the burst alike).
     The engine option ``long_prefill_token_threshold`` comes with ``config``.
 
     ``kv_ceiling`` < 1 admits only while the projected peak stays within that fraction of each
@@ -205,8 +212,10 @@ def ideal_replay(
 
     def room(node: _Node, tier: Tier) -> bool:
         """Whether a guest's tier cap lets ``node`` take one more (VIP and shared: always)."""
-        return (tier is Tier.VIP or guest_cap is None or id(node) not in kept_ids
-                or node.guests < guest_cap)
+        if tier is Tier.VIP or id(node) not in kept_ids:
+            return True
+        return ((guest_cap is None or node.guests < guest_cap)
+                and (guest_rate is None or now >= node.paced_at))
     arrivals = sorted(((r.at * time_scale, r) for r in requests), key=lambda x: x[0])
     queues: dict[Tier, list[tuple[float, PlannedRequest]]] = {t: [] for t in Tier}
     steps: list[tuple[float, int]] = []  # (step end, node index), a heap
@@ -263,6 +272,8 @@ def ideal_replay(
                 node.engine.add(sim_req, now)
                 node.live.append(sim_req)
                 node.refresh()
+                if guest_rate is not None and tier is not Tier.VIP and id(node) in kept_ids:
+                    node.paced_at = max(node.paced_at, now) + req.prompt_tokens / guest_rate
                 if tier is Tier.VIP:
                     vips.append((arrived, sim_req))
             queues[tier] = kept
@@ -286,14 +297,17 @@ def ideal_replay(
     while next_arrival < len(arrivals) or steps:
         t_arrival = arrivals[next_arrival][0] if next_arrival < len(arrivals) else math.inf
         t_step = steps[0][0] if steps else math.inf
-        now = min(t_arrival, t_step)
+        t_paced = min((n.paced_at for n in kept_nodes if n.paced_at > now), default=math.inf)
+        now = min(t_arrival, t_step, t_paced)
         if start_counts is None and now >= lo:
             start_counts = counts()
         if end_counts is None and now >= hi:
             end_counts = counts()
         if end_counts is not None and (vips_served() or now >= hi + _VIP_GRACE_S):
             break
-        if t_step <= t_arrival:
+        if t_paced < min(t_step, t_arrival):
+            changed = True  # a paced kept node may take a guest again
+        elif t_step <= t_arrival:
             _, index = heapq.heappop(steps)
             node = fleet[index]
             assert node.plan is not None
@@ -342,7 +356,7 @@ def _ttft_ms(vips: Sequence[tuple[float, SimRequest]], lo: float, hi: float
 
 _SPEC_KEYS = {"vip": "vip_nodes", "n": "guest_prompt_max", "k": "guest_cap", "t": "threshold",
               "order": "order", "kv": "kv_ceiling", "fifo": "strict_order",
-              "o": "guest_output_max"}
+              "o": "guest_output_max", "r": "guest_rate"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +376,8 @@ class Point:
     """Admit in kvgate's strict tier and FIFO order (``fifo=1``)."""
     guest_output_max: int | None = None
     """Guests' outputs at most this many tokens too (``o=``; None: any)."""
+    guest_rate: int | None = None
+    """Guests' prompt tokens per simulated second a kept node takes at most (``r=``)."""
 
     @classmethod
     def parse(cls, spec: str) -> Point:
@@ -390,6 +406,8 @@ class Point:
             where = f"{self.vip_nodes} kept for VIP only"
         else:
             cap = "no cap" if self.guest_cap is None else f"<= {self.guest_cap} guests"
+            if self.guest_rate is not None:
+                cap += f", paced at {self.guest_rate:,} prompt tokens/s"
             outputs = ("" if self.guest_output_max is None
                        else f" and outputs <= {self.guest_output_max}")
             where = (f"{self.vip_nodes} kept: VIP + prompts <= {self.guest_prompt_max}{outputs}, "
@@ -419,7 +437,7 @@ def replay_point(preset: str, point: Point, seed: int | None = None,
     result = ideal_replay(config, settings.nodes, schedule.requests, settings.time_scale,
                           settings.profile.window("burst"), vip_nodes=point.vip_nodes,
                           guest_prompt_max=point.guest_prompt_max, guest_cap=point.guest_cap,
-                          guest_output_max=point.guest_output_max,
+                          guest_output_max=point.guest_output_max, guest_rate=point.guest_rate,
                           guests_kept_first=point.order == "kept", kv_ceiling=point.kv_ceiling,
                           strict_order=point.strict_order)
     return {"preset": preset, "seed": settings.seed, "baseline_sim_s": settings.baseline_sim_s,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 
@@ -125,33 +126,38 @@ def _mixed_requests(seed: int) -> list[PlannedRequest]:
     return requests
 
 
-@pytest.mark.parametrize("output_max", [None, 250])
-def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
-        monkeypatch: pytest.MonkeyPatch, output_max: int | None) -> None:
-    created: list[_Node] = []
-    added: dict[int, list[SimRequest]] = {}
+def _record_admissions(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[float, SimRequest]]]:
+    """Each node's admitted requests with their admission times, in node order, as the replays
+    that follow create their nodes."""
+    nodes: list[list[tuple[float, SimRequest]]] = []
 
     class Recording(_Node):
         def __init__(self, config: SimConfig, kv_ceiling: float = 1.0) -> None:
             super().__init__(config, kv_ceiling)
-            created.append(self)
-            log = added.setdefault(id(self), [])
+            log: list[tuple[float, SimRequest]] = []
+            nodes.append(log)
             add = self.engine.add
 
             def recording_add(req: SimRequest, now: float) -> None:
-                log.append(req)
+                log.append((now, req))
                 add(req, now)
 
             self.engine.add = recording_add  # type: ignore[method-assign]
 
     monkeypatch.setattr("bench.capacity._Node", Recording)
+    return nodes
+
+
+@pytest.mark.parametrize("output_max", [None, 250])
+def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
+        monkeypatch: pytest.MonkeyPatch, output_max: int | None) -> None:
+    admitted = _record_admissions(monkeypatch)
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     result = ideal_replay(config, 2, _mixed_requests(7), time_scale=1.0, window=(2.0, 20.0),
                           vip_nodes=1, guest_prompt_max=300, guest_cap=3,
                           guest_output_max=output_max)
     assert result.preemptions == 0
-    kept_log = added[id(created[0])]
-    guests = [r for r in kept_log if r.priority != int(Tier.VIP)]
+    guests = [r for _, r in admitted[0] if r.priority != int(Tier.VIP)]
     assert guests, "the kept node took no guest"
     assert all(r.prompt_tokens <= 300 for r in guests)
     longest = max(r.max_tokens for r in guests)
@@ -160,6 +166,28 @@ def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
         alive = [g for g in guests if g.arrival <= r.arrival
                  and (g.finish_time is None or g.finish_time > r.arrival)]
         assert len(alive) <= 3
+
+
+def test_paced_guests_bring_the_kept_node_prompt_tokens_at_most_at_the_rate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents are allowed as guests here, so only the pacing keeps them off the kept node:
+    after a guest of p prompt tokens it takes the next one p / rate seconds later at the
+    earliest, and a demand above the rate meets that bound."""
+    admitted = _record_admissions(monkeypatch)
+    rate = 2000
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    result = ideal_replay(config, 2, _mixed_requests(5), time_scale=1.0, window=(2.0, 20.0),
+                          vip_nodes=1, guest_prompt_max=8192, guest_rate=rate)
+    assert result.preemptions == 0
+    guests = [(at, r) for at, r in admitted[0] if r.priority != int(Tier.VIP)]
+    assert any(r.prompt_tokens >= 3000 for _, r in guests), "no document was a guest"
+    for (at, r), (next_at, _) in itertools.pairwise(guests):
+        assert next_at >= at + r.prompt_tokens / rate - 1e-9
+    # Most guests wait for the pace: the documents alone ask for ~12,000 tokens/s.
+    paced = sum(1 for (at, r), (next_at, _) in itertools.pairwise(guests)
+                if next_at - (at + r.prompt_tokens / rate) < 0.05)
+    assert paced >= len(guests) // 2
+    assert len(admitted[1]) > len(guests)  # the rest went to the shared node
 
 
 def test_guest_cap_zero_is_the_vip_only_placement() -> None:
@@ -231,6 +259,8 @@ def test_point_specs_and_the_frontier_table() -> None:
     assert Point.parse("fifo=1").strict_order and not Point.parse("fifo=0").strict_order
     assert Point.parse("vip=1,n=4096,o=1000,k=64").label == (
         "1 kept: VIP + prompts <= 4096 and outputs <= 1000, <= 64 guests")
+    assert Point.parse("vip=1,n=9000,r=5000").label == (
+        "1 kept: VIP + prompts <= 9000, no cap, paced at 5,000 prompt tokens/s")
     with pytest.raises(ValueError):
         Point.parse("kv=1.5")
     base = {"preset": "x", "guest_prompt_max": None, "guest_cap": None, "threshold": 0,

@@ -446,7 +446,7 @@ def replay_point(preset: str, point: Point, seed: int | None = None,
 
 def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
     """Markdown: each point against the maximum (no kept node, whole cache) of the same preset,
-    seed and engine setting (the same fleet on the same traffic)."""
+    seed, baseline length and engine setting (the same fleet on the same traffic)."""
     from bench.expconfig import PRESETS
 
     def key(r: Mapping[str, object]) -> tuple[object, ...]:

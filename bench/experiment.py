@@ -116,6 +116,7 @@ def dump_raw(result: ArmResult, directory: Path) -> None:
     with (directory / "samples.jsonl").open("w") as f:
         for smp in result.samples:
             f.write(json.dumps({"t": smp.t, "queues": smp.queues, "zone": smp.zone,
+                                "scheduler": smp.scheduler,
                                 "nodes": [dataclasses.asdict(n) for n in smp.nodes]}) + "\n")
 
 

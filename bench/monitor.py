@@ -4,6 +4,10 @@ Each sample reads every simulated node's ``/metrics`` (vLLM names plus the simul
 ``sim:*`` gauges) and, depending on the arm, the Redis queues of the pool (``ZCARD`` of each
 tier's sorted set, the scheduler's zone) or the FIFO proxy's ``/stats``. A node that does not
 answer is recorded as down; its counters keep their last scraped values for the totals.
+In the kvgate arm each sample also keeps what the leader published (its state hash: measured
+and projected usage per node, the learned usage ratio, nodes held back and why), each node's
+budget and reservations and the pool's release and settle counters, so that a release can be
+read against its projection after the run.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class Sample:
     queues: dict[str, int] = field(default_factory=dict)
     """Requests queued in front of the engines, by tier label (or "all")."""
     zone: str | None = None
+    scheduler: dict[str, str] = field(default_factory=dict)
+    """The pool's state hash, plus ``budget:<node>``, ``reserved:<node>`` and the pool's
+    counters as ``stats:<name>`` (kvgate only)."""
 
 
 def parse_metrics(text: str) -> NodeSample:
@@ -79,30 +86,48 @@ def parse_metrics(text: str) -> NodeSample:
     return sample
 
 
-QueueSource = Callable[[], Awaitable[tuple[dict[str, int], str | None]]]
+@dataclass(slots=True)
+class QueueReading:
+    queues: dict[str, int]
+    zone: str | None = None
+    scheduler: dict[str, str] = field(default_factory=dict)
+
+
+QueueSource = Callable[[], Awaitable[QueueReading]]
+
+
+def _text(raw: object) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
 def redis_queues(client: aioredis.Redis, pool: str) -> QueueSource:
     keys = PoolKeys(pool)
 
-    async def read() -> tuple[dict[str, int], str | None]:
+    async def read() -> QueueReading:
         async with client.pipeline(transaction=False) as pipe:
             for tier in Tier:
                 pipe.zcard(keys.queue(tier))
-            pipe.hget(keys.state, "zone")
-            *depths, zone = await pipe.execute()
+            pipe.hgetall(keys.state)
+            pipe.hgetall(keys.node_capacity)
+            pipe.hgetall(keys.node_reserved)
+            pipe.hgetall(keys.stats)
+            *depths, state, budgets, reserved, stats = await pipe.execute()
         out = {tier.label: int(d) for tier, d in zip(Tier, depths, strict=True)}
-        return out, (zone.decode() if isinstance(zone, bytes) else zone)
+        published = {_text(k): _text(v) for k, v in state.items()}
+        published.update({f"budget:{_text(k)}": _text(v) for k, v in budgets.items()})
+        published.update({f"reserved:{_text(k)}": _text(v) for k, v in reserved.items()})
+        published.update({f"stats:{_text(k)}": _text(v) for k, v in stats.items()})
+        return QueueReading(out, published.get("zone"), published)
 
     return read
 
 
 def proxy_queues(session: aiohttp.ClientSession, url: str) -> QueueSource:
-    async def read() -> tuple[dict[str, int], str | None]:
+    async def read() -> QueueReading:
         async with session.get(url + "/stats") as resp:
             stats = orjson.loads(await resp.read())
         by_tier = stats.get("queued_by_tier") or {}
-        return {t.label: int(by_tier.get(t.label, 0)) for t in Tier}, None
+        return QueueReading({t.label: int(by_tier.get(t.label, 0)) for t in Tier})
 
     return read
 
@@ -151,12 +176,12 @@ class Monitor:
 
     async def sample_once(self) -> Sample:
         nodes = await asyncio.gather(*(self._node(i) for i in range(len(self.node_urls))))
-        queues: dict[str, int] = {}
-        zone = None
+        reading = QueueReading({})
         if self.queues is not None:
             with contextlib.suppress(Exception):
-                queues, zone = await self.queues()
-        sample = Sample(self._clock() - self._t0, list(nodes), queues, zone)
+                reading = await self.queues()
+        sample = Sample(self._clock() - self._t0, list(nodes), reading.queues, reading.zone,
+                        reading.scheduler)
         self.samples.append(sample)
         return sample
 

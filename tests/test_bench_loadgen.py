@@ -12,16 +12,20 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from admission.config import DedicatedNodes, parse_config
-from admission.tiers import Tier
+from admission.keys import PoolKeys
+from admission.scripts import register_scripts
+from admission.store import PoolStore
+from admission.tiers import Tier, Zone
 from bench.arm import ArmResult
 from bench.expconfig import POOL, PRESETS, Settings, kvgate_toml, with_overrides
 from bench.fifo_proxy import FifoLimiter
 from bench.loadgen import FAILED, OK, REJECTED, ClientSettings, LoadGenerator, Outcome
-from bench.monitor import NodeSample, Sample, parse_metrics
+from bench.monitor import NodeSample, Sample, parse_metrics, redis_queues
 from bench.report import markdown_table, summarize
 from bench.sim.config import SimConfig
 from bench.sim.metrics import make_registry, render
@@ -290,3 +294,26 @@ def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None
     assert dedicated(vip_nodes=1).guest_max_prompt_tokens == 0
     assert dedicated(vip_nodes=1, guest_prompt=512).max_guests_per_node == 32
     assert dedicated().nodes == ()
+
+
+async def test_the_kvgate_timeline_keeps_what_the_leader_published(
+        redis_url: str, redis_client: aioredis.Redis) -> None:
+    """Each sample of the kvgate arm holds the pool's published state, budgets, reservations
+    and counters as Redis has them, so a release can be read against its projection."""
+    text = kvgate_toml(PRESETS["smoke"], redis_url, ["http://a", "http://b"], 9, 5.0)
+    policy = parse_config(tomllib.loads(text), env={}).pool_policy(POOL)
+    store = PoolStore(redis_client, register_scripts(redis_client), POOL, policy)
+    await store.publish_state(3, Zone.YELLOW, {"node-0": 1000, "node-1": 2000},
+                              {"projected:node-1": "0.7100", "usage_ratio": "0.9800"})
+    keys = PoolKeys(POOL)
+    await redis_client.hset(keys.node_reserved, mapping={"node-0": 400})
+    await redis_client.hset(keys.stats, mapping={"released_2": 17})
+    await redis_client.zadd(keys.queue(Tier.BATCH), {"t1": 1.0, "t2": 2.0})
+    reading = await redis_queues(redis_client, POOL)()
+    assert reading.queues == {"vip": 0, "normal": 0, "batch": 2}
+    assert reading.zone == Zone.YELLOW.value
+    published = reading.scheduler
+    assert published["projected:node-1"] == "0.7100" and published["usage_ratio"] == "0.9800"
+    assert (published["budget:node-0"], published["budget:node-1"]) == ("1000", "2000")
+    assert published["reserved:node-0"] == "400" and "reserved:node-1" not in published
+    assert published["stats:released_2"] == "17"

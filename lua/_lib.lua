@@ -162,7 +162,10 @@ local function drop_queued(prefix, queues, deadlines_key, tq_key, id, task, stat
 end
 
 -- A released task ends: the pool gets its reservation back and the tenant the unused part.
--- usage < 0 means "unknown, charge nothing" (the client never got an answer).
+-- usage < 0 means "unknown, charge nothing" (the client never got an answer). Only a task that
+-- ran to its end ('settled') teaches the pool how much of a reservation work uses: one cut
+-- short (client gone, node failed) says nothing about that, and a wave of failures would
+-- otherwise teach the scheduler to overcommit just as the fleet is in trouble.
 local function drop_released(prefix, resv_key, stats_key, id, task, state, usage, now, retention_s)
   local cost = tonumber(task.cost)
   unreserve_node(resv_key, task.node, cost)
@@ -174,8 +177,8 @@ local function drop_released(prefix, resv_key, stats_key, id, task, state, usage
     running_member(task.node, task.prompt_tokens, task.max_tokens, id))
   redis.call('SREM', gateway_key(prefix, task.gateway), id)
   local refund = cost
-  if usage >= 0 then
-    refund = cost - usage
+  if usage >= 0 then refund = cost - usage end
+  if usage >= 0 and state == 'settled' then
     redis.call('HINCRBY', stats_key, 'settled', 1)
     redis.call('HINCRBY', stats_key, 'settled_cost', cost)
     redis.call('HINCRBY', stats_key, 'settled_usage', usage)

@@ -5,7 +5,8 @@
 -- KEYS[3..5] queue vip, normal, batch   ZSET
 -- KEYS[6]  deadlines        ZSET
 -- KEYS[7]  tenant_queued    HASH
--- KEYS[8]  stats            HASH  settled, settled_cost, settled_usage (tokens)
+-- KEYS[8]  stats            HASH  settled, settled_cost, settled_usage (tokens): counted for
+--                                'settled' tasks only (what the scheduler learns from)
 -- KEYS[9]  task             HASH
 --
 -- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index and node_guests keys)

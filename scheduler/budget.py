@@ -54,7 +54,8 @@ the gateways' fast path, can use at most ``B - R`` and lands exactly on T: the m
 cannot make the pool overshoot.
 
 Overcommit: requests rarely reach max_tokens, so ``f < 1`` lets the pool reserve more than
-its KV. f comes from the pool's settle counters (settled_usage / settled_cost), decayed with
+its KV. f comes from the pool's settle counters (settled_usage / settled_cost, of tasks that
+ran to their end: cancelled ones are not counted), decayed with
 a half-life so that the workload's current mix dominates, starts at 1 (no overcommit until
 settles are seen), gets a safety margin, and is floored at ``1 / max_overcommit``. A node that
 reports a preemption gets f = 1 for a cool-down: the engine told us the guess was wrong.

@@ -112,6 +112,27 @@ async def test_cancel_returns_every_balance_to_its_start(store: PoolStore,
     assert await redis_client.zcard(keys.deadlines) == 0
 
 
+async def test_only_tasks_that_ran_to_their_end_are_learned_from(
+        store: PoolStore, redis_client: aioredis.Redis) -> None:
+    """A cancelled task is charged what it used, but its usage does not enter the counters the
+    scheduler's usage ratio comes from: it was cut short, not sized that way."""
+    tenant = TenantQuota("acme", rate=0, burst=10_000, max_queued=10)
+    await _give_capacity(store, {"n1": 10_000})
+    for tid in ("done", "cut", "lost"):
+        outcome = (await store.admit(task_id=tid, tenant=tenant, tier=Tier.NORMAL,
+                                     prompt_tokens=100, max_tokens=900, gateway="gw",
+                                     queue_timeout_ms=60_000)).outcome
+        assert outcome is AdmitOutcome.RELEASED
+    assert (await store.settle("done", 700)).refunded == 300
+    assert (await store.cancel("cut", 150)).refunded == 850  # charged its 150 tokens
+    assert (await store.cancel("lost")).refunded == 1000
+    stats = await redis_client.hgetall(store.keys.stats)
+    assert (_int(stats[b"settled"]), _int(stats[b"settled_cost"]),
+            _int(stats[b"settled_usage"])) == (1, 1000, 700)
+    balance = _int(await redis_client.hget(store.keys.bucket_key("acme"), "micro_tokens"))
+    assert balance == (10_000 - 700 - 150) * 1_000_000
+
+
 GATEWAY_THAT_DIES = """
 import asyncio, sys
 import redis.asyncio as aioredis

@@ -110,6 +110,10 @@ class DedicatedNodes:
     max_guests_per_node: int = 32
     """At most this many guests alive on each kept node at once: the cap keeps its batch, and
     so its step time and the VIP tail, the same before and during a flood."""
+    guest_prompt_tokens_per_s: int = 0
+    """Paces each kept node's guests by their prompts (0: unpaced): after a guest of p prompt
+    tokens the node takes no other guest for p / this many seconds. Set below what the 1x
+    traffic would bring, the kept node's prefill work is the same before and during a flood."""
 
     @property
     def tier_mask(self) -> int:
@@ -467,10 +471,15 @@ def _dedicated(r: _Reader, backends: set[str]) -> DedicatedNodes:
         raise ConfigError(f"{r.key('nodes')}: leaves no backend for the other tiers")
     guest_prompt = r.integer("guest_max_prompt_tokens", 0, 0)
     max_guests = r.integer("max_guests_per_node", 32, 1)
+    guest_rate = r.integer("guest_prompt_tokens_per_s", 0, 0)
     if guest_prompt and not nodes:
         raise ConfigError(f"{r.key('guest_max_prompt_tokens')}: guests need dedicated nodes")
+    if guest_rate and not guest_prompt:
+        raise ConfigError(f"{r.key('guest_prompt_tokens_per_s')}: paces guests, so it needs "
+                          "guest_max_prompt_tokens")
     r.done()
-    return DedicatedNodes(tuple(nodes), tiers if nodes else (), guest_prompt, max_guests)
+    return DedicatedNodes(tuple(nodes), tiers if nodes else (), guest_prompt, max_guests,
+                          guest_rate)
 
 
 def _is_sha256(value: str) -> bool:

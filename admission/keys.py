@@ -9,7 +9,8 @@ Key names are plain words so operators can read them with redis-cli, for example
 
 The Lua scripts build the names of keys they discover at run time (a task id popped from a
 queue) from the same ``prefix`` the Python side passes in; `lua/_lib.lua` mirrors the suffixes
-of `task_key`, `bucket_key`, `gateway_tasks_key`, `running` and `node_guests`, and a test checks
+of `task_key`, `bucket_key`, `gateway_tasks_key`, `running`, `node_guests` and
+`node_guest_pace`, and a test checks
 that they agree.
 """
 
@@ -106,6 +107,12 @@ class PoolKeys:
         """HASH dedicated node -> tasks of other tiers alive on it as guests (released and not
         ended: `[pools.dedicated]` caps them per node)."""
         return self.prefix + "node_guests"
+
+    @property
+    def node_guest_pace(self) -> str:
+        """HASH dedicated node -> µs (Redis TIME) before which it takes no other guest: set
+        when guests are paced by their prompt tokens (`[pools.dedicated]`)."""
+        return self.prefix + "node_guest_pace"
 
     def task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"

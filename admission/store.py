@@ -163,7 +163,7 @@ class PoolStore:
         reply = await self.scripts.admit(
             keys=[
                 *self._admit_keys, k.task_key(task_id), k.bucket_key(tenant.name),
-                k.gateway_tasks_key(gateway), k.running, k.node_guests,
+                k.gateway_tasks_key(gateway), k.running, k.node_guests, k.node_guest_pace,
             ],
             args=[
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,

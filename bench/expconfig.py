@@ -52,6 +52,8 @@ class Settings:
     """Arm (c), with vip_nodes: `guest_max_prompt_tokens` of the kept nodes (0: no guests)."""
     max_guests: int | None = None
     """Arm (c), with guests: `max_guests_per_node`; None = the project's default."""
+    guest_rate: int = 0
+    """Arm (c), with guests: `guest_prompt_tokens_per_s` (0: unpaced)."""
     projection: str | None = None
     """Arm (c): `zones.projection` of the pool; None = the project's default."""
     max_engine_waiting: int | None = None
@@ -182,6 +184,8 @@ def kvgate_toml(
               if settings.guest_prompt else []),
             *([f"max_guests_per_node = {settings.max_guests}"]
               if settings.guest_prompt and settings.max_guests is not None else []),
+            *([f"guest_prompt_tokens_per_s = {settings.guest_rate}"]
+              if settings.guest_prompt and settings.guest_rate else []),
             "",
         ]
     for klass in settings.classes:

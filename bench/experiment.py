@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-guests", type=int, dest="max_guests",
                    help="arm (c), with --guest-prompt: most guests alive per kept node "
                         "(default: the project's)")
+    p.add_argument("--guest-rate", type=int, dest="guest_rate",
+                   help="arm (c), with --guest-prompt: pace guests at this many prompt tokens "
+                        "per second per kept node (guest_prompt_tokens_per_s; default: unpaced)")
     p.add_argument("--projection", choices=("final", "peak"),
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
@@ -83,6 +86,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
         vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
+        guest_rate=args.guest_rate,
         projection=args.projection,
         max_engine_waiting=args.max_engine_waiting,
     )
@@ -248,7 +252,9 @@ def setup_section(settings: Settings) -> list[str]:
         + (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: "
            "VIP tries them first, then the shared nodes; "
            + (f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} tokens, "
-              f"at most {settings.max_guests or 'the default number of'} alive per kept node)."
+              f"at most {settings.max_guests or 'the default number of'} alive per kept node"
+              + (f", paced at {settings.guest_rate:,} prompt tokens/s" if settings.guest_rate
+                 else "") + ")."
               if settings.guest_prompt else "no Normal or Batch work there).")
            if settings.vip_nodes else "."),
         f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "

@@ -35,6 +35,7 @@ local function bucket_key(prefix, tenant) return prefix .. 'bucket:' .. tenant e
 local function gateway_key(prefix, gw) return prefix .. 'gateway:' .. gw end
 local function running_key(prefix) return prefix .. 'running' end
 local function guests_key(prefix) return prefix .. 'node_guests' end
+local function pace_key(prefix) return prefix .. 'node_guest_pace' end
 
 -- A released task's entry in the running index: what the scheduler needs to project how the
 -- node's KV usage will grow (names never contain spaces: admission/keys.py check_name).
@@ -78,15 +79,19 @@ end
 -- space-separated) serve the tiers in 'dedicated_tiers' (bit 2^tier: 1 VIP, 2 Normal,
 -- 4 Batch), and of the other tiers only guests: tasks whose prompt is at most
 -- 'dedicated_guest_prompt' tokens, at most 'dedicated_guest_cap' of them alive on each such
--- node at once (both 0 or absent: no guests). Absent fields: every node is shared.
-local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field)
+-- node at once (both 0 or absent: no guests), and with 'dedicated_guest_rate' > 0 paced by
+-- their prompts: after a guest of p prompt tokens the node takes no other guest for
+-- p / rate seconds. Absent fields: every node is shared.
+local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field,
+                            guest_rate_field)
   local nodes = {}
   if nodes_field then
     for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
   end
   return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0,
           guest_prompt = tonumber(guest_prompt_field or '0') or 0,
-          guest_cap = tonumber(guest_cap_field or '0') or 0}
+          guest_cap = tonumber(guest_cap_field or '0') or 0,
+          guest_rate = tonumber(guest_rate_field or '0') or 0}
 end
 
 -- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
@@ -95,7 +100,8 @@ end
 -- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
 -- or it never fills its guest slots). Ties go to the first name in order so that every
 -- replica would pick the same one.
-local function place(cap_key, resv_key, gst_key, placement, tier, cost, prompt_tokens)
+local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, prompt_tokens,
+                     now)
   local caps = redis.call('HGETALL', cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
@@ -107,6 +113,9 @@ local function place(cap_key, resv_key, gst_key, placement, tier, cost, prompt_t
     local allowed = group == 2 or owns_dedicated
     if not allowed and may_guest then
       allowed = (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < placement.guest_cap
+      if allowed and placement.guest_rate > 0 then
+        allowed = (tonumber(redis.call('HGET', pc_key, node) or '0') or 0) <= now
+      end
     end
     if allowed then
       local room = (tonumber(caps[i + 1]) or 0) - (tonumber(redis.call('HGET', resv_key, node) or '0') or 0)
@@ -122,10 +131,17 @@ local function place(cap_key, resv_key, gst_key, placement, tier, cost, prompt_t
   return nil, false
 end
 
--- A task released as a guest holds one of its node's guest slots until it ends.
-local function guest_joined(gst_key, tkey, node)
+-- A task released as a guest holds one of its node's guest slots until it ends, and on a
+-- paced node puts off the next guest by its prompt's share of the rate (from now, or from the
+-- time the node was already paced to, whichever is later).
+local function guest_joined(gst_key, pc_key, placement, tkey, node, prompt_tokens, now)
   redis.call('HINCRBY', gst_key, node, 1)
   redis.call('HSET', tkey, 'guest', '1')
+  if placement.guest_rate > 0 then
+    local from = math.max(now, tonumber(redis.call('HGET', pc_key, node) or '0') or 0)
+    redis.call('HSET', pc_key, node,
+      fmt(from + math.floor(prompt_tokens * 1000000 / placement.guest_rate)))
+  end
 end
 
 local function reserve_node(resv_key, node, cost)

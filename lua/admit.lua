@@ -1,8 +1,9 @@
 -- admit.lua: admit, queue or reject one request, atomically.
 --
 -- KEYS[1]  state            HASH  zone, updated_us, drain_0..2 (tasks/s), dedicated_nodes,
---                                dedicated_tiers, dedicated_guest_prompt, dedicated_guest_cap
---                                (see place() in _lib.lua), by the scheduler
+--                                dedicated_tiers, dedicated_guest_prompt, dedicated_guest_cap,
+--                                dedicated_guest_rate (see place() in _lib.lua), by the
+--                                scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -17,6 +18,8 @@
 -- KEYS[14] gateway tasks    SET   the calling gateway's live tasks
 -- KEYS[15] running          ZSET  'node prompt max id' -> released µs (released tasks)
 -- KEYS[16] node_guests      HASH  dedicated node -> tasks of other tiers alive on it
+-- KEYS[17] node_guest_pace  HASH  dedicated node -> µs (Redis TIME) before which it takes no
+--                                guest (paced guests only)
 --
 -- ARGV[1]  task id          ARGV[2]  tenant         ARGV[3] tier (0 VIP, 1 Normal, 2 Batch)
 -- ARGV[4]  cost W = prompt + max output tokens (tokens)
@@ -52,7 +55,8 @@ local queues = {KEYS[5], KEYS[6], KEYS[7]}
 
 local now = now_us(KEYS[2])
 local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2',
-  'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt', 'dedicated_guest_cap')
+  'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt', 'dedicated_guest_cap',
+  'dedicated_guest_rate')
 local zone = st[1] or 'GREEN'
 
 local existing = redis.call('HGET', KEYS[12], 'state')
@@ -87,9 +91,10 @@ end
 -- fresh, and a node the tier may use has room for the whole reservation.
 local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 1000)
 local node, guest = nil, false
+local placement = placement_of(st[6], st[7], st[8], st[9], st[10])
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
-  node, guest = place(KEYS[3], KEYS[4], KEYS[16], placement_of(st[6], st[7], st[8], st[9]),
-    tier, cost, tonumber(ARGV[5]))
+  node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], placement, tier, cost,
+    tonumber(ARGV[5]), now)
 end
 
 if node == nil then
@@ -112,7 +117,9 @@ redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 
 if node then
   reserve_node(KEYS[4], node, cost)
   redis.call('HSET', KEYS[12], 'state', 'released', 'node', node, 'released_us', fmt(now))
-  if guest then guest_joined(KEYS[16], KEYS[12], node) end
+  if guest then
+    guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)
+  end
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)

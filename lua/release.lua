@@ -1,8 +1,9 @@
 -- release.lua: the leader pops queued tasks in tier order and assigns them nodes.
 --
 -- KEYS[1]  state            HASH  epoch (fencing), dedicated_nodes, dedicated_tiers,
---                                dedicated_guest_prompt, dedicated_guest_cap (where each task
---                                may run, see place() in _lib.lua)
+--                                dedicated_guest_prompt, dedicated_guest_cap,
+--                                dedicated_guest_rate (where each task may run, see place()
+--                                in _lib.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -11,9 +12,10 @@
 -- KEYS[9]  tenant_queued    HASH  tenant -> queued count
 -- KEYS[10] stats            HASH  counters
 --
--- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running and node_guests keys:
---          the running index ZSET 'node prompt max id' -> released µs gets each released
---          task, the HASH node_guests counts the guests alive on each dedicated node)
+-- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests and
+--          node_guest_pace keys: the running index ZSET 'node prompt max id' -> released µs
+--          gets each released task, the HASH node_guests counts the guests alive on each
+--          dedicated node, the HASH node_guest_pace holds when a paced one takes its next)
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records
@@ -36,9 +38,10 @@ local retention_s = tonumber(ARGV[6])
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers',
-  'dedicated_guest_prompt', 'dedicated_guest_cap')
-local placement = placement_of(dedicated[1], dedicated[2], dedicated[3], dedicated[4])
-local gst_key = guests_key(prefix)
+  'dedicated_guest_prompt', 'dedicated_guest_cap', 'dedicated_guest_rate')
+local placement = placement_of(dedicated[1], dedicated[2], dedicated[3], dedicated[4],
+  dedicated[5])
+local gst_key, pc_key = guests_key(prefix), pace_key(prefix)
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
@@ -58,8 +61,9 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       table.insert(out, ''); table.insert(out, t)
     else
       local cost = tonumber(task.cost)
-      local node, guest = place(KEYS[3], KEYS[4], gst_key, placement, t, cost,
-        tonumber(task.prompt_tokens) or math.huge)
+      local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
+      local node, guest = place(KEYS[3], KEYS[4], gst_key, pc_key, placement, t, cost,
+        prompt_tokens, now)
       if node == nil then
         blocked = true
         break
@@ -71,7 +75,9 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
         'queued_us', queued_us, 'released_us', fmt(now))
       redis.call('HDEL', task_key(prefix, head), 'deadline_us')
-      if guest then guest_joined(gst_key, task_key(prefix, head), node) end
+      if guest then
+        guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
+      end
       redis.call('ZADD', running_key(prefix), fmt(now),
         running_member(node, task.prompt_tokens, task.max_tokens, head))
       redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

@@ -256,6 +256,8 @@ class PoolScheduler:
             if dedicated.guest_max_prompt_tokens:
                 extra["dedicated_guest_prompt"] = dedicated.guest_max_prompt_tokens
                 extra["dedicated_guest_cap"] = dedicated.max_guests_per_node
+                if dedicated.guest_prompt_tokens_per_s:
+                    extra["dedicated_guest_rate"] = dedicated.guest_prompt_tokens_per_s
         return extra
 
     async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:

@@ -64,6 +64,10 @@ class Model:
     """Bit 2^tier set for each tier the dedicated nodes serve."""
     guest_prompt: int = 0
     guest_cap: int = 0
+    guest_rate: int = 0
+    """Guests' prompt tokens per second a dedicated node takes (0: unpaced)."""
+    guest_paced_until: dict[str, int] = field(default_factory=dict)
+    """Dedicated node -> µs before which it takes no guest (paced guests)."""
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -96,7 +100,9 @@ class Model:
         guests = self.guests()
         may_guest = not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
         dedicated = sorted(n for n in self.capacity if n in self.dedicated_nodes
-                           and (owns or (may_guest and guests.get(n, 0) < self.guest_cap)))
+                           and (owns or (may_guest and guests.get(n, 0) < self.guest_cap
+                                         and (not self.guest_rate
+                                              or self.guest_paced_until.get(n, 0) <= self.now))))
         groups = [dedicated, sorted(n for n in self.capacity if n not in self.dedicated_nodes)]
         for group, nodes in enumerate(groups):
             best: str | None = None
@@ -108,6 +114,11 @@ class Model:
             if best is not None and room >= cost:
                 return best, group == 0 and not owns
         return None, False
+
+    def _guest_joined(self, node: str, prompt: int) -> None:
+        if self.guest_rate:
+            start = max(self.now, self.guest_paced_until.get(node, 0))
+            self.guest_paced_until[node] = start + prompt * 1_000_000 // self.guest_rate
 
     # --- bucket helpers --------------------------------------------------------------------
     def credit(self, tenant: str, tokens: int) -> None:
@@ -188,6 +199,8 @@ class Model:
         if node is not None:
             task.state, task.node, task.releases = TaskState.RELEASED, node, 1
             task.guest = guest
+            if guest:
+                self._guest_joined(node, prompt)
             self.reserved[node] = self.reserved.get(node, 0) + cost
             return ("released", node, 0, 0)
         task.deadline_us = self.now + timeout_ms * 1000
@@ -220,6 +233,8 @@ class Model:
                 queue.pop(0)
                 self.reserved[node] = self.reserved.get(node, 0) + t.cost
                 t.state, t.node, t.guest = TaskState.RELEASED, node, guest
+                if guest:
+                    self._guest_joined(node, t.prompt)
                 t.releases += 1
                 released += 1
                 out.append((tid, t.gateway, node, tier))
@@ -271,12 +286,15 @@ class Model:
         self, epoch: int, zone: str, capacity: dict[str, int], drain: tuple[int, int, int],
         dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
         guests: tuple[int, int] = (0, 0),
+        guest_rate: int = 0,
     ) -> bool:
-        """`guests`: (guest prompt limit, guest cap per dedicated node), (0, 0) for none."""
+        """`guests`: (guest prompt limit, guest cap per dedicated node), (0, 0) for none;
+        `guest_rate`: their prompt tokens per second on each dedicated node (0: unpaced)."""
         if epoch < self.epoch:
             return False
         self.dedicated_nodes, self.dedicated_tiers = dedicated
         self.guest_prompt, self.guest_cap = guests
+        self.guest_rate = guest_rate
         self.epoch = epoch
         self.zone = zone
         self.capacity = dict(capacity)

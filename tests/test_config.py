@@ -148,3 +148,10 @@ def test_dedicated_nodes_must_be_backends_of_the_pool_and_name_their_tiers() -> 
     with pytest.raises(ConfigError, match=r"dedicated\.max_guests_per_node: must be >= 1"):
         parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"], "guest_max_prompt_tokens": 1,
                            "max_guests_per_node": 0}), env={})
+    paced = parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
+                               "guest_max_prompt_tokens": 4096,
+                               "guest_prompt_tokens_per_s": 5000}), env={}).pools["p"].dedicated
+    assert paced.guest_prompt_tokens_per_s == 5000 and guests.guest_prompt_tokens_per_s == 0
+    with pytest.raises(ConfigError, match=r"guest_prompt_tokens_per_s: paces guests, so it needs"):
+        parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
+                           "guest_prompt_tokens_per_s": 5000}), env={})

@@ -251,7 +251,7 @@ async def test_lua_key_formats_match_the_key_schema(store: PoolStore,
     assert await redis_client.smembers(keys.gateway_tasks_key("gw-9")) == set()
     for name in ("task", "bucket", "gateway"):
         assert f"prefix .. '{name}:'" in script_source("release")
-    for key in (keys.running, keys.node_guests):
+    for key in (keys.running, keys.node_guests, keys.node_guest_pace):
         assert f"prefix .. '{key.removeprefix(keys.prefix)}'" in script_source("release")
 
 
@@ -378,6 +378,50 @@ async def test_dedicated_nodes_serve_only_their_tiers_which_try_them_first(
     await store.settle("b1", 400)  # shared has 450 free now
     released = await store.release(1, (10, 10, 10))
     assert [(t.task_id, t.node) for t in released] == [("b2", "shared")]
+
+
+async def test_paced_guests_wait_their_prompts_share_of_the_rate(
+        store: PoolStore, redis_client: aioredis.Redis) -> None:
+    """With `dedicated_guest_rate` = 1,000 prompt tokens/s, a guest of 500 tokens keeps the
+    kept node from taking another guest for 0.5 s (Redis time), on the fast path and in the
+    release script alike; VIP is never paced."""
+    start = 10**15
+    clock = store.keys.clock
+    await redis_client.hset(clock, "frozen_us", start)
+    tenant = TenantQuota("acme", rate=0, burst=10**9, max_queued=1000)
+    extra: dict[str, str | int | float] = {"dedicated_nodes": "vip-node", "dedicated_tiers": 1,
+                                           "dedicated_guest_prompt": 1_000,
+                                           "dedicated_guest_cap": 10,
+                                           "dedicated_guest_rate": 1_000}
+    await store.publish_state(1, Zone.GREEN, {"vip-node": 10_000, "shared": 10_000}, extra)
+
+    async def admit(task_id: str, tier: Tier, prompt: int) -> Any:
+        return await store.admit(task_id=task_id, tenant=tenant, tier=tier, prompt_tokens=prompt,
+                                 max_tokens=10, gateway="gw", queue_timeout_ms=60_000)
+
+    async def paced_until() -> int:
+        return _int(await redis_client.hget(store.keys.node_guest_pace, "vip-node"))
+
+    assert (await admit("g1", Tier.NORMAL, 500)).node == "vip-node"
+    assert await paced_until() == start + 500_000
+    assert (await admit("g2", Tier.NORMAL, 20)).node == "shared"  # paced: not a guest
+    assert (await admit("v1", Tier.VIP, 20)).node == "vip-node"
+    await redis_client.hset(clock, "frozen_us", start + 499_999)
+    assert (await admit("g3", Tier.BATCH, 20)).node == "shared"
+    await redis_client.hset(clock, "frozen_us", start + 500_000)
+    assert (await admit("g4", Tier.BATCH, 250)).node == "vip-node"
+    assert await paced_until() == start + 750_000
+    # The release script: a queued guest goes to the kept node once the pace allows it.
+    await store.publish_state(1, Zone.YELLOW, {"vip-node": 10_000, "shared": 0}, extra)
+    assert (await admit("q1", Tier.NORMAL, 100)).outcome is AdmitOutcome.QUEUED
+    await store.publish_state(1, Zone.GREEN, {"vip-node": 10_000, "shared": 0}, extra)
+    assert await store.release(1, (10, 10, 10)) == []  # paced until +750 ms, shared full
+    await redis_client.hset(clock, "frozen_us", start + 800_000)
+    released = await store.release(1, (10, 10, 10))
+    assert [(t.task_id, t.node) for t in released] == [("q1", "vip-node")]
+    # Paced from now, not from the earlier end: the node was idle in between.
+    assert await paced_until() == start + 900_000
+    assert await redis_client.hget(store.keys.task_key("q1"), "guest") == b"1"
 
 
 async def test_guests_of_a_kept_node_have_short_prompts_fill_it_first_and_respect_the_cap(

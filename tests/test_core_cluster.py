@@ -41,7 +41,7 @@ def test_every_key_of_a_pool_shares_one_slot() -> None:
         keys.state, keys.clock, keys.node_capacity, keys.node_reserved, *keys.queues,
         keys.deadlines, keys.leases, keys.tenant_queued, keys.stats, keys.task_key("t"),
         keys.bucket_key("acme"), keys.gateway_tasks_key("gw"), keys.wake_channel("gw"),
-        keys.running, keys.node_guests,
+        keys.running, keys.node_guests, keys.node_guest_pace,
     ]
     assert len({key_slot(n.encode()) for n in names}) == 1
     sched = SchedulerKeys()

@@ -86,14 +86,18 @@ class CoreMachine(RuleBasedStateMachine):
     def _publish(self, epoch: int, zone: Zone, caps: dict[str, int],
                  drain: tuple[int, int, int],
                  dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
-                 guests: tuple[int, int] = (0, 0)) -> None:
-        accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated, guests)
+                 guests: tuple[int, int] = (0, 0), guest_rate: int = 0) -> None:
+        guest_rate = guest_rate if guests[1] else 0
+        accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated, guests,
+                                            guest_rate)
         extra: dict[str, str | int | float] = {f"drain_{t}": d for t, d in enumerate(drain)}
         if dedicated[0]:
             extra["dedicated_nodes"] = " ".join(sorted(dedicated[0]))
             extra["dedicated_tiers"] = dedicated[1]
         if guests[1]:
             extra["dedicated_guest_prompt"], extra["dedicated_guest_cap"] = guests
+        if guest_rate:
+            extra["dedicated_guest_rate"] = guest_rate
         if accepted:
             self.run(self.store.publish_state(epoch, zone, caps, extra))
         else:
@@ -205,11 +209,14 @@ class CoreMachine(RuleBasedStateMachine):
         self._publish(self.model.epoch + int(new_leader), zone, caps, drain, dedicated,
                       guests if dedicated_nodes else (0, 0))
 
-    @rule(prompt_limit=st.integers(0, 300), cap=st.integers(1, 2))
-    def scheduler_keeps_a_node_for_vip_with_guests(self, prompt_limit: int, cap: int) -> None:
-        """The random publish above rarely fills a guest cap; this one makes it common."""
+    @rule(prompt_limit=st.integers(0, 300), cap=st.integers(1, 2),
+          rate=st.sampled_from([0, 0, 150, 5_000]))
+    def scheduler_keeps_a_node_for_vip_with_guests(self, prompt_limit: int, cap: int,
+                                                   rate: int) -> None:
+        """The random publish above rarely fills a guest cap; this one makes it common, and
+        paces the guests by their prompts (`rate` tokens/s) or not."""
         self._publish(self.model.epoch, Zone.GREEN, dict.fromkeys(NODES, 1_500), self.model.drain,
-                      (frozenset({"node-1"}), 1), (prompt_limit, cap))
+                      (frozenset({"node-1"}), 1), (prompt_limit, cap), rate)
 
     @rule()
     def deposed_leader_publish_is_refused(self) -> None:
@@ -235,6 +242,7 @@ class CoreMachine(RuleBasedStateMachine):
                     pipe.hmget(k.task_key(tid), "state", "node", "cost")
                 pipe.hgetall(k.node_guests)
                 pipe.zrange(k.running, 0, -1)
+                pipe.hgetall(k.node_guest_pace)
                 result: list[Any] = await pipe.execute()
                 return result
 
@@ -257,9 +265,11 @@ class CoreMachine(RuleBasedStateMachine):
         # the sum of the costs of the tasks released to it and not finished.
         from_tasks: dict[str, int] = {}
         released: dict[str, tuple[str, int]] = {}
-        task_rows = snap[6 + len(TENANTS):-2]
+        task_rows = snap[6 + len(TENANTS):-3]
         # Guest slots: one per task alive as a guest, freed exactly once when it ends.
-        assert {_s(a): int(b) for a, b in snap[-2].items()} == m.guests()
+        assert {_s(a): int(b) for a, b in snap[-3].items()} == m.guests()
+        # Paced guests: when each dedicated node takes its next one, to the µs.
+        assert {_s(a): int(b) for a, b in snap[-1].items()} == m.guest_paced_until
         for tid, (state, node, cost) in zip(ids, task_rows, strict=True):
             assert _s(state) == m.tasks[tid].state.value, tid
             if _s(state) == "released":
@@ -268,7 +278,7 @@ class CoreMachine(RuleBasedStateMachine):
         assert from_tasks == reserved
         # The scheduler's running index holds exactly the released tasks, with their sizes.
         indexed: dict[str, tuple[str, int]] = {}
-        for member in snap[-1]:
+        for member in snap[-2]:
             node, prompt, out, tid = _s(member).split(" ")
             assert tid not in indexed, tid
             indexed[tid] = (node, int(prompt) + int(out))

@@ -37,6 +37,25 @@ async def test_dedicated_nodes_are_published_and_the_release_places_by_them(
             assert "dedicated_guest_prompt" not in published
 
 
+async def test_a_guest_pace_is_published_and_a_paced_node_takes_one_guest_per_tick(
+        redis_client: Any, redis_url: str) -> None:
+    async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
+        config = make_config(redis_url, [{"name": "vip-node", "url": vip_url},
+                                         {"name": "shared", "url": shared_url}],
+                             dedicated={"nodes": ["vip-node"], "tiers": ["vip"],
+                                        "guest_max_prompt_tokens": 500,
+                                        "max_guests_per_node": 10,
+                                        "guest_prompt_tokens_per_s": 100})
+        async with pool_scheduler(redis_client, config) as ps:
+            # Prompts of 400 tokens: the first guest paces the kept node for 4 s.
+            await queue_tasks(ps.store, [("n1", Tier.NORMAL, 800), ("n2", Tier.NORMAL, 800)])
+            result = await ps.tick(1, always)
+            assert (await state(ps.store))["dedicated_guest_rate"] == "100"
+            placed = {t.task_id: t.node for t in result.released}
+            assert placed == {"n1": "vip-node", "n2": "shared"}
+            assert await redis_client.hgetall(ps.store.keys.node_guests) == {b"vip-node": b"1"}
+
+
 async def test_guest_limits_are_published_and_short_work_of_other_tiers_joins_the_kept_node(
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:

@@ -19,12 +19,17 @@ from tests.scheduler_stub import (
 )
 
 
+def _kept_for_vip(redis_url: str, vip_url: str, shared_url: str, **guests: int) -> Any:
+    """A pool of two nodes, "vip-node" kept for VIP with the given guest keys, and "shared"."""
+    return make_config(redis_url, [{"name": "vip-node", "url": vip_url},
+                                   {"name": "shared", "url": shared_url}],
+                       dedicated={"nodes": ["vip-node"], "tiers": ["vip"], **guests})
+
+
 async def test_dedicated_nodes_are_published_and_the_release_places_by_them(
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
-        config = make_config(redis_url, [{"name": "vip-node", "url": vip_url},
-                                         {"name": "shared", "url": shared_url}],
-                             dedicated={"nodes": ["vip-node"], "tiers": ["vip"]})
+        config = _kept_for_vip(redis_url, vip_url, shared_url)
         async with pool_scheduler(redis_client, config) as ps:
             await queue_tasks(ps.store, [("b1", Tier.BATCH, 1_000), ("v1", Tier.VIP, 1_000),
                                          ("n1", Tier.NORMAL, 1_000)])
@@ -40,12 +45,8 @@ async def test_dedicated_nodes_are_published_and_the_release_places_by_them(
 async def test_a_guest_pace_is_published_and_a_paced_node_takes_one_guest_per_tick(
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
-        config = make_config(redis_url, [{"name": "vip-node", "url": vip_url},
-                                         {"name": "shared", "url": shared_url}],
-                             dedicated={"nodes": ["vip-node"], "tiers": ["vip"],
-                                        "guest_max_prompt_tokens": 500,
-                                        "max_guests_per_node": 10,
-                                        "guest_prompt_tokens_per_s": 100})
+        config = _kept_for_vip(redis_url, vip_url, shared_url, guest_max_prompt_tokens=500,
+                               max_guests_per_node=10, guest_prompt_tokens_per_s=100)
         async with pool_scheduler(redis_client, config) as ps:
             # Prompts of 400 tokens: the first guest paces the kept node for 4 s.
             await queue_tasks(ps.store, [("n1", Tier.NORMAL, 800), ("n2", Tier.NORMAL, 800)])
@@ -59,11 +60,8 @@ async def test_a_guest_pace_is_published_and_a_paced_node_takes_one_guest_per_ti
 async def test_guest_limits_are_published_and_short_work_of_other_tiers_joins_the_kept_node(
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
-        config = make_config(redis_url, [{"name": "vip-node", "url": vip_url},
-                                         {"name": "shared", "url": shared_url}],
-                             dedicated={"nodes": ["vip-node"], "tiers": ["vip"],
-                                        "guest_max_prompt_tokens": 500,
-                                        "max_guests_per_node": 1})
+        config = _kept_for_vip(redis_url, vip_url, shared_url, guest_max_prompt_tokens=500,
+                               max_guests_per_node=1)
         async with pool_scheduler(redis_client, config) as ps:
             # queue_tasks splits each cost in halves: prompts of 400, 400 and 1,000 tokens.
             await queue_tasks(ps.store, [("n1", Tier.NORMAL, 800), ("b1", Tier.BATCH, 800),

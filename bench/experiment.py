@@ -210,6 +210,21 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
     return "\n".join(parts)
 
 
+def _kept_nodes(settings: Settings) -> str:
+    """The end of arm (c)'s setup line: the nodes kept for VIP and their guests, if any."""
+    if not settings.vip_nodes:
+        return "."
+    kept = (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: VIP "
+            "tries them first, then the shared nodes; ")
+    if not settings.guest_prompt:
+        return kept + "no Normal or Batch work there)."
+    pace = (f", paced at {settings.guest_rate:,} prompt tokens/s" if settings.guest_rate
+            else "")
+    return (kept + f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} "
+            f"tokens, at most {settings.max_guests or 'the default number of'} alive per kept "
+            f"node{pace}).")
+
+
 def setup_section(settings: Settings) -> list[str]:
     """What ran: the traffic classes and the three arms, from the settings themselves."""
     k = settings.capacity_scale
@@ -249,14 +264,7 @@ def setup_section(settings: Settings) -> list[str]:
         + (f", `zones.projection = \"{settings.projection}\"`" if settings.projection else "")
         + (f", `zones.max_engine_waiting = {settings.max_engine_waiting}`"
            if settings.max_engine_waiting is not None else "")
-        + (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: "
-           "VIP tries them first, then the shared nodes; "
-           + (f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} tokens, "
-              f"at most {settings.max_guests or 'the default number of'} alive per kept node"
-              + (f", paced at {settings.guest_rate:,} prompt tokens/s" if settings.guest_rate
-                 else "") + ")."
-              if settings.guest_prompt else "no Normal or Batch work there).")
-           if settings.vip_nodes else "."),
+        + _kept_nodes(settings),
         f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "
         f"after step) for {settings.crash_after_full_sim_s or 0:g} simulated seconds dies like "
         "an OOM-killed one." if settings.crash_after_full_sim_s

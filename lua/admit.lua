@@ -90,9 +90,9 @@ end
 -- (GREEN releases every tier, YELLOW and RED still release VIP), the scheduler's view is
 -- fresh, and a node the tier may use has room for the whole reservation.
 local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 1000)
-local node, guest = nil, false
-local placement = placement_of(st[6], st[7], st[8], st[9], st[10])
+local node, guest, placement = nil, false, nil
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
+  placement = placement_of(st[6], st[7], st[8], st[9], st[10])
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], placement, tier, cost,
     tonumber(ARGV[5]), now)
 end

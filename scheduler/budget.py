@@ -45,9 +45,11 @@ measurement: one decode rate for the node such that prompts + tokens generated m
 ``ours_now``, each task's share by its age (less an allowance for its prefill: a document that
 waits for the compute to prefill 8k tokens has generated nothing yet). P is the highest usage
 this projection reaches at any step; it is never above R (the tasks' final sizes), and a new
-task of cost W raises it by at most W, which keeps the budget's guarantee. Measurement lag and
-tasks still waiting in the engine's queue make the calibrated rate low, so tasks look younger
-and end later than they will: the projection errs towards overlap, the safe side.
+task of cost W raises it by at most W, which keeps the budget's guarantee. Tasks that may not
+be in the measurement yet (on their way to the engine, queued in it, partly prefilled) stay
+out of the calibration and count from their full prompt (`peak_usage`). Measurement lag makes
+the calibrated rate low, so tasks look younger and end later than they will: the projection
+errs towards overlap, the safe side.
 
 Releases add to R, never to U, so a burst released between two polls, by the scheduler or by
 the gateways' fast path, can use at most ``B - R`` and lands exactly on T: the metrics' lag
@@ -121,8 +123,8 @@ class RunningTask(NamedTuple):
     prompt_tokens: int
     max_tokens: int
     age_us: int
-    """Time it may have spent decoding: since its release (Redis TIME), less an allowance for
-    its prefill (scheduler.pool.PREFILL_US_PER_TOKEN)."""
+    """Time it may have spent decoding: since its release (Redis TIME), less allowances for its
+    way to the engine and its prefill (scheduler.pool.DISPATCH_US, PREFILL_US_PER_TOKEN)."""
 
 
 def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:
@@ -147,20 +149,27 @@ def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:
 def peak_usage(tasks: Sequence[RunningTask], ours_now: float, waiting: int = 0) -> float:
     """Highest KV (tokens) these tasks hold at any future decode step (module docstring).
 
-    `waiting`: requests the engine reports queued, not yet prefilled; taken to be the youngest
-    tasks. Their prompts are not in `ours_now` yet, so they stay out of the calibration (or
-    the tasks that are decoding would look as if they had generated nothing) and count at
-    full prompt from now on."""
+    Tasks that may not be in the measurement yet count at full prompt from now on and stay out
+    of the calibration: those still within their allowances (age 0: on their way to the
+    engine, in its queue, or partly prefilled) and, if the engine reports more `waiting`, that
+    many of the youngest and one more, the prompt it is prefilling. In the calibration their
+    prompts would swallow the tokens the decoding tasks generated: those would look fresh, and
+    a node running long generations would be projected short by everything they generated
+    (bench/results/burst-findings.md, sixth session). A prompt prefilled faster than its
+    allowance counts twice for a moment: the safe side, bounded by the prompt tokens a node
+    prefills in one allowance."""
     if not tasks:
         return 0.0
+    # A queue in the engine means a prompt is being prefilled, in chunks, as well: one more.
+    in_engine_queue = waiting + 1 if waiting > 0 else 0
+    unseen = max(in_engine_queue, sum(1 for t in tasks if t.age_us <= 0))
     queued: Sequence[RunningTask] = ()
     started = tasks
-    if waiting > 0:
+    if unseen:
         by_age = sorted(tasks, key=lambda t: t.age_us)
-        queued, started = by_age[:waiting], by_age[waiting:]
+        queued, started = by_age[:unseen], by_age[unseen:]
     prompts = sum(t.prompt_tokens for t in started)
-    # A task released this very µs cannot have generated anything yet.
-    could_have = float(sum(t.max_tokens for t in started if t.age_us > 0))
+    could_have = float(sum(t.max_tokens for t in started))
     generated = min(max(0.0, ours_now - prompts), could_have)
     rate = _decode_rate(started, generated) if generated > 0 else 0.0
     # (tokens still to generate, size now) per task; plain loops: thousands per tick.
@@ -185,7 +194,8 @@ def peak_usage(tasks: Sequence[RunningTask], ours_now: float, waiting: int = 0) 
         # What the cache holds now plus the prompts still to come is a floor, whatever the
         # calibration made of the rest.
         peak = max(peak, ours_now + sum(t.prompt_tokens for t in queued))
-    return peak
+    # No task holds more than its final size, whatever was counted twice.
+    return min(peak, float(sum(t.prompt_tokens + t.max_tokens for t in tasks)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,11 @@ counts it, leaves out 66 µs per prompt token (15,000 tokens/s, half an H100's p
 for the queueing behind other prefills). Too long an allowance only makes tasks look younger,
 which the projection treats as more overlap: the safe side."""
 
+DISPATCH_US = 250_000
+"""And a released task reaches its engine only after a gateway has forwarded it: its age also
+leaves out 250 ms for that, so that a burst of documents on its way to the engines counts as
+not measured yet (scheduler.budget.peak_usage), not as already in the cache."""
+
 
 _Indexed = tuple[str, int, int, int] | None
 """A running-index member parsed: node, prompt tokens, max tokens, and when it may have started
@@ -60,7 +65,8 @@ def _parse_member(raw: Any, released_us: Any) -> _Indexed:
     try:
         node, prompt, max_tokens, _ = member.split(" ", 3)
         prompt_tokens = int(prompt)
-        decoding_from = int(float(released_us)) + prompt_tokens * PREFILL_US_PER_TOKEN
+        decoding_from = (int(float(released_us)) + DISPATCH_US
+                         + prompt_tokens * PREFILL_US_PER_TOKEN)
         return node, prompt_tokens, int(max_tokens), decoding_from
     except ValueError:
         return None  # counted at full size instead (plan_node's unindexed reservations)

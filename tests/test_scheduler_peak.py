@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler.budget import RunningTask, _decode_rate, peak_usage, plan_node
-from scheduler.pool import PREFILL_US_PER_TOKEN, _running
+from scheduler.pool import DISPATCH_US, PREFILL_US_PER_TOKEN, _running
 from scheduler.scrape import NodeMetrics, NodeView
 
 tasks_strategy = st.lists(
@@ -18,13 +18,15 @@ tasks_strategy = st.lists(
 
 
 def reference_peak(tasks: list[RunningTask], ours_now: float) -> float:
-    """Calibrate by bisection, then decode one step at a time until every task has ended."""
-    prompts = sum(t.prompt_tokens for t in tasks)
-    could_have = float(sum(t.max_tokens for t in tasks if t.age_us > 0))
-    generated = min(max(0.0, ours_now - prompts), could_have)
+    """Calibrate the tasks past their prefill allowance by bisection, then decode one step at a
+    time until every task has ended; the others start from their prompt."""
+    started = [t for t in tasks if t.age_us > 0]
+    unseen = [t for t in tasks if t.age_us <= 0]
+    prompts = sum(t.prompt_tokens for t in started)
+    generated = min(max(0.0, ours_now - prompts), float(sum(t.max_tokens for t in started)))
 
     def made(rate: float) -> float:
-        return sum(min(t.max_tokens, t.age_us * rate) for t in tasks)
+        return sum(min(t.max_tokens, t.age_us * rate) for t in started)
 
     lo, hi = 0.0, 1.0
     while made(hi) < generated and hi < 1e12:
@@ -34,7 +36,8 @@ def reference_peak(tasks: list[RunningTask], ours_now: float) -> float:
         lo, hi = (mid, hi) if made(mid) < generated else (lo, mid)
     rate = hi if generated > 0 else 0.0
     live = [(t.prompt_tokens + min(t.max_tokens, t.age_us * rate),
-             t.max_tokens - min(t.max_tokens, t.age_us * rate)) for t in tasks]
+             t.max_tokens - min(t.max_tokens, t.age_us * rate)) for t in started]
+    live += [(t.prompt_tokens, t.max_tokens) for t in unseen]
     # Bisection leaves the rate a hair above the solution: compare with a tolerance.
     peak = sum(size for size, _ in live)
     step = 0
@@ -43,7 +46,9 @@ def reference_peak(tasks: list[RunningTask], ours_now: float) -> float:
         nxt = min(left for _, left in live if left > step)
         peak = max(peak, sum(size + nxt for size, left in live if left >= nxt))
         step = nxt  # type: ignore[assignment]
-    return peak
+    if unseen:
+        peak = max(peak, ours_now + sum(t.prompt_tokens for t in unseen))
+    return min(peak, sum(t.prompt_tokens + t.max_tokens for t in tasks))
 
 
 @settings(max_examples=150, deadline=None)
@@ -76,8 +81,8 @@ def test_a_new_task_raises_the_peak_by_at_most_its_cost(
     # What keeps the budget sound: the gateways may add any task of cost W <= budget - R.
     ours_now = share * sum(t.prompt_tokens + t.max_tokens for t in tasks)
     before = peak_usage(tasks, ours_now)
-    # Just prefilled (its prompt in the measurement), nothing generated yet.
-    after = peak_usage([*tasks, RunningTask(prompt, out, 0)], ours_now + prompt)
+    # Released since the last scrape: not in the measurement, no progress yet.
+    after = peak_usage([*tasks, RunningTask(prompt, out, 0)], ours_now)
     assert after <= before + prompt + out + 1e-6
 
 
@@ -145,11 +150,14 @@ def test_requests_waiting_in_the_engine_do_not_hide_the_progress_of_the_decoding
 @given(tasks_strategy, st.floats(0, 1), st.integers(1, 10))
 def test_waiting_requests_never_lower_the_projection(
         tasks: list[RunningTask], share: float, waiting: int) -> None:
-    ours_now = share * sum(t.prompt_tokens + t.max_tokens for t in tasks)
-    queued = sorted(tasks, key=lambda t: t.age_us)[:waiting]
+    final = sum(t.prompt_tokens + t.max_tokens for t in tasks)
+    ours_now = share * final
+    # The engine's queue and the prompt it is prefilling, or every task within its allowance.
+    unseen = max(waiting + 1, sum(1 for t in tasks if t.age_us <= 0))
+    queued = sorted(tasks, key=lambda t: t.age_us)[:unseen]
     peak = peak_usage(tasks, ours_now, waiting)
-    assert peak >= ours_now + sum(t.prompt_tokens for t in queued) - 1e-6
-    assert peak <= sum(t.prompt_tokens + t.max_tokens for t in tasks) + ours_now + 1e-6
+    assert peak >= min(final, ours_now + sum(t.prompt_tokens for t in queued)) - 1e-6
+    assert peak <= final + 1e-6
 
 
 def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -> None:
@@ -157,9 +165,11 @@ def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -
     members = [(b"n1 100 50 t1", 1_000_000.0), (b"n2 200 80 t2", 2_000_000.0),
                (b"garbage", 3_000_000.0)]
     by_node, known = _running(members, now, {})
-    prefill_us = 100 * PREFILL_US_PER_TOKEN
-    assert by_node == {"n1": [RunningTask(100, 50, now - 1_000_000 - prefill_us)],
-                       "n2": [RunningTask(200, 80, now - 2_000_000 - 200 * PREFILL_US_PER_TOKEN)]}
+    def age(released: int, prompt: int) -> int:
+        return now - released - DISPATCH_US - prompt * PREFILL_US_PER_TOKEN
+
+    assert by_node == {"n1": [RunningTask(100, 50, age(1_000_000, 100))],
+                       "n2": [RunningTask(200, 80, age(2_000_000, 200))]}
     # What was parsed is used as it is on the next tick (ages move with `now`); a member that
     # left the index leaves the cache too.
     known[b"n1 100 50 t1"] = ("n1", 100, 50, now - 5)

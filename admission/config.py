@@ -72,6 +72,10 @@ class ZoneSettings:
     """Normal releases per second allowed in YELLOW."""
     batch_trickle_rate: float = 0.0
     """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
+    batch_headroom: float = 0.03
+    """Share of a node's KV that Batch leaves free for VIP and Normal: a Batch task is placed
+    only where the budget keeps that much room after it. Without it a burst of Batch released
+    in a GREEN moment takes every node to the target, and VIP chats wait for room."""
     aggregate: str = "max"
     """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
     projection: str = "peak"
@@ -397,6 +401,7 @@ def _zones(r: _Reader) -> ZoneSettings:
         kv_target=r.number("kv_target", d.kv_target, 0.0, 1.0),
         yellow_normal_rate=r.number("yellow_normal_rate", d.yellow_normal_rate, 0.0, 1e6),
         batch_trickle_rate=r.number("batch_trickle_rate", d.batch_trickle_rate, 0.0, 1e6),
+        batch_headroom=r.number("batch_headroom", d.batch_headroom, 0.0, 0.5),
         aggregate=r.string("aggregate", d.aggregate) or d.aggregate,
         projection=r.string("projection", d.projection) or d.projection,
         max_engine_waiting=r.integer("max_engine_waiting", d.max_engine_waiting, 0),

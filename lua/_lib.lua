@@ -81,9 +81,10 @@ end
 -- 'dedicated_guest_prompt' tokens, at most 'dedicated_guest_cap' of them alive on each such
 -- node at once (both 0 or absent: no guests), and with 'dedicated_guest_rate' > 0 paced by
 -- their prompts: after a guest of p prompt tokens the node takes no other guest for
--- p / rate seconds. Absent fields: every node is shared.
+-- p / rate seconds. Absent fields: every node is shared. 'batch_headroom' (tokens): the room a
+-- Batch task must leave on its node for VIP and Normal (absent: 0).
 local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field,
-                            guest_rate_field)
+                            guest_rate_field, batch_headroom_field)
   local nodes = {}
   if nodes_field then
     for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
@@ -91,7 +92,8 @@ local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_
   return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0,
           guest_prompt = tonumber(guest_prompt_field or '0') or 0,
           guest_cap = tonumber(guest_cap_field or '0') or 0,
-          guest_rate = tonumber(guest_rate_field or '0') or 0}
+          guest_rate = tonumber(guest_rate_field or '0') or 0,
+          batch_headroom = tonumber(batch_headroom_field or '0') or 0}
 end
 
 -- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
@@ -99,7 +101,8 @@ end
 -- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
 -- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
 -- or it never fills its guest slots). Ties go to the first name in order so that every
--- replica would pick the same one.
+-- replica would pick the same one. A Batch task needs `placement.batch_headroom` tokens of
+-- room beyond its cost.
 local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, prompt_tokens,
                      now)
   local caps = redis.call('HGETALL', cap_key)
@@ -123,8 +126,10 @@ local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, 
       if b == nil or room > b[2] or (room == b[2] and node < b[1]) then best[group] = {node, room} end
     end
   end
+  local need = cost
+  if tier == 2 then need = cost + placement.batch_headroom end
   for group = 1, 2 do
-    if best[group] and best[group][2] >= cost then
+    if best[group] and best[group][2] >= need then
       return best[group][1], group == 1 and not owns_dedicated
     end
   end

@@ -288,5 +288,12 @@ def pool_usage(plans: Sequence[NodePlan], aggregate: str,
     return max(p.projected for p in usable)
 
 
+def batch_headroom_tokens(plans: Sequence[NodePlan], share: float) -> int:
+    """The room (tokens) a Batch task must leave on its node: `share` of the smallest usable
+    node's KV, one number for the pool since the scripts see budgets, not capacities."""
+    capacities = [p.capacity for p in plans if p.usable]
+    return math.floor(share * min(capacities)) if capacities else 0
+
+
 def budgets(plans: Sequence[NodePlan]) -> Mapping[str, int]:
     return {p.name: p.budget for p in plans if p.budget is not None}

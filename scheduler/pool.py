@@ -22,6 +22,7 @@ from scheduler.budget import (
     NodePlan,
     RunningTask,
     UsageLearner,
+    batch_headroom_tokens,
     budgets,
     plan_node,
     pool_usage,
@@ -255,6 +256,8 @@ class PoolScheduler:
         extra["pool_usage"] = "" if result.usage is None else f"{result.usage:.4f}"
         extra["usage_ratio"] = f"{self.learner.ratio:.4f}"
         extra["leader"] = self.me
+        extra["batch_headroom"] = batch_headroom_tokens(result.plans,
+                                                        self.pool.zones.batch_headroom)
         dedicated = self.pool.dedicated
         if dedicated.nodes:
             extra["dedicated_nodes"] = " ".join(dedicated.nodes)

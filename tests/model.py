@@ -68,6 +68,8 @@ class Model:
     """Guests' prompt tokens per second a dedicated node takes (0: unpaced)."""
     guest_paced_until: dict[str, int] = field(default_factory=dict)
     """Dedicated node -> µs before which it takes no guest (paced guests)."""
+    batch_headroom: int = 0
+    """Room (tokens) a Batch task must leave on its node beyond its cost."""
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -95,7 +97,8 @@ class Model:
     def place(self, tier: int, cost: int, prompt: int) -> tuple[str | None, bool]:
         """The most headroom among the nodes the task may use, dedicated ones first for the
         tiers they serve and for guests (other tiers' short prompts, below the per-node cap);
-        (None, False) when the best has no room for `cost`."""
+        (None, False) when the best has no room for `cost` (and Batch's headroom)."""
+        need = cost + (self.batch_headroom if tier == 2 else 0)
         owns = bool(self.dedicated_tiers >> tier & 1)
         guests = self.guests()
         may_guest = not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
@@ -111,7 +114,7 @@ class Model:
                 r = self.capacity[node] - self.reserved.get(node, 0)
                 if best is None or r > room:
                     best, room = node, r
-            if best is not None and room >= cost:
+            if best is not None and room >= need:
                 return best, group == 0 and not owns
         return None, False
 
@@ -287,14 +290,17 @@ class Model:
         dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
         guests: tuple[int, int] = (0, 0),
         guest_rate: int = 0,
+        batch_headroom: int = 0,
     ) -> bool:
         """`guests`: (guest prompt limit, guest cap per dedicated node), (0, 0) for none;
-        `guest_rate`: their prompt tokens per second on each dedicated node (0: unpaced)."""
+        `guest_rate`: their prompt tokens per second on each dedicated node (0: unpaced);
+        `batch_headroom`: room (tokens) a Batch task leaves on its node."""
         if epoch < self.epoch:
             return False
         self.dedicated_nodes, self.dedicated_tiers = dedicated
         self.guest_prompt, self.guest_cap = guests
         self.guest_rate = guest_rate
+        self.batch_headroom = batch_headroom
         self.epoch = epoch
         self.zone = zone
         self.capacity = dict(capacity)

@@ -86,10 +86,11 @@ class CoreMachine(RuleBasedStateMachine):
     def _publish(self, epoch: int, zone: Zone, caps: dict[str, int],
                  drain: tuple[int, int, int],
                  dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
-                 guests: tuple[int, int] = (0, 0), guest_rate: int = 0) -> None:
+                 guests: tuple[int, int] = (0, 0), guest_rate: int = 0,
+                 batch_headroom: int = 0) -> None:
         guest_rate = guest_rate if guests[1] else 0
         accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated, guests,
-                                            guest_rate)
+                                            guest_rate, batch_headroom)
         extra: dict[str, str | int | float] = {f"drain_{t}": d for t, d in enumerate(drain)}
         if dedicated[0]:
             extra["dedicated_nodes"] = " ".join(sorted(dedicated[0]))
@@ -98,6 +99,7 @@ class CoreMachine(RuleBasedStateMachine):
             extra["dedicated_guest_prompt"], extra["dedicated_guest_cap"] = guests
         if guest_rate:
             extra["dedicated_guest_rate"] = guest_rate
+        extra["batch_headroom"] = batch_headroom
         if accepted:
             self.run(self.store.publish_state(epoch, zone, caps, extra))
         else:
@@ -200,14 +202,15 @@ class CoreMachine(RuleBasedStateMachine):
           new_leader=st.booleans(),
           dedicated_nodes=st.frozensets(st.sampled_from(NODES), max_size=2),
           dedicated_tiers=st.integers(1, 7),
-          guests=st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 300), st.integers(1, 3))))
+          guests=st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 300), st.integers(1, 3))),
+          batch_headroom=st.sampled_from([0, 0, 1, 200, 700]))
     def scheduler_publishes(self, zone: Zone, caps: dict[str, int],
                             drain: tuple[int, int, int], new_leader: bool,
                             dedicated_nodes: frozenset[str], dedicated_tiers: int,
-                            guests: tuple[int, int]) -> None:
+                            guests: tuple[int, int], batch_headroom: int) -> None:
         dedicated = (dedicated_nodes, dedicated_tiers if dedicated_nodes else 0)
         self._publish(self.model.epoch + int(new_leader), zone, caps, drain, dedicated,
-                      guests if dedicated_nodes else (0, 0))
+                      guests if dedicated_nodes else (0, 0), batch_headroom=batch_headroom)
 
     @rule(prompt_limit=st.integers(0, 300), cap=st.integers(1, 2),
           rate=st.sampled_from([0, 0, 150, 5_000]))

@@ -106,8 +106,9 @@ async def test_half_done_generations_leave_room_that_final_sizes_would_not(
         await redis_client.flushdb()
         fake = FakeVllm()  # 100,000 tokens of KV
         async with serve_fake(fake) as url:
+            # No Batch headroom: the 18 generations fill the budget to its last 2,400 tokens.
             config = make_config(redis_url, [{"name": "n1", "url": url}],
-                                 zones={"projection": projection})
+                                 zones={"projection": projection, "batch_headroom": 0})
             async with pool_scheduler(redis_client, config) as ps:
                 await ps.tick(1, always)  # publishes the node's capacity
                 now_us = 1_000_000_000_000
@@ -129,3 +130,27 @@ async def test_half_done_generations_leave_room_that_final_sizes_would_not(
     # Every reservation at its full size, plus padding:
     assert budgets["final"] <= 78_000 - 18 * 16, budgets
     assert budgets["peak"] > budgets["final"] + 10_000, budgets
+
+
+
+async def test_batch_leaves_its_headroom_to_vip_on_the_fast_path_and_in_the_release(
+        redis_client: Any, redis_url: str) -> None:
+    """`zones.batch_headroom` 0.03 of a 100,000-token node: the leader publishes 3,000 tokens;
+    Batch stops where it would leave less than that of the 78,000 budget, and VIP takes it."""
+    fake = FakeVllm()  # 100,000 tokens of KV, idle
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             zones={"batch_headroom": 0.03})
+        async with pool_scheduler(redis_client, config) as ps:
+            await ps.tick(1, always)
+            assert (await state(ps.store))["batch_headroom"] == "3000"
+            first = await admit(ps.store, "b1", Tier.BATCH, 75_000)  # leaves 3,000
+            assert (first.outcome, first.node) == (AdmitOutcome.RELEASED, "n1")
+            assert (await admit(ps.store, "b2", Tier.BATCH, 1)).outcome is AdmitOutcome.QUEUED
+            vip = await admit(ps.store, "v1", Tier.VIP, 3_000)
+            assert (vip.outcome, vip.node) == (AdmitOutcome.RELEASED, "n1")
+            await ps.store.settle("v1", 3_000)
+            assert await ps.store.release(1, (10, 10, 10)) == []  # b2 would leave 2,999
+            await ps.store.settle("b1", 75_000)
+            released = await ps.store.release(1, (10, 10, 10))
+            assert [(t.task_id, t.node) for t in released] == [("b2", "n1")]

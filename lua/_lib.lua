@@ -8,6 +8,7 @@
 -- node_guests).
 
 local TIER_QUEUE_COUNT = 3
+local TIER_BATCH = 2
 
 local function fmt(n)
   return string.format('%.0f', n)
@@ -127,7 +128,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, 
     end
   end
   local need = cost
-  if tier == 2 then need = cost + placement.batch_headroom end
+  if tier == TIER_BATCH then need = cost + placement.batch_headroom end
   for group = 1, 2 do
     if best[group] and best[group][2] >= need then
       return best[group][1], group == 1 and not owns_dedicated

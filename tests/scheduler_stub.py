@@ -142,6 +142,12 @@ def make_config(
     )
 
 
+SCRAPE_WAIT_S = 2.0
+"""How long a test's tick waits for its scrape. The service waits 25 ms and goes on with the last
+reading; a test sets the fake's usage and expects the very next tick to see it, which a loaded
+CI machine's loopback scrape can miss by that margin (it made a zone test read 0.68 for 0.66)."""
+
+
 @asynccontextmanager
 async def pool_scheduler(
     client: Any, config: Config, *, clock: Callable[[], float] | None = None
@@ -153,7 +159,7 @@ async def pool_scheduler(
     async with aiohttp.ClientSession() as session:
         poller = Poller(
             pool.backends, session,
-            timeout_s=settings.scrape_timeout_ms / 1000,
+            timeout_s=SCRAPE_WAIT_S,
             stale_after_s=(settings.scrape_timeout_ms + settings.poll_interval_ms) / 1000,
             eject_after=settings.eject_after_failures, clock=clock,
         )
@@ -161,6 +167,7 @@ async def pool_scheduler(
                           config.pool_policy(pool.name))
         scheduler = PoolScheduler(store, pool, settings, poller, SchedulerMetrics(), me="test",
                                   clock=clock)
+        scheduler.wait_s = SCRAPE_WAIT_S
         try:
             yield scheduler
         finally:

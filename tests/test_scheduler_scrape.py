@@ -93,14 +93,14 @@ async def test_poller_ejects_after_failures_in_a_row_and_readmits() -> None:
 
 
 async def test_slow_node_is_stale_for_the_tick_but_does_not_delay_it() -> None:
-    slow, fast = FakeVllm(usage=0.5, delay_s=0.3), FakeVllm(usage=0.2)
+    slow, fast = FakeVllm(usage=0.5, delay_s=1.5), FakeVllm(usage=0.2)
     async with serve_fake(slow) as slow_url, serve_fake(fast) as fast_url, \
             aiohttp.ClientSession() as session:
         config = make_config("redis://x", [{"name": "slow", "url": slow_url},
                                            {"name": "fast", "url": fast_url}])
-        poller = Poller(config.pools["p"].backends, session, timeout_s=2.0, stale_after_s=0.1,
+        poller = Poller(config.pools["p"].backends, session, timeout_s=3.0, stale_after_s=1.0,
                         eject_after=3)
-        views = {v.name: v for v in await poller.poll(0.05)}
+        views = {v.name: v for v in await poller.poll(0.5)}
         assert views["fast"].metrics is not None and not views["fast"].stale
         assert views["slow"].metrics is None and views["slow"].stale
         # Its scrape was not abandoned: it completes in the background and is not a failure.

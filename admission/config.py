@@ -118,6 +118,10 @@ class DedicatedNodes:
     """Paces each kept node's guests by their prompts (0: unpaced): after a guest of p prompt
     tokens the node takes no other guest for p / this many seconds. Set below what the 1x
     traffic would bring, the kept node's prefill work is the same before and during a flood."""
+    guest_max_output_tokens: int = 0
+    """Guests must also ask for at most this many output tokens (0: no bound). A long
+    generation's short prompt passes the prompt bound and the pace, then decodes for minutes:
+    it is what fills a kept node's batch and slows the VIP chats beside it."""
 
     @property
     def tier_mask(self) -> int:
@@ -477,14 +481,18 @@ def _dedicated(r: _Reader, backends: set[str]) -> DedicatedNodes:
     guest_prompt = r.integer("guest_max_prompt_tokens", 0, 0)
     max_guests = r.integer("max_guests_per_node", 32, 1)
     guest_rate = r.integer("guest_prompt_tokens_per_s", 0, 0)
+    guest_output = r.integer("guest_max_output_tokens", 0, 0)
     if guest_prompt and not nodes:
         raise ConfigError(f"{r.key('guest_max_prompt_tokens')}: guests need dedicated nodes")
     if guest_rate and not guest_prompt:
         raise ConfigError(f"{r.key('guest_prompt_tokens_per_s')}: paces guests, so it needs "
                           "guest_max_prompt_tokens")
+    if guest_output and not guest_prompt:
+        raise ConfigError(f"{r.key('guest_max_output_tokens')}: bounds guests, so it needs "
+                          "guest_max_prompt_tokens")
     r.done()
     return DedicatedNodes(tuple(nodes), tiers if nodes else (), guest_prompt, max_guests,
-                          guest_rate)
+                          guest_rate, guest_output)
 
 
 def _is_sha256(value: str) -> bool:

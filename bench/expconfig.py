@@ -54,6 +54,8 @@ class Settings:
     """Arm (c), with guests: `max_guests_per_node`; None = the project's default."""
     guest_rate: int = 0
     """Arm (c), with guests: `guest_prompt_tokens_per_s` (0: unpaced)."""
+    guest_output: int = 0
+    """Arm (c), with guests: `guest_max_output_tokens` (0: no bound)."""
     projection: str | None = None
     """Arm (c): `zones.projection` of the pool; None = the project's default."""
     max_engine_waiting: int | None = None
@@ -186,6 +188,8 @@ def kvgate_toml(
               if settings.guest_prompt and settings.max_guests is not None else []),
             *([f"guest_prompt_tokens_per_s = {settings.guest_rate}"]
               if settings.guest_prompt and settings.guest_rate else []),
+            *([f"guest_max_output_tokens = {settings.guest_output}"]
+              if settings.guest_prompt and settings.guest_output else []),
             "",
         ]
     for klass in settings.classes:

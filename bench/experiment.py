@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guest-rate", type=int, dest="guest_rate",
                    help="arm (c), with --guest-prompt: pace guests at this many prompt tokens "
                         "per second per kept node (guest_prompt_tokens_per_s; default: unpaced)")
+    p.add_argument("--guest-output", type=int, dest="guest_output",
+                   help="arm (c), with --guest-prompt: guests must also ask for at most this "
+                        "many output tokens (guest_max_output_tokens; default: no bound)")
     p.add_argument("--projection", choices=("final", "peak"),
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
@@ -86,7 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
         vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
-        guest_rate=args.guest_rate,
+        guest_rate=args.guest_rate, guest_output=args.guest_output,
         projection=args.projection,
         max_engine_waiting=args.max_engine_waiting,
     )
@@ -220,9 +223,10 @@ def _kept_nodes(settings: Settings) -> str:
         return kept + "no Normal or Batch work there)."
     pace = (f", paced at {settings.guest_rate:,} prompt tokens/s" if settings.guest_rate
             else "")
+    outputs = (f" and outputs up to {settings.guest_output}" if settings.guest_output else "")
     return (kept + f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} "
-            f"tokens, at most {settings.max_guests or 'the default number of'} alive per kept "
-            f"node{pace}).")
+            f"tokens{outputs}, at most {settings.max_guests or 'the default number of'} alive "
+            f"per kept node{pace}).")
 
 
 def setup_section(settings: Settings) -> list[str]:

@@ -80,12 +80,13 @@ end
 -- space-separated) serve the tiers in 'dedicated_tiers' (bit 2^tier: 1 VIP, 2 Normal,
 -- 4 Batch), and of the other tiers only guests: tasks whose prompt is at most
 -- 'dedicated_guest_prompt' tokens, at most 'dedicated_guest_cap' of them alive on each such
--- node at once (both 0 or absent: no guests), and with 'dedicated_guest_rate' > 0 paced by
+-- node at once (both 0 or absent: no guests), with 'dedicated_guest_output' > 0 only those
+-- asking for at most that many output tokens, and with 'dedicated_guest_rate' > 0 paced by
 -- their prompts: after a guest of p prompt tokens the node takes no other guest for
 -- p / rate seconds. Absent fields: every node is shared. 'batch_headroom' (tokens): the room a
 -- Batch task must leave on its node for VIP and Normal (absent: 0).
 local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field,
-                            guest_rate_field, batch_headroom_field)
+                            guest_rate_field, guest_output_field, batch_headroom_field)
   local nodes = {}
   if nodes_field then
     for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
@@ -94,6 +95,7 @@ local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_
           guest_prompt = tonumber(guest_prompt_field or '0') or 0,
           guest_cap = tonumber(guest_cap_field or '0') or 0,
           guest_rate = tonumber(guest_rate_field or '0') or 0,
+          guest_output = tonumber(guest_output_field or '0') or 0,
           batch_headroom = tonumber(batch_headroom_field or '0') or 0}
 end
 
@@ -110,6 +112,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, 
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
     and prompt_tokens <= placement.guest_prompt
+    and (placement.guest_output == 0 or cost - prompt_tokens <= placement.guest_output)
   local best = {}
   for i = 1, #caps, 2 do
     local node = caps[i]

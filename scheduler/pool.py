@@ -267,6 +267,8 @@ class PoolScheduler:
                 extra["dedicated_guest_cap"] = dedicated.max_guests_per_node
                 if dedicated.guest_prompt_tokens_per_s:
                     extra["dedicated_guest_rate"] = dedicated.guest_prompt_tokens_per_s
+                if dedicated.guest_max_output_tokens:
+                    extra["dedicated_guest_output"] = dedicated.guest_max_output_tokens
         return extra
 
     async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:

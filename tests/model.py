@@ -66,6 +66,8 @@ class Model:
     guest_cap: int = 0
     guest_rate: int = 0
     """Guests' prompt tokens per second a dedicated node takes (0: unpaced)."""
+    guest_output: int = 0
+    """Guests' output tokens at most (0: no bound)."""
     guest_paced_until: dict[str, int] = field(default_factory=dict)
     """Dedicated node -> µs before which it takes no guest (paced guests)."""
     batch_headroom: int = 0
@@ -96,12 +98,13 @@ class Model:
 
     def place(self, tier: int, cost: int, prompt: int) -> tuple[str | None, bool]:
         """The most headroom among the nodes the task may use, dedicated ones first for the
-        tiers they serve and for guests (other tiers' short prompts, below the per-node cap);
+        tiers they serve and for guests (other tiers' short work, below the per-node cap);
         (None, False) when the best has no room for `cost` (and Batch's headroom)."""
         need = cost + (self.batch_headroom if tier == 2 else 0)
         owns = bool(self.dedicated_tiers >> tier & 1)
         guests = self.guests()
-        may_guest = not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
+        may_guest = (not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
+                     and (not self.guest_output or cost - prompt <= self.guest_output))
         dedicated = sorted(n for n in self.capacity if n in self.dedicated_nodes
                            and (owns or (may_guest and guests.get(n, 0) < self.guest_cap
                                          and (not self.guest_rate
@@ -291,15 +294,18 @@ class Model:
         guests: tuple[int, int] = (0, 0),
         guest_rate: int = 0,
         batch_headroom: int = 0,
+        guest_output: int = 0,
     ) -> bool:
         """`guests`: (guest prompt limit, guest cap per dedicated node), (0, 0) for none;
         `guest_rate`: their prompt tokens per second on each dedicated node (0: unpaced);
+        `guest_output`: their output tokens at most (0: no bound);
         `batch_headroom`: room (tokens) a Batch task leaves on its node."""
         if epoch < self.epoch:
             return False
         self.dedicated_nodes, self.dedicated_tiers = dedicated
         self.guest_prompt, self.guest_cap = guests
         self.guest_rate = guest_rate
+        self.guest_output = guest_output
         self.batch_headroom = batch_headroom
         self.epoch = epoch
         self.zone = zone

@@ -296,6 +296,9 @@ def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None
     assert dedicated(vip_nodes=1, guest_prompt=9000, max_guests=1000,
                      guest_rate=5000).guest_prompt_tokens_per_s == 5000
     assert dedicated(vip_nodes=1, guest_prompt=512).guest_prompt_tokens_per_s == 0
+    assert dedicated(vip_nodes=1, guest_prompt=9000,
+                     guest_output=1000).guest_max_output_tokens == 1000
+    assert dedicated(vip_nodes=1, guest_prompt=512).guest_max_output_tokens == 0
     assert dedicated().nodes == ()
 
 

@@ -155,3 +155,10 @@ def test_dedicated_nodes_must_be_backends_of_the_pool_and_name_their_tiers() -> 
     with pytest.raises(ConfigError, match=r"guest_prompt_tokens_per_s: paces guests, so it needs"):
         parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
                            "guest_prompt_tokens_per_s": 5000}), env={})
+    bounded = parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
+                                 "guest_max_prompt_tokens": 9000,
+                                 "guest_max_output_tokens": 1000}), env={}).pools["p"].dedicated
+    assert bounded.guest_max_output_tokens == 1000 and guests.guest_max_output_tokens == 0
+    with pytest.raises(ConfigError, match=r"guest_max_output_tokens: bounds guests, so it needs"):
+        parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
+                           "guest_max_output_tokens": 1000}), env={})

@@ -424,6 +424,40 @@ async def test_paced_guests_wait_their_prompts_share_of_the_rate(
     assert await redis_client.hget(store.keys.task_key("q1"), "guest") == b"1"
 
 
+async def test_guests_with_long_outputs_stay_off_the_kept_node(store: PoolStore) -> None:
+    """With `dedicated_guest_output` = 100, a short prompt asking for 101 output tokens is not a
+    guest (a long generation would fill the kept node's batch), on the fast path and in the
+    release script alike; 100 is; VIP is never bounded."""
+    tenant = TenantQuota("acme", rate=0, burst=10**9, max_queued=1000)
+    extra: dict[str, str | int | float] = {"dedicated_nodes": "vip-node", "dedicated_tiers": 1,
+                                           "dedicated_guest_prompt": 1_000,
+                                           "dedicated_guest_cap": 10,
+                                           "dedicated_guest_output": 100}
+    await store.publish_state(1, Zone.GREEN, {"vip-node": 10_000, "shared": 10_000}, extra)
+
+    async def admit(task_id: str, tier: Tier, max_tokens: int) -> Any:
+        return await store.admit(task_id=task_id, tenant=tenant, tier=tier, prompt_tokens=50,
+                                 max_tokens=max_tokens, gateway="gw", queue_timeout_ms=60_000)
+
+    assert (await admit("long", Tier.BATCH, 101)).node == "shared"
+    assert (await admit("short", Tier.BATCH, 100)).node == "vip-node"
+    assert (await admit("vip", Tier.VIP, 4_000)).node == "vip-node"
+    # The release script, the shared node full: the long one waits for it, the short one not.
+    full = {"vip-node": 10_000, "shared": 0}
+    await store.publish_state(1, Zone.YELLOW, full, extra)
+    assert (await admit("q-long", Tier.BATCH, 101)).outcome is AdmitOutcome.QUEUED
+    await store.publish_state(1, Zone.GREEN, full, extra)
+    assert await store.release(1, (10, 10, 10)) == []
+    await store.publish_state(1, Zone.GREEN, {"vip-node": 10_000, "shared": 10_000}, extra)
+    released = await store.release(1, (10, 10, 10))
+    assert [(t.task_id, t.node) for t in released] == [("q-long", "shared")]
+    await store.publish_state(1, Zone.YELLOW, full, extra)
+    assert (await admit("q-short", Tier.BATCH, 100)).outcome is AdmitOutcome.QUEUED
+    await store.publish_state(1, Zone.GREEN, full, extra)
+    released = await store.release(1, (10, 10, 10))
+    assert [(t.task_id, t.node) for t in released] == [("q-short", "vip-node")]
+
+
 async def test_guests_of_a_kept_node_have_short_prompts_fill_it_first_and_respect_the_cap(
         store: PoolStore, redis_client: aioredis.Redis) -> None:
     """Work of other tiers with a short prompt goes to the node kept for VIP first, as a guest,

@@ -87,10 +87,11 @@ class CoreMachine(RuleBasedStateMachine):
                  drain: tuple[int, int, int],
                  dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
                  guests: tuple[int, int] = (0, 0), guest_rate: int = 0,
-                 batch_headroom: int = 0) -> None:
+                 batch_headroom: int = 0, guest_output: int = 0) -> None:
         guest_rate = guest_rate if guests[1] else 0
+        guest_output = guest_output if guests[1] else 0
         accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated, guests,
-                                            guest_rate, batch_headroom)
+                                            guest_rate, batch_headroom, guest_output)
         extra: dict[str, str | int | float] = {f"drain_{t}": d for t, d in enumerate(drain)}
         if dedicated[0]:
             extra["dedicated_nodes"] = " ".join(sorted(dedicated[0]))
@@ -99,6 +100,8 @@ class CoreMachine(RuleBasedStateMachine):
             extra["dedicated_guest_prompt"], extra["dedicated_guest_cap"] = guests
         if guest_rate:
             extra["dedicated_guest_rate"] = guest_rate
+        if guest_output:
+            extra["dedicated_guest_output"] = guest_output
         extra["batch_headroom"] = batch_headroom
         if accepted:
             self.run(self.store.publish_state(epoch, zone, caps, extra))
@@ -117,11 +120,13 @@ class CoreMachine(RuleBasedStateMachine):
         return self._admit(tid, tenant, tier, prompt, out, gateway, timeout_ms)
 
     @rule(target=task_ids, tier=st.sampled_from([Tier.NORMAL, Tier.BATCH]),
-          prompt=st.integers(1, 40), gateway=st.sampled_from(GATEWAYS))
-    def admit_short(self, tier: Tier, prompt: int, gateway: str) -> str:
-        """Short work of the lower tiers, from the tenant with room: what guests are made of."""
+          prompt=st.integers(1, 40), out=st.sampled_from([10, 200]),
+          gateway=st.sampled_from(GATEWAYS))
+    def admit_short(self, tier: Tier, prompt: int, out: int, gateway: str) -> str:
+        """Short prompts of the lower tiers, from the tenant with room: what guests are made of
+        (or, asking for 200 output tokens, what a bound on their outputs keeps out)."""
         self.counter += 1
-        return self._admit(f"t{self.counter}", "gamma", tier, prompt, 10, gateway,
+        return self._admit(f"t{self.counter}", "gamma", tier, prompt, out, gateway,
                            TIER_TIMEOUT_MS)
 
     @rule(tid=task_ids, tenant=st.sampled_from(sorted(TENANTS)))
@@ -213,13 +218,15 @@ class CoreMachine(RuleBasedStateMachine):
                       guests if dedicated_nodes else (0, 0), batch_headroom=batch_headroom)
 
     @rule(prompt_limit=st.integers(0, 300), cap=st.integers(1, 2),
-          rate=st.sampled_from([0, 0, 150, 5_000]))
+          rate=st.sampled_from([0, 0, 150, 5_000]), output_limit=st.sampled_from([0, 0, 10, 150]))
     def scheduler_keeps_a_node_for_vip_with_guests(self, prompt_limit: int, cap: int,
-                                                   rate: int) -> None:
-        """The random publish above rarely fills a guest cap; this one makes it common, and
-        paces the guests by their prompts (`rate` tokens/s) or not."""
+                                                   rate: int, output_limit: int) -> None:
+        """The random publish above rarely fills a guest cap; this one makes it common, paces
+        the guests by their prompts (`rate` tokens/s) or not, and bounds their outputs or not
+        (`admit_short` asks for 10 or 200 tokens, `admit` for 0-300)."""
         self._publish(self.model.epoch, Zone.GREEN, dict.fromkeys(NODES, 1_500), self.model.drain,
-                      (frozenset({"node-1"}), 1), (prompt_limit, cap), rate)
+                      (frozenset({"node-1"}), 1), (prompt_limit, cap), rate,
+                      guest_output=output_limit)
 
     @rule()
     def deposed_leader_publish_is_refused(self) -> None:

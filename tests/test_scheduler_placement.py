@@ -46,12 +46,15 @@ async def test_a_guest_pace_is_published_and_a_paced_node_takes_one_guest_per_ti
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
         config = _kept_for_vip(redis_url, vip_url, shared_url, guest_max_prompt_tokens=500,
-                               max_guests_per_node=10, guest_prompt_tokens_per_s=100)
+                               max_guests_per_node=10, guest_prompt_tokens_per_s=100,
+                               guest_max_output_tokens=400)
         async with pool_scheduler(redis_client, config) as ps:
             # Prompts of 400 tokens: the first guest paces the kept node for 4 s.
             await queue_tasks(ps.store, [("n1", Tier.NORMAL, 800), ("n2", Tier.NORMAL, 800)])
             result = await ps.tick(1, always)
-            assert (await state(ps.store))["dedicated_guest_rate"] == "100"
+            published = await state(ps.store)
+            assert (published["dedicated_guest_rate"], published["dedicated_guest_output"]) == (
+                "100", "400")
             placed = {t.task_id: t.node for t in result.released}
             assert placed == {"n1": "vip-node", "n2": "shared"}
             assert await redis_client.hgetall(ps.store.keys.node_guests) == {b"vip-node": b"1"}

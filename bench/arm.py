@@ -185,7 +185,7 @@ async def run_arm(
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
     try:
         services.cluster = await asyncio.to_thread(
-            SimCluster.start, configs, log_dir=log_dir / "nodes", crash_exit=True)
+            SimCluster.start, configs, log_dir=log_dir / "nodes", crash_exit=True, trace=True)
         node_urls = services.cluster.urls
         queues: QueueSource | None = None
         model = DEFAULT_MODEL

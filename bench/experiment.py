@@ -118,7 +118,8 @@ def dump_raw(result: ArmResult, directory: Path) -> None:
                    "at": o.req.at, "prompt": o.req.prompt_tokens, "output": o.req.output_tokens,
                    "stream": o.req.stream, "status": o.status, "finished": o.finished,
                    "attempts": o.attempts, "rejections": o.rejections, "sent_at": o.sent_at,
-                   "ttft": o.ttft, "done_at": o.done_at, "error": o.error}
+                   "ttft": o.ttft, "done_at": o.done_at, "error": o.error,
+                   "request_id": o.request_id}
             f.write(json.dumps(row) + "\n")
     with (directory / "samples.jsonl").open("w") as f:
         for smp in result.samples:

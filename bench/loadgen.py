@@ -60,6 +60,8 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    request_id: str | None = None
+    """The last attempt's request id (the gateway's task id), to join engine traces."""
     finished: bool = False
     """The client is done with it (answered, or gave up); False while in flight or retrying."""
 
@@ -230,6 +232,7 @@ class LoadGenerator:
         tier = out.req.tier
         try:
             async with session.post(self._target(), data=body, headers=headers) as resp:
+                out.request_id = resp.headers.get("X-Request-Id", out.request_id)
                 if resp.status != 200:
                     text = await resp.read()
                     hint = parse_retry_after(resp.headers, wall_clock=time.time)

@@ -18,6 +18,7 @@ from admission.tiers import Tier
 from bench.expconfig import PRESETS
 from bench.experiment import run_experiment
 from bench.report import ArmSummary
+from bench.ttft import breakdowns
 
 pytestmark = [
     pytest.mark.slow,
@@ -49,6 +50,15 @@ async def test_kvgate_beats_no_gateway_on_kv_peak_and_vip_ttft(tmp_path: Path) -
     # Both arms saw the same planned traffic.
     assert [o.req for o in results[0].outcomes] == [o.req for o in results[1].outcomes]
     assert c.counted[Tier.VIP] > 0
+
+    # Every VIP chat that got a first token is found in a node's trace by the gateway's request
+    # id, and the engine's part of its TTFT lies inside what the client measured.
+    answered = [o for o in results[1].outcomes if o.req.tier is Tier.VIP and o.ttft is not None]
+    rows = breakdowns(tmp_path / "arm-c", "vip", settings.wall(settings.baseline_sim_s),
+                      settings.wall(settings.burst_sim_s), settings.time_scale)
+    assert len(rows) == len(answered) > 0
+    assert min(r.outside_ms for r in rows) > -1.0, details
+    assert {r.phase for r in rows} >= {"baseline", "burst"}
 
 
 def _brief(s: ArmSummary) -> str:

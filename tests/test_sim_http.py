@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -283,3 +284,23 @@ async def test_crash_resets_streaming_connections(session: aiohttp.ClientSession
                                           "stream": True}) as resp:
                 await resp.read()
         assert doomed.runner.crashed
+
+
+async def test_trace_records_each_step_and_the_finished_request(tmp_path: Path) -> None:
+    trace = tmp_path / "node0-trace.jsonl"
+    async with serve_node(SimConfig(**FAST), trace=trace) as n, aiohttp.ClientSession() as s:
+        status, _ = await post(s, n.url + "/v1/chat/completions",
+                               {"model": MODEL, "messages": HELLO, "max_tokens": 5},
+                               **{"X-Request-Id": "task-1"})
+        assert status == 200
+    rows = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
+    [req] = [r for r in rows if r["k"] == "r"]
+    steps = [r for r in rows if r["k"] == "s"]
+    assert (req["id"], req["prompt"], req["out"], req["reason"]) == (
+        "task-1", HELLO_TOKENS, 5, "length")
+    assert req["arr"] <= req["sched"] <= req["first"] <= req["end"]
+    assert (req["run0"], req["wait0"]) == (0, 0)
+    # One step per generated token; the first carried the whole prompt as prefill.
+    assert len(steps) == 5
+    assert steps[0]["p"] == HELLO_TOKENS
+    assert all(s["n"] == 1 and s["d"] > 0 for s in steps)

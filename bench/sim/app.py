@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Final
 
 import orjson
@@ -36,6 +37,7 @@ from bench.sim.responses import (
 )
 from bench.sim.runner import EngineDeadError, NodeRunner, RequestHandle
 from bench.sim.tokens import fake_token_ids
+from bench.sim.trace import NodeTrace
 
 log = logging.getLogger("bench.sim")
 
@@ -49,10 +51,11 @@ ENGINE_DEAD_MESSAGE = (
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def create_app(config: SimConfig) -> web.Application:
-    """One node: its engine task starts and stops with the application (``cleanup_ctx``)."""
+def create_app(config: SimConfig, trace_path: Path | None = None) -> web.Application:
+    """One node: its engine task starts and stops with the application (``cleanup_ctx``).
+    With ``trace_path``, every step and finished request is appended there (bench.sim.trace)."""
     app = web.Application(client_max_size=_MAX_BODY_BYTES)
-    runner = NodeRunner(config)
+    runner = NodeRunner(config, NodeTrace(trace_path) if trace_path is not None else None)
     app[SIM_RUNNER] = runner
     app[SIM_REGISTRY] = make_registry(runner)
     app.cleanup_ctx.append(_engine_lifecycle)
@@ -72,6 +75,9 @@ async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+    trace = app[SIM_RUNNER].trace
+    if trace is not None:
+        trace.close()
 
 
 def _report_engine_failure(task: asyncio.Task[None]) -> None:

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-per-context-token-s", type=float, default=c.per_context_token_s)
     p.add_argument("--step-per-prefill-token-s", type=float, default=c.per_prefill_token_s)
     p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="append a JSON line per engine step and finished request to this file")
     return p
 
 
@@ -136,9 +139,10 @@ def config_to_argv(config: SimConfig) -> list[str]:
     return argv
 
 
-async def serve(config: SimConfig, host: str, port: int, *, crash_exit: bool = False) -> None:
+async def serve(config: SimConfig, host: str, port: int, *, crash_exit: bool = False,
+                trace: Path | None = None) -> None:
     """Serve one node until SIGTERM/SIGINT."""
-    app = create_app(config)
+    app = create_app(config, trace)
     loop = asyncio.get_running_loop()
     if crash_exit:
 
@@ -172,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    coro = serve(config, args.host, args.port, crash_exit=args.crash_exit)
+    coro = serve(config, args.host, args.port, crash_exit=args.crash_exit, trace=args.trace)
     try:
         import uvloop
     except ImportError:

@@ -63,9 +63,11 @@ class SimCluster:
         startup_timeout: float = 30.0,
         log_dir: Path | None = None,
         crash_exit: bool = False,
+        trace: bool = False,
         python: str = sys.executable,
     ) -> SimCluster:
-        """Start one process per config; return when every node answers ``/health`` 200."""
+        """Start one process per config; return when every node answers ``/health`` 200.
+        With ``trace``, node ``i`` writes ``node{i}-trace.jsonl`` beside its log."""
         logs = log_dir or Path(tempfile.mkdtemp(prefix="kvgate-sim-"))
         logs.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
@@ -78,6 +80,8 @@ class SimCluster:
                         *config_to_argv(config)]
                 if crash_exit:
                     argv.append("--crash-exit")
+                if trace:
+                    argv += ["--trace", str(logs / f"node{i}-trace.jsonl")]
                 with log_path.open("wb") as log_file:
                     proc = subprocess.Popen(
                         argv, stdout=subprocess.PIPE, stderr=log_file, stdin=subprocess.DEVNULL,
@@ -220,10 +224,10 @@ class LocalNode:
 
 @contextlib.asynccontextmanager
 async def serve_node(
-    config: SimConfig, *, host: str = "127.0.0.1", port: int = 0
+    config: SimConfig, *, host: str = "127.0.0.1", port: int = 0, trace: Path | None = None
 ) -> AsyncIterator[LocalNode]:
     """One node inside the current event loop, on a real socket (tests, small demos)."""
-    app = create_app(config)
+    app = create_app(config, trace)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:

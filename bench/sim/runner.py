@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, RequestStatus, SimRequest, StepResult
+from bench.sim.trace import NodeTrace
 
 _LAG_PROBE_INTERVAL_S = 0.05
 
@@ -29,11 +30,14 @@ class EngineDeadError(RuntimeError):
 class RequestHandle:
     """What an HTTP handler holds for its request: the engine's view plus a wake-up."""
 
-    __slots__ = ("_event", "req", "sent", "streaming")
+    __slots__ = ("_event", "req", "running_at_arrival", "sent", "streaming", "waiting_at_arrival")
 
-    def __init__(self, req: SimRequest, streaming: bool) -> None:
+    def __init__(self, req: SimRequest, streaming: bool, running: int = 0,
+                 waiting: int = 0) -> None:
         self.req = req
         self.streaming = streaming
+        self.running_at_arrival = running
+        self.waiting_at_arrival = waiting
         self.sent = 0
         """Output tokens already written to the client (the handler keeps this)."""
         self._event = asyncio.Event()
@@ -81,8 +85,9 @@ class LagMonitor:
 
 
 class NodeRunner:
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, trace: NodeTrace | None = None) -> None:
         self.config = config
+        self.trace = trace
         self.engine = Engine(config)
         self.lag = LagMonitor(config.lag_window_s)
         self.crashed = False
@@ -132,9 +137,9 @@ class NodeRunner:
         if self.crashed:
             raise EngineDeadError("engine is dead")
         now = self.sim_now()
+        handle = RequestHandle(req, streaming, self.engine.num_running, len(self.engine.waiting))
         self.engine.add(req, now)
         self._last_arrival = now
-        handle = RequestHandle(req, streaming)
         self._handles[req.seq] = handle
         self._work.set()
         self._notify_changed()
@@ -144,6 +149,7 @@ class NodeRunner:
         """The client went away: free the request's blocks, count it as aborted."""
         self._handles.pop(handle.req.seq, None)
         if not self.crashed and self.engine.abort(handle.req, self.sim_now()):
+            self._trace_request(handle)
             self._notify_changed()
 
     def on_crash(self, callback: Callable[[], None]) -> None:
@@ -196,6 +202,9 @@ class NodeRunner:
             peak_usage = engine.kv_usage
             self.kv_usage_peak = max(self.kv_usage_peak, peak_usage)
             end = start + engine.step_seconds(plan)
+            if self.trace is not None:
+                self.trace.step(start, end - start, plan.shape.num_seqs,
+                                plan.shape.prefill_tokens, peak_usage)
             deadline = self._wall_of(end)
             # Sleep even when late: handlers must get the loop between steps.
             await asyncio.sleep(max(0.0, deadline - time.monotonic()))
@@ -216,9 +225,14 @@ class NodeRunner:
                 continue
             if req.status is RequestStatus.FINISHED:
                 del handles[req.seq]
+                self._trace_request(handle)
                 handle.wake()
             elif handle.streaming:
                 handle.wake()
+
+    def _trace_request(self, handle: RequestHandle) -> None:
+        if self.trace is not None:
+            self.trace.request(handle.req, handle.running_at_arrival, handle.waiting_at_arrival)
 
     def _check_crash(self, preempted: bool, usage: float, start: float, end: float) -> None:
         limit = self.config.crash_after_full_s

@@ -7,7 +7,7 @@ nothing here reads a client clock.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,13 +209,16 @@ class PoolStore:
         )
         return ReapResult(int(reply[0]), int(reply[1]), int(reply[2]), bool(int(reply[3])))
 
-    async def release(self, epoch: int, limits: tuple[int, int, int]) -> list[ReleasedTask]:
-        """Pop up to `limits` tasks per tier (VIP, Normal, Batch); raises FencedError."""
+    async def release(self, epoch: int, limits: tuple[int, int, int],
+                      guests_only: Iterable[Tier] = ()) -> list[ReleasedTask]:
+        """Pop up to `limits` tasks per tier (VIP, Normal, Batch); tasks of a tier in
+        `guests_only` may go only to dedicated nodes, as guests. Raises FencedError."""
         k = self.keys
         reply = await self.scripts.release(
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                   k.tenant_queued, k.stats],
-            args=[k.prefix, epoch, *limits, self.policy.retention_s],
+            args=[k.prefix, epoch, *limits, self.policy.retention_s,
+                  sum(1 << int(t) for t in set(guests_only))],
         )
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))

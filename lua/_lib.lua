@@ -105,9 +105,10 @@ end
 -- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
 -- or it never fills its guest slots). Ties go to the first name in order so that every
 -- replica would pick the same one. A Batch task needs `placement.batch_headroom` tokens of
--- room beyond its cost.
+-- room beyond its cost. With `guests_only`, the task may go only to a dedicated node as a
+-- guest (the scheduler's YELLOW release of Batch: the zone holds it off the shared nodes).
 local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, prompt_tokens,
-                     now)
+                     now, guests_only)
   local caps = redis.call('HGETALL', cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
@@ -117,7 +118,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, 
   for i = 1, #caps, 2 do
     local node = caps[i]
     local group = placement.nodes[node] and 1 or 2
-    local allowed = group == 2 or owns_dedicated
+    local allowed = (group == 2 or owns_dedicated) and not guests_only
     if not allowed and may_guest then
       allowed = (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < placement.guest_cap
       if allowed and placement.guest_rate > 0 then

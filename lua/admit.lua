@@ -94,7 +94,7 @@ local node, guest, placement = nil, false, nil
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
   placement = placement_of(st[6], st[7], st[8], st[9], st[10], st[11], st[12])
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], placement, tier, cost,
-    tonumber(ARGV[5]), now)
+    tonumber(ARGV[5]), now, false)
 end
 
 if node == nil then

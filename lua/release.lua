@@ -20,6 +20,8 @@
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records
+-- ARGV[7]  tiers (bit 2^tier: 1 VIP, 2 Normal, 4 Batch) that this call may release only as
+--          guests of dedicated nodes (0 or absent: none); see place()
 --
 -- Order: tiers strictly by priority, FIFO within a tier. When the head of a tier does not fit
 -- on any node it may use, nothing of that tier or below is released in this call (no tier overtakes a
@@ -36,6 +38,7 @@ local ok, epoch = check_epoch(KEYS[1], tonumber(ARGV[2]))
 if not ok then return {'fenced', epoch} end
 local limits = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
 local retention_s = tonumber(ARGV[6])
+local guests_only_tiers = tonumber(ARGV[7] or '0') or 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers',
@@ -65,7 +68,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       local cost = tonumber(task.cost)
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
       local node, guest = place(KEYS[3], KEYS[4], gst_key, pc_key, placement, t, cost,
-        prompt_tokens, now)
+        prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1)
       if node == nil then
         blocked = true
         break

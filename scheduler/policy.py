@@ -1,7 +1,11 @@
 """What each zone lets out of the queues, and how fast the queues drain.
 
 GREEN releases every tier (strict order, the release script's job). YELLOW releases VIP,
-Normal at `yellow_normal_rate` per second and holds Batch. RED releases VIP only. With
+Normal at `yellow_normal_rate` per second and holds Batch off the shared nodes: the zone
+follows their usage, so where a pool keeps dedicated nodes that take guests, Batch still goes
+to those as guests, by their own rules (pace, cap, prompt and output bounds). Otherwise the
+kept node's guest room goes to whatever the zone does not hold, Normal chats with long answers,
+and its batch grows through a flood. RED releases VIP only. With
 `batch_trickle_rate` > 0, GREEN also lets that many Batch tasks per second past VIP and Normal
 tasks that are waiting for room: strict priority otherwise starves Batch under a steady
 interactive load. The rates are token buckets kept here, on the leader, so they hold whatever
@@ -44,8 +48,11 @@ class TokenBucket:
 class ReleasePolicy:
     """Per-tier release limits for one release call."""
 
-    def __init__(self, zones: ZoneSettings, batch_size: int, now: float) -> None:
+    def __init__(self, zones: ZoneSettings, batch_size: int, now: float,
+                 kept_guests: bool = False) -> None:
         self.batch_size = batch_size
+        self.kept_guests = kept_guests
+        """The pool keeps dedicated nodes that take guests."""
         self.normal = TokenBucket(zones.yellow_normal_rate, now)
         self.trickle = TokenBucket(zones.batch_trickle_rate, now)
         self._zone: Zone | None = None
@@ -61,8 +68,12 @@ class ReleasePolicy:
         if zone is Zone.GREEN:
             return (n, n, n)
         if zone is Zone.YELLOW:
-            return (n, min(n, self.normal.refill(now)), 0)
+            return (n, min(n, self.normal.refill(now)), n if self.kept_guests else 0)
         return (n, 0, 0)
+
+    def guests_only(self, zone: Zone) -> tuple[Tier, ...]:
+        """Tiers that this zone releases only as guests of dedicated nodes."""
+        return (Tier.BATCH,) if zone is Zone.YELLOW and self.kept_guests else ()
 
     def trickle_limit(self, zone: Zone, now: float) -> int:
         """Batch tasks that may pass waiting higher tiers now (GREEN only)."""

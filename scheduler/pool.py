@@ -145,7 +145,7 @@ class PoolScheduler:
         self.tracker = ZoneTracker(zones)
         self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
                                     zones.max_overcommit)
-        self.policy = ReleasePolicy(zones, settings.release_batch, clock())
+        self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._kept_guests)
         self.drains = DrainRates()
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
         self._preemptions: dict[str, float] = {}
@@ -161,13 +161,19 @@ class PoolScheduler:
         return self.pool.name
 
     @property
+    def _kept_guests(self) -> bool:
+        d = self.pool.dedicated
+        return bool(d.nodes) and d.guest_max_prompt_tokens > 0 and d.max_guests_per_node > 0
+
+    @property
     def _peak_projection(self) -> bool:
         return self.pool.zones.projection == "peak"
 
     def new_term(self) -> None:
         """A new leadership starts: rates start empty, the learned ratio is kept, and the first
         poll waits for the whole scrape timeout (connections are cold)."""
-        self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock())
+        self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
+                                    self._kept_guests)
         self._first_poll = True
 
     async def read_snapshot(self) -> Snapshot:
@@ -297,7 +303,7 @@ class PoolScheduler:
         if not leading() or not any(snap.depths):
             self._observe(result)
             return result
-        result.released = await self.store.release(epoch, limits)
+        result.released = await self.store.release(epoch, limits, self.policy.guests_only(zone))
         per_tier = [result.count(t) for t in Tier]
         self.policy.released(zone, per_tier)
         trickle = self.policy.trickle_limit(zone, self.clock())

@@ -96,10 +96,12 @@ class Model:
                 counts[t.node] = counts.get(t.node, 0) + 1
         return counts
 
-    def place(self, tier: int, cost: int, prompt: int) -> tuple[str | None, bool]:
+    def place(self, tier: int, cost: int, prompt: int,
+              guests_only: bool = False) -> tuple[str | None, bool]:
         """The most headroom among the nodes the task may use, dedicated ones first for the
         tiers they serve and for guests (other tiers' short work, below the per-node cap);
-        (None, False) when the best has no room for `cost` (and Batch's headroom)."""
+        (None, False) when the best has no room for `cost` (and Batch's headroom). With
+        `guests_only`, only a dedicated node taking the task as a guest will do."""
         need = cost + (self.batch_headroom if tier == 2 else 0)
         owns = bool(self.dedicated_tiers >> tier & 1)
         guests = self.guests()
@@ -110,6 +112,8 @@ class Model:
                                          and (not self.guest_rate
                                               or self.guest_paced_until.get(n, 0) <= self.now))))
         groups = [dedicated, sorted(n for n in self.capacity if n not in self.dedicated_nodes)]
+        if guests_only:
+            groups = [[] if owns else dedicated, []]
         for group, nodes in enumerate(groups):
             best: str | None = None
             room = 0
@@ -214,7 +218,7 @@ class Model:
         return ("queued", "", 0, ahead + 1)
 
     def release(
-        self, epoch: int, limits: tuple[int, int, int]
+        self, epoch: int, limits: tuple[int, int, int], guests_only: frozenset[int] = frozenset()
     ) -> list[tuple[str, str, str | None, int]] | None:
         """None = fenced; else (task, gateway, node or None if expired, tier) in order."""
         if epoch < self.epoch:
@@ -232,7 +236,7 @@ class Model:
                     self._drop_queued(tid, TaskState.EXPIRED)
                     out.append((tid, t.gateway, None, tier))
                     continue
-                node, guest = self.place(tier, t.cost, t.prompt)
+                node, guest = self.place(tier, t.cost, t.prompt, tier in guests_only)
                 if node is None:
                     blocked = True
                     break

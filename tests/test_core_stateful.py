@@ -159,14 +159,18 @@ class CoreMachine(RuleBasedStateMachine):
         assert tid not in self.released_ever, f"{tid} released twice"
         self.released_ever.add(tid)
 
-    @rule(limits=st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)))
-    def release(self, limits: tuple[int, int, int]) -> None:
-        expected = self.model.release(self.model.epoch, limits)
-        got = self.run(self.store.release(self.model.epoch, limits))
+    @rule(limits=st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 6)),
+          guests_only=st.frozensets(st.sampled_from((1, 2))))
+    def release(self, limits: tuple[int, int, int], guests_only: frozenset[int]) -> None:
+        expected = self.model.release(self.model.epoch, limits, guests_only)
+        got = self.run(self.store.release(self.model.epoch, limits,
+                                          [Tier(t) for t in guests_only]))
         assert [(r.task_id, r.gateway, r.node, int(r.tier)) for r in got] == expected
         released = [r for r in got if r.node is not None]
         for r in released:
             self._released_once(r.task_id)
+            if int(r.tier) in guests_only:
+                assert r.node in self.model.dedicated_nodes, "held off the shared nodes"
         tiers = [int(r.tier) for r in released]
         assert tiers == sorted(tiers), "a lower tier overtook a higher one"
 

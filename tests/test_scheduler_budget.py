@@ -8,7 +8,7 @@ import math
 import pytest
 
 from admission.config import ZoneSettings
-from admission.tiers import Zone
+from admission.tiers import Tier, Zone
 from scheduler.budget import NodePlan, UsageLearner, plan_node, pool_usage
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.scrape import NodeMetrics, NodeView
@@ -137,6 +137,15 @@ def test_release_limits_per_zone() -> None:
     assert policy.limits(Zone.RED, 5.0) == (500, 0, 0)
     # Back in YELLOW after RED: the bucket starts empty, not with what it would have gathered.
     assert policy.limits(Zone.YELLOW, 9.0) == (500, 0, 0)
+    assert policy.guests_only(Zone.YELLOW) == ()
+
+
+def test_yellow_releases_batch_only_as_guests_where_kept_nodes_take_them() -> None:
+    policy = ReleasePolicy(ZoneSettings(), batch_size=500, now=0.0, kept_guests=True)
+    assert policy.limits(Zone.YELLOW, 0.0) == (500, 0, 500)
+    assert policy.guests_only(Zone.YELLOW) == (Tier.BATCH,)
+    assert policy.guests_only(Zone.GREEN) == ()
+    assert policy.limits(Zone.RED, 1.0) == (500, 0, 0)
 
 
 def test_drain_rate_follows_released_counters() -> None:

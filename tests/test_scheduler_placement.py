@@ -99,6 +99,32 @@ async def test_a_kept_node_full_of_guests_does_not_hold_batch_off_idle_shared_no
             assert result.zone is Zone.YELLOW
 
 
+async def test_yellow_holds_batch_off_the_shared_nodes_but_the_kept_node_takes_guests(
+        redis_client: Any, redis_url: str) -> None:
+    """YELLOW follows the shared nodes; a kept node's guest room is its own. Without Batch
+    guests there, YELLOW leaves that room to Normal chats, whose long answers fill its batch."""
+    kept, shared = FakeVllm(usage=0.10), FakeVllm(usage=0.72)
+    async with serve_fake(kept) as kept_url, serve_fake(shared) as shared_url:
+        config = _kept_for_vip(redis_url, kept_url, shared_url, guest_max_prompt_tokens=500,
+                               max_guests_per_node=2)
+        async with pool_scheduler(redis_client, config) as ps:
+            # queue_tasks splits each cost in halves: prompts of 400, 1,000 and 400 tokens.
+            await queue_tasks(ps.store, [("b1", Tier.BATCH, 800), ("b2", Tier.BATCH, 2_000),
+                                         ("b3", Tier.BATCH, 800)])
+            result = await ps.tick(1, always)
+            assert result.zone is Zone.YELLOW
+            # b1 joins the kept node; b2 may not (prompt too long) and the shared node is held,
+            # so it waits, and b3 behind it: FIFO within the tier.
+            assert {t.task_id: t.node for t in result.released} == {"b1": "vip-node"}
+            for task_id in ("b2", "b3"):
+                assert (await ps.store.task(task_id) or {})["state"] == "queued"
+            shared.usage = 0.10
+            result = await ps.tick(1, always)
+            assert result.zone is Zone.GREEN
+            assert {t.task_id: t.node for t in result.released} == {"b2": "shared",
+                                                                    "b3": "vip-node"}
+
+
 async def test_half_done_generations_leave_room_that_final_sizes_would_not(
         redis_client: Any, redis_url: str) -> None:
     """Released generations, each 200 + 4,000 tokens, one every 2 s of pool time and decoding

@@ -122,6 +122,11 @@ class DedicatedNodes:
     """Guests must also ask for at most this many output tokens (0: no bound). A long
     generation's short prompt passes the prompt bound and the pace, then decodes for minutes:
     it is what fills a kept node's batch and slows the VIP chats beside it."""
+    guest_max_running: int = 0
+    """A kept node whose engine reports more running sequences than this takes no new guests
+    until it runs fewer (0: no bound). VIP chats are not capped there, so their own number,
+    which grows with the node's step time, can push a node near its decode limit; closing it
+    to guests then keeps the step time, and so the VIP tail, where it was."""
 
     @property
     def tier_mask(self) -> int:
@@ -482,6 +487,7 @@ def _dedicated(r: _Reader, backends: set[str]) -> DedicatedNodes:
     max_guests = r.integer("max_guests_per_node", 32, 1)
     guest_rate = r.integer("guest_prompt_tokens_per_s", 0, 0)
     guest_output = r.integer("guest_max_output_tokens", 0, 0)
+    guest_running = r.integer("guest_max_running", 0, 0)
     if guest_prompt and not nodes:
         raise ConfigError(f"{r.key('guest_max_prompt_tokens')}: guests need dedicated nodes")
     if guest_rate and not guest_prompt:
@@ -490,9 +496,12 @@ def _dedicated(r: _Reader, backends: set[str]) -> DedicatedNodes:
     if guest_output and not guest_prompt:
         raise ConfigError(f"{r.key('guest_max_output_tokens')}: bounds guests, so it needs "
                           "guest_max_prompt_tokens")
+    if guest_running and not guest_prompt:
+        raise ConfigError(f"{r.key('guest_max_running')}: bounds guests, so it needs "
+                          "guest_max_prompt_tokens")
     r.done()
     return DedicatedNodes(tuple(nodes), tiers if nodes else (), guest_prompt, max_guests,
-                          guest_rate, guest_output)
+                          guest_rate, guest_output, guest_running)
 
 
 def _is_sha256(value: str) -> bool:

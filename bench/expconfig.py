@@ -56,6 +56,8 @@ class Settings:
     """Arm (c), with guests: `guest_prompt_tokens_per_s` (0: unpaced)."""
     guest_output: int = 0
     """Arm (c), with guests: `guest_max_output_tokens` (0: no bound)."""
+    guest_running: int = 0
+    """Arm (c), with guests: `guest_max_running` (0: no bound)."""
     projection: str | None = None
     """Arm (c): `zones.projection` of the pool; None = the project's default."""
     max_engine_waiting: int | None = None
@@ -190,6 +192,8 @@ def kvgate_toml(
               if settings.guest_prompt and settings.guest_rate else []),
             *([f"guest_max_output_tokens = {settings.guest_output}"]
               if settings.guest_prompt and settings.guest_output else []),
+            *([f"guest_max_running = {settings.guest_running}"]
+              if settings.guest_prompt and settings.guest_running else []),
             "",
         ]
     for klass in settings.classes:

@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guest-output", type=int, dest="guest_output",
                    help="arm (c), with --guest-prompt: guests must also ask for at most this "
                         "many output tokens (guest_max_output_tokens; default: no bound)")
+    p.add_argument("--guest-running", type=int, dest="guest_running",
+                   help="arm (c), with --guest-prompt: no new guests while a kept node runs "
+                        "more sequences than this (guest_max_running; default: no bound)")
     p.add_argument("--projection", choices=("final", "peak"),
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
@@ -90,7 +93,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
         vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
         guest_rate=args.guest_rate, guest_output=args.guest_output,
-        projection=args.projection,
+        guest_running=args.guest_running, projection=args.projection,
         max_engine_waiting=args.max_engine_waiting,
     )
 
@@ -225,9 +228,11 @@ def _kept_nodes(settings: Settings) -> str:
     pace = (f", paced at {settings.guest_rate:,} prompt tokens/s" if settings.guest_rate
             else "")
     outputs = (f" and outputs up to {settings.guest_output}" if settings.guest_output else "")
+    running = (f"; none while the node runs more than {settings.guest_running} sequences"
+               if settings.guest_running else "")
     return (kept + f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} "
             f"tokens{outputs}, at most {settings.max_guests or 'the default number of'} alive "
-            f"per kept node{pace}).")
+            f"per kept node{pace}{running}).")
 
 
 def setup_section(settings: Settings) -> list[str]:

@@ -83,15 +83,22 @@ end
 -- node at once (both 0 or absent: no guests), with 'dedicated_guest_output' > 0 only those
 -- asking for at most that many output tokens, and with 'dedicated_guest_rate' > 0 paced by
 -- their prompts: after a guest of p prompt tokens the node takes no other guest for
--- p / rate seconds. Absent fields: every node is shared. 'batch_headroom' (tokens): the room a
--- Batch task must leave on its node for VIP and Normal (absent: 0).
+-- p / rate seconds. 'dedicated_guests_closed' (names): dedicated nodes that take no guests
+-- now (their engines run more sequences than the pool allows guests beside). Absent fields:
+-- every node is shared. 'batch_headroom' (tokens): the room a Batch task must leave on its node
+-- for VIP and Normal (absent: 0).
 local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field,
-                            guest_rate_field, guest_output_field, batch_headroom_field)
+                            guest_rate_field, guest_output_field, batch_headroom_field,
+                            guests_closed_field)
   local nodes = {}
   if nodes_field then
     for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
   end
-  return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0,
+  local closed = {}
+  if guests_closed_field then
+    for node in string.gmatch(guests_closed_field, '%S+') do closed[node] = true end
+  end
+  return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0, closed = closed,
           guest_prompt = tonumber(guest_prompt_field or '0') or 0,
           guest_cap = tonumber(guest_cap_field or '0') or 0,
           guest_rate = tonumber(guest_rate_field or '0') or 0,
@@ -119,7 +126,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, 
     local node = caps[i]
     local group = placement.nodes[node] and 1 or 2
     local allowed = (group == 2 or owns_dedicated) and not guests_only
-    if not allowed and may_guest then
+    if group == 1 and not allowed and may_guest and not placement.closed[node] then
       allowed = (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < placement.guest_cap
       if allowed and placement.guest_rate > 0 then
         allowed = (tonumber(redis.call('HGET', pc_key, node) or '0') or 0) <= now

@@ -3,6 +3,7 @@
 -- KEYS[1]  state            HASH  epoch (fencing), dedicated_nodes, dedicated_tiers,
 --                                dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
+--                                dedicated_guests_closed,
 --                                batch_headroom (where each task may
 --                                run, see place() in _lib.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
@@ -43,9 +44,9 @@ local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers',
   'dedicated_guest_prompt', 'dedicated_guest_cap', 'dedicated_guest_rate',
-  'dedicated_guest_output', 'batch_headroom')
+  'dedicated_guest_output', 'batch_headroom', 'dedicated_guests_closed')
 local placement = placement_of(dedicated[1], dedicated[2], dedicated[3], dedicated[4],
-  dedicated[5], dedicated[6], dedicated[7])
+  dedicated[5], dedicated[6], dedicated[7], dedicated[8])
 local gst_key, pc_key = guests_key(prefix), pace_key(prefix)
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.

@@ -104,6 +104,8 @@ class TickResult:
     depths: tuple[int, int, int]
     released: list[ReleasedTask] = field(default_factory=list)
     published: bool = False
+    guests_closed: tuple[str, ...] = ()
+    """Dedicated nodes running more sequences than `guest_max_running`: no new guests."""
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
@@ -159,6 +161,15 @@ class PoolScheduler:
     @property
     def name(self) -> str:
         return self.pool.name
+
+    def _guests_closed(self, views: list[NodeView]) -> tuple[str, ...]:
+        bound = self.pool.dedicated.guest_max_running
+        if not bound or not self._kept_guests:
+            return ()
+        kept = set(self.pool.dedicated.nodes)
+        # A node not heard from keeps its guest rules: its budget already reflects staleness.
+        return tuple(v.name for v in views if v.name in kept and v.metrics is not None
+                     and v.metrics.running > bound)
 
     @property
     def _kept_guests(self) -> bool:
@@ -275,6 +286,8 @@ class PoolScheduler:
                     extra["dedicated_guest_rate"] = dedicated.guest_prompt_tokens_per_s
                 if dedicated.guest_max_output_tokens:
                     extra["dedicated_guest_output"] = dedicated.guest_max_output_tokens
+                if result.guests_closed:
+                    extra["dedicated_guests_closed"] = " ".join(result.guests_closed)
         return extra
 
     async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:
@@ -293,7 +306,8 @@ class PoolScheduler:
         usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes)
         zone = self.tracker.update(usage)
         limits = self.policy.limits(zone, now)
-        result = TickResult(zone, usage, plans, limits, snap.depths)
+        result = TickResult(zone, usage, plans, limits, snap.depths,
+                            guests_closed=self._guests_closed(views))
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),

@@ -72,6 +72,8 @@ class Model:
     """Dedicated node -> µs before which it takes no guest (paced guests)."""
     batch_headroom: int = 0
     """Room (tokens) a Batch task must leave on its node beyond its cost."""
+    guests_closed: frozenset[str] = frozenset()
+    """Dedicated nodes that take no guests now (their engines run too many sequences)."""
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -108,7 +110,8 @@ class Model:
         may_guest = (not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
                      and (not self.guest_output or cost - prompt <= self.guest_output))
         dedicated = sorted(n for n in self.capacity if n in self.dedicated_nodes
-                           and (owns or (may_guest and guests.get(n, 0) < self.guest_cap
+                           and (owns or (may_guest and n not in self.guests_closed
+                                         and guests.get(n, 0) < self.guest_cap
                                          and (not self.guest_rate
                                               or self.guest_paced_until.get(n, 0) <= self.now))))
         groups = [dedicated, sorted(n for n in self.capacity if n not in self.dedicated_nodes)]
@@ -299,8 +302,10 @@ class Model:
         guest_rate: int = 0,
         batch_headroom: int = 0,
         guest_output: int = 0,
+        guests_closed: frozenset[str] = frozenset(),
     ) -> bool:
         """`guests`: (guest prompt limit, guest cap per dedicated node), (0, 0) for none;
+        `guests_closed`: dedicated nodes that take no guests now;
         `guest_rate`: their prompt tokens per second on each dedicated node (0: unpaced);
         `guest_output`: their output tokens at most (0: no bound);
         `batch_headroom`: room (tokens) a Batch task leaves on its node."""
@@ -310,6 +315,7 @@ class Model:
         self.guest_prompt, self.guest_cap = guests
         self.guest_rate = guest_rate
         self.guest_output = guest_output
+        self.guests_closed = guests_closed
         self.batch_headroom = batch_headroom
         self.epoch = epoch
         self.zone = zone

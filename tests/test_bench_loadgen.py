@@ -299,6 +299,8 @@ def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None
     assert dedicated(vip_nodes=1, guest_prompt=9000,
                      guest_output=1000).guest_max_output_tokens == 1000
     assert dedicated(vip_nodes=1, guest_prompt=512).guest_max_output_tokens == 0
+    assert dedicated(vip_nodes=1, guest_prompt=9000,
+                     guest_running=64).guest_max_running == 64
     assert dedicated().nodes == ()
 
 

@@ -159,6 +159,13 @@ def test_dedicated_nodes_must_be_backends_of_the_pool_and_name_their_tiers() -> 
                                  "guest_max_prompt_tokens": 9000,
                                  "guest_max_output_tokens": 1000}), env={}).pools["p"].dedicated
     assert bounded.guest_max_output_tokens == 1000 and guests.guest_max_output_tokens == 0
+    running = parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
+                                 "guest_max_prompt_tokens": 9000,
+                                 "guest_max_running": 64}), env={}).pools["p"].dedicated
+    assert running.guest_max_running == 64 and guests.guest_max_running == 0
+    with pytest.raises(ConfigError, match=r"guest_max_running: bounds guests, so it needs"):
+        parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
+                           "guest_max_running": 64}), env={})
     with pytest.raises(ConfigError, match=r"guest_max_output_tokens: bounds guests, so it needs"):
         parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
                            "guest_max_output_tokens": 1000}), env={})

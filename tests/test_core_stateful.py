@@ -87,11 +87,14 @@ class CoreMachine(RuleBasedStateMachine):
                  drain: tuple[int, int, int],
                  dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
                  guests: tuple[int, int] = (0, 0), guest_rate: int = 0,
-                 batch_headroom: int = 0, guest_output: int = 0) -> None:
+                 batch_headroom: int = 0, guest_output: int = 0,
+                 guests_closed: frozenset[str] = frozenset()) -> None:
         guest_rate = guest_rate if guests[1] else 0
         guest_output = guest_output if guests[1] else 0
+        guests_closed = guests_closed if guests[1] else frozenset()
         accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated, guests,
-                                            guest_rate, batch_headroom, guest_output)
+                                            guest_rate, batch_headroom, guest_output,
+                                            guests_closed)
         extra: dict[str, str | int | float] = {f"drain_{t}": d for t, d in enumerate(drain)}
         if dedicated[0]:
             extra["dedicated_nodes"] = " ".join(sorted(dedicated[0]))
@@ -102,6 +105,8 @@ class CoreMachine(RuleBasedStateMachine):
             extra["dedicated_guest_rate"] = guest_rate
         if guest_output:
             extra["dedicated_guest_output"] = guest_output
+        if guests_closed:
+            extra["dedicated_guests_closed"] = " ".join(sorted(guests_closed))
         extra["batch_headroom"] = batch_headroom
         if accepted:
             self.run(self.store.publish_state(epoch, zone, caps, extra))
@@ -222,15 +227,19 @@ class CoreMachine(RuleBasedStateMachine):
                       guests if dedicated_nodes else (0, 0), batch_headroom=batch_headroom)
 
     @rule(prompt_limit=st.integers(0, 300), cap=st.integers(1, 2),
-          rate=st.sampled_from([0, 0, 150, 5_000]), output_limit=st.sampled_from([0, 0, 10, 150]))
+          rate=st.sampled_from([0, 0, 150, 5_000]), output_limit=st.sampled_from([0, 0, 10, 150]),
+          closed=st.sampled_from([False, False, True]))
     def scheduler_keeps_a_node_for_vip_with_guests(self, prompt_limit: int, cap: int,
-                                                   rate: int, output_limit: int) -> None:
+                                                   rate: int, output_limit: int,
+                                                   closed: bool) -> None:
         """The random publish above rarely fills a guest cap; this one makes it common, paces
         the guests by their prompts (`rate` tokens/s) or not, and bounds their outputs or not
-        (`admit_short` asks for 10 or 200 tokens, `admit` for 0-300)."""
+        (`admit_short` asks for 10 or 200 tokens, `admit` for 0-300), and sometimes closes the
+        kept node to guests (its engine runs too many sequences)."""
         self._publish(self.model.epoch, Zone.GREEN, dict.fromkeys(NODES, 1_500), self.model.drain,
                       (frozenset({"node-1"}), 1), (prompt_limit, cap), rate,
-                      guest_output=output_limit)
+                      guest_output=output_limit,
+                      guests_closed=frozenset({"node-1"}) if closed else frozenset())
 
     @rule()
     def deposed_leader_publish_is_refused(self) -> None:

@@ -125,6 +125,26 @@ async def test_yellow_holds_batch_off_the_shared_nodes_but_the_kept_node_takes_g
                                                                     "b3": "vip-node"}
 
 
+async def test_a_kept_node_running_too_many_sequences_takes_no_new_guests(
+        redis_client: Any, redis_url: str) -> None:
+    kept, shared = FakeVllm(running=65), FakeVllm()
+    async with serve_fake(kept) as kept_url, serve_fake(shared) as shared_url:
+        config = _kept_for_vip(redis_url, kept_url, shared_url, guest_max_prompt_tokens=500,
+                               guest_max_running=64)
+        async with pool_scheduler(redis_client, config) as ps:
+            await queue_tasks(ps.store, [("v1", Tier.VIP, 800), ("b1", Tier.BATCH, 800)])
+            result = await ps.tick(1, always)
+            assert (await state(ps.store))["dedicated_guests_closed"] == "vip-node"
+            # VIP chats are never turned away from their node; the guest goes elsewhere.
+            assert {t.task_id: t.node for t in result.released} == {"v1": "vip-node",
+                                                                    "b1": "shared"}
+            kept.running = 64  # at the bound, not above it: open again
+            await queue_tasks(ps.store, [("b2", Tier.BATCH, 800)])
+            result = await ps.tick(1, always)
+            assert "dedicated_guests_closed" not in await state(ps.store)
+            assert {t.task_id: t.node for t in result.released} == {"b2": "vip-node"}
+
+
 async def test_half_done_generations_leave_room_that_final_sizes_would_not(
         redis_client: Any, redis_url: str) -> None:
     """Released generations, each 200 + 4,000 tokens, one every 2 s of pool time and decoding

@@ -62,6 +62,8 @@ class Settings:
     """Arm (c): `zones.projection` of the pool; None = the project's default."""
     max_engine_waiting: int | None = None
     """Arm (c): `zones.max_engine_waiting` of the pool; None = the project's default."""
+    batch_headroom: float | None = None
+    """Arm (c): `zones.batch_headroom` of the pool; None = the project's default."""
     max_loop_lag_ms: float = 50.0
     """A run whose simulator event loops lagged more than this (wall ms) is flagged invalid."""
     max_send_lag_ms: float = 50.0
@@ -177,6 +179,8 @@ def kvgate_toml(
         zones.append(f"projection = {_toml_str(settings.projection)}")
     if settings.max_engine_waiting is not None:
         zones.append(f"max_engine_waiting = {settings.max_engine_waiting}")
+    if settings.batch_headroom is not None:
+        zones.append(f"batch_headroom = {settings.batch_headroom!r}")
     if zones:
         lines += ["[pools.zones]", *zones, ""]
     if settings.vip_nodes:

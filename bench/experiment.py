@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guest-running", type=int, dest="guest_running",
                    help="arm (c), with --guest-prompt: no new guests while a kept node runs "
                         "more sequences than this (guest_max_running; default: no bound)")
+    p.add_argument("--batch-headroom", type=float, dest="batch_headroom",
+                   help="arm (c): the pool's zones.batch_headroom (default: the project's)")
     p.add_argument("--projection", choices=("final", "peak"),
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
@@ -94,6 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
         guest_rate=args.guest_rate, guest_output=args.guest_output,
         guest_running=args.guest_running, projection=args.projection,
+        batch_headroom=args.batch_headroom,
         max_engine_waiting=args.max_engine_waiting,
     )
 

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from admission.config import DedicatedNodes, parse_config
+from admission.config import DedicatedNodes, ZoneSettings, parse_config
 from admission.keys import PoolKeys
 from admission.scripts import register_scripts
 from admission.store import PoolStore
@@ -302,6 +302,17 @@ def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None
     assert dedicated(vip_nodes=1, guest_prompt=9000,
                      guest_running=64).guest_max_running == 64
     assert dedicated().nodes == ()
+
+
+def test_arm_c_config_takes_the_batch_headroom_flag() -> None:
+    def headroom(**flags: object) -> float:
+        settings = with_overrides(PRESETS["smoke"], **flags)
+        text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
+        return parse_config(tomllib.loads(text), env={}).pools[POOL].zones.batch_headroom
+
+    assert headroom(batch_headroom=0.0) == 0.0
+    assert headroom(batch_headroom=0.05) == 0.05
+    assert headroom() == ZoneSettings().batch_headroom
 
 
 async def test_the_kvgate_timeline_keeps_what_the_leader_published(

@@ -64,6 +64,8 @@ class Settings:
     """Arm (c): `zones.max_engine_waiting` of the pool; None = the project's default."""
     batch_headroom: float | None = None
     """Arm (c): `zones.batch_headroom` of the pool; None = the project's default."""
+    yellow: float | None = None
+    """Arm (c): `zones.yellow` of the pool; None = the project's default."""
     max_loop_lag_ms: float = 50.0
     """A run whose simulator event loops lagged more than this (wall ms) is flagged invalid."""
     max_send_lag_ms: float = 50.0
@@ -181,6 +183,8 @@ def kvgate_toml(
         zones.append(f"max_engine_waiting = {settings.max_engine_waiting}")
     if settings.batch_headroom is not None:
         zones.append(f"batch_headroom = {settings.batch_headroom!r}")
+    if settings.yellow is not None:
+        zones.append(f"yellow = {settings.yellow!r}")
     if zones:
         lines += ["[pools.zones]", *zones, ""]
     if settings.vip_nodes:

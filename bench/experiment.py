@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "more sequences than this (guest_max_running; default: no bound)")
     p.add_argument("--batch-headroom", type=float, dest="batch_headroom",
                    help="arm (c): the pool's zones.batch_headroom (default: the project's)")
+    p.add_argument("--yellow", type=float,
+                   help="arm (c): the pool's zones.yellow, where YELLOW starts holding Batch "
+                        "(default: the project's)")
     p.add_argument("--projection", choices=("final", "peak"),
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
@@ -96,7 +99,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
         guest_rate=args.guest_rate, guest_output=args.guest_output,
         guest_running=args.guest_running, projection=args.projection,
-        batch_headroom=args.batch_headroom,
+        batch_headroom=args.batch_headroom, yellow=args.yellow,
         max_engine_waiting=args.max_engine_waiting,
     )
 

@@ -304,15 +304,16 @@ def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None
     assert dedicated().nodes == ()
 
 
-def test_arm_c_config_takes_the_batch_headroom_flag() -> None:
-    def headroom(**flags: object) -> float:
+def test_arm_c_config_takes_the_zone_flags() -> None:
+    def zones(**flags: object) -> ZoneSettings:
         settings = with_overrides(PRESETS["smoke"], **flags)
         text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
-        return parse_config(tomllib.loads(text), env={}).pools[POOL].zones.batch_headroom
+        return parse_config(tomllib.loads(text), env={}).pools[POOL].zones
 
-    assert headroom(batch_headroom=0.0) == 0.0
-    assert headroom(batch_headroom=0.05) == 0.05
-    assert headroom() == ZoneSettings().batch_headroom
+    assert zones(batch_headroom=0.0).batch_headroom == 0.0
+    assert zones(batch_headroom=0.05).batch_headroom == 0.05
+    assert zones(yellow=0.75).yellow == 0.75
+    assert zones() == ZoneSettings()
 
 
 async def test_the_kvgate_timeline_keeps_what_the_leader_published(

@@ -34,7 +34,6 @@ _PHASES = ("baseline", "burst", "after")
 class Step:
     start: float
     duration: float
-    seqs: int
     prefill: int
 
 
@@ -69,7 +68,7 @@ def load_traces(nodes_dir: Path) -> tuple[dict[str, tuple[int, dict[str, object]
         for row in _read_jsonl(path):
             if row["k"] == "s":
                 node_steps.append(Step(float(row["t"]), float(row["d"]),  # type: ignore[arg-type]
-                                       int(row["n"]), int(row["p"])))  # type: ignore[call-overload]
+                                       int(row["p"])))  # type: ignore[call-overload]
             else:
                 requests[str(row["id"])] = (node, row)
         node_steps.sort(key=lambda s: s.start)

@@ -66,6 +66,8 @@ class Settings:
     """Arm (c): `zones.batch_headroom` of the pool; None = the project's default."""
     yellow: float | None = None
     """Arm (c): `zones.yellow` of the pool; None = the project's default."""
+    kv_target: float | None = None
+    """Arm (c): `zones.kv_target` of the pool; None = the project's default."""
     max_loop_lag_ms: float = 50.0
     """A run whose simulator event loops lagged more than this (wall ms) is flagged invalid."""
     max_send_lag_ms: float = 50.0
@@ -105,8 +107,15 @@ class Settings:
 
 
 PRESETS: dict[str, Settings] = {
-    # The reference run: real-scale nodes, the simulation in real time.
-    "full": Settings(),
+    # The reference run: real-scale nodes, the simulation in real time, and arm (c) deployed
+    # as docs/configuration.md advises for VIP latency targets: one node kept for VIP that
+    # takes bounded, paced guests (a long prefill ahead of a VIP chat is its TTFT tail), YELLOW
+    # above kv_target since VIP no longer needs the shared nodes' room, a small Batch headroom
+    # for Normal (bench/results/burst-findings.md, ninth session). A 300 s baseline: the VIP
+    # P99 the burst is compared with needs a few thousand chats.
+    "full": Settings(baseline_sim_s=300.0, vip_nodes=1, guest_prompt=9000, max_guests=64,
+                     guest_rate=6500, guest_output=1000, guest_running=76,
+                     batch_headroom=0.01, yellow=0.80),
     # `make demo`: three arms in under three minutes on two cores. Quarter-size nodes and the
     # clock eight times faster: the same shape, coarser (see bench/results/README notes).
     "short": Settings(capacity_scale=0.25, time_scale=8.0, baseline_sim_s=64.0,
@@ -185,6 +194,8 @@ def kvgate_toml(
         zones.append(f"batch_headroom = {settings.batch_headroom!r}")
     if settings.yellow is not None:
         zones.append(f"yellow = {settings.yellow!r}")
+    if settings.kv_target is not None:
+        zones.append(f"kv_target = {settings.kv_target!r}")
     if zones:
         lines += ["[pools.zones]", *zones, ""]
     if settings.vip_nodes:

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "more sequences than this (guest_max_running; default: no bound)")
     p.add_argument("--batch-headroom", type=float, dest="batch_headroom",
                    help="arm (c): the pool's zones.batch_headroom (default: the project's)")
+    p.add_argument("--kv-target", type=float, dest="kv_target",
+                   help="arm (c): the pool's zones.kv_target, the projected usage each node's "
+                        "budget keeps under (default: the project's)")
     p.add_argument("--yellow", type=float,
                    help="arm (c): the pool's zones.yellow, where YELLOW starts holding Batch "
                         "(default: the project's)")
@@ -99,7 +102,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
         guest_rate=args.guest_rate, guest_output=args.guest_output,
         guest_running=args.guest_running, projection=args.projection,
-        batch_headroom=args.batch_headroom, yellow=args.yellow,
+        batch_headroom=args.batch_headroom, yellow=args.yellow, kv_target=args.kv_target,
         max_engine_waiting=args.max_engine_waiting,
     )
 
@@ -275,11 +278,9 @@ def setup_section(settings: Settings) -> list[str]:
         f"- (c) kvgate: {settings.gateways} gateway processes (clients round robin over them), "
         f"{settings.schedulers} scheduler processes (one leader, the others standing by), a "
         "private Redis, the project's default zones and scheduler settings"
+        + _zone_overrides(settings)
         + (", tiers forwarded as vLLM `priority` to nodes run with `--scheduling-policy "
            "priority`" if settings.pass_priority else "")
-        + (f", `zones.projection = \"{settings.projection}\"`" if settings.projection else "")
-        + (f", `zones.max_engine_waiting = {settings.max_engine_waiting}`"
-           if settings.max_engine_waiting is not None else "")
         + _kept_nodes(settings),
         f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "
         f"after step) for {settings.crash_after_full_sim_s or 0:g} simulated seconds dies like "
@@ -288,6 +289,20 @@ def setup_section(settings: Settings) -> list[str]:
         "",
     ]
     return lines
+
+
+def _zone_overrides(settings: Settings) -> str:
+    """The arm's `[pools.zones]` settings that differ from the project's, as the text says."""
+    overrides = [
+        (f"projection = \"{settings.projection}\"" if settings.projection else None),
+        *(f"{name} = {value:g}" for name, value in (
+            ("max_engine_waiting", settings.max_engine_waiting),
+            ("kv_target", settings.kv_target),
+            ("yellow", settings.yellow),
+            ("batch_headroom", settings.batch_headroom)) if value is not None),
+    ]
+    named = [f"`zones.{o}`" for o in overrides if o]
+    return " except " + ", ".join(named) if named else ""
 
 
 def _summary_json(settings: Settings, cap: CapacityResult | None,

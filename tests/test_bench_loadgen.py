@@ -23,6 +23,7 @@ from admission.store import PoolStore
 from admission.tiers import Tier, Zone
 from bench.arm import ArmResult
 from bench.expconfig import POOL, PRESETS, Settings, kvgate_toml, with_overrides
+from bench.experiment import setup_section
 from bench.fifo_proxy import FifoLimiter
 from bench.loadgen import FAILED, OK, REJECTED, ClientSettings, LoadGenerator, Outcome
 from bench.monitor import NodeSample, Sample, parse_metrics, redis_queues
@@ -313,7 +314,20 @@ def test_arm_c_config_takes_the_zone_flags() -> None:
     assert zones(batch_headroom=0.0).batch_headroom == 0.0
     assert zones(batch_headroom=0.05).batch_headroom == 0.05
     assert zones(yellow=0.75).yellow == 0.75
+    assert zones(kv_target=0.79).kv_target == 0.79
     assert zones() == ZoneSettings()
+
+
+def test_the_report_names_the_zone_settings_an_arm_changed() -> None:
+    """A result file read without its command line must still say which zones it ran with."""
+    def arm_c(**flags: object) -> str:
+        lines = setup_section(with_overrides(PRESETS["smoke"], **flags))
+        return next(line for line in lines if line.startswith("- (c)"))
+
+    assert "except" not in arm_c()
+    changed = arm_c(yellow=0.8, kv_target=0.79, batch_headroom=0.01)
+    assert "except `zones.kv_target = 0.79`, `zones.yellow = 0.8`, " \
+        "`zones.batch_headroom = 0.01`" in changed
 
 
 async def test_the_kvgate_timeline_keeps_what_the_leader_published(

@@ -142,6 +142,18 @@ def _toml_str(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def zone_overrides(settings: Settings) -> list[str]:
+    """Arm (c)'s `[pools.zones]` lines that differ from the project's defaults (the config file
+    and the report's description both read them here)."""
+    values = (("projection", settings.projection or None),
+              ("max_engine_waiting", settings.max_engine_waiting),
+              ("kv_target", settings.kv_target),
+              ("yellow", settings.yellow),
+              ("batch_headroom", settings.batch_headroom))
+    return [f"{name} = {_toml_str(value) if isinstance(value, str) else repr(value)}"
+            for name, value in values if value is not None]
+
+
 def kvgate_toml(
     settings: Settings,
     redis_url: str,
@@ -186,17 +198,7 @@ def kvgate_toml(
         "]",
         "",
     ]
-    zones = []
-    if settings.projection:
-        zones.append(f"projection = {_toml_str(settings.projection)}")
-    if settings.max_engine_waiting is not None:
-        zones.append(f"max_engine_waiting = {settings.max_engine_waiting}")
-    if settings.batch_headroom is not None:
-        zones.append(f"batch_headroom = {settings.batch_headroom!r}")
-    if settings.yellow is not None:
-        zones.append(f"yellow = {settings.yellow!r}")
-    if settings.kv_target is not None:
-        zones.append(f"kv_target = {settings.kv_target!r}")
+    zones = zone_overrides(settings)
     if zones:
         lines += ["[pools.zones]", *zones, ""]
     if settings.vip_nodes:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.arm import ArmResult, flush_print, run_arm
 from bench.capacity import CapacityResult, ideal_replay
-from bench.expconfig import ARM_TITLES, ARMS, PRESETS, Settings, with_overrides
+from bench.expconfig import ARM_TITLES, ARMS, PRESETS, Settings, with_overrides, zone_overrides
 from bench.plot import plot
 from bench.report import ArmSummary, bar_verdicts, markdown_table, shows_failure, summarize
 from bench.workload import Schedule, plan
@@ -292,16 +292,7 @@ def setup_section(settings: Settings) -> list[str]:
 
 
 def _zone_overrides(settings: Settings) -> str:
-    """The arm's `[pools.zones]` settings that differ from the project's, as the text says."""
-    overrides = [
-        (f"projection = \"{settings.projection}\"" if settings.projection else None),
-        *(f"{name} = {value:g}" for name, value in (
-            ("max_engine_waiting", settings.max_engine_waiting),
-            ("kv_target", settings.kv_target),
-            ("yellow", settings.yellow),
-            ("batch_headroom", settings.batch_headroom)) if value is not None),
-    ]
-    named = [f"`zones.{o}`" for o in overrides if o]
+    named = [f"`zones.{line}`" for line in zone_overrides(settings)]
     return " except " + ", ".join(named) if named else ""
 
 

@@ -22,8 +22,10 @@ import heapq
 import itertools
 import json
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from admission.tiers import Tier
 from bench.sim.config import SimConfig
@@ -164,6 +166,34 @@ def replay_seed(preset: str, policy: str, seed: int | None = None,
             "vip_p99_ratio": result.vip_p99_ratio}
 
 
+def summary_table(rows: Sequence[Mapping[str, object]]) -> str:
+    """Markdown: per policy (and baseline length), how many draws preempted and the spread of
+    the KV peak and of the VIP P99 ratio; then one line per draw."""
+    groups: dict[tuple[str, float], list[Mapping[str, object]]] = {}
+    for r in rows:
+        groups.setdefault((str(r["policy"]), float(str(r["baseline_sim_s"]))), []).append(r)
+    lines = ["| policy | baseline (s) | draws | draws that preempted | preemptions min / median / "
+             "max | KV peak min / max | VIP P99 ratio min / median / max |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for (policy, baseline), group in groups.items():
+        pre = sorted(int(str(r["preemptions"])) for r in group)
+        kv = [float(str(r["kv_peak"])) for r in group]
+        ratio = sorted(float(str(r["vip_p99_ratio"])) for r in group)
+        lines.append(f"| {policy} | {baseline:g} | {len(group)} | {sum(1 for p in pre if p)} | "
+                     f"{pre[0]} / {statistics.median(pre):g} / {pre[-1]} | "
+                     f"{min(kv):.1%} / {max(kv):.1%} | x{ratio[0]:.0f} / "
+                     f"x{statistics.median(ratio):.0f} / x{ratio[-1]:.0f} |")
+    lines += ["", "| policy | baseline (s) | seed | preemptions | KV peak | "
+              "VIP P99 base / burst (ms) | ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['policy']} | {float(str(r['baseline_sim_s'])):g} | {r['seed']} | "
+                     f"{r['preemptions']} | {float(str(r['kv_peak'])):.1%} | "
+                     f"{float(str(r['vip_ttft_base_p99'])):,.0f} / "
+                     f"{float(str(r['vip_ttft_burst_p99'])):,.0f} | "
+                     f"x{float(str(r['vip_p99_ratio'])):.0f} |")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
@@ -171,18 +201,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.baseline_replay",
         description="Arms (a) and (b) replayed offline over many draws of a preset's schedule: "
                     "preemptions, KV peak and the VIP tail per seed (JSON lines).")
-    p.add_argument("policies", nargs="+", help="rr (arm a), fifo (arm b at the preset's "
+    p.add_argument("policies", nargs="*", help="rr (arm a), fifo (arm b at the preset's "
                    "limit) or fifo=N (N in flight per node)")
     p.add_argument("--preset", default="full")
     p.add_argument("--seeds", default="", help="comma-separated seeds (empty: the preset's)")
     p.add_argument("--baseline", type=float, dest="baseline_sim_s",
                    help="simulated seconds of 1x traffic before the burst (default: the preset's)")
+    p.add_argument("--jsonl", type=Path, help="append each draw's figures to this file")
+    p.add_argument("--table", type=Path, help="print the markdown summary of this JSON lines file")
     args = p.parse_args(argv)
+    if args.table:
+        print(summary_table([json.loads(line)
+                             for line in args.table.read_text().splitlines() if line]))
+        return 0
     seeds: list[int | None] = [int(s) for s in args.seeds.split(",") if s] or [None]
     for policy in args.policies:
         for seed in seeds:
             row = replay_seed(args.preset, policy, seed, args.baseline_sim_s)
-            print(json.dumps(row), flush=True)
+            line = json.dumps(row)
+            print(line, flush=True)
+            if args.jsonl:
+                with args.jsonl.open("a") as f:
+                    f.write(line + "\n")
     return 0
 
 

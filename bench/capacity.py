@@ -168,6 +168,8 @@ def ideal_replay(
     kv_ceiling: float = 1.0,
     strict_order: bool = False,
     guest_rate: float | None = None,
+    guest_running: int | None = None,
+    kept_threshold: int = 0,
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
     engines; measure over ``window`` (wall seconds, converted to simulated time).
@@ -190,8 +192,10 @@ def ideal_replay(
     ``guest_rate`` paces a kept node's guests by their prompts: after a guest of ``p`` prompt
     tokens the node takes no other guest for ``p / guest_rate`` simulated seconds, so the
     prefill work guests bring to it is the same whenever guest demand exceeds that rate (at 1x
-    and in the burst alike).
-    The engine option ``long_prefill_token_threshold`` comes with ``config``.
+    and in the burst alike). ``guest_running`` closes a kept node to guests while it runs more
+    sequences than that (kvgate's ``guest_max_running``, read there from the node's metrics).
+    The engine option ``long_prefill_token_threshold`` comes with ``config``; ``kept_threshold``
+    (> 0) sets it on the kept nodes alone (a separate deployment may run other engine flags).
 
     ``kv_ceiling`` < 1 admits only while the projected peak stays within that fraction of each
     node's cache: the ideal held to the same KV bar as the live system (issue 5: below 80%).
@@ -201,7 +205,9 @@ def ideal_replay(
     """
     config = dataclasses.replace(config, scheduling_policy="priority")
     lo, hi = window[0] * time_scale, window[1] * time_scale
-    fleet = [_Node(config, kv_ceiling) for _ in range(nodes)]
+    kept_config = (dataclasses.replace(config, long_prefill_token_threshold=kept_threshold)
+                   if kept_threshold else config)
+    fleet = [_Node(kept_config if i < vip_nodes else config, kv_ceiling) for i in range(nodes)]
     kept_nodes, shared_nodes = fleet[:vip_nodes], fleet[vip_nodes:]
     # Where a request may go, groups in order of preference.
     vip_groups = [g for g in (kept_nodes, shared_nodes) if g]
@@ -215,7 +221,8 @@ def ideal_replay(
         if tier is Tier.VIP or id(node) not in kept_ids:
             return True
         return ((guest_cap is None or node.guests < guest_cap)
-                and (guest_rate is None or now >= node.paced_at))
+                and (guest_rate is None or now >= node.paced_at)
+                and (guest_running is None or node.engine.num_running <= guest_running))
     arrivals = sorted(((r.at * time_scale, r) for r in requests), key=lambda x: x[0])
     queues: dict[Tier, list[tuple[float, PlannedRequest]]] = {t: [] for t in Tier}
     steps: list[tuple[float, int]] = []  # (step end, node index), a heap
@@ -356,7 +363,8 @@ def _ttft_ms(vips: Sequence[tuple[float, SimRequest]], lo: float, hi: float
 
 _SPEC_KEYS = {"vip": "vip_nodes", "n": "guest_prompt_max", "k": "guest_cap", "t": "threshold",
               "order": "order", "kv": "kv_ceiling", "fifo": "strict_order",
-              "o": "guest_output_max", "r": "guest_rate"}
+              "o": "guest_output_max", "r": "guest_rate", "g": "guest_running",
+              "kt": "kept_threshold"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +386,10 @@ class Point:
     """Guests' outputs at most this many tokens too (``o=``; None: any)."""
     guest_rate: int | None = None
     """Guests' prompt tokens per simulated second a kept node takes at most (``r=``)."""
+    guest_running: int | None = None
+    """No guests on a kept node while it runs more sequences than this (``g=``)."""
+    kept_threshold: int = 0
+    """The kept nodes' own ``long_prefill_token_threshold`` (``kt=``; 0: the fleet's)."""
 
     @classmethod
     def parse(cls, spec: str) -> Point:
@@ -408,12 +420,16 @@ class Point:
             cap = "no cap" if self.guest_cap is None else f"<= {self.guest_cap} guests"
             if self.guest_rate is not None:
                 cap += f", paced at {self.guest_rate:,} prompt tokens/s"
+            if self.guest_running is not None:
+                cap += f", none above {self.guest_running} running"
             outputs = ("" if self.guest_output_max is None
                        else f" and outputs <= {self.guest_output_max}")
             where = (f"{self.vip_nodes} kept: VIP + prompts <= {self.guest_prompt_max}{outputs}, "
                      f"{cap}"
                      + (", guests shared first" if self.order == "shared" else ""))
         return (where + (f"; threshold {self.threshold}" if self.threshold else "")
+                + (f"; kept nodes' threshold {self.kept_threshold}" if self.kept_threshold
+                   else "")
                 + (f"; KV <= {self.kv_ceiling:.0%}" if self.kv_ceiling < 1 else "")
                 + ("; strict FIFO" if self.strict_order else ""))
 
@@ -438,6 +454,7 @@ def replay_point(preset: str, point: Point, seed: int | None = None,
                           settings.profile.window("burst"), vip_nodes=point.vip_nodes,
                           guest_prompt_max=point.guest_prompt_max, guest_cap=point.guest_cap,
                           guest_output_max=point.guest_output_max, guest_rate=point.guest_rate,
+                          guest_running=point.guest_running, kept_threshold=point.kept_threshold,
                           guests_kept_first=point.order == "kept", kv_ceiling=point.kv_ceiling,
                           strict_order=point.strict_order)
     return {"preset": preset, "seed": settings.seed, "baseline_sim_s": settings.baseline_sim_s,

@@ -283,3 +283,63 @@ def test_point_specs_and_the_frontier_table() -> None:
     assert "| x3.000 |" in table and "| 100.00% | no |" in table
     assert "| x1.050 |" in table and "| 90.00% | yes |" in table
     assert "| no kept node; KV <= 79% | 100 / 200 | x2.000 | 95 | 95.00% | no |" in table
+
+
+def test_a_running_bound_closes_the_kept_node_to_guests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each guest reaches the kept node only while it runs at most the bound; without the bound
+    the same traffic takes it past it."""
+    seen: list[list[tuple[int, SimRequest]]] = []
+
+    class Recording(_Node):
+        def __init__(self, config: SimConfig, kv_ceiling: float = 1.0) -> None:
+            super().__init__(config, kv_ceiling)
+            log: list[tuple[int, SimRequest]] = []
+            seen.append(log)
+            add, engine = self.engine.add, self.engine
+
+            def recording_add(req: SimRequest, now: float) -> None:
+                log.append((engine.num_running, req))
+                add(req, now)
+
+            self.engine.add = recording_add  # type: ignore[method-assign]
+
+    monkeypatch.setattr("bench.capacity._Node", Recording)
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    kwargs = {"vip_nodes": 1, "guest_prompt_max": 300}
+    bounded = ideal_replay(config, 2, _mixed_requests(4), time_scale=1.0, window=(2.0, 20.0),
+                           guest_running=4, **kwargs)  # type: ignore[arg-type]
+    kept_bounded = seen[0]
+    free = ideal_replay(config, 2, _mixed_requests(4), time_scale=1.0, window=(2.0, 20.0),
+                        **kwargs)  # type: ignore[arg-type]
+    kept_free = seen[2]
+    assert bounded.preemptions == free.preemptions == 0
+    guests = [running for running, r in kept_bounded if r.priority != int(Tier.VIP)]
+    assert guests and max(guests) <= 4
+    assert max(running for running, r in kept_free if r.priority != int(Tier.VIP)) > 4
+
+
+def test_the_kept_nodes_may_run_their_own_prefill_threshold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    thresholds: list[int] = []
+
+    class Recording(_Node):
+        def __init__(self, config: SimConfig, kv_ceiling: float = 1.0) -> None:
+            super().__init__(config, kv_ceiling)
+            thresholds.append(self.engine.long_prefill_token_threshold)
+
+    monkeypatch.setattr("bench.capacity._Node", Recording)
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    requests = _mixed_requests(6)
+    chunked = ideal_replay(config, 3, requests, time_scale=1.0, window=(2.0, 20.0),
+                           vip_nodes=1, guest_prompt_max=8192, kept_threshold=256)
+    # Scaled like the token budget: 256 x 0.05 = 12 tokens a step, on the kept node alone.
+    assert thresholds == [12, 0, 0]
+    whole = ideal_replay(config, 3, requests, time_scale=1.0, window=(2.0, 20.0),
+                         vip_nodes=1, guest_prompt_max=8192)
+    assert thresholds[3:] == [0, 0, 0]
+    assert chunked.preemptions == whole.preemptions == 0
+    # The kept node prefills documents 12 tokens a step: it serves less in the same time.
+    assert chunked.total_tokens_per_s < whole.total_tokens_per_s
+    assert Point.parse("vip=1,n=9000,r=6500,g=76,kt=2048").label == (
+        "1 kept: VIP + prompts <= 9000, no cap, paced at 6,500 prompt tokens/s, none above 76 "
+        "running; kept nodes' threshold 2048")

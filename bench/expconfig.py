@@ -115,7 +115,7 @@ PRESETS: dict[str, Settings] = {
     # for Normal (bench/results/burst-findings.md, ninth session). A 300 s baseline: the VIP
     # P99 the burst is compared with needs a few thousand chats.
     "full": Settings(baseline_sim_s=300.0, vip_nodes=1, guest_prompt=9000, max_guests=64,
-                     guest_rate=6500, guest_output=1000, guest_running=76,
+                     guest_rate=7000, guest_output=1000, guest_running=84,
                      batch_headroom=0.01, yellow=0.80),
     # `make demo`: three arms in under three minutes on two cores. Quarter-size nodes and the
     # clock eight times faster: the same shape, coarser (see bench/results/README notes).

@@ -52,6 +52,10 @@ class NodeView:
     """Why the leader took the node out (stale, ejected, ...), from the state's nodes_out."""
     guests: int
     """Tasks of other tiers alive on a dedicated node as guests ([pools.dedicated])."""
+    kept: bool
+    """A dedicated node: its tiers first, other tiers only as bounded guests."""
+    guests_closed: bool
+    """A dedicated node the leader closed to new guests (it runs above `guest_max_running`)."""
     fields: dict[str, str]
     """Any other per-node state field (`name:node` in the state hash)."""
 
@@ -223,6 +227,8 @@ def _nodes(state: dict[str, str], capacity: Mapping[str, str],
     out_reasons = dict(
         item.split(":", 1) for item in state.get("nodes_out", "").split(",") if ":" in item
     )
+    kept = set(state.get("dedicated_nodes", "").split())
+    closed = set(state.get("dedicated_guests_closed", "").split())
     views = []
     for node in sorted(set(capacity) | set(reserved) | set(per_node) | set(out_reasons)):
         extra = per_node.get(node, {})
@@ -231,7 +237,8 @@ def _nodes(state: dict[str, str], capacity: Mapping[str, str],
             node=node, capacity=cap, reserved=res, headroom=cap - res,
             usage=_float(extra.pop("usage", None)),
             projected=_float(extra.pop("projected", None)),
-            out=out_reasons.get(node), guests=_int(guests.get(node)) or 0, fields=extra,
+            out=out_reasons.get(node), guests=_int(guests.get(node)) or 0,
+            kept=node in kept, guests_closed=node in closed, fields=extra,
         ))
     return views
 
@@ -363,6 +370,12 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "
             for r in body]
 
 
+def _kept(n: NodeView) -> str:
+    if not n.kept:
+        return "-"
+    return "closed to guests" if n.guests_closed else "yes"
+
+
 def render_pool(p: PoolView) -> list[str]:
     drain = " ".join(f"{t.label} {_num(d, '{:g}')}/s" for t, d in zip(Tier, p.drain, strict=True))
     clock = "" if p.clock == "redis" else "  (clock frozen)"
@@ -373,9 +386,11 @@ def render_pool(p: PoolView) -> list[str]:
         + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
     ]
     lines += table(
-        ["node", "capacity", "reserved", "headroom", "usage", "projected", "guests", "out"],
+        ["node", "capacity", "reserved", "headroom", "usage", "projected", "kept", "guests",
+         "out"],
         ([n.node, str(n.capacity), str(n.reserved), str(n.headroom),
-          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), str(n.guests), n.out or ""]
+          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), _kept(n), str(n.guests),
+          n.out or ""]
          for n in p.nodes),
     ) if p.nodes else ["  no nodes (no capacity published)"]
     lines += table(["tier", "depth", "oldest wait", "oldest task"],

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from admission.tiers import Tier
+from bench.capacity import vip_ttft_ms
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, SimRequest, StepPlan
-from bench.stats import percentile
 from bench.workload import PlannedRequest
 
 
@@ -120,16 +120,9 @@ def replay_baseline(config: SimConfig, nodes: int, requests: Sequence[PlannedReq
         policy=policy,
         preemptions=sum(e.stats.preemptions for e in fleet.engines),
         kv_peak=peak,
-        vip_ttft_base=_ttft_ms(vips, 0.0, lo),
-        vip_ttft_burst=_ttft_ms(vips, lo, hi),
+        vip_ttft_base=vip_ttft_ms(vips, 0.0, lo),
+        vip_ttft_burst=vip_ttft_ms(vips, lo, hi),
     )
-
-
-def _ttft_ms(vips: Sequence[tuple[float, SimRequest]], lo: float, hi: float
-             ) -> tuple[float, float]:
-    values = [(r.first_token_time - arrived) * 1000 if r.first_token_time is not None
-              else math.inf for arrived, r in vips if lo <= arrived < hi]
-    return percentile(values, 50), percentile(values, 99)
 
 
 def replay_seed(preset: str, policy: str, seed: int | None = None,

@@ -10,7 +10,8 @@ import random
 import pytest
 
 from admission.tiers import Tier
-from bench.capacity import Point, _Node, frontier_table, ideal_replay, projected_peak_blocks
+from bench.capacity import _Node, ideal_replay, projected_peak_blocks
+from bench.frontier import Point, frontier_table
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, SimRequest
 from bench.workload import PlannedRequest

@@ -9,9 +9,10 @@ code and calibration the live nodes run) in simulated time, in front of:
 - ``fifo=N``: arm (b) as bench.fifo_proxy does it: one FIFO queue, at most ``N`` requests in
   flight per node, each to the node with the fewest in flight.
 
-Nodes run vLLM's FCFS policy (as in both arms). It is the live arm minus HTTP, client retries
-and wall-clock jitter, so preemption counts differ from a live run of the same seed; the share
-of seeds that preempt, and how far the VIP tail moves, are what it is for.
+Nodes run vLLM's FCFS policy (as in both arms). It is the live arm minus HTTP, client retries,
+wall-clock jitter and the OOM stand-in (nodes never crash here), so preemption counts can
+differ from a live run of the same seed (bench/results/baseline-replay.md compares them); the
+share of seeds that preempt, and how far the VIP tail moves, are what it is for.
 """
 
 from __future__ import annotations

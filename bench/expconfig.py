@@ -40,9 +40,10 @@ class Settings:
     """A node that stays full (KV >= 99% or preempting) this long dies like an OOM kill."""
     fifo_max_inflight: int = 128
     """Arm (b): requests in flight per node at real scale (scaled by capacity_scale). A count
-    limit must pick between starving the cache and overfilling it: with this workload 64 holds
-    KV near 60% and queues everyone behind long generations, 128 overfilled the burst of the
-    120 s-baseline schedule (18 preemptions) and took the 300 s one to 95.4% without any."""
+    limit must pick between starving the cache and overfilling it: over thirteen draws of this
+    traffic (bench.baseline_replay, bench/results/baseline-replay.md) 64 never preempts but
+    holds KV at 55-70% and queues VIP behind everything, 128 preempts on 11 of them (the full
+    preset's own draw is one of the two that peak just under the cache)."""
     gateways: int = 2
     schedulers: int = 2
     pass_priority: bool = True
@@ -112,8 +113,8 @@ PRESETS: dict[str, Settings] = {
     # as docs/configuration.md advises for VIP latency targets: one node kept for VIP that
     # takes bounded, paced guests (a long prefill ahead of a VIP chat is its TTFT tail), YELLOW
     # above kv_target since VIP no longer needs the shared nodes' room, a small Batch headroom
-    # for Normal (bench/results/burst-findings.md, ninth session). A 300 s baseline: the VIP
-    # P99 the burst is compared with needs a few thousand chats.
+    # for Normal (bench/results/burst-findings.md, ninth and tenth sessions). A 300 s
+    # baseline: the VIP P99 the burst is compared with needs a few thousand chats.
     "full": Settings(baseline_sim_s=300.0, vip_nodes=1, guest_prompt=9000, max_guests=64,
                      guest_rate=7000, guest_output=1000, guest_running=84,
                      batch_headroom=0.01, yellow=0.80),

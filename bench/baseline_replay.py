@@ -21,7 +21,6 @@ import collections
 import dataclasses
 import heapq
 import itertools
-import json
 import math
 import statistics
 from collections.abc import Mapping, Sequence
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from admission.tiers import Tier
+from bench import jsonlines
 from bench.capacity import vip_ttft_ms
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, SimRequest, StepPlan
@@ -205,18 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--table", type=Path, help="print the markdown summary of this JSON lines file")
     args = p.parse_args(argv)
     if args.table:
-        print(summary_table([json.loads(line)
-                             for line in args.table.read_text().splitlines() if line]))
+        print(summary_table(jsonlines.read(args.table)))
         return 0
     seeds: list[int | None] = [int(s) for s in args.seeds.split(",") if s] or [None]
     for policy in args.policies:
         for seed in seeds:
-            row = replay_seed(args.preset, policy, seed, args.baseline_sim_s)
-            line = json.dumps(row)
-            print(line, flush=True)
-            if args.jsonl:
-                with args.jsonl.open("a") as f:
-                    f.write(line + "\n")
+            jsonlines.emit(replay_seed(args.preset, policy, seed, args.baseline_sim_s),
+                           args.jsonl)
     return 0
 
 

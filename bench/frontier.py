@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from bench import jsonlines
 from bench.capacity import ideal_replay
 
 _SPEC_KEYS = {"vip": "vip_nodes", "n": "guest_prompt_max", "k": "guest_cap", "t": "threshold",
@@ -156,7 +157,6 @@ def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
-    import json
     from pathlib import Path
 
     p = argparse.ArgumentParser(
@@ -174,16 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--table", type=Path, help="print the markdown table of this JSON lines file")
     args = p.parse_args(argv)
     if args.table:
-        rows = [json.loads(line) for line in args.table.read_text().splitlines() if line]
-        print(frontier_table(rows))
+        print(frontier_table(jsonlines.read(args.table)))
         return 0
     for spec in args.points or [""]:
-        row = replay_point(args.preset, Point.parse(spec), args.seed, args.baseline_sim_s)
-        line = json.dumps(row)
-        print(line, flush=True)
-        if args.jsonl:
-            with args.jsonl.open("a") as f:
-                f.write(line + "\n")
+        jsonlines.emit(replay_point(args.preset, Point.parse(spec), args.seed,
+                                    args.baseline_sim_s), args.jsonl)
     return 0
 
 

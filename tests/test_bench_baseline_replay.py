@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
 from admission.tiers import Tier
-from bench.baseline_replay import replay_baseline, replay_seed
+from bench import jsonlines
+from bench.baseline_replay import main, replay_baseline, replay_seed
 from bench.sim.config import SimConfig
 from bench.workload import PlannedRequest
 
@@ -59,3 +62,15 @@ def test_replay_seed_reads_the_preset_and_its_limit() -> None:
     assert other["policy"] == "fifo=4" and other["baseline_sim_s"] == 32.0
     with pytest.raises(ValueError, match="policy"):
         replay_seed("short", "lifo")
+
+
+def test_the_command_appends_json_lines_and_tables_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "draws.jsonl"
+    assert main(["rr", "fifo=4", "--preset", "short", "--seeds", "3", "--jsonl", str(out)]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["policy"] for r in printed] == ["rr", "fifo=4"]
+    assert jsonlines.read(out) == printed
+    assert main(["--table", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| fifo=4 | 64 | 1 |" in table and "| rr | 64 | 3 |" in table

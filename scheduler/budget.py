@@ -125,6 +125,47 @@ class RunningTask(NamedTuple):
     age_us: int
     """Time it may have spent decoding: since its release (Redis TIME), less allowances for its
     way to the engine and its prefill (scheduler.pool.DISPATCH_US, PREFILL_US_PER_TOKEN)."""
+    arrived_us: int
+    """Time since it may have reached the engine: since its release, less the allowance for its
+    way there; negative while it may still be on its way."""
+
+
+class EngineReading(NamedTuple):
+    """What the last scrape said about the engine's requests, and how old it is."""
+
+    waiting: int = 0
+    running: int | None = None
+    """None when unknown: then only the waiting count and the reading's age say what is
+    missing from the measurement."""
+    age_us: int = 0
+
+
+FRESH_READING = EngineReading()
+"""Taken just now, nothing queued, running count unknown."""
+
+
+def unmeasured_count(tasks: Sequence[RunningTask], reading: EngineReading) -> int:
+    """How many of the youngest tasks (by arrival) the reading cannot hold in full.
+
+    Those that arrived after it was taken; of the others, those it did not count as running
+    (the engine queues them, or they are still on their way: our tasks number more than its
+    running ones), and one more if a prompt was being prefilled in chunks (the engine queued
+    something, or the youngest arrival was within its prefill allowance when read)."""
+    after = sum(1 for t in tasks if t.arrived_us <= reading.age_us)
+    before = len(tasks) - after
+    if not before:
+        return after
+    not_running = reading.waiting
+    if reading.running is not None:
+        not_running = max(not_running, before - reading.running)
+    not_running = min(before, not_running)
+    if not_running < before:
+        by_arrival = sorted((t for t in tasks if t.arrived_us > reading.age_us),
+                            key=lambda t: t.arrived_us)
+        youngest_running = by_arrival[not_running]
+        if reading.waiting > 0 or youngest_running.age_us <= reading.age_us:
+            not_running += 1
+    return after + not_running
 
 
 def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:
@@ -146,35 +187,34 @@ def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:
     return math.inf
 
 
-def peak_usage(tasks: Sequence[RunningTask], ours_now: float, waiting: int = 0) -> float:
+def peak_usage(tasks: Sequence[RunningTask], ours_now: float,
+               reading: EngineReading = FRESH_READING) -> float:
     """Highest KV (tokens) these tasks hold at any future decode step (module docstring).
 
-    Tasks that may not be in the measurement yet count at full prompt from now on and stay out
-    of the calibration: those still within their allowances (age 0: on their way to the
-    engine, in its queue, or partly prefilled) and, if the engine reports more `waiting`, that
-    many of the youngest and one more, the prompt it is prefilling. In the calibration their
-    prompts would swallow the tokens the decoding tasks generated: those would look fresh, and
-    a node running long generations would be projected short by everything they generated
-    (bench/results/burst-findings.md, sixth session). A prompt prefilled faster than its
-    allowance counts twice for a moment: the safe side, bounded by the prompt tokens a node
-    prefills in one allowance."""
+    Tasks that may not be in the measurement yet (`unmeasured_count`) count at full prompt from
+    now on and stay out of the calibration. In the calibration their prompts would swallow the
+    tokens the decoding tasks generated: those would look fresh, and a node running long
+    generations would be projected short by everything they generated
+    (bench/results/burst-findings.md, sixth session). Which tasks those are comes from the
+    reading, not from the prefill allowance: a document the engine prefilled faster than its
+    allowance is in the measurement, and counting it again held the shared nodes ~2 points of
+    KV under their target (tenth session); the allowance only shapes the decode calibration."""
     if not tasks:
         return 0.0
-    # A queue in the engine means a prompt is being prefilled, in chunks, as well: one more.
-    in_engine_queue = waiting + 1 if waiting > 0 else 0
-    unseen = max(in_engine_queue, sum(1 for t in tasks if t.age_us <= 0))
+    unseen = unmeasured_count(tasks, reading)
     queued: Sequence[RunningTask] = ()
     started = tasks
     if unseen:
-        by_age = sorted(tasks, key=lambda t: t.age_us)
-        queued, started = by_age[:unseen], by_age[unseen:]
+        by_arrival = sorted(tasks, key=lambda t: t.arrived_us)
+        queued, started = by_arrival[:unseen], by_arrival[unseen:]
     prompts = sum(t.prompt_tokens for t in started)
-    could_have = float(sum(t.max_tokens for t in started))
+    # Tasks within their prefill allowance have generated nothing yet.
+    could_have = float(sum(t.max_tokens for t in started if t.age_us > 0))
     generated = min(max(0.0, ours_now - prompts), could_have)
     rate = _decode_rate(started, generated) if generated > 0 else 0.0
     # (tokens still to generate, size now) per task; plain loops: thousands per tick.
     states: list[tuple[float, float]] = []
-    for prompt, max_tokens, age_us in started:
+    for prompt, max_tokens, age_us, _ in started:
         made = age_us * rate
         if made > max_tokens:
             made = max_tokens
@@ -250,7 +290,8 @@ def plan_node(
     if running is not None:
         # Reservations missing from the index (released by an older version) count in full.
         unindexed = max(0.0, reserved - sum(t.prompt_tokens + t.max_tokens for t in running))
-        held = min(held, peak_usage(running, ours_now - unindexed, m.waiting) + unindexed)
+        reading = EngineReading(m.waiting, m.running, int(view.age_s * 1_000_000))
+        held = min(held, peak_usage(running, ours_now - unindexed, reading) + unindexed)
     projected = foreign + pad + max(factor * held, ours_now)
     budget = max(0, math.floor(reserved + (target - projected) / factor))
     reason = ""

@@ -57,8 +57,8 @@ not measured yet (scheduler.budget.peak_usage), not as already in the cache."""
 
 
 _Indexed = tuple[str, int, int, int] | None
-"""A running-index member parsed: node, prompt tokens, max tokens, and when it may have started
-decoding (µs); None for a member this version did not write."""
+"""A running-index member parsed: node, prompt tokens, max tokens, and when it may have reached
+its engine (µs); None for a member this version did not write."""
 
 
 def _parse_member(raw: Any, released_us: Any) -> _Indexed:
@@ -66,9 +66,8 @@ def _parse_member(raw: Any, released_us: Any) -> _Indexed:
     try:
         node, prompt, max_tokens, _ = member.split(" ", 3)
         prompt_tokens = int(prompt)
-        decoding_from = (int(float(released_us)) + DISPATCH_US
-                         + prompt_tokens * PREFILL_US_PER_TOKEN)
-        return node, prompt_tokens, int(max_tokens), decoding_from
+        arriving_at = int(float(released_us)) + DISPATCH_US
+        return node, prompt_tokens, int(max_tokens), arriving_at
     except ValueError:
         return None  # counted at full size instead (plan_node's unindexed reservations)
 
@@ -85,8 +84,10 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
         parsed[raw] = entry
         if entry is None:
             continue
-        node, prompt_tokens, max_tokens, decoding_from = entry
-        task = RunningTask(prompt_tokens, max_tokens, max(0, now_us - decoding_from))
+        node, prompt_tokens, max_tokens, arriving_at = entry
+        arrived_us = now_us - arriving_at
+        task = RunningTask(prompt_tokens, max_tokens,
+                           max(0, arrived_us - prompt_tokens * PREFILL_US_PER_TOKEN), arrived_us)
         tasks = out.get(node)
         if tasks is None:
             out[node] = [task]

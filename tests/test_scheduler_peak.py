@@ -6,24 +6,60 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.budget import RunningTask, _decode_rate, peak_usage, plan_node
+from scheduler.budget import (
+    FRESH_READING,
+    EngineReading,
+    RunningTask,
+    _decode_rate,
+    peak_usage,
+    plan_node,
+    unmeasured_count,
+)
 from scheduler.pool import DISPATCH_US, PREFILL_US_PER_TOKEN, _running
 from scheduler.scrape import NodeMetrics, NodeView
 
+
+def task(prompt: int, max_tokens: int, arrived_us: int) -> RunningTask:
+    """A task as the leader sees it `arrived_us` after it may have reached its engine."""
+    return RunningTask(prompt, max_tokens, max(0, arrived_us - prompt * PREFILL_US_PER_TOKEN),
+                       arrived_us)
+
+
 tasks_strategy = st.lists(
-    st.builds(RunningTask, st.integers(0, 9_000), st.integers(0, 4_000),
-              st.integers(0, 300_000_000)),
+    st.builds(task, st.integers(0, 9_000), st.integers(0, 4_000),
+              st.integers(-300_000, 300_000_000)),
     min_size=1, max_size=40,
 )
+readings = st.builds(EngineReading, st.integers(0, 10), st.none() | st.integers(0, 40),
+                     st.integers(0, 1_000_000))
 
 
-def reference_peak(tasks: list[RunningTask], ours_now: float) -> float:
-    """Calibrate the tasks past their prefill allowance by bisection, then decode one step at a
-    time until every task has ended; the others start from their prompt."""
-    started = [t for t in tasks if t.age_us > 0]
-    unseen = [t for t in tasks if t.age_us <= 0]
+def reference_unseen(tasks: list[RunningTask], reading: EngineReading) -> list[RunningTask]:
+    """The tasks the reading cannot hold, one at a time from the youngest arrival: it arrived
+    after the reading; or the engine's queue and the tasks it does not count as running take
+    it; or it is the one being prefilled (something queued, or within its prefill allowance
+    when read)."""
+    youngest_first = sorted(tasks, key=lambda t: t.arrived_us)
+    unseen = [t for t in youngest_first if t.arrived_us <= reading.age_us]
+    rest = youngest_first[len(unseen):]
+    running_slots = len(rest) if reading.running is None else reading.running
+    queued = min(len(rest), max(reading.waiting, len(rest) - running_slots))
+    unseen += rest[:queued]
+    rest = rest[queued:]
+    if rest and (reading.waiting > 0 or rest[0].age_us <= reading.age_us):
+        unseen.append(rest[0])
+    return unseen
+
+
+def reference_peak(tasks: list[RunningTask], ours_now: float,
+                   reading: EngineReading = FRESH_READING) -> float:
+    """Calibrate the tasks the reading holds by bisection, then decode one step at a time
+    until every task has ended; the others start from their prompt."""
+    unseen = reference_unseen(tasks, reading)
+    started = sorted(tasks, key=lambda t: t.arrived_us)[len(unseen):]
     prompts = sum(t.prompt_tokens for t in started)
-    generated = min(max(0.0, ours_now - prompts), float(sum(t.max_tokens for t in started)))
+    generated = min(max(0.0, ours_now - prompts),
+                    float(sum(t.max_tokens for t in started if t.age_us > 0)))
 
     def made(rate: float) -> float:
         return sum(min(t.max_tokens, t.age_us * rate) for t in started)
@@ -51,13 +87,15 @@ def reference_peak(tasks: list[RunningTask], ours_now: float) -> float:
     return min(peak, sum(t.prompt_tokens + t.max_tokens for t in tasks))
 
 
-@settings(max_examples=150, deadline=None)
-@given(tasks_strategy, st.floats(0, 1))
-def test_peak_matches_the_step_by_step_reference(tasks: list[RunningTask], share: float) -> None:
+@settings(max_examples=200, deadline=None)
+@given(tasks_strategy, st.floats(0, 1), readings)
+def test_peak_matches_the_step_by_step_reference(tasks: list[RunningTask], share: float,
+                                                 reading: EngineReading) -> None:
     total = sum(t.prompt_tokens + t.max_tokens for t in tasks)
     ours_now = share * total
-    assert peak_usage(tasks, ours_now) == pytest.approx(reference_peak(tasks, ours_now),
-                                                        rel=1e-6, abs=1e-3)
+    assert unmeasured_count(tasks, reading) == len(reference_unseen(tasks, reading))
+    assert peak_usage(tasks, ours_now, reading) == pytest.approx(
+        reference_peak(tasks, ours_now, reading), rel=1e-6, abs=1e-3)
 
 
 @settings(max_examples=300, deadline=None)
@@ -82,7 +120,7 @@ def test_a_new_task_raises_the_peak_by_at_most_its_cost(
     ours_now = share * sum(t.prompt_tokens + t.max_tokens for t in tasks)
     before = peak_usage(tasks, ours_now)
     # Released since the last scrape: not in the measurement, no progress yet.
-    after = peak_usage([*tasks, RunningTask(prompt, out, 0)], ours_now)
+    after = peak_usage([*tasks, task(prompt, out, -1)], ours_now)
     assert after <= before + prompt + out + 1e-6
 
 
@@ -101,7 +139,7 @@ def test_half_done_generations_project_well_below_their_final_sizes() -> None:
     # 100 generations of 4,000 tokens released one per 0.8 s, decoding 50 tokens/s: the
     # oldest is nearly done. Their final sizes sum to 400k + prompts; the node will never
     # hold that, since each ends as a new one starts.
-    tasks = [RunningTask(200, 4_000, i * 800_000) for i in range(100)]
+    tasks = [task(200, 4_000, i * 800_000 + 200 * PREFILL_US_PER_TOKEN) for i in range(100)]
     generated = sum(i * 40 for i in range(100))
     peak = peak_usage(tasks, 100 * 200 + generated)
     final = 100 * 4_200
@@ -110,14 +148,14 @@ def test_half_done_generations_project_well_below_their_final_sizes() -> None:
 
 
 def test_fresh_tasks_of_equal_length_peak_at_their_final_size() -> None:
-    tasks = [RunningTask(1_000, 500, 0) for _ in range(10)]
+    tasks = [task(1_000, 500, -1) for _ in range(10)]
     assert peak_usage(tasks, 0.0) == pytest.approx(15_000)
 
 
 def test_plan_node_budget_grows_with_the_peak_projection() -> None:
     metrics = NodeMetrics(0.3, "vllm:kv_cache_usage_perc", 100, 0, 0.0, 1_000_000, 16)
     node = NodeView("n", metrics, 1_000_000, False, False, 0.0, 1, "")
-    tasks = [RunningTask(200, 4_000, i * 800_000) for i in range(100)]
+    tasks = [task(200, 4_000, i * 800_000 + 200 * PREFILL_US_PER_TOKEN) for i in range(100)]
     reserved = 100 * 4_200
     final = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78, stale_policy="full")
     peak = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78, stale_policy="full",
@@ -135,27 +173,49 @@ def test_requests_waiting_in_the_engine_do_not_hide_the_progress_of_the_decoding
     # 50 generations of 4,000 tokens at uniform progress, and 40 fresh 8k-token documents the
     # engine has not prefilled yet (it reports 40 waiting): the cache holds the generations'
     # prompts and output so far, not the documents.
-    gens = [RunningTask(200, 4_000, 1_000_000 + i * 3_200_000) for i in range(50)]
-    docs = [RunningTask(8_000, 100, i * 10_000) for i in range(40)]
+    allowance = 8_000 * PREFILL_US_PER_TOKEN
+    gens = [task(200, 4_000, 1_000_000 + i * 3_200_000 + 200 * PREFILL_US_PER_TOKEN)
+            for i in range(50)]
+    docs = [task(8_000, 100, allowance + i * 10_000) for i in range(40)]
     generated = sum(min(4_000, (1 + i * 3.2) * 50) for i in range(50))
     ours_now = 50 * 200 + generated
-    peak = peak_usage([*gens, *docs], ours_now, waiting=40)
+    peak = peak_usage([*gens, *docs], ours_now, EngineReading(waiting=40))
     assert peak >= ours_now + 40 * 8_000  # now, once the documents are prefilled
-    # Without the waiting count the documents' prompts swallow the generated tokens in the
+    # Or the engine runs the 50 generations only: the documents are not in the cache either.
+    running_only = peak_usage([*gens, *docs], ours_now, EngineReading(running=50))
+    assert running_only >= ours_now + 40 * 8_000
+    # Without either count the documents' prompts swallow the generated tokens in the
     # calibration: the generations look fresh and the projection falls short of that floor.
     assert peak_usage([*gens, *docs], ours_now) < ours_now + 40 * 8_000
 
 
+def test_documents_prefilled_within_their_allowance_are_not_counted_twice() -> None:
+    # The same generations, and 10 documents that reached the engine 300 ms ago: within the
+    # 528 ms prefill allowance, but the engine reports all 60 running and none waiting, so the
+    # documents' prompts are in the measurement already.
+    gens = [task(200, 4_000, 1_000_000 + i * 3_200_000 + 200 * PREFILL_US_PER_TOKEN)
+            for i in range(50)]
+    docs = [task(8_000, 100, 300_000) for _ in range(10)]
+    generated = sum(min(4_000, (1 + i * 3.2) * 50) for i in range(50))
+    ours_now = 50 * 200 + generated + 10 * 8_000
+    read_50_ms_ago = EngineReading(waiting=0, running=60, age_us=50_000)
+    peak = peak_usage([*gens, *docs], ours_now, read_50_ms_ago)
+    # One document may still be in its last prefill chunk: at most one counted again.
+    assert peak < ours_now + 2 * 8_000
+    assert peak >= ours_now
+    # Read before they arrived, they are all unmeasured.
+    read_before = EngineReading(waiting=0, running=50, age_us=400_000)
+    assert peak_usage([*gens, *docs], ours_now - 10 * 8_000, read_before) >= ours_now
+
+
 @settings(max_examples=200, deadline=None)
-@given(tasks_strategy, st.floats(0, 1), st.integers(1, 10))
-def test_waiting_requests_never_lower_the_projection(
-        tasks: list[RunningTask], share: float, waiting: int) -> None:
+@given(tasks_strategy, st.floats(0, 1), readings)
+def test_tasks_the_reading_cannot_hold_count_from_their_full_prompt(
+        tasks: list[RunningTask], share: float, reading: EngineReading) -> None:
     final = sum(t.prompt_tokens + t.max_tokens for t in tasks)
     ours_now = share * final
-    # The engine's queue and the prompt it is prefilling, or every task within its allowance.
-    unseen = max(waiting + 1, sum(1 for t in tasks if t.age_us <= 0))
-    queued = sorted(tasks, key=lambda t: t.age_us)[:unseen]
-    peak = peak_usage(tasks, ours_now, waiting)
+    queued = reference_unseen(tasks, reading)
+    peak = peak_usage(tasks, ours_now, reading)
     assert peak >= min(final, ours_now + sum(t.prompt_tokens for t in queued)) - 1e-6
     assert peak <= final + 1e-6
 
@@ -165,14 +225,14 @@ def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -
     members = [(b"n1 100 50 t1", 1_000_000.0), (b"n2 200 80 t2", 2_000_000.0),
                (b"garbage", 3_000_000.0)]
     by_node, known = _running(members, now, {})
-    def age(released: int, prompt: int) -> int:
-        return now - released - DISPATCH_US - prompt * PREFILL_US_PER_TOKEN
+    def arrived(released: int) -> int:
+        return now - released - DISPATCH_US
 
-    assert by_node == {"n1": [RunningTask(100, 50, age(1_000_000, 100))],
-                       "n2": [RunningTask(200, 80, age(2_000_000, 200))]}
+    assert by_node == {"n1": [task(100, 50, arrived(1_000_000))],
+                       "n2": [task(200, 80, arrived(2_000_000))]}
     # What was parsed is used as it is on the next tick (ages move with `now`); a member that
     # left the index leaves the cache too.
-    known[b"n1 100 50 t1"] = ("n1", 100, 50, now - 5)
+    known[b"n1 100 50 t1"] = ("n1", 100, 50, now - 100 * PREFILL_US_PER_TOKEN - 5)
     later, known = _running(members[:1] + members[2:], now + 10, known)
-    assert later == {"n1": [RunningTask(100, 50, 15)]}
+    assert later == {"n1": [RunningTask(100, 50, 15, 100 * PREFILL_US_PER_TOKEN + 15)]}
     assert set(known) == {b"n1 100 50 t1", b"garbage"}

@@ -18,7 +18,7 @@ import pytest
 
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, RequestStatus, SimRequest
-from scheduler.budget import RunningTask, peak_usage
+from scheduler.budget import EngineReading, RunningTask, peak_usage
 from scheduler.pool import DISPATCH_US, PREFILL_US_PER_TOKEN
 
 SCRAPE_EVERY_S = 0.05
@@ -59,19 +59,32 @@ class Node:
             peak = max(peak, future.engine.pool.used)
         return peak * future.engine.block_size
 
-    def projected_peak(self, now: float, used_tokens: int, waiting: int) -> float:
+    def projected_peak(self, now: float, scrape: Scrape) -> float:
         """What the leader projects from the running index and the last scrape."""
         tasks = []
         for req, released in self.released.items():
             if released > now or req.status is RequestStatus.FINISHED:
                 continue
-            allowance_us = DISPATCH_US + req.prompt_tokens * PREFILL_US_PER_TOKEN
-            decoding_from = released + allowance_us / 1e6
-            tasks.append(RunningTask(req.prompt_tokens, req.max_tokens,
-                                     max(0, int((now - decoding_from) * 1e6))))
+            arrived_us = int((now - released) * 1e6) - DISPATCH_US
+            tasks.append(RunningTask(
+                req.prompt_tokens, req.max_tokens,
+                max(0, arrived_us - req.prompt_tokens * PREFILL_US_PER_TOKEN), arrived_us))
         reserved = sum(t.prompt_tokens + t.max_tokens for t in tasks)
         pad = (self.engine.num_running + self.engine.num_waiting) * self.engine.block_size
-        return peak_usage(tasks, min(used_tokens, reserved), waiting) + pad
+        reading = EngineReading(scrape.waiting, scrape.running, int((now - scrape.at) * 1e6))
+        return peak_usage(tasks, min(scrape.used_tokens, reserved), reading) + pad
+
+    def scrape(self, now: float) -> Scrape:
+        return Scrape(now, self.engine.pool.used * self.engine.block_size,
+                      self.engine.num_waiting, self.engine.num_running)
+
+
+@dataclass(frozen=True)
+class Scrape:
+    at: float
+    used_tokens: int
+    waiting: int
+    running: int
 
 
 def busy_node(seed: int, documents: int, forwarding_s: float) -> Node:
@@ -102,18 +115,18 @@ def test_projection_covers_a_burst_of_documents_on_their_way_to_the_engine(
         seed: int, documents: int, forwarding_s: float) -> None:
     node = busy_node(seed, documents, forwarding_s)
     now: float | None = 0.0
-    scrape = (0, 0)
+    scrape = Scrape(0.0, 0, 0, 0)
     next_scrape = next_check = 0.0
     checked = 0
     capacity = node.engine.pool.usable * node.engine.block_size
     while now is not None and now < BURST_AT_S + 3.0:
         if now >= next_scrape:
-            scrape = (node.engine.pool.used * node.engine.block_size, node.engine.num_waiting)
+            scrape = node.scrape(now)
             next_scrape = now + SCRAPE_EVERY_S
         if now >= BURST_AT_S - 0.2 and now >= next_check:
             next_check = now + 0.1
             truth = node.true_peak(now)
-            projected = node.projected_peak(now, *scrape)
+            projected = node.projected_peak(now, scrape)
             assert projected >= truth - MODEL_ERROR * capacity, (
                 f"{now - BURST_AT_S:+.3f} s: projected {projected}, the engine reaches {truth}")
             checked += 1

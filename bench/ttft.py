@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.stats import percentile
+from bench.workload import burst_profile
 
 _PHASES = ("baseline", "burst", "after")
 
@@ -76,18 +77,13 @@ def load_traces(nodes_dir: Path) -> tuple[dict[str, tuple[int, dict[str, object]
     return requests, steps
 
 
-def phase_of(at: float, baseline_s: float, burst_s: float) -> str:
-    if at < baseline_s:
-        return "baseline"
-    return "burst" if at < baseline_s + burst_s else "after"
-
-
 def breakdowns(arm_dir: Path, tier: str, baseline_s: float, burst_s: float,
                time_scale: float = 1.0) -> list[Breakdown]:
     """Engine times are simulated; dividing by ``time_scale`` puts them in wall ms like TTFT."""
     wall_ms = 1000 / time_scale
     traced, steps = load_traces(arm_dir / "nodes")
     starts = {node: [s.start for s in node_steps] for node, node_steps in steps.items()}
+    profile = burst_profile(baseline_s, burst_s, after_s=math.inf)
     out: list[Breakdown] = []
     for row in _read_jsonl(arm_dir / "requests.jsonl"):
         ttft = row.get("ttft")
@@ -103,7 +99,7 @@ def breakdowns(arm_dir: Path, tier: str, baseline_s: float, burst_s: float,
         waited = [s for s in node_steps[lo:hi] if s.start + s.duration > arrival]
         engine_ms = (first - arrival) * wall_ms
         out.append(Breakdown(
-            phase=phase_of(float(row["at"]), baseline_s, burst_s),  # type: ignore[arg-type]
+            phase=profile.phase_at(float(row["at"])),  # type: ignore[arg-type]
             node=node,
             ttft_ms=float(ttft) * 1000,  # type: ignore[arg-type]
             outside_ms=float(ttft) * 1000 - engine_ms,  # type: ignore[arg-type]

@@ -6,6 +6,8 @@ import dataclasses
 import itertools
 import math
 import random
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -15,6 +17,8 @@ from bench.frontier import Point, frontier_table
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, SimRequest
 from bench.workload import PlannedRequest
+
+T = TypeVar("T")
 
 BLOCK = 16
 
@@ -127,20 +131,26 @@ def _mixed_requests(seed: int) -> list[PlannedRequest]:
     return requests
 
 
-def _record_admissions(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[float, SimRequest]]]:
-    """Each node's admitted requests with their admission times, in node order, as the replays
-    that follow create their nodes."""
-    nodes: list[list[tuple[float, SimRequest]]] = []
+def _admission_time(engine: Engine, now: float) -> float:
+    return now
+
+
+def _record_admissions(monkeypatch: pytest.MonkeyPatch,
+                       observe: Callable[[Engine, float], T],
+                       ) -> list[list[tuple[T, SimRequest]]]:
+    """Each node's admitted requests with what `observe` saw of the engine (and the time) as
+    each came, in node order, as the replays that follow create their nodes."""
+    nodes: list[list[tuple[T, SimRequest]]] = []
 
     class Recording(_Node):
         def __init__(self, config: SimConfig, kv_ceiling: float = 1.0) -> None:
             super().__init__(config, kv_ceiling)
-            log: list[tuple[float, SimRequest]] = []
+            log: list[tuple[T, SimRequest]] = []
             nodes.append(log)
-            add = self.engine.add
+            add, engine = self.engine.add, self.engine
 
             def recording_add(req: SimRequest, now: float) -> None:
-                log.append((now, req))
+                log.append((observe(engine, now), req))
                 add(req, now)
 
             self.engine.add = recording_add  # type: ignore[method-assign]
@@ -152,7 +162,7 @@ def _record_admissions(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[float
 @pytest.mark.parametrize("output_max", [None, 250])
 def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
         monkeypatch: pytest.MonkeyPatch, output_max: int | None) -> None:
-    admitted = _record_admissions(monkeypatch)
+    admitted = _record_admissions(monkeypatch, _admission_time)
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     result = ideal_replay(config, 2, _mixed_requests(7), time_scale=1.0, window=(2.0, 20.0),
                           vip_nodes=1, guest_prompt_max=300, guest_cap=3,
@@ -174,7 +184,7 @@ def test_paced_guests_bring_the_kept_node_prompt_tokens_at_most_at_the_rate(
     """Documents are allowed as guests here, so only the pacing keeps them off the kept node:
     after a guest of p prompt tokens it takes the next one p / rate seconds later at the
     earliest, and a demand above the rate meets that bound."""
-    admitted = _record_admissions(monkeypatch)
+    admitted = _record_admissions(monkeypatch, _admission_time)
     rate = 2000
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     result = ideal_replay(config, 2, _mixed_requests(5), time_scale=1.0, window=(2.0, 20.0),
@@ -289,22 +299,7 @@ def test_point_specs_and_the_frontier_table() -> None:
 def test_a_running_bound_closes_the_kept_node_to_guests(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each guest reaches the kept node only while it runs at most the bound; without the bound
     the same traffic takes it past it."""
-    seen: list[list[tuple[int, SimRequest]]] = []
-
-    class Recording(_Node):
-        def __init__(self, config: SimConfig, kv_ceiling: float = 1.0) -> None:
-            super().__init__(config, kv_ceiling)
-            log: list[tuple[int, SimRequest]] = []
-            seen.append(log)
-            add, engine = self.engine.add, self.engine
-
-            def recording_add(req: SimRequest, now: float) -> None:
-                log.append((engine.num_running, req))
-                add(req, now)
-
-            self.engine.add = recording_add  # type: ignore[method-assign]
-
-    monkeypatch.setattr("bench.capacity._Node", Recording)
+    seen = _record_admissions(monkeypatch, lambda engine, _: engine.num_running)
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     kwargs = {"vip_nodes": 1, "guest_prompt_max": 300}
     bounded = ideal_replay(config, 2, _mixed_requests(4), time_scale=1.0, window=(2.0, 20.0),

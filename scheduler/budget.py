@@ -150,7 +150,7 @@ def unmeasured_count(tasks: Sequence[RunningTask], reading: EngineReading) -> in
     Those that arrived after it was taken; of the others, those it did not count as running
     (the engine queues them, or they are still on their way: our tasks number more than its
     running ones), and one more if a prompt was being prefilled in chunks (the engine queued
-    something, or the youngest arrival was within its prefill allowance when read)."""
+    something, or the youngest of the rest was within its prefill allowance when read)."""
     after = sum(1 for t in tasks if t.arrived_us <= reading.age_us)
     before = len(tasks) - after
     if not before:
@@ -197,8 +197,8 @@ def peak_usage(tasks: Sequence[RunningTask], ours_now: float,
     generations would be projected short by everything they generated
     (bench/results/burst-findings.md, sixth session). Which tasks those are comes from the
     reading, not from the prefill allowance: a document the engine prefilled faster than its
-    allowance is in the measurement, and counting it again held the shared nodes ~2 points of
-    KV under their target (tenth session); the allowance only shapes the decode calibration."""
+    allowance is in the measurement, and the allowance alone counted it twice for up to ~0.85 s
+    (an 8k-token prompt); the allowance only shapes the decode calibration."""
     if not tasks:
         return 0.0
     unseen = unmeasured_count(tasks, reading)

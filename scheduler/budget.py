@@ -144,25 +144,22 @@ FRESH_READING = EngineReading()
 """Taken just now, nothing queued, running count unknown."""
 
 
-def unmeasured_count(tasks: Sequence[RunningTask], reading: EngineReading) -> int:
-    """How many of the youngest tasks (by arrival) the reading cannot hold in full.
+def unmeasured_count(youngest_first: Sequence[RunningTask], reading: EngineReading) -> int:
+    """How many of the youngest tasks (given in order of arrival, latest first) the reading
+    cannot hold in full.
 
     Those that arrived after it was taken; of the others, those it did not count as running
     (the engine queues them, or they are still on their way: our tasks number more than its
     running ones), and one more if a prompt was being prefilled in chunks (the engine queued
     something, or the youngest of the rest was within its prefill allowance when read)."""
-    after = sum(1 for t in tasks if t.arrived_us <= reading.age_us)
-    before = len(tasks) - after
-    if not before:
-        return after
+    after = sum(1 for t in youngest_first if t.arrived_us <= reading.age_us)
+    before = len(youngest_first) - after
     not_running = reading.waiting
     if reading.running is not None:
         not_running = max(not_running, before - reading.running)
     not_running = min(before, not_running)
     if not_running < before:
-        by_arrival = sorted((t for t in tasks if t.arrived_us > reading.age_us),
-                            key=lambda t: t.arrived_us)
-        youngest_running = by_arrival[not_running]
+        youngest_running = youngest_first[after + not_running]
         if reading.waiting > 0 or youngest_running.age_us <= reading.age_us:
             not_running += 1
     return after + not_running
@@ -201,12 +198,9 @@ def peak_usage(tasks: Sequence[RunningTask], ours_now: float,
     (an 8k-token prompt); the allowance only shapes the decode calibration."""
     if not tasks:
         return 0.0
-    unseen = unmeasured_count(tasks, reading)
-    queued: Sequence[RunningTask] = ()
-    started = tasks
-    if unseen:
-        by_arrival = sorted(tasks, key=lambda t: t.arrived_us)
-        queued, started = by_arrival[:unseen], by_arrival[unseen:]
+    youngest_first = sorted(tasks, key=lambda t: t.arrived_us)
+    unseen = unmeasured_count(youngest_first, reading)
+    queued, started = youngest_first[:unseen], youngest_first[unseen:]
     prompts = sum(t.prompt_tokens for t in started)
     # Tasks within their prefill allowance have generated nothing yet.
     could_have = float(sum(t.max_tokens for t in started if t.age_us > 0))

@@ -56,6 +56,13 @@ leaves out 250 ms for that, so that a burst of documents on its way to the engin
 not measured yet (scheduler.budget.peak_usage), not as already in the cache."""
 
 
+def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int) -> RunningTask:
+    """A task `arrived_us` after it may have reached its engine: it decodes once its prompt is
+    prefilled."""
+    return RunningTask(prompt_tokens, max_tokens,
+                       max(0, arrived_us - prompt_tokens * PREFILL_US_PER_TOKEN), arrived_us)
+
+
 _Indexed = tuple[str, int, int, int] | None
 """A running-index member parsed: node, prompt tokens, max tokens, and when it may have reached
 its engine (µs); None for a member this version did not write."""
@@ -85,9 +92,7 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
         if entry is None:
             continue
         node, prompt_tokens, max_tokens, arriving_at = entry
-        arrived_us = now_us - arriving_at
-        task = RunningTask(prompt_tokens, max_tokens,
-                           max(0, arrived_us - prompt_tokens * PREFILL_US_PER_TOKEN), arrived_us)
+        task = running_task(prompt_tokens, max_tokens, now_us - arriving_at)
         tasks = out.get(node)
         if tasks is None:
             out[node] = [task]

@@ -16,14 +16,8 @@ from scheduler.budget import (
     unmeasured_count,
 )
 from scheduler.pool import DISPATCH_US, PREFILL_US_PER_TOKEN, _running
+from scheduler.pool import running_task as task
 from scheduler.scrape import NodeMetrics, NodeView
-
-
-def task(prompt: int, max_tokens: int, arrived_us: int) -> RunningTask:
-    """A task as the leader sees it `arrived_us` after it may have reached its engine."""
-    return RunningTask(prompt, max_tokens, max(0, arrived_us - prompt * PREFILL_US_PER_TOKEN),
-                       arrived_us)
-
 
 tasks_strategy = st.lists(
     st.builds(task, st.integers(0, 9_000), st.integers(0, 4_000),
@@ -93,7 +87,8 @@ def test_peak_matches_the_step_by_step_reference(tasks: list[RunningTask], share
                                                  reading: EngineReading) -> None:
     total = sum(t.prompt_tokens + t.max_tokens for t in tasks)
     ours_now = share * total
-    assert unmeasured_count(tasks, reading) == len(reference_unseen(tasks, reading))
+    youngest_first = sorted(tasks, key=lambda t: t.arrived_us)
+    assert unmeasured_count(youngest_first, reading) == len(reference_unseen(tasks, reading))
     assert peak_usage(tasks, ours_now, reading) == pytest.approx(
         reference_peak(tasks, ours_now, reading), rel=1e-6, abs=1e-3)
 

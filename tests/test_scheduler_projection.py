@@ -18,8 +18,8 @@ import pytest
 
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, RequestStatus, SimRequest
-from scheduler.budget import EngineReading, RunningTask, peak_usage
-from scheduler.pool import DISPATCH_US, PREFILL_US_PER_TOKEN
+from scheduler.budget import EngineReading, peak_usage
+from scheduler.pool import DISPATCH_US, running_task
 
 SCRAPE_EVERY_S = 0.05
 MODEL_ERROR = 0.005
@@ -66,9 +66,7 @@ class Node:
             if released > now or req.status is RequestStatus.FINISHED:
                 continue
             arrived_us = int((now - released) * 1e6) - DISPATCH_US
-            tasks.append(RunningTask(
-                req.prompt_tokens, req.max_tokens,
-                max(0, arrived_us - req.prompt_tokens * PREFILL_US_PER_TOKEN), arrived_us))
+            tasks.append(running_task(req.prompt_tokens, req.max_tokens, arrived_us))
         reserved = sum(t.prompt_tokens + t.max_tokens for t in tasks)
         pad = (self.engine.num_running + self.engine.num_waiting) * self.engine.block_size
         reading = EngineReading(scrape.waiting, scrape.running, int((now - scrape.at) * 1e6))

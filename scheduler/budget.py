@@ -44,10 +44,11 @@ step until it reaches max_tokens, then leaves. Progress so far is calibrated on 
 measurement: one decode rate for the node such that prompts + tokens generated match
 ``ours_now``, each task's share by its age (less an allowance for its prefill: a document that
 waits for the compute to prefill 8k tokens has generated nothing yet). P is the highest usage
-this projection reaches at any step; it is never above R (the tasks' final sizes), and a new
-task of cost W raises it by at most W, which keeps the budget's guarantee. Tasks that may not
-be in the measurement yet (on their way to the engine, queued in it, partly prefilled) stay
-out of the calibration and count from their full prompt (`peak_usage`). Measurement lag makes
+this projection reaches at any step, now included (never below ``ours_now``); it is never above
+R (the tasks' final sizes), and a new task of cost W raises it by at most W, which keeps the
+budget's guarantee. Tasks that may not be in the measurement yet (on their way to the engine,
+queued in it, partly prefilled) stay out of the calibration and count from their full prompt
+(`peak_usage`). Measurement lag makes
 the calibrated rate low, so tasks look younger and end later than they will: the projection
 errs towards overlap, the safe side.
 
@@ -186,7 +187,7 @@ def _decode_rate(tasks: Sequence[RunningTask], generated: float) -> float:
 
 def peak_usage(tasks: Sequence[RunningTask], ours_now: float,
                reading: EngineReading = FRESH_READING) -> float:
-    """Highest KV (tokens) these tasks hold at any future decode step (module docstring).
+    """Highest KV (tokens) these tasks hold now or at any future decode step (module docstring).
 
     Tasks that may not be in the measurement yet (`unmeasured_count`) count at full prompt from
     now on and stay out of the calibration. In the calibration their prompts would swallow the
@@ -224,10 +225,11 @@ def peak_usage(tasks: Sequence[RunningTask], ours_now: float,
         at_end = size_from[j] + remaining * (alive - j)
         if at_end > peak:
             peak = at_end
-    if queued:
-        # What the cache holds now plus the prompts still to come is a floor, whatever the
-        # calibration made of the rest.
-        peak = max(peak, ours_now + sum(t.prompt_tokens for t in queued))
+    # What the cache holds now plus the prompts still to come is a floor, whatever the
+    # calibration made of the rest: also with nothing to come, when the tasks hold more than
+    # their ages explain (a prefill faster than its allowance). A floor applied only when
+    # something is queued let a fresh task of cost 0 lift the peak from below `ours_now` to it.
+    peak = max(peak, ours_now + sum(t.prompt_tokens for t in queued))
     # No task holds more than its final size, whatever was counted twice.
     return min(peak, float(sum(t.prompt_tokens + t.max_tokens for t in tasks)))
 

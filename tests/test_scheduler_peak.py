@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scheduler.budget import (
@@ -18,12 +18,11 @@ from scheduler.budget import (
 from scheduler.pool import DISPATCH_US, PREFILL_US_PER_TOKEN, _running
 from scheduler.pool import running_task as task
 from scheduler.scrape import NodeMetrics, NodeView
+from tests.properties import PROPERTIES, examples
 
-tasks_strategy = st.lists(
-    st.builds(task, st.integers(0, 9_000), st.integers(0, 4_000),
-              st.integers(-300_000, 300_000_000)),
-    min_size=1, max_size=40,
-)
+one_task = st.builds(task, st.integers(0, 9_000), st.integers(0, 4_000),
+                     st.integers(-300_000, 300_000_000))
+tasks_strategy = st.lists(one_task, min_size=1, max_size=40)
 readings = st.builds(EngineReading, st.integers(0, 10), st.none() | st.integers(0, 40),
                      st.integers(0, 1_000_000))
 
@@ -76,12 +75,12 @@ def reference_peak(tasks: list[RunningTask], ours_now: float,
         nxt = min(left for _, left in live if left > step)
         peak = max(peak, sum(size + nxt for size, left in live if left >= nxt))
         step = nxt  # type: ignore[assignment]
-    if unseen:
-        peak = max(peak, ours_now + sum(t.prompt_tokens for t in unseen))
+    # Never below what the cache holds now and the prompts still to come.
+    peak = max(peak, ours_now + sum(t.prompt_tokens for t in unseen))
     return min(peak, sum(t.prompt_tokens + t.max_tokens for t in tasks))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(PROPERTIES, max_examples=examples(200))
 @given(tasks_strategy, st.floats(0, 1), readings)
 def test_peak_matches_the_step_by_step_reference(tasks: list[RunningTask], share: float,
                                                  reading: EngineReading) -> None:
@@ -93,33 +92,38 @@ def test_peak_matches_the_step_by_step_reference(tasks: list[RunningTask], share
         reference_peak(tasks, ours_now, reading), rel=1e-6, abs=1e-3)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(PROPERTIES, max_examples=examples(300))
 @given(tasks_strategy, st.floats(0, 1))
+# More usage than the tasks' ages explain (the younger one is within its prefill allowance),
+# nothing unmeasured: the peak is still what the cache holds now.
+@example([task(0, 1, 1), task(1, 1, 2)], 0.75)
 def test_peak_is_bounded_by_now_and_by_final_sizes(tasks: list[RunningTask], share: float) -> None:
     prompts = sum(t.prompt_tokens for t in tasks)
     final = sum(t.prompt_tokens + t.max_tokens for t in tasks)
     ours_now = share * final
     peak = peak_usage(tasks, ours_now)
     assert peak <= final + 1e-6
-    # Usage the tasks cannot explain (more than a task of age 0 could have generated) is left
-    # to plan_node's floor, max(peak, measured).
-    explainable = prompts + sum(t.max_tokens for t in tasks if t.age_us > 0)
-    assert peak >= max(min(ours_now, explainable), prompts) - 1e-6
+    assert peak >= max(ours_now, prompts) - 1e-6
 
 
-@settings(max_examples=300, deadline=None)
-@given(tasks_strategy, st.floats(0, 1), st.integers(0, 9_000), st.integers(0, 4_000))
+@settings(PROPERTIES, max_examples=examples(300))
+@given(tasks_strategy, st.floats(0, 1), st.integers(0, 9_000), st.integers(0, 4_000), readings)
+# The peak was 2 with the cache holding 3 (the younger task within its prefill allowance, so
+# its tokens unexplained), and the floor "now plus the prompts to come" applied only when
+# some task was unmeasured: a task of cost 0 lifted the peak to 3.
+@example([task(0, 1, 1), task(1, 1, 2)], 0.75, 0, 0, FRESH_READING)
 def test_a_new_task_raises_the_peak_by_at_most_its_cost(
-        tasks: list[RunningTask], share: float, prompt: int, out: int) -> None:
+        tasks: list[RunningTask], share: float, prompt: int, out: int,
+        reading: EngineReading) -> None:
     # What keeps the budget sound: the gateways may add any task of cost W <= budget - R.
     ours_now = share * sum(t.prompt_tokens + t.max_tokens for t in tasks)
-    before = peak_usage(tasks, ours_now)
+    before = peak_usage(tasks, ours_now, reading)
     # Released since the last scrape: not in the measurement, no progress yet.
-    after = peak_usage([*tasks, task(prompt, out, -1)], ours_now)
+    after = peak_usage([*tasks, task(prompt, out, -1)], ours_now, reading)
     assert after <= before + prompt + out + 1e-6
 
 
-@settings(max_examples=200, deadline=None)
+@settings(PROPERTIES, max_examples=examples(200))
 @given(tasks_strategy, st.floats(0, 1))
 def test_decode_rate_explains_the_generated_tokens(tasks: list[RunningTask], share: float) -> None:
     generated = share * sum(t.max_tokens for t in tasks if t.age_us > 0)
@@ -164,6 +168,39 @@ def test_plan_node_budget_grows_with_the_peak_projection() -> None:
     assert unknown.budget == final.budget
 
 
+@settings(PROPERTIES, max_examples=examples(300))
+@given(st.lists(one_task, max_size=40), st.integers(0, 50_000), st.floats(0, 1),
+       st.integers(1_000, 2_000_000), readings, st.floats(0.2, 1), st.floats(0.3, 0.95),
+       st.floats(0, 1), st.floats(0, 1))
+# The peak_usage case above at the node: the cache holds 3 of 4 reserved tokens, the tasks
+# explain 2; a task of cost 0 must leave the budget and the projection as they were.
+@example([task(0, 1, 1), task(1, 1, 2)], 0, 0.0003, 10_000, FRESH_READING, 1.0, 0.5, 0.0, 0.0)
+def test_what_the_budget_allows_keeps_the_next_projection_under_the_target(
+        tasks: list[RunningTask], unindexed: int, usage: float, capacity: int,
+        reading: EngineReading, factor: float, kv_target: float, a: float, b: float) -> None:
+    # The budget's guarantee: the gateways may add any task of cost W <= budget - R, and with
+    # the same measurement the next plan projects at most f x W more, so never past the target.
+    reserved = sum(t.prompt_tokens + t.max_tokens for t in tasks) + unindexed
+    running = reading.running if reading.running is not None else len(tasks)
+    metrics = NodeMetrics(usage, "vllm:kv_cache_usage_perc", running, reading.waiting, 0.0,
+                          capacity, 16)
+    node = NodeView("n", metrics, capacity, False, False, reading.age_us / 1e6, 1, "")
+    before = plan_node(node, reserved=reserved, factor=factor, kv_target=kv_target,
+                       stale_policy="full", running=tasks)
+    assert before.budget is not None
+    room = max(0, before.budget - reserved)
+    prompt = int(a * room)
+    out = int(b * (room - prompt))
+    after = plan_node(node, reserved=reserved + prompt + out, factor=factor,
+                      kv_target=kv_target, stale_policy="full",
+                      running=[*tasks, task(prompt, out, -1)])
+    tolerance = 1e-6 * (capacity + reserved)
+    assert after.projected * capacity <= (
+        before.projected * capacity + factor * (prompt + out) + tolerance)
+    if before.projected <= kv_target:
+        assert after.projected * capacity <= kv_target * capacity + tolerance
+
+
 def test_requests_waiting_in_the_engine_do_not_hide_the_progress_of_the_decoding_ones() -> None:
     # 50 generations of 4,000 tokens at uniform progress, and 40 fresh 8k-token documents the
     # engine has not prefilled yet (it reports 40 waiting): the cache holds the generations'
@@ -203,7 +240,7 @@ def test_documents_prefilled_within_their_allowance_are_not_counted_twice() -> N
     assert peak_usage([*gens, *docs], ours_now - 10 * 8_000, read_before) >= ours_now
 
 
-@settings(max_examples=200, deadline=None)
+@settings(PROPERTIES, max_examples=examples(200))
 @given(tasks_strategy, st.floats(0, 1), readings)
 def test_tasks_the_reading_cannot_hold_count_from_their_full_prompt(
         tasks: list[RunningTask], share: float, reading: EngineReading) -> None:

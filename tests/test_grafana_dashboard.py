@@ -426,7 +426,7 @@ def test_zone_panels_map_the_exported_levels_to_zone_names() -> None:
 def test_expressions_parse_with_promtool(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (Debian package 'prometheus')")
+        pytest.skip("promtool not installed (`make promtool` installs Debian's 'prometheus')")
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"kvgate:dashboard:expr{i}", "expr": for_promql(e.expr)}
         for i, e in enumerate(EXPRS)

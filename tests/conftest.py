@@ -1,22 +1,63 @@
 """Shared fixtures: a real redis-server per test session, a clean database per test.
 
-`REDIS_URL` in the environment points the tests at an existing server instead (it is flushed
-between tests, so never point it at one that holds anything you care about). testcontainers is
-used only when KVGATE_TEST_DOCKER=1 and a Docker engine answers; the default is a private
-redis-server child process on a free port.
+Every server these fixtures empty (FLUSHDB, FLUSHALL, SCRIPT FLUSH) is one the suite started
+itself: a private redis-server child process on a free loopback port by default, or a
+testcontainers Redis when KVGATE_TEST_DOCKER=1 and a Docker engine answers. `REDIS_URL` is
+removed from the environment for the whole session, so neither a fixture, nor `parse_config`
+(which reads it), nor a child process can reach the server a developer's shell points at.
+
+KVGATE_TEST_EXTERNAL_REDIS_URL=redis://host:port/db opts in to running the tests that take the
+`pool_redis` fixture against an existing server (to check another Redis version or a managed
+service). Such a test works only under a pool name unique to it, so all its keys fall under
+``kvg:{<pool>}:``; afterwards the fixture deletes the keys under that prefix (SCAN + UNLINK) and
+nothing else. The external server is never flushed and never sent SCRIPT FLUSH, and a test that
+also asks for `redis_client` or `redis_url` (it flushes, touches the scheduler's global keys or
+needs the whole server) gets the private server instead.
+
+KVGATE_TEST_NO_SKIP=1 (set by `make test`, which installs everything the suite needs) turns any
+skipped test into a failure, so a missing tool cannot hide a test in CI.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import AsyncIterator, Callable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from admission.keys import PoolKeys
 from admission.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
+
+EXTERNAL_REDIS_ENV = "KVGATE_TEST_EXTERNAL_REDIS_URL"
+NO_SKIP_ENV = "KVGATE_TEST_NO_SKIP"
+# A test that asks for one of these needs a server it may empty: never the external one.
+PRIVATE_REDIS_FIXTURES = frozenset({"redis_client", "redis_url"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The gateway's and scheduler's config loaders give REDIS_URL precedence over the file, and
+    # child processes inherit it: with it gone, no test can reach a server it did not start.
+    os.environ.pop("REDIS_URL", None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.skipped and os.environ.get(NO_SKIP_ENV) == "1" and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (
+            f"skipped, and {NO_SKIP_ENV}=1 forbids skips (make test installs what the suite "
+            f"needs; install the missing piece in the Makefile): {reason}"
+        )
+    return report
 
 
 def _docker_reachable() -> bool:
@@ -31,10 +72,7 @@ def _docker_reachable() -> bool:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    env_url = os.environ.get("REDIS_URL")
-    if env_url:
-        yield env_url
-        return
+    """A server this session started (and so may empty), never one from the environment."""
     if os.environ.get("KVGATE_TEST_DOCKER") == "1" and _docker_reachable():
         from testcontainers.redis import RedisContainer
 
@@ -60,6 +98,60 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
         yield client
     finally:
         await client.aclose()
+
+
+@dataclass(frozen=True)
+class PoolRedis:
+    """A client and a pool name no other test uses; `external` tells which server it is."""
+
+    client: aioredis.Redis
+    pool: str
+    external: bool
+
+    @property
+    def keys(self) -> PoolKeys:
+        return PoolKeys(self.pool)
+
+
+async def delete_prefix(client: aioredis.Redis, prefix: str) -> int:
+    """UNLINK every key under `prefix` (SCAN, so a large database is not blocked); the count."""
+    pattern = prefix.replace("\\", "\\\\")
+    for special in "*?[]":
+        pattern = pattern.replace(special, "\\" + special)
+    deleted = 0
+    batch: list[bytes] = []
+    async for key in client.scan_iter(match=pattern + "*", count=500):
+        batch.append(key)
+        if len(batch) == 500:
+            deleted += await client.unlink(*batch)
+            batch.clear()
+    if batch:
+        deleted += await client.unlink(*batch)
+    return deleted
+
+
+@pytest.fixture
+async def pool_redis(request: pytest.FixtureRequest) -> AsyncIterator[PoolRedis]:
+    """A pool of its own: on the opted-in external server when the test can run there."""
+    pool = f"kvgate-test-{uuid.uuid4().hex[:16]}"
+    external_url = os.environ.get(EXTERNAL_REDIS_ENV, "")
+    external = bool(external_url) and not PRIVATE_REDIS_FIXTURES & set(request.fixturenames)
+    if external:
+        client = aioredis.Redis.from_url(external_url)
+    else:
+        # The session's own server, emptied as `redis_client` empties it (the test may ask for
+        # both: FLUSHDB on the same server twice is harmless).
+        client = aioredis.Redis.from_url(request.getfixturevalue("redis_url"))
+        await client.flushdb()
+        await client.script_flush()
+    try:
+        yield PoolRedis(client, pool, external=external)
+    finally:
+        try:
+            if external:
+                await delete_prefix(client, PoolKeys(pool).prefix)
+        finally:
+            await client.aclose()
 
 
 @pytest.fixture

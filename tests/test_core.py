@@ -26,13 +26,16 @@ from admission.store import (
     leadership,
 )
 from admission.tiers import Tier, Zone
+from tests.conftest import PoolRedis
 
 POOL = "core"
 
 
 @pytest.fixture
-async def store(redis_client: aioredis.Redis) -> PoolStore:
-    return PoolStore(redis_client, register_scripts(redis_client), POOL, PoolPolicy())
+async def store(pool_redis: PoolRedis) -> PoolStore:
+    """A pool of its own; on an opted-in external Redis when the test asks for nothing else."""
+    client = pool_redis.client
+    return PoolStore(client, register_scripts(client), pool_redis.pool, PoolPolicy())
 
 
 def _int(raw: bytes | str | None) -> int:
@@ -90,8 +93,8 @@ async def test_200_concurrent_admits_from_3_clients_admit_exactly_k(redis_url: s
         await c.aclose()
 
 
-async def test_cancel_returns_every_balance_to_its_start(store: PoolStore,
-                                                         redis_client: aioredis.Redis) -> None:
+async def test_cancel_returns_every_balance_to_its_start(store: PoolStore) -> None:
+    redis_client = store.client
     tenant = TenantQuota("acme", rate=0, burst=1_000, max_queued=10)
     await _give_capacity(store, {"n1": 250})
     ids = [f"t{i}" for i in range(6)]
@@ -161,7 +164,7 @@ async def test_killed_gateway_tasks_are_reaped_and_late_settle_is_noop(
 ) -> None:
     await _give_capacity(store, {"n1": 600})  # two of the four fit; two stay queued
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", GATEWAY_THAT_DIES, redis_url, POOL,
+        sys.executable, "-c", GATEWAY_THAT_DIES, redis_url, store.pool,
         stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert proc.stdout is not None

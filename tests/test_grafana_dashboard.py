@@ -40,7 +40,6 @@ from scheduler.metrics import ZONE_LEVEL
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvgate-dashboard.json"
-DOCS = ROOT / "docs"
 
 TARGET_LABELS = frozenset({"job", "instance", "pod", "namespace", "service", "container",
                            "endpoint"})
@@ -426,7 +425,7 @@ def test_zone_panels_map_the_exported_levels_to_zone_names() -> None:
 def test_expressions_parse_with_promtool(tmp_path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip("promtool not installed (Debian package 'prometheus')")
+        pytest.skip("promtool not installed (`make promtool` installs Debian's 'prometheus')")
     rules = {"groups": [{"name": "dashboard", "rules": [
         {"record": f"kvgate:dashboard:expr{i}", "expr": for_promql(e.expr)}
         for i, e in enumerate(EXPRS)
@@ -437,12 +436,3 @@ def test_expressions_parse_with_promtool(tmp_path: Path) -> None:
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
-
-def test_docs_name_only_exported_metrics() -> None:
-    names: dict[str, str] = {}
-    for doc in sorted(DOCS.glob("*.md")):
-        for name in re.findall(r"\bkvgate_[a-z_]+[a-z]\b", doc.read_text(encoding="utf-8")):
-            names.setdefault(name, doc.name)
-    assert names, "the docs name no metric?"
-    unknown = {n: d for n, d in names.items() if n not in EXPORTED}
-    assert not unknown, f"named in docs/ but not exported: {unknown}"

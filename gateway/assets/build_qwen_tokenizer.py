@@ -14,7 +14,8 @@ The package ships Qwen's vocabulary as a tiktoken rank file; the gateway reads H
 - `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` as special added tokens with Qwen's ids.
 
 Before writing, the result is checked against tiktoken over the same ranks on a mixed
-Chinese/English text (the seed article when found, plus a built-in sample); a mismatch aborts.
+Chinese/English text (a built-in sample, plus the test suite's long mixed document when this runs
+from a checkout); a mismatch aborts.
 The gzip stream has a zero mtime and the JSON is written deterministically, so rebuilding from the
 same package version reproduces the committed file byte for byte.
 """
@@ -191,9 +192,9 @@ def verify(
 
 def default_verify_texts() -> list[tuple[str, str]]:
     texts = [("built-in sample", SAMPLE_TEXT)]
-    repo_root = Path(__file__).resolve().parents[2]
-    for seed in sorted((repo_root.parent / "shared" / "seed").glob("*.txt")):
-        texts.append((seed.name, seed.read_text(encoding="utf-8")))
+    document = Path(__file__).resolve().parents[2] / "tests" / "data" / "long_mixed_document.txt"
+    if document.exists():
+        texts.append((document.name, document.read_text(encoding="utf-8")))
     return texts
 
 

@@ -1,6 +1,16 @@
-"""Errors of the admission core."""
+"""Errors of the admission core, and which errors of Redis a retry can get past.
+
+Every loop that retries Redis calls (settling a task, and any other) asks `is_transient`
+whether to retry at all and a `RetryPolicy` how long to wait and when to stop: a permanent
+error is never retried, a transient one only within the policy's bounds.
+"""
 
 from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import redis.exceptions as rexc
 
 
 class AdmissionError(Exception):
@@ -19,3 +29,106 @@ class FencedError(AdmissionError):
         self.pool = pool
         self.epoch = epoch
         self.current = current
+
+
+# --- which Redis errors can pass -------------------------------------------------------------
+
+TRANSIENT_REPLY_CODES = frozenset({
+    "BUSY",         # a script runs past lua-time-limit; it ends or is killed
+    "LOADING",      # the server is loading its dataset after a restart
+    "READONLY",     # a failover made this server a replica; the next connection finds the primary
+    "MASTERDOWN",   # a replica lost its primary (replica-serve-stale-data no)
+    "TRYAGAIN",     # Cluster: the keys' slot is being migrated
+    "CLUSTERDOWN",  # Cluster: a slot is not served until the cluster heals
+    "MOVED",        # Cluster: a redirect the client did not follow in time
+    "ASK",
+    "NOREPLICAS",   # min-replicas-to-write not met while replicas reconnect
+    "OOM",          # maxmemory with noeviction: passes once memory is freed (tasks end, expire)
+    "NOSCRIPT",     # the script cache was flushed again between load and retry
+})
+"""Error codes (the first word of a Redis error reply) a retry can get past. Every other
+reply is permanent: NOPERM (ACL), WRONGTYPE, NOAUTH, WRONGPASS, EXECABORT, and ERR, which
+covers a script that fails at run time."""
+
+
+_CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = tuple(
+    cls for cls in (rexc.AuthenticationError, getattr(rexc, "AuthorizationError", None),
+                    ssl.SSLCertVerificationError)
+    if isinstance(cls, type))
+"""Connection errors that a retry cannot get past (older redis-py has no AuthorizationError)."""
+
+
+def reply_code(exc: BaseException) -> str | None:
+    """The Redis error code of an error reply: redis-py keeps it in `status_code` (and strips
+    it from the message); a reply raised as is (gateway/redismux.py) starts with it."""
+    code = getattr(exc, "status_code", None)
+    if isinstance(code, str) and code:
+        return code
+    head = str(exc).split(" ", 1)[0]
+    return head if head.isalpha() and head.isupper() else None
+
+
+def describe(exc: BaseException) -> str:
+    """What a log line may say about a Redis error: its class and reply code, never its
+    message (which can quote keys and arguments)."""
+    code = reply_code(exc)
+    return type(exc).__name__ if code is None else f"{type(exc).__name__} {code}"
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when the same call may succeed if retried later: the connection failed or timed
+    out, or the server answered with a condition that passes by itself (`TRANSIENT_REPLY_CODES`:
+    busy, loading, failover, cluster reconfiguration). False for everything that fails the same
+    way every time until an operator acts: bad credentials or ACL, a key of the wrong type, a
+    script error, a reply this version does not understand, a bug."""
+    if isinstance(exc, _CREDENTIAL_ERRORS):
+        return False
+    if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError, rexc.InvalidResponse,
+                        rexc.ClusterError, rexc.SlotNotCoveredError, OSError)):
+        # Includes BusyLoadingError, MaxConnectionsError, builtins TimeoutError, refused
+        # connections; InvalidResponse (a garbled stream) drops the connection.
+        return True
+    if isinstance(exc, (rexc.ReadOnlyError, rexc.TryAgainError, rexc.AskError,
+                        rexc.OutOfMemoryError, rexc.NoScriptError)):
+        return True  # MovedError is an AskError
+    if isinstance(exc, rexc.ResponseError):
+        return reply_code(exc) in TRANSIENT_REPLY_CODES
+    return False
+
+
+# --- retrying them ---------------------------------------------------------------------------
+
+MAX_BACKOFF_EXPONENT = 62
+"""Doubling stops here (the cap is reached long before): keeps 2 ** n a float."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How a loop retries transient errors: waits doubling from `initial_delay_s` up to
+    `max_delay_s`, each shortened by up to `jitter` (a fraction) so that replicas that failed
+    together (one outage) do not retry in step; at most `max_attempts` calls, and none started
+    later than `deadline_s` after the first."""
+
+    initial_delay_s: float
+    max_delay_s: float
+    max_attempts: int
+    deadline_s: float
+    jitter: float = 0.25
+
+    def delay(self, failures: int, rand: float = 0.0) -> float:
+        """Seconds to wait after the `failures`-th failed call (1 for the first); `rand` in
+        [0, 1) picks the jitter (0: none)."""
+        exponent = min(max(failures - 1, 0), MAX_BACKOFF_EXPONENT)
+        base = min(self.max_delay_s, self.initial_delay_s * 2.0 ** exponent)
+        return base * (1.0 - self.jitter * rand)
+
+    def next_delay(self, failures: int, elapsed_s: float, rand: float = 0.0) -> float | None:
+        """The wait before the next call after `failures` failed calls and `elapsed_s` since
+        the first began, or None to give up: `max_attempts` calls made, or the next would
+        start past `deadline_s`."""
+        if failures >= self.max_attempts:
+            return None
+        wait = self.delay(failures, rand)
+        if elapsed_s + wait > self.deadline_s:
+            return None
+        return wait

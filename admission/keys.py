@@ -35,6 +35,16 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
+ABANDONED_SUFFIX = ":abandoned"
+
+
+def abandoned_lease(gateway: str) -> str:
+    """The entry in `leases` of a gateway's abandoned tasks. No gateway id contains ':'
+    (`check_name`), so it never names a real gateway; the reaper treats it like one whose
+    lease is never renewed."""
+    return gateway + ABANDONED_SUFFIX
+
+
 @dataclass(frozen=True, slots=True)
 class PoolKeys:
     """The keys of one model pool."""
@@ -124,6 +134,11 @@ class PoolKeys:
     def gateway_tasks_key(self, gateway: str) -> str:
         """SET of the live (queued or released) task ids a gateway holds in this pool."""
         return f"{self.prefix}gateway:{gateway}"
+
+    def abandoned_tasks_key(self, gateway: str) -> str:
+        """SET of the task ids a gateway gave up ending (`lua/abandon.lua`): never renewed, so
+        the reaper returns them once the lease named `abandoned_lease(gateway)` expires."""
+        return self.gateway_tasks_key(abandoned_lease(gateway))
 
     def wake_channel(self, gateway: str) -> str:
         """Pub/sub channel on which a gateway hears about its released tasks."""

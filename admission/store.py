@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission.errors import FencedError, ScriptReplyError
-from admission.keys import PoolKeys, SchedulerKeys, check_name
+from admission.keys import PoolKeys, SchedulerKeys, abandoned_lease, check_name
 from admission.scripts import Scripts
 from admission.tiers import Tier, Zone
 
@@ -199,6 +199,18 @@ class PoolStore:
             args=[gateway, self.policy.lease_ttl_ms],
         )
         return int(reply[1])
+
+    async def abandon(self, gateway: str, task_id: str) -> bool:
+        """Stop renewing one of `gateway`'s tasks: it is reaped (its whole reservation
+        returned) once its lease expires, at most one lease TTL from now. False when the task
+        was no longer in the gateway's set (it ended meanwhile)."""
+        k = self.keys
+        reply = await self.scripts.abandon(
+            keys=[k.clock, k.leases, k.gateway_tasks_key(gateway),
+                  k.abandoned_tasks_key(gateway)],
+            args=[task_id, gateway, abandoned_lease(gateway)],
+        )
+        return bool(int(reply[0]))
 
     async def reap(self, max_tasks: int = 1000) -> ReapResult:
         k = self.keys

@@ -78,6 +78,10 @@ def new_task_id() -> str:
 
 STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError, AdmissionError)
 
+QUEUE_ANSWER_GRACE_S = 0.2
+"""After a queued request's deadline: how long its cancel and the drain hint of its 429 may
+take before the answer is sent without them (the cancel then finishes in the background)."""
+
 _CAPACITY_MESSAGES = {
     RejectReason.ZONE_RED: "Cluster KV-Cache is currently saturated. Please backoff.",
     RejectReason.QUEUE_FULL: "The queue of this priority tier is full. Please backoff.",
@@ -132,6 +136,7 @@ class Admitter:
         tier_timeout_ms = timeout_ms = self.config.tiers[tier].queue_timeout_ms
         if client_timeout_ms is not None:
             timeout_ms = max(1, min(timeout_ms, client_timeout_ms))
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
         task_id = new_task_id()
         woken = self.hub.expect(task_id)
         live = self.settler.live
@@ -161,7 +166,7 @@ class Admitter:
             if result.outcome is AdmitOutcome.QUEUED:
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
                 self.hub.queued(task_id, store, tier)
-                return await self._wait(task_id, woken, pool, tier, labels, timeout_ms)
+                return await self._wait(task_id, woken, pool, tier, labels, deadline)
             live.discard(task_id)  # refused: nothing was written
             if result.outcome is AdmitOutcome.REJECTED:
                 self.metrics.child(self.metrics.rejections, *labels, str(result.reason)).inc()
@@ -257,15 +262,16 @@ class Admitter:
         pool: PoolRuntime,
         tier: Tier,
         labels: tuple[str, ...],
-        timeout_ms: int,
+        deadline: float,
     ) -> Ticket:
+        """`deadline`: loop time at which the client gets its answer if still queued."""
         store = pool.store
         loop = asyncio.get_running_loop()
         started = loop.time()
         queued = self.metrics.child(self.metrics.queued, pool.name)
         queued.inc()
         try:
-            outcome = await wait_for_release(woken, timeout_s=timeout_ms / 1000)
+            outcome = await wait_for_release(woken, timeout_s=deadline - started)
         except BaseException:
             # Client gone (handler cancelled) or shutting down: leave the queue now.
             self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
@@ -273,6 +279,10 @@ class Admitter:
         finally:
             queued.dec()
         waited = loop.time() - started
+        # The deadline is the client's: the cancel and the hint below get a short grace, then
+        # the answer goes out whatever Redis does (a hanging Redis would hold it for a socket
+        # timeout per call); the cancel goes on in the settler.
+        answer_at = loop.time() + QUEUE_ANSWER_GRACE_S
         if outcome is not None and outcome.node is not None:
             self.metrics.child(self.metrics.queue_wait, pool.name, tier.label).observe(waited)
             return self._ticket(task_id, pool, outcome.node, tier, labels, waited)
@@ -280,7 +290,7 @@ class Admitter:
             # Our deadline came first: take the task out of the queue ourselves (before the
             # drain hint is read, so that the depth reported no longer counts it).
             leaving = self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
-            await asyncio.wait((leaving,), timeout=1.0)
+            await asyncio.wait((leaving,), timeout=answer_at - loop.time())
         else:
             self.settler.live.discard(task_id)  # already ended in Redis
         if outcome is not None and outcome.state != "expired":
@@ -290,7 +300,12 @@ class Admitter:
                 code="queue_task_lost", retry_ms=self._hint(1000),
             )
         self.metrics.child(self.metrics.rejections, *labels, QUEUE_TIMEOUT).inc()
-        zone, depth, retry_ms = await self._drain_hint(store, tier)
+        try:
+            async with asyncio.timeout_at(answer_at):
+                zone, depth, retry_ms = await self._drain_hint(store, tier)
+        except TimeoutError:
+            self.metrics.child(self.metrics.redis_errors, "drain_hint").inc()
+            zone, depth, retry_ms = "UNKNOWN", 0, store.policy.default_retry_ms
         error = too_many_requests(
             CAPACITY_EXCEEDED,
             f"The request waited {waited:.1f} s in the queue without being scheduled. "

@@ -79,8 +79,13 @@ class GatewayMetrics:
             "kvgate_gateway_orphans", "Tasks found in this gateway's set in Redis but unknown "
             "to the process (an admit whose reply was lost), cancelled.", ["pool"], registry=r)
         self.settle_retries = Counter(
-            "kvgate_gateway_settle_retries", "Settle or cancel calls retried after an error.",
-            registry=r)
+            "kvgate_gateway_settle_retries", "Settle or cancel calls retried after a transient "
+            "Redis error.", registry=r)
+        self.settles_abandoned = Counter(
+            "kvgate_gateway_settles_abandoned", "Settle or cancel calls given up (reason "
+            "permanent: a Redis error no retry can pass; deadline: transient errors past the "
+            "retry deadline); the task's lease is left to expire and the scheduler's reaper "
+            "returns its reservation.", ["op", "reason"], registry=r)
         self.upstream_errors = Counter(
             "kvgate_gateway_upstream_errors", "Failed requests to backends by kind.",
             ["pool", "node", "kind"], registry=r)

@@ -1,10 +1,16 @@
 """Ending tasks off the latency path, and keeping this gateway's lease alive.
 
 A response is sent first; its settle (or cancel) then runs as a background task that survives the
-handler being cancelled by a client disconnect, retries on Redis errors (the finish script is
-idempotent: a repeat is a no-op) and is awaited at shutdown. While it has not succeeded, the
-task stays in this gateway's set, so nothing leaks: either it succeeds, or the gateway dies and
-its lease expires, and the scheduler's reaper returns the whole reservation.
+handler being cancelled by a client disconnect and is awaited at shutdown. It retries the errors
+that can pass (connection, timeout, failover, busy or loading server: `admission.errors.
+is_transient`; the finish script is idempotent, a repeat is a no-op) within `SETTLE_RETRY`'s
+bounds. A permanent error (ACL, a key of the wrong type, a failing script) is not retried, and
+neither are transient ones past the retry deadline: the settle is given up, counted in
+`kvgate_gateway_settles_abandoned_total` and logged once, and at the next renewal the task moves
+out of this gateway's renewed set into its abandoned set (`lua/abandon.lua`), whose lease is
+never renewed. Within one lease TTL the scheduler's reaper returns the whole reservation, as if
+this gateway had died, while its other tasks stay alive. So nothing leaks and nothing loops:
+either the settle succeeds, or the lease of the task expires (also when the gateway dies).
 
 The lease is renewed for every task in this gateway's set, so a task the process lost track of
 would be kept alive for as long as the process lives: an admit whose reply was lost (Redis
@@ -19,12 +25,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Sequence
 
+from admission.errors import RetryPolicy, describe, is_transient
 from admission.store import FinishResult, PoolStore
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.gateway")
+
+SETTLE_RETRY = RetryPolicy(initial_delay_s=0.01, max_delay_s=2.0, max_attempts=30,
+                           deadline_s=30.0)
+"""Retries of one settle or cancel on transient errors: from 10 ms, doubling to 2 s, for at
+most 30 s (about 20 calls); a Redis outage longer than that leaves the task to its lease."""
+
+ABANDON_BATCH = 100
+"""Given-up tasks moved out of the renewed set per pool and renewal round, at most: bounds how
+long a round can take before it renews the gateway's lease."""
+
+PERMANENT = "permanent"
+DEADLINE = "deadline"
 
 
 class LiveTasks:
@@ -52,18 +72,33 @@ class LiveTasks:
 
 class Settler:
     def __init__(
-        self, metrics: GatewayMetrics, live: LiveTasks, *, max_backoff_s: float = 2.0
+        self,
+        metrics: GatewayMetrics,
+        live: LiveTasks,
+        *,
+        policy: RetryPolicy = SETTLE_RETRY,
+        rng: random.Random | None = None,
     ) -> None:
         self.metrics = metrics
         self.live = live
-        self.max_backoff_s = max_backoff_s
+        self.policy = policy
+        self.rng = rng or random.Random()
         self._tasks: set[asyncio.Task[FinishResult | None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._given_up: dict[str, PoolStore] = {}
+        """Tasks whose settle was given up and that are still in this gateway's renewed set:
+        held (in `live`, so the orphan sweep leaves them alone) until `abandon_given_up` has
+        moved them out."""
 
     @property
     def pending(self) -> int:
         return len(self._tasks)
+
+    @property
+    def given_up(self) -> frozenset[str]:
+        """Ids of given-up tasks not yet moved out of the renewed set."""
+        return frozenset(self._given_up)
 
     def finish(
         self,
@@ -103,7 +138,8 @@ class Settler:
         try:
             return await self._finish_retrying(store, task_id, usage, cancelled, labels)
         finally:
-            self.live.discard(task_id)
+            if task_id not in self._given_up:
+                self.live.discard(task_id)
 
     async def _finish_retrying(
         self,
@@ -113,7 +149,9 @@ class Settler:
         cancelled: bool,
         labels: tuple[str, ...] | None,
     ) -> FinishResult | None:
-        delay = 0.01
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        failures = 0
         while True:
             try:
                 result = await store.finish(task_id, usage, cancelled=cancelled)
@@ -121,16 +159,49 @@ class Settler:
                 log.warning("task %s left unsettled at shutdown; its lease will expire", task_id)
                 return None
             except Exception as exc:
-                self.metrics.settle_retries.inc()
+                failures += 1
                 self.metrics.child(self.metrics.redis_errors, "settle").inc()
+                transient = is_transient(exc)
+                delay = self.policy.next_delay(
+                    failures, loop.time() - started, self.rng.random()) if transient else None
+                if delay is None:
+                    self._give_up(store, task_id, cancelled, exc, failures, transient)
+                    return None
+                self.metrics.settle_retries.inc()
                 log.warning("settling task %s failed (%s); retrying in %.2fs",
-                            task_id, type(exc).__name__, delay)
+                            task_id, describe(exc), delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, self.max_backoff_s)
                 continue
             if usage is not None and labels is not None and result.outcome != "noop":
                 self.metrics.child(self.metrics.tokens_settled, *labels).inc(usage)
             return result
+
+    def _give_up(self, store: PoolStore, task_id: str, cancelled: bool, exc: Exception,
+                 failures: int, transient: bool) -> None:
+        op = "cancel" if cancelled else "settle"
+        reason = DEADLINE if transient else PERMANENT
+        self.metrics.child(self.metrics.settles_abandoned, op, reason).inc()
+        log.error("giving up the %s of task %s in pool %s after %d attempt(s) (%s, %s): its "
+                  "lease is no longer renewed; the scheduler's reaper returns its reservation "
+                  "once it expires", op, task_id, store.pool, failures, reason, describe(exc))
+        self._given_up[task_id] = store
+
+    async def abandon_given_up(self, store: PoolStore, gateway_id: str) -> None:
+        """Move this pool's given-up tasks out of the gateway's renewed set (`PoolStore.
+        abandon`). Never raises: a task that cannot be moved now stays held, renewed, and is
+        tried again at the next round; a transient error ends this round's attempts."""
+        ids = [t for t, s in self._given_up.items() if s.pool == store.pool][:ABANDON_BATCH]
+        for task_id in ids:
+            try:
+                await store.abandon(gateway_id, task_id)
+            except Exception as exc:
+                self.metrics.child(self.metrics.redis_errors, "abandon").inc()
+                log.debug("abandoning task %s failed: %s", task_id, describe(exc))
+                if is_transient(exc):
+                    return
+                continue
+            del self._given_up[task_id]
+            self.live.discard(task_id)
 
     async def idle(self) -> None:
         """Until no settle is pending (tests, shutdown)."""
@@ -155,8 +226,9 @@ async def renew_leases(
     settler: Settler,
     stop: asyncio.Event,
 ) -> None:
-    """One renew call per pool every `interval_s` keeps all of this gateway's tasks alive;
-    orphans (in this gateway's set, not held by the process) are cancelled.
+    """One renew call per pool every `interval_s` keeps all of this gateway's tasks alive,
+    except those whose settle was given up, first moved out of the renewed set; orphans (in
+    this gateway's set, not held by the process) are cancelled.
 
     Runs until `stop` is set. (Not only until cancelled: a cancellation that lands inside the
     Redis client can come out as a connection error, which this loop must survive.)
@@ -164,6 +236,7 @@ async def renew_leases(
     metrics = settler.metrics
     while not stop.is_set():
         for store in stores:
+            await settler.abandon_given_up(store, gateway_id)
             # A task that finishes while SMEMBERS is in flight leaves the live set after
             # Redis dropped it but may still be in the reply: held before the read, it is
             # not an orphan.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from admission.keys import abandoned_lease
 from admission.store import TaskState
 
 MICRO = 1_000_000
@@ -28,6 +29,8 @@ class ModelTask:
     finishes: int = 0
     prompt: int = 0
     guest: bool = False
+    abandoned: bool = False
+    """Moved by its gateway to the gateway's abandoned set (`lua/abandon.lua`)."""
 
 
 @dataclass
@@ -85,9 +88,10 @@ class Model:
         return counts
 
     def live_tasks_of(self, gateway: str) -> set[str]:
+        """Live tasks held under the lease `gateway` (a gateway, or its abandoned set)."""
         return {
             tid for tid, t in self.tasks.items()
-            if t.gateway == gateway and not t.state.terminal
+            if _lease_of(t) == gateway and not t.state.terminal
         }
 
     def guests(self) -> dict[str, int]:
@@ -267,6 +271,18 @@ class Model:
             return ("cancelled", "queued", t.cost)
         return ("noop", t.state.value, 0)
 
+    def abandon(self, gateway: str, tid: str) -> bool:
+        """The task leaves the gateway's renewed set; the abandoned set's lease is the earlier
+        of its own and the gateway's (now when the gateway holds none)."""
+        t = self.tasks.get(tid)
+        if t is None or t.state.terminal or _lease_of(t) != gateway:
+            return False
+        t.abandoned = True
+        name = abandoned_lease(gateway)
+        expiry = self.leases.get(gateway, self.now)
+        self.leases[name] = min(self.leases.get(name, expiry), expiry)
+        return True
+
     def renew(self, gateway: str) -> int:
         live = len(self.live_tasks_of(gateway))
         if live == 0:
@@ -323,3 +339,7 @@ class Model:
         self.drain = drain
         self.state_updated_us = self.now
         return True
+
+
+def _lease_of(task: ModelTask) -> str:
+    return abandoned_lease(task.gateway) if task.abandoned else task.gateway

@@ -195,6 +195,11 @@ class CoreMachine(RuleBasedStateMachine):
         got = self.run(self.store.finish(tid, usage, cancelled=cancelled))
         assert (got.outcome, got.previous, got.refunded) == expected
 
+    @rule(tid=task_ids, gateway=st.sampled_from(GATEWAYS))
+    def abandon(self, tid: str, gateway: str) -> None:
+        expected = self.model.abandon(gateway, tid)
+        assert self.run(self.store.abandon(gateway, tid)) == expected
+
     @rule(gateway=st.sampled_from(GATEWAYS))
     def renew(self, gateway: str) -> None:
         assert self.run(self.store.renew(gateway)) == self.model.renew(gateway)

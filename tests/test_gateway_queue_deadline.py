@@ -1,0 +1,93 @@
+"""A queued request's deadline is the client's, also while Redis is gone: the 429 goes out at
+the deadline (plus `QUEUE_ANSWER_GRACE_S`), and the cancel of the task finishes in the
+background once Redis answers again.
+
+Real gateway (in process, on a socket), real backend, a private redis-server that the test
+stops: SIGSTOP (a hanging Redis: connections open, no replies, each call waits out its socket
+timeout) or SIGKILL (refused connections). The test plays the scheduler: a YELLOW zone, in
+which Batch requests queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+
+from admission.localredis import LocalRedis
+from admission.tiers import Zone
+from tests.gateway_harness import BIG, Harness, eventually, running_gateway
+
+DEADLINE_S = 4.0
+MARGIN_S = 0.5
+"""The answer must come before the deadline plus this: `QUEUE_ANSWER_GRACE_S` (0.2 s) and the
+HTTP round trip, with room for a loaded machine."""
+
+
+async def _queued(gw: Harness) -> bool:
+    return await gw.queued(2) == 1
+
+
+@pytest.mark.parametrize("outage", ["hanging", "down"])
+async def test_a_queued_request_is_answered_at_its_deadline_while_redis_is_unreachable(
+    redis_factory: Callable[..., LocalRedis], outage: str
+) -> None:
+    server = redis_factory()
+    async with running_gateway(server.url) as gw:
+        await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        request = asyncio.ensure_future(gw.openai("batch").chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Queue me."}], max_tokens=8,
+            extra_headers={"X-Request-Timeout": str(DEADLINE_S)}))
+        await eventually(lambda: _queued(gw))
+        task_id = next(iter(gw.gateway.settler.live.snapshot()))
+        if outage == "hanging":
+            os.kill(server.process.pid, signal.SIGSTOP)
+        else:
+            server.kill()
+        try:
+            with pytest.raises(openai.RateLimitError) as info:
+                await asyncio.wait_for(request, DEADLINE_S + 10)
+            answered_s = loop.time() - started
+        finally:
+            if outage == "hanging":
+                os.kill(server.process.pid, signal.SIGCONT)
+        print(f"{outage}: answered after {answered_s:.3f} s for a {DEADLINE_S} s deadline")
+        assert DEADLINE_S <= answered_s < DEADLINE_S + MARGIN_S, answered_s
+        # The shape of a queue timeout: OpenAI error body, retry hints, no zone to report.
+        response = info.value.response
+        assert response.status_code == 429
+        body = response.json()["error"]
+        assert body["code"] == "capacity_exceeded" and body["type"]
+        assert "waited" in body["message"]
+        retry_ms = int(response.headers["retry-after-ms"])
+        assert body["retry_after_ms"] == retry_ms
+        assert int(response.headers["retry-after"]) == -(-retry_ms // 1000)
+        default_ms = gw.config.pool_policy("demo").default_retry_ms
+        jitter = gw.config.gateway.retry_jitter
+        assert default_ms <= retry_ms <= default_ms * (1 + jitter) + 1
+        assert response.headers["x-ratelimit-backpressure-level"] == "UNKNOWN"
+        assert response.headers["x-request-id"] == task_id
+        registry = gw.gateway.metrics.registry
+        assert registry.get_sample_value("kvgate_gateway_requests_total", {
+            "pool": "demo", "tier": "batch", "outcome": "queue_timeout"}) == 1
+        if outage == "hanging":
+            # Redis is back: the cancel, still retrying in the settler, takes the task out of
+            # the queue with a full refund.
+            await asyncio.wait_for(gw.settled(), 10)
+            admin = aioredis.Redis.from_url(server.url)
+            try:
+                record = await admin.hgetall(gw.store.keys.task_key(task_id))
+                assert record[b"state"] == b"cancelled"
+                assert await admin.zcard(gw.store.keys.queues[2]) == 0
+                assert await admin.hget(gw.store.keys.tenant_queued, "batch") is None
+            finally:
+                await admin.aclose()
+            assert task_id not in gw.gateway.settler.live
+

@@ -10,6 +10,12 @@ It only reads. "Now" is the clock the Lua scripts use (Redis ``TIME``, or the po
 the next admit would compute, whatever this machine's clock says. Bucket keys are found with
 SCAN (never KEYS, which blocks a busy server). A pool's reads are one MULTI (its keys share
 one hash tag, so this holds on Redis Cluster too): the numbers are one consistent snapshot.
+
+Which Redis it reads is found as the services find theirs (`admission.inspect_target`) and
+named on stderr before the first read, without credentials. A Redis that cannot be reached
+(connect and read timeouts of ``[redis]``, 500 ms by default) exits 1 with the client's
+message; one that holds no key of the pools asked for exits 3 naming the key pattern: an empty
+table from the wrong server would look like an idle deployment.
 """
 
 from __future__ import annotations
@@ -26,16 +32,22 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from admission.config import ConfigError, RedisSettings, TenantSettings, load_config
+from admission.config import ConfigError, TenantSettings
 from admission.connection import connect
-from admission.keys import ROOT, PoolKeys, SchedulerKeys, check_name
+from admission.inspect_target import (
+    SCAN_COUNT,
+    NothingFound,
+    Target,
+    choose_pools,
+    resolve_target,
+)
+from admission.inspect_target import discover_pools as discover_pools  # public here too
+from admission.keys import PoolKeys, SchedulerKeys, check_name
 from admission.store import MICRO
 from admission.tiers import Tier
 
 CORE_STATE_FIELDS = ("zone", "epoch", "updated_us", "nodes_out")
 DRAIN_FIELDS = tuple(f"drain_{t.value}" for t in Tier)
-SCAN_COUNT = 500
-"""Keys per SCAN step: large enough to be quick, small enough not to stall the server."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,17 +337,6 @@ def _time_us(reply: Any) -> int:
     return int(sec) * 1_000_000 + int(usec)
 
 
-async def discover_pools(client: Any) -> list[str]:
-    """Pool names found in the keyspace (one SCAN pass), for when none is named."""
-    pools: set[str] = set()
-    async for raw in client.scan_iter(match=f"{ROOT}:{{*}}:*", count=SCAN_COUNT):
-        key = _text(raw)
-        tag = key[len(ROOT) + 2:key.find("}")]
-        if tag != "sched":
-            pools.add(tag)
-    return sorted(pools)
-
-
 async def snapshot(client: Any, pools: Sequence[str],
                    tenants: Sequence[TenantSettings] = ()) -> Snapshot:
     views = [await read_pool(client, pool, tenants) for pool in pools]
@@ -412,10 +413,12 @@ def render_pool(p: PoolView) -> list[str]:
     return lines
 
 
-def render(s: Snapshot) -> str:
+def render(s: Snapshot, redis: str | None = None) -> str:
+    """The tables; `redis`: the address read, shown first (kept on screen by --watch)."""
     left = s.scheduler.lease_left_ms
     lease = "" if left is None else f"  lease left {left} ms"
-    lines = [f"scheduler leader {s.scheduler.leader or 'NONE'}  epoch {s.scheduler.epoch}{lease}"]
+    lines = [] if redis is None else [f"redis {redis}"]
+    lines += [f"scheduler leader {s.scheduler.leader or 'NONE'}  epoch {s.scheduler.epoch}{lease}"]
     for pool in s.pools:
         lines += ["", *render_pool(pool)]
     return "\n".join(lines) + "\n"
@@ -424,12 +427,35 @@ def render(s: Snapshot) -> str:
 # --- Command line -----------------------------------------------------------------------
 
 
+EXIT_REDIS = 1
+"""Redis could not be read (unreachable, timed out, refused the credentials)."""
+EXIT_CONFIG = 2
+"""Bad flags or an invalid configuration file."""
+EXIT_NOTHING = 3
+"""Redis answered but holds no key of the pools asked for (or of any pool)."""
+
+EPILOG = f"""\
+Redis: --config FILE (REDIS_URL overrides its redis.url, as in the services), else --redis-url,
+else REDIS_URL, else redis://127.0.0.1:6379/0. The address read (never its credentials) and the
+pools are printed on stderr first.
+
+exit status: 0: shown; {EXIT_REDIS}: Redis unreachable or failing; {EXIT_CONFIG}: bad flags or
+configuration; {EXIT_NOTHING}: Redis holds no kvgate key of those pools (or of any pool).
+"""
+
+
+class Unreadable(Exception):
+    """Redis could not be read; the message names the address (without credentials)."""
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="kvgate-inspect", description=__doc__.split("\n\n")[1] if __doc__ else None)
+        prog="kvgate-inspect", description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--config", help="the services' TOML file (Redis settings, pools, tenants)")
-    src.add_argument("--redis-url", help="Redis URL (default: $REDIS_URL, else localhost)")
+    src.add_argument("--redis-url",
+                     help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
     parser.add_argument("--pool", action="append", default=[],
                         help="pool to show (repeatable; default: all configured or found)")
     parser.add_argument("--cluster", action="store_true", help="--redis-url is a Redis Cluster")
@@ -451,38 +477,43 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _say(message: str) -> None:
+    print(f"kvgate-inspect: {message}", file=sys.stderr, flush=True)
+
+
 async def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    tenants: Sequence[TenantSettings] = ()
-    pools: list[str] = list(args.pool)
-    if args.config:
-        config = load_config(args.config, env)
-        settings = config.redis
-        tenants = config.tenants
-        pools = pools or list(config.pools)
-    else:
-        settings = RedisSettings(
-            url=args.redis_url or env.get("REDIS_URL") or RedisSettings().url,
-            cluster=args.cluster, ssl_ca_file=args.ssl_ca_file)
-    client = connect(settings)
+    target = resolve_target(config=args.config, redis_url=args.redis_url,
+                            cluster=args.cluster, ssl_ca_file=args.ssl_ca_file,
+                            pools=args.pool, env=env)
+    _say(target.announce())
+    client = connect(target.settings)
     try:
-        pools = pools or await discover_pools(client)
-        interval = 2.0 if args.watch is None else args.watch
-        frames = args.count or (1 if args.watch is None else None)
-        clear = args.watch is not None and not args.json and sys.stdout.isatty()
-        shown = 0
-        while True:
-            snap = await snapshot(client, pools, tenants)
-            out = snap.to_json() + "\n" if args.json else render(snap)
-            sys.stdout.write(("\x1b[H\x1b[2J" if clear else "") + out)
-            sys.stdout.flush()
-            shown += 1
-            if frames is not None and shown >= frames:
-                return 0
-            if not clear and not args.json:
-                sys.stdout.write("\n")
-            await asyncio.sleep(interval)
+        return await _show(client, target, args)
+    except (RedisError, OSError) as exc:
+        # redis-py's messages name host and port, never the password in the URL.
+        raise Unreadable(f"cannot read Redis at {target.address}: "
+                         f"{exc or type(exc).__name__}") from None
     finally:
         await client.aclose()
+
+
+async def _show(client: Any, target: Target, args: argparse.Namespace) -> int:
+    pools = await choose_pools(client, target, _say)
+    interval = 2.0 if args.watch is None else args.watch
+    frames = args.count or (1 if args.watch is None else None)
+    clear = args.watch is not None and not args.json and sys.stdout.isatty()
+    shown = 0
+    while True:
+        snap = await snapshot(client, pools, target.tenants)
+        out = snap.to_json() + "\n" if args.json else render(snap, target.address)
+        sys.stdout.write(("\x1b[H\x1b[2J" if clear else "") + out)
+        sys.stdout.flush()
+        shown += 1
+        if frames is not None and shown >= frames:
+            return 0
+        if not clear and not args.json:
+            sys.stdout.write("\n")
+        await asyncio.sleep(interval)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -490,12 +521,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return asyncio.run(run(args, os.environ))
     except ConfigError as exc:
-        print(f"kvgate-inspect: {exc}", file=sys.stderr)
-        return 2
-    except (RedisError, OSError) as exc:
-        # redis-py's messages name host and port, never the password in the URL.
-        print(f"kvgate-inspect: Redis: {exc}", file=sys.stderr)
-        return 1
+        _say(str(exc))
+        return EXIT_CONFIG
+    except NothingFound as exc:
+        _say(str(exc))
+        return EXIT_NOTHING
+    except Unreadable as exc:
+        _say(str(exc))
+        return EXIT_REDIS
+    except OSError as exc:  # Redis errors became Unreadable: this is the config file
+        _say(str(exc))
+        return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
 

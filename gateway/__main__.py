@@ -1,8 +1,9 @@
 """``python -m gateway --config FILE``: one gateway process.
 
 Prints one line ``kvgate gateway <id> listening on http://HOST:PORT`` on stdout once it serves
-(``--port 0`` picks a free port), logs to stderr, and stops on SIGTERM or SIGINT, letting
-requests in flight finish for up to ``--shutdown-timeout`` seconds.
+(``--port 0`` picks a free port), logs to stderr, and stops on SIGTERM or SIGINT: it stops
+accepting, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, cancels
+the rest, settles and exits, at most `gateway.shutdown.SETTLE_MARGIN_S` after the timeout.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from aiohttp import web
 
 from admission.config import ConfigError, load_config
 from gateway.app import create_app
-from gateway.state import GATEWAY_ID
+from gateway.shutdown import CANCEL_GRACE_S, SETTLE_MARGIN_S, stop_serving
+from gateway.state import GATEWAY_ID, IN_FLIGHT
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="override gateway.port (0: a free port)")
     p.add_argument("--id", help="override gateway.id (unique per process)")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="after SIGTERM, how long requests in flight may run before they are "
+                        f"cancelled; the process exits at most {SETTLE_MARGIN_S:g} s later "
+                        "(default: %(default)s)")
     return p
 
 
@@ -40,7 +45,9 @@ async def serve(app: web.Application, host: str, port: int, *, access_log: bool,
         app,
         handler_cancellation=True,  # a client that hangs up cancels its queued request
         access_log=logging.getLogger("aiohttp.access") if access_log else None,
-        shutdown_timeout=shutdown_timeout,
+        # stop_serving waits for and cancels the requests itself; aiohttp's own wait is left
+        # only for one that ignored its cancellation.
+        shutdown_timeout=CANCEL_GRACE_S,
     )
     await runner.setup()
     stop = asyncio.Event()
@@ -60,7 +67,7 @@ async def serve(app: web.Application, host: str, port: int, *, access_log: bool,
               flush=True)
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await stop_serving(runner, app[IN_FLIGHT], shutdown_timeout)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,7 +4,7 @@
 tokenizer off the event loop, connects to Redis (a failure there does not stop the start:
 /readyz says not ready and requests fail closed until Redis answers), subscribes to this
 gateway's wake channels and starts the lease renewer. Stopping it waits for pending settles
-before closing Redis.
+before closing Redis. How a process stops within its bound: `gateway.shutdown`.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
 from gateway.redismux import RedisMux, mux_scripts
 from gateway.settle import LiveTasks, Settler, renew_leases
+from gateway.shutdown import BACKGROUND_STOP_S, SETTLE_DRAIN_S, InFlight
 from gateway.state import (
     ADMIN,
     CONFIG,
     GATEWAY,
     GATEWAY_ID,
+    IN_FLIGHT,
     METRICS,
     OPENAPI,
     SETTLE_DRAIN,
@@ -53,8 +55,6 @@ from gateway.waiter import WakeHub
 
 log = logging.getLogger("kvgate.gateway")
 
-SETTLE_DRAIN_S = 5.0
-BACKGROUND_STOP_S = 2.0
 
 
 def default_gateway_id() -> str:
@@ -68,9 +68,12 @@ def create_app(
 ) -> web.Application:
     """`settle_drain_s`: how long stopping waits for settles still failing (Redis down)."""
     gid = check_name("gateway", gateway_id or config.gateway.id or default_gateway_id())
+    in_flight = InFlight()  # outermost: shutdown waits for, then cancels, whole requests
     app = web.Application(
-        client_max_size=config.gateway.max_body_bytes, middlewares=[openai_errors]
+        client_max_size=config.gateway.max_body_bytes,
+        middlewares=[in_flight.middleware, openai_errors],
     )
+    app[IN_FLIGHT] = in_flight
     app[CONFIG] = config
     app[GATEWAY_ID] = gid
     app[METRICS] = GatewayMetrics(tenant_labels=config.gateway.tenant_metrics)

@@ -15,6 +15,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
 from gateway.settle import Settler
+from gateway.shutdown import InFlight
 from gateway.waiter import WakeHub
 
 
@@ -43,3 +44,4 @@ GATEWAY: Final = web.AppKey("kvgate_gateway", Gateway)
 OPENAPI: Final = web.AppKey("kvgate_openapi", bytes)
 ADMIN: Final = web.AppKey("kvgate_admin", AdminToken)
 SETTLE_DRAIN: Final = web.AppKey("kvgate_settle_drain_s", float)
+IN_FLIGHT: Final = web.AppKey("kvgate_in_flight", InFlight)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import yaml
 
 from admission import config as cfg
 from admission.tiers import Tier
+from gateway.shutdown import SETTLE_MARGIN_S
 
 CHART = Path(__file__).resolve().parent.parent / "helm" / "kvgate"
 RELEASE, NAMESPACE = "kv", "inference"
@@ -182,14 +184,37 @@ def test_gateway_probes_ports_and_service(variant: str) -> None:
     assert [p["containerPort"] for p in c["ports"] if p["name"] == "http"] == [8000]
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 5
-    # SIGTERM grace covers the preStop sleep plus the server's own drain timeout.
-    shutdown = int(c["args"][c["args"].index("--shutdown-timeout") + 1])
-    assert pod["terminationGracePeriodSeconds"] > shutdown + 5
     svc = one(docs, "Service", "-gateway")
     assert svc["spec"]["selector"].items() <= gw["spec"]["template"]["metadata"]["labels"].items()
     assert svc["spec"]["ports"][0]["targetPort"] == "http"
     assert one(docs, "PodDisruptionBudget", "-gateway")["spec"]["selector"]["matchLabels"] == (
         gw["spec"]["selector"]["matchLabels"])
+
+
+@pytest.mark.parametrize("gateway", [
+    None, {"shutdownTimeoutSeconds": 7, "preStopSleepSeconds": 0},
+    {"shutdownTimeoutSeconds": 0, "preStopSleepSeconds": 12},
+])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gateway_grace_period_is_prestop_plus_timeout_plus_settle_margin(
+    variant: str, gateway: dict[str, int] | None,
+) -> None:
+    """The kubelet SIGKILLs the pod when the grace period ends: it must cover the preStop
+    sleep, the gateway's --shutdown-timeout and the margin the gateway needs after it to settle
+    and exit (`gateway.shutdown.SETTLE_MARGIN_S`), no less (settles cut short) and no more
+    (rolling updates waiting for nothing)."""
+    values = VARIANTS[variant]() or {}
+    if gateway is not None:
+        values = {**values, "gateway": {**values.get("gateway", {}), **gateway}}
+    pod = one(render(values), "Deployment", "-gateway")["spec"]["template"]["spec"]
+    c = next(c for c in pod["containers"] if c["name"] == "gateway")
+    shutdown = float(c["args"][c["args"].index("--shutdown-timeout") + 1])
+    pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    if gateway is not None:
+        assert (shutdown, pre_stop) == (gateway["shutdownTimeoutSeconds"],
+                                        gateway["preStopSleepSeconds"])
+    assert pod["terminationGracePeriodSeconds"] == (
+        pre_stop + shutdown + math.ceil(SETTLE_MARGIN_S))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -268,7 +268,7 @@ def test_cli_errors_exit_nonzero_with_a_message(tmp_path: Path,
     assert inspect.main(["--redis-url", f"redis://:hunter2@127.0.0.1:{port}/0",
                          "--pool", POOL]) == 1
     err = capsys.readouterr().err
-    assert "kvgate-inspect: Redis:" in err and "hunter2" not in err
+    assert "kvgate-inspect: cannot read Redis at" in err and "hunter2" not in err
     bad = tmp_path / "bad.toml"
     bad.write_text("[[pools]]\nname = 'x'\nbogus = 1\n")
     assert inspect.main(["--config", str(bad)]) == 2

@@ -245,6 +245,15 @@ tenants.toml
 {{- end }}
 {{- end }}
 
+{{/*
+Seconds a gateway takes, at most, to exit after its --shutdown-timeout: cancelled streams end,
+pending settles drain, connections close (SETTLE_MARGIN_S in gateway/shutdown.py; a chart test
+checks that they agree). The pod's grace period is preStop sleep + shutdown timeout + this.
+*/}}
+{{- define "kvgate.gatewaySettleMarginSeconds" -}}
+5
+{{- end }}
+
 {{/* preStop: let endpoint removal reach every load balancer before the server stops. */}}
 {{- define "kvgate.preStop" -}}
 {{- if gt (int .seconds) 0 }}

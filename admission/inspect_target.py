@@ -1,0 +1,177 @@
+"""Which Redis and which pools `kvgate-inspect` reads, named before it reads them.
+
+The CLI finds its Redis the way the services do, first match wins:
+
+1. ``--config FILE``: the file's ``[redis]`` settings, ``REDIS_URL`` (when set and not empty)
+   overriding ``redis.url`` exactly as in the gateway and the scheduler;
+2. ``--redis-url URL``;
+3. ``REDIS_URL``;
+4. the services' default, ``redis://127.0.0.1:6379/0``.
+
+A tool that falls back to a default must say so: a default that reaches the wrong server (a
+laptop's own Redis, database 0 instead of the one the services use) would otherwise print an
+empty but plausible picture. So the address and where it came from are always printed, as a
+URL without credentials (host:port/db, the socket path, the Sentinel master or the cluster
+seed), and a Redis that holds no key of the pools asked for is an error naming the key pattern
+it looked for, never an empty table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio.connection import parse_url
+
+from admission.config import ConfigError, RedisSettings, TenantSettings, load_config
+from admission.keys import ROOT, PoolKeys
+
+ANY_POOL_PATTERN = f"{ROOT}:{{*}}:*"
+"""Keys of every pool (the scheduler's own keys, ``{sched}``, match too and are skipped)."""
+SCAN_COUNT = 500
+"""Keys per SCAN step: large enough to be quick, small enough not to stall the server."""
+
+
+def pool_pattern(pool: str) -> str:
+    """The glob every key of `pool` matches."""
+    return PoolKeys(pool).prefix + "*"
+
+
+def redis_address(settings: RedisSettings) -> str:
+    """Where `settings` lead, for people: a URL without user name or password."""
+    params: dict[str, Any] = dict(parse_url(settings.url))
+    db = int(params.get("db") or 0)
+    if "path" in params:
+        return f"unix://{params['path']}?db={db}"
+    scheme = settings.url.split("://", 1)[0]
+    if settings.sentinel_master is not None:
+        return (f"Sentinel master {settings.sentinel_master} via "
+                f"{', '.join(settings.sentinels)} ({scheme}, db {db})")
+    host = str(params.get("host") or "localhost")
+    if ":" in host:
+        host = f"[{host}]"
+    address = f"{scheme}://{host}:{int(params.get('port') or 6379)}"
+    return f"Redis Cluster via {address}" if settings.cluster else f"{address}/{db}"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What one run of the CLI reads."""
+
+    settings: RedisSettings
+    source: str
+    """Where the Redis address came from (a flag, REDIS_URL, the file, the default)."""
+    pools: tuple[str, ...]
+    """Empty: every pool found in the keyspace."""
+    pools_source: str
+    tenants: tuple[TenantSettings, ...] = ()
+
+    @property
+    def address(self) -> str:
+        return redis_address(self.settings)
+
+    def announce(self) -> str:
+        return f"reading {self.address} ({self.source})"
+
+
+def _check_url(url: str, where: str) -> str:
+    try:
+        parse_url(url)
+    except ValueError:
+        raise ConfigError(f"{where}: must start with redis://, rediss:// or unix://") from None
+    return url
+
+
+def _file_sets_url(path: str) -> bool:
+    with open(path, "rb") as f:
+        redis = tomllib.load(f).get("redis", {})
+    return isinstance(redis, dict) and bool(redis.get("url"))
+
+
+def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
+                   ssl_ca_file: str | None, pools: Sequence[str],
+                   env: Mapping[str, str]) -> Target:
+    """The Redis and pools to read; no I/O but reading the config file.
+
+    ConfigError: the file is invalid, or a URL has no redis://, rediss:// or unix:// scheme.
+    """
+    named = tuple(pools)
+    if config is not None:
+        loaded = load_config(config, env)
+        if env.get("REDIS_URL"):
+            source = f"REDIS_URL, which overrides redis.url of {config}"
+        elif _file_sets_url(config):
+            source = f"redis.url of {config}"
+        else:
+            source = f"the default: {config} sets no redis.url and REDIS_URL is not set"
+        return Target(loaded.redis, source, named or tuple(loaded.pools),
+                      "--pool" if named else f"the pools of {config}", loaded.tenants)
+    if redis_url:
+        url, source = _check_url(redis_url, "--redis-url"), "--redis-url"
+    elif env.get("REDIS_URL"):
+        url, source = _check_url(env["REDIS_URL"], "REDIS_URL"), "REDIS_URL"
+    else:
+        url = RedisSettings().url
+        source = "the default: no --config, no --redis-url and REDIS_URL is not set"
+    settings = RedisSettings(url=url, cluster=cluster, ssl_ca_file=ssl_ca_file)
+    return Target(settings, source, named,
+                  "--pool" if named else f"every pool found ({ANY_POOL_PATTERN})")
+
+
+async def pool_has_keys(client: Any, pool: str) -> bool:
+    """Whether Redis holds any key of `pool`: its fixed keys first (one EXISTS), then a SCAN
+    that stops at the first match (tasks and buckets have per-id names)."""
+    keys = PoolKeys(pool)
+    fixed = [keys.state, keys.clock, keys.node_capacity, keys.node_reserved, keys.leases,
+             keys.stats, keys.tenant_queued, *keys.queues]
+    if int(await client.exists(*fixed)) > 0:
+        return True
+    async with contextlib.aclosing(
+            client.scan_iter(match=pool_pattern(pool), count=SCAN_COUNT)) as found:
+        async for _ in found:
+            return True
+    return False
+
+
+class NothingFound(Exception):
+    """Redis answered, but holds no key of the pools asked for (or of any pool)."""
+
+
+async def discover_pools(client: Any) -> list[str]:
+    """Pool names found in the keyspace (one SCAN pass), for when none is named."""
+    pools: set[str] = set()
+    async for raw in client.scan_iter(match=ANY_POOL_PATTERN, count=SCAN_COUNT):
+        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        tag = key[len(ROOT) + 2:key.find("}")]
+        if tag != "sched":
+            pools.add(tag)
+    return sorted(pools)
+
+
+async def choose_pools(client: Any, target: Target, say: Callable[[str], None]) -> list[str]:
+    """The pools to show, named through `say`; NothingFound if Redis holds none of them.
+
+    A named pool with no key at all, beside others that have some, is shown (empty) with a
+    warning: a pool whose scheduler has not published yet looks like that.
+    """
+    if not target.pools:
+        pools = await discover_pools(client)
+        if not pools:
+            raise NothingFound(
+                f"no kvgate keys in {target.address}: no key matches {ANY_POOL_PATTERN}. "
+                "Is this the Redis and database the services use (--config, REDIS_URL)?")
+        say(f"pools {', '.join(pools)} ({target.pools_source})")
+        return pools
+    empty = [pool for pool in target.pools if not await pool_has_keys(client, pool)]
+    if len(empty) == len(target.pools):
+        raise NothingFound(
+            f"no kvgate keys of pool {', '.join(empty)} in {target.address}: no key matches "
+            f"{', '.join(pool_pattern(p) for p in empty)}. Is this the Redis and database the "
+            "services use, and has a scheduler or gateway of that pool run?")
+    say(f"pools {', '.join(target.pools)} ({target.pools_source})")
+    for pool in empty:
+        say(f"pool {pool}: no key matches {pool_pattern(pool)} (shown empty)")
+    return list(target.pools)

@@ -1,0 +1,211 @@
+"""A gateway process's SIGTERM is bounded by ``--shutdown-timeout``: streams that would outlast
+it are cut there, their reservations settled, and the process exits.
+
+A real gateway process, a real Redis (the `redis_url` fixture), and a node that streams one
+token every 100 ms (`InstantBackend`); the client reads the bytes itself to see where the
+stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import redis.asyncio as aioredis
+
+from admission.config import load_config
+from admission.localredis import LocalRedis
+from admission.scripts import register_scripts
+from admission.store import PoolStore
+from admission.tiers import Zone
+from bench.instant_backend import InstantBackend
+from gateway.shutdown import (
+    BACKGROUND_STOP_S,
+    CANCEL_GRACE_S,
+    EXIT_RESERVE_S,
+    SETTLE_DRAIN_S,
+    SETTLE_MARGIN_S,
+)
+from tests.gateway_harness import EPOCH, KEYS, eventually, serve_backend
+from tests.test_gateway_process import _toml
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 3.0
+TOKEN_MS = 100
+LONG_TOKENS = 200
+"""A 20 s stream: far beyond the timeout, and beyond twice it."""
+SHORT_TOKENS = 10
+"""A 1 s stream: it ends inside the timeout and must reach the client whole."""
+AUTH = {"Authorization": f"Bearer {KEYS['vip']}"}
+HEALTHY_EXIT_S = 2.0
+"""With Redis up the settle takes milliseconds; this leaves room for a loaded machine and the
+interpreter's exit, well under `SETTLE_MARGIN_S` (the bound when Redis is down)."""
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(config: Path, redis_url: str) -> AsyncIterator[
+        tuple[asyncio.subprocess.Process, str]]:
+    """`python -m gateway` with `--shutdown-timeout` TIMEOUT_S; (process, base URL)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--config", str(config), "--port", "0",
+        "--log-level", "WARNING", "--shutdown-timeout", str(TIMEOUT_S),
+        cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        assert "listening on http://" in line, line
+        yield process, line.rsplit(" ", 1)[1].strip()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def _stderr(process: asyncio.subprocess.Process) -> str:
+    assert process.stderr is not None
+    return (await process.stderr.read()).decode()
+
+
+class Stream:
+    """One streamed completion, read to its end (clean or not) by a background task."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, tokens: int) -> None:
+        self.flowing = asyncio.Event()
+        """Set once the first token reached the client."""
+        self.task_id = ""
+        self.body = b""
+        self._task = asyncio.create_task(self._read(http, url, tokens))
+
+    async def _read(self, http: aiohttp.ClientSession, url: str, tokens: int) -> None:
+        response = await http.post(url + "/v1/completions", json={
+            "model": "demo", "prompt": "hello", "max_tokens": tokens, "stream": True})
+        assert response.status == 200, await response.text()
+        self.task_id = response.headers["X-Request-Id"]
+        with contextlib.suppress(aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError):
+            async for line in response.content:
+                self.body += line
+                if b'"text"' in line:
+                    self.flowing.set()
+
+    async def started(self) -> None:
+        await asyncio.wait_for(self.flowing.wait(), 30)
+
+    async def ended(self) -> bytes:
+        await self._task
+        return self.body
+
+
+async def test_sigterm_cuts_streams_at_the_timeout_settles_and_exits(
+    redis_url: str, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS)
+    async with serve_backend(backend) as backend_url:
+        config = tmp_path / "gateway.toml"
+        config.write_text(_toml(backend_url))
+        store = PoolStore(redis_client, register_scripts(redis_client), "demo",
+                          load_config(config, env={}).pool_policy("demo"))
+        await store.publish_state(EPOCH, Zone.GREEN, {"node-0": 1_000_000})
+        async with gateway_process(config, redis_url) as (process, url), \
+                aiohttp.ClientSession(headers=AUTH) as http:
+            long = Stream(http, url, LONG_TOKENS)
+            await long.started()
+            short = Stream(http, url, SHORT_TOKENS)
+            await short.started()
+            sent_at = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+
+            async def refused() -> bool:
+                try:
+                    async with aiohttp.ClientSession() as fresh:
+                        await fresh.get(url + "/healthz")
+                except aiohttp.ClientConnectionError:
+                    return True
+                return False
+
+            # New connections are refused at once, while the streams still run.
+            await eventually(refused, within_s=TIMEOUT_S / 2)
+            assert process.returncode is None
+
+            short_body, long_body = await short.ended(), await long.ended()
+            cut_at = time.monotonic() - sent_at
+            code = await asyncio.wait_for(process.wait(), TIMEOUT_S + SETTLE_MARGIN_S + 5)
+            took = time.monotonic() - sent_at
+            stderr = await _stderr(process)
+        print(f"SIGTERM to stream cut {cut_at:.2f} s, to exit {took:.2f} s")
+        assert code == 0, stderr
+        assert "Traceback" not in stderr, stderr
+
+        # The short stream ended inside the timeout: whole, with its [DONE].
+        assert short_body.endswith(b"data: [DONE]\n\n")
+        assert short_body.count(b'"text"') == SHORT_TOKENS
+        # The long one was cut at the timeout: no [DONE], a fraction of its tokens.
+        assert b"[DONE]" not in long_body
+        assert 0 < long_body.count(b'"text"') < LONG_TOKENS / 2
+        assert TIMEOUT_S - 0.2 <= cut_at < TIMEOUT_S + HEALTHY_EXIT_S, cut_at
+        assert TIMEOUT_S - 0.2 <= took < TIMEOUT_S + HEALTHY_EXIT_S, took
+        # The node's generation was aborted, not left running.
+        await asyncio.wait_for(backend.aborted.wait(), 5)
+
+    # Nothing is left reserved: both tasks ended in Redis before the process exited.
+    whole, cut = await store.task(short.task_id), await store.task(long.task_id)
+    assert whole is not None and whole["state"] == "settled"
+    assert cut is not None and cut["state"] == "cancelled"
+    # Charged for what was generated before the cut (prompt + tokens sent), not refunded.
+    assert int(cut["usage"]) > 0
+    reserved = await redis_client.hgetall(store.keys.node_reserved)
+    assert all(int(v) == 0 for v in reserved.values()), reserved
+    for raw in await redis_client.zrange(store.keys.leases, 0, -1):
+        gateway = raw.decode() if isinstance(raw, bytes) else str(raw)
+        assert await redis_client.scard(store.keys.gateway_tasks_key(gateway)) == 0
+
+
+async def test_with_redis_down_the_settle_margin_still_bounds_the_exit(
+    redis_factory: Callable[..., LocalRedis], tmp_path: Path
+) -> None:
+    """Finishes that cannot reach Redis are retried for a bounded time, then left to the
+    lease reaper: the process still exits within the timeout plus the settle margin."""
+    server = redis_factory()
+    client = aioredis.Redis.from_url(server.url)
+    backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS)
+    try:
+        async with serve_backend(backend) as backend_url:
+            config = tmp_path / "gateway.toml"
+            config.write_text(_toml(backend_url))
+            store = PoolStore(client, register_scripts(client), "demo",
+                              load_config(config, env={}).pool_policy("demo"))
+            await store.publish_state(EPOCH, Zone.GREEN, {"node-0": 1_000_000})
+            async with gateway_process(config, server.url) as (process, url), \
+                    aiohttp.ClientSession(headers=AUTH) as http:
+                long = Stream(http, url, LONG_TOKENS)
+                await long.started()
+                server.kill()
+                sent_at = time.monotonic()
+                process.send_signal(signal.SIGTERM)
+                body = await long.ended()
+                code = await asyncio.wait_for(process.wait(), TIMEOUT_S + SETTLE_MARGIN_S + 5)
+                took = time.monotonic() - sent_at
+                stderr = await _stderr(process)
+    finally:
+        await client.aclose()
+    print(f"Redis down: SIGTERM to exit {took:.2f} s")
+    assert code == 0, stderr
+    assert b"[DONE]" not in body
+    assert TIMEOUT_S - 0.2 <= took < TIMEOUT_S + SETTLE_MARGIN_S + 1.0, took
+    assert f"1 of 1 requests still running after {TIMEOUT_S:.1f} s: cancelling them" in stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def test_the_margin_covers_its_parts() -> None:
+    """Each step after the timeout has its own bound; the deadline over them is the margin,
+    so a step that takes its whole bound is never the one cut short."""
+    assert CANCEL_GRACE_S + SETTLE_DRAIN_S + BACKGROUND_STOP_S + EXIT_RESERVE_S <= (
+        SETTLE_MARGIN_S)

@@ -1,0 +1,186 @@
+"""`kvgate-inspect` names the Redis it reads and fails loudly when that Redis is the wrong one.
+
+The CLI runs as a subprocess against private redis-servers (`redis_factory`): one populated
+through the admission core, one empty, and a closed port. The machine's own Redis on
+127.0.0.1:6379 is never contacted: every subprocess gets an explicit address and an
+environment without ``REDIS_URL``; the default address is checked by resolving it, not by
+connecting to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from admission.config import ConfigError, RedisSettings
+from admission.inspect_target import redis_address, resolve_target
+from admission.localredis import LocalRedis, free_port
+from tests.test_inspect import POOL, populate
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+UNREACHABLE_BOUND_S = 10.0
+"""Generous for a loaded 2-core machine: a refused connect fails at once, a silent server after
+the 500 ms read timeout; the interpreter's start is most of it."""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    return {**env, **extra}
+
+
+async def _cli(*args: str, env: Mapping[str, str]) -> tuple[int, str, str, float]:
+    started = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admission.inspect", *args, cwd=ROOT, env=dict(env),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode(), time.monotonic() - started
+
+
+def _config(tmp_path: Path, url: str | None, pool: str = POOL) -> Path:
+    redis = "" if url is None else f'[redis]\nurl = "{url}"\n\n'
+    path = tmp_path / "kvgate.toml"
+    path.write_text(f'{redis}[[pools]]\nname = "{pool}"\nbackends = ["http://127.0.0.1:1"]\n')
+    return path
+
+
+# --- Which Redis: resolved without I/O ------------------------------------------------------
+
+
+def test_with_nothing_given_the_default_is_named_as_the_default() -> None:
+    target = resolve_target(config=None, redis_url=None, cluster=False, ssl_ca_file=None,
+                            pools=[], env={})
+    assert target.settings.url == RedisSettings().url == DEFAULT_URL
+    assert target.announce() == (
+        "reading redis://127.0.0.1:6379/0 "
+        "(the default: no --config, no --redis-url and REDIS_URL is not set)")
+    assert target.pools == ()
+    assert "kvg:{*}:*" in target.pools_source
+
+
+def test_sources_in_the_services_order_and_no_credentials(tmp_path: Path) -> None:
+    def resolve(config: Path | None = None, url: str | None = None,
+                env: Mapping[str, str] | None = None) -> tuple[str, str, str]:
+        t = resolve_target(config=None if config is None else str(config), redis_url=url,
+                           cluster=False, ssl_ca_file=None, pools=[], env=env or {})
+        return t.settings.url, t.address, t.source
+
+    secret = "rediss://admin:hunter2@redis.internal:6380/3"
+    assert resolve(env={"REDIS_URL": secret}) == (
+        secret, "rediss://redis.internal:6380/3", "REDIS_URL")
+    assert resolve(url="redis://:pw@10.0.0.7/2", env={"REDIS_URL": secret})[1:] == (
+        "redis://10.0.0.7:6379/2", "--redis-url")
+    in_file = _config(tmp_path, "redis://:pw@file-host:7000/5")
+    assert resolve(in_file) == ("redis://:pw@file-host:7000/5", "redis://file-host:7000/5",
+                                f"redis.url of {in_file}")
+    # REDIS_URL overrides the file's redis.url, as in the gateway and the scheduler.
+    assert resolve(in_file, env={"REDIS_URL": secret})[1:] == (
+        "rediss://redis.internal:6380/3",
+        f"REDIS_URL, which overrides redis.url of {in_file}")
+    no_url = _config(tmp_path, None)
+    assert resolve(no_url) == (
+        DEFAULT_URL, "redis://127.0.0.1:6379/0",
+        f"the default: {no_url} sets no redis.url and REDIS_URL is not set")
+    assert redis_address(RedisSettings(url="unix:///run/redis.sock?db=4")) == (
+        "unix:///run/redis.sock?db=4")
+    assert redis_address(RedisSettings(url="redis://u:p@[::1]:7000", cluster=True)) == (
+        "Redis Cluster via redis://[::1]:7000")
+    assert redis_address(RedisSettings(url="redis://:p@x/1", sentinel_master="mymaster",
+                                       sentinels=("s1:26379", "s2:26379"))) == (
+        "Sentinel master mymaster via s1:26379, s2:26379 (redis, db 1)")
+    with pytest.raises(ConfigError, match="REDIS_URL: must start with redis://"):
+        resolve(env={"REDIS_URL": "localhost:6379"})
+
+
+# --- The command against real servers -----------------------------------------------------
+
+
+async def test_unreachable_redis_fails_fast_naming_it_without_password() -> None:
+    port = free_port()  # nothing listens there
+    code, out, err, took = await _cli(
+        "--redis-url", f"redis://:hunter2@127.0.0.1:{port}/0", "--pool", POOL, env=_env())
+    assert code == 1, err
+    assert out == ""
+    assert f"kvgate-inspect: reading redis://127.0.0.1:{port}/0 (--redis-url)" in err
+    assert f"cannot read Redis at redis://127.0.0.1:{port}/0:" in err
+    assert "hunter2" not in err and "Traceback" not in err
+    assert took < UNREACHABLE_BOUND_S
+
+
+async def test_a_server_that_never_answers_is_bounded_by_the_timeouts() -> None:
+    with socket.socket() as silent:  # the kernel completes the handshake; nobody replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        code, out, err, took = await _cli(
+            "--redis-url", f"redis://127.0.0.1:{port}/0", env=_env())
+    assert (code, out) == (1, ""), err
+    assert f"cannot read Redis at redis://127.0.0.1:{port}/0: Timeout" in err
+    assert "Traceback" not in err
+    assert took < UNREACHABLE_BOUND_S
+
+
+async def test_an_empty_redis_is_an_error_naming_what_was_looked_for(
+    redis_factory: Callable[..., LocalRedis], tmp_path: Path,
+) -> None:
+    empty = redis_factory()
+    code, out, err, _ = await _cli("--redis-url", empty.url, env=_env())
+    assert (code, out) == (3, ""), err
+    assert f"reading redis://127.0.0.1:{empty.port}/0 (--redis-url)" in err
+    assert f"no kvgate keys in redis://127.0.0.1:{empty.port}/0: no key matches kvg:{{*}}:*" in err
+
+    code, out, err, _ = await _cli("--redis-url", empty.url, "--pool", "llama", env=_env())
+    assert (code, out) == (3, ""), err
+    assert "no kvgate keys of pool llama" in err and "kvg:{llama}:*" in err
+
+    # The config's pools, on the Redis that REDIS_URL names over the file's (closed) one.
+    config = _config(tmp_path, f"redis://127.0.0.1:{free_port()}/0")
+    code, out, err, _ = await _cli("--config", str(config), env=_env(REDIS_URL=empty.url))
+    assert (code, out) == (3, ""), err
+    assert (f"reading redis://127.0.0.1:{empty.port}/0 "
+            f"(REDIS_URL, which overrides redis.url of {config})") in err
+    assert f"kvg:{{{POOL}}}:*" in err
+    assert "Traceback" not in err
+
+
+async def test_a_pool_in_redis_is_shown_with_where_it_was_read(
+    redis_factory: Callable[..., LocalRedis], tmp_path: Path,
+) -> None:
+    server = redis_factory(password="s3cret")
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        await populate(client)
+    finally:
+        await client.aclose()
+    address = f"redis://127.0.0.1:{server.port}/0"
+
+    config = _config(tmp_path, server.url)
+    code, out, err, _ = await _cli("--config", str(config), env=_env())
+    assert code == 0, err
+    assert f"kvgate-inspect: reading {address} (redis.url of {config})" in err
+    assert f"kvgate-inspect: pools {POOL} (the pools of {config})" in err
+    assert out.splitlines()[0] == f"redis {address}"
+    assert f"pool {POOL}  zone YELLOW" in out
+    assert "s3cret" not in out + err
+
+    code, out, err, _ = await _cli("--redis-url", server.url, env=_env())
+    assert code == 0, err
+    assert f"pools {POOL} (every pool found (kvg:{{*}}:*))" in err
+    assert f"pool {POOL}  zone YELLOW" in out
+
+    # One named pool without keys beside one with keys: shown, with a warning.
+    code, out, err, _ = await _cli("--redis-url", server.url, "--pool", POOL, "--pool", "gone",
+                                   "--json", env=_env())
+    assert code == 0, err
+    assert "pool gone: no key matches kvg:{gone}:* (shown empty)" in err
+    assert '"pool": "gone"' in out and f'"pool": "{POOL}"' in out

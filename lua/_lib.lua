@@ -9,6 +9,8 @@
 
 local TIER_QUEUE_COUNT = 3
 local TIER_BATCH = 2
+-- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
+local TIE_SHARE = 32
 
 local function fmt(n)
   return string.format('%.0f', n)
@@ -110,17 +112,29 @@ end
 -- whether it goes there as a guest: the most headroom (capacity - reserved) among the nodes
 -- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
 -- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
--- or it never fills its guest slots). Ties go to the first name in order so that every
--- replica would pick the same one. A Batch task needs `placement.batch_headroom` tokens of
+-- or it never fills its guest slots). A Batch task needs `placement.batch_headroom` tokens of
 -- room beyond its cost. With `guests_only`, the task may go only to a dedicated node as a
 -- guest (the scheduler's YELLOW release of Batch: the zone holds it off the shared nodes).
-local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, prompt_tokens,
-                     now, guests_only)
+--
+-- Ties share the load. A node ties with the best when its headroom is less than `cost` or
+-- 1/TIE_SHARE of the best's headroom below it (and it has room for the task): a difference
+-- smaller than the task is one this very placement would reverse, and budgets are measured
+-- figures (each engine's profiled KV size, scraped usage, a paged-KV block of padding per
+-- sequence) that differ by a few tokens or a percent between identical nodes. The strict best
+-- (by a token, or by name on an exact tie) would take every request that finds the pool
+-- idle, so a stream of short requests would all go to one node. Among tied nodes the least
+-- reserved wins (the one running less of ours), and among those, in name order, the one whose
+-- turn it is: the pool's count of releases so far (`stats_key` released_0..2, which every
+-- placement advances by one) modulo their number. Deterministic, so every replica picks the
+-- same node, and it needs no state beyond the counters the scheduler already reads.
+local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
+                     prompt_tokens, now, guests_only)
   local caps = redis.call('HGETALL', cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
     and prompt_tokens <= placement.guest_prompt
     and (placement.guest_output == 0 or cost - prompt_tokens <= placement.guest_output)
+  local candidates = {{}, {}}
   local best = {}
   for i = 1, #caps, 2 do
     local node = caps[i]
@@ -133,16 +147,35 @@ local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, 
       end
     end
     if allowed then
-      local room = (tonumber(caps[i + 1]) or 0) - (tonumber(redis.call('HGET', resv_key, node) or '0') or 0)
-      local b = best[group]
-      if b == nil or room > b[2] or (room == b[2] and node < b[1]) then best[group] = {node, room} end
+      local reserved = tonumber(redis.call('HGET', resv_key, node) or '0') or 0
+      local room = (tonumber(caps[i + 1]) or 0) - reserved
+      table.insert(candidates[group], {node, room, reserved})
+      if best[group] == nil or room > best[group] then best[group] = room end
     end
   end
   local need = cost
   if tier == TIER_BATCH then need = cost + placement.batch_headroom end
   for group = 1, 2 do
-    if best[group] and best[group][2] >= need then
-      return best[group][1], group == 1 and not owns_dedicated
+    if best[group] and best[group] >= need then
+      local margin = math.max(cost, math.floor(best[group] / TIE_SHARE), 1)
+      local tied, least = {}, nil
+      for _, c in ipairs(candidates[group]) do
+        if c[2] >= need and best[group] - c[2] < margin then
+          if least == nil or c[3] < least then
+            tied, least = {c[1]}, c[3]
+          elseif c[3] == least then
+            table.insert(tied, c[1])
+          end
+        end
+      end
+      local node = tied[1]
+      if #tied > 1 then
+        table.sort(tied)
+        local n = redis.call('HMGET', stats_key, 'released_0', 'released_1', 'released_2')
+        local turn = (tonumber(n[1]) or 0) + (tonumber(n[2]) or 0) + (tonumber(n[3]) or 0)
+        node = tied[turn % #tied + 1]
+      end
+      return node, group == 1 and not owns_dedicated
     end
   end
   return nil, false

@@ -13,7 +13,8 @@
 --                                than their tier's (the others expire in queue order)
 -- KEYS[9]  leases           ZSET  gateway -> lease expiry µs
 -- KEYS[10] tenant_queued    HASH  tenant -> queued count
--- KEYS[11] stats            HASH  counters
+-- KEYS[11] stats            HASH  counters (released_0..2 also take turns among tied nodes,
+--                                see place() in _lib.lua)
 -- KEYS[12] task             HASH  this task's record (must not exist yet)
 -- KEYS[13] bucket           HASH  the tenant's bucket in this pool
 -- KEYS[14] gateway tasks    SET   the calling gateway's live tasks
@@ -94,7 +95,7 @@ local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 10
 local node, guest, placement = nil, false, nil
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
   placement = placement_of(st[6], st[7], st[8], st[9], st[10], st[11], st[12], st[13])
-  node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], placement, tier, cost,
+  node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
     tonumber(ARGV[5]), now, false)
 end
 

@@ -12,7 +12,8 @@
 -- KEYS[5..7] queue vip, normal, batch   ZSET task id -> enqueue µs
 -- KEYS[8]  deadlines        ZSET  task id -> deadline µs
 -- KEYS[9]  tenant_queued    HASH  tenant -> queued count
--- KEYS[10] stats            HASH  counters
+-- KEYS[10] stats            HASH  counters (released_0..2 also take turns among tied nodes,
+--                                see place() in _lib.lua)
 --
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests and
 --          node_guest_pace keys: the running index ZSET 'node prompt max id' -> released µs
@@ -68,7 +69,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
     else
       local cost = tonumber(task.cost)
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
-      local node, guest = place(KEYS[3], KEYS[4], gst_key, pc_key, placement, t, cost,
+      local node, guest = place(KEYS[3], KEYS[4], gst_key, pc_key, KEYS[10], placement, t, cost,
         prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1)
       if node == nil then
         blocked = true

@@ -14,6 +14,8 @@ from admission.store import TaskState
 
 MICRO = 1_000_000
 TIERS = (0, 1, 2)
+TIE_SHARE = 32
+"""Headroom within 1/TIE_SHARE of the best node's ties with it (lua/_lib.lua)."""
 
 
 @dataclass
@@ -77,6 +79,8 @@ class Model:
     """Room (tokens) a Batch task must leave on its node beyond its cost."""
     guests_closed: frozenset[str] = frozenset()
     """Dedicated nodes that take no guests now (their engines run too many sequences)."""
+    released_count: int = 0
+    """Tasks released so far (the scripts' stats released_0..2): whose turn a tie is."""
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -106,7 +110,10 @@ class Model:
               guests_only: bool = False) -> tuple[str | None, bool]:
         """The most headroom among the nodes the task may use, dedicated ones first for the
         tiers they serve and for guests (other tiers' short work, below the per-node cap);
-        (None, False) when the best has no room for `cost` (and Batch's headroom). With
+        (None, False) when the best has no room for `cost` (and Batch's headroom). Nodes
+        less than `cost` or 1/TIE_SHARE of the best's headroom below the best tie: the least
+        reserved, then the one whose turn it is (`released_count` modulo their number, in name
+        order). With
         `guests_only`, only a dedicated node taking the task as a guest will do."""
         need = cost + (self.batch_headroom if tier == 2 else 0)
         owns = bool(self.dedicated_tiers >> tier & 1)
@@ -122,14 +129,17 @@ class Model:
         if guests_only:
             groups = [[] if owns else dedicated, []]
         for group, nodes in enumerate(groups):
-            best: str | None = None
-            room = 0
-            for node in nodes:  # sorted: a tie keeps the first name
-                r = self.capacity[node] - self.reserved.get(node, 0)
-                if best is None or r > room:
-                    best, room = node, r
-            if best is not None and room >= need:
-                return best, group == 0 and not owns
+            rooms = {n: self.capacity[n] - self.reserved.get(n, 0) for n in nodes}
+            if not rooms or max(rooms.values()) < need:
+                continue
+            best = max(rooms.values())
+            # Less than the task's cost or a 32nd of the best's headroom below it: a tie, to
+            # the least reserved, then in name order by turn (the count of releases so far).
+            margin = max(cost, best // TIE_SHARE, 1)
+            tied = [n for n, r in rooms.items() if r >= need and best - r < margin]
+            least = min(self.reserved.get(n, 0) for n in tied)
+            tied = sorted(n for n in tied if self.reserved.get(n, 0) == least)
+            return tied[self.released_count % len(tied)], group == 0 and not owns
         return None, False
 
     def _guest_joined(self, node: str, prompt: int) -> None:
@@ -215,6 +225,7 @@ class Model:
         self.tasks[tid] = task
         if node is not None:
             task.state, task.node, task.releases = TaskState.RELEASED, node, 1
+            self.released_count += 1
             task.guest = guest
             if guest:
                 self._guest_joined(node, prompt)
@@ -253,6 +264,7 @@ class Model:
                 if guest:
                     self._guest_joined(node, t.prompt)
                 t.releases += 1
+                self.released_count += 1
                 released += 1
                 out.append((tid, t.gateway, node, tier))
             if blocked:

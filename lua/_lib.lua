@@ -8,7 +8,6 @@
 -- node_guests).
 
 local TIER_QUEUE_COUNT = 3
-local TIER_BATCH = 2
 
 local function fmt(n)
   return string.format('%.0f', n)
@@ -85,11 +84,9 @@ end
 -- their prompts: after a guest of p prompt tokens the node takes no other guest for
 -- p / rate seconds. 'dedicated_guests_closed' (names): dedicated nodes that take no guests
 -- now (their engines run more sequences than the pool allows guests beside). Absent fields:
--- every node is shared. 'batch_headroom' (tokens): the room a Batch task must leave on its node
--- for VIP and Normal (absent: 0).
+-- every node is shared.
 local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field,
-                            guest_rate_field, guest_output_field, batch_headroom_field,
-                            guests_closed_field)
+                            guest_rate_field, guest_output_field, guests_closed_field)
   local nodes = {}
   if nodes_field then
     for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
@@ -102,8 +99,7 @@ local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_
           guest_prompt = tonumber(guest_prompt_field or '0') or 0,
           guest_cap = tonumber(guest_cap_field or '0') or 0,
           guest_rate = tonumber(guest_rate_field or '0') or 0,
-          guest_output = tonumber(guest_output_field or '0') or 0,
-          batch_headroom = tonumber(batch_headroom_field or '0') or 0}
+          guest_output = tonumber(guest_output_field or '0') or 0}
 end
 
 -- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
@@ -111,8 +107,8 @@ end
 -- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
 -- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
 -- or it never fills its guest slots). Ties go to the first name in order so that every
--- replica would pick the same one. A Batch task needs `placement.batch_headroom` tokens of
--- room beyond its cost. With `guests_only`, the task may go only to a dedicated node as a
+-- replica would pick the same one. `cap_key` is the task's tier's own capacity hash: each tier
+-- is placed up to its own ceiling on the node's projected KV. With `guests_only`, the task may go only to a dedicated node as a
 -- guest (the scheduler's YELLOW release of Batch: the zone holds it off the shared nodes).
 local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, prompt_tokens,
                      now, guests_only)
@@ -138,10 +134,8 @@ local function place(cap_key, resv_key, gst_key, pc_key, placement, tier, cost, 
       if b == nil or room > b[2] or (room == b[2] and node < b[1]) then best[group] = {node, room} end
     end
   end
-  local need = cost
-  if tier == TIER_BATCH then need = cost + placement.batch_headroom end
   for group = 1, 2 do
-    if best[group] and best[group][2] >= need then
+    if best[group] and best[group][2] >= cost then
       return best[group][1], group == 1 and not owns_dedicated
     end
   end

@@ -7,6 +7,7 @@ obvious way; the stateful test runs both side by side and compares them after ev
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from admission.store import TaskState
@@ -53,7 +54,8 @@ class Model:
     epoch: int = 0
     state_updated_us: int | None = None
     drain: tuple[int, int, int] = (0, 0, 0)
-    capacity: dict[str, int] = field(default_factory=dict)
+    capacity: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Node -> tokens VIP, Normal and Batch may each reserve on it (each tier's ceiling)."""
     reserved: dict[str, int] = field(default_factory=dict)
     queues: tuple[list[str], list[str], list[str]] = field(default_factory=lambda: ([], [], []))
     tasks: dict[str, ModelTask] = field(default_factory=dict)
@@ -70,8 +72,6 @@ class Model:
     """Guests' output tokens at most (0: no bound)."""
     guest_paced_until: dict[str, int] = field(default_factory=dict)
     """Dedicated node -> µs before which it takes no guest (paced guests)."""
-    batch_headroom: int = 0
-    """Room (tokens) a Batch task must leave on its node beyond its cost."""
     guests_closed: frozenset[str] = frozenset()
     """Dedicated nodes that take no guests now (their engines run too many sequences)."""
 
@@ -102,9 +102,8 @@ class Model:
               guests_only: bool = False) -> tuple[str | None, bool]:
         """The most headroom among the nodes the task may use, dedicated ones first for the
         tiers they serve and for guests (other tiers' short work, below the per-node cap);
-        (None, False) when the best has no room for `cost` (and Batch's headroom). With
+        (None, False) when the best has no room for `cost` under the tier's own capacity. With
         `guests_only`, only a dedicated node taking the task as a guest will do."""
-        need = cost + (self.batch_headroom if tier == 2 else 0)
         owns = bool(self.dedicated_tiers >> tier & 1)
         guests = self.guests()
         may_guest = (not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
@@ -121,10 +120,10 @@ class Model:
             best: str | None = None
             room = 0
             for node in nodes:  # sorted: a tie keeps the first name
-                r = self.capacity[node] - self.reserved.get(node, 0)
+                r = self.capacity[node][tier] - self.reserved.get(node, 0)
                 if best is None or r > room:
                     best, room = node, r
-            if best is not None and room >= need:
+            if best is not None and room >= cost:
                 return best, group == 0 and not owns
         return None, False
 
@@ -296,11 +295,11 @@ class Model:
         return reaped, expired, returned
 
     def publish_state(
-        self, epoch: int, zone: str, capacity: dict[str, int], drain: tuple[int, int, int],
+        self, epoch: int, zone: str, capacity: Mapping[str, int | tuple[int, int, int]],
+        drain: tuple[int, int, int],
         dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
         guests: tuple[int, int] = (0, 0),
         guest_rate: int = 0,
-        batch_headroom: int = 0,
         guest_output: int = 0,
         guests_closed: frozenset[str] = frozenset(),
     ) -> bool:
@@ -308,7 +307,7 @@ class Model:
         `guests_closed`: dedicated nodes that take no guests now;
         `guest_rate`: their prompt tokens per second on each dedicated node (0: unpaced);
         `guest_output`: their output tokens at most (0: no bound);
-        `batch_headroom`: room (tokens) a Batch task leaves on its node."""
+        `capacity`: per node, what each tier may reserve (one number: the same for all)."""
         if epoch < self.epoch:
             return False
         self.dedicated_nodes, self.dedicated_tiers = dedicated
@@ -316,10 +315,9 @@ class Model:
         self.guest_rate = guest_rate
         self.guest_output = guest_output
         self.guests_closed = guests_closed
-        self.batch_headroom = batch_headroom
         self.epoch = epoch
         self.zone = zone
-        self.capacity = dict(capacity)
+        self.capacity = {n: (c, c, c) if isinstance(c, int) else c for n, c in capacity.items()}
         self.drain = drain
         self.state_updated_us = self.now
         return True

@@ -67,15 +67,18 @@ class ZoneSettings:
     red: float = 0.85
     hysteresis: float = 0.03
     kv_target: float = 0.78
-    """Projected KV usage (fraction) the scheduler releases up to."""
+    """Normal's ceiling: the projected KV usage (fraction of a node) up to which Normal work
+    is placed on a node."""
+    vip_ceiling: float | None = None
+    """VIP's ceiling, between `kv_target` and `red` (None: `red`): the room between the two is
+    VIP's alone, so a VIP chat finds a node in every zone while any node is below it."""
+    batch_ceiling: float | None = None
+    """Batch's ceiling, at most `kv_target` (None: `yellow`, or `kv_target` if lower): Batch
+    never takes the room Normal and VIP are placed in."""
     yellow_normal_rate: float = 20.0
     """Normal releases per second allowed in YELLOW."""
     batch_trickle_rate: float = 0.0
     """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
-    batch_headroom: float = 0.03
-    """Share of a node's KV that Batch leaves free for VIP and Normal: a Batch task is placed
-    only where the budget keeps that much room after it. Without it a burst of Batch released
-    in a GREEN moment takes every node to the target, and VIP chats wait for room."""
     aggregate: str = "max"
     """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
     projection: str = "peak"
@@ -89,6 +92,15 @@ class ZoneSettings:
     """Upper bound on reserved tokens / KV tokens the scheduler allows from learned usage."""
     usage_margin: float = 0.10
     """Safety margin added to the learned usage/reservation ratio before overcommitting."""
+
+    def ceilings(self) -> tuple[float, float, float]:
+        """Each tier's ceiling on a node's projected KV (VIP, Normal, Batch), defaults
+        resolved: VIP up to the RED line, Normal up to `kv_target`, Batch up to the YELLOW
+        line (or `kv_target` if that is lower)."""
+        vip = self.red if self.vip_ceiling is None else self.vip_ceiling
+        batch = (min(self.yellow, self.kv_target) if self.batch_ceiling is None
+                 else self.batch_ceiling)
+        return (vip, self.kv_target, batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,6 +317,11 @@ class _Reader:
             raise ConfigError(f"{self.key(name)}: must be between {lo} and {hi}, got {value}")
         return value
 
+    def optional_number(self, name: str, lo: float, hi: float) -> float | None:
+        if self.get(name, (int, float)) is None:
+            return None
+        return self.number(name, 0.0, lo, hi)
+
     def string(self, name: str, default: str | None = None) -> str | None:
         value: str | None = self.get(name, str, default)
         return value
@@ -402,6 +419,9 @@ def _tiers(r: _Reader) -> dict[Tier, TierSettings]:
 
 
 def _zones(r: _Reader) -> ZoneSettings:
+    if "batch_headroom" in r.table:
+        raise ConfigError(f"{r.key('batch_headroom')}: replaced by {r.key('batch_ceiling')}, "
+                          "Batch's own ceiling on a node's projected KV usage (a fraction)")
     d = ZoneSettings()
     z = ZoneSettings(
         yellow=r.number("yellow", d.yellow, 0.0, 1.0),
@@ -410,7 +430,8 @@ def _zones(r: _Reader) -> ZoneSettings:
         kv_target=r.number("kv_target", d.kv_target, 0.0, 1.0),
         yellow_normal_rate=r.number("yellow_normal_rate", d.yellow_normal_rate, 0.0, 1e6),
         batch_trickle_rate=r.number("batch_trickle_rate", d.batch_trickle_rate, 0.0, 1e6),
-        batch_headroom=r.number("batch_headroom", d.batch_headroom, 0.0, 0.5),
+        vip_ceiling=r.optional_number("vip_ceiling", 0.0, 1.0),
+        batch_ceiling=r.optional_number("batch_ceiling", 0.0, 1.0),
         aggregate=r.string("aggregate", d.aggregate) or d.aggregate,
         projection=r.string("projection", d.projection) or d.projection,
         max_engine_waiting=r.integer("max_engine_waiting", d.max_engine_waiting, 0),
@@ -419,6 +440,17 @@ def _zones(r: _Reader) -> ZoneSettings:
     )
     if not z.yellow < z.red:
         raise ConfigError(f"{r.key('yellow')}: must be below {r.key('red')}")
+    # Each tier's ceiling is at most the next higher tier's: a setting that let Batch or
+    # Normal fill the room VIP is placed in would break strict tiers.
+    vip, normal, batch = z.ceilings()
+    if not batch <= normal:
+        raise ConfigError(f"{r.key('batch_ceiling')}: must be at most {r.key('kv_target')}")
+    if not normal <= vip:
+        raise ConfigError(f"{r.key('vip_ceiling')}: must be at least {r.key('kv_target')}"
+                          + ("" if z.vip_ceiling is not None else
+                             f" (unset, it is {r.key('red')})"))
+    if not vip <= z.red:
+        raise ConfigError(f"{r.key('vip_ceiling')}: must be at most {r.key('red')}")
     if z.aggregate not in ("max", "total"):
         raise ConfigError(f"{r.key('aggregate')}: must be 'max' or 'total'")
     if z.projection not in ("peak", "final"):

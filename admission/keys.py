@@ -70,8 +70,22 @@ class PoolKeys:
 
     @property
     def node_capacity(self) -> str:
-        """HASH node -> tokens of KV the scheduler lets gateways reserve on that node."""
+        """HASH node -> tokens of KV the scheduler lets VIP reserve on that node (VIP's
+        ceiling, the highest of the tiers': every node with a budget is listed here)."""
         return self.prefix + "node_capacity"
+
+    def tier_capacity(self, tier: Tier) -> str:
+        """HASH node -> tokens that work of `tier` may reserve on that node, up to the tier's
+        own ceiling on projected KV: `node_capacity` for VIP, `node_capacity:normal` and
+        `node_capacity:batch` for the others (lower ceilings, so never more room)."""
+        if tier is Tier.VIP:
+            return self.node_capacity
+        return f"{self.node_capacity}:{tier.label}"
+
+    @property
+    def tier_capacities(self) -> tuple[str, str, str]:
+        return (self.tier_capacity(Tier.VIP), self.tier_capacity(Tier.NORMAL),
+                self.tier_capacity(Tier.BATCH))
 
     @property
     def node_reserved(self) -> str:

@@ -130,8 +130,9 @@ class PoolStore:
         self.keys = k = PoolKeys(pool)
         self.policy = policy
         # Built once: the hot path's two scripts name the same pool keys on every call.
-        self._admit_keys = (k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues,
-                            k.deadlines, k.leases, k.tenant_queued, k.stats)
+        self._admit_keys = {tier: (k.state, k.clock, k.tier_capacity(tier), k.node_reserved,
+                                   *k.queues, k.deadlines, k.leases, k.tenant_queued, k.stats)
+                            for tier in Tier}
         self._finish_keys_head = (k.clock, k.node_reserved, *k.queues, k.deadlines,
                                   k.tenant_queued, k.stats)
         self._prefix = k.prefix
@@ -162,7 +163,7 @@ class PoolStore:
         cost = prompt_tokens + max_tokens
         reply = await self.scripts.admit(
             keys=[
-                *self._admit_keys, k.task_key(task_id), k.bucket_key(tenant.name),
+                *self._admit_keys[tier], k.task_key(task_id), k.bucket_key(tenant.name),
                 k.gateway_tasks_key(gateway), k.running, k.node_guests, k.node_guest_pace,
             ],
             args=[
@@ -228,7 +229,8 @@ class PoolStore:
         k = self.keys
         reply = await self.scripts.release(
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
-                  k.tenant_queued, k.stats],
+                  k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
+                  k.tier_capacity(Tier.BATCH)],
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
                   sum(1 << int(t) for t in set(guests_only))],
         )
@@ -245,17 +247,20 @@ class PoolStore:
         self,
         epoch: int,
         zone: Zone,
-        node_capacity: Mapping[str, int],
+        node_capacity: Mapping[str, int | tuple[int, int, int]],
         extra: Mapping[str, str | int | float] | None = None,
     ) -> int:
-        """Write the zone and node capacities (fenced); returns the Redis time written, µs."""
+        """Write the zone and node capacities (fenced); returns the Redis time written, µs.
+        A node's capacity is the tokens each tier may reserve on it (VIP, Normal, Batch), or
+        one number for all three."""
         k = self.keys
         args: list[str | int | float] = [epoch, zone.value, len(node_capacity)]
         for node, capacity in sorted(node_capacity.items()):
-            args += [node, int(capacity)]
+            per_tier = (capacity,) * 3 if isinstance(capacity, int) else capacity
+            args += [node, *(int(c) for c in per_tier)]
         for field, value in (extra or {}).items():
             args += [field, value]
-        reply = await self.scripts.state(keys=[k.state, k.clock, k.node_capacity], args=args)
+        reply = await self.scripts.state(keys=[k.state, k.clock, *k.tier_capacities], args=args)
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         return int(reply[2])

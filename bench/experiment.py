@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guest-running", type=int, dest="guest_running",
                    help="arm (c), with --guest-prompt: no new guests while a kept node runs "
                         "more sequences than this (guest_max_running; default: no bound)")
-    p.add_argument("--batch-headroom", type=float, dest="batch_headroom",
-                   help="arm (c): the pool's zones.batch_headroom (default: the project's)")
+    p.add_argument("--batch-ceiling", type=float, dest="batch_ceiling",
+                   help="arm (c): the pool's zones.batch_ceiling (default: the project's)")
+    p.add_argument("--vip-ceiling", type=float, dest="vip_ceiling",
+                   help="arm (c): the pool's zones.vip_ceiling (default: the project's)")
     p.add_argument("--kv-target", type=float, dest="kv_target",
                    help="arm (c): the pool's zones.kv_target, the projected usage each node's "
                         "budget keeps under (default: the project's)")
@@ -102,7 +104,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         vip_nodes=args.vip_nodes, guest_prompt=args.guest_prompt, max_guests=args.max_guests,
         guest_rate=args.guest_rate, guest_output=args.guest_output,
         guest_running=args.guest_running, projection=args.projection,
-        batch_headroom=args.batch_headroom, yellow=args.yellow, kv_target=args.kv_target,
+        batch_ceiling=args.batch_ceiling, vip_ceiling=args.vip_ceiling, yellow=args.yellow,
+        kv_target=args.kv_target,
         max_engine_waiting=args.max_engine_waiting,
     )
 

@@ -8,7 +8,6 @@
 -- node_guests).
 
 local TIER_QUEUE_COUNT = 3
-local TIER_BATCH = 2
 -- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
 local TIE_SHARE = 32
 
@@ -87,11 +86,9 @@ end
 -- their prompts: after a guest of p prompt tokens the node takes no other guest for
 -- p / rate seconds. 'dedicated_guests_closed' (names): dedicated nodes that take no guests
 -- now (their engines run more sequences than the pool allows guests beside). Absent fields:
--- every node is shared. 'batch_headroom' (tokens): the room a Batch task must leave on its node
--- for VIP and Normal (absent: 0).
+-- every node is shared.
 local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field,
-                            guest_rate_field, guest_output_field, batch_headroom_field,
-                            guests_closed_field)
+                            guest_rate_field, guest_output_field, guests_closed_field)
   local nodes = {}
   if nodes_field then
     for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
@@ -104,16 +101,16 @@ local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_
           guest_prompt = tonumber(guest_prompt_field or '0') or 0,
           guest_cap = tonumber(guest_cap_field or '0') or 0,
           guest_rate = tonumber(guest_rate_field or '0') or 0,
-          guest_output = tonumber(guest_output_field or '0') or 0,
-          batch_headroom = tonumber(batch_headroom_field or '0') or 0}
+          guest_output = tonumber(guest_output_field or '0') or 0}
 end
 
 -- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
 -- whether it goes there as a guest: the most headroom (capacity - reserved) among the nodes
 -- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
 -- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
--- or it never fills its guest slots). A Batch task needs `placement.batch_headroom` tokens of
--- room beyond its cost. With `guests_only`, the task may go only to a dedicated node as a
+-- or it never fills its guest slots). `cap_key` is the task's tier's own capacity hash: each
+-- tier is placed up to its own ceiling on the node's projected KV. With `guests_only`, the
+-- task may go only to a dedicated node as a
 -- guest (the scheduler's YELLOW release of Batch: the zone holds it off the shared nodes).
 --
 -- Ties share the load. A node ties with the best when its headroom is less than `cost` or
@@ -153,14 +150,12 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       if best[group] == nil or room > best[group] then best[group] = room end
     end
   end
-  local need = cost
-  if tier == TIER_BATCH then need = cost + placement.batch_headroom end
   for group = 1, 2 do
-    if best[group] and best[group] >= need then
+    if best[group] and best[group] >= cost then
       local margin = math.max(cost, math.floor(best[group] / TIE_SHARE), 1)
       local tied, least = {}, nil
       for _, c in ipairs(candidates[group]) do
-        if c[2] >= need and best[group] - c[2] < margin then
+        if c[2] >= cost and best[group] - c[2] < margin then
           if least == nil or c[3] < least then
             tied, least = {c[1]}, c[3]
           elseif c[3] == least then

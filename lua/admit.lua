@@ -3,10 +3,12 @@
 -- KEYS[1]  state            HASH  zone, updated_us, drain_0..2 (tasks/s), dedicated_nodes,
 --                                dedicated_tiers, dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
---                                dedicated_guests_closed,
---                                batch_headroom (see place() in _lib.lua), by the scheduler
+--                                dedicated_guests_closed (see place() in _lib.lua), by the
+--                                scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
--- KEYS[3]  node_capacity    HASH  node -> tokens
+-- KEYS[3]  node_capacity    HASH  node -> tokens this task's tier may reserve there (the
+--                                tier's own hash: node_capacity, node_capacity:normal or
+--                                node_capacity:batch)
 -- KEYS[4]  node_reserved    HASH  node -> tokens
 -- KEYS[5..7] queue vip, normal, batch   ZSET task id -> enqueue µs
 -- KEYS[8]  deadlines        ZSET  task id -> deadline µs, only for tasks whose timeout is shorter
@@ -58,7 +60,7 @@ local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2',
   'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt', 'dedicated_guest_cap',
-  'dedicated_guest_rate', 'dedicated_guest_output', 'batch_headroom', 'dedicated_guests_closed')
+  'dedicated_guest_rate', 'dedicated_guest_output', 'dedicated_guests_closed')
 local zone = st[1] or 'GREEN'
 
 local existing = redis.call('HGET', KEYS[12], 'state')
@@ -94,7 +96,7 @@ end
 local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 1000)
 local node, guest, placement = nil, false, nil
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
-  placement = placement_of(st[6], st[7], st[8], st[9], st[10], st[11], st[12], st[13])
+  placement = placement_of(st[6], st[7], st[8], st[9], st[10], st[11], st[12])
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
     tonumber(ARGV[5]), now, false)
 end

@@ -3,17 +3,18 @@
 -- KEYS[1]  state            HASH  epoch (fencing), dedicated_nodes, dedicated_tiers,
 --                                dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
---                                dedicated_guests_closed,
---                                batch_headroom (where each task may
+--                                dedicated_guests_closed (where each task may
 --                                run, see place() in _lib.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
--- KEYS[3]  node_capacity    HASH  node -> tokens
+-- KEYS[3]  node_capacity    HASH  node -> tokens VIP may reserve there
 -- KEYS[4]  node_reserved    HASH  node -> tokens
 -- KEYS[5..7] queue vip, normal, batch   ZSET task id -> enqueue µs
 -- KEYS[8]  deadlines        ZSET  task id -> deadline µs
 -- KEYS[9]  tenant_queued    HASH  tenant -> queued count
 -- KEYS[10] stats            HASH  counters (released_0..2 also take turns among tied nodes,
 --                                see place() in _lib.lua)
+-- KEYS[11] node_capacity:normal  HASH  node -> tokens Normal may reserve there
+-- KEYS[12] node_capacity:batch   HASH  node -> tokens Batch may reserve there
 --
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests and
 --          node_guest_pace keys: the running index ZSET 'node prompt max id' -> released µs
@@ -45,9 +46,10 @@ local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers',
   'dedicated_guest_prompt', 'dedicated_guest_cap', 'dedicated_guest_rate',
-  'dedicated_guest_output', 'batch_headroom', 'dedicated_guests_closed')
+  'dedicated_guest_output', 'dedicated_guests_closed')
 local placement = placement_of(dedicated[1], dedicated[2], dedicated[3], dedicated[4],
-  dedicated[5], dedicated[6], dedicated[7], dedicated[8])
+  dedicated[5], dedicated[6], dedicated[7])
+local capacities = {KEYS[3], KEYS[11], KEYS[12]}
 local gst_key, pc_key = guests_key(prefix), pace_key(prefix)
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
@@ -69,7 +71,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
     else
       local cost = tonumber(task.cost)
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
-      local node, guest = place(KEYS[3], KEYS[4], gst_key, pc_key, KEYS[10], placement, t, cost,
+      local node, guest = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
+        placement, t, cost,
         prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1)
       if node == nil then
         blocked = true

@@ -3,11 +3,13 @@
 -- KEYS[1]  state            HASH  epoch, zone, updated_us, and the extra fields given (replaced
 --                          whole, so a node that left takes its figures with it)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
--- KEYS[3]  node_capacity    HASH  node -> tokens (replaced whole: absent nodes get nothing)
+-- KEYS[3..5] node_capacity, node_capacity:normal, node_capacity:batch
+--                          HASH  node -> tokens that VIP, Normal, Batch may reserve there, each
+--                          up to its own tier's ceiling (replaced whole: absent nodes get nothing)
 --
 -- ARGV[1]  caller's fencing epoch
 -- ARGV[2]  zone: GREEN | YELLOW | RED
--- ARGV[3]  n = number of nodes, then n pairs (node, capacity tokens)
+-- ARGV[3]  n = number of nodes, then n groups (node, VIP tokens, Normal tokens, Batch tokens)
 -- then     field, value pairs stored into the state hash as given (drain_0..2 in tasks/s,
 --          usage figures for operators)
 --
@@ -17,13 +19,16 @@ local ok, epoch = check_epoch(KEYS[1], tonumber(ARGV[1]))
 if not ok then return {'fenced', epoch} end
 local now = now_us(KEYS[2])
 local n = tonumber(ARGV[3])
-redis.call('DEL', KEYS[3])
+redis.call('DEL', KEYS[3], KEYS[4], KEYS[5])
 for i = 0, n - 1 do
-  redis.call('HSET', KEYS[3], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
+  local at = 4 + 4 * i
+  for t = 0, 2 do
+    redis.call('HSET', KEYS[3 + t], ARGV[at], ARGV[at + 1 + t])
+  end
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'epoch', fmt(epoch), 'zone', ARGV[2], 'updated_us', fmt(now))
-local extra_start = 4 + 2 * n
+local extra_start = 4 + 4 * n
 if #ARGV >= extra_start + 1 then
   redis.call('HSET', KEYS[1], unpack(ARGV, extra_start))
 end

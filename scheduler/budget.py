@@ -1,14 +1,17 @@
 """The predictive KV budget: how many reservation tokens each node may hold, every poll.
 
-Gateways and the release script admit a task of cost W (prompt + max output tokens) to a node
-only while ``node_capacity - node_reserved >= W``. The scheduler steers the fleet through the
-one number it writes, ``node_capacity`` (called the *budget* B here), recomputed per node at
-every poll from the node's metrics and the pool's reservations in Redis.
+Gateways and the release script admit a task of cost W (prompt + max output tokens) of tier t
+to a node only while ``node_capacity[t] - node_reserved >= W``. The scheduler steers the fleet
+through the numbers it writes, ``node_capacity`` for VIP and ``node_capacity:normal`` and
+``node_capacity:batch`` (the *budgets* B_t here), recomputed per node at every poll from the
+node's metrics and the pool's reservations in Redis.
 
 Model, per node (all in tokens of KV):
 
     C   capacity (cache_config_info num_gpu_blocks x block_size, or configuration)
-    T   = kv_target x C                       the ceiling projected usage must stay under
+    T_t = ceiling_t x C          the line projected usage must stay under for tier t's work:
+                                 ``zones.vip_ceiling``, ``zones.kv_target`` (Normal) and
+                                 ``zones.batch_ceiling``, each at most the one above
     U   = measured usage x C                  from the last scrape
     R   = node_reserved                       reservations of released, unsettled tasks, now
     f   = learned usage / reservation ratio   (see `UsageLearner`), with margin, per node
@@ -18,7 +21,12 @@ Model, per node (all in tokens of KV):
     pad       = (running + waiting) x block_size   paged-KV rounding, one partial block each
     P   = what our tasks will hold at most   R, or their peak over time (below)
     projected = foreign + pad + max(f x P, ours_now)
-    B         = R + (T - projected) / f                  (never below 0)
+    B_t       = R + (T_t - projected) / f                (never below 0)
+
+Tier ceilings: all tiers share one projection and one reservation count, so Batch work placed
+up to its line leaves the room between its line and Normal's to Normal and VIP, and the room
+between Normal's line and VIP's to VIP alone, in every zone: a VIP chat finds a node while any
+node's projection is below the VIP ceiling, whatever the other tiers hold.
 
 Read as "measured usage + what was released but is not visible yet + the growth of running
 sequences as they decode": ``f x R = ours_now + (f x R - ours_now)``, the bracket being the
@@ -53,7 +61,7 @@ the calibrated rate low, so tasks look younger and end later than they will: the
 errs towards overlap, the safe side.
 
 Releases add to R, never to U, so a burst released between two polls, by the scheduler or by
-the gateways' fast path, can use at most ``B - R`` and lands exactly on T: the metrics' lag
+the gateways' fast path, can use at most ``B_t - R`` and lands exactly on T_t: the metrics' lag
 cannot make the pool overshoot.
 
 Overcommit: requests rarely reach max_tokens, so ``f < 1`` lets the pool reserve more than
@@ -250,6 +258,9 @@ class NodePlan:
     ejected: bool
     reason: str
     """Why the node gets no new work ('' when it may): ejected, no_capacity, stale."""
+    tier_budgets: tuple[int, int, int] | None = None
+    """What VIP, Normal and Batch may each reserve, every tier up to its own ceiling (the first
+    is `budget`); None: `budget` for every tier."""
 
     @property
     def usable(self) -> bool:
@@ -266,10 +277,13 @@ def plan_node(
     stale_policy: str,
     running: Sequence[RunningTask] | None = None,
     max_waiting: int = 0,
+    vip_ceiling: float | None = None,
+    batch_ceiling: float | None = None,
 ) -> NodePlan:
-    """The budget and projected usage of one node (see the module docstring); `running` None
+    """The budgets and projected usage of one node (see the module docstring); `running` None
     counts every reservation at its final size; `max_waiting` > 0: no new releases while the
-    engine queues more requests than that."""
+    engine queues more requests than that. `kv_target` is Normal's ceiling; VIP's and Batch's
+    default to it. The plan's `budget` is VIP's."""
     capacity = view.capacity or 0
     if view.ejected or view.metrics is None or capacity <= 0:
         reason = "ejected" if view.ejected else ("no_capacity" if capacity <= 0 else "stale")
@@ -289,22 +303,27 @@ def plan_node(
         reading = EngineReading(m.waiting, m.running, int(view.age_s * 1_000_000))
         held = min(held, peak_usage(running, ours_now - unindexed, reading) + unindexed)
     projected = foreign + pad + max(factor * held, ours_now)
-    budget = max(0, math.floor(reserved + (target - projected) / factor))
+    ceilings = (kv_target if vip_ceiling is None else vip_ceiling, kv_target,
+                kv_target if batch_ceiling is None else batch_ceiling)
+    # One projection, three ceilings: a tier's room is what is left under its own line, so
+    # whatever Batch and Normal take, VIP keeps the room between the lines above theirs.
+    tiers = [max(0, math.floor(reserved + (c * capacity - projected) / factor))
+             for c in ceilings]
     reason = ""
     if max_waiting and m.waiting > max_waiting:
         # Out of compute: a release would only join the engine's queue, and the prompts queued
         # there get their KV when the engine reaches them, unseen by any projection.
-        budget = min(budget, reserved)
+        tiers = [min(b, reserved) for b in tiers]
         reason = "engine_queue"
     if view.stale and stale_policy == "full":
         # Declared policy 'full': no new work to a node we cannot see, and it counts as sitting
         # at the ceiling (YELLOW at most, never RED by staleness alone: a metrics blip on a
         # one-node pool must not turn into 429s for everyone).
-        budget = 0
+        tiers = [0, 0, 0]
         projected = max(projected, target)
         reason = "stale"
-    return NodePlan(view.name, capacity, m.kv_usage, projected / capacity, reserved, budget,
-                    factor, view.stale, False, reason)
+    return NodePlan(view.name, capacity, m.kv_usage, projected / capacity, reserved, tiers[0],
+                    factor, view.stale, False, reason, (tiers[0], tiers[1], tiers[2]))
 
 
 def pool_usage(plans: Sequence[NodePlan], aggregate: str,
@@ -325,12 +344,6 @@ def pool_usage(plans: Sequence[NodePlan], aggregate: str,
     return max(p.projected for p in usable)
 
 
-def batch_headroom_tokens(plans: Sequence[NodePlan], share: float) -> int:
-    """The room (tokens) a Batch task must leave on its node: `share` of the smallest usable
-    node's KV, one number for the pool since the scripts see budgets, not capacities."""
-    capacities = [p.capacity for p in plans if p.usable]
-    return math.floor(share * min(capacities)) if capacities else 0
-
-
-def budgets(plans: Sequence[NodePlan]) -> Mapping[str, int]:
-    return {p.name: p.budget for p in plans if p.budget is not None}
+def budgets(plans: Sequence[NodePlan]) -> Mapping[str, tuple[int, int, int]]:
+    """What each usable node lets each tier (VIP, Normal, Batch) reserve."""
+    return {p.name: p.tier_budgets or (p.budget,) * 3 for p in plans if p.budget is not None}

@@ -22,7 +22,6 @@ from scheduler.budget import (
     NodePlan,
     RunningTask,
     UsageLearner,
-    batch_headroom_tokens,
     budgets,
     plan_node,
     pool_usage,
@@ -151,6 +150,7 @@ class PoolScheduler:
         self.clock = clock
         zones = pool.zones
         self.tracker = ZoneTracker(zones)
+        self.ceilings = zones.ceilings()
         self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
                                     zones.max_overcommit)
         self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._kept_guests)
@@ -260,6 +260,8 @@ class PoolScheduler:
                 stale_policy=self.settings.stale_policy,
                 running=snap.running.get(view.name, []) if self._peak_projection else None,
                 max_waiting=self.pool.zones.max_engine_waiting,
+                vip_ceiling=self.ceilings[0],
+                batch_ceiling=self.ceilings[2],
             ))
             if view.stale and not view.ejected:
                 self.metrics.stale.labels(self.name, view.name,
@@ -279,8 +281,9 @@ class PoolScheduler:
         extra["pool_usage"] = "" if result.usage is None else f"{result.usage:.4f}"
         extra["usage_ratio"] = f"{self.learner.ratio:.4f}"
         extra["leader"] = self.me
-        extra["batch_headroom"] = batch_headroom_tokens(result.plans,
-                                                        self.pool.zones.batch_headroom)
+        # The ceilings the budgets were computed with, for operators (redis-cli, inspect).
+        for tier, ceiling in zip(Tier, self.ceilings, strict=True):
+            extra[f"ceiling_{tier.label}"] = f"{ceiling:.4f}"
         dedicated = self.pool.dedicated
         if dedicated.nodes:
             extra["dedicated_nodes"] = " ".join(dedicated.nodes)

@@ -7,6 +7,7 @@ obvious way; the stateful test runs both side by side and compares them after ev
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from admission.keys import abandoned_lease
@@ -58,7 +59,8 @@ class Model:
     epoch: int = 0
     state_updated_us: int | None = None
     drain: tuple[int, int, int] = (0, 0, 0)
-    capacity: dict[str, int] = field(default_factory=dict)
+    capacity: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Node -> tokens VIP, Normal and Batch may each reserve on it (each tier's ceiling)."""
     reserved: dict[str, int] = field(default_factory=dict)
     queues: tuple[list[str], list[str], list[str]] = field(default_factory=lambda: ([], [], []))
     tasks: dict[str, ModelTask] = field(default_factory=dict)
@@ -75,8 +77,6 @@ class Model:
     """Guests' output tokens at most (0: no bound)."""
     guest_paced_until: dict[str, int] = field(default_factory=dict)
     """Dedicated node -> µs before which it takes no guest (paced guests)."""
-    batch_headroom: int = 0
-    """Room (tokens) a Batch task must leave on its node beyond its cost."""
     guests_closed: frozenset[str] = frozenset()
     """Dedicated nodes that take no guests now (their engines run too many sequences)."""
     released_count: int = 0
@@ -110,12 +110,11 @@ class Model:
               guests_only: bool = False) -> tuple[str | None, bool]:
         """The most headroom among the nodes the task may use, dedicated ones first for the
         tiers they serve and for guests (other tiers' short work, below the per-node cap);
-        (None, False) when the best has no room for `cost` (and Batch's headroom). Nodes
+        (None, False) when the best has no room for `cost` under the tier's own capacity. Nodes
         less than `cost` or 1/TIE_SHARE of the best's headroom below the best tie: the least
         reserved, then the one whose turn it is (`released_count` modulo their number, in name
         order). With
         `guests_only`, only a dedicated node taking the task as a guest will do."""
-        need = cost + (self.batch_headroom if tier == 2 else 0)
         owns = bool(self.dedicated_tiers >> tier & 1)
         guests = self.guests()
         may_guest = (not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
@@ -129,14 +128,14 @@ class Model:
         if guests_only:
             groups = [[] if owns else dedicated, []]
         for group, nodes in enumerate(groups):
-            rooms = {n: self.capacity[n] - self.reserved.get(n, 0) for n in nodes}
-            if not rooms or max(rooms.values()) < need:
+            rooms = {n: self.capacity[n][tier] - self.reserved.get(n, 0) for n in nodes}
+            if not rooms or max(rooms.values()) < cost:
                 continue
             best = max(rooms.values())
             # Less than the task's cost or a 32nd of the best's headroom below it: a tie, to
             # the least reserved, then in name order by turn (the count of releases so far).
             margin = max(cost, best // TIE_SHARE, 1)
-            tied = [n for n, r in rooms.items() if r >= need and best - r < margin]
+            tied = [n for n, r in rooms.items() if r >= cost and best - r < margin]
             least = min(self.reserved.get(n, 0) for n in tied)
             tied = sorted(n for n in tied if self.reserved.get(n, 0) == least)
             return tied[self.released_count % len(tied)], group == 0 and not owns
@@ -324,11 +323,11 @@ class Model:
         return reaped, expired, returned
 
     def publish_state(
-        self, epoch: int, zone: str, capacity: dict[str, int], drain: tuple[int, int, int],
+        self, epoch: int, zone: str, capacity: Mapping[str, int | tuple[int, int, int]],
+        drain: tuple[int, int, int],
         dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
         guests: tuple[int, int] = (0, 0),
         guest_rate: int = 0,
-        batch_headroom: int = 0,
         guest_output: int = 0,
         guests_closed: frozenset[str] = frozenset(),
     ) -> bool:
@@ -336,7 +335,7 @@ class Model:
         `guests_closed`: dedicated nodes that take no guests now;
         `guest_rate`: their prompt tokens per second on each dedicated node (0: unpaced);
         `guest_output`: their output tokens at most (0: no bound);
-        `batch_headroom`: room (tokens) a Batch task leaves on its node."""
+        `capacity`: per node, what each tier may reserve (one number: the same for all)."""
         if epoch < self.epoch:
             return False
         self.dedicated_nodes, self.dedicated_tiers = dedicated
@@ -344,10 +343,9 @@ class Model:
         self.guest_rate = guest_rate
         self.guest_output = guest_output
         self.guests_closed = guests_closed
-        self.batch_headroom = batch_headroom
         self.epoch = epoch
         self.zone = zone
-        self.capacity = dict(capacity)
+        self.capacity = {n: (c, c, c) if isinstance(c, int) else c for n, c in capacity.items()}
         self.drain = drain
         self.state_updated_us = self.now
         return True

@@ -191,7 +191,7 @@ async def admit(
 
 async def queue_tasks(store: PoolStore, spec: Sequence[tuple[str, Tier, int]]) -> None:
     """Queue tasks for sure: with no node capacity published the fast path cannot fire."""
-    await store.client.delete(store.keys.node_capacity)
+    await store.client.delete(*store.keys.tier_capacities)
     for task_id, tier, cost in spec:
         result = await admit(store, task_id, tier, cost)
         assert result.outcome is AdmitOutcome.QUEUED, result

@@ -311,8 +311,8 @@ def test_arm_c_config_takes_the_zone_flags() -> None:
         text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
         return parse_config(tomllib.loads(text), env={}).pools[POOL].zones
 
-    assert zones(batch_headroom=0.0).batch_headroom == 0.0
-    assert zones(batch_headroom=0.05).batch_headroom == 0.05
+    assert zones(batch_ceiling=0.5).batch_ceiling == 0.5
+    assert zones(vip_ceiling=0.84).vip_ceiling == 0.84
     assert zones(yellow=0.75).yellow == 0.75
     assert zones(kv_target=0.79).kv_target == 0.79
     assert zones() == ZoneSettings()
@@ -325,9 +325,9 @@ def test_the_report_names_the_zone_settings_an_arm_changed() -> None:
         return next(line for line in lines if line.startswith("- (c)"))
 
     assert "except" not in arm_c()
-    changed = arm_c(yellow=0.8, kv_target=0.79, batch_headroom=0.01)
+    changed = arm_c(yellow=0.8, kv_target=0.79, batch_ceiling=0.77)
     assert "except `zones.kv_target = 0.79`, `zones.yellow = 0.8`, " \
-        "`zones.batch_headroom = 0.01`" in changed
+        "`zones.batch_ceiling = 0.77`" in changed
 
 
 async def test_the_kvgate_timeline_keeps_what_the_leader_published(

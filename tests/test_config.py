@@ -169,3 +169,26 @@ def test_dedicated_nodes_must_be_backends_of_the_pool_and_name_their_tiers() -> 
     with pytest.raises(ConfigError, match=r"guest_max_output_tokens: bounds guests, so it needs"):
         parse_config(pool({"nodes": ["gpu-0"], "tiers": ["vip"],
                            "guest_max_output_tokens": 1000}), env={})
+
+
+def test_tier_ceilings_default_to_the_zone_lines_and_keep_their_order() -> None:
+    def zones(**z: object) -> Any:
+        data = minimal()
+        data["pools"][0]["zones"] = z
+        return parse_config(data, env={}).pools["llama"].zones
+
+    assert zones().ceilings() == (0.85, 0.78, 0.70)
+    # Unset ceilings follow the lines they default to, so moving RED or YELLOW alone is valid.
+    assert zones(yellow=0.6, red=0.8, kv_target=0.75).ceilings() == (0.8, 0.75, 0.6)
+    assert zones(yellow=0.8, kv_target=0.78).ceilings() == (0.85, 0.78, 0.78)
+    assert zones(vip_ceiling=0.82, batch_ceiling=0.5).ceilings() == (0.82, 0.78, 0.5)
+    for bad, message in [
+        ({"batch_ceiling": 0.8}, r"zones\.batch_ceiling: must be at most pools\[0\]\.zones\.kv_"),
+        ({"vip_ceiling": 0.75}, r"zones\.vip_ceiling: must be at least pools\[0\]\.zones\.kv_"),
+        ({"vip_ceiling": 0.9}, r"zones\.vip_ceiling: must be at most pools\[0\]\.zones\.red"),
+        ({"red": 0.75, "yellow": 0.7}, r"vip_ceiling: must be at least .*kv_target \(unset, it"),
+        ({"vip_ceiling": 1.5}, r"zones\.vip_ceiling: must be between 0.0 and 1.0"),
+        ({"batch_headroom": 0.03}, r"zones\.batch_headroom: replaced by .*batch_ceiling"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            zones(**bad)

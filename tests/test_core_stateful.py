@@ -8,6 +8,7 @@ tier order, RED rejects new Normal and Batch.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -83,18 +84,17 @@ class CoreMachine(RuleBasedStateMachine):
     def first_leader_publishes(self) -> None:
         self._publish(1, Zone.GREEN, {"node-1": 800, "node-2": 500}, (0, 0, 0))
 
-    def _publish(self, epoch: int, zone: Zone, caps: dict[str, int],
+    def _publish(self, epoch: int, zone: Zone, caps: Mapping[str, int | tuple[int, int, int]],
                  drain: tuple[int, int, int],
                  dedicated: tuple[frozenset[str], int] = (frozenset(), 0),
                  guests: tuple[int, int] = (0, 0), guest_rate: int = 0,
-                 batch_headroom: int = 0, guest_output: int = 0,
+                 guest_output: int = 0,
                  guests_closed: frozenset[str] = frozenset()) -> None:
         guest_rate = guest_rate if guests[1] else 0
         guest_output = guest_output if guests[1] else 0
         guests_closed = guests_closed if guests[1] else frozenset()
         accepted = self.model.publish_state(epoch, zone.value, caps, drain, dedicated, guests,
-                                            guest_rate, batch_headroom, guest_output,
-                                            guests_closed)
+                                            guest_rate, guest_output, guests_closed)
         extra: dict[str, str | int | float] = {f"drain_{t}": d for t, d in enumerate(drain)}
         if dedicated[0]:
             extra["dedicated_nodes"] = " ".join(sorted(dedicated[0]))
@@ -107,7 +107,6 @@ class CoreMachine(RuleBasedStateMachine):
             extra["dedicated_guest_output"] = guest_output
         if guests_closed:
             extra["dedicated_guests_closed"] = " ".join(sorted(guests_closed))
-        extra["batch_headroom"] = batch_headroom
         if accepted:
             self.run(self.store.publish_state(epoch, zone, caps, extra))
         else:
@@ -216,20 +215,21 @@ class CoreMachine(RuleBasedStateMachine):
         self.run(self.client.hset(self.store.keys.clock, "frozen_us", self.model.now))
 
     @rule(zone=st.sampled_from(list(Zone)),
-          caps=st.dictionaries(st.sampled_from(NODES), st.integers(0, 1500), max_size=3),
+          caps=st.dictionaries(st.sampled_from(NODES),
+                               st.integers(0, 1500) | st.tuples(*[st.integers(0, 1500)] * 3),
+                               max_size=3),
           drain=st.tuples(st.integers(0, 50), st.integers(0, 50), st.integers(0, 50)),
           new_leader=st.booleans(),
           dedicated_nodes=st.frozensets(st.sampled_from(NODES), max_size=2),
           dedicated_tiers=st.integers(1, 7),
-          guests=st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 300), st.integers(1, 3))),
-          batch_headroom=st.sampled_from([0, 0, 1, 200, 700]))
-    def scheduler_publishes(self, zone: Zone, caps: dict[str, int],
+          guests=st.one_of(st.just((0, 0)), st.tuples(st.integers(0, 300), st.integers(1, 3))))
+    def scheduler_publishes(self, zone: Zone, caps: dict[str, int | tuple[int, int, int]],
                             drain: tuple[int, int, int], new_leader: bool,
                             dedicated_nodes: frozenset[str], dedicated_tiers: int,
-                            guests: tuple[int, int], batch_headroom: int) -> None:
+                            guests: tuple[int, int]) -> None:
         dedicated = (dedicated_nodes, dedicated_tiers if dedicated_nodes else 0)
         self._publish(self.model.epoch + int(new_leader), zone, caps, drain, dedicated,
-                      guests if dedicated_nodes else (0, 0), batch_headroom=batch_headroom)
+                      guests if dedicated_nodes else (0, 0))
 
     @rule(prompt_limit=st.integers(0, 300), cap=st.integers(1, 2),
           rate=st.sampled_from([0, 0, 150, 5_000]), output_limit=st.sampled_from([0, 0, 10, 150]),

@@ -155,9 +155,9 @@ async def test_half_done_generations_leave_room_that_final_sizes_would_not(
         await redis_client.flushdb()
         fake = FakeVllm()  # 100,000 tokens of KV
         async with serve_fake(fake) as url:
-            # No Batch headroom: the 18 generations fill the budget to its last 2,400 tokens.
+            # Batch up to Normal's line: the 18 generations fill it to its last 2,400 tokens.
             config = make_config(redis_url, [{"name": "n1", "url": url}],
-                                 zones={"projection": projection, "batch_headroom": 0})
+                                 zones={"projection": projection, "batch_ceiling": 0.78})
             async with pool_scheduler(redis_client, config) as ps:
                 await ps.tick(1, always)  # publishes the node's capacity
                 now_us = 1_000_000_000_000
@@ -174,7 +174,7 @@ async def test_half_done_generations_leave_room_that_final_sizes_would_not(
                 fake.running = 18
                 plan = (await ps.tick(1, always)).plans[0]
                 assert plan.reserved == 18 * 4_200
-                budgets[projection] = plan.budget
+                budgets[projection] = plan.tier_budgets and plan.tier_budgets[Tier.BATCH]
     assert budgets["final"] is not None and budgets["peak"] is not None
     # Every reservation at its full size, plus padding:
     assert budgets["final"] <= 78_000 - 18 * 16, budgets
@@ -182,24 +182,35 @@ async def test_half_done_generations_leave_room_that_final_sizes_would_not(
 
 
 
-async def test_batch_leaves_its_headroom_to_vip_on_the_fast_path_and_in_the_release(
+async def test_each_tier_is_placed_up_to_its_own_ceiling_and_vip_keeps_the_room_above(
         redis_client: Any, redis_url: str) -> None:
-    """`zones.batch_headroom` 0.03 of a 100,000-token node: the leader publishes 3,000 tokens;
-    Batch stops where it would leave less than that of the 78,000 budget, and VIP takes it."""
+    """The default ceilings on an idle 100,000-token node: Batch up to 70,000 (the YELLOW
+    line), Normal up to 78,000 (`kv_target`), VIP up to 85,000; on the fast path and in the
+    release, whatever the lower tiers asked for first."""
     fake = FakeVllm()  # 100,000 tokens of KV, idle
     async with serve_fake(fake) as url:
-        config = make_config(redis_url, [{"name": "n1", "url": url}],
-                             zones={"batch_headroom": 0.03})
+        config = make_config(redis_url, [{"name": "n1", "url": url}])
         async with pool_scheduler(redis_client, config) as ps:
             await ps.tick(1, always)
-            assert (await state(ps.store))["batch_headroom"] == "3000"
-            first = await admit(ps.store, "b1", Tier.BATCH, 75_000)  # leaves 3,000
+            published = await state(ps.store)
+            assert (published["ceiling_vip"], published["ceiling_normal"],
+                    published["ceiling_batch"]) == ("0.8500", "0.7800", "0.7000")
+            keys = ps.store.keys
+            caps = [await redis_client.hget(keys.tier_capacity(t), "n1") for t in Tier]
+            assert caps == [b"85000", b"78000", b"70000"]
+            first = await admit(ps.store, "b1", Tier.BATCH, 70_000)
             assert (first.outcome, first.node) == (AdmitOutcome.RELEASED, "n1")
             assert (await admit(ps.store, "b2", Tier.BATCH, 1)).outcome is AdmitOutcome.QUEUED
-            vip = await admit(ps.store, "v1", Tier.VIP, 3_000)
+            normal = await admit(ps.store, "n1", Tier.NORMAL, 8_000)
+            assert (normal.outcome, normal.node) == (AdmitOutcome.RELEASED, "n1")
+            assert (await admit(ps.store, "n2", Tier.NORMAL, 1)).outcome is AdmitOutcome.QUEUED
+            vip = await admit(ps.store, "v1", Tier.VIP, 7_000)
             assert (vip.outcome, vip.node) == (AdmitOutcome.RELEASED, "n1")
-            await ps.store.settle("v1", 3_000)
-            assert await ps.store.release(1, (10, 10, 10)) == []  # b2 would leave 2,999
-            await ps.store.settle("b1", 75_000)
+            assert (await admit(ps.store, "v2", Tier.VIP, 1)).outcome is AdmitOutcome.QUEUED
+            # VIP's room is VIP's: a release with everything settled but VIP's 7,000 gives
+            # the queued VIP its token first, then Normal and Batch under their own lines.
+            await ps.store.settle("b1", 70_000)
+            await ps.store.settle("n1", 8_000)
             released = await ps.store.release(1, (10, 10, 10))
-            assert [(t.task_id, t.node) for t in released] == [("b2", "n1")]
+            assert [(t.task_id, t.node) for t in released] == [
+                ("v2", "n1"), ("n2", "n1"), ("b2", "n1")]

@@ -11,7 +11,7 @@ import pytest
 from admission.errors import FencedError
 from admission.store import AdmitOutcome, TaskState
 from admission.tiers import Tier, Zone
-from scheduler.budget import peak_usage
+from scheduler.budget import NodePlan, peak_usage
 from tests.scheduler_stub import (
     FakeClock,
     FakeVllm,
@@ -27,7 +27,12 @@ from tests.scheduler_stub import (
 )
 
 CAPACITY = 100_000  # the stub's 6,250 blocks of 16 tokens
-TARGET = 78_000  # default kv_target 0.78
+TARGET = 78_000  # default kv_target 0.78: Normal's ceiling
+VIP_TARGET = 85_000  # default vip_ceiling 0.85
+
+
+def normal_budget(plan: NodePlan) -> int | None:
+    return None if plan.tier_budgets is None else plan.tier_budgets[Tier.NORMAL]
 
 
 async def test_zone_transitions_follow_usage_with_hysteresis(
@@ -104,12 +109,11 @@ async def test_yellow_holds_batch_and_meters_normal(redis_client: Any, redis_url
 
 
 async def test_red_releases_only_vip(redis_client: Any, redis_url: str) -> None:
-    fake = FakeVllm(usage=0.60, running=0)
-    async with serve_fake(fake) as url:
-        # A pool whose red threshold sits below its target: RED still has room, and only VIP
-        # may use it.
-        config = make_config(redis_url, [{"name": "n1", "url": url}],
-                             zones={"yellow": 0.5, "red": 0.55, "kv_target": 0.9})
+    full, roomy = FakeVllm(usage=0.90, running=0), FakeVllm(usage=0.60, running=0)
+    async with serve_fake(full) as u0, serve_fake(roomy) as u1:
+        # The pool is RED by its fullest node; the other still has room, and only VIP may
+        # use it.
+        config = make_config(redis_url, [{"name": "n0", "url": u0}, {"name": "n1", "url": u1}])
         async with pool_scheduler(redis_client, config) as ps:
             await queue_tasks(ps.store, [("b0", Tier.BATCH, 100), ("n0", Tier.NORMAL, 100),
                                          ("v0", Tier.VIP, 100), ("v1", Tier.VIP, 100)])
@@ -161,15 +165,17 @@ async def test_burst_between_polls_never_passes_the_ceiling(
                     r = held.get(plan.name, 0)
                     unexplained = max(0.0, fake.usage * CAPACITY - r)
                     pad = fake.running * 16
-                    assert projected[plan.name] + unexplained + pad <= TARGET + 1e-6
-                    assert plan.projected <= 0.78 + 1e-9
+                    # VIP's fast path may fill up to VIP's ceiling, the highest.
+                    assert projected[plan.name] + unexplained + pad <= VIP_TARGET + 1e-6
+                    assert plan.projected <= 0.85 + 1e-9
             # ... and the ceiling is reached, not merely respected: no idle GPU.
             projected = await holds()
             for fake, node in zip(fakes, ("n1", "n2"), strict=True):
-                room = TARGET - max(fake.usage * CAPACITY, projected[node]) - fake.running * 16
+                room = (VIP_TARGET - max(fake.usage * CAPACITY, projected[node])
+                        - fake.running * 16)
                 assert 0 <= room < max_cost
             if projection == "peak":  # short and long outputs mixed: more fits than at full size
-                assert sum(held.values()) > 2 * TARGET - 2 * 16 * 10
+                assert sum(held.values()) > 2 * VIP_TARGET - 2 * 16 * 10
 
 
 async def test_learned_usage_overcommits_within_bounds(redis_client: Any, redis_url: str) -> None:
@@ -191,7 +197,7 @@ async def test_learned_usage_overcommits_within_bounds(redis_client: Any, redis_
                 for task in result.released:
                     await ps.store.settle(task.task_id, 3_333)
             assert 0.33 < ps.learner.ratio < 0.6  # the f = 1 prior fades as settles come in
-            budget = result.plans[0].budget
+            budget = normal_budget(result.plans[0])
             assert budget is not None and TARGET < budget <= 2 * TARGET
             # A long history in the pool's counters (a previous leader's) outweighs the prior.
             await redis_client.hincrby(ps.store.keys.stats, "settled_cost", 30_000_000)
@@ -199,14 +205,14 @@ async def test_learned_usage_overcommits_within_bounds(redis_client: Any, redis_
             result = await ps.tick(1, always)
             assert ps.learner.ratio == pytest.approx(0.3333, abs=0.01)
             # f = max(0.333 x 1.1, 1 / max_overcommit) = 0.5: the budget is twice the target.
-            assert result.plans[0].budget == 2 * TARGET
+            assert normal_budget(result.plans[0]) == 2 * TARGET
             # Measured usage that our reservations cannot explain takes its share off.
             held = (await reserved(ps.store)).get("n1", 0)
             fake.usage = (held + 20_000) / CAPACITY
             result = await ps.tick(1, always)
             plan = result.plans[0]
             assert plan.projected == pytest.approx((20_000 + held) / CAPACITY)
-            assert plan.budget == held + int((TARGET - 20_000 - held) / 0.5)
+            assert normal_budget(plan) == held + int((TARGET - 20_000 - held) / 0.5)
 
 
 async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis_url: str) -> None:
@@ -218,11 +224,11 @@ async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis
                              scheduler={"preemption_cooldown_ms": 5_000})
         async with pool_scheduler(redis_client, config, clock=clock) as ps:
             ps.learner.observe(10_000_000, 1_000_000, clock())  # learned: requests use 10%
-            assert (await ps.tick(1, always)).plans[0].budget == 2 * TARGET
+            assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
             fake.preemptions = 5
-            assert (await ps.tick(1, always)).plans[0].budget == TARGET
+            assert normal_budget((await ps.tick(1, always)).plans[0]) == TARGET
             clock.advance(5.1)
-            assert (await ps.tick(1, always)).plans[0].budget == 2 * TARGET
+            assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
 
 
 async def test_drain_rates_and_operator_figures_are_published(

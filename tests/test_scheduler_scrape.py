@@ -108,7 +108,7 @@ async def test_slow_node_is_stale_for_the_tick_but_does_not_delay_it() -> None:
         await poller.close()
 
 
-@pytest.mark.parametrize(("policy", "budget_expected"), [("full", 0), ("last", 78_000)])
+@pytest.mark.parametrize(("policy", "budget_expected"), [("full", 0), ("last", 85_000)])
 async def test_stale_policy_is_applied_and_counted(
     redis_client: Any, redis_url: str, policy: str, budget_expected: int
 ) -> None:
@@ -147,13 +147,18 @@ async def test_capacity_from_config_when_cache_config_info_missing(
             await queue_tasks(ps.store, [("a", Tier.VIP, 1_000)])
             result = await ps.tick(1, always)
             plans = {p.name: p for p in result.plans}
-            assert plans["info"].budget == 78_000
-            assert plans["configured"].budget == 39_000
+            # VIP's budget, at its 0.85 ceiling; Normal's stops at kv_target 0.78.
+            assert plans["info"].budget == 85_000
+            assert plans["configured"].budget == 42_500
+            assert plans["info"].tier_budgets == (85_000, 78_000, 70_000)
             # Without cache_config_info nor capacity_tokens the node gets nothing, and says why.
             assert plans["unknown"].budget is None and plans["unknown"].reason == "no_capacity"
             assert math.isnan(plans["unknown"].projected)
             caps = await redis_client.hgetall(ps.store.keys.node_capacity)
             assert {k.decode(): int(v) for k, v in caps.items()} == {
+                "info": 85_000, "configured": 42_500}
+            normal = await redis_client.hgetall(ps.store.keys.tier_capacity(Tier.NORMAL))
+            assert {k.decode(): int(v) for k, v in normal.items()} == {
                 "info": 78_000, "configured": 39_000}
             assert [t.task_id for t in result.released] == ["a"]
 
@@ -173,5 +178,5 @@ async def test_unreachable_pool_publishes_nothing_until_ejected_then_red(
         result = await ps.tick(1, always)
         assert result.published and result.zone is Zone.RED
         assert result.plans[0].reason == "ejected"
-        assert await redis_client.exists(ps.store.keys.node_capacity) == 0
+        assert await redis_client.exists(*ps.store.keys.tier_capacities) == 0
         assert (await state(ps.store))["nodes_out"] == "n1:ejected"

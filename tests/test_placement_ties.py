@@ -56,17 +56,19 @@ def place_loop() -> Any:
                                 max_size=3),
        released_before=st.tuples(st.integers(0, 5), st.integers(0, 5), st.integers(0, 5)),
        tier=st.sampled_from(list(Tier)), prompt=st.integers(1, 200),
-       out=st.integers(0, 200), batch_headroom=st.sampled_from([0, 0, 100]))
+       out=st.integers(0, 200), batch_below=st.sampled_from([0, 0, 100]))
 def test_the_scripts_choice_among_near_ties_is_the_models(
         redis_url: str, place_loop: asyncio.AbstractEventLoop, caps: dict[str, int],
         reserved: dict[str, int], released_before: tuple[int, int, int], tier: Tier,
-        prompt: int, out: int, batch_headroom: int) -> None:
+        prompt: int, out: int, batch_below: int) -> None:
     """One admit on the fast path against a pool in a given state: same node as the model's
     `place` (or both none), with the same count of earlier releases."""
     reserved = {n: r for n, r in reserved.items() if n in caps}
+    # Batch's ceiling below the others' by `batch_below` tokens on every node.
+    tiers = {n: (c, c, max(0, c - batch_below)) for n, c in caps.items()}
     model = Model(now=0, tier_caps=(10, 10, 10), lease_ttl_ms=10_000, stale_after_ms=0,
                   default_retry_ms=1_000)
-    model.publish_state(1, "GREEN", caps, (0, 0, 0), batch_headroom=batch_headroom)
+    model.publish_state(1, "GREEN", tiers, (0, 0, 0))
     model.reserved = dict(reserved)
     model.released_count = sum(released_before)
     expected, _ = model.place(int(tier), prompt + out, prompt)
@@ -76,7 +78,7 @@ def test_the_scripts_choice_among_near_ties_is_the_models(
         try:
             await client.flushdb()
             store = PoolStore(client, register_scripts(client), "ties", PoolPolicy())
-            await store.publish_state(1, Zone.GREEN, caps, {"batch_headroom": batch_headroom})
+            await store.publish_state(1, Zone.GREEN, tiers)
             k = store.keys
             if reserved:
                 await client.hset(k.node_reserved, mapping=dict(reserved.items()))

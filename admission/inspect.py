@@ -34,8 +34,8 @@ from redis.exceptions import RedisError
 
 from admission.config import ConfigError, TenantSettings
 from admission.connection import connect
+from admission.inspect_target import SCAN_COUNT as SCAN_COUNT  # public here too
 from admission.inspect_target import (
-    SCAN_COUNT,
     NothingFound,
     Target,
     choose_pools,

@@ -56,7 +56,6 @@ from gateway.waiter import WakeHub
 log = logging.getLogger("kvgate.gateway")
 
 
-
 def default_gateway_id() -> str:
     """Unique per process: replicas sharing one config file must not share an id."""
     host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:32].strip("-.") or "host"

@@ -14,7 +14,7 @@ from typing import Any
 
 from redis.commands.core import AsyncScript
 
-SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader")
+SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "hint")
 
 
 @cache
@@ -34,6 +34,7 @@ class Scripts:
     reap: AsyncScript
     state: AsyncScript
     leader: AsyncScript
+    hint: AsyncScript
 
     def all(self) -> tuple[AsyncScript, ...]:
         return tuple(getattr(self, name) for name in SCRIPT_NAMES)

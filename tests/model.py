@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from admission.hints import drain_hint_ms
 from admission.store import TaskState
 
 MICRO = 1_000_000
@@ -176,10 +177,9 @@ class Model:
         drain = sum(self.drain[t] for t in range(tier + 1))
 
         def drain_hint() -> int:
-            ms = self.default_retry_ms
-            if drain > 0:
-                ms = max(ms, math.ceil((ahead + 1) * 1000 / drain))
-            return min(ms, 60_000)
+            # The rule itself is admission.hints' (its properties: tests/test_hints.py); the
+            # model checks what the script feeds it.
+            return drain_hint_ms(ahead, drain, self.default_retry_ms)
 
         if cost > burst:
             return ("rejected", "exceeds_burst", -1, ahead)

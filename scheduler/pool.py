@@ -30,7 +30,7 @@ from scheduler.budget import (
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.scrape import NodeView, Poller
-from scheduler.zones import ZoneTracker
+from scheduler.zones import RedClearance, ZoneTracker
 
 log = logging.getLogger("kvgate.scheduler.pool")
 
@@ -112,6 +112,8 @@ class TickResult:
     published: bool = False
     guests_closed: tuple[str, ...] = ()
     """Dedicated nodes running more sequences than `guest_max_running`: no new guests."""
+    red_clear_s: float | None = None
+    """While RED: the estimated seconds until the pool leaves it (scheduler.zones)."""
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
@@ -151,6 +153,7 @@ class PoolScheduler:
         self.clock = clock
         zones = pool.zones
         self.tracker = ZoneTracker(zones)
+        self.clearance = RedClearance(zones.red - zones.hysteresis)
         self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
                                     zones.max_overcommit)
         self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._kept_guests)
@@ -191,6 +194,7 @@ class PoolScheduler:
         poll waits for the whole scrape timeout (connections are cold)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
                                     self._kept_guests)
+        self.clearance.reset()
         self._first_poll = True
 
     async def read_snapshot(self) -> Snapshot:
@@ -279,6 +283,8 @@ class PoolScheduler:
         extra["pool_usage"] = "" if result.usage is None else f"{result.usage:.4f}"
         extra["usage_ratio"] = f"{self.learner.ratio:.4f}"
         extra["leader"] = self.me
+        if result.red_clear_s is not None:
+            extra["red_clear_s"] = f"{result.red_clear_s:.3f}"
         extra["batch_headroom"] = batch_headroom_tokens(result.plans,
                                                         self.pool.zones.batch_headroom)
         dedicated = self.pool.dedicated
@@ -313,7 +319,8 @@ class PoolScheduler:
         zone = self.tracker.update(usage)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,
-                            guests_closed=self._guests_closed(views))
+                            guests_closed=self._guests_closed(views),
+                            red_clear_s=self.clearance.update(zone, usage, now))
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),

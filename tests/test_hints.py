@@ -1,5 +1,7 @@
 """The retry hint of a capacity 429 (admission.hints), the one rule both 429 paths use
-(tests/test_gateway_zones.py checks that they do), as properties of the pure functions."""
+(tests/test_gateway_zones.py checks that they do), and the leader's RED estimate it reads
+(scheduler.zones.RedClearance; over a real stack: tests/test_red_hint.py), as properties of the
+pure functions."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from admission.hints import (
     retry_hint_ms,
 )
 from admission.tiers import Tier, Zone
+from scheduler.zones import RED_WINDOW_S, RedClearance, clearance_s
 
 FLOOR = 1_000
 depths = st.integers(0, 1_000_000)
@@ -99,3 +102,73 @@ def test_published_figures_parse_with_unknown_apart_from_zero() -> None:
     assert parse_rate("12.5") == 12.5
     for unknown in (None, b"", "", b"nan", "-1", "inf", "x"):
         assert parse_rate(unknown) is None
+# --- the leader's estimate -------------------------------------------------------------------
+
+fractions = st.floats(0.0, 1.0)
+spans = st.floats(0.0, 3_600.0)
+
+
+@given(fractions, fractions, spans)
+def test_clearance_is_at_most_the_time_observed(excess: float, decline: float,
+                                                observed: float) -> None:
+    estimate = clearance_s(excess, decline, observed)
+    assert 0.0 <= estimate <= observed
+
+
+@given(fractions, fractions, fractions, spans, spans)
+def test_clearance_grows_with_excess_and_time_and_falls_with_decline(
+    e1: float, e2: float, decline: float, t1: float, t2: float
+) -> None:
+    small, large = sorted((e1, e2))
+    short, long = sorted((t1, t2))
+    assert clearance_s(small, decline, short) <= clearance_s(large, decline, short) + 1e-9
+    assert clearance_s(small, decline, short) <= clearance_s(small, decline, long) + 1e-9
+    less, more = sorted((decline, e2))
+    assert clearance_s(small, less, short) >= clearance_s(small, more, short) - 1e-9
+
+
+@given(st.floats(1e-3, 1.0), spans, st.floats(0.0, 1e-6))
+def test_clearance_is_continuous_as_the_decline_reaches_zero(excess: float, observed: float,
+                                                              decline: float) -> None:
+    assert clearance_s(excess, 0.0, observed) - clearance_s(excess, decline, observed) <= (
+        observed * decline / excess + 1e-9)
+
+
+def test_clearance_values() -> None:
+    assert clearance_s(0.1, 0.0, 30.0) == 30.0  # nothing drained in 30 s: about 30 s more
+    # Usage fell 0.9 in 10 s with 0.1 left above the line: about a second.
+    assert clearance_s(0.1, 0.9, 10.0) == 1.0
+
+
+def _estimate(red: RedClearance, usage: float | None, now: float) -> float:
+    estimate = red.update(Zone.RED, usage, now)
+    assert estimate is not None
+    return estimate
+
+
+def test_the_estimate_grows_while_nothing_drains_and_falls_when_usage_does() -> None:
+    red = RedClearance(exit_line=0.82)
+    assert red.update(Zone.YELLOW, 0.80, 0.0) is None
+    held = [_estimate(red, 0.95, float(t)) for t in range(1, 200)]
+    assert held == sorted(held), "the estimate fell while nothing drained"
+    assert held[0] == 0.0 and held[29] == 29.0 and held[-1] == RED_WINDOW_S
+    # Usage falls 0.01 a second: the estimate follows the measured rate down.
+    falling = [_estimate(red, 0.95 - 0.01 * s, 200.0 + s) for s in range(1, 13)]
+    assert falling == sorted(falling, reverse=True)
+    assert falling[-1] < 5.0
+    # Leaving RED forgets the episode: the next one starts from its own beginning.
+    assert red.update(Zone.YELLOW, 0.80, 300.0) is None
+    assert red.update(Zone.RED, 0.95, 301.0) == 0.0
+
+
+def test_a_pool_with_no_usable_node_counts_as_draining_nothing() -> None:
+    red = RedClearance(exit_line=0.82)
+    estimates = [red.update(Zone.RED, None, float(t)) for t in range(0, 90, 10)]
+    assert estimates == [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 60.0, 60.0]
+
+
+def test_a_rise_then_a_fall_back_is_no_decline() -> None:
+    red = RedClearance(exit_line=0.82)
+    for t, usage in enumerate((0.90, 0.95, 0.99, 0.95, 0.90)):
+        estimate = red.update(Zone.RED, usage, float(t))
+    assert estimate == 4.0  # back where it started: nothing drained in 4 s

@@ -60,7 +60,8 @@ class PoolKeys:
 
     @property
     def state(self) -> str:
-        """HASH written by the scheduler: zone, epoch, updated_us, drain rates, usage."""
+        """HASH written by the scheduler: zone, epoch, updated_us, drain rates, red_clear_s
+        (while RED), usage."""
         return self.prefix + "state"
 
     @property

@@ -14,7 +14,7 @@ from typing import Any
 
 from redis.commands.core import AsyncScript
 
-SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon")
+SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon", "hint")
 
 
 @cache
@@ -35,6 +35,7 @@ class Scripts:
     state: AsyncScript
     leader: AsyncScript
     abandon: AsyncScript
+    hint: AsyncScript
 
     def all(self) -> tuple[AsyncScript, ...]:
         return tuple(getattr(self, name) for name in SCRIPT_NAMES)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission.errors import FencedError, ScriptReplyError
+from admission.hints import QueueView, parse_rate, retry_hint_ms
 from admission.keys import PoolKeys, SchedulerKeys, abandoned_lease, check_name
 from admission.scripts import Scripts
 from admission.tiers import Tier, Zone
@@ -55,6 +56,7 @@ class PoolPolicy:
     lease_ttl_ms: int = 10_000
     stale_after_ms: int = 0
     default_retry_ms: int = 1_000
+    """The shortest capacity hint, and the hint when nothing is known (admission.hints)."""
     retention_s: int = 600
 
 
@@ -81,9 +83,12 @@ class AdmitResult:
     node: str | None = None
     reason: RejectReason | None = None
     retry_after_ms: int | None = None
-    """None when no retry can succeed (the request exceeds the tenant's burst, or rate is 0)."""
+    """None when no retry can succeed (the request exceeds the tenant's burst, or rate is 0).
+    Capacity rejections: `admission.hints.retry_hint_ms` of `view`."""
     state: TaskState | None = None
     """For DUPLICATE: the state the existing task is in."""
+    view: QueueView | None = None
+    """For capacity rejections: what the hint was computed from."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,10 +175,24 @@ class PoolStore:
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
                 tenant.rate, tenant.burst, tenant.max_queued, p.tier_queue_caps[tier],
                 queue_timeout_ms, gateway, p.lease_ttl_ms, p.stale_after_ms,
-                p.default_retry_ms, tier_timeout_ms or 0,
+                tier_timeout_ms or 0,
             ],
         )
-        return parse_admit(reply)
+        return parse_admit(reply, tier, p.default_retry_ms)
+
+    async def queue_view(self, tier: Tier) -> QueueView:
+        """What a capacity hint for a request of `tier` is computed from, now (one script
+        call: the queues at `tier` or above, the state hash, its age by Redis TIME)."""
+        k = self.keys
+        reply = await self.scripts.hint(keys=[k.state, k.clock, *k.queues], args=[int(tier)])
+        try:
+            return _view(Zone(_text(reply[0])), int(reply[1]), reply[2:5])
+        except (ValueError, IndexError) as exc:
+            raise ScriptReplyError(f"unexpected hint reply {reply!r}") from exc
+
+    def retry_hint_ms(self, view: QueueView, tier: Tier) -> int:
+        """The capacity hint (ms, before jitter) of a request of `tier` in `view`."""
+        return retry_hint_ms(view, tier, self.policy.default_retry_ms)
 
     async def finish(self, task_id: str, usage: int | None, *, cancelled: bool) -> FinishResult:
         """Settle (response done) or cancel (client gone) a task; `usage` None = unknown."""
@@ -294,20 +313,32 @@ async def leadership(
     return Leadership(bool(int(reply[0])), int(reply[1]), holder or None, int(reply[3]))
 
 
-def parse_admit(reply: Sequence[Any]) -> AdmitResult:
+def _view(zone: Zone, ahead: int, facts: Sequence[Any]) -> QueueView:
+    """(drain, red_clear_s, state_age_ms) as the scripts report them."""
+    drain, red_clear_s, age_ms = facts
+    return QueueView(zone, ahead, parse_rate(drain), parse_rate(red_clear_s),
+                     max(0, int(age_ms)))
+
+
+def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
+    """An admit.lua reply; a capacity rejection's hint from `admission.hints` (at least
+    `floor_ms`)."""
     try:
         outcome = AdmitOutcome(_text(reply[0]))
         detail = _text(reply[1])
         retry = int(reply[2])
         depth = int(reply[3])
         zone = Zone(_text(reply[4]))
+        view = _view(zone, depth, reply[5:8]) if len(reply) >= 8 else None
     except (ValueError, IndexError) as exc:
         raise ScriptReplyError(f"unexpected admit reply {reply!r}") from exc
     if outcome is AdmitOutcome.RELEASED:
         return AdmitResult(outcome, zone, depth, node=detail)
     if outcome is AdmitOutcome.REJECTED:
+        if view is not None:
+            retry = retry_hint_ms(view, tier, floor_ms)
         return AdmitResult(outcome, zone, depth, reason=RejectReason(detail),
-                           retry_after_ms=None if retry < 0 else retry)
+                           retry_after_ms=None if retry < 0 else retry, view=view)
     if outcome is AdmitOutcome.DUPLICATE:
         return AdmitResult(outcome, zone, depth, state=TaskState(detail))
     return AdmitResult(outcome, zone, depth)

@@ -7,7 +7,9 @@ Outcomes, as the client sees them:
   `rate_limit_exceeded`: the tenant's bucket, with its exact refill time), or a 4xx with
   `x-should-retry: false` when the request can never be admitted as sent;
 - queued past the tier's timeout or the client's deadline (`X-Request-Timeout`, seconds): the
-  task is cancelled and the client gets a 429 with a hint from the queue's drain rate;
+  task is cancelled and the client gets a 429 whose hint follows the same rule as a rejected
+  admit's (`admission.hints`: the queue's drain rate, or in RED the leader's estimate of when
+  the pool leaves it);
 - Redis unreachable: 503 with Retry-After (fail closed), unless the tier is in
   `gateway.fail_open_tiers`, which goes straight to a backend, counted in a metric.
 
@@ -247,10 +249,12 @@ class Admitter:
                 depth=result.depth,
             )
         assert reason is not None
+        retry_ms = result.retry_after_ms
         return too_many_requests(
             CAPACITY_EXCEEDED,
             _CAPACITY_MESSAGES.get(reason, "Capacity exceeded. Please backoff."),
-            retry_ms=self._hint(result.retry_after_ms or 1000),
+            retry_ms=self._hint(retry_ms if retry_ms is not None
+                                else inbound.pool.store.policy.default_retry_ms),
             zone=result.zone.value,
             depth=result.depth,
         )
@@ -288,7 +292,7 @@ class Admitter:
             return self._ticket(task_id, pool, outcome.node, tier, labels, waited)
         if outcome is None:
             # Our deadline came first: take the task out of the queue ourselves (before the
-            # drain hint is read, so that the depth reported no longer counts it).
+            # hint is read, so that the depth reported no longer counts it).
             leaving = self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
             await asyncio.wait((leaving,), timeout=answer_at - loop.time())
         else:
@@ -302,7 +306,7 @@ class Admitter:
         self.metrics.child(self.metrics.rejections, *labels, QUEUE_TIMEOUT).inc()
         try:
             async with asyncio.timeout_at(answer_at):
-                zone, depth, retry_ms = await self._drain_hint(store, tier)
+                zone, depth, retry_ms = await self._queue_hint(store, tier)
         except TimeoutError:
             self.metrics.child(self.metrics.redis_errors, "drain_hint").inc()
             zone, depth, retry_ms = "UNKNOWN", 0, store.policy.default_retry_ms
@@ -317,24 +321,12 @@ class Admitter:
         error.tag = QUEUE_TIMEOUT
         raise error
 
-    async def _drain_hint(self, store: PoolStore, tier: Tier) -> tuple[str, int, int]:
-        """(zone, tasks queued at `tier` or above, their expected drain time in ms)."""
-        keys = store.keys
+    async def _queue_hint(self, store: PoolStore, tier: Tier) -> tuple[str, int, int]:
+        """(zone, tasks queued at `tier` or above, hint in ms before jitter), by the rule of a
+        rejected admit's hint."""
         try:
-            async with store.client.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.state, "zone", "drain_0", "drain_1", "drain_2")
-                for t in range(int(tier) + 1):
-                    pipe.zcard(keys.queue(Tier(t)))
-                replies = await pipe.execute()
+            view = await store.queue_view(tier)
         except STORE_ERRORS:
             self.metrics.child(self.metrics.redis_errors, "drain_hint").inc()
             return "UNKNOWN", 0, store.policy.default_retry_ms
-        state = replies[0]
-        zone = (state[0] or b"GREEN").decode() if isinstance(state[0], bytes) else (
-            state[0] or "GREEN")
-        depth = sum(int(n) for n in replies[1:])
-        drain = sum(float(state[1 + t] or 0) for t in range(int(tier) + 1))
-        retry_ms = store.policy.default_retry_ms
-        if drain > 0:
-            retry_ms = max(retry_ms, int((depth + 1) * 1000 / drain))
-        return zone, depth, retry_ms
+        return view.zone.value, view.ahead, store.retry_hint_ms(view, tier)

@@ -25,9 +25,9 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-log = logging.getLogger("kvgate.gateway")
+from admission.hints import MAX_RETRY_MS as MAX_RETRY_MS  # the one cap on every hint
 
-MAX_RETRY_MS = 60_000
+log = logging.getLogger("kvgate.gateway")
 
 # Codes of the 429 protocol.
 CAPACITY_EXCEEDED = "capacity_exceeded"

@@ -32,6 +32,24 @@ local function queue_clock(clock_key, now)
   return score
 end
 
+-- What a capacity 429's retry hint is computed from (admission/hints.py), as admit.lua and
+-- hint.lua report it: the tasks queued at `tier` or above; their drain rate in tasks/s, the sum
+-- of the state's drain_<t> (`drains`, as HMGET read them), '' when none was published; and the
+-- state's age in ms at `now` (µs), -1 when no state was published (`updated_us` false).
+local function hint_facts(queues, tier, drains, updated_us, now)
+  local ahead, drain, known = 0, 0, false
+  for t = 0, tier do
+    ahead = ahead + redis.call('ZCARD', queues[t + 1])
+    if drains[t + 1] then
+      known = true
+      drain = drain + (tonumber(drains[t + 1]) or 0)
+    end
+  end
+  local age = -1
+  if updated_us then age = math.floor((now - tonumber(updated_us)) / 1000) end
+  return ahead, known and tostring(drain) or '', age
+end
+
 local function task_key(prefix, id) return prefix .. 'task:' .. id end
 local function bucket_key(prefix, tenant) return prefix .. 'bucket:' .. tenant end
 local function gateway_key(prefix, gw) return prefix .. 'gateway:' .. gw end

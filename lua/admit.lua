@@ -3,8 +3,8 @@
 -- KEYS[1]  state            HASH  zone, updated_us, drain_0..2 (tasks/s), dedicated_nodes,
 --                                dedicated_tiers, dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
---                                dedicated_guests_closed (see place() in _lib.lua), by the
---                                scheduler
+--                                dedicated_guests_closed (see place() in _lib.lua),
+--                                red_clear_s (s), by the scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens this task's tier may reserve there (the
 --                                tier's own hash: node_capacity, node_capacity:normal or
@@ -33,16 +33,21 @@
 -- ARGV[11] queue timeout (ms): a queued task expires after it
 -- ARGV[12] gateway id       ARGV[13] gateway lease TTL (ms)
 -- ARGV[14] stale_after_ms: no fast path if the scheduler's state is older (0 = do not check)
--- ARGV[15] default retry hint (ms) when no drain rate is known
--- ARGV[16] the tier's own queue timeout (ms); a task queued with exactly that timeout gets no
+-- ARGV[15] the tier's own queue timeout (ms); a task queued with exactly that timeout gets no
 --          deadlines entry (optional: absent or 0 indexes every queued task)
 --
--- Returns {outcome, detail, retry_after_ms, depth, zone}:
+-- Returns {outcome, detail, retry_after_ms, depth, zone, ...}:
 --   {'released', node, 0, 0, zone}            fast path: budget debited, node chosen
 --   {'queued', '', 0, position, zone}         position counts tasks ahead at this tier or above, itself included
 --   {'rejected', reason, retry_after_ms, depth, zone}
---        reason: exceeds_burst (retry_after_ms -1: never fits), quota (exact refill time),
---                zone_red, queue_full, tenant_queue_full (queue drain estimate)
+--        reason: exceeds_burst (retry_after_ms -1: never fits), quota (exact refill time, ms;
+--                -1: the bucket never refills)
+--   {'rejected', reason, 0, depth, zone, drain, red_clear_s, state_age_ms}
+--        reason: zone_red, queue_full, tenant_queue_full; the caller computes the hint from
+--        these (admission/hints.py): drain = tasks/s leaving the queues at this tier or above
+--        ('' when no leader measured it), red_clear_s = the leader's estimate of the seconds
+--        until the pool leaves RED ('' when none), state_age_ms = now - updated_us (ms; -1
+--        when no state was published)
 --   {'duplicate', state, 0, 0, zone}          the task id exists: nothing changed (idempotent retry)
 -- Rejections charge nothing.
 
@@ -53,34 +58,30 @@ local rate, burst = tonumber(ARGV[7]), tonumber(ARGV[8])
 local tenant_cap, tier_cap = tonumber(ARGV[9]), tonumber(ARGV[10])
 local timeout_ms = tonumber(ARGV[11])
 local gateway, lease_ms = ARGV[12], tonumber(ARGV[13])
-local stale_ms, default_retry_ms = tonumber(ARGV[14]), tonumber(ARGV[15])
-local tier_timeout_ms = tonumber(ARGV[16] or '0') or 0
+local stale_ms = tonumber(ARGV[14])
+local tier_timeout_ms = tonumber(ARGV[15] or '0') or 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 
 local now = now_us(KEYS[2])
 local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2',
   'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt', 'dedicated_guest_cap',
-  'dedicated_guest_rate', 'dedicated_guest_output', 'dedicated_guests_closed')
+  'dedicated_guest_rate', 'dedicated_guest_output', 'dedicated_guests_closed',
+  'red_clear_s')
 local zone = st[1] or 'GREEN'
 
 local existing = redis.call('HGET', KEYS[12], 'state')
 if existing then return {'duplicate', existing, 0, 0, zone} end
 
--- Tasks ahead of this one: everything queued at its tier or above, and their drain rate.
-local ahead, drain = 0, 0
-for t = 0, tier do
-  ahead = ahead + redis.call('ZCARD', queues[t + 1])
-  drain = drain + (tonumber(st[3 + t]) or 0)
-end
+-- Tasks ahead of this one (everything queued at its tier or above), and the rest of what a
+-- capacity rejection's hint is computed from (header).
+local ahead, drain, state_age_ms = hint_facts(queues, tier, {st[3], st[4], st[5]}, st[2], now)
 
-local function drain_hint()
-  local ms = default_retry_ms
-  if drain > 0 then ms = math.max(ms, math.ceil((ahead + 1) * 1000 / drain)) end
-  return math.min(ms, 60000)
+local function capacity_rejected(reason)
+  return {'rejected', reason, 0, ahead, zone, drain, st[13] or '', state_age_ms}
 end
 
 if cost > burst then return {'rejected', 'exceeds_burst', -1, ahead, zone} end
-if zone == 'RED' and tier > 0 then return {'rejected', 'zone_red', drain_hint(), ahead, zone} end
+if zone == 'RED' and tier > 0 then return capacity_rejected('zone_red') end
 
 local level = bucket_level(KEYS[13], now, rate, burst)
 local need = cost * 1000000
@@ -103,10 +104,10 @@ end
 
 if node == nil then
   if redis.call('ZCARD', queues[tier + 1]) >= tier_cap then
-    return {'rejected', 'queue_full', drain_hint(), ahead, zone}
+    return capacity_rejected('queue_full')
   end
   if (tonumber(redis.call('HGET', KEYS[10], tenant) or '0') or 0) >= tenant_cap then
-    return {'rejected', 'tenant_queue_full', drain_hint(), ahead, zone}
+    return capacity_rejected('tenant_queue_full')
   end
 end
 

@@ -11,7 +11,7 @@
 -- ARGV[2]  zone: GREEN | YELLOW | RED
 -- ARGV[3]  n = number of nodes, then n groups (node, VIP tokens, Normal tokens, Batch tokens)
 -- then     field, value pairs stored into the state hash as given (drain_0..2 in tasks/s,
---          usage figures for operators)
+--          red_clear_s in s while RED, usage figures for operators)
 --
 -- Returns {'ok', epoch, updated_us} or {'fenced', epoch} (nothing written).
 

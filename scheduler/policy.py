@@ -91,13 +91,30 @@ class ReleasePolicy:
 class DrainRates:
     """Tasks per second leaving each tier's queue (released by the scheduler or the fast path),
     an exponentially weighted average of the pool's `released_<tier>` counters. Gateways turn
-    them into Retry-After hints, so they should follow a change within seconds, not jitter."""
+    them into Retry-After hints, so they should follow a change within seconds, not jitter.
+
+    The average starts from nothing, not from 0 tasks/s: it is divided by the weight its
+    observations carry (``1 - exp(-observed / tau)``), so a new leader's first seconds are not
+    read as a queue that barely moves. Until `MIN_OBSERVED_S` has been observed the rates are
+    not published at all: gateways read a missing rate as unknown, and 0 as "nothing leaves"
+    (admission.hints)."""
+
+    MIN_OBSERVED_S = 1.0
 
     def __init__(self, tau_s: float = 5.0) -> None:
         self.tau_s = tau_s
-        self.rates = [0.0, 0.0, 0.0]
+        self._average = [0.0, 0.0, 0.0]
+        self._weight = 0.0
+        self._observed_s = 0.0
         self._last: list[int] | None = None
         self._at = 0.0
+
+    @property
+    def rates(self) -> list[float]:
+        """Tasks/s per tier (0 before any interval was observed)."""
+        if self._weight <= 0:
+            return [0.0, 0.0, 0.0]
+        return [average / self._weight for average in self._average]
 
     def observe(self, stats: Mapping[str, int], now: float) -> None:
         counts = [stats.get(f"released_{t}", 0) for t in range(3)]
@@ -106,8 +123,12 @@ class DrainRates:
             alpha = 1.0 - math.exp(-dt / self.tau_s)
             for t in range(3):
                 delta = max(0, counts[t] - self._last[t])
-                self.rates[t] += alpha * (delta / dt - self.rates[t])
+                self._average[t] += alpha * (delta / dt - self._average[t])
+            self._weight += alpha * (1.0 - self._weight)
+            self._observed_s += dt
         self._last, self._at = counts, now
 
     def fields(self) -> dict[str, str]:
+        if self._observed_s < self.MIN_OBSERVED_S:
+            return {}
         return {f"drain_{t}": f"{rate:.3f}" for t, rate in enumerate(self.rates)}

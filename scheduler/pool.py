@@ -29,7 +29,7 @@ from scheduler.budget import (
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.scrape import NodeView, Poller
-from scheduler.zones import ZoneTracker
+from scheduler.zones import RedClearance, ZoneTracker
 
 log = logging.getLogger("kvgate.scheduler.pool")
 
@@ -111,6 +111,8 @@ class TickResult:
     published: bool = False
     guests_closed: tuple[str, ...] = ()
     """Dedicated nodes running more sequences than `guest_max_running`: no new guests."""
+    red_clear_s: float | None = None
+    """While RED: the estimated seconds until the pool leaves it (scheduler.zones)."""
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
@@ -151,6 +153,7 @@ class PoolScheduler:
         zones = pool.zones
         self.tracker = ZoneTracker(zones)
         self.ceilings = zones.ceilings()
+        self.clearance = RedClearance(zones.red - zones.hysteresis)
         self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
                                     zones.max_overcommit)
         self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._kept_guests)
@@ -191,6 +194,7 @@ class PoolScheduler:
         poll waits for the whole scrape timeout (connections are cold)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
                                     self._kept_guests)
+        self.clearance.reset()
         self._first_poll = True
 
     async def read_snapshot(self) -> Snapshot:
@@ -284,6 +288,8 @@ class PoolScheduler:
         # The ceilings the budgets were computed with, for operators (redis-cli, inspect).
         for tier, ceiling in zip(Tier, self.ceilings, strict=True):
             extra[f"ceiling_{tier.label}"] = f"{ceiling:.4f}"
+        if result.red_clear_s is not None:
+            extra["red_clear_s"] = f"{result.red_clear_s:.3f}"
         dedicated = self.pool.dedicated
         if dedicated.nodes:
             extra["dedicated_nodes"] = " ".join(dedicated.nodes)
@@ -316,7 +322,8 @@ class PoolScheduler:
         zone = self.tracker.update(usage)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,
-                            guests_closed=self._guests_closed(views))
+                            guests_closed=self._guests_closed(views),
+                            red_clear_s=self.clearance.update(zone, usage, now))
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),

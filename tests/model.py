@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from admission.hints import drain_hint_ms
 from admission.keys import abandoned_lease
 from admission.store import TaskState
 
@@ -189,10 +190,9 @@ class Model:
         drain = sum(self.drain[t] for t in range(tier + 1))
 
         def drain_hint() -> int:
-            ms = self.default_retry_ms
-            if drain > 0:
-                ms = max(ms, math.ceil((ahead + 1) * 1000 / drain))
-            return min(ms, 60_000)
+            # The rule itself is admission.hints' (its properties: tests/test_hints.py); the
+            # model checks what the script feeds it.
+            return drain_hint_ms(ahead, drain, self.default_retry_ms)
 
         if cost > burst:
             return ("rejected", "exceeds_burst", -1, ahead)

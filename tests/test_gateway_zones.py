@@ -107,7 +107,8 @@ async def test_client_deadline_bounds_the_wait_and_leaves_the_queue(gw: Harness)
         await _chat(gw, "batch", extra_headers={"X-Request-Timeout": "0.3"})
     waited = loop.time() - started
     assert 0.3 <= waited < 2.0
-    _assert_429_protocol(info.value, "YELLOW", depth=0, hint_ms=(1000, 1250))
+    # Batch held in YELLOW, measured draining at 0 tasks/s: no room soon, the longest hint.
+    _assert_429_protocol(info.value, "YELLOW", depth=0, hint_ms=(60_000, 60_000))
     await gw.settled()
     assert await gw.queued(2) == 0
     assert await gw.redis.hget(gw.store.keys.tenant_queued, "batch") is None
@@ -162,3 +163,35 @@ async def test_a_release_while_the_subscription_is_down_still_completes(gw: Harn
     await gw.release()  # published while the gateway's subscriber is reconnecting
     assert (await asyncio.wait_for(batch, 5)).parse().choices
     assert await gw.queued(2) == 0
+
+
+async def test_a_timed_out_request_gets_the_hint_a_rejected_one_gets_in_the_same_state(
+    redis_url: str, redis_client: aioredis.Redis
+) -> None:
+    """Both 429 paths compute their hint by one rule: a Batch request that times out in the
+    queue of a RED pool, and one rejected on arrival, see the same queue and state."""
+    async with running_gateway(redis_url, retry_jitter=0.0) as gw:
+        await gw.freeze_clock()  # the state's age stays 0 between the two reads
+        rates = {"drain_0": 0.5, "drain_1": 0.1, "drain_2": 0.1}  # 0.7 tasks/s for Batch
+        await gw.publish(Zone.YELLOW, capacity=0, extra=rates)
+        vip = asyncio.create_task(_chat(gw, "vip"))  # no room: it queues, ahead of Batch
+        await eventually(lambda: _is(gw.queued(0), 1))
+        # Without the leader's RED estimate: the drain rule, (1 + 1) / 0.7 s rounded up; with
+        # it: the estimate.
+        for red_extra, expected_ms in (({}, 2_858), ({"red_clear_s": "12.5"}, 12_500)):
+            await gw.publish(Zone.YELLOW, capacity=0, extra=rates)
+            waiting = asyncio.create_task(
+                _chat(gw, "batch", extra_headers={"X-Request-Timeout": "1"}))
+            await eventually(lambda: _is(gw.queued(2), 1))
+            await gw.publish(Zone.RED, capacity=0, extra={**rates, **red_extra})
+            with pytest.raises(openai.RateLimitError) as timed_out:
+                await waiting
+            assert "waited" in timed_out.value.response.json()["error"]["message"]
+            with pytest.raises(openai.RateLimitError) as rejected:
+                await _chat(gw, "batch")
+            assert "saturated" in rejected.value.response.json()["error"]["message"]
+            for error in (timed_out.value, rejected.value):
+                _assert_429_protocol(error, "RED", depth=1, hint_ms=(expected_ms, expected_ms))
+        await gw.publish(Zone.GREEN, capacity=BIG)
+        await gw.release()
+        assert (await vip).parse().choices

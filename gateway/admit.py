@@ -131,14 +131,20 @@ class Admitter:
         tenant: TenantSettings,
         tier: Tier,
         client_timeout_ms: int | None,
+        *,
+        arrived: float | None = None,
     ) -> Ticket:
+        """`arrived`: loop time the request came in (default: now), from which its deadline
+        counts (the tier's queue timeout or the client's `client_timeout_ms`)."""
         pool = inbound.pool
         store = pool.store
         labels = self.metrics.tier_labels(pool.name, tier, tenant.name)
         tier_timeout_ms = timeout_ms = self.config.tiers[tier].queue_timeout_ms
         if client_timeout_ms is not None:
             timeout_ms = max(1, min(timeout_ms, client_timeout_ms))
-        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        if arrived is None:
+            arrived = asyncio.get_running_loop().time()
+        deadline = arrived + timeout_ms / 1000
         task_id = new_task_id()
         woken = self.hub.expect(task_id)
         live = self.settler.live

@@ -81,7 +81,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     in_flight = metrics.child(metrics.in_flight, pool.name)
     in_flight.inc()
     try:
-        ticket = await gw.admitter.admit(inbound, tenant, tier, client_timeout_ms)
+        ticket = await gw.admitter.admit(inbound, tenant, tier, client_timeout_ms,
+                                         arrived=started)
         task_id = ticket.task_id
         meter = Meter(inbound.prompt_tokens)
         outcome = m.CLIENT_GONE

@@ -40,9 +40,11 @@ async def test_a_queued_request_is_answered_at_its_deadline_while_redis_is_unrea
     server = redis_factory()
     async with running_gateway(server.url) as gw:
         await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})
+        client = gw.openai("batch")
+        await client.models.list()  # connected: the time measured below is the gateway's
         loop = asyncio.get_running_loop()
         started = loop.time()
-        request = asyncio.ensure_future(gw.openai("batch").chat.completions.create(
+        request = asyncio.ensure_future(client.chat.completions.create(
             model="demo", messages=[{"role": "user", "content": "Queue me."}], max_tokens=8,
             extra_headers={"X-Request-Timeout": str(DEADLINE_S)}))
         await eventually(lambda: _queued(gw))

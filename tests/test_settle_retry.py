@@ -110,7 +110,7 @@ async def _raised(call: Callable[[], Awaitable[Any]]) -> BaseException:
 async def test_real_replies_of_redis_are_classified_alike_by_redis_py_and_the_mux(
     redis_factory: Callable[..., LocalRedis],
 ) -> None:
-    server = redis_factory(args=["--busy-reply-threshold", "20"])
+    server = redis_factory(args=["--lua-time-limit", "20"])
     admin: Any = aioredis.Redis.from_url(server.url)
     await admin.execute_command("ACL", "SETUSER", "narrow", "on", ">pw", "~allowed:*", "&*",
                                 "+@all")
@@ -154,6 +154,7 @@ async def test_real_replies_of_redis_are_classified_alike_by_redis_py_and_the_mu
         if busy is not None:
             await admin.script_kill()
             await asyncio.wait((busy,))
+            assert reply_code(busy.exception() or AssertionError()) == "ERR"  # killed
         for closing in (mux, narrow_mux, dead):
             await closing.close()
         for client in (admin, narrow, blocker, dead_client):

@@ -159,6 +159,8 @@ class PoolScheduler:
         self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._kept_guests)
         self.drains = DrainRates()
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
+        self.first_wait_s = settings.scrape_timeout_ms / 1000
+        """The first poll of a term waits for a whole scrape: there is no earlier reading to use."""
         self._preemptions: dict[str, float] = {}
         self._cooldown_until: dict[str, float] = {}
         self._first_poll = True
@@ -309,8 +311,7 @@ class PoolScheduler:
         """One poll and release; raises FencedError (step down) or Redis errors."""
         started = self.clock()
         first, self._first_poll = self._first_poll, False
-        views = await self.poller.poll(self.settings.scrape_timeout_ms / 1000 if first
-                                       else self.wait_s)
+        views = await self.poller.poll(self.first_wait_s if first else self.wait_s)
         if all(v.metrics is None and not v.ejected for v in views):
             # Nothing heard yet (a leader just took over): publishing now would say "no usable
             # node", i.e. RED, and turn clients away for a tick. Keep the state as it is.

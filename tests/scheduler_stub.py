@@ -167,7 +167,7 @@ async def pool_scheduler(
                           config.pool_policy(pool.name))
         scheduler = PoolScheduler(store, pool, settings, poller, SchedulerMetrics(), me="test",
                                   clock=clock)
-        scheduler.wait_s = SCRAPE_WAIT_S
+        scheduler.wait_s = scheduler.first_wait_s = SCRAPE_WAIT_S
         try:
             yield scheduler
         finally:

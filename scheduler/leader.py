@@ -64,9 +64,6 @@ class Elector:
         """True only while this replica holds the lease by its own clock."""
         return self.epoch is not None and self.clock() < self.deadline
 
-    def lease_left_s(self) -> float:
-        return max(0.0, self.deadline - self.clock()) if self.epoch is not None else 0.0
-
     async def attempt(self) -> float:
         """One acquire-or-renew call; returns the seconds to wait before the next one."""
         sent = self.clock()

@@ -7,7 +7,6 @@ COPY admission admission
 COPY gateway gateway
 COPY scheduler scheduler
 COPY lua lua
-COPY bench bench
 RUN pip install --no-cache-dir '.[fast]' && rm -rf /root/.cache
 USER 10001
 EXPOSE 8000 9100

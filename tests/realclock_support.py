@@ -225,5 +225,5 @@ async def check_reservations(client: aioredis.Redis, keys: PoolKeys, capacity: i
     for member in running:
         node, prompt, out, _ = text(member).split(" ")
         from_index[node] += int(prompt) + int(out)
-    assert reserved == dict(from_index)
+    assert reserved == dict(from_index), (reserved, dict(from_index))
     assert all(0 < tokens <= capacity for tokens in reserved.values()), reserved

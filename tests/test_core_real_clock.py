@@ -250,6 +250,7 @@ async def test_gateways_that_renew_stall_and_die_race_the_reaper_without_losing_
           f"{samples} samples; stalls {sum(g.stalls for g in gateways)}, deaths "
           f"{sum(g.deaths for g in gateways)}, abandons {sum(g.abandons for g in gateways)}")
     assert samples > 0 and len(ledger.costs) > 0
+    assert sum(g.orphans_cancelled() for g in gateways) == 0
     await ledger.check_redis(client, keys)
 
 

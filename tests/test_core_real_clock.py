@@ -213,11 +213,11 @@ async def test_gateways_that_renew_stall_and_die_race_the_reaper_without_losing_
     async def release() -> None:
         ledger.released_by_scheduler(await store.release(EPOCH, (4, 4, 4)))
 
-    async def reap() -> None:
-        # As the scheduler's reap loop does, with batches small enough to stop inside a
-        # gateway's tasks and leave the rest to a renewal.
+    async def reap(batch: int | None = None) -> None:
+        # As the scheduler's reap loop does, with batches that may be small enough to stop
+        # inside a gateway's tasks and leave the rest to a renewal.
         for _ in range(REAP_CALLS):
-            result = await store.reap(rng.choice((1, 3, REAP_BATCH)))
+            result = await store.reap(batch or rng.choice((1, 3, REAP_BATCH)))
             ledger.reaped_by(result)
             if not result.more:
                 return
@@ -242,7 +242,7 @@ async def test_gateways_that_renew_stall_and_die_race_the_reaper_without_losing_
         if not last:
             break
         await sleep_until_redis_us(client, int(last[0][1]) + 1)
-        await reap()
+        await reap(REAP_BATCH)
     await check_reservations(client, keys, CAPACITY)
     for g in gateways:
         g.book_finishes()

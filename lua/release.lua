@@ -66,6 +66,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       -- a stray entry, dropped by queue_head
     elseif tonumber(task.deadline_us) <= now then
       drop_queued(prefix, queues, KEYS[8], KEYS[9], head, task, 'expired', now, retention_s)
+      redis.call('HINCRBY', KEYS[10], 'expired', 1)
       table.insert(out, head); table.insert(out, task.gateway)
       table.insert(out, ''); table.insert(out, t)
     else

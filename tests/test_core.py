@@ -539,3 +539,24 @@ async def test_tasks_with_their_tiers_timeout_expire_from_the_queue_head_without
     assert (await store.reap()).expired == 2
     assert await redis_client.zcard(keys.queue(Tier.BATCH)) == 0
     assert await redis_client.hgetall(keys.tenant_queued) == {}
+
+
+async def test_every_expiry_is_counted_in_stats_whoever_finds_it(
+        store: PoolStore, redis_client: aioredis.Redis) -> None:
+    """Queued tasks past their deadline end as 'expired' when the reaper or a release meets
+    them first; operators read the total with HGETALL stats, so both count it."""
+    tenant = TenantQuota("t", rate=1_000_000, burst=1_000_000_000, max_queued=100)
+    keys = store.keys
+    start = 1_700_000_000_000_000
+    await redis_client.hset(keys.clock, "frozen_us", start)
+    for task_id in ("a", "b", "c"):
+        result = await store.admit(task_id=task_id, tenant=tenant, tier=Tier.NORMAL,
+                                   prompt_tokens=10, max_tokens=10, gateway="gw",
+                                   queue_timeout_ms=1_000, tier_timeout_ms=10_000)
+        assert result.outcome is AdmitOutcome.QUEUED
+    await redis_client.hset(keys.clock, "frozen_us", start + 2_000_000)
+    await store.renew("gw")
+    released = await store.release(1, (10, 10, 10))
+    assert sorted(t.task_id for t in released if t.node is None) == ["a", "b", "c"]
+    stats = await redis_client.hgetall(keys.stats)
+    assert int(stats[b"expired"]) == 3

@@ -9,6 +9,10 @@ The forwarded body differs from the client's in four places only: `model` (the s
 `max_tokens` (when defaulted), `stream_options.include_usage` (always on when streaming, so
 the gateway learns exact usage) and `priority` (the tier, when the pool passes it; a client's
 own `priority` is never forwarded, or it could raise itself inside the engine).
+
+The answer goes back with the client's own `model` (`Inbound.reply_model`) unless the pool
+sets `echo_requested_model = false`: the client asked for the pool's name and compares the
+answer with it; the served name is the deployment's business.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class Inbound:
     prompt_tokens: int
     max_tokens: int
     """T_out of the whole request: per-sequence limit x sequences."""
+    reply_model: str | None = None
+    """The `model` to write into the answer (the name the client sent), or None to relay the
+    node's own (the pool's `echo_requested_model` is off)."""
 
     @property
     def cost(self) -> int:
@@ -151,6 +158,7 @@ async def parse_inbound(
         sequences=sequences_per_prompt * len(prompts),
     )
 
+    requested_model = body["model"]
     body["model"] = pool.served_model
     if requested is None:
         body["max_tokens"] = per_sequence
@@ -169,4 +177,5 @@ async def parse_inbound(
         client_wants_usage=client_wants_usage,
         prompt_tokens=estimate.t_in,
         max_tokens=estimate.t_out,
+        reply_model=requested_model if settings.echo_requested_model else None,
     )

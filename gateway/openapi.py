@@ -142,11 +142,15 @@ _SCHEMAS: dict[str, Any] = {
     },
     "Completion": {
         "type": "object",
-        "description": "vLLM's response (chat.completion or text_completion), relayed as is.",
+        "description": "vLLM's response (chat.completion or text_completion), relayed as is "
+                       "but for `model`.",
         "properties": {
             "id": {"type": "string"},
             "object": {"type": "string"},
-            "model": {"type": "string"},
+            "model": {"type": "string",
+                      "description": "The model named in the request (the pool), also in "
+                                     "every streamed chunk; the backend's served name when "
+                                     "the pool sets echo_requested_model = false."},
             "choices": {"type": "array", "items": {"type": "object"}},
             "usage": {"$ref": "#/components/schemas/Usage"},
         },

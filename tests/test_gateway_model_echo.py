@@ -226,7 +226,8 @@ async def test_events_split_across_reads_are_rewritten_whole_and_others_pass_unt
         async with running_gateway(redis_url, adjust=adjust) as gw:
             await gw.publish(Zone.GREEN)
             received: list[bytes] = []
-            async with aiohttp.ClientSession() as session, session.post(
+            # A relay that held an event back would stall the lock-step: fail, do not hang.
+            async with asyncio.timeout(30), aiohttp.ClientSession() as session, session.post(
                 gw.url + "/v1/chat/completions",
                 json={"model": POOL, "messages": MESSAGES, "max_tokens": 8, "stream": True},
                 headers={"Authorization": f"Bearer {KEYS['vip']}"},

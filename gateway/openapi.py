@@ -38,9 +38,11 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
 
 
 _GENERATION_ERRORS = {
-    "400": _error("Malformed request, prompt over the context length, max_tokens above the "
-                  "pool's limit, or a request larger than the key's burst (exceeds_burst, "
-                  "never retry).", _NO_RETRY),
+    "400": _error("Malformed request; or, with x-should-retry: false, one that can never "
+                  "succeed as sent: prompt (or prompt + max_tokens) over the context length "
+                  "(context_length_exceeded), max_tokens above the pool's limit "
+                  "(max_tokens_too_large), or larger than the key's burst (exceeds_burst).",
+                  _NO_RETRY),
     "401": _error("Missing or unknown API key."),
     "403": _error("The key's quota is exhausted and never refills (insufficient_quota).",
                   _NO_RETRY),

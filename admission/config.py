@@ -161,6 +161,9 @@ class PoolSettings:
     served_model_name: str | None = None
     """The model name the backends serve (vLLM --served-model-name); None = the pool name.
     The gateway writes it into the forwarded request's `model`."""
+    echo_requested_model: bool = True
+    """Write the name the client asked for (the pool's name) into each response's `model`,
+    whole bodies and every streamed chunk; False passes the backend's served name through."""
     stale_after_ms: int = 2_000
     backend_ca_file: str | None = None
     """PEM bundle of the CA that signed the backends' https certificates (a private CA);
@@ -491,6 +494,7 @@ def _pool(r: _Reader) -> PoolSettings:
         default_system_prompt=r.string("default_system_prompt"),
         pass_priority=r.get("pass_priority", bool, False),
         served_model_name=r.string("served_model_name"),
+        echo_requested_model=r.get("echo_requested_model", bool, True),
         stale_after_ms=r.integer("stale_after_ms", 2_000, 0),
         backend_ca_file=r.string("backend_ca_file"),
         zones=_zones(r.sub("zones")),

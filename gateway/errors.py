@@ -10,8 +10,15 @@ jitter so that clients rejected together do not return together::
     X-RateLimit-Backpressure-Level: RED     the pool's load zone
     X-Queue-Depth: 142                      tasks queued at the request's tier or above
 
-Hints never exceed 60 s (the OpenAI SDK gives up above 120 s). A request that can never
-succeed as sent carries ``x-should-retry: false`` and a 4xx other than 429.
+Hints never exceed 60 s (the OpenAI SDK gives up above 120 s).
+
+A request that can never succeed as sent, whatever the load, gets a 4xx other than 429 with
+``x-should-retry: false`` and no retry hint (`never_retry`): 400 ``context_length_exceeded``,
+``max_tokens_too_large`` and ``exceeds_burst``, 403 ``insufficient_quota`` (a bucket that never
+refills) and 403 ``admin_disabled``. The header is what stops a client whose policy retries
+4xx (kvgate_client's ``retryable_statuses`` can include them); the official SDKs read it
+before their status table. Malformed requests (bad JSON, wrong types, unknown model or key)
+are plain 4xx: no client retries those.
 """
 
 from __future__ import annotations

@@ -38,9 +38,11 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
 
 
 _GENERATION_ERRORS = {
-    "400": _error("Malformed request, prompt over the context length, max_tokens above the "
-                  "pool's limit, or a request larger than the key's burst (exceeds_burst, "
-                  "never retry).", _NO_RETRY),
+    "400": _error("Malformed request; or, with x-should-retry: false, one that can never "
+                  "succeed as sent: prompt (or prompt + max_tokens) over the context length "
+                  "(context_length_exceeded), max_tokens above the pool's limit "
+                  "(max_tokens_too_large), or larger than the key's burst (exceeds_burst).",
+                  _NO_RETRY),
     "401": _error("Missing or unknown API key."),
     "403": _error("The key's quota is exhausted and never refills (insufficient_quota).",
                   _NO_RETRY),
@@ -142,11 +144,15 @@ _SCHEMAS: dict[str, Any] = {
     },
     "Completion": {
         "type": "object",
-        "description": "vLLM's response (chat.completion or text_completion), relayed as is.",
+        "description": "vLLM's response (chat.completion or text_completion), relayed as is "
+                       "but for `model`.",
         "properties": {
             "id": {"type": "string"},
             "object": {"type": "string"},
-            "model": {"type": "string"},
+            "model": {"type": "string",
+                      "description": "The model named in the request (the pool), also in "
+                                     "every streamed chunk; the backend's served name when "
+                                     "the pool sets echo_requested_model = false."},
             "choices": {"type": "array", "items": {"type": "object"}},
             "usage": {"$ref": "#/components/schemas/Usage"},
         },

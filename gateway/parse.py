@@ -3,12 +3,18 @@
 T_in is the real token count of the prompt (the pool's tokenizer, chat template applied);
 T_out is the client's `max_completion_tokens` / `max_tokens` times the number of sequences, or
 the pool's default, which is then written into the forwarded body so that the reservation is a
-true bound. Prompts that cannot fit the context get vLLM's own 400 messages.
+true bound. Prompts that cannot fit the context get vLLM's own 400 messages; these, and a
+`max_tokens` over the pool's `max_max_tokens`, can never succeed as sent and say so with
+`x-should-retry: false` (a malformed request is a plain 400: no client retries one).
 
 The forwarded body differs from the client's in four places only: `model` (the served name),
 `max_tokens` (when defaulted), `stream_options.include_usage` (always on when streaming, so
 the gateway learns exact usage) and `priority` (the tier, when the pool passes it; a client's
 own `priority` is never forwarded, or it could raise itself inside the engine).
+
+The answer goes back with the client's own `model` (`Inbound.reply_model`) unless the pool
+sets `echo_requested_model = false`: the client asked for the pool's name and compares the
+answer with it; the served name is the deployment's business.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from typing import Any, Literal
 import orjson
 
 from admission.tiers import Tier
-from gateway.errors import ApiError, bad_request
+from gateway.errors import ApiError, bad_request, never_retry
 from gateway.estimator import InvalidRequestError, estimate_cost
 from gateway.pools import PoolRuntime
 
 Kind = Literal["chat", "completion"]
 MAX_SEQUENCES = 128
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+"""OpenAI's code for a prompt (or prompt + max_tokens) over the model's context."""
 
 
 @dataclass(slots=True)
@@ -40,6 +48,9 @@ class Inbound:
     prompt_tokens: int
     max_tokens: int
     """T_out of the whole request: per-sequence limit x sequences."""
+    reply_model: str | None = None
+    """The `model` to write into the answer (the name the client sent), or None to relay the
+    node's own (the pool's `echo_requested_model` is off)."""
 
     @property
     def cost(self) -> int:
@@ -110,7 +121,8 @@ async def parse_inbound(
     if requested is not None and (type(requested) is not int or requested < 1):
         raise bad_request(f"'{param}' must be a positive integer.", param=param)
     if requested is not None and requested > settings.max_max_tokens:
-        raise bad_request(
+        raise never_retry(
+            400,
             f"'{param}' is too large: {requested}. This deployment allows at most "
             f"{settings.max_max_tokens} output tokens per sequence.",
             param=param,
@@ -129,17 +141,21 @@ async def parse_inbound(
     limit = settings.context_length
     longest = max(prompts)
     if longest >= limit:
-        raise bad_request(
+        raise never_retry(
+            400,
             f"This model's maximum context length is {limit} tokens. However, your request has "
             f"{longest} input tokens. Please reduce the length of the input messages.",
             param="input_tokens",
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     if requested is not None and longest + requested > limit:
-        raise bad_request(
+        raise never_retry(
+            400,
             f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's "
             f"maximum context length is {limit} tokens and your request has {longest} input "
             f"tokens ({requested} > {limit} - {longest}).",
             param=param,
+            code=CONTEXT_LENGTH_EXCEEDED,
         )
     per_sequence = requested if requested is not None else min(
         settings.default_max_tokens, limit - longest
@@ -151,6 +167,7 @@ async def parse_inbound(
         sequences=sequences_per_prompt * len(prompts),
     )
 
+    requested_model = body["model"]
     body["model"] = pool.served_model
     if requested is None:
         body["max_tokens"] = per_sequence
@@ -169,4 +186,5 @@ async def parse_inbound(
         client_wants_usage=client_wants_usage,
         prompt_tokens=estimate.t_in,
         max_tokens=estimate.t_out,
+        reply_model=requested_model if settings.echo_requested_model else None,
     )

@@ -8,6 +8,10 @@ stream ends early (client gone, node failed) the tokens generated so far can be 
 prompt + one per chunk that carried output (vLLM sends one token per chunk unless it batches
 them with --stream-interval; a batched chunk is then undercounted).
 
+The answer names the model the client asked for (`Inbound.reply_model`), in a whole body and
+in every streamed chunk: a chunk whose `model` differs is re-serialised on its own as soon as
+its event is complete, so echoing the name holds nothing back either.
+
 Failures before a response: 503 (node unreachable) or 502 (node error, timeout, broken
 connection), both with Retry-After, and the reservation refunded. A node's own 4xx (e.g. its
 context-length check) is relayed as is. A failure mid-stream ends the stream with an error
@@ -84,13 +88,15 @@ class Meter:
 
 
 class SseRelay:
-    """Splits an SSE byte stream into events, counts output, drops the usage-only chunk."""
+    """Splits an SSE byte stream into events, counts output, drops the usage-only chunk, and
+    writes the client's model name into each chunk (`reply_model`, None: left as sent)."""
 
-    __slots__ = ("_buf", "_strip_usage", "meter")
+    __slots__ = ("_buf", "_reply_model", "_strip_usage", "meter")
 
-    def __init__(self, meter: Meter, *, strip_usage: bool) -> None:
+    def __init__(self, meter: Meter, *, strip_usage: bool, reply_model: str | None = None) -> None:
         self._buf = b""
         self._strip_usage = strip_usage
+        self._reply_model = reply_model
         self.meter = meter
 
     def feed(self, data: bytes) -> bytes:
@@ -105,26 +111,30 @@ class SseRelay:
         complete, self._buf = data[:cut], data[cut:]
         events = complete.split(b"\n\n")
         events.pop()  # the empty string after the last separator
-        kept = [event for event in events if self._keep(event)]
-        if len(kept) == len(events):
-            return complete
-        return b"".join(event + b"\n\n" for event in kept)
+        sent = [self._relay(event) for event in events]
+        if all(out is event for out, event in zip(sent, events, strict=True)):
+            return complete  # nothing dropped or rewritten: the bytes as they came
+        return b"".join(out + b"\n\n" for out in sent if out is not None)
 
     def flush(self) -> bytes:
         """Whatever trails the last complete event (a well-formed stream leaves nothing)."""
         tail, self._buf = self._buf, b""
         return tail
 
-    def _keep(self, event: bytes) -> bool:
+    def _relay(self, event: bytes) -> bytes | None:
+        """The event to send (itself when unchanged), or None to drop it. `[DONE]`, comments
+        and anything that is not one JSON object pass untouched."""
         if not event.startswith(b"data:"):
-            return True
+            return event
         payload = event[5:].strip()
         if payload == b"[DONE]" or not payload.startswith(b"{"):
-            return True
+            return event
         try:
             chunk = orjson.loads(payload)
         except orjson.JSONDecodeError:
-            return True
+            return event
+        if not isinstance(chunk, dict):
+            return event
         meter = self.meter
         choices = chunk.get("choices")
         usage = chunk.get("usage")
@@ -135,11 +145,25 @@ class SseRelay:
                         meter.completion_tokens += 1
             else:  # continuous usage stats: exact so far
                 meter.take_usage(usage)
-            return True
-        if usage is not None:
+        elif usage is not None:
             meter.take_usage(usage)
-            return not self._strip_usage
-        return True
+            if self._strip_usage:
+                return None
+        if _rename(chunk, self._reply_model):
+            return b"data: " + orjson.dumps(chunk)
+        return event
+
+
+def _rename(answer: dict[str, Any], model: str | None) -> bool:
+    """Writes `model` into the answer's own `model` field when it names another; only an
+    existing string field is replaced (an error object has none and gets none)."""
+    if model is None:
+        return False
+    current = answer.get("model")
+    if not isinstance(current, str) or current == model:
+        return False
+    answer["model"] = model
+    return True
 
 
 def _carries_output(choice: Any) -> bool:
@@ -211,7 +235,7 @@ class Upstream:
                 return await self._relay_error(upstream, ticket, meter)
             if inbound.stream:
                 return await self._stream(request, upstream, inbound, ticket, meter, started)
-            return await self._whole(request, upstream, ticket, meter)
+            return await self._whole(request, upstream, inbound, ticket, meter)
         except BaseException:
             upstream.close()  # abort the generation on the node
             raise
@@ -237,7 +261,7 @@ class Upstream:
         )
 
     async def _whole(
-        self, request: web.Request, upstream: NodeResponse, ticket: Ticket,
+        self, request: web.Request, upstream: NodeResponse, inbound: Inbound, ticket: Ticket,
         meter: Meter,
     ) -> web.StreamResponse:
         try:
@@ -251,6 +275,8 @@ class Upstream:
             parsed = None
         if isinstance(parsed, dict):
             meter.take_usage(parsed.get("usage"))
+            if _rename(parsed, inbound.reply_model):
+                body = orjson.dumps(parsed)
         response = web.Response(
             body=body,
             headers={"Content-Type": upstream.headers.get("content-type", "application/json"),
@@ -270,7 +296,8 @@ class Upstream:
             "Cache-Control": "no-cache",
             "X-Request-Id": ticket.task_id,
         })
-        relay = SseRelay(meter, strip_usage=not inbound.client_wants_usage)
+        relay = SseRelay(meter, strip_usage=not inbound.client_wants_usage,
+                         reply_model=inbound.reply_model)
         loop = asyncio.get_running_loop()
         try:
             await response.prepare(request)

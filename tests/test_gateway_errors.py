@@ -88,10 +88,17 @@ async def test_limits_on_max_tokens_and_context(gw: Harness) -> None:
     with pytest.raises(openai.BadRequestError) as too_long:
         await client.chat.completions.create(model="demo", messages=long_prompt, max_tokens=5)
     assert "maximum context length is 4096 tokens" in too_long.value.message
+    assert too_long.value.code == "context_length_exceeded"
     fits = _user("word " * 3500)
     with pytest.raises(openai.BadRequestError) as over:
         await client.chat.completions.create(model="demo", messages=fits, max_tokens=1000)
     assert "'max_tokens' or 'max_completion_tokens' is too large: 1000" in over.value.message
+    assert over.value.code == "context_length_exceeded"
+    # None of the three can succeed as sent, whatever the load: clients are told not to retry.
+    for refused in (too_many, too_long, over):
+        assert refused.value.response.headers["x-should-retry"] == "false"
+        assert "retry-after" not in refused.value.response.headers
+    assert gw.backends[0].received == []
     # Without max_tokens the default (64) is cut to what the context leaves, as vLLM does.
     near_full = _user("word " * 4070)
     done = await client.chat.completions.create(model="demo", messages=near_full)

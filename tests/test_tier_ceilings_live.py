@@ -14,7 +14,10 @@ What each line of the zone table promises, checked where it is decided:
   `kv_target`): still queued after several scheduler ticks, served once usage falls;
 - Batch is served below the YELLOW line and held (queued, not rejected) from it up;
 - at 0.90 (RED) Normal and Batch get the 429 protocol at once, VIP is queued and served within
-  1 s of the usage falling, whether the pool then stays RED (0.83: hysteresis) or leaves it.
+  1 s of the usage falling, whether the pool then stays RED (0.83: hysteresis) or leaves it;
+- the same lines when the nodes also report the running sequences that hold their cache (363
+  chats of 1,000 tokens at 0.84), none sent through the gateways: the projection is the
+  measured usage, not a block per sequence more.
 
 "Queued" is read in Redis (the tier's queue) and "still queued after the scheduler looked" is
 the queue unchanged across ticks the leader published (`updated_us` of the state hash), not a
@@ -88,7 +91,8 @@ def stack() -> Iterator[Stack]:
     server = start_redis()
     procs = Processes()
     try:
-        nodes = [procs.instant_backend(name, model=POOL, settable_kv=True)[1] for name in NODES]
+        nodes = [procs.instant_backend(name, model=POOL, settable_metrics=True)[1]
+                 for name in NODES]
         data = shipped_config(server.url, nodes)
         path = procs.write_config(data)
         procs.scheduler(path, "sched")
@@ -112,10 +116,12 @@ class Live:
     redis: aioredis.Redis
     http: aiohttp.ClientSession
 
-    async def set_kv(self, level: float) -> float:
-        """Both nodes report `level` from now on; returns when both have it (monotonic s)."""
+    async def set_kv(self, level: float, running: int = 0) -> float:
+        """Both nodes report `level` and `running` sequences from now on; returns when both
+        have it (monotonic s)."""
         for node in self.stack.nodes:
-            async with self.http.put(node + "/lab/kv_usage", json={"kv_usage": level}) as r:
+            async with self.http.put(node + "/lab/metrics",
+                                     json={"kv_usage": level, "running": running}) as r:
                 assert r.status == 200, await r.text()
         return time.monotonic()
 
@@ -134,9 +140,9 @@ class Live:
             assert time.monotonic() < deadline, (level, zone, state)
             await asyncio.sleep(0.01)
 
-    async def hold(self, level: float, zone: str) -> float:
+    async def hold(self, level: float, zone: str, running: int = 0) -> float:
         """Set `level` and wait until the leader saw it; returns when it was set."""
-        set_at = await self.set_kv(level)
+        set_at = await self.set_kv(level, running)
         await self.observed(level, zone)
         return set_at
 
@@ -368,3 +374,36 @@ async def test_red_rejects_normal_and_batch_and_queues_vip(live: Live, fall_to: 
         again = await asyncio.gather(*send_all(live, "normal"), *send_all(live, "batch"))
         for answer in again:
             assert_capacity_429(answer)
+
+
+# --- the same lines when sequences fill the cache --------------------------------------------
+
+NODE_TOKENS = 27_000 * 16
+"""The instant backend's KV capacity (its cache_config_info: 27,000 blocks of 16 tokens)."""
+CHAT_TOKENS = 1_000
+"""Size of the sequences that hold the nodes' KV below: a chat's prompt and answer."""
+
+
+@pytest.mark.parametrize("level", YELLOW_LEVELS)
+async def test_the_lines_hold_when_running_sequences_fill_the_cache(live: Live,
+                                                                    level: float) -> None:
+    """A cache at `level` is held by running sequences (a node at 0.84 runs 363 chats of
+    1,000 tokens), none of them sent through the gateways: their partial blocks are already in
+    the measured usage, so VIP, Normal and the zone see the same lines as above."""
+    running = round(level * NODE_TOKENS / CHAT_TOKENS)
+    await live.hold(level, "YELLOW", running)
+    projected = [(await live.state())[f"projected:{n}"] for n in NODES]
+    assert projected == [f"{level:.4f}"] * len(NODES)  # what the sequences hold is measured
+    vip = await vip_round(live)
+    pending = send_all(live, "normal")
+    if level < ZoneSettings().kv_target:
+        answers = await asyncio.gather(*pending)
+        normal = [round(a.seconds, 4) for a in answers]
+    else:
+        await assert_held(live, Tier.NORMAL, pending)
+        fell = await live.set_kv(0.72, round(0.72 * NODE_TOKENS / CHAT_TOKENS))
+        answers = await asyncio.gather(*pending)
+        normal = [round(a.ended - fell, 4) for a in answers]
+    assert [a.status for a in answers] == [200, 200], [a.body for a in answers]
+    report(f"KV {level} held by {running} running sequences", projected=projected,
+           vip_seconds=vip, normal_seconds_served_or_after_fall=normal)

@@ -1,14 +1,21 @@
 """An instant backend speaking vLLM's OpenAI-compatible API, for tests and the overhead benchmark.
 
     python -m bench.instant_backend [--port 0] [--model demo] [--output-tokens N]
-        [--token-interval-ms MS]
+        [--token-interval-ms MS] [--kv-usage F] [--settable-metrics]
 
 Generation takes no time: chat and text completions, streaming (one token per chunk, the final
 usage chunk with `stream_options.include_usage`) or not, with exact usage (prompt tokens counted
 with the shipped Qwen2 tokenizer and template, as the gateway counts them). Also `/v1/models`,
-`/health`, and `/metrics` with vLLM's metric names (an idle node). `--token-interval-ms` spaces
+`/health`, and `/metrics` with vLLM's metric names (an idle node, whose KV cache reads
+`--kv-usage`, 0 by default). `--token-interval-ms` spaces
 a stream's tokens that far apart (the first comes at once), so that many streams stay open at
 the same time, as they do in front of a real engine (the memory benchmark holds 2,000).
+
+With `--settable-metrics` the engine state /metrics reports can be changed while it runs, for
+the tests that hold a node at a given usage and watch what the scheduler and gateways do
+there: ``PUT /lab/metrics`` with any of ``{"kv_usage": 0.84, "running": 300, "waiting": 0}``
+(a fraction 0..1; sequence counts, which are 0 otherwise). It is a laboratory control, off
+unless asked for: nothing shipped listens on /lab.
 
 For tests, in-process: every forwarded body and header set is recorded; `hold_after` makes a
 stream stop after that many tokens until `gate` is set (a deterministic "mid-stream" moment);
@@ -56,6 +63,14 @@ class InstantBackend:
     """A non-streamed answer is sent this long after the request (0: at once): a generation
     that is silent until it is done."""
     fail_status: int | None = None
+    kv_usage: float = 0.0
+    """What /metrics reports as `vllm:kv_cache_usage_perc` (fraction of the cache)."""
+    running: int = 0
+    """What /metrics reports as `vllm:num_requests_running`."""
+    waiting: int = 0
+    """What /metrics reports as `vllm:num_requests_waiting`."""
+    settable_metrics: bool = False
+    """Serve ``PUT /lab/metrics`` (sets `kv_usage`, `running`, `waiting`)."""
     record: bool = True
     counter: TokenCounter = field(default_factory=TokenCounter)
     received: list[Received] = field(default_factory=list)
@@ -72,6 +87,8 @@ class InstantBackend:
         app.router.add_get("/v1/models", _models)
         app.router.add_get("/health", _health)
         app.router.add_get("/metrics", _metrics)
+        if self.settable_metrics:
+            app.router.add_put("/lab/metrics", _set_metrics)
         return app
 
 
@@ -215,13 +232,37 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response()
 
 
+_LAB_FIELDS: Final = {"kv_usage": float, "running": int, "waiting": int}
+
+
+async def _set_metrics(request: web.Request) -> web.Response:
+    try:
+        fields = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return _error(400, "Invalid JSON body")
+    if not isinstance(fields, dict) or not fields or set(fields) - set(_LAB_FIELDS):
+        return _error(400, f"Expected an object with some of {sorted(_LAB_FIELDS)}")
+    for name, value in fields.items():
+        kind = _LAB_FIELDS[name]
+        if (isinstance(value, bool) or not isinstance(value, int | float)
+                or (kind is int and not isinstance(value, int)) or value < 0
+                or (name == "kv_usage" and value > 1)):
+            bound = "a number between 0 and 1" if kind is float else "a whole number >= 0"
+            return _error(400, f"{name} must be {bound}", name)
+    backend = request.app[BACKEND]
+    for name, value in fields.items():
+        setattr(backend, name, _LAB_FIELDS[name](value))
+    state = {name: getattr(backend, name) for name in _LAB_FIELDS}
+    return web.Response(body=orjson.dumps(state), content_type="application/json")
+
+
 async def _metrics(request: web.Request) -> web.Response:
-    model = request.app[BACKEND].model
-    labels = f'engine="0",model_name="{model}"'
+    backend = request.app[BACKEND]
+    labels = f'engine="0",model_name="{backend.model}"'
     text = (
-        f"vllm:kv_cache_usage_perc{{{labels}}} 0.0\n"
-        f"vllm:num_requests_running{{{labels}}} 0.0\n"
-        f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+        f"vllm:kv_cache_usage_perc{{{labels}}} {backend.kv_usage!r}\n"
+        f"vllm:num_requests_running{{{labels}}} {float(backend.running)!r}\n"
+        f"vllm:num_requests_waiting{{{labels}}} {float(backend.waiting)!r}\n"
         f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
         f'vllm:cache_config_info{{block_size="16",engine="0",num_gpu_blocks="27000"}} 1.0\n'
     )
@@ -236,11 +277,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output-tokens", type=int, default=None)
     p.add_argument("--token-interval-ms", type=float, default=0.0,
                    help="pause between two tokens of a stream (default 0: none)")
+    p.add_argument("--kv-usage", type=float, default=0.0,
+                   help="KV cache usage /metrics reports, a fraction (default 0)")
+    p.add_argument("--settable-metrics", action="store_true",
+                   help="serve PUT /lab/metrics to change the reported KV usage and sequence "
+                        "counts (lab only)")
     args = p.parse_args(argv)
     if args.token_interval_ms < 0:
         p.error("--token-interval-ms must be >= 0")
+    if not 0 <= args.kv_usage <= 1:
+        p.error("--kv-usage must be between 0 and 1")
     backend = InstantBackend(model=args.model, output_tokens=args.output_tokens, record=False,
-                             token_interval_ms=args.token_interval_ms)
+                             token_interval_ms=args.token_interval_ms, kv_usage=args.kv_usage,
+                             settable_metrics=args.settable_metrics)
 
     async def serve() -> None:
         runner = web.AppRunner(backend.app(), access_log=None, handler_cancellation=True)

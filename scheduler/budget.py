@@ -18,7 +18,9 @@ Model, per node (all in tokens of KV):
 
     ours_now  = min(U, R)             the measured usage our reservations can explain
     foreign   = U - ours_now          usage nothing of ours explains (other clients, leaks)
-    pad       = (running + waiting) x block_size   paged-KV rounding, one partial block each
+    pad       = n x block_size    paged-KV rounding: one partial block for each sequence
+                                  the engine reports (running + waiting); with the running
+                                  index, for as many as can be ours (the others' are in U)
     P   = what our tasks will hold at most   R, or their peak over time (below)
     projected = foreign + pad + max(f x P, ours_now)
     B_t       = R + (T_t - projected) / f                (never below 0)
@@ -125,6 +127,12 @@ class UsageLearner:
         return min(1.0, max(self.floor, self.ratio * (1.0 + self.margin)))
 
 
+DISPATCH_US = 250_000
+"""A released task reaches its engine only after a gateway has forwarded it: its age leaves
+out 250 ms for that (scheduler.pool.running_task), so that a burst of documents on its way to
+the engines counts as not measured yet (`peak_usage`), not as already in the cache."""
+
+
 class RunningTask(NamedTuple):
     """A released task as the running index records it (a tuple: the leader builds one per
     task in flight on every tick)."""
@@ -133,7 +141,7 @@ class RunningTask(NamedTuple):
     max_tokens: int
     age_us: int
     """Time it may have spent decoding: since its release (Redis TIME), less allowances for its
-    way to the engine and its prefill (scheduler.pool.DISPATCH_US, PREFILL_US_PER_TOKEN)."""
+    way to the engine and its prefill (`DISPATCH_US`, scheduler.pool.PREFILL_US_PER_TOKEN)."""
     arrived_us: int
     """Time since it may have reached the engine: since its release, less the allowance for its
     way there; negative while it may still be on its way."""
@@ -295,13 +303,25 @@ def plan_node(
     measured = m.kv_usage * capacity
     ours_now = min(measured, float(reserved))
     foreign = measured - ours_now
-    pad = float((m.running + m.waiting) * m.block_size)
     held = float(reserved)
+    # Our tasks are projected in tokens: each may hold one more, partial, block than it counts.
+    pad_sequences = m.running + m.waiting
     if running is not None:
         # Reservations missing from the index (released by an older version) count in full.
         unindexed = max(0.0, reserved - sum(t.prompt_tokens + t.max_tokens for t in running))
         reading = EngineReading(m.waiting, m.running, int(view.age_s * 1_000_000))
         held = min(held, peak_usage(running, ours_now - unindexed, reading) + unindexed)
+        # Only as many of the engine's sequences as can be ours are padded: the tasks released
+        # before the reading was taken (each unindexed one reserves a token or more). The
+        # others' blocks, partial ones included, are in `foreign` already, and padding them as
+        # well would read a node at 0.84 running 363 chats of 1,000 tokens as 0.853 (RED: VIP
+        # queued, Normal turned away). A node running only our tasks is padded for every
+        # sequence of ours it reports (finished ones' blocks are measured, in `foreign`); a
+        # task released after the reading is padded once a reading counts it, so a release
+        # raises this projection by its cost and no more.
+        ours = sum(1 for t in running if t.arrived_us + DISPATCH_US > reading.age_us)
+        pad_sequences = min(pad_sequences, ours + math.ceil(unindexed))
+    pad = float(pad_sequences * m.block_size)
     projected = foreign + pad + max(factor * held, ours_now)
     ceilings = (kv_target if vip_ceiling is None else vip_ceiling, kv_target,
                 kv_target if batch_ceiling is None else batch_ceiling)

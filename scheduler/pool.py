@@ -19,6 +19,7 @@ from admission.config import PoolSettings, SchedulerSettings
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
+    DISPATCH_US,
     NodePlan,
     RunningTask,
     UsageLearner,
@@ -48,11 +49,6 @@ PREFILL_US_PER_TOKEN = 66
 counts it, leaves out 66 µs per prompt token (15,000 tokens/s, half an H100's prefill rate,
 for the queueing behind other prefills). Too long an allowance only makes tasks look younger,
 which the projection treats as more overlap: the safe side."""
-
-DISPATCH_US = 250_000
-"""And a released task reaches its engine only after a gateway has forwarded it: its age also
-leaves out 250 ms for that, so that a burst of documents on its way to the engines counts as
-not measured yet (scheduler.budget.peak_usage), not as already in the cache."""
 
 
 def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int) -> RunningTask:

@@ -105,10 +105,15 @@ class Processes:
         return Scheduler(child, name, port)
 
     def instant_backend(self, name: str, *, model: str = "demo",
-                        output_tokens: int | None = None) -> tuple[Child, str]:
+                        output_tokens: int | None = None,
+                        settable_metrics: bool = False) -> tuple[Child, str]:
+        """`bench.instant_backend`; `settable_metrics`: the KV usage and sequence counts it
+        reports can be set at run time (``PUT /lab/metrics``)."""
         argv = python_module("bench.instant_backend", "--port", "0", "--model", model)
         if output_tokens is not None:
             argv += ["--output-tokens", str(output_tokens)]
+        if settable_metrics:
+            argv.append("--settable-metrics")
         child = spawn(name, argv, self.workdir, ready=BACKEND_READY, timeout=60)
         self.children.append(child)
         match = BACKEND_READY.search(child.ready_line)

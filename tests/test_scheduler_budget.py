@@ -9,8 +9,16 @@ import pytest
 
 from admission.config import ZoneSettings
 from admission.tiers import Tier, Zone
-from scheduler.budget import NodePlan, UsageLearner, plan_node, pool_usage
+from scheduler.budget import (
+    DISPATCH_US,
+    NodePlan,
+    RunningTask,
+    UsageLearner,
+    plan_node,
+    pool_usage,
+)
 from scheduler.policy import DrainRates, ReleasePolicy
+from scheduler.pool import running_task
 from scheduler.scrape import NodeMetrics, NodeView
 from scheduler.zones import ZoneTracker
 
@@ -174,3 +182,57 @@ def test_an_engine_out_of_compute_gets_no_new_releases_while_its_queue_is_long()
     assert held.budget == 30_000 and held.reason == "engine_queue"  # what it has, no more
     assert held.projected == free.projected  # the zone still sees the same usage
     assert plan_with(9, 8).usable
+
+
+def test_sequences_that_are_not_ours_are_measured_not_padded() -> None:
+    # A 432,000-token node at 0.84, filled by 363 chats of 1,000 tokens none of which came
+    # through the gateways: their blocks, partial ones included, are the measured 0.84.
+    capacity = 432_000
+    zones = ZoneSettings()
+    vip, normal, batch = zones.ceilings()
+
+    def planned(running: list[RunningTask] | None, reserved: int = 0,
+                engine: int = 363) -> NodePlan:
+        metrics = NodeMetrics(0.84, "vllm:kv_cache_usage_perc", engine, 0, 0.0, capacity, 16)
+        node = NodeView("n", metrics, capacity, False, False, 0.0, 1, "")
+        return plan_node(node, reserved=reserved, factor=1.0, kv_target=normal,
+                         stale_policy="full", running=running, vip_ceiling=vip,
+                         batch_ceiling=batch)
+
+    def pad(running: list[RunningTask], reserved: int) -> float:
+        """Tokens the engine's 363 sequences add to the projection."""
+        return (planned(running, reserved).projected
+                - planned(running, reserved, engine=0).projected) * capacity
+
+    alone = planned([])
+    assert alone.projected == pytest.approx(0.84)
+    assert alone.tier_budgets == (math.floor((vip - 0.84) * capacity), 0, 0)
+    assert ZoneTracker(zones).update(alone.projected) is Zone.YELLOW
+    # Without the running index every sequence is padded: VIP has no room, the pool is RED.
+    final = planned(None)
+    assert final.projected == pytest.approx(0.84 + 363 * 16 / capacity)
+    assert final.tier_budgets == (0, 0, 0)
+    assert ZoneTracker(zones).update(final.projected) is Zone.RED
+    # Ten of ours released before the reading (the engine counts them among its 363) are
+    # padded; one released since is not, until a reading counts it.
+    ours = [running_task(10, 20, 300_000) for _ in range(10)]
+    assert pad(ours, 300) == pytest.approx(10 * 16)
+    assert pad([*ours, running_task(10, 20, -DISPATCH_US)], 330) == pytest.approx(10 * 16)
+    # Reservations the index lacks may each be a sequence of ours: 3 tokens, up to 3 more.
+    assert pad(ours, 303) == pytest.approx(13 * 16)
+
+
+def test_a_node_running_only_our_tasks_pads_every_sequence() -> None:
+    # 40 tasks released a second before the reading, the engine runs all of them and queues
+    # nothing else: each may hold one partial block beyond the tokens projected.
+    capacity = 100_000
+    metrics = NodeMetrics(0.20, "vllm:kv_cache_usage_perc", 40, 0, 0.0, capacity, 16)
+    node = NodeView("n", metrics, capacity, False, False, 0.0, 1, "")
+    tasks = [running_task(400, 200, 1_000_000) for _ in range(40)]
+    with_pad = plan_node(node, reserved=40 * 600, factor=1.0, kv_target=0.78,
+                         stale_policy="full", running=tasks)
+    idle = NodeView("n", dataclasses.replace(metrics, running=0), capacity, False, False, 0.0,
+                    1, "")
+    without = plan_node(idle, reserved=40 * 600, factor=1.0, kv_target=0.78,
+                        stale_policy="full", running=tasks)
+    assert (with_pad.projected - without.projected) * capacity == pytest.approx(40 * 16)

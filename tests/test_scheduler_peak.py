@@ -7,6 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from scheduler.budget import (
+    DISPATCH_US,
     FRESH_READING,
     EngineReading,
     RunningTask,
@@ -15,7 +16,7 @@ from scheduler.budget import (
     plan_node,
     unmeasured_count,
 )
-from scheduler.pool import DISPATCH_US, PREFILL_US_PER_TOKEN, _running
+from scheduler.pool import PREFILL_US_PER_TOKEN, _running
 from scheduler.pool import running_task as task
 from scheduler.scrape import NodeMetrics, NodeView
 from tests.properties import PROPERTIES, examples
@@ -193,7 +194,7 @@ def test_what_the_budget_allows_keeps_the_next_projection_under_the_target(
     out = int(b * (room - prompt))
     after = plan_node(node, reserved=reserved + prompt + out, factor=factor,
                       kv_target=kv_target, stale_policy="full",
-                      running=[*tasks, task(prompt, out, -1)])
+                      running=[*tasks, task(prompt, out, -DISPATCH_US)])  # released now
     tolerance = 1e-6 * (capacity + reserved)
     assert after.projected * capacity <= (
         before.projected * capacity + factor * (prompt + out) + tolerance)

@@ -18,8 +18,8 @@ import pytest
 
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, RequestStatus, SimRequest
-from scheduler.budget import EngineReading, peak_usage
-from scheduler.pool import DISPATCH_US, running_task
+from scheduler.budget import DISPATCH_US, EngineReading, peak_usage
+from scheduler.pool import running_task
 
 SCRAPE_EVERY_S = 0.05
 MODEL_ERROR = 0.005

@@ -113,19 +113,35 @@ def passed(verdicts: Sequence[Verdict]) -> int:
     return sum(1 for v in verdicts if v.key in CRITERIA and v.ok)
 
 
-def cell_table(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
-               ) -> str:
-    """One markdown table: a row per criterion, a column per arm, value and PASS/FAIL."""
+def judge_all(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
+              ) -> list[list[Verdict]]:
     ref = reference(summaries)
-    judged = [judge(s, ref, burst_sim_s, drain_factor) for s in summaries]
-    lines = ["| criterion | " + " | ".join(ARM_TITLES[s.arm] for s in summaries) + " |",
-             "|---|" + "---|" * len(summaries)]
+    return [judge(s, ref, burst_sim_s, drain_factor) for s in summaries]
+
+
+def validity(s: ArmSummary) -> str:
+    """The run's validity with the lag figures it rests on (share of samples over the
+    threshold, worst simulator loop lag; share of requests sent late, latest send)."""
+    lag = (f"sims over the lag bound {s.lag_ms[0]:.1%} of the time, worst {s.lag_ms[1]:.0f} "
+           f"ms; {s.lag_ms[2]:.1%} sent late, latest {s.lag_ms[3]:.0f} ms")
+    return (f"yes ({lag})" if not s.invalid
+            else "**INVALID**: " + "; ".join(s.invalid) + f" ({lag})")
+
+
+def cell_table(arms: Sequence[str], judged: Sequence[Sequence[Verdict]],
+               valid: Sequence[str]) -> str:
+    """One markdown table: a row per criterion, a column per arm, value and PASS/FAIL."""
+    lines = ["| criterion | " + " | ".join(ARM_TITLES[a] for a in arms) + " |",
+             "|---|" + "---|" * len(arms)]
     for i, key in enumerate((*CRITERIA, "calm")):
         lines.append(f"| {LABELS[key]} | " + " | ".join(
             f"{v[i].value} **{v[i].mark}**" for v in judged) + " |")
-    lines.append("| criteria met (of 7) | " + " | ".join(
-        str(passed(v)) for v in judged) + " |")
-    lines.append("| valid run (simulator lag, send lag) | " + " | ".join(
-        "yes" if not s.invalid else "**INVALID**: " + "; ".join(s.invalid)
-        for s in summaries) + " |")
+    lines.append("| criteria met (of 7) | " + " | ".join(str(passed(v)) for v in judged) + " |")
+    lines.append("| valid run | " + " | ".join(valid) + " |")
     return "\n".join(lines)
+
+
+def summaries_table(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
+                    ) -> str:
+    return cell_table([s.arm for s in summaries], judge_all(summaries, burst_sim_s, drain_factor),
+                      [validity(s) for s in summaries])

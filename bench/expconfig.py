@@ -176,6 +176,13 @@ def zone_overrides(settings: Settings) -> list[str]:
             for name, value in values if value is not None]
 
 
+def default_max_tokens(settings: Settings) -> int:
+    """Arm (c)'s pool ``default_max_tokens``: what the context leaves after the longest prompt
+    the mix can draw (kvgate_toml says why), at least the longest output it can draw."""
+    room = settings.max_model_len - max(c.prompt.hi for c in settings.classes)
+    return max(room, max(c.output.hi for c in settings.classes))
+
+
 def kvgate_toml(
     settings: Settings,
     redis_url: str,
@@ -213,9 +220,13 @@ def kvgate_toml(
         f"served_model_name = {_toml_str(DEFAULT_MODEL)}",
         f"context_length = {settings.max_model_len}",
         # The pool is declared like the engines behind it: a request may ask for up to the
-        # context, and one that asks for nothing gets the rest of the context, as vLLM gives it
-        # in the other arms (the shipped 1,024 would cut long generations short in (c) only).
-        f"default_max_tokens = {settings.max_model_len}",
+        # context (the shipped 8,192 would refuse the clients' larger caps in (c) only), and one
+        # that asks for nothing may generate more than any real output (the shipped 1,024 would
+        # cut long generations short in (c) only). Not "the rest of the context", vLLM's own
+        # default: the gateway counts a prompt with its ChatML template, a few tokens under
+        # the engine's count, and an engine refuses a request whose max_tokens the gateway
+        # filled in up to the context by its own count.
+        f"default_max_tokens = {default_max_tokens(settings)}",
         f"max_max_tokens = {settings.max_model_len}",
         f"pass_priority = {'true' if settings.pass_priority else 'false'}",
         "backends = [",

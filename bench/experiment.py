@@ -33,7 +33,7 @@ from pathlib import Path
 
 from bench.arm import ArmResult, flush_print, run_arm
 from bench.capacity import CapacityResult, ideal_replay
-from bench.criteria import cell_table
+from bench.criteria import summaries_table
 from bench.expconfig import ARM_TITLES, ARMS, PRESETS, Settings, with_overrides, zone_overrides
 from bench.mixes import MIXES, with_mix
 from bench.plot import plot
@@ -227,7 +227,7 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
         "",
     ]
     parts += ["## The seven criteria, every arm", "",
-              cell_table(summaries, settings.burst_sim_s, settings.drain_factor), ""]
+              summaries_table(summaries, settings.burst_sim_s, settings.drain_factor), ""]
     for s in summaries:
         if s.errors:
             parts.append(f"{ARM_TITLES[s.arm]}, why requests did not succeed: " + "; ".join(

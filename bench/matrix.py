@@ -61,7 +61,7 @@ SCALES: dict[str, Settings] = {
     "full": Settings(baseline_sim_s=300.0),
     "ci": Settings(capacity_scale=0.25, time_scale=8.0, baseline_sim_s=16.0, burst_sim_s=24.0,
                    drain_factor=0.5, min_after_sim_s=8.0, crash_after_full_sim_s=None,
-                   max_loop_lag_ms=25.0, max_send_lag_ms=25.0),
+                   gateways=1, schedulers=1, max_loop_lag_ms=25.0, max_send_lag_ms=25.0),
 }
 DEFAULT_SEEDS = {"article": "1-10", "chat": "1-5", "generation": "1-5"}
 DEFAULT_SIZES = (2, 4)

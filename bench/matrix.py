@@ -22,9 +22,9 @@ never counted as a pass.
 Scales (``--scale``):
 
 * ``reduced`` (default): quarter-size nodes on a clock eight times faster, 64 s baseline, 96 s
-  burst (simulated), the lag bound 25 ms: fits two cores. One cell with four arms took about
-  6 minutes of wall time on 2 shared cores (the 4-node cell; the arms stop early once the
-  deferred Batch work is done), so the default 40 cells take about 4 hours.
+  burst (simulated), the lag bound 25 ms: fits two cores when nothing else runs. One cell
+  with four arms on 4 nodes took 242 s of wall time on 2 cores (each arm stops at most 44 wall
+  seconds after its start, plus start-up), so the default 40 cells take about 2.7 hours.
 * ``full``: real-size nodes in real time, 300 s baseline, 240 s burst: the headline cells, about
   an hour per cell with four arms (run it per cell, with ``--seed``/``--mix``/``--size``).
 * ``ci``: a tiny cell for the test suite (seconds per arm; its figures mean little).

@@ -2,10 +2,13 @@
 
 (a) clients go straight to the nodes, round robin; (b) through bench.fifo_proxy; (c) through
 kvgate: a private Redis, ``schedulers`` scheduler processes (one leads, the others stand by)
-and ``gateways`` gateway processes, clients spread over the gateways round robin.
+and ``gateways`` gateway processes, clients spread over the gateways round robin; (d) straight
+to the nodes like (a), each client sending its tier as vLLM's ``priority`` (VIP 0, the highest):
+what vLLM's own priority scheduling gives without any gateway.
 
 Every arm gets fresh nodes (and, for (c), a fresh Redis), so counters, peaks and crashes belong
-to that arm alone, and all arms replay the same planned schedule.
+to that arm alone, and all arms replay the same planned schedule on the same engine
+configuration (``Settings.sim_config``: the priority policy on every node, in every arm).
 """
 
 from __future__ import annotations
@@ -178,8 +181,7 @@ async def run_arm(
     await asyncio.to_thread(log_dir.mkdir, parents=True, exist_ok=True)
     services = _Services()
     redis_client: aioredis.Redis | None = None
-    priority = arm == "c" and settings.pass_priority
-    configs = [settings.sim_config(i, priority=priority) for i in range(settings.nodes)]
+    configs = [settings.sim_config(i) for i in range(settings.nodes)]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     session = aiohttp.ClientSession(connector=connector,
                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
@@ -189,7 +191,7 @@ async def run_arm(
         node_urls = services.cluster.urls
         queues: QueueSource | None = None
         model = DEFAULT_MODEL
-        if arm == "a":
+        if arm in ("a", "d"):
             targets = node_urls
         elif arm == "b":
             argv = python_module("bench.fifo_proxy", "--max-inflight", str(settings.fifo_slots))
@@ -228,7 +230,8 @@ async def _drive(
     progress: Callable[[str], None],
 ) -> ArmResult:
     profile = settings.profile
-    gen = LoadGenerator(schedule, targets, model, client_settings(settings), seed=settings.seed)
+    gen = LoadGenerator(schedule, targets, model, client_settings(settings), seed=settings.seed,
+                        send_priority=arm == "d")
     monitor = Monitor(session, node_urls, interval_s=settings.sample_interval_s, queues=queues)
     burst_end = profile.window("burst")[1]
     window_end = profile.duration_s

@@ -1,4 +1,9 @@
-"""Settings of the burst experiment, its presets, and the TOML file arm (c) runs with."""
+"""Settings of the burst experiment, its presets, and the TOML file arm (c) runs with.
+
+Every arm runs the same engines: ``Settings.sim_config`` is the one engine configuration (vLLM's
+priority scheduling policy, chunked prefill within ``max_num_batched_tokens``, the same batching
+limits and the same number of nodes), whatever the arm. Only what stands in front differs.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,22 @@ from typing import Any
 
 from admission.tiers import Tier
 from bench.sim.config import DEFAULT_MODEL, SimConfig
-from bench.workload import DEFAULT_CLASSES, Profile, Scale, TrafficClass, burst_profile
+from bench.workload import (
+    DEFAULT_CLASSES,
+    EXACT_MAX_TOKENS,
+    MaxTokensMix,
+    Profile,
+    Scale,
+    TrafficClass,
+    burst_profile,
+)
 
-ARMS = ("a", "b", "c")
+ARMS = ("a", "b", "c", "d")
 ARM_TITLES = {
     "a": "(a) no gateway",
     "b": "(b) FIFO limit",
     "c": "(c) kvgate",
+    "d": "(d) vLLM priority",
 }
 POOL = "llama-3-8b"
 """The model name clients ask the gateway for; the nodes serve DEFAULT_MODEL."""
@@ -47,7 +61,8 @@ class Settings:
     gateways: int = 2
     schedulers: int = 2
     pass_priority: bool = True
-    """Arm (c) forwards the tier as vLLM's priority and the nodes run the priority policy."""
+    """Arm (c)'s pool declares what its engines run (the priority policy, as in every arm): the
+    gateway forwards the tier as vLLM's ``priority``."""
     vip_nodes: int = 0
     """Arm (c): nodes kept for VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
     guest_prompt: int = 0
@@ -78,6 +93,10 @@ class Settings:
     """...as is one whose load generator sent a request later than this after its time."""
     sample_interval_s: float = 0.25
     classes: tuple[TrafficClass, ...] = DEFAULT_CLASSES
+    max_tokens: MaxTokensMix = EXACT_MAX_TOKENS
+    """What clients declare as ``max_tokens`` (bench.workload.MaxTokensMix)."""
+    mix: str = "article"
+    """The traffic mix's name (bench.mixes), for reports."""
 
     def wall(self, sim_s: float) -> float:
         return sim_s / self.time_scale
@@ -96,7 +115,10 @@ class Settings:
     def fifo_slots(self) -> int:
         return max(1, round(self.fifo_max_inflight * self.capacity_scale))
 
-    def sim_config(self, index: int, *, priority: bool) -> SimConfig:
+    def sim_config(self, index: int, *, priority: bool = True) -> SimConfig:
+        """Node ``index``'s engine. The arms all take the default (the priority policy; a
+        request without ``priority`` is 0, so with no priorities sent it serves arrivals in
+        order, as FCFS does); ``priority=False`` is for offline analyses of FCFS nodes."""
         return SimConfig(
             model=DEFAULT_MODEL,
             max_model_len=self.max_model_len,
@@ -111,15 +133,11 @@ class Settings:
 
 
 PRESETS: dict[str, Settings] = {
-    # The reference run: real-scale nodes, the simulation in real time, and arm (c) deployed
-    # as docs/configuration.md advises for VIP latency targets: one node kept for VIP that
-    # takes bounded, paced guests (a long prefill ahead of a VIP chat is its TTFT tail), YELLOW
-    # above kv_target since VIP no longer needs the shared nodes' room, Batch's ceiling a
-    # point under Normal's (bench/results/burst-findings.md). A 300 s
-    # baseline: the VIP P99 the burst is compared with needs a few thousand chats.
-    "full": Settings(baseline_sim_s=300.0, vip_nodes=1, guest_prompt=9000, max_guests=64,
-                     guest_rate=7000, guest_output=1000, guest_running=84,
-                     batch_ceiling=0.77, yellow=0.80),
+    # The reference run: real-scale nodes, the simulation in real time, arm (c) on kvgate's
+    # shipped defaults (no kept node, no guest or zone settings: those are CLI overrides for
+    # exploration). A 300 s baseline: the VIP P99 the burst is compared with needs a few
+    # thousand chats.
+    "full": Settings(baseline_sim_s=300.0),
     # `make demo`: three arms in under three minutes on two cores. Quarter-size nodes and the
     # clock eight times faster: the same shape, coarser (see bench/results/README notes).
     "short": Settings(capacity_scale=0.25, time_scale=8.0, baseline_sim_s=64.0,
@@ -158,6 +176,13 @@ def zone_overrides(settings: Settings) -> list[str]:
             for name, value in values if value is not None]
 
 
+def default_max_tokens(settings: Settings) -> int:
+    """Arm (c)'s pool ``default_max_tokens``: what the context leaves after the longest prompt
+    the mix can draw (kvgate_toml says why), at least the longest output it can draw."""
+    room = settings.max_model_len - max(c.prompt.hi for c in settings.classes)
+    return max(room, max(c.output.hi for c in settings.classes))
+
+
 def kvgate_toml(
     settings: Settings,
     redis_url: str,
@@ -194,8 +219,15 @@ def kvgate_toml(
         f"name = {_toml_str(POOL)}",
         f"served_model_name = {_toml_str(DEFAULT_MODEL)}",
         f"context_length = {settings.max_model_len}",
-        "default_max_tokens = 1024",
-        "max_max_tokens = 8192",
+        # The pool is declared like the engines behind it: a request may ask for up to the
+        # context (the shipped 8,192 would refuse the clients' larger caps in (c) only), and one
+        # that asks for nothing may generate more than any real output (the shipped 1,024 would
+        # cut long generations short in (c) only). Not "the rest of the context", vLLM's own
+        # default: the gateway counts a prompt with its ChatML template, a few tokens under
+        # the engine's count, and an engine refuses a request whose max_tokens the gateway
+        # filled in up to the context by its own count.
+        f"default_max_tokens = {default_max_tokens(settings)}",
+        f"max_max_tokens = {settings.max_model_len}",
         f"pass_priority = {'true' if settings.pass_priority else 'false'}",
         "backends = [",
         *(f"    {{ name = \"node-{i}\", url = {_toml_str(u)} }}," for i, u in enumerate(node_urls)),

@@ -1,14 +1,16 @@
-"""The 400% long-text burst, against (a) no gateway, (b) a FIFO concurrency limit, (c) kvgate.
+"""The 400% burst, against (a) no gateway, (b) a FIFO concurrency limit, (c) kvgate, (d) vLLM's
+priority scheduling with clients sending their tier.
 
-    python -m bench.experiment            # the reference run (about 45 minutes)
-    python -m bench.experiment --short    # `make demo`: the same experiment in under 3 minutes
-    python -m bench.experiment --arms a,c --burst 120
+    python -m bench.experiment            # the reference run (about an hour)
+    python -m bench.experiment --short    # `make demo`: the same experiment in a few minutes
+    python -m bench.experiment --arms a,c --burst 120 --mix chat
 
-N simulated vLLM nodes (bench.sim) take the same seeded open-loop traffic in every arm
-(bench.workload, bench.loadgen): 1x baseline, then 4x the long-text (Batch) traffic, then 1x
-while the deferred work drains. Before the arms, bench.capacity derives the preemption-free
-maximum: the same requests replayed offline on the simulator's engine behind an ideal admission
-controller. Progress prints once per second; the
+N simulated vLLM nodes (bench.sim), the same engine configuration in every arm, take the same
+seeded open-loop traffic (bench.workload, bench.loadgen): 1x baseline, then 4x the mix's burst
+classes, then 1x while the deferred work drains. Goodput is judged against a true upper bound
+(bench.goodput); with ``--ideal`` bench.capacity also replays the same requests offline behind an
+ideal admission controller, shown as a reference. Many draws, mixes and cluster sizes:
+bench.matrix. Progress prints once per second; the
 table (bench/results/<name>.md), the timeline plot (<name>.png) and raw figures (<name>.json)
 are written at the end and the table is printed.
 """
@@ -31,9 +33,11 @@ from pathlib import Path
 
 from bench.arm import ArmResult, flush_print, run_arm
 from bench.capacity import CapacityResult, ideal_replay
+from bench.criteria import summaries_table
 from bench.expconfig import ARM_TITLES, ARMS, PRESETS, Settings, with_overrides, zone_overrides
+from bench.mixes import MIXES, with_mix
 from bench.plot import plot
-from bench.report import ArmSummary, bar_verdicts, markdown_table, shows_failure, summarize
+from bench.report import ArmSummary, markdown_table, summarize
 from bench.workload import Schedule, plan
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -45,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="full")
     p.add_argument("--short", action="store_const", const="short", dest="preset",
                    help="the <3 minute demo (same as --preset short)")
-    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of a,b,c")
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of a,b,c,d")
+    p.add_argument("--mix", choices=sorted(MIXES),
+                   help="a traffic mix of bench.mixes, with its max_tokens mix (default: the "
+                        "article's classes, clients sending exact max_tokens)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     p.add_argument("--name", help="file name stem (default: burst, or burst-<preset>)")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
@@ -90,14 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
                    help="arm (c): the pool's zones.max_engine_waiting (default: the project's)")
-    p.add_argument("--no-capacity", action="store_true",
-                   help="skip measuring the preemption-free maximum (no goodput ratio)")
+    p.add_argument("--ideal", action="store_true",
+                   help="also replay the requests offline behind an ideal admission controller "
+                        "(bench.capacity; a reference, minutes at full scale)")
     return p
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
+    base = PRESETS[args.preset]
+    if args.mix:
+        base = with_mix(base, args.mix)
     return with_overrides(
-        PRESETS[args.preset], nodes=args.nodes, capacity_scale=args.capacity_scale,
+        base, nodes=args.nodes, capacity_scale=args.capacity_scale,
         time_scale=args.time_scale, baseline_sim_s=args.baseline_sim_s,
         burst_sim_s=args.burst_sim_s, burst_factor=args.burst_factor, seed=args.seed,
         gateways=args.gateways, fifo_max_inflight=args.fifo_max_inflight,
@@ -111,10 +122,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run_capacity(settings: Settings, schedule: Schedule) -> CapacityResult:
-    """The preemption-free maximum; with more than one node, also the same ideal with one node
-    kept for VIP (what `[pools.dedicated]` trades: VIP TTFT against throughput)."""
+    """The ideal replay; with more than one node, also the same ideal with one node kept for
+    VIP (what `[pools.dedicated]` trades: VIP TTFT against throughput)."""
     def replay(vip_nodes: int) -> CapacityResult:
-        return ideal_replay(settings.sim_config(0, priority=False), settings.nodes,
+        return ideal_replay(settings.sim_config(0), settings.nodes,
                             schedule.requests, settings.time_scale,
                             settings.profile.window("burst"), vip_nodes=vip_nodes)
 
@@ -143,15 +154,23 @@ def dump_raw(result: ArmResult, directory: Path) -> None:
                                 "nodes": [dataclasses.asdict(n) for n in smp.nodes]}) + "\n")
 
 
+def planned(settings: Settings) -> Schedule:
+    """The schedule every arm replays: drawn from the seed, nothing else from it."""
+    return plan(settings.profile, settings.classes, settings.scale, settings.seed,
+                settings.max_tokens, settings.max_model_len)
+
+
 def describe(settings: Settings, schedule: Schedule) -> list[str]:
     prof = settings.profile
     counts = Counter(r.klass for r in schedule.requests)
     return [
+        f"traffic mix {settings.mix}; clients' max_tokens: {settings.max_tokens.describe()}",
         f"{settings.nodes} simulated nodes, capacity scale {settings.capacity_scale:g}, "
         f"time scale {settings.time_scale:g} (simulated s per wall s); seed {settings.seed}",
         f"profile (simulated s): baseline {settings.baseline_sim_s:g}, burst "
-        f"{settings.burst_sim_s:g} at {settings.burst_factor:g}x Batch, then 1x for up to "
-        f"{settings.drain_factor:g}x the burst; {prof.duration_s:.0f} wall s at most per arm",
+        f"{settings.burst_sim_s:g} at {settings.burst_factor:g}x the burst classes, then 1x "
+        f"for up to {settings.drain_factor:g}x the burst; {prof.duration_s:.0f} wall s at most "
+        "per arm",
         "planned requests: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())),
     ]
 
@@ -161,17 +180,16 @@ async def run_experiment(
     arms: Sequence[str],
     log_dir: Path,
     *,
-    capacity: bool = True,
+    capacity: bool = False,
     progress: bool = True,
 ) -> tuple[CapacityResult | None, list[ArmResult], list[ArmSummary]]:
     say = flush_print if progress else (lambda _line: None)
-    schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
+    schedule = planned(settings)
     for line in describe(settings, schedule):
         say(line)
     cap = None
     if capacity:
-        say("deriving the preemption-free maximum (the same requests, offline, ideal "
-            "admission)...")
+        say("replaying the requests offline behind an ideal admission controller...")
         cap = await asyncio.to_thread(run_capacity, settings, schedule)
         say(f"  {cap.total_tokens_per_s:,.0f} tok/s during the burst, {cap.preemptions} "
             f"preemptions, KV peak {cap.kv_peak:.1%}")
@@ -188,7 +206,8 @@ async def run_experiment(
         results.append(result)
         summaries.append(summary)
         say(f"    done in {time.monotonic() - started:.0f} s: KV peak {summary.kv_peak:.1%}, "
-            f"{summary.preemptions} preemptions, {summary.crashed_nodes} crashed; cores used: "
+            f"{summary.preemptions} preemptions, {summary.crashed_nodes} crashed, goodput "
+            f"{summary.goodput_ratio or 0:.1%} of its bound; cores used: "
             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(result.cpu.items())))
     return cap, results, summaries
 
@@ -198,7 +217,7 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
     from bench import report
 
     parts = [
-        "# The 400% long-text burst",
+        f"# The {settings.burst_factor:.0%} burst, {settings.mix} mix",
         "",
         f"`{command}`",
         "",
@@ -207,17 +226,9 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
         markdown_table(summaries, cap, settings.burst_sim_s),
         "",
     ]
+    parts += ["## The seven criteria, every arm", "",
+              summaries_table(summaries, settings.burst_sim_s, settings.drain_factor), ""]
     for s in summaries:
-        if s.arm == "c":
-            parts.append("**Issue 5's bar for (c):**")
-            parts.append("")
-            for text, ok in bar_verdicts(s, settings.burst_sim_s, settings.drain_factor):
-                parts.append(f"- {'PASS' if ok else 'MISS'}: {text}")
-        else:
-            ok, text = shows_failure(s)
-            parts.append(f"**{ARM_TITLES[s.arm]} shows the failure:** "
-                         f"{'yes' if ok else 'NO'} ({text})")
-        parts.append("")
         if s.errors:
             parts.append(f"{ARM_TITLES[s.arm]}, why requests did not succeed: " + "; ".join(
                 f"{reason} ({count})" for reason, count in s.errors))
@@ -256,7 +267,8 @@ def setup_section(settings: Settings) -> list[str]:
         ("Traffic per node (the simulated nodes are real-scale)" if k == 1 else
          f"Traffic per real-scale node (each simulated node is {k:g} of one and takes {k:g} of "
          "this traffic)")
-        + ", Poisson arrivals, exact output lengths (`max_tokens` = `X-Sim-Output-Tokens`):",
+        + ", Poisson arrivals, output lengths forced (`X-Sim-Output-Tokens`), clients' "
+        f"`max_tokens`: {settings.max_tokens.describe()}:",
         "",
         "| tenant | tier | requests/s at 1x | prompt tokens | output tokens | streaming | burst |",
         "|---|---|---:|---|---|---|---|",
@@ -274,10 +286,14 @@ def setup_section(settings: Settings) -> list[str]:
         "(full jitter, never sooner than `retry-after-ms`, 3 attempts, retry budget); Batch "
         "clients with the same policy but 6 attempts and a deadline as long as the run.",
         "",
-        f"- (a) clients round robin over the {settings.nodes} nodes (vLLM FCFS scheduling).",
+        f"- Every arm: {settings.nodes} nodes with the same engine configuration (vLLM's "
+        "`--scheduling-policy priority`, chunked prefill within `max_num_batched_tokens`, the "
+        "same batching limits).",
+        f"- (a) clients round robin over the {settings.nodes} nodes, no `priority` sent (every "
+        "request 0: served in arrival order).",
         f"- (b) `bench.fifo_proxy`: one FIFO queue, at most {settings.fifo_slots} requests in "
         f"flight per node ({settings.fifo_max_inflight} at real scale), no tiers, no KV "
-        "awareness (FCFS nodes).",
+        "awareness.",
         f"- (c) kvgate: {settings.gateways} gateway processes (clients round robin over them), "
         f"{settings.schedulers} scheduler processes (one leader, the others standing by), a "
         "private Redis, the project's default zones and scheduler settings"
@@ -285,6 +301,8 @@ def setup_section(settings: Settings) -> list[str]:
         + (", tiers forwarded as vLLM `priority` to nodes run with `--scheduling-policy "
            "priority`" if settings.pass_priority else "")
         + _kept_nodes(settings),
+        "- (d) clients round robin over the nodes like (a), each sending its tier as vLLM's "
+        "`priority` (VIP 0, Normal 1, Batch 2).",
         f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "
         f"after step) for {settings.crash_after_full_sim_s or 0:g} simulated seconds dies like "
         "an OOM-killed one." if settings.crash_after_full_sim_s
@@ -337,21 +355,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]
     if unknown:
-        print(f"error: unknown arm(s) {unknown}; choose from a, b, c", file=sys.stderr)
+        print(f"error: unknown arm(s) {unknown}; choose from a, b, c, d", file=sys.stderr)
         return 2
     name = args.name or ("burst" if args.preset == "full" else f"burst-{args.preset}")
     started = time.monotonic()
     revision = git_revision()  # now: the code that runs, whatever is committed meanwhile
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-burst-"))
     print(f"logs: {log_dir}", flush=True)
-    coro = run_experiment(settings, arms, log_dir, capacity=not args.no_capacity)
+    coro = run_experiment(settings, arms, log_dir, capacity=args.ideal)
     try:
         import uvloop
     except ImportError:
         cap, results, summaries = asyncio.run(coro)
     else:
         cap, results, summaries = uvloop.run(coro)
-    schedule = plan(settings.profile, settings.classes, settings.scale, settings.seed)
+    schedule = planned(settings)
     command = "python -m bench.experiment " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [*describe(settings, schedule),
              f"code {revision}, {time.strftime('%Y-%m-%d %H:%M')} local time, "

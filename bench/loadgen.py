@@ -6,9 +6,11 @@ connection pool is unbounded, so a slow server cannot slow the senders down. Eve
 measured from the request's *intended* send time, so a late send or a client-side backoff counts
 against the server (no coordinated omission; LESSONS.md).
 
-Each request is a chat completion with an exact output length: ``max_tokens`` and the simulator's
-``X-Sim-Output-Tokens`` header are both set to the planned length, so the gateway's reservation
-is a true bound and the engine's work is known. Streaming requests ask for ``include_usage``;
+Each request is a chat completion with a known output length, forced with the simulator's
+``X-Sim-Output-Tokens`` header, so the engine's work is the same in every arm; ``max_tokens`` is
+what the planned request says the client declares (bench.workload.MaxTokensMix: the exact
+length, a cap several times it, or nothing). With ``send_priority`` (arm (d)) the body carries
+the tier as vLLM's ``priority`` (VIP 0, the highest). Streaming requests ask for ``include_usage``;
 TTFT is the arrival of the first chunk carrying content.
 
 Normal and Batch clients retry 429 and 503 with the SDK's policy (kvgate_client: full jitter,
@@ -110,12 +112,14 @@ class LoadGenerator:
         *,
         seed: int = 0,
         clock: Callable[[], float] = time.perf_counter,
+        send_priority: bool = False,
     ) -> None:
         if not targets:
             raise ValueError("at least one target URL is needed")
         self.schedule = schedule
         self.targets = [t.rstrip("/") + "/v1/chat/completions" for t in targets]
         self.model = model
+        self.send_priority = send_priority
         self.clients = dict(clients)
         self.budgets = {name: RetryBudget() for name in self.clients}
         self.outcomes = [Outcome(r) for r in schedule.requests]
@@ -169,9 +173,13 @@ class LoadGenerator:
         body: dict[str, object] = {
             "model": self.model,
             "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
-            "max_tokens": req.output_tokens,
             "stream": req.stream,
         }
+        if req.max_tokens is not None:
+            body["max_tokens"] = req.max_tokens
+        if self.send_priority:
+            # Arm (d): the client itself asks vLLM's priority scheduler for its tier.
+            body["priority"] = int(req.tier)
         if req.stream:
             body["stream_options"] = {"include_usage": True}
         return orjson.dumps(body)

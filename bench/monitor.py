@@ -36,7 +36,14 @@ _WANTED = {
     "sim:loop_lag_seconds": "loop_lag",
     "sim:kv_cache_usage_peak": "kv_peak",
     "sim:computed_tokens_total": "computed_tokens",
+    "sim:clock_seconds": "clock",
 }
+
+
+def scrape_timeout_s(interval_s: float) -> float:
+    """How long a sample waits for a node's /metrics (wall s): its answer may reflect any
+    moment up to this long after the sample's time."""
+    return max(0.5, interval_s * 4)
 
 
 @dataclass(slots=True)
@@ -51,6 +58,8 @@ class NodeSample:
     loop_lag: float = 0.0
     kv_peak: float = 0.0
     computed_tokens: float = 0.0
+    clock: float = 0.0
+    """The node's simulated clock when it answered (pairs with the counters above)."""
 
 
 @dataclass(slots=True)
@@ -152,7 +161,7 @@ class Monitor:
         self.max_lag = 0.0
         self._clock = clock
         self._t0 = 0.0
-        self._timeout = aiohttp.ClientTimeout(total=max(0.5, interval_s * 4))
+        self._timeout = aiohttp.ClientTimeout(total=scrape_timeout_s(interval_s))
 
     async def _node(self, i: int) -> NodeSample:
         try:
@@ -168,7 +177,7 @@ class Monitor:
             # Counters and peaks stay at their last known values; gauges read as zero.
             down.preemptions, down.kv_peak = last.preemptions, last.kv_peak
             down.prompt_tokens, down.generation_tokens = last.prompt_tokens, last.generation_tokens
-            down.computed_tokens = last.computed_tokens
+            down.computed_tokens, down.clock = last.computed_tokens, last.clock
             return down
         self.last_good[i] = sample
         self.max_lag = max(self.max_lag, sample.loop_lag)

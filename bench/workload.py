@@ -18,6 +18,7 @@ the simulator's bytes/4 rule, so gateway estimates and engine usage agree on pro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -151,6 +152,41 @@ class Scale:
 
 
 @dataclass(frozen=True, slots=True)
+class MaxTokensMix:
+    """What clients put in ``max_tokens``: nothing (the server's default: vLLM gives the rest of
+    the context), a cap ``cap_factor`` times the real output (clients ask for more than they
+    use), or exactly the real output. Fractions of requests, the same for every class; the
+    real output is forced either way (the simulator's ``X-Sim-Output-Tokens``), so the work is
+    the same and only what the client declares differs."""
+
+    none: float = 0.2
+    cap: float = 0.5
+    exact: float = 0.3
+    cap_factor: float = 4.0
+
+    def __post_init__(self) -> None:
+        if min(self.none, self.cap, self.exact) < 0 or not math.isclose(
+                self.none + self.cap + self.exact, 1.0, abs_tol=1e-9):
+            raise ValueError("max_tokens fractions must be >= 0 and sum to 1")
+        if self.cap_factor < 1:
+            raise ValueError("cap_factor must be >= 1")
+
+    def draw(self, rng: random.Random) -> str:
+        u = rng.random()
+        if u < self.none:
+            return "none"
+        return "cap" if u < self.none + self.cap else "exact"
+
+    def describe(self) -> str:
+        return (f"none {self.none:.0%}, a cap of {self.cap_factor:g}x the output "
+                f"{self.cap:.0%}, exact {self.exact:.0%}")
+
+
+EXACT_MAX_TOKENS = MaxTokensMix(none=0.0, cap=0.0, exact=1.0)
+"""Every client sends its exact output length (the estimator's best case)."""
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedRequest:
     index: int
     klass: str
@@ -160,6 +196,16 @@ class PlannedRequest:
     prompt_tokens: int
     output_tokens: int
     stream: bool
+    ask: str = "exact"
+    """What the client sends as ``max_tokens``: "exact", "cap" (``cap_tokens``) or "none"."""
+    cap_tokens: int = 0
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The ``max_tokens`` field of the request (None: left out)."""
+        if self.ask == "none":
+            return None
+        return self.cap_tokens if self.ask == "cap" else self.output_tokens
 
 
 @dataclass(slots=True)
@@ -175,12 +221,17 @@ def plan(
     classes: Sequence[TrafficClass],
     scale: Scale,
     seed: int,
+    max_tokens: MaxTokensMix = EXACT_MAX_TOKENS,
+    max_model_len: int = 16_384,
 ) -> Schedule:
-    """Poisson arrivals per class, phase by phase; deterministic for a given seed."""
+    """Poisson arrivals per class, phase by phase; deterministic for a given seed. A cap is
+    shortened to what the context leaves (a longer one is a 400 in vLLM and in kvgate)."""
     out: list[PlannedRequest] = []
     for ci, klass in enumerate(classes):
-        # One stream of randomness per class: adding a class does not reshuffle the others.
+        # One stream of randomness per class: adding a class does not reshuffle the others,
+        # and what clients ask for has its own stream, so it leaves sizes and times alone.
         rng = random.Random(f"{seed}:{ci}:{klass.name}")
+        asks = random.Random(f"{seed}:{ci}:{klass.name}:max_tokens")
         start = 0.0
         for phase in profile.phases:
             factor = phase.burst_factor if klass.burst else 1.0
@@ -191,17 +242,16 @@ def plan(
                 t += rng.expovariate(rate)
                 if t >= end:
                     break
+                prompt, output = klass.prompt.draw(rng), klass.output.draw(rng)
+                cap = min(math.ceil(max_tokens.cap_factor * output), max_model_len - prompt)
                 out.append(PlannedRequest(
-                    index=0, klass=klass.name, tier=klass.tier, at=t,
-                    prompt_tokens=klass.prompt.draw(rng), output_tokens=klass.output.draw(rng),
-                    stream=klass.stream,
+                    index=0, klass=klass.name, tier=klass.tier, at=t, prompt_tokens=prompt,
+                    output_tokens=output, stream=klass.stream, ask=max_tokens.draw(asks),
+                    cap_tokens=max(output, cap),
                 ))
             start = end
     out.sort(key=lambda r: (r.at, r.klass))
-    return Schedule([
-        PlannedRequest(i, r.klass, r.tier, r.at, r.prompt_tokens, r.output_tokens, r.stream)
-        for i, r in enumerate(out)
-    ])
+    return Schedule([dataclasses.replace(r, index=i) for i, r in enumerate(out)])
 
 
 def prompt_text(tokens: int) -> str:

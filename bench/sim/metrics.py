@@ -146,6 +146,11 @@ class NodeCollector(Collector):
         yield self._gauge(
             "sim:time_scale", "Simulated seconds per wall-clock second.", runner.config.time_scale
         )
+        # The node's own clock, so that a reader can pair counters with the simulated time
+        # they cover exactly (a scrape answered late still reads a consistent pair).
+        yield self._gauge(
+            "sim:clock_seconds", "Simulated seconds since the node started.", runner.sim_now()
+        )
         yield self._counter(
             "sim:computed_tokens",
             "Tokens run through the model, recomputation after preemption included.",

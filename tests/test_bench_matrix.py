@@ -1,0 +1,156 @@
+"""The burst matrix: one tiny cell end to end, and what the configuration may depend on.
+
+The smoke cell runs arms (a), (c) and (d) with real processes (simulated nodes, a private Redis,
+a scheduler and a gateway) on the ``ci`` scale, about 45 s on two shared cores. It checks the
+artefacts, not the verdicts: the table and the cell's JSON exist, every criterion is judged for
+every arm, and no arm's goodput exceeds its upper bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from admission.tiers import Tier
+from bench.criteria import CRITERIA, LABELS
+from bench.expconfig import ARM_TITLES, default_max_tokens
+from bench.loadgen import ClientSettings, LoadGenerator
+from bench.matrix import SCALES, Cell, cells, main, parse_seeds
+from bench.mixes import MIXES, REALISTIC, with_mix
+from bench.workload import EXACT_MAX_TOKENS, PlannedRequest, Schedule, plan, prompt_text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main(["--scale", "ci", "--seed", "1", "--mix", "article", "--size", "2",
+                 "--arms", "a,c,d", "--out", str(out), "--log-dir", str(tmp_path / "logs"),
+                 "--quiet"]) == 0
+    table = (out / "matrix-ci.md").read_text()
+    record = json.loads((out / "cells" / "ci-article-n2-s1.json").read_text())
+    assert record["cell"] == {"scale": "ci", "mix": "article", "size": 2, "seed": 1}
+    assert [a["arm"] for a in record["arms"]] == ["a", "c", "d"]
+    for key in (*CRITERIA, "calm"):
+        assert LABELS[key] in table
+    for arm in ("a", "c", "d"):
+        assert ARM_TITLES[arm] in table
+    assert "## Aggregate over cells" in table and "## article, 2 nodes, seed 1" in table
+    for arm in record["arms"]:
+        verdicts = arm["verdicts"]
+        assert [v["key"] for v in verdicts] == [*CRITERIA, "calm"]
+        # Every criterion is judged (pass or fail): arm (a) is in the run, so the VIP ratio
+        # has its reference.
+        assert all(v["ok"] in (True, False) for v in verdicts if v["key"] in CRITERIA), verdicts
+        summary = arm["summary"]
+        assert 0 < summary["goodput_ratio"] <= 1.0, summary["goodput_bound"]
+        bound = summary["goodput_bound"]
+        assert bound["tokens"] == min(bound["offered"], bound["capacity"])
+        assert arm["validity"].startswith(("yes", "**INVALID**"))
+    # Every arm judged VIP requests (how many depends on when each arm stopped: requests still
+    # in flight after the burst are censored).
+    assert all(a["summary"]["counted"]["vip"] > 0 for a in record["arms"])
+
+
+def test_nothing_in_a_cell_but_the_schedule_depends_on_the_seed() -> None:
+    for scale in SCALES:
+        for mix in MIXES:
+            a = Cell(scale, mix, 4, 1).settings()
+            b = Cell(scale, mix, 4, 987_654).settings()
+            assert a.seed != b.seed
+            assert dataclasses.replace(a, seed=0) == dataclasses.replace(b, seed=0)
+            # kvgate's shipped defaults: no kept node, no guests, no zone overrides.
+            assert (a.vip_nodes, a.guest_prompt, a.kv_target, a.yellow, a.batch_ceiling,
+                    a.vip_ceiling, a.projection, a.max_engine_waiting) == (
+                0, 0, None, None, None, None, None, None)
+
+
+def test_default_cells_cover_ten_article_seeds_and_five_of_the_others_on_two_sizes() -> None:
+    todo = cells("reduced", list(MIXES), [2, 4], None)
+    by_mix = {m: sorted({c.seed for c in todo if c.mix == m}) for m in MIXES}
+    assert by_mix == {"article": list(range(1, 11)), "chat": [1, 2, 3, 4, 5],
+                      "generation": [1, 2, 3, 4, 5]}
+    assert {c.size for c in todo} == {2, 4}
+    assert parse_seeds("1,4,7-9,4") == [1, 4, 7, 8, 9]
+    with pytest.raises(ValueError):
+        parse_seeds("5-3")
+
+
+def test_max_tokens_mix_changes_what_clients_declare_not_the_work() -> None:
+    settings = with_mix(SCALES["reduced"], "article")
+    real = plan(settings.profile, settings.classes, settings.scale, 7, REALISTIC,
+                settings.max_model_len)
+    exact = plan(settings.profile, settings.classes, settings.scale, 7, EXACT_MAX_TOKENS,
+                 settings.max_model_len)
+    strip = [(r.at, r.klass, r.prompt_tokens, r.output_tokens) for r in real.requests]
+    assert strip == [(r.at, r.klass, r.prompt_tokens, r.output_tokens) for r in exact.requests]
+    asks = [r.ask for r in real.requests]
+    n = len(asks)
+    assert n > 500
+    for kind, share in (("none", REALISTIC.none), ("cap", REALISTIC.cap),
+                        ("exact", REALISTIC.exact)):
+        assert abs(asks.count(kind) / n - share) < 0.06, (kind, asks.count(kind), n)
+    for r in real.requests:
+        if r.ask == "cap":
+            assert r.max_tokens is not None and r.output_tokens <= r.max_tokens
+            assert r.prompt_tokens + r.max_tokens <= settings.max_model_len
+        elif r.ask == "exact":
+            assert r.max_tokens == r.output_tokens
+        else:
+            assert r.max_tokens is None
+            # What arm (c)'s gateway fills in never cuts a real output short.
+            assert r.output_tokens <= default_max_tokens(settings)
+    assert all(r.ask == "exact" for r in exact.requests)
+
+
+async def test_arm_d_clients_send_their_tier_as_priority_and_omit_max_tokens_when_none(
+) -> None:
+    bodies: list[dict[str, Any]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        bodies.append(orjson.loads(await request.read()))
+        return web.json_response({"choices": [{"message": {"content": "x"}}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 3}})
+
+    settings = with_mix(SCALES["ci"], "chat")
+    schedule = plan(settings.profile, settings.classes, settings.scale, 3, REALISTIC,
+                    settings.max_model_len)
+    # One request of each tier and each kind of max_tokens, sent at once, each with its own
+    # prompt size so that its body can be told apart.
+    picked: dict[tuple[Tier, str], PlannedRequest] = {}
+    for r in schedule.requests:
+        picked.setdefault((r.tier, r.ask), r)
+    requests = [dataclasses.replace(r, index=i, at=0.0, stream=False, output_tokens=3,
+                                    prompt_tokens=100 + 10 * i)
+                for i, r in enumerate(picked.values())]
+    assert len(requests) >= 6
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        clients = {c.name: ClientSettings("k", None) for c in settings.classes}
+        gen = LoadGenerator(Schedule(requests), [str(server.make_url("")).rstrip("/")], "m",
+                            clients, send_priority=True)
+        async with aiohttp.ClientSession() as session:
+            await gen.run(session, time.perf_counter())
+            await gen.wait_idle()
+    finally:
+        await server.close()
+    by_text = {prompt_text(r.prompt_tokens): r for r in requests}
+    assert len(bodies) == len(requests)
+    for body in bodies:
+        req = by_text[body["messages"][0]["content"]]
+        assert body["priority"] == int(req.tier)
+        assert body.get("max_tokens") == req.max_tokens
+        assert ("max_tokens" in body) == (req.ask != "none")

@@ -130,13 +130,19 @@ def make_config(
     scheduler: Mapping[str, Any] | None = None,
     dedicated: Mapping[str, Any] | None = None,
     pool_extra: Mapping[str, Any] | None = None,
+    control: Mapping[str, Any] | None = None,
 ) -> Config:
+    """A one-pool configuration. The release control is off unless `control` is given: the
+    tests using this stub are about KV budgets, zones and order, and their tasks' prompts are
+    sized for KV, not for a compute window (tests/test_scheduler_control.py tests it)."""
     return parse_config(
         {
             "redis": {"url": redis_url},
             "scheduler": dict(scheduler or {}),
             "pools": [{"name": pool, "backends": list(backends), "zones": dict(zones or {}),
-                       "dedicated": dict(dedicated or {}), **(pool_extra or {})}],
+                       "dedicated": dict(dedicated or {}),
+                       "control": dict(control) if control is not None else {"enabled": False},
+                       **(pool_extra or {})}],
         },
         env={},
     )

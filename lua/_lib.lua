@@ -146,11 +146,12 @@ local function prefill_room(prefill, node)
   return {room = limit - released, window = tonumber(f[2]) or 0}
 end
 
--- A prompt fits the room it takes; one larger than the whole window fits only an untouched
--- room (nothing queued for prefill on the node), or long documents would never run.
+-- A prompt fits the room it takes; one larger than the room fits a room at least half the
+-- window (at most half a window queued for prefill on the node), or long documents would
+-- never run on a node that always has a chat or two to prefill.
 local function prefill_fits(compute, prompt_tokens)
   if compute == nil then return true end
-  return prompt_tokens <= compute.room or (compute.room >= compute.window and compute.room > 0)
+  return prompt_tokens <= compute.room or (2 * compute.room >= compute.window and compute.room > 0)
 end
 
 local function prefill_taken(prefill, tier, node, prompt_tokens)

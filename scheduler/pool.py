@@ -47,6 +47,9 @@ class Snapshot:
     running index (scheduler.control: the published room is a limit on this count)."""
     vip_reports: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """VIP first tokens per node and those later than the objective (monotonic counts)."""
+    prefill_tasks: Mapping[str, list[tuple[Any, int, float]]] = field(default_factory=dict)
+    """Released tasks per node as the release control reads them: (running index member,
+    prompt tokens, seconds since release)."""
 
 
 PREFILL_US_PER_TOKEN = 66
@@ -104,6 +107,17 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
         else:
             tasks.append(task)
     return out, parsed
+
+
+def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int
+                   ) -> dict[str, list[tuple[Any, int, float]]]:
+    out: dict[str, list[tuple[Any, int, float]]] = {}
+    for member, entry in indexed.items():
+        if entry is not None:
+            node, prompt_tokens, _, arriving_at = entry
+            age_s = (now_us - arriving_at + DISPATCH_US) / 1_000_000
+            out.setdefault(node, []).append((member, prompt_tokens, age_s))
+    return out
 
 
 def _reports(counts: Mapping[str, int]) -> dict[str, tuple[int, int]]:
@@ -250,11 +264,14 @@ class PoolScheduler:
             released, rest = _int_map(rest[0]), rest[2:]
             reports = _reports(_int_map(reply[6]))
         running: dict[str, list[RunningTask]] = {}
+        prefill: dict[str, list[tuple[Any, int, float]]] = {}
         if indexed:
-            running, self._indexed = _running(rest[0], self._redis_now_us(rest[1], rest[2]),
-                                              self._indexed)
+            now_us = self._redis_now_us(rest[1], rest[2])
+            running, self._indexed = _running(rest[0], now_us, self._indexed)
+            if control:
+                prefill = _prefill_tasks(self._indexed, now_us)
         return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths, running, released,
-                        reports)
+                        reports, prefill)
 
     def _redis_now_us(self, frozen: Any, last_published: Any) -> int:
         """The pool clock the scripts use, without a TIME call (Redis Cluster refuses it in a
@@ -323,10 +340,8 @@ class PoolScheduler:
             if view is None or plan.budget is None:
                 continue
             m = view.metrics
-            tasks = [(t.prompt_tokens, (t.arrived_us + DISPATCH_US) / 1_000_000)
-                     for t in snap.running.get(plan.name, ())]
             room = control.update(
-                plan.name, tasks=tasks, now=now,
+                plan.name, tasks=snap.prefill_tasks.get(plan.name, ()), now=now,
                 prompt_total=None if m is None else m.prompt_tokens,
                 read_at=now - view.age_s if math.isfinite(view.age_s) else now,
                 seq=view.seq, running=None if m is None else m.running,

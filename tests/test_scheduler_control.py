@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -142,8 +143,9 @@ class Node:
             self.tick()
 
 
-def controller(**overrides: object) -> ReleaseControl:
-    return ReleaseControl(ControlSettings(**{"vip_ttft_objective_ms": OBJECTIVE_MS, **overrides}))
+def controller(**overrides: Any) -> ReleaseControl:
+    return ReleaseControl(replace(ControlSettings(vip_ttft_objective_ms=OBJECTIVE_MS),
+                                  **overrides))
 
 
 def true_backlog(node: Node) -> float:

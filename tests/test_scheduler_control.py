@@ -15,9 +15,11 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from admission.config import ConfigError, parse_config
 from admission.controlconfig import ControlSettings
 from scheduler.control import GAIN_MAX, HOLD_S, ReleaseControl, backlog
 
@@ -297,3 +299,15 @@ def test_backlog_is_a_fcfs_servers_unfinished_work(tasks: list[tuple[int, float]
     """Tasks still on their way (negative age) count as arriving now."""
     assert math.isclose(backlog(tasks, rate), _fcfs_reference(tasks, rate),
                         rel_tol=1e-9, abs_tol=1e-6)
+
+
+def test_the_configuration_validates_the_safety_limits() -> None:
+    pool = {"name": "p", "backends": []}
+    parsed = parse_config({"pools": [{**pool, "control": {"vip_ttft_objective_ms": 180}}]},
+                          env={})
+    assert parsed.pools["p"].control == ControlSettings(vip_ttft_objective_ms=180)
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.control\.window_min_tokens"):
+        parse_config({"pools": [{**pool, "control": {"window_min_tokens": 9_000,
+                                                     "window_max_tokens": 8_000}}]}, env={})
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.control\.vip_ttft_objective_ms"):
+        parse_config({"pools": [{**pool, "control": {"vip_ttft_objective_ms": 0}}]}, env={})

@@ -261,5 +261,5 @@ async def test_a_vip_streams_first_token_is_counted_for_its_node(gw: Harness) ->
     _ = [chunk async for chunk in normal]
     await gw.openai("vip").chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3)
     await gw.settled()
-    raw = await gw.redis.hgetall(gw.store.keys.node_vip_ttft)
-    assert {k.decode(): int(v) for k, v in raw.items()} == {"node-0:n": 1}
+    raw: dict[Any, Any] = await gw.redis.hgetall(gw.store.keys.node_vip_ttft)
+    assert {bytes(k).decode(): int(v) for k, v in raw.items()} == {"node-0:n": 1}

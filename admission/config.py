@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from admission.controlconfig import ControlSettings, parse_control
 from admission.keys import check_name
 from admission.store import PoolPolicy, TenantQuota
 from admission.tiers import Tier
@@ -170,6 +171,8 @@ class PoolSettings:
     trusted beside the system's CAs. None: the system's CAs only."""
     zones: ZoneSettings = field(default_factory=ZoneSettings)
     dedicated: DedicatedNodes = field(default_factory=DedicatedNodes)
+    control: ControlSettings = field(default_factory=ControlSettings)
+    """`[pools.control]`: the release control's objectives (admission.controlconfig)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,6 +502,7 @@ def _pool(r: _Reader) -> PoolSettings:
         backend_ca_file=r.string("backend_ca_file"),
         zones=_zones(r.sub("zones")),
         dedicated=_dedicated(r.sub("dedicated"), {b.name for b in backends}),
+        control=parse_control(r.sub("control"), ConfigError),
     )
     if pool.default_max_tokens > pool.max_max_tokens:
         raise ConfigError(f"{r.key('default_max_tokens')}: above max_max_tokens")

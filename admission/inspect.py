@@ -377,6 +377,14 @@ def _kept(n: NodeView) -> str:
     return "closed to guests" if n.guests_closed else "yes"
 
 
+def _prefill(n: NodeView) -> str:
+    """The release control's room / window and backlog, in prompt tokens ('-': not limited)."""
+    room, window = n.fields.get("prefill_room"), n.fields.get("prefill_window")
+    if room is None or window is None:
+        return "-"
+    return f"{room}/{window} (queued {n.fields.get('prefill_backlog', '?')})"
+
+
 def render_pool(p: PoolView) -> list[str]:
     drain = " ".join(f"{t.label} {_num(d, '{:g}')}/s" for t, d in zip(Tier, p.drain, strict=True))
     clock = "" if p.clock == "redis" else "  (clock frozen)"
@@ -387,11 +395,11 @@ def render_pool(p: PoolView) -> list[str]:
         + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
     ]
     lines += table(
-        ["node", "capacity", "reserved", "headroom", "usage", "projected", "kept", "guests",
-         "out"],
+        ["node", "capacity", "reserved", "headroom", "usage", "projected", "prefill room",
+         "kept", "guests", "out"],
         ([n.node, str(n.capacity), str(n.reserved), str(n.headroom),
-          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), _kept(n), str(n.guests),
-          n.out or ""]
+          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), _prefill(n), _kept(n),
+          str(n.guests), n.out or ""]
          for n in p.nodes),
     ) if p.nodes else ["  no nodes (no capacity published)"]
     lines += table(["tier", "depth", "oldest wait", "oldest task"],

@@ -139,6 +139,25 @@ class PoolKeys:
         when guests are paced by their prompt tokens (`[pools.dedicated]`)."""
         return self.prefix + "node_guest_pace"
 
+    @property
+    def node_prefill(self) -> str:
+        """HASH node -> limit on `node_prefill_released` (prompt tokens) and node:window ->
+        tokens: the prefill room of Normal and Batch work per node, written by the leader every
+        poll (scheduler/control.py; absent node: no limit)."""
+        return self.prefix + "node_prefill"
+
+    @property
+    def node_prefill_released(self) -> str:
+        """HASH node -> prompt tokens of Normal and Batch work released there so far (a
+        monotonic count the scripts raise with each such release)."""
+        return self.prefix + "node_prefill_released"
+
+    @property
+    def node_vip_ttft(self) -> str:
+        """HASH node:n, node:over -> VIP first tokens seen per node and those later than the
+        objective (monotonic counts, raised by the finish script)."""
+        return self.prefix + "node_vip_ttft"
+
     def task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"
 

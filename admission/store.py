@@ -140,6 +140,7 @@ class PoolStore:
                             for tier in Tier}
         self._finish_keys_head = (k.clock, k.node_reserved, *k.queues, k.deadlines,
                                   k.tenant_queued, k.stats)
+        self._finish_keys_tail = (k.state, k.node_vip_ttft)
         self._prefix = k.prefix
 
     @property
@@ -147,7 +148,7 @@ class PoolStore:
         return self.keys.pool
 
     def _finish_keys(self, task_id: str) -> list[str]:
-        return [*self._finish_keys_head, self.keys.task_key(task_id)]
+        return [*self._finish_keys_head, self.keys.task_key(task_id), *self._finish_keys_tail]
 
     async def admit(
         self,
@@ -170,6 +171,7 @@ class PoolStore:
             keys=[
                 *self._admit_keys[tier], k.task_key(task_id), k.bucket_key(tenant.name),
                 k.gateway_tasks_key(gateway), k.running, k.node_guests, k.node_guest_pace,
+                k.node_prefill, k.node_prefill_released,
             ],
             args=[
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
@@ -194,13 +196,17 @@ class PoolStore:
         """The capacity hint (ms, before jitter) of a request of `tier` in `view`."""
         return retry_hint_ms(view, tier, self.policy.default_retry_ms)
 
-    async def finish(self, task_id: str, usage: int | None, *, cancelled: bool) -> FinishResult:
-        """Settle (response done) or cancel (client gone) a task; `usage` None = unknown."""
+    async def finish(self, task_id: str, usage: int | None, *, cancelled: bool,
+                     ttft_ms: int | None = None) -> FinishResult:
+        """Settle (response done) or cancel (client gone) a task; `usage` None = unknown.
+        `ttft_ms`: ms from the dispatch to the node to the first token, counted for VIP tasks
+        as the leader's release control signal (None: no first token)."""
         reply = await self.scripts.finish(
             keys=self._finish_keys(task_id),
             args=[
                 self._prefix, task_id, -1 if usage is None else max(0, usage),
                 self.policy.retention_s, "cancelled" if cancelled else "settled",
+                -1 if ttft_ms is None else max(0, ttft_ms),
             ],
         )
         return FinishResult(_text(reply[0]), _text(reply[1]), int(reply[2]))
@@ -249,7 +255,7 @@ class PoolStore:
         reply = await self.scripts.release(
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
-                  k.tier_capacity(Tier.BATCH)],
+                  k.tier_capacity(Tier.BATCH), k.node_prefill, k.node_prefill_released],
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
                   sum(1 << int(t) for t in set(guests_only))],
         )
@@ -268,18 +274,26 @@ class PoolStore:
         zone: Zone,
         node_capacity: Mapping[str, int | tuple[int, int, int]],
         extra: Mapping[str, str | int | float] | None = None,
+        prefill: Mapping[str, tuple[int, int]] | None = None,
     ) -> int:
         """Write the zone and node capacities (fenced); returns the Redis time written, µs.
         A node's capacity is the tokens each tier may reserve on it (VIP, Normal, Batch), or
-        one number for all three."""
+        one number for all three. `prefill`: node -> (limit on the node's released Normal and
+        Batch prompt tokens, window), replacing the published prefill rooms (None: keep none,
+        no node limited)."""
         k = self.keys
         args: list[str | int | float] = [epoch, zone.value, len(node_capacity)]
         for node, capacity in sorted(node_capacity.items()):
             per_tier = (capacity,) * 3 if isinstance(capacity, int) else capacity
             args += [node, *(int(c) for c in per_tier)]
+        rooms = prefill or {}
+        args.append(len(rooms))
+        for node, (limit, window) in sorted(rooms.items()):
+            args += [node, int(limit), int(window)]
         for field, value in (extra or {}).items():
             args += [field, value]
-        reply = await self.scripts.state(keys=[k.state, k.clock, *k.tier_capacities], args=args)
+        reply = await self.scripts.state(
+            keys=[k.state, k.clock, *k.tier_capacities, k.node_prefill], args=args)
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         return int(reply[2])

@@ -92,7 +92,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             usage, cancelled = meter.finish_args()
             if ticket.admitted:
                 gw.settler.finish(pool.store, ticket.task_id, usage, cancelled=cancelled,
-                                  labels=ticket.labels)
+                                  labels=ticket.labels, ttft_ms=meter.node_ttft_ms())
             if meter.first_byte_s is not None:
                 metrics.child(metrics.ttft, pool.name, tier.label).observe(meter.first_byte_s)
             log.debug("task %s tenant=%s tier=%s pool=%s node=%s phase=%s usage=%s",

@@ -66,6 +66,15 @@ class Meter:
     exact_total: int | None = None
     phase: Phase = Phase.PENDING
     first_byte_s: float | None = None
+    sent_s: float | None = None
+    """When the request was sent to its node, seconds after its arrival."""
+
+    def node_ttft_ms(self) -> int | None:
+        """ms from the dispatch to the node until the first token (None: no first token): the
+        leader's release control counts VIP ones per node (scheduler.control)."""
+        if self.first_byte_s is None or self.sent_s is None:
+            return None
+        return max(0, round((self.first_byte_s - self.sent_s) * 1000))
 
     def finish_args(self) -> tuple[int | None, bool]:
         """(usage to charge or None for a full refund, whether the task ends 'cancelled')."""
@@ -213,6 +222,7 @@ class Upstream:
         started: float,
     ) -> web.StreamResponse:
         read_timeout_s = self.client.read_timeout_s
+        meter.sent_s = asyncio.get_running_loop().time() - started
         if not inbound.stream:
             # A streamed answer is never quiet for long on a live node; a whole one is quiet
             # until the last token, so a long generation must not read as a dead node.

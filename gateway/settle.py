@@ -108,14 +108,16 @@ class Settler:
         *,
         cancelled: bool,
         labels: tuple[str, ...] | None,
+        ttft_ms: int | None = None,
     ) -> asyncio.Task[FinishResult | None]:
         """Settle (`cancelled` False) or cancel the task in the background; returns at once.
 
         `usage`: real tokens (prompt + generated) to charge the tenant; None = unknown, refund
-        the whole reservation.
+        the whole reservation. `ttft_ms`: ms from the dispatch to the node until the first
+        token, reported to the leader with the settle (None: no first token).
         """
         task = asyncio.get_running_loop().create_task(
-            self._finish(store, task_id, usage, cancelled, labels)
+            self._finish(store, task_id, usage, cancelled, labels, ttft_ms)
         )
         self._tasks.add(task)
         self._idle.clear()
@@ -134,9 +136,11 @@ class Settler:
         usage: int | None,
         cancelled: bool,
         labels: tuple[str, ...] | None,
+        ttft_ms: int | None = None,
     ) -> FinishResult | None:
         try:
-            return await self._finish_retrying(store, task_id, usage, cancelled, labels)
+            return await self._finish_retrying(store, task_id, usage, cancelled, labels,
+                                               ttft_ms)
         finally:
             if task_id not in self._given_up:
                 self.live.discard(task_id)
@@ -148,13 +152,15 @@ class Settler:
         usage: int | None,
         cancelled: bool,
         labels: tuple[str, ...] | None,
+        ttft_ms: int | None = None,
     ) -> FinishResult | None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         failures = 0
         while True:
             try:
-                result = await store.finish(task_id, usage, cancelled=cancelled)
+                result = await store.finish(task_id, usage, cancelled=cancelled,
+                                            ttft_ms=ttft_ms)
             except asyncio.CancelledError:
                 log.warning("task %s left unsettled at shutdown; its lease will expire", task_id)
                 return None

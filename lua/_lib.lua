@@ -5,7 +5,7 @@
 -- token amounts in whole tokens, except a bucket's level, kept in micro-tokens so that
 -- refill (rate tokens/s x elapsed µs) stays an exact integer.
 -- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:, running,
--- node_guests).
+-- node_guests, node_guest_pace).
 
 local TIER_QUEUE_COUNT = 3
 -- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
@@ -122,6 +122,77 @@ local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_
           guest_output = tonumber(guest_output_field or '0') or 0}
 end
 
+-- Prefill room: how many prompt tokens of Normal and Batch work each node may still be given
+-- before a VIP chat's first token would wait behind too much prefill (scheduler/control.py).
+-- The leader publishes, per node, an absolute limit on the node's count of such prompt tokens
+-- released so far (`node_prefill` field <node>; the count is `node_prefill_released` <node>,
+-- which every Normal or Batch placement raises by its prompt) and the node's window
+-- (`node_prefill` field <node>:window, the most the room can be). Absolute, so that releases
+-- made between the leader's read and its publish count against the new limit: exact across
+-- gateways. A node without a published limit is not limited.
+-- KEYS the caller passes for it: node_prefill HASH (<node> -> limit, tokens; <node>:window ->
+-- tokens) and node_prefill_released HASH (<node> -> prompt tokens of Normal and Batch work
+-- released there so far).
+local function prefill_of(limits_key, released_key)
+  return {limits_key = limits_key, released_key = released_key}
+end
+
+-- {room = tokens left (may be negative), window = tokens} of a node, or nil when unlimited.
+local function prefill_room(prefill, node)
+  local f = redis.call('HMGET', prefill.limits_key, node, node .. ':window')
+  local limit = tonumber(f[1])
+  if limit == nil then return nil end
+  local released = tonumber(redis.call('HGET', prefill.released_key, node) or '0') or 0
+  return {room = limit - released, window = tonumber(f[2]) or 0}
+end
+
+-- A prompt fits the room it takes; one larger than the room fits a room at least half the
+-- window (at most half a window queued for prefill on the node), or long documents would
+-- never run on a node that always has a chat or two to prefill.
+local function prefill_fits(compute, prompt_tokens)
+  if compute == nil then return true end
+  return prompt_tokens <= compute.room or (2 * compute.room >= compute.window and compute.room > 0)
+end
+
+local function prefill_taken(prefill, tier, node, prompt_tokens)
+  -- (A record without a prompt count, which only an older version could leave, adds none.)
+  if prefill and tier > 0 and prompt_tokens < math.huge then
+    redis.call('HINCRBY', prefill.released_key, node, prompt_tokens)
+  end
+end
+
+-- VIP's candidates (rows {node, kv room, reserved, prefill room, window}): those whose
+-- prefill room is at least half their window (a short compute queue ahead of the chat's first
+-- token; a node without a published room counts as such), if one of them has KV room for it,
+-- else the ones with the most prefill room; the KV rules of place() then choose among them.
+-- Returns the candidates and best KV room per group (unchanged when no row qualifies).
+local function least_queued(candidates, best, cost)
+  local function pick(keep)
+    local out, top, any = {{}, {}}, {}, false
+    for group = 1, 2 do
+      for _, c in ipairs(candidates[group]) do
+        if keep(c) then
+          table.insert(out[group], c)
+          if top[group] == nil or c[2] > top[group] then top[group] = c[2] end
+          if c[2] >= cost then any = true end
+        end
+      end
+    end
+    return any and out, top
+  end
+  local out, top = pick(function(c) return c[4] == nil or 2 * c[4] >= c[5] end)
+  if out then return out, top end
+  local most = nil
+  for group = 1, 2 do
+    for _, c in ipairs(candidates[group]) do
+      if c[2] >= cost and (most == nil or c[4] > most) then most = c[4] end
+    end
+  end
+  if most == nil then return candidates, best end
+  out, top = pick(function(c) return c[4] ~= nil and c[4] >= most end)
+  return out, top
+end
+
 -- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
 -- whether it goes there as a guest: the most headroom (capacity - reserved) among the nodes
 -- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
@@ -142,8 +213,14 @@ end
 -- turn it is: the pool's count of releases so far (`stats_key` released_0..2, which every
 -- placement advances by one) modulo their number. Deterministic, so every replica picks the
 -- same node, and it needs no state beyond the counters the scheduler already reads.
+--
+-- Prefill room (`prefill`, see prefill_of(); nil: none published). A task of Normal or Batch
+-- goes only to a node whose prefill room takes its prompt (prefill_fits()); VIP is never held
+-- by it, but is steered to the nodes with the most prefill room
+-- (a short compute queue ahead of its first token: least_queued()), and the KV rules below
+-- choose among those.
 local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
-                     prompt_tokens, now, guests_only)
+                     prompt_tokens, now, guests_only, prefill)
   local caps = redis.call('HGETALL', cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
@@ -161,13 +238,20 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         allowed = (tonumber(redis.call('HGET', pc_key, node) or '0') or 0) <= now
       end
     end
+    local compute = nil
+    if allowed and prefill then
+      compute = prefill_room(prefill, node)
+      if tier > 0 then allowed = prefill_fits(compute, prompt_tokens) end
+    end
     if allowed then
       local reserved = tonumber(redis.call('HGET', resv_key, node) or '0') or 0
       local room = (tonumber(caps[i + 1]) or 0) - reserved
-      table.insert(candidates[group], {node, room, reserved})
+      table.insert(candidates[group], {node, room, reserved, compute and compute.room,
+        compute and compute.window})
       if best[group] == nil or room > best[group] then best[group] = room end
     end
   end
+  if tier == 0 and prefill then candidates, best = least_queued(candidates, best, cost) end
   for group = 1, 2 do
     if best[group] and best[group] >= cost then
       local margin = math.max(cost, math.floor(best[group] / TIE_SHARE), 1)

@@ -24,6 +24,11 @@
 -- KEYS[16] node_guests      HASH  dedicated node -> tasks of other tiers alive on it
 -- KEYS[17] node_guest_pace  HASH  dedicated node -> µs (Redis TIME) before which it takes no
 --                                guest (paced guests only)
+-- KEYS[18] node_prefill     HASH  node -> limit on node_prefill_released (tokens), node:window
+--                                -> tokens: the leader's prefill room (optional: without
+--                                KEYS[18..19] no room is applied; see prefill_of() in _lib.lua)
+-- KEYS[19] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
+--                                there so far (raised here on a fast-path release)
 --
 -- ARGV[1]  task id          ARGV[2]  tenant         ARGV[3] tier (0 VIP, 1 Normal, 2 Batch)
 -- ARGV[4]  cost W = prompt + max output tokens (tokens)
@@ -95,11 +100,12 @@ end
 -- (GREEN releases every tier, YELLOW and RED still release VIP), the scheduler's view is
 -- fresh, and a node the tier may use has room for the whole reservation.
 local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 1000)
-local node, guest, placement = nil, false, nil
+local node, guest, placement, prefill = nil, false, nil, nil
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
   placement = placement_of(st[6], st[7], st[8], st[9], st[10], st[11], st[12])
+  if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19]) end
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
-    tonumber(ARGV[5]), now, false)
+    tonumber(ARGV[5]), now, false, prefill)
 end
 
 if node == nil then
@@ -125,6 +131,7 @@ if node then
   if guest then
     guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)
   end
+  prefill_taken(prefill, tier, node, tonumber(ARGV[5]))
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)

@@ -8,6 +8,10 @@
 -- KEYS[8]  stats            HASH  settled, settled_cost, settled_usage (tokens): counted for
 --                                'settled' tasks only (what the scheduler learns from)
 -- KEYS[9]  task             HASH
+-- KEYS[10] state            HASH  vip_ttft_objective_ms (the leader's; optional, with KEYS[11])
+-- KEYS[11] node_vip_ttft    HASH  <node>:n, <node>:over: VIP first tokens seen on each node and
+--                                those later than the objective (monotonic counters the
+--                                leader's release control reads; scheduler/control.py)
 --
 -- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index and node_guests keys)
 -- ARGV[2]  task id
@@ -16,6 +20,8 @@
 -- ARGV[4]  retention (s) of the finished record
 -- ARGV[5]  final state of a released task: 'settled' (response done) or 'cancelled'
 --          (client gone, upstream failed)
+-- ARGV[6]  ms from the request's dispatch to its node until its first token; -1 or absent:
+--          none (only a VIP task's counts, and only while the state hash has an objective)
 --
 -- A released task: the pool gets its whole reservation back (the sequence left the GPU), the
 -- tenant gets cost - usage back (usage above the reservation takes the excess from the
@@ -29,6 +35,14 @@ local task = load_task(KEYS[9])
 if task == nil then return {'noop', 'unknown', 0} end
 local now = now_us(KEYS[1])
 if task.state == 'released' then
+  local ttft_ms = tonumber(ARGV[6] or '-1') or -1
+  if ttft_ms >= 0 and KEYS[11] and tonumber(task.tier) == 0 then
+    local objective = tonumber(redis.call('HGET', KEYS[10], 'vip_ttft_objective_ms') or '')
+    if objective then
+      redis.call('HINCRBY', KEYS[11], task.node .. ':n', 1)
+      if ttft_ms > objective then redis.call('HINCRBY', KEYS[11], task.node .. ':over', 1) end
+    end
+  end
   local refund = drop_released(prefix, KEYS[2], KEYS[8], id, task, final, usage, now, retention_s)
   return {final, 'released', refund}
 end

@@ -15,6 +15,11 @@
 --                                see place() in _lib.lua)
 -- KEYS[11] node_capacity:normal  HASH  node -> tokens Normal may reserve there
 -- KEYS[12] node_capacity:batch   HASH  node -> tokens Batch may reserve there
+-- KEYS[13] node_prefill     HASH  node -> limit on node_prefill_released (tokens), node:window
+--                                -> tokens: the prefill room of Normal and Batch work (optional:
+--                                without KEYS[13..14] no room applies; prefill_of() in _lib.lua)
+-- KEYS[14] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
+--                                there so far (raised here by each such release)
 --
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests and
 --          node_guest_pace keys: the running index ZSET 'node prompt max id' -> released µs
@@ -51,6 +56,8 @@ local placement = placement_of(dedicated[1], dedicated[2], dedicated[3], dedicat
   dedicated[5], dedicated[6], dedicated[7])
 local capacities = {KEYS[3], KEYS[11], KEYS[12]}
 local gst_key, pc_key = guests_key(prefix), pace_key(prefix)
+local prefill = nil
+if KEYS[14] then prefill = prefill_of(KEYS[13], KEYS[14]) end
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
@@ -74,7 +81,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
       local node, guest = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
         placement, t, cost,
-        prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1)
+        prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill)
       if node == nil then
         blocked = true
         break
@@ -89,6 +96,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       if guest then
         guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
       end
+      prefill_taken(prefill, t, node, prompt_tokens)
       redis.call('ZADD', running_key(prefix), fmt(now),
         running_member(node, task.prompt_tokens, task.max_tokens, head))
       redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

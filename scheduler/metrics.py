@@ -42,6 +42,23 @@ class SchedulerMetrics:
         self.reserved = Gauge(p + "node_reserved_tokens",
                               "Tokens reserved by released, unsettled tasks per node.",
                               ["pool", "node"], registry=r)
+        self.prefill_window = Gauge(p + "prefill_window_tokens",
+                                    "Release control: prompt tokens of Normal and Batch work "
+                                    "allowed to wait for prefill on the node.",
+                                    ["pool", "node"], registry=r)
+        self.prefill_backlog = Gauge(p + "prefill_backlog_tokens",
+                                     "Release control: estimated prompt tokens released to the "
+                                     "node and not prefilled yet.", ["pool", "node"], registry=r)
+        self.prefill_room = Gauge(p + "prefill_room_tokens",
+                                  "Release control: prompt tokens of Normal and Batch work the "
+                                  "node may take now (window - backlog).", ["pool", "node"],
+                                  registry=r)
+        self.prefill_rate = Gauge(p + "prefill_rate_tokens_per_second",
+                                  "Release control: measured prefill throughput of the node.",
+                                  ["pool", "node"], registry=r)
+        self.control_gain = Gauge(p + "control_gain",
+                                  "Release control: the window's correction from measured VIP "
+                                  "TTFT (1: the model alone).", ["pool", "node"], registry=r)
         self.ejected = Gauge(p + "node_ejected", "1 while the node is ejected.",
                              ["pool", "node"], registry=r)
         self.preemptions = Gauge(p + "node_preemptions",
@@ -76,5 +93,7 @@ class SchedulerMetrics:
         the last figures it saw, or sums over replicas count them twice."""
         for gauge in (self.zone, self.pool_usage, self.usage_ratio, self.kv_usage,
                       self.projected, self.budget, self.reserved, self.ejected,
-                      self.preemptions, self.queue_depth, self.drain):
+                      self.preemptions, self.queue_depth, self.drain, self.prefill_window,
+                      self.prefill_backlog, self.prefill_room, self.prefill_rate,
+                      self.control_gain):
             gauge.clear()

@@ -27,6 +27,7 @@ from scheduler.budget import (
     plan_node,
     pool_usage,
 )
+from scheduler.control import NodeRoom, ReleaseControl
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.scrape import NodeView, Poller
@@ -42,6 +43,14 @@ class Snapshot:
     depths: tuple[int, int, int]
     running: Mapping[str, list[RunningTask]] = field(default_factory=dict)
     """Released tasks per node, from the pool's running index."""
+    prefill_released: Mapping[str, int] = field(default_factory=dict)
+    """Prompt tokens of Normal and Batch work released per node so far, read before the
+    running index (scheduler.control: the published room is a limit on this count)."""
+    vip_reports: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """VIP first tokens per node and those later than the objective (monotonic counts)."""
+    prefill_tasks: Mapping[str, list[tuple[Any, int, float]]] = field(default_factory=dict)
+    """Released tasks per node as the release control reads them: (running index member,
+    prompt tokens, seconds since release)."""
 
 
 PREFILL_US_PER_TOKEN = 66
@@ -96,6 +105,29 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
     return out, parsed
 
 
+def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int
+                   ) -> dict[str, list[tuple[Any, int, float]]]:
+    out: dict[str, list[tuple[Any, int, float]]] = {}
+    for member, entry in indexed.items():
+        if entry is not None:
+            node, prompt_tokens, _, arriving_at = entry
+            age_s = (now_us - arriving_at + DISPATCH_US) / 1_000_000
+            out.setdefault(node, []).append((member, prompt_tokens, age_s))
+    return out
+
+
+def _reports(counts: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """node -> (VIP first tokens, those over the objective) from the node:n / node:over
+    fields the finish script counts."""
+    out: dict[str, tuple[int, int]] = {}
+    for field_name, value in counts.items():
+        node, _, kind = field_name.rpartition(":")
+        if kind in ("n", "over") and node:
+            n, over = out.get(node, (0, 0))
+            out[node] = (value, over) if kind == "n" else (n, value)
+    return out
+
+
 @dataclass(slots=True)
 class TickResult:
     zone: Zone
@@ -109,6 +141,10 @@ class TickResult:
     """Dedicated nodes running more sequences than `guest_max_running`: no new guests."""
     red_clear_s: float | None = None
     """While RED: the estimated seconds until the pool leaves it (scheduler.zones)."""
+    rooms: dict[str, NodeRoom] = field(default_factory=dict)
+    """The release control's figures per usable node (empty when it is off)."""
+    prefill: dict[str, tuple[int, int]] | None = None
+    """What is published for the scripts: node -> (limit, window); None when control is off."""
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
@@ -154,6 +190,7 @@ class PoolScheduler:
                                     zones.max_overcommit)
         self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._kept_guests)
         self.drains = DrainRates()
+        self.control = ReleaseControl(pool.control) if pool.control.enabled else None
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
         self.first_wait_s = settings.scrape_timeout_ms / 1000
         """The first poll of a term waits for a whole scrape: there is no earlier reading to use."""
@@ -197,26 +234,42 @@ class PoolScheduler:
 
     async def read_snapshot(self) -> Snapshot:
         k = self.store.keys
+        control = self.control is not None
         async with self.store.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(k.node_reserved)
             pipe.hgetall(k.stats)
             for queue in k.queues:
                 pipe.zcard(queue)
-            # The whole running index is read only when the projection uses it: with
-            # thousands of tasks in flight it is the largest reply of the tick.
-            peak = self._peak_projection
-            if peak:
+            if control:
+                # Before the running index: a release in between is then counted in the
+                # backlog and in this count, so the room it took is not given back.
+                pipe.hgetall(k.node_prefill_released)
+                pipe.hgetall(k.node_vip_ttft)
+            # The whole running index is read only when the projection or the release control
+            # uses it: with thousands of tasks in flight it is the largest reply of the tick.
+            indexed = self._peak_projection or control
+            if indexed:
                 # Raw: redis-py's own score conversion would double this read's cost.
                 pipe.execute_command("ZRANGE", k.running, 0, -1, "WITHSCORES")
                 pipe.hget(k.clock, "frozen_us")
                 pipe.hget(k.state, "updated_us")
-            reply = await pipe.execute()
+            reply = list(await pipe.execute())
         depths = (int(reply[2]), int(reply[3]), int(reply[4]))
+        rest = reply[5:]
+        released: dict[str, int] = {}
+        reports: dict[str, tuple[int, int]] = {}
+        if control:
+            released, rest = _int_map(rest[0]), rest[2:]
+            reports = _reports(_int_map(reply[6]))
         running: dict[str, list[RunningTask]] = {}
-        if peak:
-            running, self._indexed = _running(reply[5], self._redis_now_us(reply[6], reply[7]),
-                                              self._indexed)
-        return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths, running)
+        prefill: dict[str, list[tuple[Any, int, float]]] = {}
+        if indexed:
+            now_us = self._redis_now_us(rest[1], rest[2])
+            running, self._indexed = _running(rest[0], now_us, self._indexed)
+            if control:
+                prefill = _prefill_tasks(self._indexed, now_us)
+        return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths, running, released,
+                        reports, prefill)
 
     def _redis_now_us(self, frozen: Any, last_published: Any) -> int:
         """The pool clock the scripts use, without a TIME call (Redis Cluster refuses it in a
@@ -270,6 +323,34 @@ class PoolScheduler:
                                           self.settings.stale_policy).inc()
         return plans
 
+    def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
+                      now: float) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int]]]:
+        """The release control's room per usable node, and the (limit, window) pairs the
+        scripts enforce (scheduler.control)."""
+        control = self.control
+        if control is None:
+            return {}, {}
+        rooms: dict[str, NodeRoom] = {}
+        prefill: dict[str, tuple[int, int]] = {}
+        by_name = {v.name: v for v in views}
+        for plan in plans:
+            view = by_name.get(plan.name)
+            if view is None or plan.budget is None:
+                continue
+            m = view.metrics
+            room = control.update(
+                plan.name, tasks=snap.prefill_tasks.get(plan.name, ()), now=now,
+                prompt_total=None if m is None else m.prompt_tokens,
+                read_at=now - view.age_s if math.isfinite(view.age_s) else now,
+                seq=view.seq, running=None if m is None else m.running,
+                waiting=0 if m is None else m.waiting,
+                reports=snap.vip_reports.get(plan.name))
+            rooms[plan.name] = room
+            prefill[plan.name] = (snap.prefill_released.get(plan.name, 0) + room.room,
+                                  room.window)
+        control.forget(by_name)
+        return rooms, prefill
+
     def _extra(self, result: TickResult) -> dict[str, str | int | float]:
         extra: dict[str, str | int | float] = dict(self.drains.fields())
         out = []
@@ -279,6 +360,17 @@ class PoolScheduler:
                 extra[f"projected:{p.name}"] = f"{p.projected:.4f}"
             if p.reason:
                 out.append(f"{p.name}:{p.reason}")
+        if self.control is not None:
+            # The objective is also what the finish script counts VIP first tokens against.
+            extra["vip_ttft_objective_ms"] = self.pool.control.vip_ttft_objective_ms
+            for name, room in result.rooms.items():
+                extra[f"prefill_window:{name}"] = room.window
+                extra[f"prefill_backlog:{name}"] = room.backlog
+                extra[f"prefill_room:{name}"] = room.room
+                extra[f"prefill_rate:{name}"] = f"{room.rate:.0f}"
+                extra[f"prefill_gain:{name}"] = f"{room.gain:.3f}"
+                if room.reason:
+                    out.append(f"{name}:{room.reason}")
         extra["nodes_out"] = ",".join(out)
         extra["pool_usage"] = "" if result.usage is None else f"{result.usage:.4f}"
         extra["usage_ratio"] = f"{self.learner.ratio:.4f}"
@@ -321,10 +413,12 @@ class PoolScheduler:
         result = TickResult(zone, usage, plans, limits, snap.depths,
                             guests_closed=self._guests_closed(views),
                             red_clear_s=self.clearance.update(zone, usage, now))
+        if self.control is not None:
+            result.rooms, result.prefill = self.control_rooms(views, plans, snap, now)
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),
-                                                    self._extra(result))
+                                                    self._extra(result), result.prefill)
         self._published_at = (written_us, self.clock())
         result.published = True
         if not leading() or not any(snap.depths):
@@ -358,6 +452,12 @@ class PoolScheduler:
             m.budget.labels(pool, p.name).set(p.budget if p.budget is not None else 0)
             m.reserved.labels(pool, p.name).set(p.reserved)
             m.ejected.labels(pool, p.name).set(1 if p.ejected else 0)
+        for name, room in result.rooms.items():
+            m.prefill_window.labels(pool, name).set(room.window)
+            m.prefill_backlog.labels(pool, name).set(room.backlog)
+            m.prefill_room.labels(pool, name).set(room.room)
+            m.prefill_rate.labels(pool, name).set(room.rate)
+            m.control_gain.labels(pool, name).set(room.gain)
         for node in self.poller.nodes:
             if node.metrics is not None and node.metrics.preemptions is not None:
                 m.preemptions.labels(pool, node.name).set(node.metrics.preemptions)

@@ -32,9 +32,10 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions"
 CACHE_INFO = "vllm:cache_config_info"
+PROMPT_TOKENS = "vllm:prompt_tokens"
 DEFAULT_BLOCK_SIZE = 16
 
-_NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO)
+_NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO, PROMPT_TOKENS)
 _WANTED = tuple(
     prefix + name for name in _NAMES for prefix in ("", "# HELP ", "# TYPE ")
 )
@@ -57,6 +58,9 @@ class NodeMetrics:
     capacity_tokens: int | None
     """num_gpu_blocks x block_size from cache_config_info, None when absent."""
     block_size: int
+    prompt_tokens: float | None = None
+    """vllm:prompt_tokens_total (prompt tokens prefilled so far), None when the page lacks it:
+    its rate is the node's prefill throughput (scheduler.control)."""
 
 
 def _select(text: str) -> str:
@@ -75,6 +79,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     usage: dict[str, list[float]] = {USAGE_V1: [], USAGE_V0: []}
     running = waiting = 0.0
     preemptions: float | None = None
+    prompt_tokens: float | None = None
     capacity = 0
     block_size: int | None = None
     try:
@@ -92,6 +97,8 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
                 waiting += sample.value
             elif name in (PREEMPTIONS + "_total", PREEMPTIONS):
                 preemptions = (preemptions or 0.0) + sample.value
+            elif name == PROMPT_TOKENS + "_total":
+                prompt_tokens = (prompt_tokens or 0.0) + sample.value
             elif name == CACHE_INFO:
                 blocks = _int_label(sample.labels, "num_gpu_blocks")
                 size = _int_label(sample.labels, "block_size")
@@ -112,6 +119,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
         preemptions=preemptions,
         capacity_tokens=capacity or None,
         block_size=block_size or DEFAULT_BLOCK_SIZE,
+        prompt_tokens=prompt_tokens,
     )
 
 

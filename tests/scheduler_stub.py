@@ -40,6 +40,8 @@ class FakeVllm:
     status: int = 200
     delay_s: float = 0.0
     scrapes: int = 0
+    prompt_tokens: float | None = None
+    """vllm:prompt_tokens_total; None: not on the page."""
 
     def render(self) -> str:
         labels = f'model_name="{MODEL}"' if self.v0 else f'engine="0",model_name="{MODEL}"'
@@ -67,6 +69,10 @@ class FakeVllm:
             f"vllm:time_to_first_token_seconds_count{{{labels}}} 3.0",
             f"vllm:time_to_first_token_seconds_sum{{{labels}}} 0.12",
         ]
+        if self.prompt_tokens is not None:
+            lines += ["# HELP vllm:prompt_tokens Number of prefill tokens processed.",
+                      "# TYPE vllm:prompt_tokens counter",
+                      f"vllm:prompt_tokens_total{{{labels}}} {self.prompt_tokens}"]
         if self.num_gpu_blocks is not None:
             engine = "" if self.v0 else 'engine="0",'
             lines += [
@@ -130,13 +136,19 @@ def make_config(
     scheduler: Mapping[str, Any] | None = None,
     dedicated: Mapping[str, Any] | None = None,
     pool_extra: Mapping[str, Any] | None = None,
+    control: Mapping[str, Any] | None = None,
 ) -> Config:
+    """A one-pool configuration. The release control is off unless `control` is given: the
+    tests using this stub are about KV budgets, zones and order, and their tasks' prompts are
+    sized for KV, not for a compute window (tests/test_scheduler_control.py tests it)."""
     return parse_config(
         {
             "redis": {"url": redis_url},
             "scheduler": dict(scheduler or {}),
             "pools": [{"name": pool, "backends": list(backends), "zones": dict(zones or {}),
-                       "dedicated": dict(dedicated or {}), **(pool_extra or {})}],
+                       "dedicated": dict(dedicated or {}),
+                       "control": dict(control) if control is not None else {"enabled": False},
+                       **(pool_extra or {})}],
         },
         env={},
     )

@@ -55,6 +55,7 @@ ACCESSORS: dict[str, Callable[[Config], Any]] = {
     "pools": lambda c: c.pools["p"],
     "pools.zones": lambda c: c.pools["p"].zones,
     "pools.dedicated": lambda c: c.pools["p"].dedicated,
+    "pools.control": lambda c: c.pools["p"].control,
     "pools.backends": lambda c: c.pools["p"].backends[0],
     "tenants": lambda c: c.tenants[0],
 }
@@ -72,6 +73,7 @@ def base() -> dict[str, Any]:
             "backends": [{"name": "gpu-0", "url": "http://127.0.0.1:9001"}],
             "zones": {},
             "dedicated": {},
+            "control": {},
         }],
         "tenants": [{"name": "acme", "tier": "vip"}],
     }

@@ -245,3 +245,21 @@ async def test_a_stream_gets_no_allowance_for_its_length(
         assert text == " t0"  # the one token the node sent before it went quiet
         assert "broke off" in info.value.message
         assert 0.2 <= elapsed < 2.0, elapsed
+
+
+async def test_a_vip_streams_first_token_is_counted_for_its_node(gw: Harness) -> None:
+    """The release control's signal: with the leader's objective in the state hash, a streamed
+    VIP answer counts one first token on its node (within the objective: none over it); a
+    Normal one and a non-streamed VIP one count nothing (tests/test_core_prefill.py counts
+    those over the objective)."""
+    await gw.publish(Zone.GREEN, extra={"vip_ttft_objective_ms": 60_000})
+    stream = await gw.openai("vip").chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=3, stream=True)
+    _ = [chunk async for chunk in stream]
+    normal = await gw.openai("normal").chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=3, stream=True)
+    _ = [chunk async for chunk in normal]
+    await gw.openai("vip").chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3)
+    await gw.settled()
+    raw: dict[Any, Any] = await gw.redis.hgetall(gw.store.keys.node_vip_ttft)
+    assert {bytes(k).decode(): int(v) for k, v in raw.items()} == {"node-0:n": 1}

@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from admission import config as cfg
+from admission.controlconfig import ControlSettings
 from admission.tiers import Tier
 from gateway.shutdown import SETTLE_MARGIN_S
 
@@ -448,6 +449,8 @@ def test_schema_covers_every_config_key() -> None:
     assert set(pool) == {f.name for f in dataclasses.fields(cfg.PoolSettings)}
     assert set(pool["zones"]["properties"]) == {
         f.name for f in dataclasses.fields(cfg.ZoneSettings)}
+    assert set(pool["control"]["properties"]) == {
+        f.name for f in dataclasses.fields(ControlSettings)}
     assert set(props["tiers"]["properties"]) == {t.label for t in Tier}
     tenant = json.loads((CHART / "values.schema.json").read_text())["properties"]["tenants"]
     assert set(tenant["properties"]["items"]["items"]["properties"]) == {

@@ -166,14 +166,18 @@ async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis
     await w.at(T0)
     await w.store.publish_state(1, Zone.GREEN, CAPS, {
         "dedicated_nodes": "gpu-1", "dedicated_tiers": 1, "dedicated_guest_prompt": 500,
-        "dedicated_guest_cap": 4})
+        "dedicated_guest_cap": 4, "prefill_room:gpu-0": 300, "prefill_window:gpu-0": 1000,
+        "prefill_backlog:gpu-0": 700})
     assert await w.admit("g", ACME, Tier.NORMAL, 100, 100, "gw-1") is AdmitOutcome.RELEASED
     (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
     assert [(n.node, n.guests) for n in p.nodes] == [("gpu-0", 0), ("gpu-1", 1)]
     assert [(n.kept, n.guests_closed) for n in p.nodes] == [(False, False), (True, False)]
     text = inspect.render(await inspect.snapshot(redis_client, [POOL]))
     row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-1"))
-    assert row[6:8] == ["yes", "1"]
+    assert row[6:9] == ["-", "yes", "1"]
+    # The release control's room, window and backlog, where the leader published them.
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-0"))
+    assert row[6:9] == ["300/1000", "(queued", "700)"]
     # The leader closes the kept node to guests while it runs above its bound.
     await w.store.publish_state(1, Zone.GREEN, CAPS, {
         "dedicated_nodes": "gpu-1", "dedicated_tiers": 1, "dedicated_guests_closed": "gpu-1"})
@@ -221,8 +225,8 @@ async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None
         (found,) = [line.split() for line in lines if line.split()[:1] == [first]]
         return found
 
-    assert row("gpu-0") == ["gpu-0", "10000", "500", "9500", "0.5000", "0.6000", "-", "0"]
-    assert row("gpu-1") == ["gpu-1", "8000", "0", "8000", "-", "-", "-", "0", "stale"]
+    assert row("gpu-0") == ["gpu-0", "10000", "500", "9500", "0.5000", "0.6000", "-", "-", "0"]
+    assert row("gpu-1") == ["gpu-1", "8000", "0", "8000", "-", "-", "-", "-", "0", "stale"]
     assert row("batch") == ["batch", "2", "3.0", "s", "c"]
     assert row("gw-2") == ["gw-2", "2", "7.0", "s"]
     assert row("acme") == ["acme", "9300.0", "10000", "93.0", "100", "0"]

@@ -1,0 +1,263 @@
+"""Release control: how much Normal and Batch prefill each node may take now, every poll.
+
+KV budgets (scheduler.budget) keep the cache under its line; they say nothing about compute. A
+VIP chat's first token waits for the prefill released to its node before it: the engine runs
+chunked prefill, its running list first, so the prompt tokens already there are computed
+before the chat's. The control keeps that queue short enough for the VIP objective.
+
+Per node, every poll (all in prompt tokens and seconds):
+
+    mu  prefill throughput: the rate of the node's ``vllm:prompt_tokens_total`` averaged over
+        ~2 s of intervals in which its engine queued requests at both ends (its token budget
+        was full; at other times the rate is the offered load, not the capacity), and never
+        below the ~2 s average of the counter's rate at any load; ``prefill_tokens_per_s``
+        until measured
+    B   backlog: prompt tokens released to the node (every tier: the running index's members
+        new since the last poll) less those the counter reports prefilled since; 0 when a
+        reading shows the engine idle (then only what was released after it counts), never
+        more than the prompts of the tasks still in the index (one cancelled before its
+        prefill leaves both). The counter moves when a prompt's prefill ends, so B errs by the
+        part of one prompt being prefilled, high. Without the counter: the Lindley recursion
+        at rate mu (w = max(0, w - mu x gap) + p), which a new leader also starts from.
+    g   gain, from the VIP first tokens the gateways report per node (finish script): AIMD,
+        halved (at most once per `HOLD_S`) at a poll reporting a miss when more than
+        `vip_miss_target` of the recent ones (~10 s) were later than the objective, plus
+        `GAIN_STEP` at each poll with reports and no miss if the window was used (the
+        backlog at the last poll and the releases since were at least half of it), within
+        [GAIN_MIN, GAIN_MAX]; 1 when no report came for `signal_stale_ms`
+    X   window = clamp(g x mu x objective x MODEL_SHARE, window_min, window_max)
+    room = X - B, or 0 while the engine runs more than `max_engine_running` sequences
+
+Enforcement is in the scripts that admit and release (lua/_lib.lua prefill_of): a Normal or
+Batch task goes to a node only if its prompt fits the room, which its release then takes; a
+prompt larger than the room passes on a node whose room is at least half the window, so long
+documents run instead of never (a node always has a chat or two to prefill). The room is
+published as an absolute limit on the node's count of such prompt tokens released so far,
+read before the running index: a release between that read and the publish counts against the
+new room (never freed twice), so the rule holds across gateways between polls.
+
+Response to a step in offered load (tests/test_scheduler_control.py, a node a third faster
+than configured): releases track the node's prefill within one poll, the queue ahead of a VIP
+chat stays within the window plus one prompt from the 20th poll after the step on, mu is
+within 15% of the truth 10 s after it, the node prefills at 85% or more of its capacity. The
+gain grows only with use and halves on misses: a node slower than any model shrinks the window
+to a quarter within the chats' duration plus three `HOLD_S`, and it recovers at
+`GAIN_STEP` per reported poll once they meet the objective again (~13 s from 0.1 to 1 at four
+chats a second). VIP reports come with the settle, at the end of a chat: the correction lags
+by a chat's duration, which GAIN_MAX < 2 (at most 3/4 of the objective queued) leaves room for.
+Stale or missing signals: no VIP report for `signal_stale_ms` means gain 1 (the model alone);
+a stale scrape keeps the last mu and drains nothing from B until the counter moves again (the
+queue looks longer: the safe side); a page without the counter keeps the configured rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from admission.controlconfig import ControlSettings
+
+MODEL_SHARE = 0.5
+"""Share of the objective the queue ahead of a VIP chat may take; the rest is for the chat's
+own prefill and the decode steps around it."""
+GAIN_MIN, GAIN_MAX = 0.1, 1.5
+GAIN_STEP = 0.02
+"""Additive increase per poll with VIP reports and no excess misses."""
+GAIN_DECREASE = 0.5
+HOLD_S = 1.0
+"""After a decrease, no other one for this long: the reports of chats that were already
+waiting when the window shrank describe the old window."""
+RATE_TAU_S = 2.0
+"""Time constant of the throughput average (the prompt counter moves in whole prompts)."""
+SIGNAL_TAU_S = 10.0
+"""Time constant of the recent VIP miss share."""
+
+
+def backlog(tasks: Iterable[tuple[int, float]], rate: float) -> float:
+    """Prompt tokens not yet prefilled now of tasks given as (prompt tokens, seconds since
+    release), by a FCFS server of `rate` tokens/s (Lindley: w = max(0, w - rate x gap) + p)."""
+    work = 0.0
+    prev: float | None = None
+    for prompt, age_s in sorted(tasks, key=lambda t: -t[1]):
+        at = -max(0.0, age_s)
+        if prev is not None:
+            work = max(0.0, work - rate * (at - prev))
+        work += prompt
+        prev = at
+    if prev is not None:
+        work = max(0.0, work + rate * prev)
+    return work
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRoom:
+    window: int
+    backlog: int
+    room: int
+    gain: float
+    rate: float
+    reason: str
+    """Why the room is 0 beside the backlog ('' when it is not): max_engine_running."""
+
+
+@dataclass(slots=True)
+class _Node:
+    rate: float
+    gain: float = 1.0
+    counter: tuple[float, float] | None = None
+    """(prompt tokens total, reading time) of the last reading used."""
+    seq: int = -1
+    observed: float = 0.0
+    """Average rate of the prompt counter, whatever the load."""
+    waiting: int = 0
+    """The engine's waiting count at the last reading used."""
+    backlog: float = 0.0
+    reports: tuple[int, int] | None = None
+    n_recent: float = 0.0
+    over_recent: float = 0.0
+    reported_at: float | None = None
+    hold_until: float = -math.inf
+    at: float | None = None
+    window: int = 0
+    at_poll: float | None = None
+    seen: set[Hashable] = field(default_factory=set)
+    """The running index's members at the last poll: the others were released since."""
+
+
+class ReleaseControl:
+    """The control law's state for one pool's nodes (see the module docstring)."""
+
+    def __init__(self, settings: ControlSettings) -> None:
+        self.settings = settings
+        self._nodes: dict[str, _Node] = {}
+
+    def node(self, name: str) -> _Node:
+        state = self._nodes.get(name)
+        if state is None:
+            state = self._nodes[name] = _Node(float(self.settings.prefill_tokens_per_s))
+        return state
+
+    def _observe_rate(self, s: _Node, prompt_total: float | None, read_at: float, seq: int,
+                      waiting: int) -> bool:
+        """Learn from a new reading of the prompt counter; False when there is none."""
+        if prompt_total is None or seq == s.seq:
+            return False
+        s.seq = seq
+        was_waiting, s.waiting = s.waiting, waiting
+        last, s.counter = s.counter, (prompt_total, read_at)
+        if last is None or read_at <= last[1]:
+            return True
+        done, dt = prompt_total - last[0], read_at - last[1]
+        if done < 0:
+            return True  # the engine restarted: its counter starts again
+        sample = done / dt
+        alpha = 1.0 - math.exp(-dt / RATE_TAU_S)
+        # The counter moves in whole prompts, as each one's prefill ends: one interval's rate
+        # says little, an average over a few seconds is what the node did.
+        s.observed += alpha * (sample - s.observed)
+        if waiting > 0 and was_waiting > 0:
+            # The engine queued requests at both readings, so all along: its token budget was
+            # full, the rate is its capacity. (Not our backlog estimate: it is computed with
+            # this rate, and a low rate would confirm itself.)
+            s.rate += alpha * (sample - s.rate)
+        # A node seen doing this much can do it: releases limited by a low estimate cannot
+        # lower it further, the average of what they got done raises it.
+        s.rate = max(s.rate, s.observed)
+        return True
+
+    def _observe_reports(self, s: _Node, reports: tuple[int, int] | None, now: float,
+                         used: bool) -> None:
+        if s.at is not None:
+            decay = math.exp(-max(0.0, now - s.at) / SIGNAL_TAU_S)
+            s.n_recent *= decay
+            s.over_recent *= decay
+        s.at = now
+        if reports is None:
+            reports = (0, 0)
+        last, s.reports = s.reports, reports
+        if last is None:
+            return  # the first reading is history: it starts the deltas
+        n, over = reports[0] - last[0], reports[1] - last[1]
+        if n < 0 or over < 0:
+            return  # the counters were reset (Redis flushed): start again
+        if n > 0:
+            s.reported_at = now
+            s.n_recent += n
+            s.over_recent += over
+            miss = s.over_recent / s.n_recent
+            if over > 0 and miss > self.settings.vip_miss_target:
+                if now >= s.hold_until:
+                    s.gain = max(GAIN_MIN, s.gain * GAIN_DECREASE)
+                    s.hold_until = now + HOLD_S
+            elif over == 0 and used:
+                # Only a window that was used is known to be safe (TCP's rule for a window
+                # that limits): a quiet node would otherwise grow it to the bound and let a
+                # burst through at once.
+                s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
+        elif s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
+            s.gain = 1.0
+
+    def update(
+        self,
+        name: str,
+        *,
+        tasks: Iterable[tuple[Hashable, int, float]],
+        now: float,
+        prompt_total: float | None = None,
+        read_at: float | None = None,
+        seq: int = 0,
+        running: int | None = None,
+        waiting: int = 0,
+        reports: tuple[int, int] | None = None,
+    ) -> NodeRoom:
+        """One poll for node `name`: `tasks` (key, prompt, seconds since release) released to
+        it and running (the key, the running index's member, tells the new ones); its prompt
+        counter as read at `read_at` (reading number `seq`); its engine's running and waiting
+        counts; the VIP reports (first tokens, those over the objective)."""
+        c = self.settings
+        s = self.node(name)
+        before = s.counter
+        new_reading = self._observe_rate(s, prompt_total, now if read_at is None else read_at,
+                                         seq, waiting)
+        drained: float | None = None
+        if before is not None and s.counter is not None and s.counter[0] >= before[0]:
+            drained = s.counter[0] - before[0]
+        listed = list(tasks)
+        timed = [(p, age) for _, p, age in listed]
+        new = [(p, age) for key, p, age in listed if key not in s.seen]
+        s.seen = {key for key, _, _ in listed}
+        # The window was used if the node held at least half of it at the last poll, counting
+        # what it was given since (a small window on a fast node is drained within a poll).
+        used = s.backlog + sum(p for p, _ in new) >= s.window / 2
+        self._observe_reports(s, reports, now, used)
+        read = now if read_at is None else read_at
+        if s.at_poll is None:
+            # A new leader: the recursion over the tasks the index holds.
+            s.backlog = backlog(timed, s.rate)
+        elif drained is not None:
+            # Measured: what was released since, less what the engine reports prefilled.
+            s.backlog = max(0.0, s.backlog + sum(p for p, _ in new) - drained)
+        else:
+            # No counter: the recursion from the last poll's backlog, at the estimated rate.
+            s.backlog = backlog([(round(s.backlog), now - s.at_poll), *new], s.rate)
+        if new_reading and running == 0 and waiting == 0:
+            # The engine was idle when read: nothing of what was released before is queued.
+            s.backlog = float(sum(p for p, age in timed if age < now - read))
+        # Nothing that has ended is queued: a task cancelled before its prefill (never in
+        # the counter) leaves the index, and with it the estimate.
+        s.backlog = min(s.backlog, float(sum(p for p, _ in timed)))
+        s.at_poll = now
+        model = s.gain * s.rate * c.vip_ttft_objective_ms / 1000 * MODEL_SHARE
+        window = s.window = int(min(c.window_max_tokens, max(c.window_min_tokens, model)))
+        room = max(0, window - math.ceil(s.backlog))
+        reason = ""
+        if c.max_engine_running and running is not None and running > c.max_engine_running:
+            room, reason = 0, "max_engine_running"
+        return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the state of nodes no longer in the pool."""
+        names = set(keep)
+        for name in [n for n in self._nodes if n not in names]:
+            del self._nodes[name]

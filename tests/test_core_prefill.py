@@ -1,0 +1,217 @@
+"""The prefill room in the scripts, against real Redis: the rule Normal and Batch placements obey
+(lua/_lib.lua prefill_fits, and the count each release raises) checked against a plain-Python
+reference, exactness under concurrent admits, VIP never held by it, the leader's release obeying
+it, and the VIP first-token counts the finish script keeps for the release control."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from admission.scripts import register_scripts
+from admission.store import PoolPolicy, PoolStore, TenantQuota
+from admission.tiers import Tier, Zone
+from tests.scheduler_stub import FakeVllm, always, make_config, pool_scheduler, serve_fake, state
+
+NODES = ("node-a", "node-b", "node-c")
+TENANT = TenantQuota("t", rate=0, burst=10**9, max_queued=10_000)
+BIG = 10**9
+"""KV budgets that never bind: these tests are about the prefill room alone."""
+
+
+def fits(prompt: int, room: int, window: int) -> bool:
+    """The reference rule: the prompt fits the room, or the room is at least half the window."""
+    return prompt <= room or (2 * room >= window and room > 0)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+async def _count(client: aioredis.Redis, key: str, field: str) -> int:
+    value = await client.hget(key, field)
+    assert value is not None, (key, field)
+    return int(value)
+
+
+async def _store(client: aioredis.Redis, pool: str = "pf") -> PoolStore:
+    return PoolStore(client, register_scripts(client), pool, PoolPolicy())
+
+
+async def _admit(store: PoolStore, task_id: str, tier: Tier, prompt: int) -> tuple[str, str | None]:
+    got = await store.admit(task_id=task_id, tenant=TENANT, tier=tier, prompt_tokens=prompt,
+                            max_tokens=10, gateway="gw", queue_timeout_ms=60_000)
+    return got.outcome.value, got.node
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(rooms=st.dictionaries(st.sampled_from(NODES),
+                             st.tuples(st.integers(-500, 3_000), st.integers(1, 3_000),
+                                       st.integers(0, 10_000)), min_size=1),
+       unlimited=st.sampled_from([(), ("node-c",)]),
+       admits=st.lists(st.tuples(st.sampled_from(list(Tier)), st.integers(1, 2_500)),
+                       min_size=1, max_size=12))
+def test_placements_follow_the_reference_room_rule(
+        redis_url: str, rooms: dict[str, tuple[int, int, int]], unlimited: tuple[str, ...],
+        admits: list[tuple[Tier, int]]) -> None:
+    """Each node: (room, window, released so far), published as limit = released + room. A
+    sequence of fast-path admits: a Normal or Batch task is released iff some node's room takes
+    it by the reference rule, goes to such a node, and raises that node's count by its prompt;
+    a VIP task is always released, to a node the reference calls least queued, and raises no
+    count. A node without a published room takes anything."""
+    nodes = {n: r for n, r in rooms.items() if n not in unlimited}
+    caps = {n: BIG for n in {*rooms, *unlimited}}
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await client.flushdb()
+            store = await _store(client)
+            k = store.keys
+            await store.publish_state(1, Zone.GREEN, caps, prefill={
+                n: (released + room, window) for n, (room, window, released) in nodes.items()})
+            counts = {n: released for n, (_, _, released) in nodes.items()}
+            if counts:
+                await client.hset(k.node_prefill_released, mapping=counts)  # type: ignore[arg-type]
+            # Every node's count moves, limited or not (a room published later starts from it).
+            counts.update({n: 0 for n in unlimited})
+            limits = {n: released + room for n, (room, _, released) in nodes.items()}
+            windows = {n: window for n, (_, window, _) in nodes.items()}
+            for i, (tier, prompt) in enumerate(admits):
+                outcome, node = await _admit(store, f"t{i}", tier, prompt)
+                room = {n: limits[n] - counts[n] for n in nodes}
+                allowed = [n for n in caps if n not in nodes
+                           or fits(prompt, room[n], windows[n])]
+                if tier is Tier.VIP:
+                    assert outcome == "released"
+                    light = [n for n in caps if n not in nodes or 2 * room[n] >= windows[n]]
+                    if not light:
+                        most = max(room.values())
+                        light = [n for n in nodes if room[n] == most]
+                    assert node in light
+                    continue
+                if not allowed:
+                    assert outcome == "queued"
+                    # Queued work blocks its own tier's fast path after it: start afresh.
+                    await client.delete(*k.queues)
+                    await client.delete(k.tenant_queued)
+                    continue
+                assert outcome == "released" and node in allowed
+                counts[node] += prompt
+            stored = {_s(f): int(v) for f, v in
+                      (await client.hgetall(k.node_prefill_released)).items()}
+            assert {n: stored.get(n, 0) for n in counts} == counts
+            assert set(stored) <= set(counts)
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+async def test_concurrent_normal_admits_take_exactly_the_room_and_vip_is_not_held(
+        redis_client: aioredis.Redis) -> None:
+    store = await _store(redis_client)
+    # Room 2,550 of a 10,000 window, 100-token prompts: 25 fit, the 26th finds 50 left.
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (2_550, 10_000)})
+    results = await asyncio.gather(*(_admit(store, f"n{i}", Tier.NORMAL, 100) for i in range(100)))
+    released = [r for r in results if r[0] == "released"]
+    assert len(released) == 25
+    assert all(r[0] == "queued" for r in results if r[0] != "released")
+    assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == 2_500
+    vips = await asyncio.gather(*(_admit(store, f"v{i}", Tier.VIP, 400) for i in range(20)))
+    assert vips == [("released", "node-a")] * 20
+    assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == 2_500
+
+
+async def test_a_prompt_larger_than_the_window_runs_on_a_half_empty_room(
+        redis_client: aioredis.Redis) -> None:
+    store = await _store(redis_client)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (600, 1_000)})
+    assert await _admit(store, "doc", Tier.BATCH, 8_000) == ("released", "node-a")
+    # Its prompt took the room (and more): nothing else of Normal or Batch until the leader
+    # publishes the next room.
+    assert (await _admit(store, "chat", Tier.NORMAL, 10))[0] == "queued"
+
+
+async def test_the_leaders_release_obeys_the_room_and_keeps_fifo(
+        redis_client: aioredis.Redis) -> None:
+    store = await _store(redis_client)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (0, 2_000)})
+    for i, prompt in enumerate((600, 600, 600, 100)):
+        assert (await _admit(store, f"b{i}", Tier.BATCH, prompt))[0] == "queued"
+    # The next poll's room takes two of the three 600-token prompts; the 100-token one behind
+    # the third does not overtake it.
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (1_300, 2_000)})
+    released = await store.release(1, (100, 100, 100))
+    assert [t.task_id for t in released] == ["b0", "b1"]
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (2_400, 2_000)})
+    released = await store.release(1, (100, 100, 100))
+    assert [t.task_id for t in released] == ["b2", "b3"]
+    assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == 1_900
+
+
+async def test_without_a_published_room_nothing_is_limited(redis_client: aioredis.Redis) -> None:
+    store = await _store(redis_client)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG})
+    results = [await _admit(store, f"n{i}", Tier.NORMAL, 8_000) for i in range(10)]
+    assert results == [("released", "node-a")] * 10
+
+
+async def test_the_finish_script_counts_vip_first_tokens_against_the_objective(
+        redis_client: aioredis.Redis) -> None:
+    store = await _store(redis_client)
+    k = store.keys
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG})
+    assert (await _admit(store, "v0", Tier.VIP, 10))[0] == "released"
+    await store.finish("v0", 20, cancelled=False, ttft_ms=500)
+    # No objective published: nothing counted.
+    assert await redis_client.hgetall(k.node_vip_ttft) == {}
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, {"vip_ttft_objective_ms": 250})
+    for task_id, tier, ttft in (("v1", Tier.VIP, 100), ("v2", Tier.VIP, 251),
+                                ("v3", Tier.VIP, None), ("n1", Tier.NORMAL, 900)):
+        assert (await _admit(store, task_id, tier, 10))[0] == "released"
+        await store.finish(task_id, 20, cancelled=False, ttft_ms=ttft)
+    counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}
+    assert counts == {"node-a:n": 2, "node-a:over": 1}
+    # A repeated settle is a no-op: counted once.
+    await store.finish("v2", 20, cancelled=False, ttft_ms=251)
+    counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}
+    assert counts == {"node-a:n": 2, "node-a:over": 1}
+
+
+async def test_the_leader_publishes_rooms_from_the_measured_backlog(
+        redis_client: aioredis.Redis, redis_url: str) -> None:
+    """A tick against a real metrics page: window, backlog and room in the state hash and the
+    scripts' hash, the room shrinking by what a gateway released, and growing back when the
+    engine's prompt counter shows it prefilled."""
+    fake = FakeVllm(running=1, prompt_tokens=0.0)
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             control={"vip_ttft_objective_ms": 200,
+                                      "prefill_tokens_per_s": 10_000})
+        async with pool_scheduler(redis_client, config) as ps:
+            k = ps.store.keys
+            await ps.tick(1, always)  # window 10,000 tokens/s x 0.2 s x 1/2
+            published = await state(ps.store)
+            assert (published["prefill_window:n1"], published["prefill_backlog:n1"],
+                    published["prefill_room:n1"]) == ("1000", "0", "1000")
+            assert published["vip_ttft_objective_ms"] == "200"
+            rooms = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_prefill)).items()}
+            assert rooms == {"n1": 1_000, "n1:window": 1_000}
+            assert ps.metrics.prefill_window.labels("p", "n1")._value.get() == 1_000
+            assert (await _admit(ps.store, "a", Tier.NORMAL, 800))[0] == "released"
+            await ps.tick(1, always)  # the counter has not moved: 800 queued for prefill
+            published = await state(ps.store)
+            assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("800", "200")
+            assert (await _admit(ps.store, "b", Tier.NORMAL, 300))[0] == "queued"
+            fake.prompt_tokens = 800.0
+            result = await ps.tick(1, always)  # prefilled: the whole window again
+            assert [t.task_id for t in result.released] == ["b"]
+            published = await state(ps.store)
+            assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("0", "1000")
+            assert await _count(redis_client, k.node_prefill_released, "n1") == 1_100

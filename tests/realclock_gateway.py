@@ -33,8 +33,10 @@ class RecordingSettler(Settler):
         self.started: list[tuple[str, int | None, bool, asyncio.Task[FinishResult | None]]] = []
 
     def finish(self, store: PoolStore, task_id: str, usage: int | None, *, cancelled: bool,
-               labels: tuple[str, ...] | None) -> asyncio.Task[FinishResult | None]:
-        task = super().finish(store, task_id, usage, cancelled=cancelled, labels=labels)
+               labels: tuple[str, ...] | None,
+               ttft_ms: int | None = None) -> asyncio.Task[FinishResult | None]:
+        task = super().finish(store, task_id, usage, cancelled=cancelled, labels=labels,
+                              ttft_ms=ttft_ms)
         self.started.append((task_id, usage, cancelled, task))
         return task
 

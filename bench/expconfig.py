@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from admission.controlconfig import ControlSettings
 from admission.tiers import Tier
 from bench.sim.config import DEFAULT_MODEL, SimConfig
 from bench.workload import (
@@ -183,6 +184,34 @@ def default_max_tokens(settings: Settings) -> int:
     return max(room, max(c.output.hi for c in settings.classes))
 
 
+def control_on_the_lab_clock(settings: Settings) -> list[str]:
+    """Arm (c)'s `[pools.control]`: the shipped defaults, converted to the simulation's units.
+
+    The gateways time first tokens and the leader measures rates on the wall clock, while a
+    reduced-scale node runs `time_scale` times faster than real time and has `capacity_scale`
+    of a real node's throughput. A real deployment's 250 ms objective is therefore 250 /
+    time_scale wall milliseconds here, and the fallback prefill rate is the real one times
+    capacity_scale x time_scale, and a window of tokens is capacity_scale times as many. This is
+    a change of units, not a tuning: at scale 1 (the full
+    preset) nothing is written and the services run the defaults as shipped."""
+    if settings.time_scale == 1.0 and settings.capacity_scale == 1.0:
+        return []
+    d = ControlSettings()
+    speed = settings.time_scale
+    return [
+        "[pools.control]",
+        f"vip_ttft_objective_ms = {max(1, round(d.vip_ttft_objective_ms / speed))}",
+        f"prefill_tokens_per_s = "
+        f"{max(1, round(d.prefill_tokens_per_s * settings.capacity_scale * speed))}",
+        f"signal_stale_ms = {max(1, round(d.signal_stale_ms / speed))}",
+        # Windows are prompt tokens a node prefills in a given time: a k-slice prefills k times
+        # fewer, so the same time ahead of a VIP chat is k times fewer tokens.
+        f"window_min_tokens = {max(1, round(d.window_min_tokens * settings.capacity_scale))}",
+        f"window_max_tokens = {max(1, round(d.window_max_tokens * settings.capacity_scale))}",
+        "",
+    ]
+
+
 def kvgate_toml(
     settings: Settings,
     redis_url: str,
@@ -237,6 +266,7 @@ def kvgate_toml(
     zones = zone_overrides(settings)
     if zones:
         lines += ["[pools.zones]", *zones, ""]
+    lines += control_on_the_lab_clock(settings)
     if settings.vip_nodes:
         lines += [
             "[pools.dedicated]",

@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from admission.config import DedicatedNodes, ZoneSettings, parse_config
+from admission.controlconfig import ControlSettings
 from admission.keys import PoolKeys
 from admission.scripts import register_scripts
 from admission.store import PoolStore
@@ -316,6 +317,29 @@ def test_arm_c_config_takes_the_zone_flags() -> None:
     assert zones(yellow=0.75).yellow == 0.75
     assert zones(kv_target=0.79).kv_target == 0.79
     assert zones() == ZoneSettings()
+
+
+def test_arm_c_runs_the_shipped_control_converted_to_the_lab_clock() -> None:
+    """A reduced-scale node runs time_scale times faster with capacity_scale of the throughput:
+    the objective is the shipped one in the node's own time, nothing else changes."""
+    def control(settings: Settings) -> ControlSettings:
+        text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
+        return parse_config(tomllib.loads(text), env={}).pools[POOL].control
+
+    shipped = ControlSettings()
+    assert control(with_overrides(PRESETS["smoke"], time_scale=1.0, capacity_scale=1.0)) \
+        == shipped
+    lab = control(with_overrides(PRESETS["smoke"], time_scale=8.0, capacity_scale=0.25))
+    assert lab.vip_ttft_objective_ms == round(shipped.vip_ttft_objective_ms / 8)
+    assert lab.prefill_tokens_per_s == shipped.prefill_tokens_per_s * 2
+    # The window the model derives (rate x objective) is a quarter of a real node's, as its
+    # throughput is: the same time of prefill ahead of a VIP chat.
+    assert lab.prefill_tokens_per_s * lab.vip_ttft_objective_ms == pytest.approx(
+        shipped.prefill_tokens_per_s * shipped.vip_ttft_objective_ms / 4, rel=0.02)
+    assert (lab.window_min_tokens, lab.window_max_tokens) == (
+        shipped.window_min_tokens // 4, shipped.window_max_tokens // 4)
+    assert (lab.enabled, lab.max_engine_running, lab.vip_miss_target) == (
+        shipped.enabled, shipped.max_engine_running, shipped.vip_miss_target)
 
 
 def test_the_report_names_the_zone_settings_an_arm_changed() -> None:

@@ -28,10 +28,16 @@ from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
+from hypothesis import settings
 from redis.asyncio.cluster import RedisCluster
 
 from admission.keys import PoolKeys
 from admission.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
+from tests.properties import PROFILE
+
+# Hypothesis' defaults (an example database under .hypothesis/, a 200 ms deadline) make a
+# property's result depend on the checkout and on the machine's load; see tests/properties.py.
+settings.load_profile(PROFILE)
 
 EXTERNAL_REDIS_ENV = "KVGATE_TEST_EXTERNAL_REDIS_URL"
 NO_SKIP_ENV = "KVGATE_TEST_NO_SKIP"

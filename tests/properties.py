@@ -9,7 +9,12 @@
   instead, which every checkout runs first.
 - The failure blob printed: a failure in CI prints the `@reproduce_failure` line that replays
   it on any machine.
-- No deadline: the suite shares two cores with Redis servers and gateway processes.
+- No deadline and no `too_slow` health check: the suite shares two cores with Redis servers
+  and gateway processes, so a time limit on one example (or on drawing the first ones) fails
+  by the machine's load, not by the code.
+
+The same settings are the suite's default profile (loaded by tests/conftest.py), so a
+`@given` written without them still runs without a database and without time limits.
 
 `examples(n)` is a test's own number of examples, or KVGATE_PROPERTY_EXAMPLES when that is set:
 how a property is searched with many more examples than CI runs, under several seeds, e.g.
@@ -22,11 +27,14 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 EXAMPLES_ENV = "KVGATE_PROPERTY_EXAMPLES"
 
-PROPERTIES = settings(database=None, print_blob=True, deadline=None)
+PROPERTIES = settings(database=None, print_blob=True, deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow])
+PROFILE = "kvgate"
+settings.register_profile(PROFILE, PROPERTIES)
 
 
 def examples(n: int) -> int:

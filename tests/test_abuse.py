@@ -39,13 +39,14 @@ from gateway.errors import ApiError
 from gateway.handlers import _client_timeout_ms
 from tests.gateway_harness import KEYS, POOL, config_data, sha
 from tests.live import Processes
+from tests.properties import PROPERTIES, examples
 
 MAX_BODY = 65_536
 CONTEXT = 4096
 ADMIN_TOKEN = "adm-abuse-token"
 EXAMPLES = 25
 """Examples per operation and generation mode (schemathesis) and per category (hypothesis)."""
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None, phases=[Phase.generate],
+FUZZ = settings(PROPERTIES, max_examples=examples(EXAMPLES), phases=[Phase.generate],
                 suppress_health_check=list(HealthCheck))
 
 
@@ -336,7 +337,7 @@ def bad_bodies(draw: st.DrawFn) -> tuple[str, bytes, dict[str, str]]:
 
 
 @given(case=bad_bodies())
-@settings(FUZZ, max_examples=EXAMPLES * 8)
+@settings(FUZZ, max_examples=examples(EXAMPLES * 8))
 def test_bad_bodies_get_a_4xx_and_leave_the_budget_untouched(
         live: Live, case: tuple[str, bytes, dict[str, str]]) -> None:
     what, body, headers = case

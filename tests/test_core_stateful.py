@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, settings
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -34,6 +34,7 @@ from admission.store import (
 )
 from admission.tiers import Tier, Zone
 from tests.model import MICRO, Model
+from tests.properties import PROPERTIES, examples
 
 START_US = 1_700_000_000_000_000
 POLICY = PoolPolicy(tier_queue_caps=(4, 5, 6), lease_ttl_ms=3_000, stale_after_ms=4_000,
@@ -320,6 +321,5 @@ def test_core_state_machine(redis_url: str) -> None:
     CoreMachine.redis_url = redis_url
     run_state_machine_as_test(
         CoreMachine,
-        settings=settings(max_examples=300, stateful_step_count=30, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow]),
+        settings=settings(PROPERTIES, max_examples=examples(300), stateful_step_count=30),
     )

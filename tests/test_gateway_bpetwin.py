@@ -11,6 +11,7 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 from gateway.bpetwin import SELF_CHECK_TEXTS, TwinEncoder, tiktoken_twin
 from gateway.estimator import TokenCounter, load_tokenizer
+from tests.properties import PROPERTIES, examples
 
 # Text as clients send it: any code point but lone surrogates (the gateway refuses those).
 texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=300)
@@ -41,14 +42,14 @@ def test_self_check_sample_counts_agree(shipped: tuple[Tokenizer, TwinEncoder]) 
     assert twin.lengths(SELF_CHECK_TEXTS) == [hf_count(tokenizer, t) for t in SELF_CHECK_TEXTS]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(PROPERTIES, max_examples=examples(300))
 @given(st.lists(st.one_of(texts, specials), max_size=6).map("".join))
 def test_any_text_counts_the_same(shipped: tuple[Tokenizer, TwinEncoder], text: str) -> None:
     tokenizer, twin = shipped
     assert twin.lengths([text]) == [hf_count(tokenizer, text)]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(PROPERTIES, max_examples=examples(50))
 @given(st.lists(st.fixed_dictionaries({
     "role": st.sampled_from(["system", "user", "assistant", "tool"]),
     "content": texts,

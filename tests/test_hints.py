@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from admission.hints import (
@@ -20,6 +20,7 @@ from admission.hints import (
 )
 from admission.tiers import Tier, Zone
 from scheduler.zones import RED_WINDOW_S, RedClearance, clearance_s
+from tests.properties import PROPERTIES, examples
 
 FLOOR = 1_000
 depths = st.integers(0, 1_000_000)
@@ -27,6 +28,7 @@ rates = st.floats(0.0, 1e6, allow_nan=False)
 floors = st.integers(-10, 2 * MAX_RETRY_MS)
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(depths, depths, rates, floors)
 def test_drain_hint_is_bounded_and_monotone_in_depth(a: int, b: int, drain: float,
                                                      floor: int) -> None:
@@ -37,12 +39,14 @@ def test_drain_hint_is_bounded_and_monotone_in_depth(a: int, b: int, drain: floa
         assert min(max(1, floor), MAX_RETRY_MS) <= hint <= MAX_RETRY_MS
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(depths, rates, rates)
 def test_drain_hint_falls_as_the_rate_rises(ahead: int, a: float, b: float) -> None:
     slow, fast = sorted((a, b))
     assert drain_hint_ms(ahead, slow, FLOOR) >= drain_hint_ms(ahead, fast, FLOOR)
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(depths, rates, st.floats(0.0, 1e-3))
 def test_drain_hint_is_continuous_in_the_rate(ahead: int, drain: float, step: float) -> None:
     """A small change of rate moves the hint by about as much, relatively (plus the 1 ms of
@@ -52,6 +56,7 @@ def test_drain_hint_is_continuous_in_the_rate(ahead: int, drain: float, step: fl
     assert 0 <= hint - nearby <= math.ceil(hint * step) + 1
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(depths)
 def test_drain_hint_at_rate_zero_is_the_cap_and_unknown_is_the_floor(ahead: int) -> None:
     assert drain_hint_ms(ahead, 0.0, FLOOR) == MAX_RETRY_MS
@@ -66,6 +71,7 @@ def test_drain_hint_values() -> None:
     assert drain_hint_ms(999, 1.0, FLOOR) == MAX_RETRY_MS
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(st.floats(0.0, 1e5), st.floats(0.0, 1e5), st.integers(0, 10**7), st.integers(0, 10**7))
 def test_red_hint_is_bounded_and_grows_with_the_estimate_and_its_age(
     a: float, b: float, age_a: int, age_b: int
@@ -84,6 +90,7 @@ def test_red_hint_values() -> None:
     assert red_hint_ms(59.0, 5_000, FLOOR) == MAX_RETRY_MS
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(st.sampled_from(list(Zone)), st.sampled_from(list(Tier)), depths,
        st.one_of(st.none(), rates), st.one_of(st.none(), st.floats(0.0, 1e4)),
        st.integers(0, 10**6))
@@ -108,6 +115,7 @@ fractions = st.floats(0.0, 1.0)
 spans = st.floats(0.0, 3_600.0)
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(fractions, fractions, spans)
 def test_clearance_is_at_most_the_time_observed(excess: float, decline: float,
                                                 observed: float) -> None:
@@ -115,6 +123,7 @@ def test_clearance_is_at_most_the_time_observed(excess: float, decline: float,
     assert 0.0 <= estimate <= observed
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(fractions, fractions, fractions, spans, spans)
 def test_clearance_grows_with_excess_and_time_and_falls_with_decline(
     e1: float, e2: float, decline: float, t1: float, t2: float
@@ -127,6 +136,7 @@ def test_clearance_grows_with_excess_and_time_and_falls_with_decline(
     assert clearance_s(small, less, short) >= clearance_s(small, more, short) - 1e-9
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(st.floats(1e-3, 1.0), spans, st.floats(0.0, 1e-6))
 def test_clearance_is_continuous_as_the_decline_reaches_zero(excess: float, observed: float,
                                                               decline: float) -> None:

@@ -31,6 +31,7 @@ from gateway.app import create_app
 from gateway.state import GATEWAY
 from tests.gateway_harness import KEYS, POOL, config_data, serve_backend
 from tests.model import Model
+from tests.properties import PROPERTIES, examples
 
 NODES = ("node-a", "node-b", "node-c")
 TENANT = TenantQuota("t", rate=0, burst=10**9, max_queued=100)
@@ -47,7 +48,7 @@ def place_loop() -> Any:
     loop.close()
 
 
-@settings(max_examples=300, deadline=None,
+@settings(PROPERTIES, max_examples=examples(300),
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(caps=st.dictionaries(st.sampled_from(NODES),
                             st.one_of(st.sampled_from([0, 500, 1_000]), st.integers(0, 1_200)),

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rexc
 
@@ -39,6 +39,7 @@ from admission.tiers import Tier, Zone
 from gateway.metrics import GatewayMetrics
 from gateway.redismux import RedisMux
 from gateway.settle import SETTLE_RETRY, LiveTasks, Settler
+from tests.properties import PROPERTIES, examples
 
 TRANSIENT: list[BaseException] = [
     rexc.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."),
@@ -173,6 +174,7 @@ policies = st.builds(
 )
 
 
+@settings(PROPERTIES, max_examples=examples(100))
 @given(policies, st.lists(st.floats(0.0, 0.999), min_size=1, max_size=60))
 def test_waits_grow_to_the_cap_and_stop_at_the_bounds(policy: RetryPolicy,
                                                      rands: list[float]) -> None:

@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from admission.keys import PoolKeys
-from admission.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
+from bench.common.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
 
 EXTERNAL_REDIS_ENV = "KVGATE_TEST_EXTERNAL_REDIS_URL"
 NO_SKIP_ENV = "KVGATE_TEST_NO_SKIP"

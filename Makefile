@@ -45,7 +45,6 @@ bench-performance: $(VENV)/.installed redis-server
 
 # The 400% burst experiment, short version (about 3 minutes): Redis, simulated vLLM nodes,
 # scheduler with a standby, two gateways; progress on the terminal, the table at the end.
-# Its files go to the untracked bench/results/tmp/, so a demo leaves the checkout clean (the
-# committed bench/results/burst-short.* is `python -m bench.burst.experiment --short`).
+# Its files go to the untracked bench/results/tmp/, so a demo leaves the checkout clean.
 demo: $(VENV)/.installed redis-server
 	$(PY) -m bench.burst.experiment --short --out bench/results/tmp

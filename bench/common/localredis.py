@@ -1,7 +1,9 @@
 """Private redis-server processes on free loopback ports.
 
 Used by the tests, the benchmarks and the local demo so that none of them depends on a Redis
-somebody started by hand (or on the one this machine happens to run on 6379).
+somebody started by hand (or on the one this machine happens to run on 6379). It lives in the lab,
+not in the shipped `admission` package: a deployed gateway or scheduler connects to the Redis it
+is configured with and never starts one.
 """
 
 from __future__ import annotations

@@ -36,16 +36,15 @@ unit: $(VENV)/.installed redis-server promtool
 test: lint typecheck unit
 
 bench-core: $(VENV)/.installed redis-server
-	$(PY) -m bench.core
+	$(PY) -m bench.perf.core
 
 # The whole performance suite (issue 9), sections one after another, the 10-minute soak last;
 # run it on a quiet machine. PERF_ARGS=--quick checks that every section runs, in minutes.
 bench-performance: $(VENV)/.installed redis-server
-	$(PY) -m bench.performance $(PERF_ARGS)
+	$(PY) -m bench.perf.performance $(PERF_ARGS)
 
 # The 400% burst experiment, short version (about 3 minutes): Redis, simulated vLLM nodes,
 # scheduler with a standby, two gateways; progress on the terminal, the table at the end.
-# Its files go to the untracked bench/results/tmp/, so a demo leaves the checkout clean (the
-# committed bench/results/burst-short.* is `python -m bench.experiment --short`).
+# Its files go to the untracked bench/results/tmp/, so a demo leaves the checkout clean.
 demo: $(VENV)/.installed redis-server
-	$(PY) -m bench.experiment --short --out bench/results/tmp
+	$(PY) -m bench.burst.experiment --short --out bench/results/tmp

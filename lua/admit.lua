@@ -121,7 +121,7 @@ bucket_store(KEYS[13], level - need, now, rate, burst)
 redis.call('ZADD', KEYS[9], fmt(now + lease_ms * 1000), gateway)
 redis.call('SADD', KEYS[14], id)
 -- No enqueue time in the record: while queued it is the task's score in its queue, and the
--- release copies it in as queued_us (one field less per queued task, bench.perf_memory).
+-- release copies it in as queued_us (one field less per queued task, bench.perf.memory).
 redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 'cost', cost,
   'prompt_tokens', ARGV[5], 'max_tokens', ARGV[6], 'gateway', gateway)
 
@@ -143,7 +143,7 @@ redis.call('HSET', KEYS[12], 'deadline_us', fmt(deadline))
 redis.call('ZADD', queues[tier + 1], fmt(queue_clock(KEYS[2], now)), id)
 -- Within a tier, tasks with the tier's own timeout expire in the order they queued, so the
 -- reaper finds them at the head of the queue; only a shorter (client-set) deadline needs the
--- index. Saves a sorted-set entry per queued task (bench.perf_memory).
+-- index. Saves a sorted-set entry per queued task (bench.perf.memory).
 if tier_timeout_ms <= 0 or timeout_ms < tier_timeout_ms then
   redis.call('ZADD', KEYS[8], fmt(deadline), id)
 end

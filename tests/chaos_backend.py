@@ -1,4 +1,4 @@
-"""A vLLM stand-in process for the chaos tests: bench.instant_backend's API and metrics, plus
+"""A vLLM stand-in process for the chaos tests: bench.common.instant_backend's API and metrics, plus
 a fixed delay before each generation answers (so that requests are in flight when something
 is killed) and, optionally, streams that stop after some tokens until the client leaves.
 
@@ -22,7 +22,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
 
 SEEN: Final = web.AppKey("chaos_seen", collections.Counter)
 

@@ -32,7 +32,7 @@ from hypothesis import settings
 from redis.asyncio.cluster import RedisCluster
 
 from admission.keys import PoolKeys
-from admission.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
+from bench.common.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
 from tests.properties import PROFILE
 
 # Hypothesis' defaults (an example database under .hypothesis/, a 200 ms deadline) make a

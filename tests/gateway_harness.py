@@ -20,7 +20,7 @@ from admission.config import Config, parse_config
 from admission.scripts import register_scripts
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Zone
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from gateway.state import Gateway as GatewayRuntime

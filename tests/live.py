@@ -1,5 +1,5 @@
 """Real processes for the abuse and chaos tests: `python -m gateway`, `python -m scheduler`,
-`python -m bench.instant_backend`, each started with a readiness check and stopped by its PID
+`python -m bench.common.instant_backend`, each started with a readiness check and stopped by its PID
 (SIGTERM, then SIGKILL), plus the configuration they share written as TOML."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from admission.localredis import free_port
-from bench.procs import Child, child_env, python_module, spawn, wait_http_ok
+from bench.common.localredis import free_port
+from bench.common.procs import Child, child_env, python_module, spawn, wait_http_ok
 
 GATEWAY_READY = re.compile(r"kvgate gateway (\S+) listening on (http://\S+)")
 BACKEND_READY = re.compile(r"instant backend listening on (http://\S+)")
@@ -107,9 +107,9 @@ class Processes:
     def instant_backend(self, name: str, *, model: str = "demo",
                         output_tokens: int | None = None,
                         settable_metrics: bool = False) -> tuple[Child, str]:
-        """`bench.instant_backend`; `settable_metrics`: the KV usage and sequence counts it
+        """`bench.common.instant_backend`; `settable_metrics`: the KV usage and sequence counts it
         reports can be set at run time (``PUT /lab/metrics``)."""
-        argv = python_module("bench.instant_backend", "--port", "0", "--model", model)
+        argv = python_module("bench.common.instant_backend", "--port", "0", "--model", model)
         if output_tokens is not None:
             argv += ["--output-tokens", str(output_tokens)]
         if settable_metrics:

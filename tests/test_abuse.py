@@ -30,10 +30,10 @@ from hypothesis.errors import Unsatisfiable
 from admission.config import TenantSettings, parse_config
 from admission.connection import connect
 from admission.keys import PoolKeys
-from admission.localredis import LocalRedis, start_redis
 from admission.scripts import register_scripts
 from admission.store import PoolStore
 from admission.tiers import Tier, Zone
+from bench.common.localredis import LocalRedis, start_redis
 from gateway.auth import effective_tier
 from gateway.errors import ApiError
 from gateway.handlers import _client_timeout_ms

@@ -1,4 +1,4 @@
-"""Arms (a) and (b) replayed offline (bench.baseline_replay)."""
+"""Arms (a) and (b) replayed offline (bench.burst.baseline_replay)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from admission.tiers import Tier
-from bench import jsonlines
-from bench.baseline_replay import main, replay_baseline, replay_seed
+from bench.burst import jsonlines
+from bench.burst.baseline_replay import main, replay_baseline, replay_seed
+from bench.burst.workload import PlannedRequest
 from bench.sim.config import SimConfig
-from bench.workload import PlannedRequest
 
 # 1,349 usable blocks of 16 tokens per node.
 CONFIG = SimConfig(capacity_scale=0.05, max_model_len=8192)

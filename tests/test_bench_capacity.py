@@ -12,11 +12,11 @@ from typing import TypeVar
 import pytest
 
 from admission.tiers import Tier
-from bench.capacity import _Node, ideal_replay, projected_peak_blocks
-from bench.frontier import Point, frontier_table
+from bench.burst.capacity import _Node, ideal_replay, projected_peak_blocks
+from bench.burst.frontier import Point, frontier_table
+from bench.burst.workload import PlannedRequest
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, SimRequest
-from bench.workload import PlannedRequest
 
 T = TypeVar("T")
 
@@ -155,7 +155,7 @@ def _record_admissions(monkeypatch: pytest.MonkeyPatch,
 
             self.engine.add = recording_add  # type: ignore[method-assign]
 
-    monkeypatch.setattr("bench.capacity._Node", Recording)
+    monkeypatch.setattr("bench.burst.capacity._Node", Recording)
     return nodes
 
 
@@ -323,7 +323,7 @@ def test_the_kept_nodes_may_run_their_own_prefill_threshold(
             super().__init__(config, kv_ceiling)
             thresholds.append(self.engine.long_prefill_token_threshold)
 
-    monkeypatch.setattr("bench.capacity._Node", Recording)
+    monkeypatch.setattr("bench.burst.capacity._Node", Recording)
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     requests = _mixed_requests(6)
     chunked = ideal_replay(config, 3, requests, time_scale=1.0, window=(2.0, 20.0),

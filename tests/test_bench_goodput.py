@@ -1,4 +1,4 @@
-"""The goodput bound (bench.goodput) holds against the simulator's own engine.
+"""The goodput bound (bench.burst.goodput) holds against the simulator's own engine.
 
 The property drives bench.sim.engine offline, as the nodes run it (steps back to back, requests
 arriving while a step runs, preemptions allowed: no admission control in front), reads its
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.goodput import Bound, Work, capacity_tokens, check, edge_tokens, upper_bound
+from bench.burst.goodput import Bound, Work, capacity_tokens, check, edge_tokens, upper_bound
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, SimRequest
 

@@ -10,8 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from bench import instant_backend
-from bench.instant_backend import InstantBackend
+from bench.common import instant_backend
+from bench.common.instant_backend import InstantBackend
 from scheduler.scrape import NodeMetrics, parse_vllm_metrics
 from tests.gateway_harness import serve_backend
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from bench import litellm_env
+from bench.perf import litellm_env
 
 
 def test_config_routes_demo_to_the_backend_with_redis_backed_limits(tmp_path: Path) -> None:

@@ -22,19 +22,14 @@ from admission.keys import PoolKeys
 from admission.scripts import register_scripts
 from admission.store import PoolStore
 from admission.tiers import Tier, Zone
-from bench.arm import ArmResult
-from bench.expconfig import POOL, PRESETS, Settings, kvgate_toml, with_overrides
-from bench.experiment import setup_section
-from bench.fifo_proxy import FifoLimiter
-from bench.loadgen import FAILED, OK, REJECTED, ClientSettings, LoadGenerator, Outcome
-from bench.monitor import NodeSample, Sample, parse_metrics, redis_queues
-from bench.report import markdown_table, summarize
-from bench.sim.config import SimConfig
-from bench.sim.metrics import make_registry, render
-from bench.sim.runner import NodeRunner
-from bench.sim.tokens import chat_prompt_tokens
-from bench.stats import bootstrap_ratio_range
-from bench.workload import (
+from bench.burst.arm import ArmResult
+from bench.burst.expconfig import POOL, PRESETS, Settings, kvgate_toml, with_overrides
+from bench.burst.experiment import setup_section
+from bench.burst.fifo_proxy import FifoLimiter
+from bench.burst.loadgen import FAILED, OK, REJECTED, ClientSettings, LoadGenerator, Outcome
+from bench.burst.monitor import NodeSample, Sample, parse_metrics, redis_queues
+from bench.burst.report import markdown_table, summarize
+from bench.burst.workload import (
     DEFAULT_CLASSES,
     PlannedRequest,
     Scale,
@@ -43,6 +38,11 @@ from bench.workload import (
     plan,
     prompt_text,
 )
+from bench.common.stats import bootstrap_ratio_range
+from bench.sim.config import SimConfig
+from bench.sim.metrics import make_registry, render
+from bench.sim.runner import NodeRunner
+from bench.sim.tokens import chat_prompt_tokens
 from gateway.estimator import load_tokenizer
 from kvgate_client.policy import RetryPolicy
 

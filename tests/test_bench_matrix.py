@@ -22,12 +22,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from admission.tiers import Tier
-from bench.criteria import CRITERIA, LABELS
-from bench.expconfig import ARM_TITLES, default_max_tokens
-from bench.loadgen import ClientSettings, LoadGenerator
-from bench.matrix import SCALES, Cell, cells, main, parse_seeds
-from bench.mixes import MIXES, REALISTIC, with_mix
-from bench.workload import EXACT_MAX_TOKENS, PlannedRequest, Schedule, plan, prompt_text
+from bench.burst.criteria import CRITERIA, LABELS
+from bench.burst.expconfig import ARM_TITLES, default_max_tokens
+from bench.burst.loadgen import ClientSettings, LoadGenerator
+from bench.burst.matrix import SCALES, Cell, cells, main, parse_seeds
+from bench.burst.mixes import MIXES, REALISTIC, with_mix
+from bench.burst.workload import EXACT_MAX_TOKENS, PlannedRequest, Schedule, plan, prompt_text
 
 
 @pytest.mark.slow

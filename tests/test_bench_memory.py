@@ -1,4 +1,4 @@
-"""The memory benchmark's measurement (bench/perf_memory.py) and the instant backend's spaced
+"""The memory benchmark's measurement (bench/perf/memory.py) and the instant backend's spaced
 streams it relies on. No timings are asserted: the machine's load would make them flaky."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 from aiohttp import web
 
 from admission.keys import PoolKeys
-from bench import instant_backend
-from bench.instant_backend import InstantBackend
-from bench.perf_queue_memory import CLIENT_DEADLINE_EVERY, measure_queue_memory
+from bench.common import instant_backend
+from bench.common.instant_backend import InstantBackend
+from bench.perf.queue_memory import CLIENT_DEADLINE_EVERY, measure_queue_memory
 
 
 async def test_bytes_per_queued_task(redis_client: aioredis.Redis, redis_url: str) -> None:

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import perf_release, perf_tokens, performance
-from bench.perfreport import Check, PerfOptions, Section
+from bench.perf import performance
+from bench.perf import release as perf_release
+from bench.perf import tokens as perf_tokens
+from bench.perf.perfreport import Check, PerfOptions, Section
 
 SPEC = {s.key: s for s in performance.SPECS}
 
@@ -36,7 +38,7 @@ def test_quick_run_of_the_cheap_sections_writes_the_report(
     assert code == (0 if all(c["met"] for c in checks) else 1)
     assert report["exit_code"] == code
     assert report["run"]["quick"] is True
-    assert "python -m bench.performance --quick --only release,tokens" in md
+    assert "python -m bench.perf.performance --quick --only release,tokens" in md
     assert "| § | check | target | measured | result |" in md
     assert "| 4 | token estimate, warm 32 KB chat, p99 | <= 1 ms |" in md
     assert "| 5 | scheduler releases/s" in md
@@ -68,7 +70,7 @@ def _outcome(key: str, *sections: Section, error: str | None = None
 
 
 def _info() -> performance.RunInfo:
-    return performance.RunInfo("python -m bench.performance", "2026-01-01 00:00:00 UTC",
+    return performance.RunInfo("python -m bench.perf.performance", "2026-01-01 00:00:00 UTC",
                                "abc123", 2, "3.11", "7.0.15", (0.1, 0.2, 0.3), quick=False)
 
 

@@ -25,7 +25,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission.keys import PoolKeys, SchedulerKeys
-from admission.localredis import LocalRedis
+from bench.common.localredis import LocalRedis
 from tests.chaos_support import (
     FALLBACK_MS,
     LEASE_TTL_MS,
@@ -547,8 +547,8 @@ async def test_reaper_waits_a_lease_after_failed_leadership_calls() -> None:
     no Redis failure (only ticks and reaps did, and they stop without the lease), so when it
     led again it reaped the live gateways' tasks before they could renew."""
     from admission.connection import connect
-    from admission.localredis import free_port
     from admission.scripts import register_scripts
+    from bench.common.localredis import free_port
     from scheduler.leader import Elector
     from scheduler.service import SchedulerService
     from tests.scheduler_stub import make_config

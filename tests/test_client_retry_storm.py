@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from bench.retry_storm import (
+from bench.perf.retry_storm import (
     FixedDelayPolicy,
     KvgatePolicy,
     OpenAIDefaultPolicy,

@@ -24,9 +24,9 @@ from redis.asyncio.cluster import RedisCluster
 
 from admission.config import Config, parse_config
 from admission.keys import PoolKeys, SchedulerKeys
-from admission.localredis import LocalCluster
 from admission.tiers import Tier
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
+from bench.common.localredis import LocalCluster
 from gateway.app import create_app as create_gateway
 from gateway.redismux import MuxScript
 from gateway.state import GATEWAY

@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvgate_client
-from admission.localredis import start_redis
+from bench.common.localredis import start_redis
 from kvgate_client import RetryPolicy, RetryTransport, retrying
 from tests.live import Processes
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from admission.tiers import Tier
-from bench.expconfig import PRESETS
-from bench.experiment import run_experiment
-from bench.report import ArmSummary
-from bench.ttft import breakdowns
+from bench.burst.expconfig import PRESETS
+from bench.burst.experiment import run_experiment
+from bench.burst.report import ArmSummary
+from bench.burst.ttft import breakdowns
 
 pytestmark = [
     pytest.mark.slow,

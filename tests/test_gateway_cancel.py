@@ -11,9 +11,9 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from admission.localredis import free_port
 from admission.store import AdmitOutcome
 from admission.tiers import Tier, Zone
+from bench.common.localredis import free_port
 from tests.gateway_harness import BIG, Harness, eventually, running_gateway
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Write a long story about a lighthouse."}]

@@ -11,8 +11,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from admission.localredis import free_port
 from admission.tiers import Zone
+from bench.common.localredis import free_port
 from tests.gateway_harness import BIG, KEYS, Harness, running_gateway
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say hi."}]

@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from admission.config import ConfigError, parse_config
-from admission.localredis import free_port
+from bench.common.localredis import free_port
 from gateway.app import _node_client
 from gateway.nodeclient import (
     PAUSE_READING_BYTES,

@@ -16,7 +16,7 @@ from admission.config import load_config
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore
 from admission.tiers import Zone
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
 from tests.gateway_harness import EPOCH, KEYS, eventually, serve_backend, sha
 
 ROOT = Path(__file__).resolve().parent.parent

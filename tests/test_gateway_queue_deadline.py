@@ -19,8 +19,8 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from admission.localredis import LocalRedis
 from admission.tiers import Zone
+from bench.common.localredis import LocalRedis
 from tests.gateway_harness import BIG, Harness, eventually, running_gateway
 
 DEADLINE_S = 4.0

@@ -27,8 +27,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission.keys import PoolKeys, abandoned_lease
-from admission.localredis import LocalRedis
 from admission.store import MICRO
+from bench.common.localredis import LocalRedis
 from scheduler.service import SchedulerService
 from tests.gateway_harness import KEYS, POOL, eventually, running_gateway
 

@@ -21,11 +21,11 @@ import aiohttp
 import redis.asyncio as aioredis
 
 from admission.config import load_config
-from admission.localredis import LocalRedis
 from admission.scripts import register_scripts
 from admission.store import PoolStore
 from admission.tiers import Zone
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
+from bench.common.localredis import LocalRedis
 from gateway.shutdown import (
     BACKGROUND_STOP_S,
     CANCEL_GRACE_S,

@@ -19,10 +19,10 @@ from redis.asyncio.cluster import RedisCluster
 from admission import inspect
 from admission.config import TenantSettings
 from admission.keys import SchedulerKeys
-from admission.localredis import free_port, start_cluster
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota, leadership
 from admission.tiers import Tier, Zone
+from bench.common.localredis import free_port, start_cluster
 
 POOL = "insp"
 T0 = 10**15

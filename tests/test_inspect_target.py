@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from admission.config import ConfigError, RedisSettings
 from admission.inspect_target import redis_address, resolve_target
-from admission.localredis import LocalRedis, free_port
+from bench.common.localredis import LocalRedis, free_port
 from tests.test_inspect import POOL, populate
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from admission.config import parse_config
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from tests.gateway_harness import KEYS, POOL, config_data, serve_backend

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from admission.localredis import LocalRedis
+from bench.common.localredis import LocalRedis
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = "return 'still cached'"

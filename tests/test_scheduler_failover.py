@@ -32,10 +32,10 @@ import aiohttp
 from admission.config import ZoneSettings
 from admission.errors import FencedError
 from admission.keys import SchedulerKeys
-from admission.localredis import free_port
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore
 from admission.tiers import Tier
+from bench.common.localredis import free_port
 from tests.scheduler_stub import FakeVllm, admit, reserved, serve_fake
 
 ROOT = Path(__file__).resolve().parent.parent

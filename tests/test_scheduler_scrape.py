@@ -9,8 +9,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from admission.localredis import free_port
 from admission.tiers import Tier, Zone
+from bench.common.localredis import free_port
 from scheduler.scrape import USAGE_V0, USAGE_V1, MetricsError, Poller, parse_vllm_metrics
 from tests.scheduler_stub import (
     FakeVllm,

@@ -25,11 +25,11 @@ from redis.exceptions import RedisError
 from admission.config import Config, ConfigError, RedisSettings, parse_config
 from admission.connection import connect
 from admission.keys import PoolKeys
-from admission.localredis import LocalRedis
 from admission.scripts import register_scripts
 from admission.store import PoolStore
 from admission.tiers import Zone
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
+from bench.common.localredis import LocalRedis
 from gateway.auth import AdminToken, TenantDirectory
 from gateway.errors import ApiError
 from scheduler.service import SchedulerService

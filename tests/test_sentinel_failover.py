@@ -33,8 +33,8 @@ from aiohttp.test_utils import TestServer
 
 from admission.config import Config, parse_config
 from admission.keys import PoolKeys
-from admission.localredis import LocalRedis, start_redis, start_replica, start_sentinel
-from bench.instant_backend import InstantBackend
+from bench.common.instant_backend import InstantBackend
+from bench.common.localredis import LocalRedis, start_redis, start_replica, start_sentinel
 from gateway.app import create_app as create_gateway
 from gateway.redismux import MuxScript
 from gateway.state import GATEWAY

@@ -32,10 +32,10 @@ from admission.errors import (
     reply_code,
 )
 from admission.keys import abandoned_lease
-from admission.localredis import LocalRedis, free_port
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
+from bench.common.localredis import LocalRedis, free_port
 from gateway.metrics import GatewayMetrics
 from gateway.redismux import RedisMux
 from gateway.settle import SETTLE_RETRY, LiveTasks, Settler

@@ -43,8 +43,8 @@ from multidict import CIMultiDict
 
 from admission.config import GatewaySettings, SchedulerSettings, ZoneSettings, parse_config
 from admission.keys import PoolKeys
-from admission.localredis import LocalRedis, start_redis
 from admission.tiers import Tier
+from bench.common.localredis import LocalRedis, start_redis
 from tests.gateway_harness import KEYS, POOL, sha
 from tests.live import Processes
 

@@ -2,7 +2,7 @@
 
 Prometheus histograms say *that* a node's TTFT tail grew; the trace says why, after the fact:
 which steps a request waited through (how long each took, how many sequences and prefill
-tokens it carried) and how busy the engine was when the request arrived. ``bench.ttft`` joins
+tokens it carried) and how busy the engine was when the request arrived. ``bench.burst.ttft`` joins
 the traces with the load generator's per-request log on the request id the gateway forwards.
 
 Lines (times in simulated seconds since the node started; ``"k"`` tells them apart):

@@ -1,0 +1,147 @@
+"""The seven criteria of the burst experiment, judged for every arm, and the table of one cell.
+
+The VIP latency criterion compares each arm's VIP P99 TTFT during the burst with arm (a)'s
+VIP P99 at calm: the system without any gateway, on the same draw, is the reference for
+"slower" (an arm's own calm would hide a VIP that is slower at all times). Each arm's ratio to
+its own calm is reported beside it. Without arm (a) in the run, the reference is missing and
+the criterion reads n/a (not a pass).
+
+Besides the seven, the table shows whether the arm's calm VIP P50 and P99 stay within 1.10x of
+(a)'s (the price of the arm at calm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from admission.tiers import Tier
+from bench.burst.expconfig import ARM_TITLES
+from bench.burst.report import ArmSummary
+
+KV_BAR = 0.80
+VIP_SUCCESS_BAR = 0.9999
+VIP_RATIO_BAR = 1.20
+"""Burst VIP P99 TTFT over (a)'s calm VIP P99, at most (the goal is 1.10)."""
+VIP_RATIO_GOAL = 1.10
+CALM_BAR = 1.10
+GOODPUT_BAR = 0.90
+
+CRITERIA = ("kv_peak", "preemptions", "crashes", "vip_success", "vip_p99", "batch_done",
+            "goodput")
+LABELS = {
+    "kv_peak": f"KV peak < {KV_BAR:.0%}",
+    "preemptions": "zero preemptions",
+    "crashes": "zero crashed nodes",
+    "vip_success": f"VIP success >= {VIP_SUCCESS_BAR:.2%}",
+    "vip_p99": f"VIP P99 burst <= {VIP_RATIO_BAR:.2f}x (a)'s calm P99",
+    "batch_done": "every Batch done within 2x the burst",
+    "goodput": f"goodput >= {GOODPUT_BAR:.0%} of the upper bound",
+    "calm": f"calm VIP P50 and P99 <= {CALM_BAR:.2f}x (a)'s (not one of the seven)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    key: str
+    value: str
+    ok: bool | None
+    """None: cannot be judged (a reference or figure is missing)."""
+    number: float = math.nan
+    """The figure judged, for aggregates (ratio, share or count)."""
+
+    @property
+    def mark(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "n/a"}[self.ok]
+
+
+def _ratio(a: float, b: float) -> float:
+    if b <= 0 or math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b
+
+
+def _x(r: float) -> str:
+    return "n/a" if math.isnan(r) else ("inf" if math.isinf(r) else f"x{r:.2f}")
+
+
+def reference(summaries: Sequence[ArmSummary]) -> tuple[float, float] | None:
+    """Arm (a)'s calm VIP P50 and P99 (ms), or None without arm (a)."""
+    for s in summaries:
+        if s.arm == "a":
+            return s.vip_ttft_base
+    return None
+
+
+def judge(s: ArmSummary, ref: tuple[float, float] | None, burst_sim_s: float,
+          drain_factor: float) -> list[Verdict]:
+    """The seven criteria and the calm check for one arm, in ``CRITERIA`` order, then "calm"."""
+    out = [
+        Verdict("kv_peak", f"{s.kv_peak:.1%}", s.kv_peak < KV_BAR, s.kv_peak),
+        Verdict("preemptions", f"{s.preemptions:,}", s.preemptions == 0, s.preemptions),
+        Verdict("crashes", str(s.crashed_nodes), s.crashed_nodes == 0, s.crashed_nodes),
+    ]
+    vip = s.success.get(Tier.VIP, math.nan)
+    out.append(Verdict("vip_success", f"{vip:.2%}", None if math.isnan(vip)
+                       else vip >= VIP_SUCCESS_BAR, vip))
+    own = _ratio(s.vip_ttft_burst[1], s.vip_ttft_base[1])
+    vs_a = _ratio(s.vip_ttft_burst[1], ref[1]) if ref is not None else math.nan
+    out.append(Verdict("vip_p99", f"{_x(vs_a)} of (a) calm, {_x(own)} of own calm",
+                       None if math.isnan(vs_a) else vs_a <= VIP_RATIO_BAR, vs_a))
+    limit = drain_factor * burst_sim_s
+    if s.last_batch_s is None:
+        out.append(Verdict("batch_done", f"{s.batch_unfinished} not done", False, math.inf))
+    else:
+        out.append(Verdict("batch_done", f"+{s.last_batch_s / burst_sim_s:.2f}x the burst",
+                           s.last_batch_s <= limit, s.last_batch_s / burst_sim_s))
+    g = s.goodput_ratio
+    out.append(Verdict("goodput", "n/a" if g is None else f"{g:.1%}",
+                       None if g is None else g >= GOODPUT_BAR,
+                       math.nan if g is None else g))
+    if ref is None:
+        out.append(Verdict("calm", "n/a", None))
+    else:
+        p50, p99 = _ratio(s.vip_ttft_base[0], ref[0]), _ratio(s.vip_ttft_base[1], ref[1])
+        ok = None if math.isnan(p50) or math.isnan(p99) else max(p50, p99) <= CALM_BAR
+        out.append(Verdict("calm", f"P50 {_x(p50)}, P99 {_x(p99)}", ok, max(p50, p99)))
+    return out
+
+
+def passed(verdicts: Sequence[Verdict]) -> int:
+    """How many of the seven criteria pass."""
+    return sum(1 for v in verdicts if v.key in CRITERIA and v.ok)
+
+
+def judge_all(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
+              ) -> list[list[Verdict]]:
+    ref = reference(summaries)
+    return [judge(s, ref, burst_sim_s, drain_factor) for s in summaries]
+
+
+def validity(s: ArmSummary) -> str:
+    """The run's validity with the lag figures it rests on (share of samples over the
+    threshold, worst simulator loop lag; share of requests sent late, latest send)."""
+    lag = (f"sims over the lag bound {s.lag_ms[0]:.1%} of the time, worst {s.lag_ms[1]:.0f} "
+           f"ms; {s.lag_ms[2]:.1%} sent late, latest {s.lag_ms[3]:.0f} ms")
+    return (f"yes ({lag})" if not s.invalid
+            else "**INVALID**: " + "; ".join(s.invalid) + f" ({lag})")
+
+
+def cell_table(arms: Sequence[str], judged: Sequence[Sequence[Verdict]],
+               valid: Sequence[str]) -> str:
+    """One markdown table: a row per criterion, a column per arm, value and PASS/FAIL."""
+    lines = ["| criterion | " + " | ".join(ARM_TITLES[a] for a in arms) + " |",
+             "|---|" + "---|" * len(arms)]
+    for i, key in enumerate((*CRITERIA, "calm")):
+        lines.append(f"| {LABELS[key]} | " + " | ".join(
+            f"{v[i].value} **{v[i].mark}**" for v in judged) + " |")
+    lines.append("| criteria met (of 7) | " + " | ".join(str(passed(v)) for v in judged) + " |")
+    lines.append("| valid run | " + " | ".join(valid) + " |")
+    return "\n".join(lines)
+
+
+def summaries_table(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
+                    ) -> str:
+    return cell_table([s.arm for s in summaries], judge_all(summaries, burst_sim_s, drain_factor),
+                      [validity(s) for s in summaries])

@@ -1,0 +1,287 @@
+"""The burst experiment over seeds x traffic mixes x cluster sizes, kvgate on its shipped defaults.
+
+    python -m bench.burst.matrix                                  # the reduced matrix (see below)
+    python -m bench.burst.matrix --seed 3 --mix chat --size 2     # one cell again
+    python -m bench.burst.matrix --seed 101-110 --mix article     # seeds not in the repository
+    python -m bench.burst.matrix --scale full --seed 1 --size 4   # a headline cell at full scale
+
+Every cell runs the arms (default a, b, c, d) of bench.burst.experiment on one draw: the schedule is
+drawn from the seed and nothing else depends on it (scale, mixes, the ``max_tokens`` mix and
+every arm's settings are fixed before any draw; arm (c) runs kvgate's shipped defaults, no CLI
+overrides exist here). Default cells: seeds 1-10 of the ``article`` mix and 1-5 of ``chat`` and
+``generation`` (bench.burst.mixes), each on 2 and 4 nodes: 40 cells.
+
+Each cell writes ``<out>/cells/<scale>-<mix>-n<size>-s<seed>.json`` (every arm's figures, its
+verdicts on the seven criteria, the lag the run measured, its wall time), and after every cell
+``<out>/matrix-<scale>.md`` is written again from all cell files of that scale in ``<out>``:
+one table per cell, then the aggregate (per arm and criterion: cells passed of valid cells, the
+median and worst figure). An arm whose simulators lagged or whose load generator sent late
+beyond the bound (bench.burst.report) is marked INVALID in its cell and left out of the aggregate,
+never counted as a pass.
+
+Scales (``--scale``):
+
+* ``reduced`` (default): quarter-size nodes on a clock eight times faster, 64 s baseline, 96 s
+  burst (simulated), the lag bound 25 ms: fits two cores when nothing else runs. One cell
+  with four arms took 209 s of wall time on 2 cores with 2 nodes and 242 s with 4 (each arm
+  stops at most 44 wall seconds after its start, plus start-up), so the default 40 cells take
+  about 2.5 hours.
+* ``full``: real-size nodes in real time, 300 s baseline, 240 s burst: the headline cells, about
+  an hour per cell with four arms (run it per cell, with ``--seed``/``--mix``/``--size``).
+* ``ci``: a tiny cell for the test suite (seconds per arm; its figures mean little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.burst.arm import flush_print
+from bench.burst.criteria import CRITERIA, LABELS, Verdict, cell_table, judge_all, validity
+from bench.burst.expconfig import ARM_TITLES, ARMS, Settings
+from bench.burst.experiment import git_revision, run_experiment
+from bench.burst.mixes import MIXES, with_mix
+from bench.burst.report import ArmSummary
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "matrix"
+
+SCALES: dict[str, Settings] = {
+    "reduced": Settings(capacity_scale=0.25, time_scale=8.0, baseline_sim_s=64.0,
+                        burst_sim_s=96.0, min_after_sim_s=48.0, max_loop_lag_ms=25.0,
+                        max_send_lag_ms=25.0),
+    "full": Settings(baseline_sim_s=300.0),
+    "ci": Settings(capacity_scale=0.25, time_scale=8.0, baseline_sim_s=16.0, burst_sim_s=24.0,
+                   drain_factor=0.5, min_after_sim_s=8.0, crash_after_full_sim_s=None,
+                   gateways=1, schedulers=1, max_loop_lag_ms=25.0, max_send_lag_ms=25.0),
+}
+DEFAULT_SEEDS = {"article": "1-10", "chat": "1-5", "generation": "1-5"}
+DEFAULT_SIZES = (2, 4)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cell:
+    scale: str
+    mix: str
+    size: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.scale}-{self.mix}-n{self.size}-s{self.seed}"
+
+    def settings(self) -> Settings:
+        # The seed enters here and nowhere else: it draws the schedule (bench.burst.workload.plan).
+        base = with_mix(SCALES[self.scale], self.mix)
+        return dataclasses.replace(base, nodes=self.size, seed=self.seed)
+
+
+def parse_seeds(spec: str) -> list[int]:
+    """"3", "1-10" or "1,4,7-9" -> the seeds, in order, without repeats."""
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if last < first:
+            raise ValueError(f"empty seed range {part!r}")
+        out += [s for s in range(first, last + 1) if s not in out]
+    if not out:
+        raise ValueError("no seeds")
+    return out
+
+
+def cells(scale: str, mixes: Sequence[str], sizes: Sequence[int], seeds: str | None
+          ) -> list[Cell]:
+    return [Cell(scale, mix, size, seed) for mix in mixes for size in sizes
+            for seed in parse_seeds(seeds or DEFAULT_SEEDS[mix])]
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(getattr(k, "label", k)): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def cell_record(cell: Cell, settings: Settings, summaries: Sequence[ArmSummary],
+                wall_s: float, revision: str) -> dict[str, Any]:
+    judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
+    record: dict[str, Any] = _clean({
+        "cell": dataclasses.asdict(cell),
+        "code": revision,
+        "wall_s": wall_s,
+        "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "classes"},
+        "arms": [{"arm": s.arm, "valid": not s.invalid, "validity": validity(s),
+                  "verdicts": [dataclasses.asdict(v) for v in verdicts],
+                  "summary": dataclasses.asdict(s)}
+                 for s, verdicts in zip(summaries, judged, strict=True)],
+    })
+    return record
+
+
+def _verdict(d: dict[str, Any]) -> Verdict:
+    # Non-finite figures are stored as strings ("inf", "nan"); float() reads both forms.
+    return Verdict(d["key"], d["value"], d["ok"], float(d.get("number", math.nan)))
+
+
+def render(records: Sequence[dict[str, Any]], scale: str) -> str:
+    """The matrix's markdown: one table per cell, then the aggregate."""
+    parts = [f"# Burst matrix, {scale} scale", "",
+             f"{len(records)} cells; kvgate on its shipped defaults; every arm on the same "
+             "engines. Criteria and method: bench/README.md; each cell's figures: "
+             "cells/*.json.", ""]
+    parts += aggregate(records)
+    for rec in sorted(records, key=lambda r: (r["cell"]["mix"], r["cell"]["size"],
+                                              r["cell"]["seed"])):
+        c = rec["cell"]
+        arms = [a["arm"] for a in rec["arms"]]
+        judged = [[_verdict(v) for v in a["verdicts"]] for a in rec["arms"]]
+        parts += [f"## {c['mix']}, {c['size']} nodes, seed {c['seed']}", "",
+                  f"{rec['wall_s'] / 60:.1f} minutes wall, code {rec['code']}", "",
+                  cell_table(arms, judged, [a["validity"] for a in rec["arms"]]), ""]
+    return "\n".join(parts)
+
+
+def aggregate(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Per arm and criterion over the valid cells: passed / judged, median and worst figure."""
+    arms = [a for a in ARMS if any(x["arm"] == a for r in records for x in r["arms"])]
+    by_arm: dict[str, list[list[Verdict]]] = {a: [] for a in arms}
+    invalid: dict[str, int] = dict.fromkeys(arms, 0)
+    for rec in records:
+        for a in rec["arms"]:
+            if a["valid"]:
+                by_arm[a["arm"]].append([_verdict(v) for v in a["verdicts"]])
+            else:
+                invalid[a["arm"]] += 1
+    lines = ["## Aggregate over cells", "",
+             "Per criterion: valid cells passed / valid cells judged; median and worst figure "
+             "(worst: highest, except success and goodput: lowest). Invalid arm runs (lag) are "
+             "left out and counted in the last row.", "",
+             "| criterion | " + " | ".join(ARM_TITLES[a] for a in arms) + " |",
+             "|---|" + "---|" * len(arms)]
+    for i, key in enumerate((*CRITERIA, "calm")):
+        row = []
+        for a in arms:
+            vs = [v[i] for v in by_arm[a] if v[i].ok is not None]
+            if not vs:
+                row.append("n/a")
+                continue
+            nums = [v.number for v in vs if not math.isnan(v.number)]
+            low_is_bad = key in ("vip_success", "goodput")
+            worst = (min if low_is_bad else max)(nums) if nums else math.nan
+            med = statistics.median(nums) if nums else math.nan
+            row.append(f"{sum(1 for v in vs if v.ok)}/{len(vs)} (median {_fmt(key, med)}, "
+                       f"worst {_fmt(key, worst)})")
+        lines.append(f"| {LABELS[key]} | " + " | ".join(row) + " |")
+    lines.append("| cells meeting all seven | " + " | ".join(
+        f"{sum(1 for v in by_arm[a] if all(x.ok for x in v if x.key in CRITERIA))}"
+        f"/{len(by_arm[a])}" for a in arms) + " |")
+    lines.append("| invalid runs (left out) | " + " | ".join(str(invalid[a]) for a in arms)
+                 + " |")
+    return [*lines, ""]
+
+
+def _fmt(key: str, x: float) -> str:
+    if math.isnan(x):
+        return "n/a"
+    if math.isinf(x):
+        return "inf"
+    if key in ("kv_peak", "vip_success", "goodput"):
+        return f"{x:.1%}" if key != "vip_success" else f"{x:.2%}"
+    if key in ("vip_p99", "calm", "batch_done"):
+        return f"x{x:.2f}"
+    return f"{x:,.0f}"
+
+
+def load_records(out: Path, scale: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((out / "cells").glob(f"{scale}-*.json"))]
+
+
+async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_root: Path,
+                    say: Callable[[str], None], verbose: bool) -> None:
+    revision = git_revision()
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    spent: list[float] = []
+    for n, cell in enumerate(todo, 1):
+        eta = (f", about {statistics.mean(spent) * (len(todo) - n + 1) / 60:.0f} min left"
+               if spent else "")
+        say(f"=== cell {n}/{len(todo)}: {cell.mix} mix, {cell.size} nodes, seed {cell.seed} "
+            f"({cell.scale} scale{eta}) ===")
+        settings = cell.settings()
+        started = time.monotonic()
+        _, _, summaries = await run_experiment(settings, arms, log_root / cell.name,
+                                               progress=verbose)
+        wall = time.monotonic() - started
+        spent.append(wall)
+        record = cell_record(cell, settings, summaries, wall, revision)
+        (out / "cells" / f"{cell.name}.json").write_text(json.dumps(record, indent=1))
+        for a in record["arms"]:
+            met = sum(1 for v in a["verdicts"] if v["key"] in CRITERIA and v["ok"])
+            say(f"  {ARM_TITLES[a['arm']]}: {met}/7 criteria"
+                + ("" if a["valid"] else " (INVALID: lag)"))
+        say(f"  {wall:.0f} s wall")
+        (out / f"matrix-{cell.scale}.md").write_text(
+            render(load_records(out, cell.scale), cell.scale))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.burst.matrix",
+                                description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
+    p.add_argument("--seed", help='seeds for every chosen mix: "3", "1-10", "1,4,7-9" '
+                                  "(default: 1-10 for article, 1-5 for the others)")
+    p.add_argument("--mix", default=",".join(MIXES),
+                   help=f"comma-separated mixes of {', '.join(MIXES)}")
+    p.add_argument("--size", default=",".join(map(str, DEFAULT_SIZES)),
+                   help="comma-separated node counts")
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
+    p.add_argument("--skip-done", action="store_true",
+                   help="skip cells whose JSON is already in --out")
+    p.add_argument("--quiet", action="store_true", help="one line per arm, not per second")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    mixes = [m.strip() for m in args.mix.split(",") if m.strip()]
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    bad = [m for m in mixes if m not in MIXES] + [a for a in arms if a not in ARMS]
+    if bad:
+        print(f"error: unknown mix or arm {bad}", file=sys.stderr)
+        return 2
+    sizes = [int(s) for s in args.size.split(",") if s.strip()]
+    todo = cells(args.scale, mixes, sizes, args.seed)
+    if args.skip_done:
+        todo = [c for c in todo if not (args.out / "cells" / f"{c.name}.json").exists()]
+    log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-matrix-"))
+    flush_print(f"{len(todo)} cells, arms {','.join(arms)}, logs {log_root}, out {args.out}")
+    coro = run_cells(todo, arms, args.out, log_root, flush_print, verbose=not args.quiet)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+    flush_print(f"written: {args.out / f'matrix-{args.scale}.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""From an arm's raw results to the table's figures, the bar's verdicts, and markdown.
+
+Units: times and rates are reported in *simulated* time (wall time x time scale), the clock the
+engines' calibration speaks, so figures read like a real fleet's at any time scale. Token rates
+are for the simulated cluster as configured (nodes x capacity scale).
+
+Definitions (also printed under the table):
+
+* success: answered in full (every forced output token, ``[DONE]`` for streams) over requests
+  with a known outcome. Requests still in flight when the arm stops count as failures if they
+  were sent before the burst ended, and are left out ("censored") if sent after it.
+* TTFT: intended send time to the first content chunk, streaming VIP requests. A VIP request
+  that never got a first token counts as infinitely slow (a failure is not a fast answer), so a
+  P99 over a phase with more than 1% failures reads "inf".
+* last Batch: when the last Batch request sent before the burst's end completed, in seconds
+  after the burst's end (the bar: at most twice the burst's duration, and all of them).
+* goodput: prompt + generated tokens the engines processed during the burst (the vLLM counters:
+  recomputation after preemption is not in them), per second, against a true upper bound
+  (bench.burst.goodput): the smaller of the work offered (every engine-bound attempt planned before
+  the window's end, less what was already counted at its start) and what the nodes' time allows
+  at the step-time model's cheapest cost per token (prompt tokens first, then generated ones),
+  plus the window's edges. No arm can exceed it; the report asserts so. When measured, the
+  ideal replay (bench.burst.capacity: the same requests, offline, behind an omniscient admission
+  controller) is shown as a reference, not a bound.
+* valid: the simulators' event loops lagged past the threshold (wall ms; lag shifts the
+  simulated clock) for at most 5% of the samples, and at most 5% of requests left later than the
+  threshold after their intended time.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from admission.tiers import Tier
+from bench.burst.arm import ArmResult
+from bench.burst.capacity import CapacityResult
+from bench.burst.expconfig import ARM_TITLES, Settings
+from bench.burst.goodput import Bound, Work, check, upper_bound
+from bench.burst.loadgen import OK, Outcome
+from bench.burst.monitor import Sample, scrape_timeout_s
+from bench.common.stats import bootstrap_ratio_range, percentile
+
+
+@dataclass(slots=True)
+class ArmSummary:
+    arm: str
+    kv_peak: float
+    preemptions: int
+    crashed_nodes: int
+    success: dict[Tier, float]
+    counted: dict[Tier, int]
+    vip_ttft_base: tuple[float, float]
+    """P50, P99 in simulated ms."""
+    vip_ttft_burst: tuple[float, float]
+    last_batch_s: float | None
+    """Simulated seconds after the burst's end; None if some never completed."""
+    batch_unfinished: int
+    goodput: float
+    """Tokens per simulated second during the burst."""
+    goodput_ratio: float | None
+    """Tokens counted in the burst window over their upper bound (bench.burst.goodput); <= 1."""
+    goodput_bound: dict[str, float | str] | None = None
+    """The bound's terms (``Bound.as_dict``)."""
+    ideal_ratio: float | None = None
+    """Goodput over the ideal replay's throughput (a reference, not a bound), when measured."""
+    invalid: list[str] = field(default_factory=list)
+    errors: list[tuple[str, int]] = field(default_factory=list)
+    """The most common reasons requests did not succeed, with counts."""
+    lag_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """Share of samples with simulator loop lag above the threshold, its max (wall ms); share
+    of requests sent later than the threshold, the latest (wall ms)."""
+    running: tuple[float, float] = (0.0, 0.0)
+    """Mean running sequences per node, baseline and burst."""
+    vip_p99_ratio_range: tuple[float, float] = (math.nan, math.nan)
+    """90% bootstrap range of the VIP P99 TTFT ratio, burst / baseline: how much of the ratio
+    is the sampling of a few hundred requests."""
+
+
+def _censored(o: Outcome, burst_end: float) -> bool:
+    return not o.finished and o.req.at >= burst_end
+
+
+def _ttft_values(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
+                 burst_end: float) -> list[float]:
+    values = []
+    for o in outcomes:
+        if o.req.tier is not Tier.VIP or not o.req.stream or not lo <= o.req.at < hi:
+            continue
+        if _censored(o, burst_end):
+            continue
+        # A first token is a first token even if the stream broke later (that shows in the
+        # success rate); no first token at all counts as infinitely slow.
+        values.append(o.ttft * ts * 1000 if o.ttft is not None else math.inf)
+    return values
+
+
+def _p50_p99(values: Sequence[float]) -> tuple[float, float]:
+    return percentile(values, 50), percentile(values, 99)
+
+
+def _at(samples: Sequence[Sample], t: float) -> Sample:
+    return min(samples, key=lambda s: abs(s.t - t))
+
+
+def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
+    s = result.settings
+    ts = s.time_scale
+    profile = s.profile
+    b0, b1 = profile.window("burst")
+    outcomes = result.outcomes
+    success: dict[Tier, float] = {}
+    counted: dict[Tier, int] = {}
+    for tier in Tier:
+        mine = [o for o in outcomes if o.req.tier is tier and not _censored(o, b1)
+                and o.req.at < result.stopped_at]
+        counted[tier] = len(mine)
+        success[tier] = sum(o.status == OK for o in mine) / len(mine) if mine else math.nan
+    batch = [o for o in outcomes if o.req.tier is Tier.BATCH and o.req.at < b1]
+    unfinished = sum(o.status != OK for o in batch)
+    last = max((o.done_at for o in batch if o.done_at is not None), default=b1)
+    samples = result.samples
+    final = samples[-1]
+    goodput = math.nan
+    ratio: float | None = None
+    bound: Bound | None = None
+    if samples:
+        first, last_sample = _at(samples, b0), _at(samples, b1)
+        span = last_sample.t - first.t
+        if span > 0:
+            tokens = sum(
+                n1.prompt_tokens + n1.generation_tokens - n0.prompt_tokens - n0.generation_tokens
+                for n0, n1 in zip(first.nodes, last_sample.nodes, strict=True)
+            )
+            goodput = tokens / span / ts
+            bound = window_bound(s, outcomes, first, last_sample)
+            ratio = check(tokens, bound)
+    ideal = None
+    if capacity is not None and capacity.total_tokens_per_s > 0:
+        ideal = goodput / capacity.total_tokens_per_s
+    # Validity: the share of the run during which the simulators lagged (or the load generator
+    # sent late) beyond the threshold, not the single worst moment, so that one hiccup of a
+    # shared machine does not void a long run while lag that lasts (an overloaded simulator)
+    # does. The nodes' lag gauge is a maximum over the last second or two, so one spike shows
+    # in several consecutive samples.
+    loop_lags = [max((n.loop_lag for n in smp.nodes if n.up), default=0.0) * 1000
+                 for smp in samples]
+    send_lags = [(o.sent_at - o.req.at) * 1000 for o in outcomes if o.sent_at is not None]
+    lag = (_share_above(loop_lags, s.max_loop_lag_ms), max(loop_lags, default=math.nan),
+           _share_above(send_lags, s.max_send_lag_ms), max(send_lags, default=math.nan))
+    invalid = []
+    if lag[0] > MAX_LAGGING_SHARE:
+        invalid.append(f"simulator loop lag above {s.max_loop_lag_ms:.0f} ms "
+                       f"{lag[0]:.1%} of the time")
+    if lag[2] > MAX_LAGGING_SHARE:
+        invalid.append(f"{lag[2]:.1%} of requests sent more than {s.max_send_lag_ms:.0f} ms late")
+    running = (_mean_running(samples, 0.0, b0), _mean_running(samples, b0, b1))
+    base_ttft = _ttft_values(outcomes, 0.0, b0, ts, b1)
+    burst_ttft = _ttft_values(outcomes, b0, b1, ts, b1)
+    reasons = Counter(_reason(o, result.stopped_at) for o in outcomes
+                      if o.status != OK and not _censored(o, b1) and o.req.at < result.stopped_at)
+    return ArmSummary(
+        arm=result.arm,
+        kv_peak=max(n.kv_peak for n in final.nodes) if samples else math.nan,
+        preemptions=int(sum(n.preemptions for n in final.nodes)) if samples else 0,
+        crashed_nodes=result.crashed_nodes,
+        success=success,
+        counted=counted,
+        vip_ttft_base=_p50_p99(base_ttft),
+        vip_ttft_burst=_p50_p99(burst_ttft),
+        last_batch_s=None if unfinished else (last - b1) * ts,
+        batch_unfinished=unfinished,
+        goodput=goodput,
+        goodput_ratio=ratio,
+        goodput_bound=bound.as_dict() if bound is not None else None,
+        ideal_ratio=ideal,
+        invalid=invalid,
+        errors=reasons.most_common(6),
+        lag_ms=lag,
+        running=running,
+        vip_p99_ratio_range=bootstrap_ratio_range(burst_ttft, base_ttft, 99),
+    )
+
+
+def window_bound(settings: Settings, outcomes: Sequence[Outcome], first: Sample,
+                 last: Sample) -> Bound:
+    """bench.burst.goodput's bound for the tokens counted between two samples."""
+    # A request planned up to one scrape timeout after the closing sample may still have been
+    # counted by a node that answered that scrape late.
+    horizon = last.t + scrape_timeout_s(settings.sample_interval_s)
+    prompt = generated = 0
+    for o in outcomes:
+        if o.req.at < horizon:
+            runs = max(0, o.attempts - o.rejections)  # a 429 never reached an engine
+            prompt += runs * o.req.prompt_tokens
+            generated += runs * o.req.output_tokens
+    before = Work(sum(n.prompt_tokens for n in first.nodes),
+                  sum(n.generation_tokens for n in first.nodes))
+    spans = [n1.clock - n0.clock for n0, n1 in zip(first.nodes, last.nodes, strict=True)]
+    configs = [settings.sim_config(i) for i in range(len(first.nodes))]
+    return upper_bound(configs, spans, Work(prompt, generated), before)
+
+
+MAX_LAGGING_SHARE = 0.05
+"""A run is invalid when its simulators lagged, or its requests left late, beyond the
+thresholds for more than this share of the time (of the requests)."""
+
+
+def _share_above(values: Sequence[float], threshold: float) -> float:
+    return sum(v > threshold for v in values) / len(values) if values else 0.0
+
+
+def _mean_running(samples: Sequence[Sample], lo: float, hi: float) -> float:
+    values = [sum(n.running for n in smp.nodes) / len(smp.nodes)
+              for smp in samples if lo <= smp.t < hi]
+    return sum(values) / len(values) if values else math.nan
+
+
+def _reason(o: Outcome, stopped_at: float) -> str:
+    if not o.finished:
+        return f"{o.req.tier.label}: still in flight when the arm stopped"
+    # Numbers (token counts, ids) would make every reason unique; group by the words.
+    text = re.sub(r"\d+", "N", o.error or o.status)[:90]
+    return f"{o.req.tier.label}: {text}"
+
+
+def shows_failure(summary: ArmSummary) -> tuple[bool, str]:
+    """What (a) and (b) must show: preemptions and VIP TTFT several (>= 3) times baseline."""
+    p50 = _times(summary.vip_ttft_burst[0], summary.vip_ttft_base[0])
+    p99 = _times(summary.vip_ttft_burst[1], summary.vip_ttft_base[1])
+    several = max(p50, p99) >= 3.0
+    ok = (summary.preemptions > 0 or summary.crashed_nodes > 0) and several
+    return ok, (f"{summary.preemptions} preemptions, {summary.crashed_nodes} crashed, "
+                f"VIP TTFT P50 x{p50:.1f}, P99 x{p99:.1f} of baseline")
+
+
+def _times(a: float, b: float) -> float:
+    if b <= 0 or math.isnan(a) or math.isnan(b):
+        return math.nan
+    return a / b
+
+
+def _ratio(a: float, b: float) -> str:
+    r = _times(a, b)
+    return "inf" if math.isinf(r) else f"x{r:.2f}"
+
+
+def _range(bounds: tuple[float, float]) -> str:
+    low, high = bounds
+    if math.isnan(low) or math.isnan(high):
+        return "n/a"
+    return f"{_ratio(low, 1.0)}-{_ratio(high, 1.0)}"
+
+
+def _pct(x: float | None, decimals: int = 0) -> str:
+    # Goodput sits near its 90% bar: a whole-percent "90%" beside a MISS would hide 89.6%.
+    return "n/a" if x is None or math.isnan(x) else f"{x:.{decimals}%}"
+
+
+def _ms(x: float) -> str:
+    if math.isinf(x):
+        return "inf"
+    return "n/a" if math.isnan(x) else f"{x:,.0f}"
+
+
+def _binding(s: ArmSummary) -> str:
+    b = s.goodput_bound
+    if not b:
+        return "n/a"
+    return f"{b['binding']}: {float(b['tokens']):,.0f} tokens"
+
+
+def _last_batch(s: ArmSummary, burst_sim_s: float) -> str:
+    if s.last_batch_s is None:
+        return f"{s.batch_unfinished} not completed"
+    return f"+{s.last_batch_s:,.0f} s ({s.last_batch_s / burst_sim_s:.2f}x the burst)"
+
+
+def markdown_table(summaries: Sequence[ArmSummary], capacity: CapacityResult | None,
+                   burst_sim_s: float) -> str:
+    head = "| | " + " | ".join(ARM_TITLES[s.arm] for s in summaries) + " |"
+    rule = "|---|" + "---:|" * len(summaries)
+    rows: list[tuple[str, list[str]]] = [
+        ("KV-cache peak (max over nodes)", [f"{s.kv_peak:.1%}" for s in summaries]),
+        ("preemptions", [f"{s.preemptions:,}" for s in summaries]),
+        ("crashed nodes", [str(s.crashed_nodes) for s in summaries]),
+    ]
+    for tier in Tier:
+        rows.append((f"{tier.label} success", [
+            f"{s.success[tier]:.2%} of {s.counted[tier]:,}" for s in summaries]))
+    rows += [
+        ("VIP TTFT P50 / P99, baseline (ms)",
+         [f"{_ms(s.vip_ttft_base[0])} / {_ms(s.vip_ttft_base[1])}" for s in summaries]),
+        ("VIP TTFT P50 / P99, burst (ms)",
+         [f"{_ms(s.vip_ttft_burst[0])} / {_ms(s.vip_ttft_burst[1])}" for s in summaries]),
+        ("VIP P99 TTFT burst / baseline (90% bootstrap range)",
+         [f"{_ratio(s.vip_ttft_burst[1], s.vip_ttft_base[1])} ({_range(s.vip_p99_ratio_range)})"
+          for s in summaries]),
+        ("last Batch request done, after burst end",
+         [_last_batch(s, burst_sim_s) for s in summaries]),
+        ("running sequences per node, mean, baseline / burst",
+         [f"{s.running[0]:.1f} / {s.running[1]:.1f}" for s in summaries]),
+        ("goodput during the burst (tok/s)", [f"{s.goodput:,.0f}" for s in summaries]),
+        ("goodput / upper bound (bench.burst.goodput; the binding term)",
+         [f"{_pct(s.goodput_ratio, 1)} ({_binding(s)})" for s in summaries]),
+        *([("goodput / ideal replay (a reference, not a bound)",
+            [_pct(s.ideal_ratio, 1) for s in summaries])] if capacity is not None else []),
+        ("valid run (share of time sims lagged past the threshold, worst lag; share of requests "
+         "sent late, latest)",
+         [("yes" if not s.invalid else "NO: " + "; ".join(s.invalid))
+          + f" ({s.lag_ms[0]:.1%}, {s.lag_ms[1]:.0f} ms; {s.lag_ms[2]:.1%}, {s.lag_ms[3]:.0f} ms)"
+          for s in summaries]),
+    ]
+    lines = [head, rule] + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    if capacity is not None:
+        lines.append("")
+        lines.append(
+            f"Ideal replay during the burst (bench.burst.capacity: the same requests at the "
+            f"same times, replayed offline on the simulator's engine behind an ideal admission "
+            f"controller that admits whatever cannot cause a preemption): "
+            f"{capacity.total_tokens_per_s:,.0f} tok/s prompt + generated "
+            f"({capacity.generation_tokens_per_s:,.0f} generated), "
+            f"{capacity.preemptions} preemptions, KV peak {capacity.kv_peak:.1%}, "
+            f"{capacity.mean_running:.1f} running sequences per node. That ideal puts VIP first "
+            f"(and the nodes run the priority policy); its VIP TTFT P50 / P99 is "
+            f"{_ms(capacity.vip_ttft_base[0])} / {_ms(capacity.vip_ttft_base[1])} ms at baseline "
+            f"and {_ms(capacity.vip_ttft_burst[0])} / {_ms(capacity.vip_ttft_burst[1])} ms in the "
+            f"burst (P99 {_ratio(capacity.vip_ttft_burst[1], capacity.vip_ttft_base[1])}): what "
+            f"an omniscient admission controller reaches on these nodes at full throughput.")
+        alt = capacity.alternative
+        if alt is not None and capacity.total_tokens_per_s > 0:
+            lines.append("")
+            lines.append(
+                f"The same ideal with {alt.vip_nodes} node kept for VIP (`[pools.dedicated]`: no "
+                f"Normal or Batch work there, VIP there first): VIP TTFT P50 / P99 "
+                f"{_ms(alt.vip_ttft_base[0])} / {_ms(alt.vip_ttft_base[1])} ms at baseline and "
+                f"{_ms(alt.vip_ttft_burst[0])} / {_ms(alt.vip_ttft_burst[1])} ms in the burst "
+                f"(P99 {_ratio(alt.vip_ttft_burst[1], alt.vip_ttft_base[1])}) at "
+                f"{alt.total_tokens_per_s:,.0f} tok/s, "
+                f"{alt.total_tokens_per_s / capacity.total_tokens_per_s:.0%} of the maximum: "
+                f"no long prefill ahead of a VIP chat, at the price of the throughput the kept "
+                f"node does not give to Batch.")
+    return "\n".join(lines)

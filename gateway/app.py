@@ -37,7 +37,7 @@ from gateway.nodeclient import NodeClient
 from gateway.openapi import openapi_document
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
-from gateway.redismux import RedisMux, mux_scripts
+from gateway.redismux import RedisMux
 from gateway.settle import LiveTasks, Settler, renew_leases
 from gateway.shutdown import BACKGROUND_STOP_S, SETTLE_DRAIN_S, InFlight
 from gateway.state import (
@@ -123,7 +123,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     # Script calls (admit, settle, renew) go through one multiplexed connection.
     mux = None if config.redis.cluster else RedisMux(config.redis,
                                                       locate=primary_locator(client))
-    hot = scripts if mux is None else mux_scripts(scripts, mux)
+    hot = scripts if mux is None else scripts.via_connection(mux)
     pools = {
         name: PoolRuntime(settings, PoolStore(client, hot, name, config.pool_policy(name)),
                           counters[name])

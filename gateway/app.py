@@ -130,7 +130,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
         for name, settings in config.pools.items()
     }
     stores = [pool.store for pool in pools.values()]
-    hub = WakeHub(client, [s.keys.wake_channel(gid) for s in stores], metrics,
+    hub = WakeHub(client, [s.wake_channel(gid) for s in stores], metrics,
                   poll_s=config.gateway.wake_fallback_ms / 1000,
                   sharded=config.redis.sharded_pubsub)
     live = LiveTasks()

@@ -249,7 +249,7 @@ async def renew_leases(
             held_before = settler.live.snapshot()
             try:
                 await store.renew(gateway_id)
-                members = await store.client.smembers(store.keys.gateway_tasks_key(gateway_id))
+                members = await store.gateway_tasks(gateway_id)
             except Exception as exc:
                 if stop.is_set():
                     return
@@ -257,8 +257,7 @@ async def renew_leases(
                 log.warning("renewing the lease in pool %s failed: %s", store.pool,
                             type(exc).__name__)
                 continue
-            for raw in members:
-                task_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            for task_id in members:
                 if task_id not in held_before and task_id not in settler.live:
                     metrics.child(metrics.orphans, store.pool).inc()
                     log.warning("cancelling task %s: held in Redis, unknown to this process",

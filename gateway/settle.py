@@ -71,6 +71,11 @@ class LiveTasks:
 
 
 class Settler:
+    """The one place a gateway ends a task (`finish`, hence `PoolStore.finish` and
+    `lua/finish.lua`): a response done or failed, a client gone while queued or admitting, a
+    queue deadline, a release to a node this gateway does not know, an orphan. No other
+    module calls a store's finish, settle or cancel (tests/test_layering.py)."""
+
     def __init__(
         self,
         metrics: GatewayMetrics,

@@ -1,5 +1,9 @@
 """Every Redis key this project uses, in one place.
 
+Only admission/ uses this schema: the gateway and the scheduler reach the keys through
+`admission.store.PoolStore` (script calls and named reads), `admission.pubsub` and
+`admission.store.leadership`, and name none themselves (tests/test_layering.py).
+
 All keys of one model pool share the hash tag ``{pool}`` so that each script touches one slot
 and the code runs unchanged on Redis Cluster; the scheduler's leadership keys share ``{sched}``.
 Key names are plain words so operators can read them with redis-cli, for example::

@@ -1,18 +1,23 @@
-"""The Lua scripts, loaded once as package data and registered with a client.
+"""The Lua scripts, loaded once as package data, and the one way they are run.
 
-Each script is `_lib.lua` followed by its own file. redis-py's `AsyncScript` runs EVALSHA and
-falls back to SCRIPT LOAD + EVALSHA on NOSCRIPT, so a Redis restart, a failover or a
-`SCRIPT FLUSH` costs one extra round trip, never an error.
+Each script is `_lib.lua` followed by its own file. A `Script` runs EVALSHA and, on NOSCRIPT,
+SCRIPT LOAD + EVALSHA once more, so a Redis restart, a failover or a `SCRIPT FLUSH` costs one
+extra round trip, never an error. Every script call of the project goes through
+`Script.__call__`, whatever carries it: a redis-py client (`redis.asyncio.Redis`,
+`RedisCluster`), or the gateway's multiplexed connection through `CommandTransport`; both
+offer the two commands a `ScriptTransport` needs.
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 
-from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon", "hint")
 
@@ -25,28 +30,100 @@ def script_source(name: str) -> str:
     return lib + "\n" + body
 
 
+class ScriptTransport(Protocol):
+    """What carries script calls: redis-py's clients have both methods with these signatures."""
+
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Awaitable[Any]: ...
+
+    def script_load(self, script: str) -> Awaitable[Any]: ...
+
+
+class Script:
+    """One script bound to a transport: EVALSHA, with one SCRIPT LOAD and retry on NOSCRIPT."""
+
+    __slots__ = ("name", "script", "sha", "transport")
+
+    def __init__(self, name: str, source: str, transport: Any) -> None:
+        self.name = name
+        self.script = source
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+        self.transport: ScriptTransport = transport
+
+    def via(self, transport: Any) -> Script:
+        """The same script, carried by `transport`."""
+        return Script(self.name, self.script, transport)
+
+    async def __call__(self, keys: Sequence[str] = (), args: Iterable[Any] = ()) -> Any:
+        transport = self.transport
+        keys_and_args = (*keys, *args)
+        try:
+            return await transport.evalsha(self.sha, len(keys), *keys_and_args)
+        except NoScriptError:
+            # The script cache was flushed (restart, failover, SCRIPT FLUSH): load, retry once.
+            sha = await transport.script_load(self.script)
+            self.sha = sha.decode() if isinstance(sha, bytes) else str(sha)
+            return await transport.evalsha(self.sha, len(keys), *keys_and_args)
+
+
 @dataclass(frozen=True, slots=True)
 class Scripts:
-    admit: AsyncScript
-    release: AsyncScript
-    finish: AsyncScript
-    renew: AsyncScript
-    reap: AsyncScript
-    state: AsyncScript
-    leader: AsyncScript
-    abandon: AsyncScript
-    hint: AsyncScript
+    admit: Script
+    release: Script
+    finish: Script
+    renew: Script
+    reap: Script
+    state: Script
+    leader: Script
+    abandon: Script
+    hint: Script
 
-    def all(self) -> tuple[AsyncScript, ...]:
+    def all(self) -> tuple[Script, ...]:
         return tuple(getattr(self, name) for name in SCRIPT_NAMES)
+
+    def via(self, transport: Any) -> Scripts:
+        """The same scripts, carried by `transport`."""
+        return Scripts(**{s.name: s.via(transport) for s in self.all()})
+
+    def via_connection(self, connection: Any) -> Scripts:
+        """The same scripts, carried by a connection that executes raw commands (the
+        gateway's multiplexed connection: `CommandTransport`)."""
+        return self.via(CommandTransport(connection))
+
+
+class CommandTransport:
+    """A `ScriptTransport` over a connection that only executes raw commands
+    (`await connection.execute(*args)`), such as the gateway's multiplexed connection."""
+
+    __slots__ = ("connection",)
+
+    def __init__(self, connection: Any) -> None:
+        self.connection = connection
+
+    # Plain functions returning the connection's awaitable: no coroutine frame of their own
+    # on the hot path's two calls per request.
+    def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Awaitable[Any]:
+        reply: Awaitable[Any] = self.connection.execute("EVALSHA", sha, numkeys, *keys_and_args)
+        return reply
+
+    def script_load(self, script: str) -> Awaitable[Any]:
+        reply: Awaitable[Any] = self.connection.execute("SCRIPT", "LOAD", script)
+        return reply
 
 
 def register_scripts(client: Any) -> Scripts:
     """Bind every script to `client` (redis.asyncio.Redis or RedisCluster); no I/O."""
-    return Scripts(**{name: client.register_script(script_source(name)) for name in SCRIPT_NAMES})
+    return Scripts(**{name: Script(name, script_source(name), client) for name in SCRIPT_NAMES})
 
 
 async def load_scripts(client: Any, scripts: Scripts) -> None:
     """Load every script now (readiness), instead of on first use."""
     for script in scripts.all():
         script.sha = await client.script_load(script.script)
+
+
+async def ensure_ready(client: Any, scripts: Scripts) -> None:
+    """Redis answers and holds every script (loading those it lost); raises when it cannot."""
+    await client.ping()
+    present = await client.script_exists(*(s.sha for s in scripts.all()))
+    if not all(present):
+        await load_scripts(client, scripts)

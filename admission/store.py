@@ -1,6 +1,7 @@
-"""Typed async API over the Lua scripts of one model pool.
+"""Typed async API over one model pool's keys: the gateway's and the scheduler's only way to them.
 
-One `PoolStore` per (client, pool). Every method is one script call, i.e. one round trip;
+One `PoolStore` per (client, pool). Every write is one script call, i.e. one round trip; the
+reads between script calls are named operations (admission.reads), one round trip each;
 nothing here reads a client clock.
 """
 
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from admission import reads
 from admission.errors import FencedError, ScriptReplyError
 from admission.hints import QueueView, parse_rate, retry_hint_ms
 from admission.keys import PoolKeys, SchedulerKeys, abandoned_lease, check_name
@@ -309,11 +311,40 @@ class PoolStore:
                                      f"{task.task_id} {task.node or ''}")
             await pipe.execute()
 
+    def wake_channel(self, gateway: str) -> str:
+        """The pub/sub channel on which `notify` wakes `gateway` (`parse_wake` reads it)."""
+        return self.keys.wake_channel(gateway)
+
     async def task(self, task_id: str) -> dict[str, str] | None:
+        """A task's record, or None when there is none (never was, or its retention ended)."""
         raw = await self.client.hgetall(self.keys.task_key(task_id))
         if not raw:
             return None
         return {_text(f): _text(v) for f, v in raw.items()}
+
+    async def read_tick(self, *, control: bool, running: bool) -> reads.TickReading:
+        """What the leader plans a tick from (admission.reads.read_tick)."""
+        return await reads.read_tick(self.client, self.keys, control=control, running=running)
+
+    async def left_queue(self, tier: Tier, task_ids: Sequence[str]) -> list[str]:
+        """Those of `task_ids` no longer queued in `tier`."""
+        return await reads.left_queue(self.client, self.keys, tier, task_ids)
+
+    async def task_states(self, task_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(state, node) of each task, '' for what its record lacks."""
+        return await reads.task_states(self.client, self.keys, task_ids)
+
+    async def gateway_tasks(self, gateway: str) -> set[str]:
+        """Ids of the live tasks `gateway` holds in this pool."""
+        return await reads.gateway_tasks(self.client, self.keys, gateway)
+
+
+def parse_wake(data: bytes | str) -> tuple[str, str | None]:
+    """A wake-up message as `PoolStore.notify` publishes it: (task id, node, or None when the
+    task expired in the queue)."""
+    text = data.decode() if isinstance(data, bytes) else data
+    task_id, _, node = text.partition(" ")
+    return task_id, node.strip() or None
 
 
 async def leadership(

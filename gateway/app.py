@@ -37,7 +37,7 @@ from gateway.nodeclient import NodeClient
 from gateway.openapi import openapi_document
 from gateway.pools import PoolRuntime
 from gateway.proxy import Upstream
-from gateway.redismux import RedisMux, mux_scripts
+from gateway.redismux import RedisMux
 from gateway.settle import LiveTasks, Settler, renew_leases
 from gateway.shutdown import BACKGROUND_STOP_S, SETTLE_DRAIN_S, InFlight
 from gateway.state import (
@@ -123,14 +123,14 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     # Script calls (admit, settle, renew) go through one multiplexed connection.
     mux = None if config.redis.cluster else RedisMux(config.redis,
                                                       locate=primary_locator(client))
-    hot = scripts if mux is None else mux_scripts(scripts, mux)
+    hot = scripts if mux is None else scripts.via_connection(mux)
     pools = {
         name: PoolRuntime(settings, PoolStore(client, hot, name, config.pool_policy(name)),
                           counters[name])
         for name, settings in config.pools.items()
     }
     stores = [pool.store for pool in pools.values()]
-    hub = WakeHub(client, [s.keys.wake_channel(gid) for s in stores], metrics,
+    hub = WakeHub(client, [s.wake_channel(gid) for s in stores], metrics,
                   poll_s=config.gateway.wake_fallback_ms / 1000,
                   sharded=config.redis.sharded_pubsub)
     live = LiveTasks()

@@ -12,6 +12,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from admission.scripts import ensure_ready
 from gateway import metrics as m
 from gateway.admit import STORE_ERRORS
 from gateway.auth import PRIORITY_HEADER, effective_tier
@@ -143,12 +144,7 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     try:
-        await gw.redis.ping()
-        scripts = gw.scripts.all()
-        present = await gw.redis.script_exists(*(s.sha for s in scripts))
-        if not all(present):
-            for script in scripts:
-                script.sha = await gw.redis.script_load(script.script)
+        await ensure_ready(gw.redis, gw.scripts)
     except STORE_ERRORS as exc:
         body = {"status": "not ready", "detail": f"redis: {type(exc).__name__}"}
         return web.Response(status=503, body=orjson.dumps(body),

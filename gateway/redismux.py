@@ -9,11 +9,14 @@ Calls overlap on the connection (pipelining) with no pool to size or exhaust.
 
 Failure semantics match a redis-py connection with socket timeouts: a reply that does not come
 within `socket_timeout_ms`, or a lost connection, fails every call in flight on it with
-`redis.exceptions.TimeoutError` / `ConnectionError` and the next call reconnects. Scripts
-survive a flushed script cache (NOSCRIPT: load and retry once), as redis-py's do.
+`redis.exceptions.TimeoutError` / `ConnectionError` and the next call reconnects. A NOSCRIPT
+reply is raised as `NoScriptError`, on which admission's one script runner
+(`admission.scripts.Script`) loads the script and retries once, as it does over redis-py.
 
-Only the script calls of admission go through here (`mux_scripts`); pub/sub, record polls,
-readiness and the scheduler's operations use the regular redis-py client. Redis Cluster is not
+This is a transport only: it names no key and builds no command of its own beyond the
+connection's handshake. Only the script calls of admission go through it (`mux_scripts`, i.e.
+`Scripts.via_connection`); pub/sub, record reads, readiness and the scheduler's operations use
+the regular redis-py client. Redis Cluster is not
 multiplexed (the gateway keeps redis-py's scripts there). With Sentinel, each connect asks
 where the primary is (`locate`), and a READONLY reply (the server was demoted to a replica by a
 failover) drops the connection, so the next call reconnects to the new primary.
@@ -24,11 +27,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import ssl
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import hiredis
-from redis.commands.core import AsyncScript
 from redis.connection import parse_url
 from redis.exceptions import (
     AuthenticationError,
@@ -41,7 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission.config import RedisSettings
 from admission.connection import PrimaryLocator
-from admission.scripts import SCRIPT_NAMES, Scripts
+from admission.scripts import Scripts
 
 MIN_DOWN_S = 0.1
 MAX_DOWN_S = 2.0
@@ -244,34 +246,6 @@ def _expire(conn: _Protocol, future: asyncio.Future[Any]) -> None:
         conn.fail(RedisTimeoutError("Timeout reading from Redis"))
 
 
-class MuxScript(AsyncScript):
-    """A registered script whose calls go through a `RedisMux` (same sha, same interface)."""
-
-    def __init__(self, base: AsyncScript, mux: RedisMux) -> None:
-        super().__init__(base.registered_client, base.script)
-        self.mux = mux
-
-    async def __call__(  # type: ignore[override]
-        self,
-        keys: Sequence[str | bytes] | None = None,
-        args: Iterable[Any] | None = None,
-        client: Any = None,
-    ) -> Any:
-        if client is not None:
-            return await super().__call__(keys, args, client)
-        keys = list(keys or ())
-        command: list[Any] = ["EVALSHA", self.sha, len(keys), *keys, *(args or ())]
-        try:
-            return await self.mux.execute(*command)
-        except NoScriptError:
-            # The script cache was flushed (restart, failover, SCRIPT FLUSH): load, retry once.
-            source = self.script if isinstance(self.script, str) else bytes(self.script)
-            sha = await self.mux.execute("SCRIPT", "LOAD", source)
-            self.sha = sha.decode() if isinstance(sha, bytes) else str(sha)
-            command[1] = self.sha
-            return await self.mux.execute(*command)
-
-
 def mux_scripts(scripts: Scripts, mux: RedisMux) -> Scripts:
-    """The same scripts, called through `mux`."""
-    return Scripts(**{name: MuxScript(getattr(scripts, name), mux) for name in SCRIPT_NAMES})
+    """The same scripts, called through `mux` (admission's runner, this connection)."""
+    return scripts.via_connection(mux)

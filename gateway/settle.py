@@ -71,6 +71,11 @@ class LiveTasks:
 
 
 class Settler:
+    """The one place a gateway ends a task (`finish`, hence `PoolStore.finish` and
+    `lua/finish.lua`): a response done or failed, a client gone while queued or admitting, a
+    queue deadline, a release to a node this gateway does not know, an orphan. No other
+    module calls a store's finish, settle or cancel (tests/test_layering.py)."""
+
     def __init__(
         self,
         metrics: GatewayMetrics,
@@ -249,7 +254,7 @@ async def renew_leases(
             held_before = settler.live.snapshot()
             try:
                 await store.renew(gateway_id)
-                members = await store.client.smembers(store.keys.gateway_tasks_key(gateway_id))
+                members = await store.gateway_tasks(gateway_id)
             except Exception as exc:
                 if stop.is_set():
                     return
@@ -257,8 +262,7 @@ async def renew_leases(
                 log.warning("renewing the lease in pool %s failed: %s", store.pool,
                             type(exc).__name__)
                 continue
-            for raw in members:
-                task_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+            for task_id in members:
                 if task_id not in held_before and task_id not in settler.live:
                     metrics.child(metrics.orphans, store.pool).inc()
                     log.warning("cancelling task %s: held in Redis, unknown to this process",

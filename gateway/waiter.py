@@ -25,7 +25,8 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from admission.store import PoolStore, TaskState
+from admission.pubsub import MESSAGE_KINDS, SUBSCRIBE_KINDS, Subscription
+from admission.store import PoolStore, TaskState, parse_wake
 from admission.tiers import Tier
 from gateway.metrics import GatewayMetrics
 
@@ -94,13 +95,11 @@ class WakeHub:
         self._waiting.pop(task_id, None)
 
     def deliver(self, data: bytes | str) -> None:
-        text = data.decode() if isinstance(data, bytes) else data
-        task_id, _, node = text.partition(" ")
-        node = node.strip()
+        task_id, node = parse_wake(data)
         waiter = self._waiting.get(task_id)
         if waiter is not None and not waiter.future.done():
             state = TaskState.RELEASED if node else TaskState.EXPIRED
-            waiter.future.set_result(Woken(node or None, state, False))
+            waiter.future.set_result(Woken(node, state, False))
 
     async def run(self) -> None:
         """Listen until `stop` is set (or cancelled); reconnects with backoff, never raises.
@@ -119,24 +118,18 @@ class WakeHub:
     async def _listen(self, index: int, channels: list[str], cluster_sharded: bool) -> None:
         backoff = 0.05
         while not self.stop.is_set():
-            pubsub = self.client.pubsub()
+            subscription = Subscription(self.client, channels, sharded=self.sharded,
+                                        per_shard=cluster_sharded)
             try:
-                if self.sharded:
-                    await pubsub.ssubscribe(*channels)
-                else:
-                    await pubsub.subscribe(*channels)
-                read = pubsub.get_sharded_message if cluster_sharded else pubsub.get_message
+                await subscription.open()
                 while not self.stop.is_set():
-                    if cluster_sharded and not pubsub.node_pubsub_mapping:
-                        # Nothing to read from (it would return at once, for ever).
-                        raise ConnectionError("shard subscription lost")
-                    message = await read(timeout=1.0)
+                    message = await subscription.get(1.0)
                     if message is None:
                         continue
-                    kind = message.get("type")
-                    if kind in ("message", "smessage"):
-                        self.deliver(message["data"])
-                    elif kind in ("subscribe", "ssubscribe"):
+                    kind, data = message
+                    if kind in MESSAGE_KINDS:
+                        self.deliver(data)
+                    elif kind in SUBSCRIBE_KINDS:
                         # (Re)subscribed: whatever was published meanwhile is lost; look now.
                         self._subscribed.add(index)
                         if len(self._subscribed) >= self._listeners:
@@ -158,7 +151,7 @@ class WakeHub:
                 backoff = min(backoff * 2, 2.0)
             finally:
                 with contextlib.suppress(Exception):
-                    await asyncio.shield(pubsub.aclose())
+                    await asyncio.shield(subscription.aclose())
 
     async def poll_forever(self) -> None:
         """The fallback: every `poll_s` (or when kicked), until `stop` is set."""
@@ -186,27 +179,19 @@ class WakeHub:
         for (store_key, tier), ids in groups.items():
             store = stores[store_key]
             for start in range(0, len(ids), _CHUNK):
-                chunk = ids[start:start + _CHUNK]
-                scores = await store.client.execute_command(
-                    "ZMSCORE", store.keys.queue(tier), *chunk)
-                left = [task_id for task_id, score in zip(chunk, scores, strict=True)
-                        if score is None]
+                left = await store.left_queue(tier, ids[start:start + _CHUNK])
                 if left:
                     resolved += await self._read_records(store, left)
         return resolved
 
     async def _read_records(self, store: PoolStore, task_ids: list[str]) -> int:
-        async with store.client.pipeline(transaction=False) as pipe:
-            for task_id in task_ids:
-                pipe.hmget(store.keys.task_key(task_id), "state", "node")
-            records = await pipe.execute()
+        records = await store.task_states(task_ids)
         resolved = 0
-        for task_id, (raw_state, raw_node) in zip(task_ids, records, strict=True):
-            state = _text(raw_state) or "unknown"
+        for task_id, (state, node) in zip(task_ids, records, strict=True):
+            state = state or "unknown"
             waiter = self._waiting.get(task_id)
             if state == TaskState.QUEUED or waiter is None or waiter.future.done():
                 continue
-            node = _text(raw_node)
             released = state == TaskState.RELEASED and bool(node)
             waiter.future.set_result(Woken(node if released else None, state, True))
             self.metrics.child(self.metrics.wake_fallbacks, store.pool).inc()
@@ -219,8 +204,3 @@ async def wait_for_release(woken: asyncio.Future[Woken], *, timeout_s: float) ->
     done, _ = await asyncio.wait((woken,), timeout=max(0.0, timeout_s))
     return woken.result() if done else None
 
-
-def _text(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode() if isinstance(value, bytes) else value

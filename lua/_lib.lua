@@ -32,21 +32,47 @@ local function queue_clock(clock_key, now)
   return score
 end
 
+-- A hash's fields read by name: HMGET of `names`, returned as a table keyed by those names (a
+-- missing field stays nil), so that every script reads st.zone or task.cost, never st[1] or
+-- f[4], and the lists of fields are written once, below.
+local function hash_fields(key, names)
+  local values = redis.call('HMGET', key, unpack(names))
+  local out = {}
+  for i, name in ipairs(names) do
+    if values[i] then out[name] = values[i] end
+  end
+  return out
+end
+
+-- The state hash's fields that say where a task may run (placement_of()).
+local PLACEMENT_FIELDS = {'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt',
+  'dedicated_guest_cap', 'dedicated_guest_rate', 'dedicated_guest_output',
+  'dedicated_guests_closed'}
+-- The state hash's fields a capacity 429's hint is computed from (hint_facts()).
+local HINT_FIELDS = {'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2', 'red_clear_s'}
+-- What admit.lua reads of the state hash: both of the above.
+local ADMIT_STATE_FIELDS = {unpack(HINT_FIELDS)}
+for _, name in ipairs(PLACEMENT_FIELDS) do table.insert(ADMIT_STATE_FIELDS, name) end
+-- A task record's fields the scripts act on (load_task()).
+local TASK_FIELDS = {'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'deadline_us',
+  'prompt_tokens', 'max_tokens', 'guest'}
+
 -- What a capacity 429's retry hint is computed from (admission/hints.py), as admit.lua and
 -- hint.lua report it: the tasks queued at `tier` or above; their drain rate in tasks/s, the sum
--- of the state's drain_<t> (`drains`, as HMGET read them), '' when none was published; and the
--- state's age in ms at `now` (µs), -1 when no state was published (`updated_us` false).
-local function hint_facts(queues, tier, drains, updated_us, now)
+-- of the state's drain_<t> ('' when none was published); and the state's age in ms at `now`
+-- (µs), -1 when no state was published. `st`: the state hash's HINT_FIELDS, by name.
+local function hint_facts(queues, tier, st, now)
   local ahead, drain, known = 0, 0, false
   for t = 0, tier do
     ahead = ahead + redis.call('ZCARD', queues[t + 1])
-    if drains[t + 1] then
+    local rate = st['drain_' .. t]
+    if rate then
       known = true
-      drain = drain + (tonumber(drains[t + 1]) or 0)
+      drain = drain + (tonumber(rate) or 0)
     end
   end
   local age = -1
-  if updated_us then age = math.floor((now - tonumber(updated_us)) / 1000) end
+  if st.updated_us then age = math.floor((now - tonumber(st.updated_us)) / 1000) end
   return ahead, known and tostring(drain) or '', age
 end
 
@@ -105,21 +131,21 @@ end
 -- p / rate seconds. 'dedicated_guests_closed' (names): dedicated nodes that take no guests
 -- now (their engines run more sequences than the pool allows guests beside). Absent fields:
 -- every node is shared.
-local function placement_of(nodes_field, tiers_field, guest_prompt_field, guest_cap_field,
-                            guest_rate_field, guest_output_field, guests_closed_field)
+-- `st`: the state hash's PLACEMENT_FIELDS, by name (hash_fields()).
+local function placement_of(st)
   local nodes = {}
-  if nodes_field then
-    for node in string.gmatch(nodes_field, '%S+') do nodes[node] = true end
+  if st.dedicated_nodes then
+    for node in string.gmatch(st.dedicated_nodes, '%S+') do nodes[node] = true end
   end
   local closed = {}
-  if guests_closed_field then
-    for node in string.gmatch(guests_closed_field, '%S+') do closed[node] = true end
+  if st.dedicated_guests_closed then
+    for node in string.gmatch(st.dedicated_guests_closed, '%S+') do closed[node] = true end
   end
-  return {nodes = nodes, tiers = tonumber(tiers_field or '0') or 0, closed = closed,
-          guest_prompt = tonumber(guest_prompt_field or '0') or 0,
-          guest_cap = tonumber(guest_cap_field or '0') or 0,
-          guest_rate = tonumber(guest_rate_field or '0') or 0,
-          guest_output = tonumber(guest_output_field or '0') or 0}
+  return {nodes = nodes, tiers = tonumber(st.dedicated_tiers or '0') or 0, closed = closed,
+          guest_prompt = tonumber(st.dedicated_guest_prompt or '0') or 0,
+          guest_cap = tonumber(st.dedicated_guest_cap or '0') or 0,
+          guest_rate = tonumber(st.dedicated_guest_rate or '0') or 0,
+          guest_output = tonumber(st.dedicated_guest_output or '0') or 0}
 end
 
 -- Prefill room: how many prompt tokens of Normal and Batch work each node may still be given
@@ -353,13 +379,11 @@ local function drop_released(prefix, resv_key, stats_key, id, task, state, usage
   return refund
 end
 
+-- A task's record (TASK_FIELDS by name), or nil when there is none.
 local function load_task(tkey)
-  local f = redis.call('HMGET', tkey, 'state', 'tenant', 'tier', 'cost', 'node', 'gateway',
-    'deadline_us', 'prompt_tokens', 'max_tokens', 'guest')
-  if not f[1] then return nil end
-  return { state = f[1], tenant = f[2], tier = f[3], cost = f[4], node = f[5],
-           gateway = f[6], deadline_us = f[7], prompt_tokens = f[8], max_tokens = f[9],
-           guest = f[10] }
+  local task = hash_fields(tkey, TASK_FIELDS)
+  if not task.state then return nil end
+  return task
 end
 
 -- The head of a queue: id, score (enqueue µs) and record. An entry without a queued record can

@@ -68,21 +68,18 @@ local tier_timeout_ms = tonumber(ARGV[15] or '0') or 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 
 local now = now_us(KEYS[2])
-local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2',
-  'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt', 'dedicated_guest_cap',
-  'dedicated_guest_rate', 'dedicated_guest_output', 'dedicated_guests_closed',
-  'red_clear_s')
-local zone = st[1] or 'GREEN'
+local st = hash_fields(KEYS[1], ADMIT_STATE_FIELDS)
+local zone = st.zone or 'GREEN'
 
 local existing = redis.call('HGET', KEYS[12], 'state')
 if existing then return {'duplicate', existing, 0, 0, zone} end
 
 -- Tasks ahead of this one (everything queued at its tier or above), and the rest of what a
 -- capacity rejection's hint is computed from (header).
-local ahead, drain, state_age_ms = hint_facts(queues, tier, {st[3], st[4], st[5]}, st[2], now)
+local ahead, drain, state_age_ms = hint_facts(queues, tier, st, now)
 
 local function capacity_rejected(reason)
-  return {'rejected', reason, 0, ahead, zone, drain, st[13] or '', state_age_ms}
+  return {'rejected', reason, 0, ahead, zone, drain, st.red_clear_s or '', state_age_ms}
 end
 
 if cost > burst then return {'rejected', 'exceeds_burst', -1, ahead, zone} end
@@ -99,10 +96,10 @@ end
 -- Fast path: nothing waits at this tier or above, the zone releases this tier freely
 -- (GREEN releases every tier, YELLOW and RED still release VIP), the scheduler's view is
 -- fresh, and a node the tier may use has room for the whole reservation.
-local fresh = stale_ms == 0 or (st[2] and now - tonumber(st[2]) <= stale_ms * 1000)
+local fresh = stale_ms == 0 or (st.updated_us and now - tonumber(st.updated_us) <= stale_ms * 1000)
 local node, guest, placement, prefill = nil, false, nil, nil
 if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
-  placement = placement_of(st[6], st[7], st[8], st[9], st[10], st[11], st[12])
+  placement = placement_of(st)
   if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19]) end
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
     tonumber(ARGV[5]), now, false, prefill)

@@ -14,8 +14,7 @@
 -- updated_us (ms; -1 when no state was published).
 
 local tier = tonumber(ARGV[1])
-local st = redis.call('HMGET', KEYS[1], 'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2',
-  'red_clear_s')
-local ahead, drain, state_age_ms = hint_facts({KEYS[3], KEYS[4], KEYS[5]}, tier,
-  {st[3], st[4], st[5]}, st[2], now_us(KEYS[2]))
-return {st[1] or 'GREEN', ahead, drain, st[6] or '', state_age_ms}
+local st = hash_fields(KEYS[1], HINT_FIELDS)
+local ahead, drain, state_age_ms = hint_facts({KEYS[3], KEYS[4], KEYS[5]}, tier, st,
+  now_us(KEYS[2]))
+return {st.zone or 'GREEN', ahead, drain, st.red_clear_s or '', state_age_ms}

@@ -49,11 +49,7 @@ local retention_s = tonumber(ARGV[6])
 local guests_only_tiers = tonumber(ARGV[7] or '0') or 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
-local dedicated = redis.call('HMGET', KEYS[1], 'dedicated_nodes', 'dedicated_tiers',
-  'dedicated_guest_prompt', 'dedicated_guest_cap', 'dedicated_guest_rate',
-  'dedicated_guest_output', 'dedicated_guests_closed')
-local placement = placement_of(dedicated[1], dedicated[2], dedicated[3], dedicated[4],
-  dedicated[5], dedicated[6], dedicated[7])
+local placement = placement_of(hash_fields(KEYS[1], PLACEMENT_FIELDS))
 local capacities = {KEYS[3], KEYS[11], KEYS[12]}
 local gst_key, pc_key = guests_key(prefix), pace_key(prefix)
 local prefill = nil

@@ -21,10 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from admission.keys import SchedulerKeys
+from admission.pubsub import MESSAGE_KINDS, announce_handover, handover_subscription
 from admission.scripts import Scripts
 from admission.store import leadership
 
@@ -115,7 +114,7 @@ class Elector:
         with contextlib.suppress(RedisError, OSError):
             await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000),
                              resign=True)
-            await self.client.publish(SchedulerKeys().handover, self.me)
+            await announce_handover(self.client, self.me)
 
     async def run(self) -> None:
         """Acquire or renew for ever (cancel to stop)."""
@@ -134,17 +133,12 @@ class Elector:
     async def _listen_handover(self) -> None:
         """Wake the loop when a leader resigns; best effort (the timed retry is the fallback)."""
         while True:
-            pubsub = self.client.pubsub()
+            subscription = handover_subscription(self.client)
             try:
-                if isinstance(self.client, RedisCluster):
-                    # Cluster pub/sub looks the channel's node up in the slot map, which is
-                    # empty until the client's first command: fill it (a no-op afterwards).
-                    await self.client.initialize()
-                await pubsub.subscribe(SchedulerKeys().handover)
+                await subscription.open()
                 while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True,
-                                                       timeout=1.0)
-                    if message is not None and self.epoch is None:
+                    message = await subscription.get(1.0)
+                    if message is not None and message[0] in MESSAGE_KINDS and self.epoch is None:
                         self._wake.set()
             except (RedisError, OSError) as exc:
                 log.debug("handover listener: %s", exc)
@@ -154,4 +148,4 @@ class Elector:
                 await asyncio.sleep(self.ttl_s / 3)
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()
+                    await subscription.aclose()

@@ -1,9 +1,10 @@
 """One model pool's tick on the leader: poll, plan budgets, publish, release, notify.
 
 Every tick costs the pool four Redis round trips whatever the queue length: one pipelined read
-(reservations, counters, queue depths), the fenced state write, one release script call for a
-whole batch, and one pipeline of wake-ups. Before each write the replica checks that it still
-holds its lease by its own clock; the epoch it passes is the second line of defence.
+(reservations, counters, queue depths: `PoolStore.read_tick`), the fenced state write, one
+release script call for a whole batch, and one pipeline of wake-ups. Before each write the
+replica checks that it still holds its lease by its own clock; the epoch it passes is the
+second line of defence.
 """
 
 from __future__ import annotations
@@ -150,17 +151,6 @@ class TickResult:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
 
 
-def _int_map(raw: Mapping[Any, Any]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k, v in raw.items():
-        key = k.decode() if isinstance(k, bytes) else str(k)
-        try:
-            out[key] = int(v)
-        except (TypeError, ValueError):
-            continue
-    return out
-
-
 class PoolScheduler:
     def __init__(
         self,
@@ -233,43 +223,20 @@ class PoolScheduler:
         self._first_poll = True
 
     async def read_snapshot(self) -> Snapshot:
-        k = self.store.keys
         control = self.control is not None
-        async with self.store.client.pipeline(transaction=False) as pipe:
-            pipe.hgetall(k.node_reserved)
-            pipe.hgetall(k.stats)
-            for queue in k.queues:
-                pipe.zcard(queue)
-            if control:
-                # Before the running index: a release in between is then counted in the
-                # backlog and in this count, so the room it took is not given back.
-                pipe.hgetall(k.node_prefill_released)
-                pipe.hgetall(k.node_vip_ttft)
-            # The whole running index is read only when the projection or the release control
-            # uses it: with thousands of tasks in flight it is the largest reply of the tick.
-            indexed = self._peak_projection or control
-            if indexed:
-                # Raw: redis-py's own score conversion would double this read's cost.
-                pipe.execute_command("ZRANGE", k.running, 0, -1, "WITHSCORES")
-                pipe.hget(k.clock, "frozen_us")
-                pipe.hget(k.state, "updated_us")
-            reply = list(await pipe.execute())
-        depths = (int(reply[2]), int(reply[3]), int(reply[4]))
-        rest = reply[5:]
-        released: dict[str, int] = {}
-        reports: dict[str, tuple[int, int]] = {}
-        if control:
-            released, rest = _int_map(rest[0]), rest[2:]
-            reports = _reports(_int_map(reply[6]))
+        # The whole running index is read only when the projection or the release control
+        # uses it: with thousands of tasks in flight it is the largest reply of the tick.
+        indexed = self._peak_projection or control
+        reading = await self.store.read_tick(control=control, running=indexed)
         running: dict[str, list[RunningTask]] = {}
         prefill: dict[str, list[tuple[Any, int, float]]] = {}
-        if indexed:
-            now_us = self._redis_now_us(rest[1], rest[2])
-            running, self._indexed = _running(rest[0], now_us, self._indexed)
+        if reading.running is not None:
+            now_us = self._redis_now_us(reading.frozen_us, reading.updated_us)
+            running, self._indexed = _running(reading.running, now_us, self._indexed)
             if control:
                 prefill = _prefill_tasks(self._indexed, now_us)
-        return Snapshot(_int_map(reply[0]), _int_map(reply[1]), depths, running, released,
-                        reports, prefill)
+        return Snapshot(reading.reserved, reading.stats, reading.depths, running,
+                        reading.prefill_released, _reports(reading.vip_ttft), prefill)
 
     def _redis_now_us(self, frozen: Any, last_published: Any) -> int:
         """The pool clock the scripts use, without a TIME call (Redis Cluster refuses it in a

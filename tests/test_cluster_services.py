@@ -28,7 +28,6 @@ from admission.tiers import Tier
 from bench.common.instant_backend import InstantBackend
 from bench.common.localredis import LocalCluster
 from gateway.app import create_app as create_gateway
-from gateway.redismux import MuxScript
 from gateway.state import GATEWAY
 from gateway.state import Gateway as GatewayRuntime
 from scheduler.app import SERVICE
@@ -196,7 +195,7 @@ async def test_pools_live_on_different_shards_and_the_mux_is_not_used(
         assert len({owner_port(client, PoolKeys(p).state) for p in POOLS}) == 2
         # No multiplexed connection on a cluster: the admission scripts are redis-py's.
         for pool in s.gateway.pools.values():
-            assert not isinstance(pool.store.scripts.admit, MuxScript)
+            assert pool.store.scripts.admit.transport is pool.store.client
         async with aiohttp.ClientSession() as http:
             async with http.get(s.gateway_server.make_url("/readyz")) as ready:
                 assert ready.status == 200, await ready.text()

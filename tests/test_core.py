@@ -229,12 +229,8 @@ async def test_script_flush_mid_test_does_not_break_later_calls(
     await redis_client.script_flush()
     assert (await store.release(1, (5, 5, 5))) == []
     await redis_client.script_flush()
-    async with redis_client.pipeline(transaction=False) as pipe:
-        # Inside a pipeline redis-py checks SCRIPT EXISTS first and loads what is missing.
-        await store.scripts.finish(keys=store._finish_keys("b"),
-                                   args=[store.keys.prefix, "b", 7, 60, "settled"], client=pipe)
-        reply = await pipe.execute()
-    assert reply[-1][0] == b"settled"
+    assert (await store.finish("b", 7, cancelled=False)).outcome == "settled"
+    assert all(await redis_client.script_exists(store.scripts.finish.sha))
 
 
 async def test_lua_key_formats_match_the_key_schema(store: PoolStore,

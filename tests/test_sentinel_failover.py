@@ -33,10 +33,11 @@ from aiohttp.test_utils import TestServer
 
 from admission.config import Config, parse_config
 from admission.keys import PoolKeys
+from admission.scripts import CommandTransport
 from bench.common.instant_backend import InstantBackend
 from bench.common.localredis import LocalRedis, start_redis, start_replica, start_sentinel
 from gateway.app import create_app as create_gateway
-from gateway.redismux import MuxScript
+from gateway.redismux import RedisMux
 from gateway.state import GATEWAY
 from gateway.state import Gateway as GatewayRuntime
 from scheduler.app import SERVICE
@@ -345,4 +346,6 @@ async def test_the_service_follows_a_sentinel_failover(replicated: Replicated) -
         zone, updated = await new_primary.hmget(PoolKeys(POOL).state, "zone", "updated_us")
         assert zone == b"YELLOW" and int(updated or 0) > int(published or 0)  # written anew
         admit = gw.pools[POOL].store.scripts.admit
-        assert isinstance(admit, MuxScript) and admit.mux.connects >= 2
+        transport = admit.transport
+        assert isinstance(transport, CommandTransport)
+        assert isinstance(transport.connection, RedisMux) and transport.connection.connects >= 2

@@ -1,0 +1,120 @@
+"""Named reads of one pool's keys, for the gateway and the scheduler.
+
+The scripts (admission.store) write; these read what the services need between script calls,
+each in one round trip, so that no service names a key or sends a command of its own:
+
+- `read_tick`: what the leader plans a tick from (reservations, counters, queue depths, and
+  when asked the prefill counts and the running index);
+- `left_queue` and `task_states`: the gateway's fallback check of its queued requests;
+- `gateway_tasks`: the tasks a gateway holds in the pool (its orphan sweep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission.keys import PoolKeys
+from admission.tiers import Tier
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def int_map(raw: Mapping[Any, Any]) -> dict[str, int]:
+    """A hash of counters as read (bytes or str fields and values), fields that are not
+    integers left out."""
+    out: dict[str, int] = {}
+    for k, v in raw.items():
+        key = k.decode() if isinstance(k, bytes) else str(k)
+        try:
+            out[key] = int(v)
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TickReading:
+    """One pool as the leader reads it at the start of a tick."""
+
+    reserved: dict[str, int]
+    """node_reserved: node -> tokens reserved by released, unsettled tasks."""
+    stats: dict[str, int]
+    """The pool's monotonic counters (released_<tier>, settled_cost, settled_usage, ...)."""
+    depths: tuple[int, int, int]
+    """Tasks queued per tier (VIP, Normal, Batch)."""
+    prefill_released: dict[str, int] = field(default_factory=dict)
+    """node -> prompt tokens of Normal and Batch work released there so far (read with
+    `control`, before the running index)."""
+    vip_ttft: dict[str, int] = field(default_factory=dict)
+    """<node>:n, <node>:over -> VIP first tokens seen and those over the objective (with
+    `control`)."""
+    running: Sequence[tuple[Any, Any]] | None = None
+    """The running index's (member 'node prompt max id', released µs) pairs as Redis returns
+    them, unparsed (the leader caches parsed members); None when not read."""
+    frozen_us: Any = None
+    """The pool clock's frozen_us (tests only; None in production), read with the index."""
+    updated_us: Any = None
+    """The state hash's updated_us: the Redis time of the last publish, read with the index."""
+
+
+async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool) -> TickReading:
+    """One pipelined read (no TIME: Redis Cluster refuses it in a pipeline). `control`: also
+    the prefill counts; `running`: also the whole running index, the largest reply of a tick
+    with thousands of tasks in flight, so it is read only when it is used."""
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.node_reserved)
+        pipe.hgetall(keys.stats)
+        for queue in keys.queues:
+            pipe.zcard(queue)
+        if control:
+            # Before the running index: a release in between is then counted in the backlog
+            # and in this count, so the room it took is not given back.
+            pipe.hgetall(keys.node_prefill_released)
+            pipe.hgetall(keys.node_vip_ttft)
+        if running:
+            # Raw: redis-py's own score conversion would double this read's cost.
+            pipe.execute_command("ZRANGE", keys.running, 0, -1, "WITHSCORES")
+            pipe.hget(keys.clock, "frozen_us")
+            pipe.hget(keys.state, "updated_us")
+        reply = list(await pipe.execute())
+    depths = (int(reply[2]), int(reply[3]), int(reply[4]))
+    rest = reply[5:]
+    prefill_released: dict[str, int] = {}
+    vip_ttft: dict[str, int] = {}
+    if control:
+        prefill_released, vip_ttft, rest = int_map(rest[0]), int_map(rest[1]), rest[2:]
+    if not running:
+        return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
+                           vip_ttft)
+    return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released, vip_ttft,
+                       rest[0], rest[1], rest[2])
+
+
+async def left_queue(client: Any, keys: PoolKeys, tier: Tier,
+                     task_ids: Sequence[str]) -> list[str]:
+    """Those of `task_ids` no longer in the queue of `tier` (one ZMSCORE)."""
+    if not task_ids:
+        return []
+    scores = await client.execute_command("ZMSCORE", keys.queue(tier), *task_ids)
+    return [task_id for task_id, score in zip(task_ids, scores, strict=True) if score is None]
+
+
+async def task_states(client: Any, keys: PoolKeys,
+                      task_ids: Sequence[str]) -> list[tuple[str, str]]:
+    """(state, node) of each task's record, '' for what it lacks (one pipelined read)."""
+    async with client.pipeline(transaction=False) as pipe:
+        for task_id in task_ids:
+            pipe.hmget(keys.task_key(task_id), "state", "node")
+        records = await pipe.execute()
+    return [(_text(state), _text(node)) for state, node in records]
+
+
+async def gateway_tasks(client: Any, keys: PoolKeys, gateway: str) -> set[str]:
+    """Ids of the live tasks `gateway` holds in the pool (its renewed set)."""
+    return {_text(raw) for raw in await client.smembers(keys.gateway_tasks_key(gateway))}

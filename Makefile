@@ -38,7 +38,7 @@ test: lint typecheck unit
 bench-core: $(VENV)/.installed redis-server
 	$(PY) -m bench.perf.core
 
-# The whole performance suite (issue 9), sections one after another, the 10-minute soak last;
+# The whole performance suite, sections one after another, the 10-minute soak last;
 # run it on a quiet machine. PERF_ARGS=--quick checks that every section runs, in minutes.
 bench-performance: $(VENV)/.installed redis-server
 	$(PY) -m bench.perf.performance $(PERF_ARGS)

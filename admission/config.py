@@ -123,20 +123,20 @@ class DedicatedNodes:
     guest_max_prompt_tokens: int = 0
     """Work of the other tiers whose prompt is at most this many tokens may run on the kept
     nodes too, trying them first (0: none). Short prompts mean no long prefill for a VIP to
-    wait behind; the kept nodes' compute does not sit idle between VIP chats."""
+    wait behind; the dedicated nodes' compute does not sit idle between VIP chats."""
     max_guests_per_node: int = 32
-    """At most this many guests alive on each kept node at once: the cap keeps its batch, and
+    """At most this many guests alive on each dedicated node at once: the cap keeps its batch, and
     so its step time and the VIP tail, the same before and during a flood."""
     guest_prompt_tokens_per_s: int = 0
-    """Paces each kept node's guests by their prompts (0: unpaced): after a guest of p prompt
+    """Paces each dedicated node's guests by their prompts (0: unpaced): after a guest of p prompt
     tokens the node takes no other guest for p / this many seconds. Set below what the 1x
-    traffic would bring, the kept node's prefill work is the same before and during a flood."""
+    traffic would bring, the dedicated node's prefill work is the same before and during a flood."""
     guest_max_output_tokens: int = 0
     """Guests must also ask for at most this many output tokens (0: no bound). A long
     generation's short prompt passes the prompt bound and the pace, then decodes for minutes:
-    it is what fills a kept node's batch and slows the VIP chats beside it."""
+    it is what fills a dedicated node's batch and slows the VIP chats beside it."""
     guest_max_running: int = 0
-    """A kept node whose engine reports more running sequences than this takes no new guests
+    """A dedicated node whose engine reports more running sequences than this takes no new guests
     until it runs fewer (0: no bound). VIP chats are not capped there, so their own number,
     which grows with the node's step time, can push a node near its decode limit; closing it
     to guests then keeps the step time, and so the VIP tail, where it was."""

@@ -208,10 +208,10 @@ def peak_usage(tasks: Sequence[RunningTask], ours_now: float,
     Tasks that may not be in the measurement yet (`unmeasured_count`) count at full prompt from
     now on and stay out of the calibration. In the calibration their prompts would swallow the
     tokens the decoding tasks generated: those would look fresh, and a node running long
-    generations would be projected short by everything they generated. Which tasks those are comes from the
-    reading, not from the prefill allowance: a document the engine prefilled faster than its
-    allowance is in the measurement, and the allowance alone counted it twice for up to ~0.85 s
-    (an 8k-token prompt); the allowance only shapes the decode calibration."""
+    generations would be projected short by everything they generated. Which tasks those are
+    comes from the reading, not from the prefill allowance: a document the engine prefilled
+    faster than its allowance is in the measurement, and the allowance alone counted it twice
+    for up to ~0.85 s (an 8k-token prompt); the allowance only shapes the decode calibration."""
     if not tasks:
         return 0.0
     youngest_first = sorted(tasks, key=lambda t: t.arrived_us)

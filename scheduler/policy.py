@@ -4,7 +4,7 @@ GREEN releases every tier (strict order, the release script's job). YELLOW relea
 Normal at `yellow_normal_rate` per second and holds Batch off the shared nodes: the zone
 follows their usage, so where a pool keeps dedicated nodes that take guests, Batch still goes
 to those as guests, by their own rules (pace, cap, prompt and output bounds). Otherwise the
-kept node's guest room goes to whatever the zone does not hold, Normal chats with long answers,
+dedicated node's guest room goes to whatever the zone does not hold, Normal chats with long answers,
 and its batch grows through a flood. RED releases VIP only. With
 `batch_trickle_rate` > 0, GREEN also lets that many Batch tasks per second past VIP and Normal
 tasks that are waiting for room: strict priority otherwise starves Batch under a steady

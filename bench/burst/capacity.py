@@ -198,7 +198,7 @@ def ideal_replay(
     (> 0) sets it on the kept nodes alone (a separate deployment may run other engine flags).
 
     ``kv_ceiling`` < 1 admits only while the projected peak stays within that fraction of each
-    node's cache: the ideal held to the same KV bar as the live system (issue 5: below 80%).
+    node's cache: the ideal held to the same KV bar as the live system (below 80%).
     ``strict_order`` admits in kvgate's release order: at the first queued request of a tier
     that fits nowhere it may go, nothing of that tier or below is admitted in that pass (the
     default lets later, smaller requests of any tier go past it, which packs better).

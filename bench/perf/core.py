@@ -164,7 +164,7 @@ async def run(seconds: float, concurrency: int, rate: float) -> str:
         f"Load average at the end of the run: {os.getloadavg()[0]:.2f} on "
         f"{os.cpu_count()} cores (other work on the machine shows up in the tail).",
         "",
-        "Targets (issue 2): at least 5,000 pairs/s from one process; admit p99 at most 1 ms "
+        "Targets: at least 5,000 pairs/s from one process; admit p99 at most 1 ms "
         "at 1,000/s.",
         "",
     ])

@@ -10,7 +10,7 @@ counts a conversation the counter has not seen whole, so no run is a plain cache
 - warm: the history was counted on an earlier turn; the request adds the assistant's previous
   reply and the user's new question (two new messages), or only a new question (one).
 
-Target (issue 3): warm 32 KB estimate p99 <= 1 ms.
+Target: warm 32 KB estimate p99 <= 1 ms.
 """
 
 from __future__ import annotations
@@ -222,7 +222,7 @@ class Measurement:
 
     @property
     def warm32_p99_ms(self) -> float:
-        """The figure issue 3's target is about: the worse of the two warm 32 KB scenarios."""
+        """The figure the target is about: the worse of the two warm 32 KB scenarios."""
         return max(r.p99_ms for r in self.rows
                    if r.size == "32 KB" and r.scenario.startswith("warm"))
 
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "Every run is a different conversation; times are one synchronous `count_chat` call\n"
         "(the async row includes the hop to a worker thread).\n\n"
         f"{table}\n\n"
-        f"Target (issue 3): warm 32 KB p99 <= 1 ms: **{verdict}** ({warm32:.3f} ms).\n",
+        f"Target: warm 32 KB p99 <= 1 ms: **{verdict}** ({warm32:.3f} ms).\n",
         encoding="utf-8",
     )
     print(f"wrote {args.output}")

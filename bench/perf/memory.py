@@ -1,4 +1,4 @@
-"""Section 6 of the performance suite (issue 9): memory, in Redis and in a gateway process.
+"""Section 6 of the performance suite: memory, in Redis and in a gateway process.
 
     python -m bench.perf.memory [--quick] [--soak-s 600] [--output FILE]
 

@@ -1,4 +1,4 @@
-"""The performance suite (issue 9): every section in one run, one report.
+"""The performance suite: every section in one run, one report.
 
     python -m bench.perf.performance [--quick] [--soak-s 600] [--only latency,scale,...]
                                 [--output-dir bench/results]
@@ -50,7 +50,7 @@ class SectionSpec:
     key: str
     module: str
     numbers: tuple[str, ...]
-    """Issue 9's section numbers this module covers (scale covers two)."""
+    """The suite's section numbers this module covers (scale covers two)."""
     title: str
     """Used when the module fails before naming its own sections."""
 

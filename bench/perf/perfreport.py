@@ -27,7 +27,7 @@ class PerfOptions:
 
 @dataclass(frozen=True)
 class Check:
-    """One of issue 9's targets, as measured in this run."""
+    """One of the performance targets, as measured in this run."""
 
     name: str
     target: str

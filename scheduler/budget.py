@@ -330,9 +330,12 @@ def plan_node(
              for c in ceilings]
     reason = ""
     if max_waiting and m.waiting > max_waiting:
-        # Out of compute: a release would only join the engine's queue, and the prompts queued
-        # there get their KV when the engine reaches them, unseen by any projection.
-        tiers = [min(b, reserved) for b in tiers]
+        # Out of compute: a Normal or Batch release would only join the engine's queue, and the
+        # prompts queued there get their KV when the engine reaches them, unseen by any
+        # projection. VIP is not held: its room lies above the other tiers' lines, and a VIP
+        # chat held here waits for the whole queue to drain, where released it waits at most
+        # as long (and skips the queue on an engine that schedules by priority).
+        tiers = [tiers[0], *(min(b, reserved) for b in tiers[1:])]
         reason = "engine_queue"
     if view.stale and stale_policy == "full":
         # Declared policy 'full': no new work to a node we cannot see, and it counts as sitting

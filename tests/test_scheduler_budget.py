@@ -179,7 +179,10 @@ def test_an_engine_out_of_compute_gets_no_new_releases_while_its_queue_is_long()
     assert free.budget is not None and free.budget > 30_000 and free.reason == ""
     assert plan_with(8, 8).budget == plan_with(8, 0).budget  # at the limit: still fed
     held = plan_with(9, 8)
-    assert held.budget == 30_000 and held.reason == "engine_queue"  # what it has, no more
+    assert held.reason == "engine_queue"
+    # Normal and Batch keep what they have, no more; VIP keeps its room above their lines.
+    assert held.tier_budgets[1:] == (30_000, 30_000)
+    assert held.budget == free.budget == free.tier_budgets[0] > 30_000
     assert held.projected == free.projected  # the zone still sees the same usage
     assert plan_with(9, 8).usable
 

@@ -180,6 +180,7 @@ def test_an_engine_out_of_compute_gets_no_new_releases_while_its_queue_is_long()
     assert plan_with(8, 8).budget == plan_with(8, 0).budget  # at the limit: still fed
     held = plan_with(9, 8)
     assert held.reason == "engine_queue"
+    assert held.tier_budgets is not None and free.tier_budgets is not None
     # Normal and Batch keep what they have, no more; VIP keeps its room above their lines.
     assert held.tier_budgets[1:] == (30_000, 30_000)
     assert held.budget == free.budget == free.tier_budgets[0] > 30_000

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import collections
 import contextlib
-import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from typing import Final
 import aiohttp
 import orjson
 from aiohttp import web
+
+from bench.common.serving import serve_until_signal
 
 READY_KEY = "fifo_ready"
 _HOP_BY_HOP = frozenset({
@@ -157,23 +158,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
 
 
 async def serve(backends: Sequence[str], max_inflight: int, host: str, port: int) -> None:
-    app = create_app(backends, max_inflight)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port, backlog=2048)
-        await site.start()
-        bound = runner.addresses[0][1]
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        sys.stdout.write(orjson.dumps({READY_KEY: True, "host": host, "port": bound}).decode())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_until_signal(create_app(backends, max_inflight), host, port, READY_KEY,
+                             backlog=2048)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

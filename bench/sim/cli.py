@@ -13,14 +13,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import orjson
-from aiohttp import web
-
+from bench.common.serving import serve_until_signal
 from bench.sim.app import SIM_RUNNER, create_app
 from bench.sim.config import SimConfig
 from bench.sim.timing import StepCosts
@@ -151,21 +148,7 @@ async def serve(config: SimConfig, host: str, port: int, *, crash_exit: bool = F
             loop.call_later(0.01, os._exit, _CRASH_EXIT_CODE)
 
         app[SIM_RUNNER].on_crash(die)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = runner.addresses[0][1]
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        sys.stdout.write(orjson.dumps({READY_KEY: True, "host": host, "port": bound}).decode())
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_until_signal(app, host, port, READY_KEY)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

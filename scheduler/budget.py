@@ -349,8 +349,17 @@ def plan_node(
 
 
 def pool_usage(plans: Sequence[NodePlan], aggregate: str,
-               dedicated: Collection[str] = ()) -> float | None:
+               dedicated: Collection[str] = (), projection_cap: float = 1.0) -> float | None:
     """The figure the pool's zone follows; None when no node is usable.
+
+    Per node: its measured usage, raised by its projection up to `projection_cap` (the pool's
+    `kv_target`, Normal's line). The projection counts what was released but is not measured
+    yet, so a burst of Normal or Batch work makes the pool YELLOW before the cache shows it and
+    Batch is held from the YELLOW line at once. Above Normal's line only VIP work is placed,
+    and there the projection counts nothing: RED, which turns Normal and Batch away, follows
+    measured KV alone. Were the projection counted in full, a VIP backlog placed up to VIP's
+    ceiling (the RED line by default) would project the pool into RED by itself, and Normal
+    and Batch would get 429s from a cache that reads a quarter full.
 
     The zone decides what Normal and Batch may do, and their work runs on the shared nodes:
     nodes kept for some tiers (`dedicated`) count only when no shared node is usable. A kept
@@ -361,9 +370,11 @@ def pool_usage(plans: Sequence[NodePlan], aggregate: str,
     usable = shared or usable
     if not usable:
         return None
+    figures = [max(p.measured, min(p.projected, projection_cap)) for p in usable]
     if aggregate == "total":
-        return sum(p.projected * p.capacity for p in usable) / sum(p.capacity for p in usable)
-    return max(p.projected for p in usable)
+        return (sum(f * p.capacity for f, p in zip(figures, usable, strict=True))
+                / sum(p.capacity for p in usable))
+    return max(figures)
 
 
 def budgets(plans: Sequence[NodePlan]) -> Mapping[str, tuple[int, int, int]]:

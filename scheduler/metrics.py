@@ -27,7 +27,8 @@ class SchedulerMetrics:
         self.zone = Gauge(p + "zone", "Load zone: 0 GREEN, 1 YELLOW, 2 RED.", ["pool"],
                           registry=r)
         self.pool_usage = Gauge(p + "pool_usage",
-                                "Projected KV usage the zone follows (fraction).", ["pool"],
+                                "KV usage the zone follows: measured, raised by the projection "
+                                "up to kv_target (fraction).", ["pool"],
                                 registry=r)
         self.usage_ratio = Gauge(p + "usage_ratio",
                                  "Learned tokens used / tokens reserved by settled tasks.",

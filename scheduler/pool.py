@@ -374,7 +374,8 @@ class PoolScheduler:
         snap = await self.read_snapshot()
         now = self.clock()
         plans = self.plan(views, snap, now)
-        usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes)
+        usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes,
+                           projection_cap=self.pool.zones.kv_target)
         zone = self.tracker.update(usage)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,

@@ -77,13 +77,13 @@ class RedClearance:
     """The leader's estimate of the seconds until the pool leaves RED (its usage falls below
     ``red - hysteresis``), published as `red_clear_s` for the gateways' RED hints.
 
-    Usage here is the figure the zone follows (`scheduler.budget.pool_usage`): it falls when
-    running sequences finish and give their KV and reservations back, and rises when VIP work is
-    released into the room. Its decline is measured between the oldest reading of the window
-    (at most `RED_WINDOW_S`, never before the pool turned RED) and now, and turned into an
-    estimate by `clearance_s`. While nothing drains the estimate grows with the time spent in RED
-    (up to the window); it falls only when usage does. A pool RED for want of any usable node
-    (usage unknown) counts as draining nothing. A new leader starts afresh."""
+    Usage here is the figure the zone follows (`scheduler.budget.pool_usage`), measured KV in
+    RED: it falls when running sequences finish and give their KV back, and rises as VIP work
+    released into the room fills the cache. Its decline is measured between the oldest reading
+    of the window (at most `RED_WINDOW_S`, never before the pool turned RED) and now, and turned
+    into an estimate by `clearance_s`. While nothing drains the estimate grows with the time
+    spent in RED (up to the window); it falls only when usage does. A pool RED for want of any
+    usable node (usage unknown) counts as draining nothing. A new leader starts afresh."""
 
     def __init__(self, exit_line: float, window_s: float = RED_WINDOW_S) -> None:
         self.exit_line = exit_line

@@ -96,6 +96,22 @@ def test_pool_usage_leaves_nodes_kept_for_some_tiers_out_while_a_shared_one_is_u
     assert pool_usage([kept, gone], "max", ("kept",)) == pytest.approx(0.75)
 
 
+def test_zone_follows_the_projection_up_to_normals_line_and_measured_usage_above() -> None:
+    # VIP work reserved up to its ceiling (the RED line) projects the node to 0.85 while the
+    # cache reads 0.27: the pool is YELLOW by the projection, not RED.
+    vip_backlog = dataclasses.replace(plan(view(0.27), reserved=0), projected=0.85)
+    assert pool_usage([vip_backlog], "max", projection_cap=0.78) == pytest.approx(0.78)
+    assert pool_usage([vip_backlog], "total", projection_cap=0.78) == pytest.approx(0.78)
+    # Below the cap the projection counts in full: a released burst not measured yet.
+    burst = dataclasses.replace(plan(view(0.20), reserved=0), projected=0.72)
+    assert pool_usage([burst], "max", projection_cap=0.78) == pytest.approx(0.72)
+    # A cache that really holds 0.88 is RED whatever the projection says.
+    full = dataclasses.replace(plan(view(0.88), reserved=0), projected=0.90)
+    assert pool_usage([full, burst], "max", projection_cap=0.78) == pytest.approx(0.88)
+    # Without a cap the projection counts in full (and is never below the measurement).
+    assert pool_usage([vip_backlog], "max") == pytest.approx(0.85)
+
+
 def test_learner_starts_without_overcommit_and_is_bounded() -> None:
     learner = UsageLearner(halflife_s=60.0, margin=0.1, max_overcommit=2.5)
     assert learner.factor == 1.0

@@ -61,9 +61,9 @@ async def test_backlog_runs_without_preemption_under_the_ceiling(
             assert result.previous == "released"
             finished += 1
 
-        # Normal and Batch only: VIP may reserve up to the RED line (its ceiling), so a backlog
-        # of VIP work this large projects the pool into RED by itself, and RED refuses the other
-        # tiers; this test is about the projection and overcommit, not the zones.
+        # Every tier: VIP may reserve up to the RED line (its ceiling), and its backlog must not
+        # project the pool into RED by itself (RED follows measured KV), or the admits of
+        # Normal and Batch below would be refused.
         rng = random.Random(5)
         specs = {f"t{i}": (rng.randint(50, 200), rng.randint(300, 900)) for i in range(TASKS)}
         running: list[asyncio.Task[None]] = []
@@ -74,7 +74,7 @@ async def test_backlog_runs_without_preemption_under_the_ceiling(
         try:
             for task_id, (prompt, max_tokens) in specs.items():
                 admitted = await store.admit(
-                    task_id=task_id, tenant=TENANT, tier=Tier(1 + int(task_id[1:]) % 2),
+                    task_id=task_id, tenant=TENANT, tier=Tier(int(task_id[1:]) % 3),
                     prompt_tokens=prompt, max_tokens=max_tokens, gateway="gw",
                     queue_timeout_ms=600_000)
                 if admitted.outcome is AdmitOutcome.RELEASED:

@@ -4,8 +4,8 @@ invented, every documented default the real one.
 How the schema is derived (no second copy of it to fall out of date):
 
 - *Which keys the parser accepts.* Every table of the file is read through one
-  `admission.config._Reader`, and `_Reader.done()` rejects any key the parse function did not
-  ask for (`get`/`integer`/`number`/`string`/`required`/`sub` all record the key in
+  `admission.config._Reader`, and `_Reader.done()` rejects any key the loader did not read
+  (`_Reader.get`/`required`/`sub` and the loader's field-by-field `_field` record the key in
   `used`). So the accepted keys of a section are exactly the reader's `used` set when `done()`
   runs. The test wraps `done()`, parses a config that has every kind of table (a pool with a
   backend table and a zones table, a tenant), and records each reader's path (`pools[0].zones`
@@ -14,9 +14,11 @@ How the schema is derived (no second copy of it to fall out of date):
 - *Defaults.* For each documented key with a default, the key is set to the documented value
   (a TOML literal in the table) in an otherwise minimal config, which must parse, and the
   resulting attribute must equal the one parsed without the key: that is the real default,
-  whatever literal the parse function uses. Where the settings dataclass declares a default
-  too, the parser's default must equal it. *required* keys must fail when left out, *unset*
-  ones must parse to None.
+  whatever the loader does. *required* keys must fail when left out, *unset* ones must parse
+  to None.
+- *One default.* A default exists only on its settings dataclass field (admission.configschema,
+  admission.controlconfig) or, per tier, in `DEFAULT_TIERS`: each is replaced in turn by a
+  marked object equal to it, and the parsed setting must be that very object.
 - *Types.* The documented default must be of the documented type, and a value of the wrong
   type must be rejected with an error naming the key.
 - *Unknown keys.* Every section (and the top level) rejects a key that is not in the schema.
@@ -37,6 +39,7 @@ import pytest
 
 from admission import config as cfg
 from admission.config import Config, ConfigError, parse_config
+from admission.configfields import bounds_of
 from admission.tiers import Tier
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -245,10 +248,6 @@ def test_documented_default_is_the_real_default(row: Row) -> None:
     table_of(with_default, row.section)[row.key] = documented
     parsed = getattr(get(parse(with_default)), row.key)
     assert parsed == real, f"{row_id(row)}: documented default {row.default}, real {real!r}"
-    fields = {f.name: f for f in dataclasses.fields(type(get(parse(without))))}
-    field = fields[row.key]
-    if field.default is not dataclasses.MISSING:
-        assert real == field.default, f"{row_id(row)}: parser and dataclass defaults differ"
 
 
 WRONG_TYPE: dict[str, Any] = {
@@ -305,3 +304,102 @@ def test_the_example_config_uses_only_documented_keys() -> None:
     used = set(walk(data, ""))
     assert used, "the example has no keys?"
     assert used <= documented, sorted(used - documented)
+
+
+# --- Each default is written once ----------------------------------------------------------
+
+
+class _MarkedInt(int):
+    pass
+
+
+class _MarkedFloat(float):
+    pass
+
+
+class _MarkedStr(str):
+    pass
+
+
+class _MarkedTuple(tuple[Any, ...]):
+    pass
+
+
+def _marked(value: Any) -> Any:
+    """An object equal to `value` but not any object the loader could have made itself (a
+    bool, which cannot be subclassed, is flipped instead)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return _MarkedInt(value)
+    if isinstance(value, float):
+        return _MarkedFloat(value)
+    if isinstance(value, str):
+        return _MarkedStr(value)
+    if isinstance(value, tuple):
+        return _MarkedTuple(value)
+    raise AssertionError(f"no marker for {value!r}")
+
+
+def _defaulted_fields() -> list[tuple[str, str]]:
+    """(section, field) of every setting with a default of its own (None: unset, no value)."""
+    parsed = parse(base())
+    out = []
+    for section, get in ACCESSORS.items():
+        for f in dataclasses.fields(get(parsed)):
+            if f.default is not dataclasses.MISSING and f.default is not None:
+                out.append((section, f.name))
+    return out
+
+
+DEFAULTED = _defaulted_fields()
+
+
+def test_the_defaults_written_once_cover_every_section() -> None:
+    sections = {s for s, _ in DEFAULTED}
+    # TierSettings has no defaults of its own (DEFAULT_TIERS, below); a backend's only
+    # optional setting is unset by default.
+    assert sections == set(ACCESSORS) - {"tiers.vip", "tiers.normal", "tiers.batch",
+                                         "pools.backends"}
+    assert len(DEFAULTED) >= 60
+
+
+@pytest.mark.parametrize(("section", "name"), DEFAULTED, ids=lambda v: str(v))
+def test_the_loader_takes_each_default_from_the_dataclass_field(section: str, name: str
+                                                               ) -> None:
+    """The dataclass field's default is the only one: replaced by a marked object, the parsed
+    setting is that very object, so no literal in admission/config.py stands in for it."""
+    get = ACCESSORS[section]
+    data = base()
+    table_of(data, section).pop(name, None)
+    settings_type = type(get(parse(data)))
+    f = {f.name: f for f in dataclasses.fields(settings_type)}[name]
+    marker = _marked(f.default)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(f, "default", marker)
+        parsed = getattr(get(parse(data)), name)
+    if isinstance(marker, bool):
+        assert parsed is marker
+    else:
+        assert type(parsed) is type(marker) and parsed is marker, (
+            f"{section}.{name}: the loader wrote its own default {parsed!r}")
+
+
+def test_the_tier_defaults_come_from_default_tiers_alone() -> None:
+    marked = {tier: cfg.TierSettings(_MarkedInt(s.queue_timeout_ms), _MarkedInt(s.max_queued))
+              for tier, s in cfg.DEFAULT_TIERS.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        for tier, settings in marked.items():
+            mp.setitem(cfg.DEFAULT_TIERS, tier, settings)
+        parsed = parse(base())
+    for tier, settings in marked.items():
+        assert parsed.tiers[tier].queue_timeout_ms is settings.queue_timeout_ms
+        assert parsed.tiers[tier].max_queued is settings.max_queued
+
+
+@pytest.mark.parametrize(("section", "name"), DEFAULTED, ids=lambda v: str(v))
+def test_every_default_keeps_its_own_bounds(section: str, name: str) -> None:
+    settings_type = type(ACCESSORS[section](parse(base())))
+    f = {f.name: f for f in dataclasses.fields(settings_type)}[name]
+    bounds = bounds_of(f)
+    assert bounds is None or bounds.error(f.default) is None, f"{section}.{name}"

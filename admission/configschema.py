@@ -1,0 +1,392 @@
+"""The configuration's schema: every setting with its one default, its bounds and its checks.
+
+Each TOML table is one frozen dataclass below (`[pools.control]` is admission.controlconfig's);
+admission.config reads a file into them by their fields alone (admission.configfields says
+how a field declares its type, default and bounds), so the defaults written here are the only
+ones. docs/configuration.md lists every key with these defaults; tests/test_config_reference.py
+holds the two together.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from admission.configfields import (
+    ConfigError,
+    KeyName,
+    at_least,
+    between,
+    one_of,
+    optional_between,
+    required_at_least,
+)
+from admission.controlconfig import ControlSettings
+from admission.keys import check_name
+from admission.store import PoolPolicy, TenantQuota
+from admission.tiers import Tier
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" ("[v6::addr]:port" for IPv6); ValueError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port")
+    return host, int(port)
+
+
+def is_sha256(value: str) -> bool:
+    """A lowercase hex SHA-256, as tenants' keys and the admin token are given."""
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _check_name(key: KeyName, name: str, kind: str, value: str) -> None:
+    try:
+        check_name(kind, value)
+    except ValueError as exc:
+        raise ConfigError(f"{key(name)}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSettings:
+    url: str = "redis://127.0.0.1:6379/0"
+    socket_timeout_ms: int = at_least(1, 500)
+    connect_timeout_ms: int = at_least(1, 500)
+    max_connections: int = at_least(1, 128)
+    """Bounded on purpose: callers wait for a connection instead of opening unbounded ones."""
+    pool_timeout_ms: int = at_least(1, 1_000)
+    ssl_ca_file: str | None = None
+    cluster: bool = False
+    sharded_pubsub: bool = False
+    sentinel_master: str | None = None
+    """The primary's name at the Sentinels; set: the primary is found through `sentinels`."""
+    sentinels: tuple[str, ...] = ()
+    """Sentinel addresses, "host:port"."""
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        return [split_address(a) for a in self.sentinels]
+
+    def check(self, key: KeyName) -> None:
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"{key('url')}: must start with redis://, rediss:// or unix://")
+        for i, address in enumerate(self.sentinels):
+            try:
+                split_address(address)
+            except ValueError as exc:
+                raise ConfigError(f"{key('sentinels')}[{i}]: {exc}") from None
+        master = self.sentinel_master
+        if master is None:
+            if self.sentinels:
+                raise ConfigError(f"{key('sentinel_master')}: is required with "
+                                  f"{key('sentinels')}")
+            return
+        if not master or any(c.isspace() for c in master):
+            raise ConfigError(f"{key('sentinel_master')}: must be a name without spaces")
+        if not self.sentinels:
+            raise ConfigError(f"{key('sentinels')}: at least one \"host:port\" is required "
+                              f"with {key('sentinel_master')}")
+        if self.cluster:
+            raise ConfigError(f"{key('sentinel_master')}: not with {key('cluster')} = true "
+                              "(a Redis Cluster fails over by itself)")
+        if self.url.startswith("unix://"):
+            raise ConfigError(f"{key('url')}: must be redis:// or rediss:// with Sentinel")
+
+
+@dataclass(frozen=True, slots=True)
+class TierSettings:
+    queue_timeout_ms: int = required_at_least(1)
+    max_queued: int = required_at_least(0)
+
+
+DEFAULT_TIERS = {
+    Tier.VIP: TierSettings(queue_timeout_ms=30_000, max_queued=10_000),
+    Tier.NORMAL: TierSettings(queue_timeout_ms=60_000, max_queued=10_000),
+    Tier.BATCH: TierSettings(queue_timeout_ms=600_000, max_queued=100_000),
+}
+"""Each tier's defaults (`[tiers.vip]`, ...): the tiers share one dataclass, not its defaults."""
+
+
+@dataclass(frozen=True, slots=True)
+class ZoneSettings:
+    REPLACED: ClassVar[Mapping[str, str]] = {
+        "batch_headroom": "replaced by {batch_ceiling}, Batch's own ceiling on a node's "
+                          "projected KV usage (a fraction)",
+    }
+
+    yellow: float = between(0.0, 1.0, 0.70)
+    red: float = between(0.0, 1.0, 0.85)
+    hysteresis: float = between(0.0, 0.5, 0.03)
+    kv_target: float = between(0.0, 1.0, 0.78)
+    """Normal's ceiling: the projected KV usage (fraction of a node) up to which Normal work
+    is placed on a node."""
+    vip_ceiling: float | None = optional_between(0.0, 1.0)
+    """VIP's ceiling, between `kv_target` and `red` (None: `red`): the room between the two is
+    VIP's alone, so a VIP chat finds a node in every zone while any node is below it."""
+    batch_ceiling: float | None = optional_between(0.0, 1.0)
+    """Batch's ceiling, at most `kv_target` (None: `yellow`, or `kv_target` if lower): Batch
+    never takes the room Normal and VIP are placed in."""
+    yellow_normal_rate: float = between(0.0, 1e6, 20.0)
+    """Normal releases per second allowed in YELLOW."""
+    batch_trickle_rate: float = between(0.0, 1e6, 0.0)
+    """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
+    aggregate: str = one_of("max", "total")
+    """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
+    projection: str = one_of("peak", "final")
+    """How released tasks count in projected usage: 'peak' (the highest usage their decoding
+    reaches over time, as the short ones end) or 'final' (every task at its final size)."""
+    max_engine_waiting: int = at_least(0, 8)
+    """A node whose engine reports more requests waiting than this gets no new releases until
+    its queue shrinks (it is out of compute: more work only queues inside it, and queued
+    prompts take KV no projection has seen). 0: off."""
+    max_overcommit: float = between(1.0, 100.0, 3.0)
+    """Upper bound on reserved tokens / KV tokens the scheduler allows from learned usage."""
+    usage_margin: float = between(0.0, 1.0, 0.10)
+    """Safety margin added to the learned usage/reservation ratio before overcommitting."""
+
+    def ceilings(self) -> tuple[float, float, float]:
+        """Each tier's ceiling on a node's projected KV (VIP, Normal, Batch), defaults
+        resolved: VIP up to the RED line, Normal up to `kv_target`, Batch up to the YELLOW
+        line (or `kv_target` if that is lower)."""
+        vip = self.red if self.vip_ceiling is None else self.vip_ceiling
+        batch = (min(self.yellow, self.kv_target) if self.batch_ceiling is None
+                 else self.batch_ceiling)
+        return (vip, self.kv_target, batch)
+
+    def check(self, key: KeyName) -> None:
+        if not self.yellow < self.red:
+            raise ConfigError(f"{key('yellow')}: must be below {key('red')}")
+        # Each tier's ceiling is at most the next higher tier's: a setting that let Batch or
+        # Normal fill the room VIP is placed in would break strict tiers.
+        vip, normal, batch = self.ceilings()
+        if not batch <= normal:
+            raise ConfigError(f"{key('batch_ceiling')}: must be at most {key('kv_target')}")
+        if not normal <= vip:
+            raise ConfigError(f"{key('vip_ceiling')}: must be at least {key('kv_target')}"
+                              + ("" if self.vip_ceiling is not None else
+                                 f" (unset, it is {key('red')})"))
+        if not vip <= self.red:
+            raise ConfigError(f"{key('vip_ceiling')}: must be at most {key('red')}")
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    url: str
+    capacity_tokens: int | None = None
+    """KV capacity in tokens; None = read from vllm:cache_config_info."""
+
+    def check(self, key: KeyName) -> None:
+        _check_name(key, "name", "backend", self.name)
+        if not self.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{key('url')}: must be an http:// or https:// URL")
+
+
+@dataclass(frozen=True, slots=True)
+class DedicatedNodes:
+    """Backends dedicated to some tiers: those tiers try them first (then the shared
+    backends), and the other tiers' work reaches them only as guests. Keeps long prefills off
+    the nodes serving VIP chats."""
+
+    nodes: tuple[str, ...] = ()
+    tiers: tuple[Tier, ...] = ()
+    guest_max_prompt_tokens: int = at_least(0, 0)
+    """Work of the other tiers whose prompt is at most this many tokens may run on the dedicated
+    nodes too, trying them first (0: none). Short prompts mean no long prefill for a VIP to
+    wait behind; the dedicated nodes' compute does not sit idle between VIP chats."""
+    max_guests_per_node: int = at_least(1, 32)
+    """At most this many guests alive on each dedicated node at once: the cap keeps its batch, and
+    so its step time and the VIP tail, the same before and during a flood."""
+    guest_prompt_tokens_per_s: int = at_least(0, 0)
+    """Paces each dedicated node's guests by their prompts (0: unpaced): after a guest of p prompt
+    tokens the node takes no other guest for p / this many seconds. Set below what the 1x
+    traffic would bring, the dedicated node's prefill work is the same before and during a flood."""
+    guest_max_output_tokens: int = at_least(0, 0)
+    """Guests must also ask for at most this many output tokens (0: no bound). A long
+    generation's short prompt passes the prompt bound and the pace, then decodes for minutes:
+    it is what fills a dedicated node's batch and slows the VIP chats beside it."""
+    guest_max_running: int = at_least(0, 0)
+    """A dedicated node whose engine reports more running sequences than this takes no new guests
+    until it runs fewer (0: no bound). VIP chats are not capped there, so their own number,
+    which grows with the node's step time, can push a node near its decode limit; closing it
+    to guests then keeps the step time, and so the VIP tail, where it was."""
+
+    @property
+    def tier_mask(self) -> int:
+        """The tiers as the scripts read them: bit 2^tier for each (1 VIP, 2 Normal, 4 Batch)."""
+        return sum(1 << int(t) for t in set(self.tiers))
+
+    def check(self, key: KeyName) -> None:
+        if self.nodes and not self.tiers:
+            raise ConfigError(f"{key('tiers')}: name the tiers the dedicated nodes serve")
+        if self.guest_max_prompt_tokens and not self.nodes:
+            raise ConfigError(f"{key('guest_max_prompt_tokens')}: guests need dedicated nodes")
+        for name, what in (("guest_prompt_tokens_per_s", "paces"),
+                           ("guest_max_output_tokens", "bounds"),
+                           ("guest_max_running", "bounds")):
+            if getattr(self, name) and not self.guest_max_prompt_tokens:
+                raise ConfigError(f"{key(name)}: {what} guests, so it needs "
+                                  "guest_max_prompt_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    name: str
+    backends: tuple[Backend, ...] = ()
+    context_length: int = at_least(1, 32_768)
+    default_max_tokens: int = at_least(1, 1_024)
+    max_max_tokens: int = at_least(1, 8_192)
+    tokenizer: str | None = None
+    """Path to tokenizer.json(.gz); None = the shipped Qwen2 tokenizer."""
+    default_system_prompt: str | None = None
+    pass_priority: bool = False
+    """Forward the tier as vLLM's `priority` (needs --scheduling-policy priority)."""
+    served_model_name: str | None = None
+    """The model name the backends serve (vLLM --served-model-name); None = the pool name.
+    The gateway writes it into the forwarded request's `model`."""
+    echo_requested_model: bool = True
+    """Write the name the client asked for (the pool's name) into each response's `model`,
+    whole bodies and every streamed chunk; False passes the backend's served name through."""
+    stale_after_ms: int = at_least(0, 2_000)
+    backend_ca_file: str | None = None
+    """PEM bundle of the CA that signed the backends' https certificates (a private CA);
+    trusted beside the system's CAs. None: the system's CAs only."""
+    zones: ZoneSettings = field(default_factory=ZoneSettings)
+    dedicated: DedicatedNodes = field(default_factory=DedicatedNodes)
+    control: ControlSettings = field(default_factory=ControlSettings)
+    """`[pools.control]`: the release control's objectives (admission.controlconfig)."""
+
+    def check(self, key: KeyName) -> None:
+        _check_name(key, "name", "pool", self.name)
+        if len({b.name for b in self.backends}) != len(self.backends):
+            raise ConfigError(f"{key('backends')}: backend names must be unique")
+        if self.default_max_tokens > self.max_max_tokens:
+            raise ConfigError(f"{key('default_max_tokens')}: above max_max_tokens")
+        names = {b.name for b in self.backends}
+        nodes = self.dedicated.nodes
+        for i, node in enumerate(nodes):
+            if node not in names:
+                raise ConfigError(f"{key('dedicated.nodes')}[{i}]: {node!r} is not a backend "
+                                  "of this pool")
+        if nodes and set(nodes) == names and len(set(self.dedicated.tiers)) < len(Tier):
+            raise ConfigError(f"{key('dedicated.nodes')}: leaves no backend for the other tiers")
+
+
+@dataclass(frozen=True, slots=True)
+class TenantSettings:
+    name: str
+    tier: Tier
+    key_sha256: tuple[str, ...] = ()
+    rate: int = at_least(0, 10_000)
+    burst: int = at_least(1, 100_000)
+    max_queued: int = at_least(0, 100)
+
+    @property
+    def quota(self) -> TenantQuota:
+        return TenantQuota(self.name, self.rate, self.burst, self.max_queued)
+
+    def check(self, key: KeyName) -> None:
+        for i, k in enumerate(self.key_sha256):
+            if not is_sha256(k):
+                raise ConfigError(f"{key('key_sha256')}[{i}]: must be a lowercase hex SHA-256")
+        _check_name(key, "name", "tenant", self.name)
+        if self.burst > 1_000_000_000:
+            raise ConfigError(f"{key('burst')}: must be at most 1e9 tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = at_least(0, 8000)
+    id: str | None = None
+    max_body_bytes: int = at_least(1024, 4 * 1024 * 1024)
+    lease_ttl_ms: int = at_least(100, 10_000)
+    renew_interval_ms: int = at_least(10, 3_000)
+    wake_fallback_ms: int = at_least(10, 250)
+    """How often a queued request checks its task record in case a wake-up was lost."""
+    upstream_timeout_ms: int = at_least(100, 600_000)
+    """Longest silence from a backend (between two reads) before the request fails with 502."""
+    upstream_ms_per_output_token: int = at_least(0, 100)
+    """Added to `upstream_timeout_ms` per output token a non-streamed request may generate: such
+    a request is silent until its answer is whole, so its silence grows with its length."""
+    upstream_connect_timeout_ms: int = at_least(1, 2_000)
+    fail_open_tiers: tuple[Tier, ...] = ()
+    """Tiers sent straight to a backend, unadmitted and counted, while Redis is unreachable
+    (default: none, every tier fails closed with 503)."""
+    retry_jitter: float = between(0.0, 1.0, 0.25)
+    """Retry hints are spread upward by a random 0..retry_jitter fraction of their value."""
+    unavailable_retry_ms: int = at_least(1, 2_000)
+    """Retry hint of a 503 while Redis is unreachable."""
+    access_log: bool = True
+    admin_token_sha256: str | None = None
+    tenant_metrics: bool = False
+    retention_s: int = at_least(1, 600)
+
+    def check(self, key: KeyName) -> None:
+        if self.admin_token_sha256 is not None and not is_sha256(self.admin_token_sha256):
+            raise ConfigError(f"{key('admin_token_sha256')}: must be a lowercase hex SHA-256 "
+                              "(of the admin token, never the token itself)")
+        if self.renew_interval_ms * 2 > self.lease_ttl_ms:
+            raise ConfigError(f"{key('renew_interval_ms')}: must be at most half of "
+                              "lease_ttl_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    host: str = "127.0.0.1"
+    port: int = at_least(0, 9100)
+    id: str | None = None
+    poll_interval_ms: int = at_least(5, 50)
+    scrape_timeout_ms: int = at_least(5, 200)
+    eject_after_failures: int = at_least(1, 3)
+    leader_ttl_ms: int = at_least(100, 1_500)
+    """Leader lease; a standby takes over at most this long after the leader dies."""
+    stale_policy: str = one_of("full", "last")
+    """What a node whose metrics are stale counts as: 'full' (no releases to it) or 'last'."""
+    reap_interval_ms: int = at_least(10, 1_000)
+    release_batch: int = at_least(1, 2_000)
+    """Most tasks one release script call may pop (bounds the script's run time)."""
+    usage_halflife_s: float = between(0.1, 86_400.0, 60.0)
+    """Half-life of the learned usage/reservation ratio (older settles weigh less)."""
+    preemption_cooldown_ms: int = at_least(0, 10_000)
+    """After a node reports a preemption, no overcommit on it for this long."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    redis: RedisSettings
+    gateway: GatewaySettings
+    scheduler: SchedulerSettings
+    tiers: Mapping[Tier, TierSettings]
+    pools: Mapping[str, PoolSettings]
+    tenants: tuple[TenantSettings, ...]
+
+    def pool_policy(self, pool: str) -> PoolPolicy:
+        return PoolPolicy(
+            tier_queue_caps=(
+                self.tiers[Tier.VIP].max_queued,
+                self.tiers[Tier.NORMAL].max_queued,
+                self.tiers[Tier.BATCH].max_queued,
+            ),
+            lease_ttl_ms=self.gateway.lease_ttl_ms,
+            stale_after_ms=self.pools[pool].stale_after_ms,
+            retention_s=self.gateway.retention_s,
+        )
+
+    def backend_ssl_context(self) -> ssl.SSLContext | None:
+        """What https backends are verified against: the system's CAs plus every pool's
+        `backend_ca_file` (one context serves all pools: gateway and scheduler each keep one
+        client for every backend). None when no pool names a file: the clients' default."""
+        files = sorted({p.backend_ca_file for p in self.pools.values() if p.backend_ca_file})
+        if not files:
+            return None
+        context = ssl.create_default_context()
+        for path in files:
+            try:
+                context.load_verify_locations(cafile=path)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"backend_ca_file {path!r}: cannot load it ({exc})") from None
+        return context

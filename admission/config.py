@@ -31,6 +31,7 @@ from admission.configschema import (
     Backend,
     Config,
     DedicatedNodes,
+    EngineSettings,
     GatewaySettings,
     PoolSettings,
     RedisSettings,
@@ -45,8 +46,9 @@ from admission.tiers import Tier
 
 __all__ = [
     "DEFAULT_TIERS", "Backend", "Config", "ConfigError", "ControlSettings", "DedicatedNodes",
-    "GatewaySettings", "PoolSettings", "RedisSettings", "SchedulerSettings", "TenantSettings",
-    "TierSettings", "ZoneSettings", "load_config", "parse_config", "split_address",
+    "EngineSettings", "GatewaySettings", "PoolSettings", "RedisSettings", "SchedulerSettings",
+    "TenantSettings", "TierSettings", "ZoneSettings", "load_config", "parse_config",
+    "split_address",
 ]
 
 T = TypeVar("T")

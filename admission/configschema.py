@@ -173,6 +173,32 @@ class ZoneSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """`[pools.engine]`: what the leader's projection assumes about the way to a pool's
+    engines and their prefill, the two timings it cannot read from a scrape. Both are
+    allowances: set too long, released tasks only look younger (later to finish, not yet in
+    the measurement), which the projection treats as more overlap, the safe side."""
+
+    dispatch_ms: int = at_least(1, 250)
+    """How long after its release a task may take to reach its engine (the gateway's wake-up
+    and forward): until then the task counts as not measured yet. An allowance, not a
+    measurement: a forward takes milliseconds, and 250 ms covers a gateway that missed the
+    pub/sub wake-up and found its release by its periodic check (`gateway.wake_fallback_ms`,
+    250 ms by default)."""
+    prefill_us_per_token: int = at_least(1, 66)
+    """How long a prompt token may wait for and take its prefill once its task reached the
+    engine: a task decodes only after that, so its decoding age leaves it out. 66 µs a token
+    is 15,000 tokens/s, half the 30,000 tokens/s an H100 prefills an 8B model at (the middle
+    of the published 25-35k tokens/s range that bench/sim/timing.py is calibrated to), for
+    the queueing behind other prompts; the control's `prefill_tokens_per_s` starts from the
+    same 15,000. Set it from the pool's GPU: a slower prefill needs more."""
+
+    @property
+    def dispatch_us(self) -> int:
+        return self.dispatch_ms * 1_000
+
+
+@dataclass(frozen=True, slots=True)
 class Backend:
     name: str
     url: str
@@ -255,6 +281,8 @@ class PoolSettings:
     """PEM bundle of the CA that signed the backends' https certificates (a private CA);
     trusted beside the system's CAs. None: the system's CAs only."""
     zones: ZoneSettings = field(default_factory=ZoneSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    """`[pools.engine]`: the timings the projection assumes for the way to the engines."""
     dedicated: DedicatedNodes = field(default_factory=DedicatedNodes)
     control: ControlSettings = field(default_factory=ControlSettings)
     """`[pools.control]`: the release control's objectives (admission.controlconfig)."""

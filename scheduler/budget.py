@@ -127,12 +127,6 @@ class UsageLearner:
         return min(1.0, max(self.floor, self.ratio * (1.0 + self.margin)))
 
 
-DISPATCH_US = 250_000
-"""A released task reaches its engine only after a gateway has forwarded it: its age leaves
-out 250 ms for that (scheduler.pool.running_task), so that a burst of documents on its way to
-the engines counts as not measured yet (`peak_usage`), not as already in the cache."""
-
-
 class RunningTask(NamedTuple):
     """A released task as the running index records it (a tuple: the leader builds one per
     task in flight on every tick)."""
@@ -141,7 +135,7 @@ class RunningTask(NamedTuple):
     max_tokens: int
     age_us: int
     """Time it may have spent decoding: since its release (Redis TIME), less allowances for its
-    way to the engine and its prefill (`DISPATCH_US`, scheduler.pool.PREFILL_US_PER_TOKEN)."""
+    way to the engine and its prefill (`[pools.engine]`: admission.configschema.EngineSettings)."""
     arrived_us: int
     """Time since it may have reached the engine: since its release, less the allowance for its
     way there; negative while it may still be on its way."""
@@ -286,11 +280,13 @@ def plan_node(
     max_waiting: int = 0,
     vip_ceiling: float | None = None,
     batch_ceiling: float | None = None,
+    dispatch_us: int,
 ) -> NodePlan:
     """The budgets and projected usage of one node (see the module docstring); `running` None
     counts every reservation at its final size; `max_waiting` > 0: no new releases while the
     engine queues more requests than that. `kv_target` is Normal's ceiling; VIP's and Batch's
-    default to it. The plan's `budget` is VIP's."""
+    default to it. `dispatch_us` is the pool's allowance for a released task's way to its
+    engine (`[pools.engine] dispatch_ms`). The plan's `budget` is VIP's."""
     capacity = view.capacity or 0
     if view.ejected or view.metrics is None or capacity <= 0:
         reason = "ejected" if view.ejected else ("no_capacity" if capacity <= 0 else "stale")
@@ -318,7 +314,7 @@ def plan_node(
         # sequence of ours it reports (finished ones' blocks are measured, in `foreign`); a
         # task released after the reading is padded once a reading counts it, so a release
         # raises this projection by its cost and no more.
-        ours = sum(1 for t in running if t.arrived_us + DISPATCH_US > reading.age_us)
+        ours = sum(1 for t in running if t.arrived_us + dispatch_us > reading.age_us)
         pad_sequences = min(pad_sequences, ours + math.ceil(unindexed))
     pad = float(pad_sequences * m.block_size)
     projected = foreign + pad + max(factor * held, ours_now)

@@ -16,11 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from admission.config import PoolSettings, SchedulerSettings
+from admission.config import EngineSettings, PoolSettings, SchedulerSettings
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
-    DISPATCH_US,
     NodePlan,
     RunningTask,
     UsageLearner,
@@ -54,18 +53,12 @@ class Snapshot:
     prompt tokens, seconds since release)."""
 
 
-PREFILL_US_PER_TOKEN = 66
-"""A released task decodes only after its prompt is prefilled: its age, as the projection
-counts it, leaves out 66 µs per prompt token (15,000 tokens/s, half an H100's prefill rate,
-for the queueing behind other prefills). Too long an allowance only makes tasks look younger,
-which the projection treats as more overlap: the safe side."""
-
-
-def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int) -> RunningTask:
+def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int, prefill_us_per_token: int
+                 ) -> RunningTask:
     """A task `arrived_us` after it may have reached its engine: it decodes once its prompt is
-    prefilled."""
+    prefilled, `prefill_us_per_token` for each prompt token (`[pools.engine]`)."""
     return RunningTask(prompt_tokens, max_tokens,
-                       max(0, arrived_us - prompt_tokens * PREFILL_US_PER_TOKEN), arrived_us)
+                       max(0, arrived_us - prompt_tokens * prefill_us_per_token), arrived_us)
 
 
 _Indexed = tuple[str, int, int, int] | None
@@ -73,31 +66,32 @@ _Indexed = tuple[str, int, int, int] | None
 its engine (µs); None for a member this version did not write."""
 
 
-def _parse_member(raw: Any, released_us: Any) -> _Indexed:
+def _parse_member(raw: Any, released_us: Any, dispatch_us: int) -> _Indexed:
     member = raw.decode() if isinstance(raw, bytes) else str(raw)
     try:
         node, prompt, max_tokens, _ = member.split(" ", 3)
         prompt_tokens = int(prompt)
-        arriving_at = int(float(released_us)) + DISPATCH_US
+        arriving_at = int(float(released_us)) + dispatch_us
         return node, prompt_tokens, int(max_tokens), arriving_at
     except ValueError:
         return None  # counted at full size instead (plan_node's unindexed reservations)
 
 
-def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _Indexed]
-             ) -> tuple[dict[str, list[RunningTask]], dict[Any, _Indexed]]:
+def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _Indexed],
+             engine: EngineSettings) -> tuple[dict[str, list[RunningTask]], dict[Any, _Indexed]]:
     """Released tasks by node, from the running index's (member, released µs) pairs, and the
     parsed members to pass as `known` next time: a member never changes while its task runs,
     and the leader reads thousands of them on every tick."""
     parsed: dict[Any, _Indexed] = {}
     out: dict[str, list[RunningTask]] = {}
     for raw, released_us in members:
-        entry = known[raw] if raw in known else _parse_member(raw, released_us)
+        entry = known[raw] if raw in known else _parse_member(raw, released_us, engine.dispatch_us)
         parsed[raw] = entry
         if entry is None:
             continue
         node, prompt_tokens, max_tokens, arriving_at = entry
-        task = running_task(prompt_tokens, max_tokens, now_us - arriving_at)
+        task = running_task(prompt_tokens, max_tokens, now_us - arriving_at,
+                            engine.prefill_us_per_token)
         tasks = out.get(node)
         if tasks is None:
             out[node] = [task]
@@ -106,13 +100,13 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
     return out, parsed
 
 
-def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int
+def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int, dispatch_us: int
                    ) -> dict[str, list[tuple[Any, int, float]]]:
     out: dict[str, list[tuple[Any, int, float]]] = {}
     for member, entry in indexed.items():
         if entry is not None:
             node, prompt_tokens, _, arriving_at = entry
-            age_s = (now_us - arriving_at + DISPATCH_US) / 1_000_000
+            age_s = (now_us - arriving_at + dispatch_us) / 1_000_000
             out.setdefault(node, []).append((member, prompt_tokens, age_s))
     return out
 
@@ -232,9 +226,10 @@ class PoolScheduler:
         prefill: dict[str, list[tuple[Any, int, float]]] = {}
         if reading.running is not None:
             now_us = self._redis_now_us(reading.frozen_us, reading.updated_us)
-            running, self._indexed = _running(reading.running, now_us, self._indexed)
+            running, self._indexed = _running(reading.running, now_us, self._indexed,
+                                              self.pool.engine)
             if control:
-                prefill = _prefill_tasks(self._indexed, now_us)
+                prefill = _prefill_tasks(self._indexed, now_us, self.pool.engine.dispatch_us)
         return Snapshot(reading.reserved, reading.stats, reading.depths, running,
                         reading.prefill_released, _reports(reading.vip_ttft), prefill)
 
@@ -284,6 +279,7 @@ class PoolScheduler:
                 max_waiting=self.pool.zones.max_engine_waiting,
                 vip_ceiling=self.ceilings[0],
                 batch_ceiling=self.ceilings[2],
+                dispatch_us=self.pool.engine.dispatch_us,
             ))
             if view.stale and not view.ejected:
                 self.metrics.stale.labels(self.name, view.name,

@@ -59,6 +59,7 @@ ACCESSORS: dict[str, Callable[[Config], Any]] = {
     "pools.zones": lambda c: c.pools["p"].zones,
     "pools.dedicated": lambda c: c.pools["p"].dedicated,
     "pools.control": lambda c: c.pools["p"].control,
+    "pools.engine": lambda c: c.pools["p"].engine,
     "pools.backends": lambda c: c.pools["p"].backends[0],
     "tenants": lambda c: c.tenants[0],
 }
@@ -77,6 +78,7 @@ def base() -> dict[str, Any]:
             "zones": {},
             "dedicated": {},
             "control": {},
+            "engine": {},
         }],
         "tenants": [{"name": "acme", "tier": "vip"}],
     }

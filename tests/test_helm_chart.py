@@ -451,6 +451,8 @@ def test_schema_covers_every_config_key() -> None:
         f.name for f in dataclasses.fields(cfg.ZoneSettings)}
     assert set(pool["control"]["properties"]) == {
         f.name for f in dataclasses.fields(ControlSettings)}
+    assert set(pool["engine"]["properties"]) == {
+        f.name for f in dataclasses.fields(cfg.EngineSettings)}
     assert set(props["tiers"]["properties"]) == {t.label for t in Tier}
     tenant = json.loads((CHART / "values.schema.json").read_text())["properties"]["tenants"]
     assert set(tenant["properties"]["items"]["items"]["properties"]) == {

@@ -7,10 +7,9 @@ import math
 
 import pytest
 
-from admission.config import ZoneSettings
+from admission.config import EngineSettings, ZoneSettings
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
-    DISPATCH_US,
     NodePlan,
     RunningTask,
     UsageLearner,
@@ -18,9 +17,17 @@ from scheduler.budget import (
     pool_usage,
 )
 from scheduler.policy import DrainRates, ReleasePolicy
-from scheduler.pool import running_task
+from scheduler.pool import running_task as pool_running_task
 from scheduler.scrape import NodeMetrics, NodeView
 from scheduler.zones import ZoneTracker
+
+ENGINE = EngineSettings()
+"""The shipped `[pools.engine]` timings."""
+DISPATCH_US = ENGINE.dispatch_us
+
+
+def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int) -> RunningTask:
+    return pool_running_task(prompt_tokens, max_tokens, arrived_us, ENGINE.prefill_us_per_token)
 
 
 def view(usage: float, *, running: int = 0, capacity: int = 100_000, stale: bool = False,
@@ -30,7 +37,8 @@ def view(usage: float, *, running: int = 0, capacity: int = 100_000, stale: bool
 
 
 def plan(v: NodeView, reserved: int, factor: float = 1.0, policy: str = "full") -> NodePlan:
-    return plan_node(v, reserved=reserved, factor=factor, kv_target=0.8, stale_policy=policy)
+    return plan_node(v, reserved=reserved, factor=factor, kv_target=0.8, stale_policy=policy,
+                     dispatch_us=DISPATCH_US)
 
 
 def test_budget_counts_every_reservation_at_its_expected_final_size() -> None:
@@ -189,7 +197,8 @@ def test_an_engine_out_of_compute_gets_no_new_releases_while_its_queue_is_long()
 
     def plan_with(waiting: int, max_waiting: int) -> NodePlan:
         return plan_node(queued(waiting), reserved=30_000, factor=1.0, kv_target=0.8,
-                         stale_policy="full", max_waiting=max_waiting)
+                         stale_policy="full", max_waiting=max_waiting,
+                         dispatch_us=DISPATCH_US)
 
     free = plan_with(9, 0)  # the check is off by default
     assert free.budget is not None and free.budget > 30_000 and free.reason == ""
@@ -217,7 +226,7 @@ def test_sequences_that_are_not_ours_are_measured_not_padded() -> None:
         node = NodeView("n", metrics, capacity, False, False, 0.0, 1, "")
         return plan_node(node, reserved=reserved, factor=1.0, kv_target=normal,
                          stale_policy="full", running=running, vip_ceiling=vip,
-                         batch_ceiling=batch)
+                         batch_ceiling=batch, dispatch_us=DISPATCH_US)
 
     def pad(running: list[RunningTask], reserved: int) -> float:
         """Tokens the engine's 363 sequences add to the projection."""
@@ -250,9 +259,9 @@ def test_a_node_running_only_our_tasks_pads_every_sequence() -> None:
     node = NodeView("n", metrics, capacity, False, False, 0.0, 1, "")
     tasks = [running_task(400, 200, 1_000_000) for _ in range(40)]
     with_pad = plan_node(node, reserved=40 * 600, factor=1.0, kv_target=0.78,
-                         stale_policy="full", running=tasks)
+                         stale_policy="full", running=tasks, dispatch_us=DISPATCH_US)
     idle = NodeView("n", dataclasses.replace(metrics, running=0), capacity, False, False, 0.0,
                     1, "")
     without = plan_node(idle, reserved=40 * 600, factor=1.0, kv_target=0.78,
-                        stale_policy="full", running=tasks)
+                        stale_policy="full", running=tasks, dispatch_us=DISPATCH_US)
     assert (with_pad.projected - without.projected) * capacity == pytest.approx(40 * 16)

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from admission.config import EngineSettings
 from scheduler.budget import (
-    DISPATCH_US,
     FRESH_READING,
     EngineReading,
     RunningTask,
@@ -16,10 +16,19 @@ from scheduler.budget import (
     plan_node,
     unmeasured_count,
 )
-from scheduler.pool import PREFILL_US_PER_TOKEN, _running
-from scheduler.pool import running_task as task
+from scheduler.pool import _running, running_task
 from scheduler.scrape import NodeMetrics, NodeView
 from tests.properties import PROPERTIES, examples
+
+ENGINE = EngineSettings()
+"""The shipped `[pools.engine]` timings."""
+DISPATCH_US = ENGINE.dispatch_us
+PREFILL_US_PER_TOKEN = ENGINE.prefill_us_per_token
+
+
+def task(prompt_tokens: int, max_tokens: int, arrived_us: int) -> RunningTask:
+    return running_task(prompt_tokens, max_tokens, arrived_us, PREFILL_US_PER_TOKEN)
+
 
 one_task = st.builds(task, st.integers(0, 9_000), st.integers(0, 4_000),
                      st.integers(-300_000, 300_000_000))
@@ -157,15 +166,16 @@ def test_plan_node_budget_grows_with_the_peak_projection() -> None:
     node = NodeView("n", metrics, 1_000_000, False, False, 0.0, 1, "")
     tasks = [task(200, 4_000, i * 800_000 + 200 * PREFILL_US_PER_TOKEN) for i in range(100)]
     reserved = 100 * 4_200
-    final = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78, stale_policy="full")
+    final = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78, stale_policy="full",
+                      dispatch_us=DISPATCH_US)
     peak = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78, stale_policy="full",
-                     running=tasks)
+                     running=tasks, dispatch_us=DISPATCH_US)
     assert peak.projected < final.projected
     assert final.budget is not None and peak.budget is not None
     assert peak.budget > final.budget
     # Reservations the index does not know count in full: nothing is gained from them.
     unknown = plan_node(node, reserved=reserved, factor=1.0, kv_target=0.78,
-                        stale_policy="full", running=[])
+                        stale_policy="full", running=[], dispatch_us=DISPATCH_US)
     assert unknown.budget == final.budget
 
 
@@ -187,14 +197,15 @@ def test_what_the_budget_allows_keeps_the_next_projection_under_the_target(
                           capacity, 16)
     node = NodeView("n", metrics, capacity, False, False, reading.age_us / 1e6, 1, "")
     before = plan_node(node, reserved=reserved, factor=factor, kv_target=kv_target,
-                       stale_policy="full", running=tasks)
+                       stale_policy="full", running=tasks, dispatch_us=DISPATCH_US)
     assert before.budget is not None
     room = max(0, before.budget - reserved)
     prompt = int(a * room)
     out = int(b * (room - prompt))
     after = plan_node(node, reserved=reserved + prompt + out, factor=factor,
                       kv_target=kv_target, stale_policy="full",
-                      running=[*tasks, task(prompt, out, -DISPATCH_US)])  # released now
+                      running=[*tasks, task(prompt, out, -DISPATCH_US)],  # released now
+                      dispatch_us=DISPATCH_US)
     tolerance = 1e-6 * (capacity + reserved)
     assert after.projected * capacity <= (
         before.projected * capacity + factor * (prompt + out) + tolerance)
@@ -257,7 +268,7 @@ def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -
     now = 10_000_000
     members = [(b"n1 100 50 t1", 1_000_000.0), (b"n2 200 80 t2", 2_000_000.0),
                (b"garbage", 3_000_000.0)]
-    by_node, known = _running(members, now, {})
+    by_node, known = _running(members, now, {}, ENGINE)
     def arrived(released: int) -> int:
         return now - released - DISPATCH_US
 
@@ -266,6 +277,18 @@ def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -
     # What was parsed is used as it is on the next tick (ages move with `now`); a member that
     # left the index leaves the cache too.
     known[b"n1 100 50 t1"] = ("n1", 100, 50, now - 100 * PREFILL_US_PER_TOKEN - 5)
-    later, known = _running(members[:1] + members[2:], now + 10, known)
+    later, known = _running(members[:1] + members[2:], now + 10, known, ENGINE)
     assert later == {"n1": [RunningTask(100, 50, 15, 100 * PREFILL_US_PER_TOKEN + 15)]}
     assert set(known) == {b"n1 100 50 t1", b"garbage"}
+
+
+def test_the_pool_engine_timings_set_the_allowances() -> None:
+    # A pool whose engines prefill at 100 µs a token behind a 40 ms dispatch: a task released
+    # 1 s ago reached its engine 960 ms ago and decodes after its 300-token prompt's 30 ms.
+    engine = EngineSettings(dispatch_ms=40, prefill_us_per_token=100)
+    now = 10_000_000
+    by_node, _ = _running([(b"n1 300 50 t1", float(now - 1_000_000))], now, {}, engine)
+    assert by_node == {"n1": [RunningTask(300, 50, 960_000 - 30_000, 960_000)]}
+    # The shipped timings give the same task other ages.
+    shipped, _ = _running([(b"n1 300 50 t1", float(now - 1_000_000))], now, {}, ENGINE)
+    assert shipped == {"n1": [RunningTask(300, 50, 750_000 - 300 * 66, 750_000)]}

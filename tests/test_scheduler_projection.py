@@ -16,10 +16,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from admission.config import EngineSettings
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, RequestStatus, SimRequest
-from scheduler.budget import DISPATCH_US, EngineReading, peak_usage
+from scheduler.budget import EngineReading, peak_usage
 from scheduler.pool import running_task
+
+ENGINE = EngineSettings()
+"""The shipped `[pools.engine]` timings."""
 
 SCRAPE_EVERY_S = 0.05
 MODEL_ERROR = 0.005
@@ -65,8 +69,9 @@ class Node:
         for req, released in self.released.items():
             if released > now or req.status is RequestStatus.FINISHED:
                 continue
-            arrived_us = int((now - released) * 1e6) - DISPATCH_US
-            tasks.append(running_task(req.prompt_tokens, req.max_tokens, arrived_us))
+            arrived_us = int((now - released) * 1e6) - ENGINE.dispatch_us
+            tasks.append(running_task(req.prompt_tokens, req.max_tokens, arrived_us,
+                                      ENGINE.prefill_us_per_token))
         reserved = sum(t.prompt_tokens + t.max_tokens for t in tasks)
         pad = (self.engine.num_running + self.engine.num_waiting) * self.engine.block_size
         reading = EngineReading(scrape.waiting, scrape.running, int((now - scrape.at) * 1e6))

@@ -4,7 +4,8 @@ The scripts (admission.store) write; these read what the services need between s
 each in one round trip, so that no service names a key or sends a command of its own:
 
 - `read_tick`: what the leader plans a tick from (reservations, counters, queue depths, and
-  when asked the prefill counts and the running index);
+  when asked the prefill counts, the VIP first-token reports and the running index, whose
+  members `running_member` parses: the services never see a member's format);
 - `left_queue` and `task_states`: the gateway's fallback check of its queued requests;
 - `gateway_tasks`: the tasks a gateway holds in the pool (its orphan sweep).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from admission.keys import PoolKeys
 from admission.tiers import Tier
@@ -38,6 +39,40 @@ def int_map(raw: Mapping[Any, Any]) -> dict[str, int]:
     return out
 
 
+class RunningMember(NamedTuple):
+    """A released task as the running index records it: the member lua/_lib.lua's
+    running_member writes ("node prompt_tokens max_tokens task_id"; names never contain
+    spaces, admission.keys.check_name) and its score."""
+
+    node: str
+    prompt_tokens: int
+    max_tokens: int
+    released_us: int
+    """When the task was released (the pool clock, µs): the member's score."""
+
+
+def running_member(raw: Any, score: Any) -> RunningMember | None:
+    """One (member, score) pair of `TickReading.running`, parsed; None for a member in a
+    format this version does not write (its reservation then counts at full size)."""
+    try:
+        node, prompt_tokens, max_tokens, _ = _text(raw).split(" ", 3)
+        return RunningMember(node, int(prompt_tokens), int(max_tokens), int(float(score)))
+    except ValueError:
+        return None
+
+
+def vip_reports(counts: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """node -> (VIP first tokens, those over the objective), from the `<node>:n` and
+    `<node>:over` fields the finish script counts in node_vip_ttft."""
+    out: dict[str, tuple[int, int]] = {}
+    for field_name, value in counts.items():
+        node, _, kind = field_name.rpartition(":")
+        if kind in ("n", "over") and node:
+            n, over = out.get(node, (0, 0))
+            out[node] = (value, over) if kind == "n" else (n, value)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class TickReading:
     """One pool as the leader reads it at the start of a tick."""
@@ -51,12 +86,13 @@ class TickReading:
     prefill_released: dict[str, int] = field(default_factory=dict)
     """node -> prompt tokens of Normal and Batch work released there so far (read with
     `control`, before the running index)."""
-    vip_ttft: dict[str, int] = field(default_factory=dict)
-    """<node>:n, <node>:over -> VIP first tokens seen and those over the objective (with
+    vip_reports: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """node -> (VIP first tokens seen, those over the objective), monotonic counts (with
     `control`)."""
     running: Sequence[tuple[Any, Any]] | None = None
-    """The running index's (member 'node prompt max id', released µs) pairs as Redis returns
-    them, unparsed (the leader caches parsed members); None when not read."""
+    """The running index's (member, score) pairs as Redis returns them, for `running_member`
+    to parse (the leader parses each member once and keeps it while its task runs, keyed by
+    the raw member); None when not read."""
     frozen_us: Any = None
     """The pool clock's frozen_us (tests only; None in production), read with the index."""
     updated_us: Any = None
@@ -86,13 +122,14 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
     depths = (int(reply[2]), int(reply[3]), int(reply[4]))
     rest = reply[5:]
     prefill_released: dict[str, int] = {}
-    vip_ttft: dict[str, int] = {}
+    reports: dict[str, tuple[int, int]] = {}
     if control:
-        prefill_released, vip_ttft, rest = int_map(rest[0]), int_map(rest[1]), rest[2:]
+        prefill_released, reports, rest = (int_map(rest[0]), vip_reports(int_map(rest[1])),
+                                           rest[2:])
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                           vip_ttft)
-    return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released, vip_ttft,
+                           reports)
+    return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released, reports,
                        rest[0], rest[1], rest[2])
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from admission.config import EngineSettings, PoolSettings, SchedulerSettings
+from admission.reads import RunningMember, running_member
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -61,20 +62,8 @@ def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int, prefill_u
                        max(0, arrived_us - prompt_tokens * prefill_us_per_token), arrived_us)
 
 
-_Indexed = tuple[str, int, int, int] | None
-"""A running-index member parsed: node, prompt tokens, max tokens, and when it may have reached
-its engine (µs); None for a member this version did not write."""
-
-
-def _parse_member(raw: Any, released_us: Any, dispatch_us: int) -> _Indexed:
-    member = raw.decode() if isinstance(raw, bytes) else str(raw)
-    try:
-        node, prompt, max_tokens, _ = member.split(" ", 3)
-        prompt_tokens = int(prompt)
-        arriving_at = int(float(released_us)) + dispatch_us
-        return node, prompt_tokens, int(max_tokens), arriving_at
-    except ValueError:
-        return None  # counted at full size instead (plan_node's unindexed reservations)
+_Indexed = RunningMember | None
+"""A running-index member parsed (None: a format this version did not write)."""
 
 
 def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _Indexed],
@@ -85,12 +74,13 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
     parsed: dict[Any, _Indexed] = {}
     out: dict[str, list[RunningTask]] = {}
     for raw, released_us in members:
-        entry = known[raw] if raw in known else _parse_member(raw, released_us, engine.dispatch_us)
+        entry = known[raw] if raw in known else running_member(raw, released_us)
         parsed[raw] = entry
         if entry is None:
-            continue
-        node, prompt_tokens, max_tokens, arriving_at = entry
-        task = running_task(prompt_tokens, max_tokens, now_us - arriving_at,
+            continue  # counted at full size instead (plan_node's unindexed reservations)
+        node, prompt_tokens, max_tokens, released_at = entry
+        task = running_task(prompt_tokens, max_tokens,
+                            now_us - released_at - engine.dispatch_us,
                             engine.prefill_us_per_token)
         tasks = out.get(node)
         if tasks is None:
@@ -100,26 +90,13 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
     return out, parsed
 
 
-def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int, dispatch_us: int
+def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int
                    ) -> dict[str, list[tuple[Any, int, float]]]:
     out: dict[str, list[tuple[Any, int, float]]] = {}
     for member, entry in indexed.items():
         if entry is not None:
-            node, prompt_tokens, _, arriving_at = entry
-            age_s = (now_us - arriving_at + dispatch_us) / 1_000_000
-            out.setdefault(node, []).append((member, prompt_tokens, age_s))
-    return out
-
-
-def _reports(counts: Mapping[str, int]) -> dict[str, tuple[int, int]]:
-    """node -> (VIP first tokens, those over the objective) from the node:n / node:over
-    fields the finish script counts."""
-    out: dict[str, tuple[int, int]] = {}
-    for field_name, value in counts.items():
-        node, _, kind = field_name.rpartition(":")
-        if kind in ("n", "over") and node:
-            n, over = out.get(node, (0, 0))
-            out[node] = (value, over) if kind == "n" else (n, value)
+            age_s = (now_us - entry.released_us) / 1_000_000
+            out.setdefault(entry.node, []).append((member, entry.prompt_tokens, age_s))
     return out
 
 
@@ -229,9 +206,9 @@ class PoolScheduler:
             running, self._indexed = _running(reading.running, now_us, self._indexed,
                                               self.pool.engine)
             if control:
-                prefill = _prefill_tasks(self._indexed, now_us, self.pool.engine.dispatch_us)
+                prefill = _prefill_tasks(self._indexed, now_us)
         return Snapshot(reading.reserved, reading.stats, reading.depths, running,
-                        reading.prefill_released, _reports(reading.vip_ttft), prefill)
+                        reading.prefill_released, reading.vip_reports, prefill)
 
     def _redis_now_us(self, frozen: Any, last_published: Any) -> int:
         """The pool clock the scripts use, without a TIME call (Redis Cluster refuses it in a

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from admission.errors import FencedError
 from admission.keys import PoolKeys, SchedulerKeys
+from admission.reads import RunningMember, running_member
 from admission.scripts import load_scripts, register_scripts, script_source
 from admission.store import (
     AdmitOutcome,
@@ -252,6 +253,31 @@ async def test_lua_key_formats_match_the_key_schema(store: PoolStore,
         assert f"prefix .. '{name}:'" in script_source("release")
     for key in (keys.running, keys.node_guests, keys.node_guest_pace):
         assert f"prefix .. '{key.removeprefix(keys.prefix)}'" in script_source("release")
+
+
+async def test_the_running_index_reads_back_as_the_scripts_wrote_it(
+        store: PoolStore, redis_client: aioredis.Redis) -> None:
+    """The member format is the scripts' and admission.reads' alone: what admit and release
+    write into the running index, running_member parses back (node, sizes, release time)."""
+    await redis_client.hset(store.keys.clock, "frozen_us", 10**15)
+    tenant = TenantQuota("t", rate=0, burst=10**6, max_queued=10)
+    queued = await store.admit(task_id="late", tenant=tenant, tier=Tier.BATCH,
+                               prompt_tokens=300, max_tokens=40, gateway="gw",
+                               queue_timeout_ms=60_000)
+    assert queued.outcome is AdmitOutcome.QUEUED
+    await _give_capacity(store, {"n1": 10**6})
+    admitted = await store.admit(task_id="now", tenant=tenant, tier=Tier.VIP, prompt_tokens=70,
+                                 max_tokens=9, gateway="gw", queue_timeout_ms=60_000)
+    assert (admitted.outcome, admitted.node) == (AdmitOutcome.RELEASED, "n1")
+    await redis_client.hset(store.keys.clock, "frozen_us", 10**15 + 5)
+    [released] = await store.release(1, (0, 0, 1))
+    assert (released.task_id, released.node) == ("late", "n1")
+    reading = await store.read_tick(control=False, running=True)
+    assert reading.running is not None
+    parsed = sorted(m for m in (running_member(raw, score) for raw, score in reading.running)
+                    if m is not None)
+    assert parsed == [RunningMember("n1", 70, 9, 10**15), RunningMember("n1", 300, 40, 10**15 + 5)]
+    assert running_member(b"written-by-another-version", 1.0) is None
 
 
 async def test_retry_hints_come_from_the_state(store: PoolStore,

@@ -178,6 +178,9 @@ async def test_the_finish_script_counts_vip_first_tokens_against_the_objective(
         await store.finish(task_id, 20, cancelled=False, ttft_ms=ttft)
     counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}
     assert counts == {"node-a:n": 2, "node-a:over": 1}
+    # The leader reads them per node, the field format parsed in admission.reads.
+    assert (await store.read_tick(control=True, running=False)).vip_reports == {
+        "node-a": (2, 1)}
     # A repeated settle is a no-op: counted once.
     await store.finish("v2", 20, cancelled=False, ttft_ms=251)
     counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}

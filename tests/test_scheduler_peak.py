@@ -7,6 +7,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from admission.config import EngineSettings
+from admission.reads import RunningMember
 from scheduler.budget import (
     FRESH_READING,
     EngineReading,
@@ -276,7 +277,8 @@ def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -
                        "n2": [task(200, 80, arrived(2_000_000))]}
     # What was parsed is used as it is on the next tick (ages move with `now`); a member that
     # left the index leaves the cache too.
-    known[b"n1 100 50 t1"] = ("n1", 100, 50, now - 100 * PREFILL_US_PER_TOKEN - 5)
+    known[b"n1 100 50 t1"] = RunningMember("n1", 100, 50,
+                                           now - DISPATCH_US - 100 * PREFILL_US_PER_TOKEN - 5)
     later, known = _running(members[:1] + members[2:], now + 10, known, ENGINE)
     assert later == {"n1": [RunningTask(100, 50, 15, 100 * PREFILL_US_PER_TOKEN + 15)]}
     assert set(known) == {b"n1 100 50 t1", b"garbage"}

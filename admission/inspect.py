@@ -64,7 +64,7 @@ class NodeView:
     """Why the leader took the node out (stale, ejected, ...), from the state's nodes_out."""
     guests: int
     """Tasks of other tiers alive on a dedicated node as guests ([pools.dedicated])."""
-    kept: bool
+    dedicated: bool
     """A dedicated node: its tiers first, other tiers only as bounded guests."""
     guests_closed: bool
     """A dedicated node the leader closed to new guests (it runs above `guest_max_running`)."""
@@ -239,7 +239,7 @@ def _nodes(state: dict[str, str], capacity: Mapping[str, str],
     out_reasons = dict(
         item.split(":", 1) for item in state.get("nodes_out", "").split(",") if ":" in item
     )
-    kept = set(state.get("dedicated_nodes", "").split())
+    dedicated = set(state.get("dedicated_nodes", "").split())
     closed = set(state.get("dedicated_guests_closed", "").split())
     views = []
     for node in sorted(set(capacity) | set(reserved) | set(per_node) | set(out_reasons)):
@@ -250,7 +250,7 @@ def _nodes(state: dict[str, str], capacity: Mapping[str, str],
             usage=_float(extra.pop("usage", None)),
             projected=_float(extra.pop("projected", None)),
             out=out_reasons.get(node), guests=_int(guests.get(node)) or 0,
-            kept=node in kept, guests_closed=node in closed, fields=extra,
+            dedicated=node in dedicated, guests_closed=node in closed, fields=extra,
         ))
     return views
 
@@ -371,8 +371,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "
             for r in body]
 
 
-def _kept(n: NodeView) -> str:
-    if not n.kept:
+def _dedicated(n: NodeView) -> str:
+    if not n.dedicated:
         return "-"
     return "closed to guests" if n.guests_closed else "yes"
 
@@ -396,9 +396,9 @@ def render_pool(p: PoolView) -> list[str]:
     ]
     lines += table(
         ["node", "capacity", "reserved", "headroom", "usage", "projected", "prefill room",
-         "kept", "guests", "out"],
+         "dedicated", "guests", "out"],
         ([n.node, str(n.capacity), str(n.reserved), str(n.headroom),
-          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), _prefill(n), _kept(n),
+          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), _prefill(n), _dedicated(n),
           str(n.guests), n.out or ""]
          for n in p.nodes),
     ) if p.nodes else ["  no nodes (no capacity published)"]

@@ -222,7 +222,7 @@ end
 -- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
 -- whether it goes there as a guest: the most headroom (capacity - reserved) among the nodes
 -- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
--- kept for VIP that takes short work of other tiers must get it before the shared nodes do,
+-- dedicated to VIP that takes short work of other tiers must get it before the shared nodes do,
 -- or it never fills its guest slots). `cap_key` is the task's tier's own capacity hash: each
 -- tier is placed up to its own ceiling on the node's projected KV. With `guests_only`, the
 -- task may go only to a dedicated node as a

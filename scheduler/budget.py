@@ -358,9 +358,9 @@ def pool_usage(plans: Sequence[NodePlan], aggregate: str,
     and Batch would get 429s from a cache that reads a quarter full.
 
     The zone decides what Normal and Batch may do, and their work runs on the shared nodes:
-    nodes kept for some tiers (`dedicated`) count only when no shared node is usable. A kept
-    node filled by VIP chats or by its capped guests must not hold Batch back from idle shared
-    nodes (each node's own budget already keeps it under the target)."""
+    nodes dedicated to some tiers (`dedicated`) count only when no shared node is usable. A
+    dedicated node filled by VIP chats or by its capped guests must not hold Batch back from
+    idle shared nodes (each node's own budget already keeps it under the target)."""
     usable = [p for p in plans if p.usable]
     shared = [p for p in usable if p.name not in dedicated]
     usable = shared or usable

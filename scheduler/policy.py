@@ -49,9 +49,9 @@ class ReleasePolicy:
     """Per-tier release limits for one release call."""
 
     def __init__(self, zones: ZoneSettings, batch_size: int, now: float,
-                 kept_guests: bool = False) -> None:
+                 dedicated_guests: bool = False) -> None:
         self.batch_size = batch_size
-        self.kept_guests = kept_guests
+        self.dedicated_guests = dedicated_guests
         """The pool keeps dedicated nodes that take guests."""
         self.normal = TokenBucket(zones.yellow_normal_rate, now)
         self.trickle = TokenBucket(zones.batch_trickle_rate, now)
@@ -68,12 +68,12 @@ class ReleasePolicy:
         if zone is Zone.GREEN:
             return (n, n, n)
         if zone is Zone.YELLOW:
-            return (n, min(n, self.normal.refill(now)), n if self.kept_guests else 0)
+            return (n, min(n, self.normal.refill(now)), n if self.dedicated_guests else 0)
         return (n, 0, 0)
 
     def guests_only(self, zone: Zone) -> tuple[Tier, ...]:
         """Tiers that this zone releases only as guests of dedicated nodes."""
-        return (Tier.BATCH,) if zone is Zone.YELLOW and self.kept_guests else ()
+        return (Tier.BATCH,) if zone is Zone.YELLOW and self.dedicated_guests else ()
 
     def trickle_limit(self, zone: Zone, now: float) -> int:
         """Batch tasks that may pass waiting higher tiers now (GREEN only)."""

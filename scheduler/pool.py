@@ -149,7 +149,7 @@ class PoolScheduler:
         self.clearance = RedClearance(zones.red - zones.hysteresis)
         self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
                                     zones.max_overcommit)
-        self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._kept_guests)
+        self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._dedicated_guests)
         self.drains = DrainRates()
         self.control = ReleaseControl(pool.control) if pool.control.enabled else None
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
@@ -169,15 +169,15 @@ class PoolScheduler:
 
     def _guests_closed(self, views: list[NodeView]) -> tuple[str, ...]:
         bound = self.pool.dedicated.guest_max_running
-        if not bound or not self._kept_guests:
+        if not bound or not self._dedicated_guests:
             return ()
-        kept = set(self.pool.dedicated.nodes)
+        dedicated = set(self.pool.dedicated.nodes)
         # A node not heard from keeps its guest rules: its budget already reflects staleness.
-        return tuple(v.name for v in views if v.name in kept and v.metrics is not None
+        return tuple(v.name for v in views if v.name in dedicated and v.metrics is not None
                      and v.metrics.running > bound)
 
     @property
-    def _kept_guests(self) -> bool:
+    def _dedicated_guests(self) -> bool:
         d = self.pool.dedicated
         return bool(d.nodes) and d.guest_max_prompt_tokens > 0 and d.max_guests_per_node > 0
 
@@ -189,7 +189,7 @@ class PoolScheduler:
         """A new leadership starts: rates start empty, the learned ratio is kept, and the first
         poll waits for the whole scrape timeout (connections are cold)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
-                                    self._kept_guests)
+                                    self._dedicated_guests)
         self.clearance.reset()
         self._first_poll = True
 

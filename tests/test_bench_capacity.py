@@ -89,7 +89,7 @@ def test_ideal_replay_never_preempts_and_serves_an_overload_at_full_cache() -> N
     assert result.generation_tokens_per_s < result.total_tokens_per_s
 
 
-def test_a_node_kept_for_vip_spares_vip_the_long_prefills_and_costs_batch_throughput() -> None:
+def test_a_node_dedicated_to_vip_spares_vip_the_long_prefills_and_costs_batch_throughput() -> None:
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     rng = random.Random(5)
     requests = [
@@ -100,10 +100,10 @@ def test_a_node_kept_for_vip_spares_vip_the_long_prefills_and_costs_batch_throug
     ]
     requests += _vip_chats(first_index=100)
     shared = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0))
-    kept = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0), vip_nodes=1)
-    assert kept.vip_nodes == 1 and kept.preemptions == 0
-    assert kept.vip_ttft_burst[1] < shared.vip_ttft_burst[1]
-    assert kept.total_tokens_per_s < shared.total_tokens_per_s
+    dedicated = ideal_replay(config, 2, requests, time_scale=1.0, window=(2.0, 20.0), vip_nodes=1)
+    assert dedicated.vip_nodes == 1 and dedicated.preemptions == 0
+    assert dedicated.vip_ttft_burst[1] < shared.vip_ttft_burst[1]
+    assert dedicated.total_tokens_per_s < shared.total_tokens_per_s
 
 
 def _vip_chats(first_index: int) -> list[PlannedRequest]:
@@ -160,7 +160,7 @@ def _record_admissions(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.parametrize("output_max", [None, 250])
-def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
+def test_guests_on_the_dedicated_node_have_short_prompts_and_respect_the_cap(
         monkeypatch: pytest.MonkeyPatch, output_max: int | None) -> None:
     admitted = _record_admissions(monkeypatch, _admission_time)
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
@@ -169,19 +169,19 @@ def test_guests_on_the_kept_node_have_short_prompts_and_respect_the_cap(
                           guest_output_max=output_max)
     assert result.preemptions == 0
     guests = [r for _, r in admitted[0] if r.priority != int(Tier.VIP)]
-    assert guests, "the kept node took no guest"
+    assert guests, "the dedicated node took no guest"
     assert all(r.prompt_tokens <= 300 for r in guests)
     longest = max(r.max_tokens for r in guests)
     assert longest <= 250 if output_max else longest > 250
-    for r in guests:  # at most 3 guests alive on the kept node whenever one was admitted
+    for r in guests:  # at most 3 guests alive on the dedicated node whenever one was admitted
         alive = [g for g in guests if g.arrival <= r.arrival
                  and (g.finish_time is None or g.finish_time > r.arrival)]
         assert len(alive) <= 3
 
 
-def test_paced_guests_bring_the_kept_node_prompt_tokens_at_most_at_the_rate(
+def test_paced_guests_bring_the_dedicated_node_prompt_tokens_at_most_at_the_rate(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Documents are allowed as guests here, so only the pacing keeps them off the kept node:
+    """Documents are allowed as guests here, so only the pacing keeps them off the dedicated node:
     after a guest of p prompt tokens it takes the next one p / rate seconds later at the
     earliest, and a demand above the rate meets that bound."""
     admitted = _record_admissions(monkeypatch, _admission_time)
@@ -269,13 +269,13 @@ def test_point_specs_and_the_frontier_table() -> None:
     assert Point.parse("vip=1,kv=0.79").kv_ceiling == 0.79
     assert Point.parse("fifo=1").strict_order and not Point.parse("fifo=0").strict_order
     assert Point.parse("vip=1,n=4096,o=1000,k=64").label == (
-        "1 kept: VIP + prompts <= 4096 and outputs <= 1000, <= 64 guests")
+        "1 dedicated: VIP + prompts <= 4096 and outputs <= 1000, <= 64 guests")
     assert Point.parse("vip=1,n=9000,r=5000").label == (
-        "1 kept: VIP + prompts <= 9000, no cap, paced at 5,000 prompt tokens/s")
+        "1 dedicated: VIP + prompts <= 9000, no cap, paced at 5,000 prompt tokens/s")
     with pytest.raises(ValueError):
         Point.parse("kv=1.5")
     base = {"preset": "x", "guest_prompt_max": None, "guest_cap": None, "threshold": 0,
-            "order": "kept", "kv_peak": 0.5, "mean_running": 10.0, "preemptions": 0}
+            "order": "dedicated", "kv_peak": 0.5, "mean_running": 10.0, "preemptions": 0}
     rows = [{**base, "vip_nodes": 0, "total_tokens_per_s": 100.0, "vip_ttft_base_p99": 100.0,
              "vip_ttft_burst_p99": 300.0},
             {**base, "vip_nodes": 1, "total_tokens_per_s": 90.0, "vip_ttft_base_p99": 100.0,
@@ -289,32 +289,33 @@ def test_point_specs_and_the_frontier_table() -> None:
     rows.append({**base, "vip_nodes": 1, "baseline_sim_s": 300.0, "total_tokens_per_s": 76.0,
                  "vip_ttft_base_p99": 100.0, "vip_ttft_burst_p99": 100.0})
     table = frontier_table(rows)
-    assert "| 1 kept for VIP only; baseline 300 s | 100 / 100 | x1.000 | 76 | 95.00% | yes |" in (
-        table)
+    assert ("| 1 dedicated to VIP only; baseline 300 s | 100 / 100 | x1.000 | 76 | 95.00% | yes |"
+            in table)
     assert "| x3.000 |" in table and "| 100.00% | no |" in table
     assert "| x1.050 |" in table and "| 90.00% | yes |" in table
-    assert "| no kept node; KV <= 79% | 100 / 200 | x2.000 | 95 | 95.00% | no |" in table
+    assert "| no dedicated node; KV <= 79% | 100 / 200 | x2.000 | 95 | 95.00% | no |" in table
 
 
-def test_a_running_bound_closes_the_kept_node_to_guests(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each guest reaches the kept node only while it runs at most the bound; without the bound
-    the same traffic takes it past it."""
+def test_a_running_bound_closes_the_dedicated_node_to_guests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each guest reaches the dedicated node only while it runs at most the bound; without the
+    bound the same traffic takes it past it."""
     seen = _record_admissions(monkeypatch, lambda engine, _: engine.num_running)
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     kwargs = {"vip_nodes": 1, "guest_prompt_max": 300}
     bounded = ideal_replay(config, 2, _mixed_requests(4), time_scale=1.0, window=(2.0, 20.0),
                            guest_running=4, **kwargs)  # type: ignore[arg-type]
-    kept_bounded = seen[0]
+    dedicated_bounded = seen[0]
     free = ideal_replay(config, 2, _mixed_requests(4), time_scale=1.0, window=(2.0, 20.0),
                         **kwargs)  # type: ignore[arg-type]
-    kept_free = seen[2]
+    dedicated_free = seen[2]
     assert bounded.preemptions == free.preemptions == 0
-    guests = [running for running, r in kept_bounded if r.priority != int(Tier.VIP)]
+    guests = [running for running, r in dedicated_bounded if r.priority != int(Tier.VIP)]
     assert guests and max(guests) <= 4
-    assert max(running for running, r in kept_free if r.priority != int(Tier.VIP)) > 4
+    assert max(running for running, r in dedicated_free if r.priority != int(Tier.VIP)) > 4
 
 
-def test_the_kept_nodes_may_run_their_own_prefill_threshold(
+def test_the_dedicated_nodes_may_run_their_own_prefill_threshold(
         monkeypatch: pytest.MonkeyPatch) -> None:
     thresholds: list[int] = []
 
@@ -327,15 +328,15 @@ def test_the_kept_nodes_may_run_their_own_prefill_threshold(
     config = SimConfig(capacity_scale=0.05, max_model_len=8192)
     requests = _mixed_requests(6)
     chunked = ideal_replay(config, 3, requests, time_scale=1.0, window=(2.0, 20.0),
-                           vip_nodes=1, guest_prompt_max=8192, kept_threshold=256)
-    # Scaled like the token budget: 256 x 0.05 = 12 tokens a step, on the kept node alone.
+                           vip_nodes=1, guest_prompt_max=8192, dedicated_threshold=256)
+    # Scaled like the token budget: 256 x 0.05 = 12 tokens a step, on the dedicated node alone.
     assert thresholds == [12, 0, 0]
     whole = ideal_replay(config, 3, requests, time_scale=1.0, window=(2.0, 20.0),
                          vip_nodes=1, guest_prompt_max=8192)
     assert thresholds[3:] == [0, 0, 0]
     assert chunked.preemptions == whole.preemptions == 0
-    # The kept node prefills documents 12 tokens a step: it serves less in the same time.
+    # The dedicated node prefills documents 12 tokens a step: it serves less in the same time.
     assert chunked.total_tokens_per_s < whole.total_tokens_per_s
-    assert Point.parse("vip=1,n=9000,r=6500,g=76,kt=2048").label == (
-        "1 kept: VIP + prompts <= 9000, no cap, paced at 6,500 prompt tokens/s, none above 76 "
-        "running; kept nodes' threshold 2048")
+    assert Point.parse("vip=1,n=9000,r=6500,g=76,dt=2048").label == (
+        "1 dedicated: VIP + prompts <= 9000, no cap, paced at 6,500 prompt tokens/s, none above 76 "
+        "running; dedicated nodes' threshold 2048")

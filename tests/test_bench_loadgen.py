@@ -290,8 +290,8 @@ def test_arm_c_config_keeps_nodes_for_vip_with_guests_as_the_flags_say() -> None
         text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
         return parse_config(tomllib.loads(text), env={}).pools[POOL].dedicated
 
-    kept = dedicated(vip_nodes=1, guest_prompt=2048, max_guests=12)
-    assert (kept.nodes, kept.guest_max_prompt_tokens, kept.max_guests_per_node) == (
+    one = dedicated(vip_nodes=1, guest_prompt=2048, max_guests=12)
+    assert (one.nodes, one.guest_max_prompt_tokens, one.max_guests_per_node) == (
         ("node-0",), 2048, 12)
     assert dedicated(vip_nodes=1).guest_max_prompt_tokens == 0
     assert dedicated(vip_nodes=1, guest_prompt=512).max_guests_per_node == 32

@@ -69,7 +69,7 @@ def test_nothing_in_a_cell_but_the_schedule_depends_on_the_seed() -> None:
             b = Cell(scale, mix, 4, 987_654).settings()
             assert a.seed != b.seed
             assert dataclasses.replace(a, seed=0) == dataclasses.replace(b, seed=0)
-            # kvgate's shipped defaults: no kept node, no guests, no zone overrides.
+            # kvgate's shipped defaults: no dedicated node, no guests, no zone overrides.
             assert (a.vip_nodes, a.guest_prompt, a.kv_target, a.yellow, a.batch_ceiling,
                     a.vip_ceiling, a.projection, a.max_engine_waiting) == (
                 0, 0, None, None, None, None, None, None)

@@ -377,7 +377,7 @@ async def test_epochs_never_go_backwards_when_redis_loses_its_data(
 
 async def test_dedicated_nodes_serve_only_their_tiers_which_try_them_first(
         store: PoolStore) -> None:
-    """A node kept for VIP takes no Batch even with the most room; VIP fills it first, then
+    """A node dedicated to VIP takes no Batch even with the most room; VIP fills it first, then
     spills to the shared nodes; the release script places the same way as the fast path."""
     tenant = TenantQuota("acme", rate=0, burst=10**9, max_queued=1000)
     await store.publish_state(1, Zone.GREEN, {"vip-node": 1_000, "shared": 600},
@@ -408,7 +408,7 @@ async def test_dedicated_nodes_serve_only_their_tiers_which_try_them_first(
 async def test_paced_guests_wait_their_prompts_share_of_the_rate(
         store: PoolStore, redis_client: aioredis.Redis) -> None:
     """With `dedicated_guest_rate` = 1,000 prompt tokens/s, a guest of 500 tokens keeps the
-    kept node from taking another guest for 0.5 s (Redis time), on the fast path and in the
+    dedicated node from taking another guest for 0.5 s (Redis time), on the fast path and in the
     release script alike; VIP is never paced."""
     start = 10**15
     clock = store.keys.clock
@@ -436,7 +436,7 @@ async def test_paced_guests_wait_their_prompts_share_of_the_rate(
     await redis_client.hset(clock, "frozen_us", start + 500_000)
     assert (await admit("g4", Tier.BATCH, 250)).node == "vip-node"
     assert await paced_until() == start + 750_000
-    # The release script: a queued guest goes to the kept node once the pace allows it.
+    # The release script: a queued guest goes to the dedicated node once the pace allows it.
     await store.publish_state(1, Zone.YELLOW, {"vip-node": 10_000, "shared": 0}, extra)
     assert (await admit("q1", Tier.NORMAL, 100)).outcome is AdmitOutcome.QUEUED
     await store.publish_state(1, Zone.GREEN, {"vip-node": 10_000, "shared": 0}, extra)
@@ -449,9 +449,9 @@ async def test_paced_guests_wait_their_prompts_share_of_the_rate(
     assert await redis_client.hget(store.keys.task_key("q1"), "guest") == b"1"
 
 
-async def test_guests_with_long_outputs_stay_off_the_kept_node(store: PoolStore) -> None:
+async def test_guests_with_long_outputs_stay_off_the_dedicated_node(store: PoolStore) -> None:
     """With `dedicated_guest_output` = 100, a short prompt asking for 101 output tokens is not a
-    guest (a long generation would fill the kept node's batch), on the fast path and in the
+    guest (a long generation would fill the dedicated node's batch), on the fast path and in the
     release script alike; 100 is; VIP is never bounded."""
     tenant = TenantQuota("acme", rate=0, burst=10**9, max_queued=1000)
     extra: dict[str, str | int | float] = {"dedicated_nodes": "vip-node", "dedicated_tiers": 1,
@@ -483,9 +483,9 @@ async def test_guests_with_long_outputs_stay_off_the_kept_node(store: PoolStore)
     assert [(t.task_id, t.node) for t in released] == [("q-short", "vip-node")]
 
 
-async def test_guests_of_a_kept_node_have_short_prompts_fill_it_first_and_respect_the_cap(
+async def test_guests_of_a_dedicated_node_have_short_prompts_fill_it_first_and_respect_the_cap(
         store: PoolStore, redis_client: aioredis.Redis) -> None:
-    """Work of other tiers with a short prompt goes to the node kept for VIP first, as a guest,
+    """Work of other tiers with a short prompt goes to the node dedicated to VIP first, as a guest,
     at most `dedicated_guest_cap` alive there; each ending (settle, cancel, reap) frees its
     slot exactly once; long prompts never go there."""
     await redis_client.hset(store.keys.clock, "frozen_us", 10**15)

@@ -241,7 +241,7 @@ class CoreMachine(RuleBasedStateMachine):
         """The random publish above rarely fills a guest cap; this one makes it common, paces
         the guests by their prompts (`rate` tokens/s) or not, and bounds their outputs or not
         (`admit_short` asks for 10 or 200 tokens, `admit` for 0-300), and sometimes closes the
-        kept node to guests (its engine runs too many sequences)."""
+        dedicated node to guests (its engine runs too many sequences)."""
         self._publish(self.model.epoch, Zone.GREEN, dict.fromkeys(NODES, 1_500), self.model.drain,
                       (frozenset({"node-1"}), 1), (prompt_limit, cap), rate,
                       guest_output=output_limit,

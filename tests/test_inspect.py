@@ -171,18 +171,18 @@ async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis
     assert await w.admit("g", ACME, Tier.NORMAL, 100, 100, "gw-1") is AdmitOutcome.RELEASED
     (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
     assert [(n.node, n.guests) for n in p.nodes] == [("gpu-0", 0), ("gpu-1", 1)]
-    assert [(n.kept, n.guests_closed) for n in p.nodes] == [(False, False), (True, False)]
+    assert [(n.dedicated, n.guests_closed) for n in p.nodes] == [(False, False), (True, False)]
     text = inspect.render(await inspect.snapshot(redis_client, [POOL]))
     row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-1"))
     assert row[6:9] == ["-", "yes", "1"]
     # The release control's room, window and backlog, where the leader published them.
     row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-0"))
     assert row[6:9] == ["300/1000", "(queued", "700)"]
-    # The leader closes the kept node to guests while it runs above its bound.
+    # The leader closes the dedicated node to guests while it runs above its bound.
     await w.store.publish_state(1, Zone.GREEN, CAPS, {
         "dedicated_nodes": "gpu-1", "dedicated_tiers": 1, "dedicated_guests_closed": "gpu-1"})
     (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
-    assert [(n.kept, n.guests_closed) for n in p.nodes] == [(False, False), (True, True)]
+    assert [(n.dedicated, n.guests_closed) for n in p.nodes] == [(False, False), (True, True)]
     assert "closed to guests" in inspect.render(await inspect.snapshot(redis_client, [POOL]))
 
 

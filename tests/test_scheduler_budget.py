@@ -92,16 +92,17 @@ def test_pool_usage_aggregates() -> None:
     assert pool_usage([plan(view(0.1, ejected=True), reserved=0)], "max") is None
 
 
-def test_pool_usage_leaves_nodes_kept_for_some_tiers_out_while_a_shared_one_is_usable() -> None:
-    kept = dataclasses.replace(plan(view(0.75), reserved=0), name="kept")
+def test_pool_usage_leaves_nodes_dedicated_to_some_tiers_out_while_a_shared_one_is_usable() -> None:
+    dedicated = dataclasses.replace(plan(view(0.75), reserved=0), name="dedicated")
     shared = dataclasses.replace(plan(view(0.2), reserved=0), name="shared")
     gone = dataclasses.replace(plan(view(0.2, ejected=True), reserved=0), name="shared")
-    # The kept node, full of VIP chats or capped guests, does not hold Batch off the shared one.
-    assert pool_usage([kept, shared], "max", ("kept",)) == pytest.approx(0.2)
-    assert pool_usage([kept, shared], "total", ("kept",)) == pytest.approx(0.2)
-    assert pool_usage([kept, shared], "max") == pytest.approx(0.75)
-    # With no usable shared node, the kept nodes are all there is to go by.
-    assert pool_usage([kept, gone], "max", ("kept",)) == pytest.approx(0.75)
+    # The dedicated node, full of VIP chats or capped guests, does not hold Batch off the shared
+    # one.
+    assert pool_usage([dedicated, shared], "max", ("dedicated",)) == pytest.approx(0.2)
+    assert pool_usage([dedicated, shared], "total", ("dedicated",)) == pytest.approx(0.2)
+    assert pool_usage([dedicated, shared], "max") == pytest.approx(0.75)
+    # With no usable shared node, the dedicated nodes are all there is to go by.
+    assert pool_usage([dedicated, gone], "max", ("dedicated",)) == pytest.approx(0.75)
 
 
 def test_zone_follows_the_projection_up_to_normals_line_and_measured_usage_above() -> None:
@@ -172,8 +173,8 @@ def test_release_limits_per_zone() -> None:
     assert policy.guests_only(Zone.YELLOW) == ()
 
 
-def test_yellow_releases_batch_only_as_guests_where_kept_nodes_take_them() -> None:
-    policy = ReleasePolicy(ZoneSettings(), batch_size=500, now=0.0, kept_guests=True)
+def test_yellow_releases_batch_only_as_guests_where_dedicated_nodes_take_them() -> None:
+    policy = ReleasePolicy(ZoneSettings(), batch_size=500, now=0.0, dedicated_guests=True)
     assert policy.limits(Zone.YELLOW, 0.0) == (500, 0, 500)
     assert policy.guests_only(Zone.YELLOW) == (Tier.BATCH,)
     assert policy.guests_only(Zone.GREEN) == ()

@@ -19,8 +19,8 @@ from tests.scheduler_stub import (
 )
 
 
-def _kept_for_vip(redis_url: str, vip_url: str, shared_url: str, **guests: int) -> Any:
-    """A pool of two nodes, "vip-node" kept for VIP with the given guest keys, and "shared"."""
+def _dedicated_to_vip(redis_url: str, vip_url: str, shared_url: str, **guests: int) -> Any:
+    """A pool of two nodes, "vip-node" dedicated to VIP with the given guest keys, and "shared"."""
     return make_config(redis_url, [{"name": "vip-node", "url": vip_url},
                                    {"name": "shared", "url": shared_url}],
                        dedicated={"nodes": ["vip-node"], "tiers": ["vip"], **guests})
@@ -29,7 +29,7 @@ def _kept_for_vip(redis_url: str, vip_url: str, shared_url: str, **guests: int) 
 async def test_dedicated_nodes_are_published_and_the_release_places_by_them(
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
-        config = _kept_for_vip(redis_url, vip_url, shared_url)
+        config = _dedicated_to_vip(redis_url, vip_url, shared_url)
         async with pool_scheduler(redis_client, config) as ps:
             await queue_tasks(ps.store, [("b1", Tier.BATCH, 1_000), ("v1", Tier.VIP, 1_000),
                                          ("n1", Tier.NORMAL, 1_000)])
@@ -45,11 +45,11 @@ async def test_dedicated_nodes_are_published_and_the_release_places_by_them(
 async def test_a_guest_pace_is_published_and_a_paced_node_takes_one_guest_per_tick(
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
-        config = _kept_for_vip(redis_url, vip_url, shared_url, guest_max_prompt_tokens=500,
-                               max_guests_per_node=10, guest_prompt_tokens_per_s=100,
-                               guest_max_output_tokens=400)
+        config = _dedicated_to_vip(redis_url, vip_url, shared_url, guest_max_prompt_tokens=500,
+                                   max_guests_per_node=10, guest_prompt_tokens_per_s=100,
+                                   guest_max_output_tokens=400)
         async with pool_scheduler(redis_client, config) as ps:
-            # Prompts of 400 tokens: the first guest paces the kept node for 4 s.
+            # Prompts of 400 tokens: the first guest paces the dedicated node for 4 s.
             await queue_tasks(ps.store, [("n1", Tier.NORMAL, 800), ("n2", Tier.NORMAL, 800)])
             result = await ps.tick(1, always)
             published = await state(ps.store)
@@ -60,11 +60,11 @@ async def test_a_guest_pace_is_published_and_a_paced_node_takes_one_guest_per_ti
             assert await redis_client.hgetall(ps.store.keys.node_guests) == {b"vip-node": b"1"}
 
 
-async def test_guest_limits_are_published_and_short_work_of_other_tiers_joins_the_kept_node(
+async def test_guest_limits_are_published_and_short_work_of_other_tiers_joins_the_dedicated_node(
         redis_client: Any, redis_url: str) -> None:
     async with serve_fake(FakeVllm()) as vip_url, serve_fake(FakeVllm()) as shared_url:
-        config = _kept_for_vip(redis_url, vip_url, shared_url, guest_max_prompt_tokens=500,
-                               max_guests_per_node=1)
+        config = _dedicated_to_vip(redis_url, vip_url, shared_url, guest_max_prompt_tokens=500,
+                                   max_guests_per_node=1)
         async with pool_scheduler(redis_client, config) as ps:
             # queue_tasks splits each cost in halves: prompts of 400, 400 and 1,000 tokens.
             await queue_tasks(ps.store, [("n1", Tier.NORMAL, 800), ("b1", Tier.BATCH, 800),
@@ -79,13 +79,13 @@ async def test_guest_limits_are_published_and_short_work_of_other_tiers_joins_th
             assert await redis_client.hgetall(ps.store.keys.node_guests) == {b"vip-node": b"1"}
 
 
-async def test_a_kept_node_full_of_guests_does_not_hold_batch_off_idle_shared_nodes(
+async def test_a_dedicated_node_full_of_guests_does_not_hold_batch_off_idle_shared_nodes(
         redis_client: Any, redis_url: str) -> None:
-    """The zone follows the shared nodes: a kept node at 75% (its VIP chats and guests) would
+    """The zone follows the shared nodes: a dedicated node at 75% (its VIP chats and guests) would
     make the pool YELLOW under aggregate "max", and YELLOW holds every Batch task."""
-    kept, shared = FakeVllm(usage=0.75), FakeVllm(usage=0.10)
-    async with serve_fake(kept) as kept_url, serve_fake(shared) as shared_url:
-        config = make_config(redis_url, [{"name": "vip-node", "url": kept_url},
+    dedicated, shared = FakeVllm(usage=0.75), FakeVllm(usage=0.10)
+    async with serve_fake(dedicated) as dedicated_url, serve_fake(shared) as shared_url:
+        config = make_config(redis_url, [{"name": "vip-node", "url": dedicated_url},
                                          {"name": "shared", "url": shared_url}],
                              dedicated={"nodes": ["vip-node"], "tiers": ["vip"],
                                         "guest_max_prompt_tokens": 500})
@@ -99,21 +99,21 @@ async def test_a_kept_node_full_of_guests_does_not_hold_batch_off_idle_shared_no
             assert result.zone is Zone.YELLOW
 
 
-async def test_yellow_holds_batch_off_the_shared_nodes_but_the_kept_node_takes_guests(
+async def test_yellow_holds_batch_off_the_shared_nodes_but_the_dedicated_node_takes_guests(
         redis_client: Any, redis_url: str) -> None:
-    """YELLOW follows the shared nodes; a kept node's guest room is its own. Without Batch
+    """YELLOW follows the shared nodes; a dedicated node's guest room is its own. Without Batch
     guests there, YELLOW leaves that room to Normal chats, whose long answers fill its batch."""
-    kept, shared = FakeVllm(usage=0.10), FakeVllm(usage=0.72)
-    async with serve_fake(kept) as kept_url, serve_fake(shared) as shared_url:
-        config = _kept_for_vip(redis_url, kept_url, shared_url, guest_max_prompt_tokens=500,
-                               max_guests_per_node=2)
+    dedicated, shared = FakeVllm(usage=0.10), FakeVllm(usage=0.72)
+    async with serve_fake(dedicated) as dedicated_url, serve_fake(shared) as shared_url:
+        config = _dedicated_to_vip(redis_url, dedicated_url, shared_url,
+                                   guest_max_prompt_tokens=500, max_guests_per_node=2)
         async with pool_scheduler(redis_client, config) as ps:
             # queue_tasks splits each cost in halves: prompts of 400, 1,000 and 400 tokens.
             await queue_tasks(ps.store, [("b1", Tier.BATCH, 800), ("b2", Tier.BATCH, 2_000),
                                          ("b3", Tier.BATCH, 800)])
             result = await ps.tick(1, always)
             assert result.zone is Zone.YELLOW
-            # b1 joins the kept node; b2 may not (prompt too long) and the shared node is held,
+            # b1 joins the dedicated node; b2 may not (prompt too long) and the shared node is held,
             # so it waits, and b3 behind it: FIFO within the tier.
             assert {t.task_id: t.node for t in result.released} == {"b1": "vip-node"}
             for task_id in ("b2", "b3"):
@@ -125,12 +125,12 @@ async def test_yellow_holds_batch_off_the_shared_nodes_but_the_kept_node_takes_g
                                                                     "b3": "vip-node"}
 
 
-async def test_a_kept_node_running_too_many_sequences_takes_no_new_guests(
+async def test_a_dedicated_node_running_too_many_sequences_takes_no_new_guests(
         redis_client: Any, redis_url: str) -> None:
-    kept, shared = FakeVllm(running=65), FakeVllm()
-    async with serve_fake(kept) as kept_url, serve_fake(shared) as shared_url:
-        config = _kept_for_vip(redis_url, kept_url, shared_url, guest_max_prompt_tokens=500,
-                               guest_max_running=64)
+    dedicated, shared = FakeVllm(running=65), FakeVllm()
+    async with serve_fake(dedicated) as dedicated_url, serve_fake(shared) as shared_url:
+        config = _dedicated_to_vip(redis_url, dedicated_url, shared_url,
+                                   guest_max_prompt_tokens=500, guest_max_running=64)
         async with pool_scheduler(redis_client, config) as ps:
             await queue_tasks(ps.store, [("v1", Tier.VIP, 800), ("b1", Tier.BATCH, 800)])
             result = await ps.tick(1, always)
@@ -138,7 +138,7 @@ async def test_a_kept_node_running_too_many_sequences_takes_no_new_guests(
             # VIP chats are never turned away from their node; the guest goes elsewhere.
             assert {t.task_id: t.node for t in result.released} == {"v1": "vip-node",
                                                                     "b1": "shared"}
-            kept.running = 64  # at the bound, not above it: open again
+            dedicated.running = 64  # at the bound, not above it: open again
             await queue_tasks(ps.store, [("b2", Tier.BATCH, 800)])
             result = await ps.tick(1, always)
             assert "dedicated_guests_closed" not in await state(ps.store)

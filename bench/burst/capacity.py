@@ -58,9 +58,9 @@ class CapacityResult:
     """VIP TTFT P50, P99 in simulated ms before the burst (arrival to first token)."""
     vip_ttft_burst: tuple[float, float] = (math.nan, math.nan)
     vip_nodes: int = 0
-    """Nodes the ideal kept for VIP (as `[pools.dedicated]` does): 0 = all shared."""
+    """Nodes the ideal dedicated to VIP (as `[pools.dedicated]` does): 0 = all shared."""
     alternative: CapacityResult | None = None
-    """The same replay with one node kept for VIP, when measured: the placement's price."""
+    """The same replay with one node dedicated to VIP, when measured: the placement's price."""
 
     def as_dict(self) -> dict[str, float]:
         return {"vip_nodes": self.vip_nodes, "total_tokens_per_s": self.total_tokens_per_s,
@@ -105,9 +105,9 @@ class _Node:
         self.plan: StepPlan | None = None
         """The step in progress (None: idle)."""
         self.guests = 0
-        """Live non-VIP sequences (what a kept node's guest cap counts)."""
+        """Live non-VIP sequences (what a dedicated node's guest cap counts)."""
         self.paced_at = 0.0
-        """When a kept node paced by ``guest_rate`` may take its next guest (simulated s)."""
+        """When a dedicated node paced by ``guest_rate`` may take its next guest (simulated s)."""
         self._lefts: list[int] = []
         self._suffix: list[int] = []
         self._now_blocks = 0
@@ -164,12 +164,12 @@ def ideal_replay(
     guest_prompt_max: int | None = None,
     guest_cap: int | None = None,
     guest_output_max: int | None = None,
-    guests_kept_first: bool = True,
+    guests_dedicated_first: bool = True,
     kv_ceiling: float = 1.0,
     strict_order: bool = False,
     guest_rate: float | None = None,
     guest_running: int | None = None,
-    kept_threshold: int = 0,
+    dedicated_threshold: int = 0,
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
     engines; measure over ``window`` (wall seconds, converted to simulated time).
@@ -179,23 +179,25 @@ def ideal_replay(
     reaches (from arrival, its own queueing included) is the best any admission controller
     can do on these nodes with this traffic while keeping their throughput at the maximum.
 
-    With ``vip_nodes`` > 0 the first nodes are kept for VIP, as ``[pools.dedicated]`` keeps
+    With ``vip_nodes`` > 0 the first nodes are dedicated to VIP, as ``[pools.dedicated]`` keeps
     them: VIP tries them first, then the others; the other tiers never use them. It prices the
     trade of that placement: VIP TTFT against throughput.
 
     Guests (all off by default): with ``guest_prompt_max`` set, Normal and Batch requests whose
-    prompt is at most that many tokens may also use the kept nodes (short chats, long
+    prompt is at most that many tokens may also use the dedicated nodes (short chats, long
     generations with short prompts: no long prefill for a VIP to wait behind), at most
-    ``guest_cap`` of them per kept node at once (None: no cap beyond the cache), trying the kept
-    nodes before the shared ones (``guests_kept_first``) or only when no shared node fits.
-    ``guest_output_max`` also keeps requests of longer outputs off the kept nodes.
-    ``guest_rate`` paces a kept node's guests by their prompts: after a guest of ``p`` prompt
+    ``guest_cap`` of them per dedicated node at once (None: no cap beyond the cache), trying the
+    dedicated nodes before the shared ones (``guests_dedicated_first``) or only when no shared
+    node fits.
+    ``guest_output_max`` also keeps requests of longer outputs off the dedicated nodes.
+    ``guest_rate`` paces a dedicated node's guests by their prompts: after a guest of ``p`` prompt
     tokens the node takes no other guest for ``p / guest_rate`` simulated seconds, so the
     prefill work guests bring to it is the same whenever guest demand exceeds that rate (at 1x
-    and in the burst alike). ``guest_running`` closes a kept node to guests while it runs more
+    and in the burst alike). ``guest_running`` closes a dedicated node to guests while it runs more
     sequences than that (kvgate's ``guest_max_running``, read there from the node's metrics).
-    The engine option ``long_prefill_token_threshold`` comes with ``config``; ``kept_threshold``
-    (> 0) sets it on the kept nodes alone (a separate deployment may run other engine flags).
+    The engine option ``long_prefill_token_threshold`` comes with ``config``;
+    ``dedicated_threshold`` (> 0) sets it on the dedicated nodes alone (a separate deployment
+    may run other engine flags).
 
     ``kv_ceiling`` < 1 admits only while the projected peak stays within that fraction of each
     node's cache: the ideal held to the same KV bar as the live system (below 80%).
@@ -205,20 +207,21 @@ def ideal_replay(
     """
     config = dataclasses.replace(config, scheduling_policy="priority")
     lo, hi = window[0] * time_scale, window[1] * time_scale
-    kept_config = (dataclasses.replace(config, long_prefill_token_threshold=kept_threshold)
-                   if kept_threshold else config)
-    fleet = [_Node(kept_config if i < vip_nodes else config, kv_ceiling) for i in range(nodes)]
-    kept_nodes, shared_nodes = fleet[:vip_nodes], fleet[vip_nodes:]
+    dedicated_config = (
+        dataclasses.replace(config, long_prefill_token_threshold=dedicated_threshold)
+        if dedicated_threshold else config)
+    fleet = [_Node(dedicated_config if i < vip_nodes else config, kv_ceiling) for i in range(nodes)]
+    dedicated_nodes, shared_nodes = fleet[:vip_nodes], fleet[vip_nodes:]
     # Where a request may go, groups in order of preference.
-    vip_groups = [g for g in (kept_nodes, shared_nodes) if g]
+    vip_groups = [g for g in (dedicated_nodes, shared_nodes) if g]
     other_groups = [shared_nodes]  # Normal and Batch alike
-    guest_groups = [g for g in ((kept_nodes, shared_nodes) if guests_kept_first
-                                else (shared_nodes, kept_nodes)) if g]
-    kept_ids = {id(n) for n in kept_nodes}
+    guest_groups = [g for g in ((dedicated_nodes, shared_nodes) if guests_dedicated_first
+                                else (shared_nodes, dedicated_nodes)) if g]
+    dedicated_ids = {id(n) for n in dedicated_nodes}
 
     def room(node: _Node, tier: Tier) -> bool:
         """Whether a guest's tier cap lets ``node`` take one more (VIP and shared: always)."""
-        if tier is Tier.VIP or id(node) not in kept_ids:
+        if tier is Tier.VIP or id(node) not in dedicated_ids:
             return True
         return ((guest_cap is None or node.guests < guest_cap)
                 and (guest_rate is None or now >= node.paced_at)
@@ -246,11 +249,11 @@ def ideal_replay(
         for tier in Tier:
             if blocked:
                 break
-            kept: list[tuple[float, PlannedRequest]] = []
+            still_queued: list[tuple[float, PlannedRequest]] = []
             queue = queues[tier]
             for i, (arrived, req) in enumerate(queue):
                 if scanned >= _SCAN_LIMIT:
-                    kept.extend(queue[i:])
+                    still_queued.extend(queue[i:])
                     break
                 scanned += 1
                 node = None
@@ -270,20 +273,20 @@ def ideal_replay(
                 if node is None:
                     if strict_order:
                         blocked = True
-                        kept.extend(queue[i:])
+                        still_queued.extend(queue[i:])
                         break
-                    kept.append((arrived, req))
+                    still_queued.append((arrived, req))
                     continue
                 sim_req = SimRequest(request_id=str(next(ids)), prompt_tokens=req.prompt_tokens,
                                      max_tokens=req.output_tokens, priority=int(req.tier))
                 node.engine.add(sim_req, now)
                 node.live.append(sim_req)
                 node.refresh()
-                if guest_rate is not None and tier is not Tier.VIP and id(node) in kept_ids:
+                if guest_rate is not None and tier is not Tier.VIP and id(node) in dedicated_ids:
                     node.paced_at = max(node.paced_at, now) + req.prompt_tokens / guest_rate
                 if tier is Tier.VIP:
                     vips.append((arrived, sim_req))
-            queues[tier] = kept
+            queues[tier] = still_queued
 
     def start_steps() -> None:
         nonlocal peak, running_sum, samples
@@ -304,7 +307,7 @@ def ideal_replay(
     while next_arrival < len(arrivals) or steps:
         t_arrival = arrivals[next_arrival][0] if next_arrival < len(arrivals) else math.inf
         t_step = steps[0][0] if steps else math.inf
-        t_paced = min((n.paced_at for n in kept_nodes if n.paced_at > now), default=math.inf)
+        t_paced = min((n.paced_at for n in dedicated_nodes if n.paced_at > now), default=math.inf)
         now = min(t_arrival, t_step, t_paced)
         if start_counts is None and now >= lo:
             start_counts = counts()
@@ -313,7 +316,7 @@ def ideal_replay(
         if end_counts is not None and (vips_served() or now >= hi + _VIP_GRACE_S):
             break
         if t_paced < min(t_step, t_arrival):
-            changed = True  # a paced kept node may take a guest again
+            changed = True  # a paced dedicated node may take a guest again
         elif t_step <= t_arrival:
             _, index = heapq.heappop(steps)
             node = fleet[index]

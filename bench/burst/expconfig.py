@@ -65,9 +65,9 @@ class Settings:
     """Arm (c)'s pool declares what its engines run (the priority policy, as in every arm): the
     gateway forwards the tier as vLLM's ``priority``."""
     vip_nodes: int = 0
-    """Arm (c): nodes kept for VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
+    """Arm (c): nodes dedicated to VIP (`[pools.dedicated]`), the first ones; 0 = all shared."""
     guest_prompt: int = 0
-    """Arm (c), with vip_nodes: `guest_max_prompt_tokens` of the kept nodes (0: no guests)."""
+    """Arm (c), with vip_nodes: `guest_max_prompt_tokens` of the dedicated nodes (0: no guests)."""
     max_guests: int | None = None
     """Arm (c), with guests: `max_guests_per_node`; None = the project's default."""
     guest_rate: int = 0
@@ -135,7 +135,7 @@ class Settings:
 
 PRESETS: dict[str, Settings] = {
     # The reference run: real-scale nodes, the simulation in real time, arm (c) on kvgate's
-    # shipped defaults (no kept node, no guest or zone settings: those are CLI overrides for
+    # shipped defaults (no dedicated node, no guest or zone settings: those are CLI overrides for
     # exploration). A 300 s baseline: the VIP P99 the burst is compared with needs a few
     # thousand chats.
     "full": Settings(baseline_sim_s=300.0),

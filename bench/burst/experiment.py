@@ -77,18 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arm (c): how many nodes to keep for VIP ([pools.dedicated])")
     p.add_argument("--guest-prompt", type=int, dest="guest_prompt",
                    help="arm (c), with --vip-nodes: Normal and Batch work with prompts up to "
-                        "this many tokens may join the kept nodes as guests")
+                        "this many tokens may join the dedicated nodes as guests")
     p.add_argument("--max-guests", type=int, dest="max_guests",
-                   help="arm (c), with --guest-prompt: most guests alive per kept node "
+                   help="arm (c), with --guest-prompt: most guests alive per dedicated node "
                         "(default: the project's)")
     p.add_argument("--guest-rate", type=int, dest="guest_rate",
                    help="arm (c), with --guest-prompt: pace guests at this many prompt tokens "
-                        "per second per kept node (guest_prompt_tokens_per_s; default: unpaced)")
+                        "per second per dedicated node (guest_prompt_tokens_per_s; default: "
+                        "unpaced)")
     p.add_argument("--guest-output", type=int, dest="guest_output",
                    help="arm (c), with --guest-prompt: guests must also ask for at most this "
                         "many output tokens (guest_max_output_tokens; default: no bound)")
     p.add_argument("--guest-running", type=int, dest="guest_running",
-                   help="arm (c), with --guest-prompt: no new guests while a kept node runs "
+                   help="arm (c), with --guest-prompt: no new guests while a dedicated node runs "
                         "more sequences than this (guest_max_running; default: no bound)")
     p.add_argument("--batch-ceiling", type=float, dest="batch_ceiling",
                    help="arm (c): the pool's zones.batch_ceiling (default: the project's)")
@@ -129,7 +130,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run_capacity(settings: Settings, schedule: Schedule) -> CapacityResult:
-    """The ideal replay; with more than one node, also the same ideal with one node kept for
+    """The ideal replay; with more than one node, also the same ideal with one node dedicated to
     VIP (what `[pools.dedicated]` trades: VIP TTFT against throughput)."""
     def replay(vip_nodes: int) -> CapacityResult:
         return ideal_replay(settings.sim_config(0), settings.nodes,
@@ -246,22 +247,22 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
     return "\n".join(parts)
 
 
-def _kept_nodes(settings: Settings) -> str:
-    """The end of arm (c)'s setup line: the nodes kept for VIP and their guests, if any."""
+def _dedicated_nodes(settings: Settings) -> str:
+    """The end of arm (c)'s setup line: the nodes dedicated to VIP and their guests, if any."""
     if not settings.vip_nodes:
         return "."
-    kept = (f", the first {settings.vip_nodes} node(s) kept for VIP (`[pools.dedicated]`: VIP "
-            "tries them first, then the shared nodes; ")
+    dedicated = (f", the first {settings.vip_nodes} node(s) dedicated to VIP "
+                 "(`[pools.dedicated]`: VIP tries them first, then the shared nodes; ")
     if not settings.guest_prompt:
-        return kept + "no Normal or Batch work there)."
+        return dedicated + "no Normal or Batch work there)."
     pace = (f", paced at {settings.guest_rate:,} prompt tokens/s" if settings.guest_rate
             else "")
     outputs = (f" and outputs up to {settings.guest_output}" if settings.guest_output else "")
     running = (f"; none while the node runs more than {settings.guest_running} sequences"
                if settings.guest_running else "")
-    return (kept + f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} "
+    return (dedicated + f"Normal and Batch only as guests, prompts up to {settings.guest_prompt} "
             f"tokens{outputs}, at most {settings.max_guests or 'the default number of'} alive "
-            f"per kept node{pace}{running}).")
+            f"per dedicated node{pace}{running}).")
 
 
 def setup_section(settings: Settings) -> list[str]:
@@ -306,7 +307,7 @@ def setup_section(settings: Settings) -> list[str]:
         + _zone_overrides(settings)
         + (", tiers forwarded as vLLM `priority` to nodes run with `--scheduling-policy "
            "priority`" if settings.pass_priority else "")
-        + _kept_nodes(settings),
+        + _dedicated_nodes(settings),
         "- (d) clients round robin over the nodes like (a), each sending its tier as vLLM's "
         "`priority` (VIP 0, Normal 1, Batch 2).",
         f"- Every arm gets fresh nodes; a node that stays full (KV >= 99% or preempting, step "

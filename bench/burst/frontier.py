@@ -1,5 +1,5 @@
 """Exploratory: the ideal replay (bench.burst.capacity) of an experiment preset's schedule at given
-placements (kept nodes, guests and their bounds) and engine settings, and the frontier table
+placements (dedicated nodes, guests and their bounds) and engine settings, and the frontier table
 that sets each point against the maximum of the same fleet on the same traffic.
 
 ``python -m bench.burst.frontier --baseline 300 --jsonl F vip=1,n=9000,k=64,o=1000,r=7000,g=84``
@@ -18,7 +18,7 @@ from bench.burst.capacity import ideal_replay
 _SPEC_KEYS = {"vip": "vip_nodes", "n": "guest_prompt_max", "k": "guest_cap", "t": "threshold",
               "order": "order", "kv": "kv_ceiling", "fifo": "strict_order",
               "o": "guest_output_max", "r": "guest_rate", "g": "guest_running",
-              "kt": "kept_threshold"}
+              "dt": "dedicated_threshold"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +30,9 @@ class Point:
     guest_cap: int | None = None
     threshold: int = 0
     """The fleet's ``long_prefill_token_threshold`` (0: off)."""
-    order: str = "kept"
-    """Guests try the kept nodes first ("kept") or only when no shared node fits ("shared")."""
+    order: str = "dedicated"
+    """Guests try the dedicated nodes first ("dedicated") or only when no shared node fits
+    ("shared")."""
     kv_ceiling: float = 1.0
     """Fraction of each node's cache the ideal may fill (1: all of it)."""
     strict_order: bool = False
@@ -39,11 +40,11 @@ class Point:
     guest_output_max: int | None = None
     """Guests' outputs at most this many tokens too (``o=``; None: any)."""
     guest_rate: int | None = None
-    """Guests' prompt tokens per simulated second a kept node takes at most (``r=``)."""
+    """Guests' prompt tokens per simulated second a dedicated node takes at most (``r=``)."""
     guest_running: int | None = None
-    """No guests on a kept node while it runs more sequences than this (``g=``)."""
-    kept_threshold: int = 0
-    """The kept nodes' own ``long_prefill_token_threshold`` (``kt=``; 0: the fleet's)."""
+    """No guests on a dedicated node while it runs more sequences than this (``g=``)."""
+    dedicated_threshold: int = 0
+    """The dedicated nodes' own ``long_prefill_token_threshold`` (``dt=``; 0: the fleet's)."""
 
     @classmethod
     def parse(cls, spec: str) -> Point:
@@ -58,8 +59,8 @@ class Point:
             else:
                 fields[name] = float(value) if name == "kv_ceiling" else int(value)
         point = cls(**fields)  # type: ignore[arg-type]
-        if point.order not in ("kept", "shared"):
-            raise ValueError(f"order must be kept or shared, not {point.order!r}")
+        if point.order not in ("dedicated", "shared"):
+            raise ValueError(f"order must be dedicated or shared, not {point.order!r}")
         if not 0 < point.kv_ceiling <= 1:
             raise ValueError(f"kv must be in (0, 1], not {point.kv_ceiling}")
         return point
@@ -67,9 +68,9 @@ class Point:
     @property
     def label(self) -> str:
         if not self.vip_nodes:
-            where = "no kept node"
+            where = "no dedicated node"
         elif self.guest_prompt_max is None:
-            where = f"{self.vip_nodes} kept for VIP only"
+            where = f"{self.vip_nodes} dedicated to VIP only"
         else:
             cap = "no cap" if self.guest_cap is None else f"<= {self.guest_cap} guests"
             if self.guest_rate is not None:
@@ -78,12 +79,12 @@ class Point:
                 cap += f", none above {self.guest_running} running"
             outputs = ("" if self.guest_output_max is None
                        else f" and outputs <= {self.guest_output_max}")
-            where = (f"{self.vip_nodes} kept: VIP + prompts <= {self.guest_prompt_max}{outputs}, "
-                     f"{cap}"
+            where = (f"{self.vip_nodes} dedicated: VIP + prompts <= "
+                     f"{self.guest_prompt_max}{outputs}, {cap}"
                      + (", guests shared first" if self.order == "shared" else ""))
         return (where + (f"; threshold {self.threshold}" if self.threshold else "")
-                + (f"; kept nodes' threshold {self.kept_threshold}" if self.kept_threshold
-                   else "")
+                + (f"; dedicated nodes' threshold {self.dedicated_threshold}"
+                   if self.dedicated_threshold else "")
                 + (f"; KV <= {self.kv_ceiling:.0%}" if self.kv_ceiling < 1 else "")
                 + ("; strict FIFO" if self.strict_order else ""))
 
@@ -108,15 +109,16 @@ def replay_point(preset: str, point: Point, seed: int | None = None,
                           settings.profile.window("burst"), vip_nodes=point.vip_nodes,
                           guest_prompt_max=point.guest_prompt_max, guest_cap=point.guest_cap,
                           guest_output_max=point.guest_output_max, guest_rate=point.guest_rate,
-                          guest_running=point.guest_running, kept_threshold=point.kept_threshold,
-                          guests_kept_first=point.order == "kept", kv_ceiling=point.kv_ceiling,
-                          strict_order=point.strict_order)
+                          guest_running=point.guest_running,
+                          dedicated_threshold=point.dedicated_threshold,
+                          guests_dedicated_first=point.order == "dedicated",
+                          kv_ceiling=point.kv_ceiling, strict_order=point.strict_order)
     return {"preset": preset, "seed": settings.seed, "baseline_sim_s": settings.baseline_sim_s,
             **dataclasses.asdict(point), **result.as_dict()}
 
 
 def frontier_table(rows: Sequence[Mapping[str, object]]) -> str:
-    """Markdown: each point against the maximum (no kept node, whole cache) of the same preset,
+    """Markdown: each point against the maximum (no dedicated node, whole cache) of the same preset,
     seed, baseline length and engine setting (the same fleet on the same traffic)."""
     from bench.burst.expconfig import PRESETS
 
@@ -162,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.burst.frontier",
         description="Exploratory: the ideal replay of an experiment preset's schedule at given "
-                    "placements (kept nodes, guests) and engine settings; JSON lines out, or a "
-                    "markdown table of such lines.")
+                    "placements (dedicated nodes, guests) and engine settings; JSON lines out, "
+                    "or a markdown table of such lines.")
     p.add_argument("points", nargs="*",
                    help="e.g. vip=1,n=512,k=16,t=1024,kv=0.79 (empty: vip=0)")
     p.add_argument("--preset", default="full")

@@ -334,13 +334,14 @@ def markdown_table(summaries: Sequence[ArmSummary], capacity: CapacityResult | N
         if alt is not None and capacity.total_tokens_per_s > 0:
             lines.append("")
             lines.append(
-                f"The same ideal with {alt.vip_nodes} node kept for VIP (`[pools.dedicated]`: no "
-                f"Normal or Batch work there, VIP there first): VIP TTFT P50 / P99 "
+                f"The same ideal with {alt.vip_nodes} node dedicated to VIP "
+                f"(`[pools.dedicated]`: no Normal or Batch work there, VIP there first): "
+                f"VIP TTFT P50 / P99 "
                 f"{_ms(alt.vip_ttft_base[0])} / {_ms(alt.vip_ttft_base[1])} ms at baseline and "
                 f"{_ms(alt.vip_ttft_burst[0])} / {_ms(alt.vip_ttft_burst[1])} ms in the burst "
                 f"(P99 {_ratio(alt.vip_ttft_burst[1], alt.vip_ttft_base[1])}) at "
                 f"{alt.total_tokens_per_s:,.0f} tok/s, "
                 f"{alt.total_tokens_per_s / capacity.total_tokens_per_s:.0%} of the maximum: "
-                f"no long prefill ahead of a VIP chat, at the price of the throughput the kept "
-                f"node does not give to Batch.")
+                f"no long prefill ahead of a VIP chat, at the price of the throughput the "
+                f"dedicated node does not give to Batch.")
     return "\n".join(lines)

@@ -10,9 +10,10 @@ seeded open-loop traffic (bench.burst.workload, bench.burst.loadgen): 1x baselin
 mix's burst classes, then 1x while the deferred work drains. Goodput is judged against a true upper
 bound (bench.burst.goodput); with ``--ideal`` bench.burst.capacity also replays the same requests
 offline behind an ideal admission controller, shown as a reference. Many draws, mixes and
-cluster sizes: bench.burst.matrix. Progress prints once per second; the table
-(bench/results/<name>.md), the timeline plot (<name>.png) and raw figures (<name>.json) are
-written at the end and the table is printed.
+cluster sizes: bench.burst.matrix. Progress prints once per second; the table (<name>.md),
+the timeline plot (<name>.png) and raw figures (<name>.json) are written at the end to `--out`
+(default bench/results/tmp/, untracked: one draw is not a record, the matrix is) and the table
+is printed.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", choices=sorted(MIXES),
                    help="a traffic mix of bench.burst.mixes, with its max_tokens mix (default: the "
                         "article's classes, clients sending exact max_tokens)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "tmp",
+                   help="results directory (default: bench/results/tmp, untracked)")
     p.add_argument("--name", help="file name stem (default: burst, or burst-<preset>)")
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
     p.add_argument("--nodes", type=int)

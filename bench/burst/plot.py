@@ -1,5 +1,5 @@
-"""burst.png: one column per arm; KV usage per node, queue depth per tier, admitted and
-rejected rates, VIP TTFT, over simulated time with the burst shaded."""
+"""The burst timeline plot (<name>.png): one column per arm; KV usage per node, queue depth
+per tier, admitted and rejected rates, VIP TTFT, over simulated time with the burst shaded."""
 
 from __future__ import annotations
 

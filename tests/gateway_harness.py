@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import openai
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -25,6 +29,7 @@ from gateway.app import create_app
 from gateway.state import GATEWAY
 from gateway.state import Gateway as GatewayRuntime
 
+ROOT = Path(__file__).resolve().parent.parent
 POOL = "demo"
 EPOCH = 1
 BIG = 10_000_000
@@ -71,6 +76,42 @@ def config_data(redis_url: str, backend_urls: list[str], **gateway: Any) -> dict
              "rate": 0, "burst": 1000, "max_queued": 10},
         ],
     }
+
+
+async def open_held_stream(http: aiohttp.ClientSession, url: str, key: str, *, content: str,
+                           max_tokens: int) -> tuple[str, aiohttp.ClientResponse]:
+    """A streamed chat through the gateway at `url`, read until two chunks arrived (the node
+    then holds it): its X-Request-Id and the response, still open."""
+    response = await http.post(url + "/v1/chat/completions", json={
+        "model": POOL, "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "stream": True}, headers={"Authorization": f"Bearer {key}"})
+    assert response.status == 200
+    events = 0
+    while events < 2:
+        line = await asyncio.wait_for(response.content.readline(), 5)
+        events += line.startswith(b"data: {")
+    return response.headers["X-Request-Id"], response
+
+
+async def start_gateway_process(config: Path, redis_url: str, *args: str
+                                ) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m gateway --config CONFIG --port 0 ARGS` with `REDIS_URL`, its stdout and
+    stderr piped; returns once it printed its listening line: (process, base URL). Stopping it
+    is the caller's (SIGTERM and what the test reads after it differ from test to test)."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--config", str(config), "--port", "0", *args,
+        cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
+        assert "listening on http://" in line, line
+    except BaseException:
+        process.kill()
+        await process.wait()
+        raise
+    return process, line.rsplit(" ", 1)[1].strip()
 
 
 @asynccontextmanager

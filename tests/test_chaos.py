@@ -47,7 +47,7 @@ from tests.chaos_support import (
     stats,
     task_records,
 )
-from tests.gateway_harness import KEYS, POOL
+from tests.gateway_harness import KEYS, POOL, open_held_stream
 from tests.live import Processes, sigkill
 
 pytestmark = pytest.mark.slow
@@ -92,16 +92,8 @@ def p99(values: list[float]) -> float:
 
 
 async def _open_stream(http: aiohttp.ClientSession, url: str) -> tuple[str, Any]:
-    """A streaming request read until two chunks arrived (the node then holds it)."""
-    response = await http.post(url + "/v1/chat/completions", json={
-        "model": POOL, "messages": [{"role": "user", "content": "stream"}], "max_tokens": 8,
-        "stream": True}, headers={"Authorization": f"Bearer {KEYS['vip']}"})
-    assert response.status == 200
-    events = 0
-    while events < 2:
-        line = await asyncio.wait_for(response.content.readline(), 5)
-        events += line.startswith(b"data: {")
-    return response.headers["X-Request-Id"], response
+    """A VIP streaming request read until two chunks arrived (the node then holds it)."""
+    return await open_held_stream(http, url, KEYS["vip"], content="stream", max_tokens=8)
 
 
 async def test_gateway_killed_mid_stream(redis_factory: Callable[..., LocalRedis],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -17,9 +16,15 @@ from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore
 from admission.tiers import Zone
 from bench.common.instant_backend import InstantBackend
-from tests.gateway_harness import EPOCH, KEYS, eventually, serve_backend, sha
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.gateway_harness import (
+    EPOCH,
+    KEYS,
+    ROOT,
+    eventually,
+    serve_backend,
+    sha,
+    start_gateway_process,
+)
 
 
 def _toml(backend_url: str) -> str:
@@ -53,17 +58,8 @@ async def test_gateway_process_serves_settles_and_stops_on_sigterm(
         store = PoolStore(redis_client, register_scripts(redis_client), "demo",
                           _policy(config))
         await store.publish_state(EPOCH, Zone.GREEN, {"node-0": 1_000_000})
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "--config", str(config), "--port", "0",
-            "--log-level", "WARNING",
-            cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
+        process, url = await start_gateway_process(config, redis_url, "--log-level", "WARNING")
         try:
-            assert process.stdout is not None
-            line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
-            assert "listening on http://" in line, line
-            url = line.rsplit(" ", 1)[1].strip()
             async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEYS["vip"],
                                           max_retries=0) as client:
                 raw = await client.chat.completions.with_raw_response.create(

@@ -30,7 +30,7 @@ from admission.keys import PoolKeys, abandoned_lease
 from admission.store import MICRO
 from bench.common.localredis import LocalRedis
 from scheduler.service import SchedulerService
-from tests.gateway_harness import KEYS, POOL, eventually, running_gateway
+from tests.gateway_harness import KEYS, POOL, eventually, open_held_stream, running_gateway
 
 LEASE_TTL_MS = 1000
 RENEW_MS = 300
@@ -52,16 +52,8 @@ def every_key_but(key: str) -> list[str]:
 
 async def _stream_held(http: aiohttp.ClientSession, url: str) -> tuple[str, Any]:
     """A streaming request of the 'frozen' tenant, read until the backend holds it."""
-    response = await http.post(url + "/v1/chat/completions", json={
-        "model": POOL, "messages": [{"role": "user", "content": "Tell me a story."}],
-        "max_tokens": 100, "stream": True},
-        headers={"Authorization": f"Bearer {KEYS['frozen']}"})
-    assert response.status == 200
-    events = 0
-    while events < 2:
-        line = await asyncio.wait_for(response.content.readline(), 5)
-        events += line.startswith(b"data: {")
-    return response.headers["X-Request-Id"], response
+    return await open_held_stream(http, url, KEYS["frozen"], content="Tell me a story.",
+                                  max_tokens=100)
 
 
 async def _level(admin: Any) -> int:

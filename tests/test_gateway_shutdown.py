@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -33,10 +31,9 @@ from gateway.shutdown import (
     SETTLE_DRAIN_S,
     SETTLE_MARGIN_S,
 )
-from tests.gateway_harness import EPOCH, KEYS, eventually, serve_backend
+from tests.gateway_harness import EPOCH, KEYS, eventually, serve_backend, start_gateway_process
 from tests.test_gateway_process import _toml
 
-ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 3.0
 TOKEN_MS = 100
 LONG_TOKENS = 200
@@ -53,17 +50,10 @@ interpreter's exit, well under `SETTLE_MARGIN_S` (the bound when Redis is down).
 async def gateway_process(config: Path, redis_url: str) -> AsyncIterator[
         tuple[asyncio.subprocess.Process, str]]:
     """`python -m gateway` with `--shutdown-timeout` TIMEOUT_S; (process, base URL)."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "--config", str(config), "--port", "0",
-        "--log-level", "WARNING", "--shutdown-timeout", str(TIMEOUT_S),
-        cwd=ROOT, env={**os.environ, "REDIS_URL": redis_url},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
+    process, url = await start_gateway_process(
+        config, redis_url, "--log-level", "WARNING", "--shutdown-timeout", str(TIMEOUT_S))
     try:
-        assert process.stdout is not None
-        line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
-        assert "listening on http://" in line, line
-        yield process, line.rsplit(" ", 1)[1].strip()
+        yield process, url
     finally:
         if process.returncode is None:
             process.kill()

@@ -10,9 +10,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
-import os
 import signal
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -43,10 +41,10 @@ from tests.gateway_harness import (
     running_gateway,
     serve_backend,
     sha,
+    start_gateway_process,
 )
 from tests.live import to_toml
 
-ROOT = Path(__file__).resolve().parent.parent
 PASSWORD = "pw-7Zq1-never-logged"
 ADMIN_TOKEN = "adm-token-31d9e0"
 SECRET_PROMPT = "the vault combination is TANGERINE-77-OTTER"
@@ -381,14 +379,9 @@ async def test_gateway_process_logs_hold_no_key_password_or_prompt(
         config_file = tmp_path / "gw.toml"
         config_file.write_text(to_toml(data))
         config = parse_config(data, env={"REDIS_URL": server.url})
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "gateway", "--config", str(config_file), "--port", "0",
-            "--log-level", "DEBUG", cwd=ROOT, env={**os.environ, "REDIS_URL": server.url},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        process, url = await start_gateway_process(config_file, server.url,
+                                                   "--log-level", "DEBUG")
         try:
-            assert process.stdout is not None and process.stderr is not None
-            line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
-            url = line.rsplit(" ", 1)[1].strip()
             redis = connect(config.redis)
             store = PoolStore(redis, register_scripts(redis), POOL, config.pool_policy(POOL))
             await store.publish_state(1, Zone.GREEN, {"node-0": BIG})

@@ -82,11 +82,6 @@ class _Reader:
             raise ConfigError(f"{where}: expected {_kind_name(kinds)}, got {type(value).__name__}")
         return value
 
-    def required(self, name: str, kind: type | tuple[type, ...]) -> Any:
-        if name not in self.table:
-            raise ConfigError(f"{self.key(name)}: is required")
-        return self.get(name, kind)
-
     def sub(self, name: str) -> _Reader:
         self.used.add(name)
         return _Reader(self.table.get(name, {}), self.key(name))

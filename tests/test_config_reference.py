@@ -5,9 +5,9 @@ How the schema is derived (no second copy of it to fall out of date):
 
 - *Which keys the parser accepts.* Every table of the file is read through one
   `admission.config._Reader`, and `_Reader.done()` rejects any key the loader did not read
-  (`_Reader.get`/`required`/`sub` and the loader's field-by-field `_field` record the key in
-  `used`). So the accepted keys of a section are exactly the reader's `used` set when `done()`
-  runs. The test wraps `done()`, parses a config that has every kind of table (a pool with a
+  (`_Reader.get`/`sub` and the loader's field-by-field `_field` record the key in `used`).
+  So the accepted keys of a section are exactly the reader's `used` set when `done()` runs.
+  The test wraps `done()`, parses a config that has every kind of table (a pool with a
   backend table and a zones table, a tenant), and records each reader's path (`pools[0].zones`
   normalised to `pools.zones`) and `used` keys. A used key that is itself a recorded section
   (`zones`, `backends`, `redis`, `tiers.vip`, ...) is a section, not a leaf key.

@@ -42,7 +42,7 @@ TIER_HEADER = "X-Bench-Tier"
 """Sent for statistics only (the FIFO proxy counts its queue per tier with it); nothing
 schedules on it. The gateway ignores it: tiers come from the API key."""
 
-OK, REJECTED, FAILED, INCOMPLETE, CENSORED = "ok", "rejected", "failed", "incomplete", "censored"
+OK, REJECTED, FAILED, INCOMPLETE = "ok", "rejected", "failed", "incomplete"
 
 
 @dataclass(slots=True)
@@ -129,7 +129,6 @@ class LoadGenerator:
         self._clock = clock
         self._t0 = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
-        self.dispatched = 0
 
     def now(self) -> float:
         return self._clock() - self._t0
@@ -145,7 +144,6 @@ class LoadGenerator:
             task = asyncio.create_task(self._one(session, outcome))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-            self.dispatched += 1
 
     def pending(self) -> int:
         return len(self._tasks)

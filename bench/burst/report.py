@@ -227,16 +227,6 @@ def _reason(o: Outcome, stopped_at: float) -> str:
     return f"{o.req.tier.label}: {text}"
 
 
-def shows_failure(summary: ArmSummary) -> tuple[bool, str]:
-    """What (a) and (b) must show: preemptions and VIP TTFT several (>= 3) times baseline."""
-    p50 = _times(summary.vip_ttft_burst[0], summary.vip_ttft_base[0])
-    p99 = _times(summary.vip_ttft_burst[1], summary.vip_ttft_base[1])
-    several = max(p50, p99) >= 3.0
-    ok = (summary.preemptions > 0 or summary.crashed_nodes > 0) and several
-    return ok, (f"{summary.preemptions} preemptions, {summary.crashed_nodes} crashed, "
-                f"VIP TTFT P50 x{p50:.1f}, P99 x{p99:.1f} of baseline")
-
-
 def _times(a: float, b: float) -> float:
     if b <= 0 or math.isnan(a) or math.isnan(b):
         return math.nan

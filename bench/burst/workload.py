@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from admission.tiers import Tier
@@ -278,13 +278,3 @@ def _text_of(words: int) -> str:
     if len(_cache) < 20_000:
         _cache[words] = text
     return text
-
-
-def offered_work(classes: Sequence[TrafficClass],
-                 factors: Mapping[str, float] | None = None) -> dict[str, float]:
-    """Mean tokens per simulated second per real node (prompt and output), by class."""
-    out = {}
-    for c in classes:
-        f = (factors or {}).get(c.name, 1.0)
-        out[c.name] = c.rate * f * (c.prompt.mean + c.output.mean)
-    return out

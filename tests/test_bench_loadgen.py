@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from admission.config import DedicatedNodes, ZoneSettings, parse_config
+from admission.config import DedicatedNodes, EngineSettings, ZoneSettings, parse_config
 from admission.controlconfig import ControlSettings
 from admission.keys import PoolKeys
 from admission.scripts import register_scripts
@@ -340,6 +340,21 @@ def test_arm_c_runs_the_shipped_control_converted_to_the_lab_clock() -> None:
         shipped.window_min_tokens // 4, shipped.window_max_tokens // 4)
     assert (lab.enabled, lab.max_engine_running, lab.vip_miss_target) == (
         shipped.enabled, shipped.max_engine_running, shipped.vip_miss_target)
+
+
+def test_arm_c_runs_the_shipped_engine_timings_converted_to_the_lab_clock() -> None:
+    """The projection's prefill allowance is wall time per prompt token: a k-slice on a clock
+    time_scale times faster takes 1 / (k x time_scale) of it; the dispatch hop is wall time."""
+    def engine(settings: Settings) -> EngineSettings:
+        text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
+        return parse_config(tomllib.loads(text), env={}).pools[POOL].engine
+
+    shipped = EngineSettings()
+    assert engine(with_overrides(PRESETS["smoke"], time_scale=1.0, capacity_scale=1.0)) \
+        == shipped
+    lab = engine(with_overrides(PRESETS["smoke"], time_scale=8.0, capacity_scale=0.25))
+    assert lab.prefill_us_per_token == round(shipped.prefill_us_per_token / 2)
+    assert lab.dispatch_ms == shipped.dispatch_ms
 
 
 def test_the_report_names_the_zone_settings_an_arm_changed() -> None:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from admission.config import EngineSettings
 from admission.controlconfig import ControlSettings
 from admission.tiers import Tier
 from bench.burst.workload import (
@@ -185,7 +186,8 @@ def default_max_tokens(settings: Settings) -> int:
 
 
 def control_on_the_lab_clock(settings: Settings) -> list[str]:
-    """Arm (c)'s `[pools.control]`: the shipped defaults, converted to the simulation's units.
+    """Arm (c)'s `[pools.control]` and `[pools.engine]`: the shipped defaults, converted to the
+    simulation's units.
 
     The gateways time first tokens and the leader measures rates on the wall clock, while a
     reduced-scale node runs `time_scale` times faster than real time and has `capacity_scale`
@@ -196,7 +198,7 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
     preset) nothing is written and the services run the defaults as shipped."""
     if settings.time_scale == 1.0 and settings.capacity_scale == 1.0:
         return []
-    d = ControlSettings()
+    d, e = ControlSettings(), EngineSettings()
     speed = settings.time_scale
     return [
         "[pools.control]",
@@ -208,6 +210,13 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
         # fewer, so the same time ahead of a VIP chat is k times fewer tokens.
         f"window_min_tokens = {max(1, round(d.window_min_tokens * settings.capacity_scale))}",
         f"window_max_tokens = {max(1, round(d.window_max_tokens * settings.capacity_scale))}",
+        "",
+        # The projection's prefill allowance is wall time a prompt token may take: a k-slice on a
+        # clock `time_scale` times faster prefills a token in 1 / (k x time_scale) of a real
+        # node's wall time. The dispatch allowance is the gateways' wall-clock hop: unchanged.
+        "[pools.engine]",
+        f"prefill_us_per_token = "
+        f"{max(1, round(e.prefill_us_per_token / (settings.capacity_scale * speed)))}",
         "",
     ]
 

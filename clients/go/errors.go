@@ -1,0 +1,158 @@
+package kvgate
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Error codes of kvgate's 429 protocol, in RateLimitError.Code.
+const (
+	// CodeCapacityExceeded: the fleet's KV-cache is full (or the request's queue is); come
+	// back after Retry-After.
+	CodeCapacityExceeded = "capacity_exceeded"
+	// CodeRateLimitExceeded: the API key's token quota is spent for now.
+	CodeRateLimitExceeded = "rate_limit_exceeded"
+)
+
+// maxErrorBody bounds how much of an error response is read and kept.
+const maxErrorBody = 1 << 20
+
+// APIError is an error response (status >= 400) with the fields of OpenAI's error shape,
+// {"error": {"message", "type", "param", "code"}}, pulled out.
+type APIError struct {
+	StatusCode int
+	// Code is the machine-readable error code ("" when the body has none).
+	Code string
+	// Type is OpenAI's error type, e.g. "invalid_request_error".
+	Type string
+	// Param names the offending request field, when the server says.
+	Param string
+	// Message is the server's message, or "HTTP <status>" when the body has none.
+	Message string
+	// RetryAfter is the wait the server asked for (headers first, then the body's
+	// retry_after_ms), 0 when it asked for none.
+	RetryAfter time.Duration
+	// Header holds the response's headers.
+	Header http.Header
+	// Body holds the response's body (at most 1 MiB of it).
+	Body []byte
+}
+
+func (e *APIError) Error() string {
+	if e.Code != "" {
+		return fmt.Sprintf("kvgate: %d %s: %s", e.StatusCode, e.Code, e.Message)
+	}
+	return fmt.Sprintf("kvgate: %d: %s", e.StatusCode, e.Message)
+}
+
+// RateLimitError is a 429. Code tells capacity_exceeded (the fleet is full) from
+// rate_limit_exceeded (the key's quota). errors.As finds it, and its APIError, in any error the
+// Client returns.
+type RateLimitError struct {
+	APIError
+	// BackpressureLevel is the pool's zone from X-RateLimit-Backpressure-Level ("GREEN",
+	// "YELLOW", "RED"), "" when absent.
+	BackpressureLevel string
+	// QueueDepth is X-Queue-Depth, the tasks queued at the request's tier or above; -1 when
+	// absent or malformed.
+	QueueDepth int
+}
+
+// Unwrap returns the embedded APIError, so that errors.As(err, &apiErr) also matches a 429.
+func (e *RateLimitError) Unwrap() error { return &e.APIError }
+
+// ConnectionError means the server could not be reached, or a stream broke, after the retries
+// the policy allowed. Err is the transport's error.
+type ConnectionError struct {
+	Err error
+}
+
+func (e *ConnectionError) Error() string { return "kvgate: connection error: " + e.Err.Error() }
+
+// Unwrap returns the transport's error.
+func (e *ConnectionError) Unwrap() error { return e.Err }
+
+// StreamError is an error the server reported inside an already started stream (an event
+// whose payload has an "error" member, or is not a JSON object). It is never retried: part
+// of the answer has been delivered.
+type StreamError struct {
+	// Payload is the "error" member, or the whole event when it is not an object.
+	Payload json.RawMessage
+}
+
+func (e *StreamError) Error() string { return "kvgate: error in stream: " + string(e.Payload) }
+
+type errorBody struct {
+	Error *struct {
+		Message      *string         `json:"message"`
+		Type         *string         `json:"type"`
+		Param        *string         `json:"param"`
+		Code         json.RawMessage `json:"code"`
+		RetryAfterMs *float64        `json:"retry_after_ms"`
+	} `json:"error"`
+}
+
+// decodeError reads (a bounded part of) resp's body, closes it, and returns the typed error.
+func decodeError(resp *http.Response) error {
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	_ = resp.Body.Close()
+	return newAPIError(resp.StatusCode, resp.Header, body, time.Now())
+}
+
+func newAPIError(status int, h http.Header, body []byte, now time.Time) error {
+	e := APIError{StatusCode: status, Header: h, Body: body, Message: fmt.Sprintf("HTTP %d", status)}
+	var parsed errorBody
+	if json.Unmarshal(body, &parsed) == nil && parsed.Error != nil {
+		pe := parsed.Error
+		if pe.Message != nil {
+			e.Message = *pe.Message
+		}
+		e.Type = deref(pe.Type)
+		e.Param = deref(pe.Param)
+		e.Code = rawString(pe.Code)
+		if pe.RetryAfterMs != nil && *pe.RetryAfterMs > 0 {
+			e.RetryAfter = fromFloat(*pe.RetryAfterMs * float64(time.Millisecond))
+		}
+	}
+	if d, ok := ParseRetryAfter(h, now); ok {
+		e.RetryAfter = d
+	}
+	if status != http.StatusTooManyRequests {
+		return &e
+	}
+	rl := &RateLimitError{APIError: e, QueueDepth: -1}
+	if v, ok := headerValue(h, HeaderBackpressureLevel); ok {
+		rl.BackpressureLevel = strings.TrimSpace(v)
+	}
+	if v, ok := headerValue(h, HeaderQueueDepth); ok {
+		if n, err := strconv.Atoi(strings.TrimSpace(v)); err == nil && n >= 0 {
+			rl.QueueDepth = n
+		}
+	}
+	return rl
+}
+
+func deref(s *string) string {
+	if s == nil {
+		return ""
+	}
+	return *s
+}
+
+// rawString turns a JSON string or number into its text; null and other types give "".
+func rawString(raw json.RawMessage) string {
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return s
+	}
+	var n json.Number
+	if json.Unmarshal(raw, &n) == nil {
+		return n.String()
+	}
+	return ""
+}

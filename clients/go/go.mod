@@ -1,0 +1,3 @@
+module kvgate
+
+go 1.19

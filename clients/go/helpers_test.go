@@ -1,0 +1,64 @@
+package kvgate
+
+import (
+	"context"
+	"sync"
+	"time"
+)
+
+// fakeClock moves only when slept on; it starts at the real time so that context deadlines,
+// which are wall-clock times, compare with it sensibly.
+type fakeClock struct {
+	mu     sync.Mutex
+	now    time.Time
+	sleeps []time.Duration
+	// onSleep, when set, runs in place of the time passing (e.g. the server recovering).
+	onSleep func(d time.Duration)
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{now: time.Now()} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Sleep(ctx context.Context, d time.Duration) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	c.sleeps = append(c.sleeps, d)
+	c.now = c.now.Add(d)
+	hook := c.onSleep
+	c.mu.Unlock()
+	if hook != nil {
+		hook(d)
+	}
+	return ctx.Err()
+}
+
+func (c *fakeClock) advance(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.now = c.now.Add(d)
+}
+
+func (c *fakeClock) slept() []time.Duration {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]time.Duration(nil), c.sleeps...)
+}
+
+func constRand(u float64) func() float64 { return func() float64 { return u } }
+
+func seconds(s float64) time.Duration { return time.Duration(s * float64(time.Second)) }
+
+func mustRetrier(t interface{ Fatal(...interface{}) }, o RetrierOptions) *Retrier {
+	r, err := NewRetrier(o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
+}

@@ -1,0 +1,88 @@
+package kvgate
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"strings"
+)
+
+// sseDone is the data of the event that ends an OpenAI-style stream.
+const sseDone = "[DONE]"
+
+// maxSSELine bounds one line of a stream (a chunk of a few tokens is well under 1 KiB).
+const maxSSELine = 4 << 20
+
+// errLineTooLong reports a stream line above maxSSELine.
+var errLineTooLong = errors.New("kvgate: stream line longer than 4 MiB")
+
+// sseReader returns the data of each complete server-sent event (multi-line data joined with
+// "\n"), reading only as much of the body as the next event needs: each event reaches the
+// caller as soon as its blank line has arrived.
+type sseReader struct {
+	sc   *bufio.Scanner
+	data []string
+	done bool
+}
+
+func newSSEReader(r io.Reader) *sseReader {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 4096), maxSSELine)
+	return &sseReader{sc: sc}
+}
+
+// next returns the next event's data; io.EOF after [DONE] or at the end of the body.
+func (s *sseReader) next() (string, error) {
+	if s.done {
+		return "", io.EOF
+	}
+	for s.sc.Scan() {
+		if data, ok := s.feed(strings.TrimRight(s.sc.Text(), "\r")); ok {
+			return s.emit(data)
+		}
+	}
+	if err := s.sc.Err(); err != nil {
+		if errors.Is(err, bufio.ErrTooLong) {
+			err = errLineTooLong
+		}
+		return "", err
+	}
+	if len(s.data) > 0 {
+		data := strings.Join(s.data, "\n")
+		s.data = nil
+		return s.emit(data)
+	}
+	s.done = true
+	return "", io.EOF
+}
+
+func (s *sseReader) emit(data string) (string, error) {
+	if data == sseDone {
+		s.done = true
+		return "", io.EOF
+	}
+	return data, nil
+}
+
+// feed takes one line; it returns an event's data when the line completes one.
+func (s *sseReader) feed(line string) (string, bool) {
+	if line == "" {
+		if len(s.data) == 0 {
+			return "", false
+		}
+		data := strings.Join(s.data, "\n")
+		s.data = s.data[:0]
+		return data, true
+	}
+	if strings.HasPrefix(line, ":") {
+		return "", false // a comment or keep-alive
+	}
+	name, value := line, ""
+	if i := strings.IndexByte(line, ':'); i >= 0 {
+		name, value = line[:i], strings.TrimPrefix(line[i+1:], " ")
+	}
+	if name == "data" {
+		s.data = append(s.data, value)
+	}
+	return "", false
+}

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PACKAGES := admission gateway scheduler bench clients/python/kvgate_client
 
-.PHONY: demo test lint typecheck unit redis-server promtool bench-core bench-performance
+.PHONY: demo test lint typecheck unit redis-server promtool go gotest bench-core bench-performance
 
 $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,20 @@ redis-server:
 promtool:
 	@command -v promtool >/dev/null || { apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; }
 
+# The Go client SDK (clients/go) and its end-to-end test need Debian's Go toolchain (1.19). The
+# module has no dependencies: GOPROXY=off and GOTOOLCHAIN=local keep every go command off the
+# network (the module proxy is not reachable from the build machines).
+go:
+	@command -v go >/dev/null || { apt-get update -q && apt-get install -y -q golang-go; }
+
+GO_ENV := GOTOOLCHAIN=local GOPROXY=off GOFLAGS=
+
+# gofmt -l lists the files it would change: any output fails the target.
+gotest: go
+	@cd clients/go && out="$$(gofmt -l .)" && { test -z "$$out" || { echo "gofmt -l:"; echo "$$out"; exit 1; }; }
+	cd clients/go && $(GO_ENV) go vet ./...
+	cd clients/go && $(GO_ENV) go test -race ./...
+
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 
@@ -30,10 +44,10 @@ typecheck: $(VENV)/.installed
 # -ra prints the reason of every skip, xfail and failure at the end. Everything the suite needs is
 # installed by the prerequisites, so KVGATE_TEST_NO_SKIP=1 turns any skip into a failure: a test
 # that cannot run here is a broken install step, not something to hide.
-unit: $(VENV)/.installed redis-server promtool
+unit: $(VENV)/.installed redis-server promtool go
 	KVGATE_TEST_NO_SKIP=1 $(PY) -m pytest -q -ra
 
-test: lint typecheck unit
+test: lint typecheck gotest unit
 
 bench-core: $(VENV)/.installed redis-server
 	$(PY) -m bench.perf.core

@@ -2,6 +2,9 @@ package kvgate
 
 import (
 	"context"
+	"io"
+	"net/http"
+	"strings"
 	"sync"
 	"time"
 )
@@ -61,4 +64,23 @@ func mustRetrier(t interface{ Fatal(...interface{}) }, o RetrierOptions) *Retrie
 		t.Fatal(err)
 	}
 	return r
+}
+
+// roundTripFunc is an in-memory http.RoundTripper for tests that need no socket.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(req *http.Request) (*http.Response, error) {
+	if req.Body != nil {
+		_, _ = io.Copy(io.Discard, req.Body)
+		req.Body.Close()
+	}
+	return f(req)
+}
+
+func stubResponse(req *http.Request, status int, h http.Header) *http.Response {
+	if h == nil {
+		h = http.Header{}
+	}
+	return &http.Response{StatusCode: status, Header: h, Body: io.NopCloser(strings.NewReader("{}")),
+		Request: req, ProtoMajor: 1, ProtoMinor: 1}
 }

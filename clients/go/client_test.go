@@ -1,0 +1,306 @@
+package kvgate
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// fakeGateway answers like kvgate's gateway: OpenAI-shaped bodies, the 429 protocol's headers.
+type fakeGateway struct {
+	mu       sync.Mutex
+	bodies   []map[string]interface{}
+	auth     []string
+	priority []string
+	server   *httptest.Server
+}
+
+func newFakeGateway(t *testing.T, handle func(w http.ResponseWriter, body map[string]interface{}, n int)) *fakeGateway {
+	g := &fakeGateway{}
+	g.server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body map[string]interface{}
+		_ = json.NewDecoder(r.Body).Decode(&body)
+		g.mu.Lock()
+		g.bodies = append(g.bodies, body)
+		g.auth = append(g.auth, r.Header.Get("Authorization"))
+		g.priority = append(g.priority, r.Header.Get("X-Priority"))
+		n := len(g.bodies)
+		g.mu.Unlock()
+		body["path"] = r.URL.Path
+		handle(w, body, n)
+	}))
+	t.Cleanup(g.server.Close)
+	return g
+}
+
+func newTestClient(t *testing.T, g *fakeGateway, clock *fakeClock) *Client {
+	return NewClient(g.server.URL+"/v1", ClientOptions{
+		APIKey:  "sk-test",
+		Retrier: mustRetrier(t, RetrierOptions{Clock: clock, Rand: NewRand(5)}),
+		Header:  http.Header{"X-Priority": {"batch"}},
+	})
+}
+
+func reject429(w http.ResponseWriter) {
+	w.Header().Set("Retry-After", "4")
+	w.Header().Set("Retry-After-Ms", "3500")
+	w.Header().Set("X-RateLimit-Backpressure-Level", "RED")
+	w.Header().Set("X-Queue-Depth", "142")
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(429)
+	fmt.Fprint(w, `{"error": {"message": "Cluster KV-Cache is currently saturated.", "type": "rate_limit_error", "param": null, "code": "capacity_exceeded", "retry_after_ms": 3500}}`)
+}
+
+func TestChatCompletionAfterA429(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		if n == 1 {
+			reject429(w)
+			return
+		}
+		w.Header().Set("X-Request-Id", "req-1")
+		fmt.Fprint(w, `{"id": "c1", "object": "chat.completion", "model": "demo", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "length"}], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}`)
+	})
+	clock := newFakeClock()
+	c := newTestClient(t, g, clock)
+	temp := 0.5
+	out, err := c.ChatCompletion(context.Background(), ChatCompletionRequest{
+		Model: "demo", Messages: []Message{{Role: "user", Content: "hi"}}, MaxTokens: 8,
+		Temperature: &temp, Extra: map[string]interface{}{"seed": 7, "model": "ignored", "stream": true},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out.Choices[0].Message.Content != "hello" || out.Usage.TotalTokens != 4 || out.Header.Get("X-Request-Id") != "req-1" {
+		t.Fatalf("%+v", out)
+	}
+	if s := clock.slept(); len(s) != 1 || s[0] < 3500*time.Millisecond {
+		t.Fatal(s)
+	}
+	body := g.bodies[1]
+	if body["model"] != "demo" || body["stream"] != false || body["max_tokens"] != 8.0 || body["seed"] != 7.0 ||
+		body["temperature"] != 0.5 || body["path"] != "/v1/chat/completions" {
+		t.Fatalf("%v", body)
+	}
+	if g.auth[1] != "Bearer sk-test" || g.priority[1] != "batch" {
+		t.Fatal(g.auth, g.priority)
+	}
+}
+
+func TestRateLimitErrorCarriesTheProtocol(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) { reject429(w) })
+	c := newTestClient(t, g, newFakeClock())
+	_, err := c.Completion(context.Background(), CompletionRequest{Model: "demo", Prompt: "hi"})
+	var rl *RateLimitError
+	if !errors.As(err, &rl) {
+		t.Fatalf("%T %v", err, err)
+	}
+	if rl.StatusCode != 429 || rl.Code != CodeCapacityExceeded || rl.RetryAfter != 3500*time.Millisecond ||
+		rl.BackpressureLevel != "RED" || rl.QueueDepth != 142 || rl.Type != "rate_limit_error" ||
+		!strings.Contains(rl.Message, "saturated") {
+		t.Fatalf("%+v", rl)
+	}
+	var api *APIError
+	if !errors.As(err, &api) || api.Code != CodeCapacityExceeded {
+		t.Fatal("a RateLimitError is also an APIError")
+	}
+	if len(g.bodies) != MaxAttempts || g.bodies[0]["path"] != "/v1/completions" {
+		t.Fatal(len(g.bodies))
+	}
+	if st := c.Stats(); st.Requests != 1 || st.Attempts != MaxAttempts || st.Outcomes[OutcomeMaxAttempts] != 1 {
+		t.Fatalf("%+v", st)
+	}
+}
+
+func TestQuotaRejectionWithoutZoneHeaders(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("X-Should-Retry", "false")
+		w.WriteHeader(429)
+		fmt.Fprint(w, `{"error": {"message": "quota", "code": "rate_limit_exceeded", "retry_after_ms": 250}}`)
+	})
+	_, err := newTestClient(t, g, newFakeClock()).Completion(context.Background(), CompletionRequest{Model: "m", Prompt: "p"})
+	var rl *RateLimitError
+	if !errors.As(err, &rl) || rl.Code != CodeRateLimitExceeded || rl.RetryAfter != 250*time.Millisecond ||
+		rl.QueueDepth != -1 || rl.BackpressureLevel != "" || len(g.bodies) != 1 {
+		t.Fatalf("%+v %d", rl, len(g.bodies))
+	}
+}
+
+func TestOtherErrorsAreAPIErrors(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		if body["model"] == "text" {
+			w.WriteHeader(502)
+			fmt.Fprint(w, "bad gateway")
+			return
+		}
+		w.Header().Set("X-Should-Retry", "false")
+		w.WriteHeader(400)
+		fmt.Fprint(w, `{"error": {"message": "too big", "type": "invalid_request_error", "param": "max_tokens", "code": "exceeds_burst"}}`)
+	})
+	c := newTestClient(t, g, newFakeClock())
+	_, err := c.ChatCompletion(context.Background(), ChatCompletionRequest{Model: "demo"})
+	var api *APIError
+	var rl *RateLimitError
+	if !errors.As(err, &api) || errors.As(err, &rl) || api.StatusCode != 400 || api.Code != "exceeds_burst" ||
+		api.Param != "max_tokens" || api.Message != "too big" || api.RetryAfter != 0 {
+		t.Fatalf("%T %+v", err, err)
+	}
+	_, err = c.ChatCompletion(context.Background(), ChatCompletionRequest{Model: "text"})
+	if !errors.As(err, &api) || api.StatusCode != 502 || api.Message != "HTTP 502" || string(api.Body) != "bad gateway" {
+		t.Fatalf("%+v", err)
+	}
+	if !strings.Contains(err.Error(), "502") {
+		t.Fatal(err)
+	}
+}
+
+func TestChatStreamChunkByChunkAfterA429(t *testing.T) {
+	events := []string{
+		`{"id": "s", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant", "content": " t0"}}]}`,
+		`{"id": "s", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": " t1"}, "finish_reason": "length"}]}`,
+		`{"id": "s", "object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}}`,
+		`[DONE]`,
+	}
+	srv := newSSEServer(t, []int{429}, events)
+	clock := newFakeClock()
+	c := NewClient(srv.server.URL, ClientOptions{Retrier: mustRetrier(t, RetrierOptions{Clock: clock})})
+	stream, err := c.ChatCompletionStream(context.Background(), ChatCompletionRequest{
+		Model: "demo", Messages: []Message{{Role: "user", Content: "hi"}}, StreamOptions: &StreamOptions{IncludeUsage: true},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	var text string
+	for i := 0; ; i++ {
+		if i > 0 && i < len(events) {
+			srv.sendNext(t) // the next event is sent only once this one was received
+		}
+		chunk, err := recvWithin(t, stream)
+		if err == io.EOF {
+			if i != len(events)-1 {
+				t.Fatalf("EOF after %d events", i)
+			}
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(chunk.Choices) > 0 {
+			text += chunk.Choices[0].Delta.Content
+		} else if chunk.Usage == nil || chunk.Usage.CompletionTokens != 2 {
+			t.Fatalf("%+v", chunk)
+		}
+	}
+	if text != " t0 t1" || len(clock.slept()) != 1 || clock.slept()[0] < 1500*time.Millisecond {
+		t.Fatal(text, clock.slept())
+	}
+}
+
+func recvWithin(t *testing.T, s *Stream[ChatCompletionChunk]) (ChatCompletionChunk, error) {
+	t.Helper()
+	type result struct {
+		c   ChatCompletionChunk
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		c, err := s.Recv()
+		ch <- result{c, err}
+	}()
+	select {
+	case r := <-ch:
+		return r.c, r.err
+	case <-time.After(chunkWait):
+		t.Fatal("an event already sent did not reach the caller: the stream is buffered")
+	}
+	return ChatCompletionChunk{}, nil
+}
+
+func TestCompletionStreamAndErrorEvent(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		if body["stream"] != true {
+			w.WriteHeader(400)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, ": keep-alive\n\ndata: {\"choices\": [{\"index\": 0, \"text\": \"a\"}]}\r\n\r\n")
+		fmt.Fprint(w, "data: {\"error\": {\"message\": \"engine died\"}}\n\n")
+	})
+	stream, err := newTestClient(t, g, newFakeClock()).CompletionStream(context.Background(), CompletionRequest{Model: "m", Prompt: "p"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	first, err := stream.Recv()
+	if err != nil || first.Choices[0].Text != "a" {
+		t.Fatal(first, err)
+	}
+	_, err = stream.Recv()
+	var se *StreamError
+	if !errors.As(err, &se) || !strings.Contains(string(se.Payload), "engine died") {
+		t.Fatalf("%T %v", err, err)
+	}
+}
+
+func TestUnreachableGatewayIsAConnectionError(t *testing.T) {
+	ln, _ := net.Listen("tcp", "127.0.0.1:0")
+	url := "http://" + ln.Addr().String() + "/v1"
+	ln.Close()
+	c := NewClient(url, ClientOptions{Retrier: mustRetrier(t, RetrierOptions{Clock: newFakeClock()})})
+	_, err := c.ChatCompletion(context.Background(), ChatCompletionRequest{Model: "m"})
+	var ce *ConnectionError
+	if !errors.As(err, &ce) || !IsConnectionError(ce.Err) || c.Stats().Attempts != MaxAttempts {
+		t.Fatalf("%T %v %+v", err, err, c.Stats())
+	}
+}
+
+func TestSSEReader(t *testing.T) {
+	in := ": comment\n\ndata: a\ndata: b\n\nevent: x\ndata:c\r\n\r\nid: 3\n\n\ndata: last"
+	r := newSSEReader(strings.NewReader(in))
+	var got []string
+	for {
+		d, err := r.next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, d)
+	}
+	if strings.Join(got, "|") != "a\nb|c|last" {
+		t.Fatalf("%q", got)
+	}
+	r = newSSEReader(strings.NewReader("data: x\n\ndata: [DONE]\n\ndata: after\n\n"))
+	if d, _ := r.next(); d != "x" {
+		t.Fatal(d)
+	}
+	if _, err := r.next(); err != io.EOF {
+		t.Fatal(err)
+	}
+	if _, err := r.next(); err != io.EOF {
+		t.Fatal("events after [DONE] are not read")
+	}
+	r = newSSEReader(strings.NewReader("data: " + strings.Repeat("x", maxSSELine+1) + "\n\n"))
+	if _, err := r.next(); !errors.Is(err, errLineTooLong) {
+		t.Fatal(err)
+	}
+}
+
+func TestDefaultsFromTheEnvironment(t *testing.T) {
+	t.Setenv("KVGATE_API_KEY", "")
+	t.Setenv("OPENAI_API_KEY", "sk-env")
+	c := NewClient("", ClientOptions{})
+	if c.baseURL != "http://localhost:8080/v1" || c.apiKey != "sk-env" || c.Transport().Retrier().Policy().MaxAttempts != MaxAttempts {
+		t.Fatal(c.baseURL, c.apiKey)
+	}
+}

@@ -1,0 +1,486 @@
+package kvgate
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// seen is what one attempt looked like on the wire.
+type seen struct {
+	body       string
+	retryCount string
+}
+
+// scripted is a real HTTP server on loopback that answers the given statuses in turn (with
+// headers and an OpenAI-shaped error body), then 200 for ever, recording every attempt.
+type scripted struct {
+	mu      sync.Mutex
+	script  []int
+	headers http.Header
+	seen    []seen
+	server  *httptest.Server
+}
+
+func newScripted(t *testing.T, statuses []int, headers http.Header) *scripted {
+	s := &scripted{script: statuses, headers: headers}
+	s.server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		s.mu.Lock()
+		s.seen = append(s.seen, seen{string(body), r.Header.Get(HeaderRetryCount)})
+		status := 200
+		if len(s.script) > 0 {
+			status, s.script = s.script[0], s.script[1:]
+		}
+		s.mu.Unlock()
+		if status == 200 {
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprint(w, `{"ok": true}`)
+			return
+		}
+		for k, v := range s.headers {
+			w.Header()[k] = v
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(status)
+		fmt.Fprint(w, `{"error": {"code": "capacity_exceeded", "message": "full", "retry_after_ms": 1}}`)
+	}))
+	t.Cleanup(s.server.Close)
+	return s
+}
+
+func (s *scripted) attempts() []seen {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]seen(nil), s.seen...)
+}
+
+func newTestTransport(t *testing.T, clock *fakeClock, policy *Policy, budget *Budget) *Transport {
+	return NewTransport(nil, mustRetrier(t, RetrierOptions{Policy: policy, Budget: budget, Clock: clock, Rand: NewRand(3)}))
+}
+
+func post(t *testing.T, tr http.RoundTripper, url, body string) *http.Response {
+	t.Helper()
+	resp, err := (&http.Client{Transport: tr}).Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp
+}
+
+func TestRetryableStatusesAreRetried(t *testing.T) {
+	for _, status := range []int{429, 503, 504} {
+		clock := newFakeClock()
+		srv := newScripted(t, []int{status, status}, nil)
+		tr := newTestTransport(t, clock, nil, nil)
+		resp := post(t, tr, srv.server.URL+"/v1/completions", `{"prompt":"hi"}`)
+		resp.Body.Close()
+		got := srv.attempts()
+		if resp.StatusCode != 200 || len(got) != 3 || len(clock.slept()) != 2 {
+			t.Fatalf("%d: status %d after %d attempts, %d sleeps", status, resp.StatusCode, len(got), len(clock.slept()))
+		}
+		// The body is replayed unchanged and retries are marked.
+		for i, want := range []string{"", "1", "2"} {
+			if got[i].body != `{"prompt":"hi"}` || got[i].retryCount != want {
+				t.Fatalf("%d: attempt %d was %+v", status, i, got[i])
+			}
+		}
+		if st := tr.Stats(); st.Requests != 1 || st.Attempts != 3 || st.Retries != 2 || st.Outcomes[OutcomeOK] != 1 {
+			t.Fatalf("%+v", st)
+		}
+	}
+}
+
+func TestOtherStatusesAreNotRetried(t *testing.T) {
+	for _, status := range []int{400, 401, 403, 404, 409, 422, 500, 501, 502} {
+		clock := newFakeClock()
+		srv := newScripted(t, []int{status}, nil)
+		tr := newTestTransport(t, clock, nil, nil)
+		resp := post(t, tr, srv.server.URL, "{}")
+		resp.Body.Close()
+		if resp.StatusCode != status || len(srv.attempts()) != 1 || len(clock.slept()) != 0 {
+			t.Fatalf("%d retried", status)
+		}
+		if o := tr.Stats().Outcomes; o[OutcomeNotRetryable] != 1 || len(o) != 1 {
+			t.Fatalf("%d: %v", status, o)
+		}
+	}
+}
+
+func TestServerHintIsAFloor(t *testing.T) {
+	clock := newFakeClock()
+	srv := newScripted(t, []int{429, 429}, http.Header{"Retry-After-Ms": {"2500"}, "Retry-After": {"3"}})
+	resp := post(t, newTestTransport(t, clock, nil, nil), srv.server.URL, "{}")
+	resp.Body.Close()
+	slept := clock.slept()
+	if resp.StatusCode != 200 || len(slept) != 2 {
+		t.Fatal(resp.StatusCode, slept)
+	}
+	for _, d := range slept {
+		if d < 2500*time.Millisecond {
+			t.Fatalf("slept %v, below the 2.5 s hint", d)
+		}
+	}
+}
+
+func TestXShouldRetryFalseIsObeyedAndTheBodyLeftForTheCaller(t *testing.T) {
+	clock := newFakeClock()
+	srv := newScripted(t, []int{429}, http.Header{"X-Should-Retry": {"false"}, "Retry-After-Ms": {"10"}})
+	tr := newTestTransport(t, clock, nil, nil)
+	resp := post(t, tr, srv.server.URL, "{}")
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 429 || len(srv.attempts()) != 1 || !bytes.Contains(body, []byte("capacity_exceeded")) {
+		t.Fatal(resp.StatusCode, string(body))
+	}
+	if o := tr.Stats().Outcomes; o[OutcomeServerSaidNo] != 1 {
+		t.Fatal(o)
+	}
+}
+
+func TestXShouldRetryTrueOverridesTheStatusTable(t *testing.T) {
+	srv := newScripted(t, []int{500}, http.Header{"X-Should-Retry": {"true"}})
+	resp := post(t, newTestTransport(t, newFakeClock(), nil, nil), srv.server.URL, "{}")
+	resp.Body.Close()
+	if resp.StatusCode != 200 || len(srv.attempts()) != 2 {
+		t.Fatal(resp.StatusCode, len(srv.attempts()))
+	}
+}
+
+func TestGivesUpAfterMaxAttemptsAndReturnsTheLastResponse(t *testing.T) {
+	clock := newFakeClock()
+	srv := newScripted(t, []int{429, 429, 429, 429, 429, 429}, nil)
+	p := DefaultPolicy()
+	p.MaxAttempts = 4
+	resp := post(t, newTestTransport(t, clock, &p, nil), srv.server.URL, "{}")
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 429 || len(srv.attempts()) != 4 || len(clock.slept()) != 3 || !bytes.Contains(body, []byte("full")) {
+		t.Fatal(resp.StatusCode, len(srv.attempts()), clock.slept(), string(body))
+	}
+}
+
+func TestPolicyDeadlineRespected(t *testing.T) {
+	clock := newFakeClock()
+	start := clock.Now()
+	srv := newScripted(t, make429s(100), http.Header{"Retry-After-Ms": {"2000"}})
+	p := DefaultPolicy()
+	p.MaxAttempts, p.Deadline = 100, 9*time.Second
+	tr := newTestTransport(t, clock, &p, nil)
+	resp := post(t, tr, srv.server.URL, "{}")
+	resp.Body.Close()
+	if resp.StatusCode != 429 || clock.Now().Sub(start) > 9*time.Second || len(srv.attempts()) < 2 {
+		t.Fatal(resp.StatusCode, clock.Now().Sub(start), len(srv.attempts()))
+	}
+	if o := tr.Stats().Outcomes; o[OutcomeDeadline] != 1 || len(o) != 1 {
+		t.Fatal(o)
+	}
+}
+
+func TestContextDeadlineRespected(t *testing.T) {
+	clock := newFakeClock()
+	start := clock.Now()
+	srv := newScripted(t, make429s(100), http.Header{"Retry-After-Ms": {"2000"}})
+	p := DefaultPolicy()
+	p.MaxAttempts = 100
+	tr := newTestTransport(t, clock, &p, nil)
+	// The context's deadline (5 s on the injected clock, an hour of real time away in effect:
+	// the fake clock does not move the real one) is sooner than the policy's 60 s.
+	ctx, cancel := context.WithDeadline(context.Background(), start.Add(5*time.Second))
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+	resp, err := tr.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 429 || clock.Now().Sub(start) > 5*time.Second || len(srv.attempts()) < 2 {
+		t.Fatal(resp.StatusCode, clock.Now().Sub(start), len(srv.attempts()))
+	}
+	if o := tr.Stats().Outcomes; o[OutcomeDeadline] != 1 {
+		t.Fatal(o)
+	}
+}
+
+// A canceled context interrupts a real backoff sleep at once.
+func TestContextCancellationInterruptsTheSleep(t *testing.T) {
+	srv := newScripted(t, make429s(10), http.Header{"Retry-After": {"30"}})
+	tr := NewTransport(nil, nil) // the real clock: the sleep would last 30 s or more
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		for len(srv.attempts()) == 0 {
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+	}()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+	started := time.Now()
+	resp, err := tr.RoundTrip(req)
+	if !errors.Is(err, context.Canceled) || resp != nil {
+		t.Fatal(resp, err)
+	}
+	if took := time.Since(started); took > 10*time.Second {
+		t.Fatalf("returned after %v", took)
+	}
+	if o := tr.Stats().Outcomes; o[OutcomeCanceled] != 1 || len(srv.attempts()) != 1 {
+		t.Fatal(o, len(srv.attempts()))
+	}
+}
+
+func TestConnectionErrorsAreRetried(t *testing.T) {
+	var mu sync.Mutex
+	calls := 0
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		calls++
+		n := calls
+		mu.Unlock()
+		if n <= 2 { // the connection dies before a status line
+			conn, _, _ := w.(http.Hijacker).Hijack()
+			conn.Close()
+			return
+		}
+		fmt.Fprint(w, "ok")
+	}))
+	defer srv.Close()
+	clock := newFakeClock()
+	tr := newTestTransport(t, clock, nil, nil)
+	resp := post(t, tr, srv.URL, "{}")
+	resp.Body.Close()
+	if resp.StatusCode != 200 || calls != 3 || len(clock.slept()) != 2 {
+		t.Fatal(resp.StatusCode, calls, clock.slept())
+	}
+}
+
+func TestRefusedConnectionsExhaustedReturnTheLastError(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "http://" + ln.Addr().String()
+	ln.Close() // nothing listens there any more: every dial is refused
+	tr := newTestTransport(t, newFakeClock(), nil, nil)
+	req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader("{}"))
+	if _, err := tr.RoundTrip(req); !IsConnectionError(err) {
+		t.Fatal(err)
+	}
+	if st := tr.Stats(); st.Attempts != 3 || st.Outcomes[OutcomeMaxAttempts] != 1 {
+		t.Fatalf("%+v", st)
+	}
+}
+
+func TestTimeoutsAreNotRetried(t *testing.T) {
+	release := make(chan struct{})
+	var mu sync.Mutex
+	calls := 0
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		calls++
+		mu.Unlock()
+		<-release // the request is "running on a GPU"
+	}))
+	defer srv.Close()
+	defer close(release)
+	base := http.DefaultTransport.(*http.Transport).Clone()
+	base.ResponseHeaderTimeout = 50 * time.Millisecond
+	tr := NewTransport(base, mustRetrier(t, RetrierOptions{Clock: newFakeClock()}))
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader("{}"))
+	_, err := tr.RoundTrip(req)
+	if err == nil || IsConnectionError(err) {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if calls != 1 || tr.Stats().Outcomes[OutcomeError] != 1 {
+		t.Fatal(calls, tr.Stats().Outcomes)
+	}
+}
+
+func TestABodyThatCannotBeReplayedIsSentOnce(t *testing.T) {
+	srv := newScripted(t, []int{429}, nil)
+	tr := newTestTransport(t, newFakeClock(), nil, nil)
+	req, _ := http.NewRequest(http.MethodPost, srv.server.URL, io.NopCloser(strings.NewReader("{}")))
+	resp, err := tr.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 429 || len(srv.attempts()) != 1 || tr.Stats().Outcomes[OutcomeNotReplayable] != 1 {
+		t.Fatal(resp.StatusCode, len(srv.attempts()), tr.Stats().Outcomes)
+	}
+}
+
+func TestTheCallersRequestIsNotModified(t *testing.T) {
+	srv := newScripted(t, []int{503}, nil)
+	req, _ := http.NewRequest(http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+	req.Header.Set("X-Priority", "batch")
+	resp, err := newTestTransport(t, newFakeClock(), nil, nil).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if len(req.Header) != 1 || req.Header.Get(HeaderRetryCount) != "" || len(srv.attempts()) != 2 {
+		t.Fatal(req.Header, len(srv.attempts()))
+	}
+}
+
+func TestEmptyBudgetMeansNoRetry(t *testing.T) {
+	opts := DefaultBudgetOptions()
+	opts.InitialTokens = 0
+	budget, _ := NewBudget(opts)
+	srv := newScripted(t, []int{429}, nil)
+	tr := newTestTransport(t, newFakeClock(), nil, budget)
+	resp := post(t, tr, srv.server.URL, "{}")
+	resp.Body.Close()
+	if resp.StatusCode != 429 || len(srv.attempts()) != 1 || tr.Stats().Outcomes[OutcomeBudget] != 1 || budget.Stats().RetriesDenied != 1 {
+		t.Fatal(resp.StatusCode, tr.Stats())
+	}
+}
+
+// sseServer streams the given events one at a time: each is written and flushed only after the
+// test has received the previous one, so a transport that buffered the body would deadlock.
+type sseServer struct {
+	server *httptest.Server
+	next   chan struct{}
+}
+
+func newSSEServer(t *testing.T, first []int, events []string) *sseServer {
+	s := &sseServer{next: make(chan struct{})}
+	var mu sync.Mutex
+	s.server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		mu.Lock()
+		status := 200
+		if len(first) > 0 {
+			status, first = first[0], first[1:]
+		}
+		mu.Unlock()
+		if status != 200 {
+			w.Header().Set("Retry-After-Ms", "1500")
+			w.WriteHeader(status)
+			fmt.Fprint(w, `{"error": {"code": "capacity_exceeded", "message": "full"}}`)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		w.WriteHeader(200)
+		for i, e := range events {
+			if i > 0 {
+				select {
+				case <-s.next:
+				case <-r.Context().Done():
+					return
+				case <-time.After(chunkWait):
+					return // the client never asked: it is waiting for the whole body
+				}
+			}
+			fmt.Fprintf(w, "data: %s\n\n", e)
+			w.(http.Flusher).Flush()
+		}
+	}))
+	t.Cleanup(func() { s.server.Close() })
+	return s
+}
+
+// chunkWait bounds every wait of the chunk-by-chunk tests, so that a transport that buffers
+// the body fails them instead of hanging.
+const chunkWait = 5 * time.Second
+
+// sendNext asks the server for the next event.
+func (s *sseServer) sendNext(t *testing.T) {
+	t.Helper()
+	select {
+	case s.next <- struct{}{}:
+	case <-time.After(chunkWait):
+		t.Fatal("the server stopped waiting for the client: the body was buffered")
+	}
+}
+
+// readWithin reads from r until it has n bytes, failing the test after a second (the next
+// event is sent only when the test asks for it, so waiting longer cannot help).
+func readWithin(t *testing.T, r io.Reader, n int) string {
+	t.Helper()
+	type result struct {
+		b   []byte
+		err error
+	}
+	ch := make(chan result, 1)
+	go func() {
+		b := make([]byte, n)
+		_, err := io.ReadFull(r, b)
+		ch <- result{b, err}
+	}()
+	select {
+	case res := <-ch:
+		if res.err != nil {
+			t.Fatal(res.err)
+		}
+		return string(res.b)
+	case <-time.After(chunkWait):
+		t.Fatal("a chunk already sent did not reach the caller: the body is buffered")
+	}
+	return ""
+}
+
+func TestAStreamIsPassedThroughChunkByChunk(t *testing.T) {
+	events := []string{`{"n": 1}`, `{"n": 2}`, `{"n": 3}`}
+	srv := newSSEServer(t, []int{429}, events)
+	clock := newFakeClock()
+	tr := newTestTransport(t, clock, nil, nil)
+	resp := post(t, tr, srv.server.URL, "{}")
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 || len(clock.slept()) != 1 || clock.slept()[0] < 1500*time.Millisecond {
+		t.Fatal(resp.StatusCode, clock.slept())
+	}
+	for i, e := range events {
+		if i > 0 {
+			srv.sendNext(t)
+		}
+		want := "data: " + e + "\n\n"
+		if got := readWithin(t, resp.Body, len(want)); got != want {
+			t.Fatalf("chunk %d: %q", i, got)
+		}
+	}
+}
+
+func TestNoRetryOnceTheBodyBelongsToTheCaller(t *testing.T) {
+	var mu sync.Mutex
+	calls := 0
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		calls++
+		mu.Unlock()
+		w.Header().Set("Content-Length", "100")
+		w.WriteHeader(200)
+		fmt.Fprint(w, "partial")
+		w.(http.Flusher).Flush()
+		conn, _, _ := w.(http.Hijacker).Hijack()
+		conn.Close() // the connection dies in the middle of the body
+	}))
+	defer srv.Close()
+	tr := newTestTransport(t, newFakeClock(), nil, nil)
+	resp := post(t, tr, srv.URL, "{}")
+	_, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	mu.Lock()
+	defer mu.Unlock()
+	if err == nil || calls != 1 || tr.Stats().Attempts != 1 {
+		t.Fatal(err, calls, tr.Stats())
+	}
+}
+
+func make429s(n int) []int {
+	s := make([]int, n)
+	for i := range s {
+		s[i] = 429
+	}
+	return s
+}

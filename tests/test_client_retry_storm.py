@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -9,11 +10,14 @@ import openai
 import pytest
 
 from bench.perf.retry_storm import (
+    GO_ARM,
     FixedDelayPolicy,
     KvgatePolicy,
     OpenAIDefaultPolicy,
     _hint_ms,
     _Round,
+    arms,
+    main,
     storm_figures,
 )
 
@@ -100,3 +104,19 @@ def test_other_policies() -> None:
     assert [fixed.next_delay(429, {}) for _ in range(3)] == [0.5, 0.5, None]
     ours = KvgatePolicy(lambda: 0.5)
     assert ours.next_delay(429, {"retry-after-ms": "1000"}) == pytest.approx(1.5)
+
+
+def test_the_go_arm_runs_in_the_bench(tmp_path: Path) -> None:
+    # The whole bench, Go arm only, small: the Go SDK's program is built, its clients are all
+    # held at the server's barrier, rejected at T0, and come back after the hint.
+    out = tmp_path / "storm.md"
+    args = ["--clients", "50", "--repeats", "1", "--scenarios", "remaining",
+            "--policies", GO_ARM, "--output", str(out)]
+    assert main(args) == 0
+    [row] = [line for line in out.read_text().splitlines() if line.startswith("| remaining |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:3] == ["remaining", GO_ARM, "50"]  # one retry per client
+    assert cells[-2:] == ["50", "0"]  # all served once the server recovered
+    start, _ = cells[7].removesuffix(" s").split("-")
+    assert float(start) >= 0.99  # nobody came back before the 1 s hint
+    assert arms() == ["kvgate", GO_ARM, "openai", "fixed"]

@@ -31,6 +31,7 @@ from tests.test_grafana_dashboard import EXPORTED
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted(
     [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", ROOT / "clients/python/README.md",
+     ROOT / "clients/go/README.md",
      *(ROOT / "helm").glob("*/README.md"), *(ROOT / "helm").glob("*/templates/NOTES.txt")]
 )
 GATEWAY = sorted((ROOT / "gateway").rglob("*.py"))

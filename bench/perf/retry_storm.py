@@ -599,7 +599,10 @@ def _report(results: list[RoundResult], clients: int, repeats: int, elapsed: flo
         " 1.33 in expectation before noise. The official SDK returns every client the instant"
         " its hint expires: one bin, (nearly) 100% of the clients, in `remaining`; the"
         " gateway's own 0-25% jitter spreads that herd over 250 ms only. The price of the"
-        " spread is in `served at`: about 1.5 h on average instead of h.",
+        " spread is in `served at`: about 1.5 h on average instead of h. On a loaded machine"
+        " the one process running the Python arms' clients issues a herd over a few bins,"
+        " which lowers the openai and fixed figures (a herd measured as less of one), not"
+        " kvgate's: read them with the load average above.",
         "- kvgate-go draws from the same distributions as kvgate (the two SDKs compute the same"
         " delays for the same draws: clients/vectors/retry_policy.json), so its figures differ"
         " from kvgate's by sampling noise and by what its client stack adds: Go timers and"

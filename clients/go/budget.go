@@ -61,10 +61,14 @@ type Budget struct {
 
 // BudgetStats is a consistent snapshot of a Budget's counters.
 type BudgetStats struct {
-	Tokens        float64 `json:"tokens"`
-	FirstAttempts int64   `json:"first_attempts"`
-	Retries       int64   `json:"retries"`
-	RetriesDenied int64   `json:"retries_denied"`
+	// Tokens is the bucket's content.
+	Tokens float64 `json:"tokens"`
+	// FirstAttempts counts the requests that earned tokens.
+	FirstAttempts int64 `json:"first_attempts"`
+	// Retries counts the retries the bucket paid for.
+	Retries int64 `json:"retries"`
+	// RetriesDenied counts the retries refused for want of tokens.
+	RetriesDenied int64 `json:"retries_denied"`
 }
 
 // NewBudget returns a budget, or an error naming the option out of range.

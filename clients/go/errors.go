@@ -25,6 +25,7 @@ const maxErrorBody = 1 << 20
 // APIError is an error response (status >= 400) with the fields of OpenAI's error shape,
 // {"error": {"message", "type", "param", "code"}}, pulled out.
 type APIError struct {
+	// StatusCode is the response's HTTP status.
 	StatusCode int
 	// Code is the machine-readable error code ("" when the body has none).
 	Code string
@@ -43,6 +44,7 @@ type APIError struct {
 	Body []byte
 }
 
+// Error describes the error: status, code and message.
 func (e *APIError) Error() string {
 	if e.Code != "" {
 		return fmt.Sprintf("kvgate: %d %s: %s", e.StatusCode, e.Code, e.Message)
@@ -69,9 +71,11 @@ func (e *RateLimitError) Unwrap() error { return &e.APIError }
 // ConnectionError means the server could not be reached, or a stream broke, after the retries
 // the policy allowed. Err is the transport's error.
 type ConnectionError struct {
+	// Err is the transport's (or the body reader's) error.
 	Err error
 }
 
+// Error describes the error with the transport's.
 func (e *ConnectionError) Error() string { return "kvgate: connection error: " + e.Err.Error() }
 
 // Unwrap returns the transport's error.
@@ -85,6 +89,7 @@ type StreamError struct {
 	Payload json.RawMessage
 }
 
+// Error describes the error with its payload.
 func (e *StreamError) Error() string { return "kvgate: error in stream: " + string(e.Payload) }
 
 type errorBody struct {

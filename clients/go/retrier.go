@@ -14,8 +14,7 @@ import (
 // Reasons a logical request ends, as counted in Stats.Outcomes. The strings are those of the
 // Python SDK, so both SDKs' counters and the shared test vectors read the same.
 const (
-	// OutcomeOK: a response the caller gets as is (success, or an error not worth retrying
-	// is counted under its own reason).
+	// OutcomeOK: a response below 400, returned to the caller.
 	OutcomeOK = "ok"
 	// OutcomeNotRetryable: an error status outside the policy's retryable set.
 	OutcomeNotRetryable = "not_retryable"
@@ -40,6 +39,7 @@ const (
 
 // Decision is the verdict on one attempt: retry after Delay, or stop for Reason.
 type Decision struct {
+	// Retry is true when another attempt is to be sent after Delay.
 	Retry bool
 	// Delay is the wait before the next attempt; 0 when Retry is false.
 	Delay time.Duration
@@ -132,11 +132,16 @@ type Retrier struct {
 // Stats are the counters of one Retrier: logical requests, attempts (first ones included),
 // retries, how the requests ended, and the budget's counters.
 type Stats struct {
-	Requests int64            `json:"requests"`
-	Attempts int64            `json:"attempts"`
-	Retries  int64            `json:"retries"`
+	// Requests counts logical requests (first attempts).
+	Requests int64 `json:"requests"`
+	// Attempts counts every attempt sent, first ones included.
+	Attempts int64 `json:"attempts"`
+	// Retries counts the attempts after a first one (Attempts - Requests, once all ended).
+	Retries int64 `json:"retries"`
+	// Outcomes counts the ended requests by reason (the Outcome constants).
 	Outcomes map[string]int64 `json:"outcomes"`
-	Budget   BudgetStats      `json:"budget"`
+	// Budget is the retry budget's snapshot.
+	Budget BudgetStats `json:"budget"`
 }
 
 // NewRetrier returns a Retrier, or an error if the policy is not valid.

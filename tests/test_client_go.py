@@ -135,10 +135,10 @@ async def test_go_client_waits_out_red_then_succeeds(
     assert int(first["retry_after"]) == math.ceil(hint_ms / 1000)
     assert first["level"] == "RED" and int(first["queue_depth"]) >= 0
     # It waited at least the gateway's hint (retry-after-ms, the precise value, read first),
-    # and no longer than the policy's window above it allows (plus scheduling slack).
+    # and no longer than the policy's window above it allows (plus 1 s of scheduling slack).
     waited = second["sent_s"] - first["answered_s"]
     hint_s = hint_ms / 1000
-    assert hint_s <= waited <= hint_s + max(1.0, hint_s) + 0.5
+    assert hint_s <= waited <= hint_s + max(1.0, hint_s) + 1.0
     stats = run.stats
     assert (stats["requests"], stats["attempts"], stats["retries"]) == (1, 2, 1)
     assert stats["outcomes"] == {"ok": 1}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -275,7 +276,12 @@ func (c *Client) post(ctx context.Context, path string, body []byte, out interfa
 	}
 	defer resp.Body.Close()
 	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-		return nil, &ConnectionError{Err: err}
+		var syntax *json.SyntaxError
+		var typ *json.UnmarshalTypeError
+		if errors.As(err, &syntax) || errors.As(err, &typ) {
+			return nil, fmt.Errorf("kvgate: the response is not the expected JSON: %w", err)
+		}
+		return nil, &ConnectionError{Err: err} // the body broke off
 	}
 	return resp.Header, nil
 }

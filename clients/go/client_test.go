@@ -251,6 +251,17 @@ func TestCompletionStreamAndErrorEvent(t *testing.T) {
 	}
 }
 
+func TestABodyThatIsNotJSONIsNotAConnectionError(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		fmt.Fprint(w, "<html>a proxy's page</html>")
+	})
+	_, err := newTestClient(t, g, newFakeClock()).ChatCompletion(context.Background(), ChatCompletionRequest{Model: "m"})
+	var ce *ConnectionError
+	if err == nil || errors.As(err, &ce) || !strings.Contains(err.Error(), "not the expected JSON") {
+		t.Fatalf("%T %v", err, err)
+	}
+}
+
 func TestUnreachableGatewayIsAConnectionError(t *testing.T) {
 	ln, _ := net.Listen("tcp", "127.0.0.1:0")
 	url := "http://" + ln.Addr().String() + "/v1"

@@ -249,21 +249,39 @@ func (s *RetryState) Deadline() (time.Time, bool) { return s.deadline, !s.deadli
 // status, "true" retries any error status; without it only the policy's RetryableStatuses are
 // retried, never sooner than the response's Retry-After hint.
 func (s *RetryState) AfterResponse(status int, h http.Header) Decision {
+	reason, hint := s.classify(status, h)
+	if reason != "" {
+		return s.stop(reason)
+	}
+	return s.retryOrStop(hint, fmt.Sprintf("status %d", status))
+}
+
+// afterUnreplayable is AfterResponse for a request whose body cannot be sent again: a
+// response the policy would retry ends with OutcomeNotReplayable, and no token is spent.
+func (s *RetryState) afterUnreplayable(status int, h http.Header) Decision {
+	if reason, _ := s.classify(status, h); reason != "" {
+		return s.stop(reason)
+	}
+	return s.stop(OutcomeNotReplayable)
+}
+
+// classify returns the outcome of a response that is not to be retried whatever the
+// attempts, deadline and budget, or "" and the hint (< 0: none) of one that may be.
+func (s *RetryState) classify(status int, h http.Header) (string, time.Duration) {
 	if status < 400 {
-		return s.stop(OutcomeOK)
+		return OutcomeOK, 0
 	}
 	hints := ParseHints(h, s.r.clock.Now())
 	if hints.ShouldRetry == ServerSaysNo {
-		return s.stop(OutcomeServerSaidNo)
+		return OutcomeServerSaidNo, 0
 	}
 	if hints.ShouldRetry == ServerSilent && !s.r.policy.Retryable(status) {
-		return s.stop(OutcomeNotRetryable)
+		return OutcomeNotRetryable, 0
 	}
-	hint := time.Duration(-1)
 	if hints.HasRetryAfter {
-		hint = hints.RetryAfter
+		return "", hints.RetryAfter
 	}
-	return s.retryOrStop(hint, fmt.Sprintf("status %d", status))
+	return "", -1
 }
 
 // AfterError decides on an attempt that failed without a status line. Only a connection error

@@ -91,8 +91,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			if d = state.AfterError(err, true); !d.Retry {
 				return nil, err
 			}
-		case !replayable && resp.StatusCode >= 400:
-			state.Stop(OutcomeNotReplayable)
+		case !replayable:
+			state.afterUnreplayable(resp.StatusCode, resp.Header)
 			return resp, nil
 		default:
 			if d = state.AfterResponse(resp.StatusCode, resp.Header); !d.Retry {

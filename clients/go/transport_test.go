@@ -306,16 +306,24 @@ func TestTimeoutsAreNotRetried(t *testing.T) {
 }
 
 func TestABodyThatCannotBeReplayedIsSentOnce(t *testing.T) {
-	srv := newScripted(t, []int{429}, nil)
+	srv := newScripted(t, []int{429, 404}, nil)
 	tr := newTestTransport(t, newFakeClock(), nil, nil)
-	req, _ := http.NewRequest(http.MethodPost, srv.server.URL, io.NopCloser(strings.NewReader("{}")))
-	resp, err := tr.RoundTrip(req)
-	if err != nil {
-		t.Fatal(err)
+	for _, want := range []int{429, 404, 200} {
+		req, _ := http.NewRequest(http.MethodPost, srv.server.URL, io.NopCloser(strings.NewReader("{}")))
+		resp, err := tr.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != want {
+			t.Fatal(resp.StatusCode, want)
+		}
 	}
-	resp.Body.Close()
-	if resp.StatusCode != 429 || len(srv.attempts()) != 1 || tr.Stats().Outcomes[OutcomeNotReplayable] != 1 {
-		t.Fatal(resp.StatusCode, len(srv.attempts()), tr.Stats().Outcomes)
+	// Each sent once; only the 429 would have been retried, and no token was spent on it.
+	st := tr.Stats()
+	if len(srv.attempts()) != 3 || st.Attempts != 3 || st.Budget.Retries != 0 ||
+		st.Outcomes[OutcomeNotReplayable] != 1 || st.Outcomes[OutcomeNotRetryable] != 1 || st.Outcomes[OutcomeOK] != 1 {
+		t.Fatalf("%d attempts, %+v", len(srv.attempts()), st)
 	}
 }
 

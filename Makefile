@@ -28,6 +28,11 @@ go:
 	@command -v go >/dev/null || { apt-get update -q && apt-get install -y -q golang-go; }
 
 GO_ENV := GOTOOLCHAIN=local GOPROXY=off GOFLAGS=
+# Go keeps its build cache under $HOME; a CI runner without HOME gets one inside the checkout
+# (exported, so the Python suite's `go build` of the examples finds it too).
+ifeq ($(strip $(HOME)),)
+export GOCACHE := $(CURDIR)/.cache/go-build
+endif
 
 # gofmt -l lists the files it would change: any output fails the target.
 gotest: go

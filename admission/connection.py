@@ -104,3 +104,23 @@ def primary_locator(client: Any) -> PrimaryLocator | None:
         locate: PrimaryLocator = pool.get_master_address
         return locate
     return None
+
+
+def redis_address(settings: RedisSettings) -> str:
+    """Where `settings` lead, for people: a URL without user name or password. The services
+    name it when they start and `kvgate-inspect` before it reads, so a reader sees at once
+    which server a process uses (a laptop's own Redis on the default port is easy to reach by
+    mistake)."""
+    params: dict[str, Any] = dict(parse_url(settings.url))
+    db = int(params.get("db") or 0)
+    if "path" in params:
+        return f"unix://{params['path']}?db={db}"
+    scheme = settings.url.split("://", 1)[0]
+    if settings.sentinel_master is not None:
+        return (f"Sentinel master {settings.sentinel_master} via "
+                f"{', '.join(settings.sentinels)} ({scheme}, db {db})")
+    host = str(params.get("host") or "localhost")
+    if ":" in host:
+        host = f"[{host}]"
+    address = f"{scheme}://{host}:{int(params.get('port') or 6379)}"
+    return f"Redis Cluster via {address}" if settings.cluster else f"{address}/{db}"

@@ -413,7 +413,7 @@ def render_pool(p: PoolView) -> list[str]:
                          _duration(g.lease_left_us) + (" EXPIRED" if g.lease_left_us < 0 else "")]
                         for g in p.gateways))
     else:
-        lines.append("  no gateway holds a lease")
+        lines.append("  no gateway holds a lease (a gateway holds one only while it has requests)")
     if p.tenants:
         lines += table(["tenant", "tokens", "burst", "% of burst", "rate/s", "queued"],
                        ([t.tenant, _num(t.tokens, "{:.1f}"), _num(t.burst), _num(t.percent),

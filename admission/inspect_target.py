@@ -27,6 +27,7 @@ from typing import Any
 from redis.asyncio.connection import parse_url
 
 from admission.config import ConfigError, RedisSettings, TenantSettings, load_config
+from admission.connection import redis_address
 from admission.keys import ROOT, PoolKeys
 
 ANY_POOL_PATTERN = f"{ROOT}:{{*}}:*"
@@ -38,23 +39,6 @@ SCAN_COUNT = 500
 def pool_pattern(pool: str) -> str:
     """The glob every key of `pool` matches."""
     return PoolKeys(pool).prefix + "*"
-
-
-def redis_address(settings: RedisSettings) -> str:
-    """Where `settings` lead, for people: a URL without user name or password."""
-    params: dict[str, Any] = dict(parse_url(settings.url))
-    db = int(params.get("db") or 0)
-    if "path" in params:
-        return f"unix://{params['path']}?db={db}"
-    scheme = settings.url.split("://", 1)[0]
-    if settings.sentinel_master is not None:
-        return (f"Sentinel master {settings.sentinel_master} via "
-                f"{', '.join(settings.sentinels)} ({scheme}, db {db})")
-    host = str(params.get("host") or "localhost")
-    if ":" in host:
-        host = f"[{host}]"
-    address = f"{scheme}://{host}:{int(params.get('port') or 6379)}"
-    return f"Redis Cluster via {address}" if settings.cluster else f"{address}/{db}"
 
 
 @dataclass(frozen=True, slots=True)

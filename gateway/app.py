@@ -22,7 +22,8 @@ import orjson
 from aiohttp import web
 
 from admission.config import Config
-from admission.connection import connect, primary_locator
+from admission.connection import connect, primary_locator, redis_address
+from admission.errors import describe
 from admission.keys import check_name
 from admission.scripts import load_scripts, register_scripts
 from admission.store import PoolStore
@@ -118,8 +119,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     try:
         await load_scripts(client, scripts)
     except STORE_ERRORS as exc:
-        log.warning("Redis unavailable at start (%s): not ready until it answers",
-                    type(exc).__name__)
+        log.warning("Redis unavailable at start (%s at %s): not ready until it answers",
+                    describe(exc), redis_address(config.redis))
     # Script calls (admit, settle, renew) go through one multiplexed connection.
     mux = None if config.redis.cluster else RedisMux(config.redis,
                                                       locate=primary_locator(client))
@@ -162,7 +163,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
             name="kvgate-renew",
         ),
     ]
-    log.info("gateway %s serving pools %s", gid, ", ".join(sorted(pools)))
+    log.info("gateway %s serving pools %s, Redis %s", gid, ", ".join(sorted(pools)),
+             redis_address(config.redis))
     try:
         yield
     finally:

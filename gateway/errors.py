@@ -125,9 +125,11 @@ def too_many_requests(
     )
 
 
-def never_retry(status: int, message: str, *, code: str, param: str | None = None) -> ApiError:
+def never_retry(status: int, message: str, *, code: str, param: str | None = None,
+                type_: str | None = None) -> ApiError:
     """A request that cannot succeed as sent, whatever the load: clients must not retry it."""
-    return ApiError(status, message, code=code, param=param, headers={"x-should-retry": "false"})
+    return ApiError(status, message, type_=type_, code=code, param=param,
+                    headers={"x-should-retry": "false"})
 
 
 def unavailable(message: str, *, code: str, retry_ms: int, status: int = 503) -> ApiError:

@@ -25,7 +25,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="TOML configuration file")
     parser.add_argument("--id", help="replica id (default: scheduler.id, else host-pid)")
     parser.add_argument("--host", help="listen address (default: scheduler.host)")
-    parser.add_argument("--port", type=int, help="listen port (default: scheduler.port)")
+    parser.add_argument("--port", type=int,
+                        help="listen port (default: scheduler.port; 0: a free port)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args(argv)
 
@@ -40,9 +41,9 @@ async def serve(config: Config, me: str | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    logging.getLogger("kvgate.scheduler").info(
-        "listening on %s:%d", config.scheduler.host, config.scheduler.port
-    )
+    # With port 0 the system picked one: name the port really bound.
+    bound = runner.addresses[0][1] if runner.addresses else config.scheduler.port
+    logging.getLogger("kvgate.scheduler").info("listening on %s:%d", config.scheduler.host, bound)
     try:
         await stop.wait()
     finally:

@@ -29,6 +29,11 @@ from admission.store import leadership
 
 SAFETY = 0.1
 """Part of the lease given up to clock drift between this host and Redis."""
+FAILURE_LOG_EVERY_S = 30.0
+"""While leadership calls keep failing (Redis down, wrong password), the first failure is
+logged at once, then one line per this many seconds with the count, and the first success
+after them once: a retry every ttl/10 would otherwise log several lines a second for as long
+as the outage lasts."""
 
 log = logging.getLogger("kvgate.scheduler.leader")
 
@@ -55,6 +60,10 @@ class Elector:
         """Leadership gained or lost, for metrics."""
         self.failed_at: float | None = None
         """When a leadership call last failed on a Redis error (this replica's clock)."""
+        self.failures = 0
+        """Leadership calls failed in a row since the last one that succeeded."""
+        self._failing_since = 0.0
+        self._failure_logged_at = 0.0
         self._leading_event = asyncio.Event()
         self._wake = asyncio.Event()
 
@@ -69,10 +78,13 @@ class Elector:
         try:
             result = await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000))
         except (RedisError, OSError) as exc:
-            self.failed_at = self.clock()
-            log.warning("leadership call failed: %s", exc)
+            self._failed(exc)
             # Keep trying often: the lease may still be ours for a while.
             return self.ttl_s / 10
+        if self.failures:
+            log.info("leadership calls succeed again after %d failed in %.1f s",
+                     self.failures, self.clock() - self._failing_since)
+            self.failures = 0
         self.holder = result.holder
         if result.leading:
             if self.epoch != result.epoch:
@@ -86,6 +98,17 @@ class Elector:
             self.step_down(f"lease held by {result.holder}")
         left = result.lease_left_ms / 1000 if result.lease_left_ms > 0 else 0.0
         return max(0.005, min(self.ttl_s / 3, left + 0.005))
+
+    def _failed(self, exc: BaseException) -> None:
+        now = self.failed_at = self.clock()
+        self.failures += 1
+        if self.failures == 1:
+            self._failing_since = self._failure_logged_at = now
+            log.warning("leadership call failed: %s", exc)
+        elif now - self._failure_logged_at >= FAILURE_LOG_EVERY_S:
+            self._failure_logged_at = now
+            log.warning("leadership call failed %d times in a row in %.0f s, the latest: %s",
+                        self.failures, now - self._failing_since, exc)
 
     def step_down(self, why: str) -> None:
         if self.epoch is not None:

@@ -20,7 +20,7 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from admission.config import Config
-from admission.connection import connect
+from admission.connection import connect, redis_address
 from admission.errors import FencedError
 from admission.scripts import Scripts, register_scripts
 from admission.store import PoolStore
@@ -120,8 +120,8 @@ class SchedulerService:
             asyncio.create_task(self._tick_loop(), name="ticks"),
             asyncio.create_task(self._reap_loop(), name="reaper"),
         ]
-        log.info("scheduler %s started: %d pool(s), poll %d ms", self.me, len(self.pools),
-                 s.poll_interval_ms)
+        log.info("scheduler %s started: %d pool(s), poll %d ms, Redis %s", self.me,
+                 len(self.pools), s.poll_interval_ms, redis_address(self.config.redis))
 
     def _scrape_hook(self, pool: str) -> Callable[[str, float, str | None], None]:
         def hook(node: str, seconds: float, error: str | None) -> None:

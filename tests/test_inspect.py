@@ -159,6 +159,9 @@ async def test_bucket_refill_caps_at_burst_and_expired_lease_then_reap(
     (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
     assert (p.queued, p.in_flight_tasks, p.in_flight_tokens, p.gateways) == (0, 0, 0, [])
     assert [n.headroom for n in p.nodes] == [10_000, 8_000]
+    # An idle gateway holds no lease: the table says so, lest a running one look dead.
+    assert ("  no gateway holds a lease (a gateway holds one only while it has requests)"
+            in inspect.render(await inspect.snapshot(redis_client, [POOL])).splitlines())
 
 
 async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis) -> None:

@@ -21,7 +21,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission.config import ConfigError, RedisSettings
-from admission.inspect_target import redis_address, resolve_target
+from admission.connection import redis_address
+from admission.inspect_target import resolve_target
 from bench.common.localredis import LocalRedis, free_port
 from tests.test_inspect import POOL, populate
 

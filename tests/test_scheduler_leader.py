@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+from collections.abc import Callable
 from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
 
 from admission.errors import FencedError
 from admission.keys import SchedulerKeys
 from admission.scripts import register_scripts
 from admission.store import leadership
 from admission.tiers import Tier, Zone
-from scheduler.leader import SAFETY, Elector
+from bench.common.localredis import LocalRedis
+from scheduler.leader import FAILURE_LOG_EVERY_S, SAFETY, Elector
 from scheduler.service import SchedulerService
 from tests.scheduler_stub import FakeClock, FakeVllm, admit, eventually, make_config, serve_fake
 
@@ -95,3 +101,43 @@ async def test_fenced_leader_steps_down_and_releases_nothing(
                 raise AssertionError("release with the old epoch was accepted")
         finally:
             await service.stop()
+
+
+async def test_an_outage_is_logged_once_then_every_interval_and_its_end_once(
+    redis_factory: Callable[..., LocalRedis], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A standby retries every ttl/10 while Redis is down; the log gets one line when the
+    calls start failing, one per FAILURE_LOG_EVERY_S with the count, and one when they pass."""
+    server = redis_factory()
+    client = aioredis.Redis.from_url(server.url)
+    clock = FakeClock()
+    elector = Elector(client, register_scripts(client), "a", 2_000, clock=clock)
+    caplog.set_level(logging.INFO, logger="kvgate.scheduler.leader")
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "kvgate.scheduler.leader"]
+
+    try:
+        server.stop()
+        for _ in range(50):
+            assert await elector.attempt() == pytest.approx(0.2)  # ttl / 10
+            clock.advance(0.2)
+        assert elector.failures == 50 and not elector.leading
+        (first,) = lines()
+        assert first.startswith("leadership call failed: ") and str(server.port) in first
+        clock.advance(FAILURE_LOG_EVERY_S - 10.0)  # 30 s after the first failure in all
+        await elector.attempt()
+        assert len(lines()) == 2
+        assert lines()[1].startswith("leadership call failed 51 times in a row in 30 s")
+        redis_factory(port=server.port)  # back, empty
+        for _ in range(3):  # a pooled connection may still report the old socket's end
+            await elector.attempt()
+            if elector.leading:
+                break
+        assert elector.leading and elector.failures == 0
+        assert lines()[2].startswith("leadership calls succeed again after ")
+        assert lines()[3].startswith("a leads with epoch ")
+        await elector.attempt()
+        assert len(lines()) == 4  # a renewal logs nothing
+    finally:
+        await client.aclose()

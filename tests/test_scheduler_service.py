@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import re
+import signal
 import ssl
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
 
@@ -16,8 +22,10 @@ from admission.keys import SchedulerKeys
 from admission.scripts import register_scripts
 from admission.store import AdmitOutcome, PoolPolicy, PoolStore
 from admission.tiers import Tier
+from bench.common.localredis import LocalRedis, free_port
 from scheduler.app import SERVICE, create_app
 from scheduler.service import SchedulerService
+from tests.gateway_harness import ROOT
 from tests.scheduler_stub import (
     FakeVllm,
     admit,
@@ -28,7 +36,7 @@ from tests.scheduler_stub import (
     reserved,
     serve_fake,
 )
-from tests.test_security import make_tls_dir
+from tests.test_security import PASSWORD, make_tls_dir
 
 
 async def test_app_serves_health_and_metrics_and_releases(
@@ -188,3 +196,41 @@ async def test_https_nodes_signed_by_a_private_ca_are_scraped_with_backend_ca_fi
         finally:
             await service.stop()
         assert fake.scrapes == scrapes
+
+
+async def test_scheduler_process_names_its_redis_and_the_port_it_bound(
+    redis_factory: Callable[..., LocalRedis], tmp_path: Path,
+) -> None:
+    """`python -m scheduler --port 0`: the listening line has the port the system picked (the
+    one /healthz answers on), and the start line the Redis in use, never its password."""
+    server = redis_factory(password=PASSWORD)
+    config = tmp_path / "scheduler.toml"
+    config.write_text(f"""
+[redis]
+url = "redis://127.0.0.1:1/0"   # REDIS_URL below wins
+
+[[pools]]
+name = "p"
+backends = [{{ name = "n1", url = "http://127.0.0.1:{free_port()}" }}]
+""")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "scheduler", "--config", str(config), "--port", "0",
+        cwd=ROOT, env={**os.environ, "REDIS_URL": server.url},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    assert process.stderr is not None
+    seen: list[str] = []
+    try:
+        while not any("leads with epoch" in line for line in seen):
+            line = await asyncio.wait_for(process.stderr.readline(), 30)
+            assert line, seen
+            seen.append(line.decode())
+        text = "".join(seen)
+        assert f"Redis redis://127.0.0.1:{server.port}/0" in text and PASSWORD not in text
+        found = re.search(r"listening on 127\.0\.0\.1:(\d+)", text)
+        assert found is not None and int(found[1]) != 0, text
+        async with aiohttp.ClientSession() as http, \
+                http.get(f"http://127.0.0.1:{found[1]}/healthz") as answer:
+            assert answer.status == 200 and (await answer.json())["leading"] is True
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(process.wait(), 30)

@@ -411,6 +411,8 @@ async def test_gateway_process_logs_hold_no_key_password_or_prompt(
             _, err = await asyncio.wait_for(process.communicate(), 30)
     logged = err.decode(errors="replace")
     assert "POST /v1/chat/completions" in logged  # the access log ran
+    # The start line names the Redis it uses, without its password.
+    assert f"serving pools {POOL}, Redis redis://127.0.0.1:{server.port}/0" in logged
     assert "task " in logged and "admission store unavailable" in logged
     for secret in (PASSWORD, SECRET_PROMPT, "TANGERINE", leaked, *KEYS.values()):
         assert secret not in logged, secret
@@ -498,6 +500,7 @@ async def test_admin_endpoint_needs_the_admin_token(redis_url: str, redis_client
             off.url + "/admin/pools", method="GET",
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
         assert status == 403 and openai_error(payload)["code"] == "admin_disabled"
+        assert openai_error(payload)["type"] == "invalid_request_error"  # not a quota
         assert headers["x-should-retry"] == "false"
 
 
@@ -512,3 +515,7 @@ def test_admin_token_check_without_a_server() -> None:
             token.check(header)
         assert info.value.status == 401
     assert not AdminToken(None).enabled
+    with pytest.raises(ApiError) as off:
+        AdminToken(None).check(f"Bearer {ADMIN_TOKEN}")
+    assert (off.value.status, off.value.code, off.value.type) == (
+        403, "admin_disabled", "invalid_request_error")

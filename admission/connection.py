@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.exceptions import RedisError
 
 from admission.config import RedisSettings
 
@@ -124,3 +125,27 @@ def redis_address(settings: RedisSettings) -> str:
         host = f"[{host}]"
     address = f"{scheme}://{host}:{int(params.get('port') or 6379)}"
     return f"Redis Cluster via {address}" if settings.cluster else f"{address}/{db}"
+
+
+SAFE_EVICTION = "noeviction"
+
+
+async def eviction_warning(client: Any) -> str | None:
+    """A warning for people when the server may evict kvgate's keys, else None.
+
+    Budgets, queues and leases are Redis keys: a server under memory pressure with an eviction
+    policy other than ``noeviction`` drops some of them silently (a node's budget, a queued
+    task), where ``noeviction`` refuses writes and every caller sees the error. Managed
+    services often forbid CONFIG; then nothing can be said and nothing is."""
+    try:
+        reply = await client.config_get("maxmemory-policy")
+    except (RedisError, OSError, TimeoutError):
+        return None
+    if isinstance(reply, dict):
+        policy = next(iter(reply.values()), None)
+        if isinstance(policy, bytes):
+            policy = policy.decode()
+        if isinstance(policy, str) and policy != SAFE_EVICTION:
+            return (f"Redis maxmemory-policy is {policy}: under memory pressure it may evict "
+                    f"kvgate's budgets, queues and leases; set it to {SAFE_EVICTION}")
+    return None

@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from admission.config import Config
-from admission.connection import connect, primary_locator, redis_address
+from admission.connection import connect, eviction_warning, primary_locator, redis_address
 from admission.errors import describe
 from admission.keys import check_name
 from admission.scripts import load_scripts, register_scripts
@@ -165,6 +165,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     ]
     log.info("gateway %s serving pools %s, Redis %s", gid, ", ".join(sorted(pools)),
              redis_address(config.redis))
+    if warning := await eviction_warning(client):
+        log.warning("%s", warning)
     try:
         yield
     finally:

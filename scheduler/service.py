@@ -20,7 +20,7 @@ import aiohttp
 from redis.exceptions import RedisError
 
 from admission.config import Config
-from admission.connection import connect, redis_address
+from admission.connection import connect, eviction_warning, redis_address
 from admission.errors import FencedError
 from admission.scripts import Scripts, register_scripts
 from admission.store import PoolStore
@@ -122,6 +122,8 @@ class SchedulerService:
         ]
         log.info("scheduler %s started: %d pool(s), poll %d ms, Redis %s", self.me,
                  len(self.pools), s.poll_interval_ms, redis_address(self.config.redis))
+        if warning := await eviction_warning(self.client):
+            log.warning("%s", warning)
 
     def _scrape_hook(self, pool: str) -> Callable[[str, float, str | None], None]:
         def hook(node: str, seconds: float, error: str | None) -> None:

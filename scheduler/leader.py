@@ -47,8 +47,12 @@ class Elector:
         ttl_ms: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        on_failure: Callable[[], object] = lambda: None,
     ) -> None:
         self.client = client
+        self.on_failure = on_failure
+        """Called once per leadership call that failed on a Redis error (the metric's counter:
+        the log says it once, then every FAILURE_LOG_EVERY_S)."""
         self.scripts = scripts
         self.me = me
         self.ttl_s = ttl_ms / 1000
@@ -102,6 +106,7 @@ class Elector:
     def _failed(self, exc: BaseException) -> None:
         now = self.failed_at = self.clock()
         self.failures += 1
+        self.on_failure()
         if self.failures == 1:
             self._failing_since = self._failure_logged_at = now
             log.warning("leadership call failed: %s", exc)

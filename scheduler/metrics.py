@@ -22,6 +22,9 @@ class SchedulerMetrics:
         self.leadership_changes = Counter(p + "leadership_changes",
                                           "Leadership gained or lost by this replica.",
                                           registry=r)
+        self.leadership_errors = Counter(p + "leadership_errors",
+                                         "Leadership calls (acquire or renew) that failed on a "
+                                         "Redis error.", registry=r)
         self.fenced = Counter(p + "fenced", "Writes refused for an old epoch (stepped down).",
                               ["pool"], registry=r)
         self.zone = Gauge(p + "zone", "Load zone: 0 GREEN, 1 YELLOW, 2 RED.", ["pool"],

@@ -111,7 +111,9 @@ async def test_an_outage_is_logged_once_then_every_interval_and_its_end_once(
     server = redis_factory()
     client = aioredis.Redis.from_url(server.url)
     clock = FakeClock()
-    elector = Elector(client, register_scripts(client), "a", 2_000, clock=clock)
+    failed: list[None] = []
+    elector = Elector(client, register_scripts(client), "a", 2_000, clock=clock,
+                      on_failure=lambda: failed.append(None))
     caplog.set_level(logging.INFO, logger="kvgate.scheduler.leader")
 
     def lines() -> list[str]:
@@ -122,7 +124,7 @@ async def test_an_outage_is_logged_once_then_every_interval_and_its_end_once(
         for _ in range(50):
             assert await elector.attempt() == pytest.approx(0.2)  # ttl / 10
             clock.advance(0.2)
-        assert elector.failures == 50 and not elector.leading
+        assert elector.failures == len(failed) == 50 and not elector.leading
         (first,) = lines()
         assert first.startswith("leadership call failed: ") and str(server.port) in first
         clock.advance(FAILURE_LOG_EVERY_S - 10.0)  # 30 s after the first failure in all
@@ -135,6 +137,7 @@ async def test_an_outage_is_logged_once_then_every_interval_and_its_end_once(
             if elector.leading:
                 break
         assert elector.leading and elector.failures == 0
+        assert len(failed) >= 51  # every failed call counted, the run of failures over
         assert lines()[2].startswith("leadership calls succeed again after ")
         assert lines()[3].startswith("a leads with epoch ")
         await elector.attempt()

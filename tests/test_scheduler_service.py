@@ -234,3 +234,22 @@ backends = [{{ name = "n1", url = "http://127.0.0.1:{free_port()}" }}]
     finally:
         process.send_signal(signal.SIGTERM)
         await asyncio.wait_for(process.wait(), 30)
+
+
+async def test_failed_leadership_calls_are_counted_in_a_metric() -> None:
+    """A replica that cannot reach Redis counts every failed acquire (a log line says it once,
+    then every 30 s: the counter is what an alert reads)."""
+    config = make_config(f"redis://127.0.0.1:{free_port()}/0", [{"name": "n1", "url": "http://x"}],
+                         scheduler={"poll_interval_ms": 20})
+    service = SchedulerService(config, me="s1")
+    await service.start()
+    try:
+        await eventually(lambda: _leadership_errors(service) >= 2)
+        assert not service.leading
+    finally:
+        await service.stop()
+
+
+def _leadership_errors(service: SchedulerService) -> float:
+    value = service.metrics.registry.get_sample_value("kvgate_scheduler_leadership_errors_total")
+    return value or 0.0

@@ -11,12 +11,13 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from bench.common.localredis import free_port
+from bench.common.localredis import LocalRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = {"admission", "gateway", "scheduler", "lua"}
@@ -89,9 +90,11 @@ def test_started_from_outside_the_checkout_the_installed_copy_is_what_runs(
 
 
 async def test_the_installed_wheel_starts_the_gateway_and_the_scheduler(
-        installed: Path, redis_url: str, tmp_path: Path) -> None:
+        installed: Path, redis_factory: Callable[..., LocalRedis], tmp_path: Path) -> None:
     """What the image runs, from the wheel alone, started from outside the checkout: both
-    services come up against a real Redis and answer."""
+    services come up against a real Redis and answer. The Redis is the test's own: on a shared
+    one another test's scheduler may still hold the lease, and this one would only stand by."""
+    redis_url = redis_factory().url
     scheduler_port = free_port()
     config = tmp_path / "config.toml"
     config.write_text(f"""

@@ -5,8 +5,8 @@ reservations, headroom and measured usage, queue depth and oldest wait per tier,
 reservations in flight, the gateways' leases, and every tenant's token bucket; plus who leads
 the schedulers. Plain tables by default, ``--json`` for machines, ``--watch`` to refresh.
 
-It only reads. "Now" is the clock the Lua scripts use (Redis ``TIME``, or the pool clock's
-``frozen_us``, which only tests set), so waits, ages and bucket refills shown here are the ones
+It only reads. "Now" is the clock the Lua scripts use (Redis ``TIME``; in a test process, the
+pool clock's ``frozen_us`` when set), so waits, ages and bucket refills shown here are the ones
 the next admit would compute, whatever this machine's clock says. Bucket keys are found with
 SCAN (never KEYS, which blocks a busy server). A pool's reads are one MULTI (its keys share
 one hash tag, so this holds on Redis Cluster too): the numbers are one consistent snapshot.
@@ -43,6 +43,7 @@ from admission.inspect_target import (
 )
 from admission.inspect_target import discover_pools as discover_pools  # public here too
 from admission.keys import PoolKeys, SchedulerKeys, check_name
+from admission.scripts import frozen_clock_allowed
 from admission.store import MICRO
 from admission.tiers import Tier
 
@@ -263,7 +264,6 @@ async def read_pool(client: Any, pool: str,
     async with client.pipeline(transaction=True) as pipe:
         if not cluster:  # a keyless TIME cannot join a cluster transaction
             pipe.time()
-        pipe.hget(keys.clock, "frozen_us")
         for key in (keys.state, keys.node_capacity, keys.node_reserved, keys.node_guests):
             pipe.hgetall(key)
         for queue in keys.queues:
@@ -272,11 +272,14 @@ async def read_pool(client: Any, pool: str,
         pipe.zrange(keys.leases, 0, -1, withscores=True)
         pipe.hgetall(keys.tenant_queued)
         pipe.hgetall(keys.stats)
+        if frozen_clock_allowed():
+            pipe.hget(keys.clock, "frozen_us")
         replies = list(await pipe.execute())
     redis_now = await _now(client) if cluster else _time_us(replies.pop(0))
-    frozen, state_raw, cap_raw, res_raw, guests_raw = replies[:5]
-    queue_replies = replies[5:11]
-    leases_raw, queued_raw, stats_raw = replies[11:14]
+    state_raw, cap_raw, res_raw, guests_raw = replies[:4]
+    queue_replies = replies[4:10]
+    leases_raw, queued_raw, stats_raw = replies[10:13]
+    frozen = replies[13] if len(replies) > 13 else None
 
     now = int(frozen) if frozen is not None else redis_now
     state = _hash(state_raw)

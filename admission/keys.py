@@ -70,7 +70,8 @@ class PoolKeys:
 
     @property
     def clock(self) -> str:
-        """HASH: last_us (queue clock); frozen_us (set by tests only, never in production)."""
+        """HASH: last_us (queue clock); frozen_us (a test's frozen time, honoured only by a
+        process that called `admission.scripts.allow_frozen_clock`)."""
         return self.prefix + "clock"
 
     @property

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from admission.keys import PoolKeys
+from admission.scripts import frozen_clock_allowed
 from admission.tiers import Tier
 
 
@@ -94,7 +95,8 @@ class TickReading:
     to parse (the leader parses each member once and keeps it while its task runs, keyed by
     the raw member); None when not read."""
     frozen_us: Any = None
-    """The pool clock's frozen_us (tests only; None in production), read with the index."""
+    """The pool clock's frozen_us, read with the index only in a process that enabled the test
+    clock (`admission.scripts.allow_frozen_clock`); None in every service."""
     updated_us: Any = None
     """The state hash's updated_us: the Redis time of the last publish, read with the index."""
 
@@ -116,8 +118,9 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
         if running:
             # Raw: redis-py's own score conversion would double this read's cost.
             pipe.execute_command("ZRANGE", keys.running, 0, -1, "WITHSCORES")
-            pipe.hget(keys.clock, "frozen_us")
             pipe.hget(keys.state, "updated_us")
+            if frozen_clock_allowed():
+                pipe.hget(keys.clock, "frozen_us")
         reply = list(await pipe.execute())
     depths = (int(reply[2]), int(reply[3]), int(reply[4]))
     rest = reply[5:]
@@ -129,8 +132,9 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
                            reports)
+    frozen = rest[2] if len(rest) > 2 else None
     return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released, reports,
-                       rest[0], rest[1], rest[2])
+                       rest[0], frozen, rest[1])
 
 
 async def left_queue(client: Any, keys: PoolKeys, tier: Tier,

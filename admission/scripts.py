@@ -22,12 +22,37 @@ from redis.exceptions import NoScriptError
 SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon", "hint")
 
 
+_test_clock = False
+
+
+def allow_frozen_clock() -> None:
+    """Let this process's scripts, and its reads of Redis time, honour the pool clock's
+    ``frozen_us`` field, so that tests can stop and move time without sleeping.
+
+    Off in every service: no configuration, environment variable or command line reaches it,
+    only a call from Python (the test suite's conftest makes it). Off, the scripts never read
+    the field (it is compiled out, below) and the readers in `admission.reads` and
+    `admission.inspect` do not fetch it, so a stray ``frozen_us`` in a production Redis changes
+    nothing."""
+    global _test_clock
+    _test_clock = True
+
+
+def frozen_clock_allowed() -> bool:
+    """Whether `allow_frozen_clock` was called in this process."""
+    return _test_clock
+
+
 @cache
-def script_source(name: str) -> str:
+def script_source(name: str, test_clock: bool = False) -> str:
+    """`_lib.lua` and the script, after one line that says whether the clock may be frozen
+    (``TEST_CLOCK``, read by `now_us` in `_lib.lua`): the two variants have different SHAs,
+    so a service never runs a test's script by accident."""
     package = resources.files("lua")
     lib = package.joinpath("_lib.lua").read_text(encoding="utf-8")
     body = package.joinpath(f"{name}.lua").read_text(encoding="utf-8")
-    return lib + "\n" + body
+    flag = "local TEST_CLOCK = " + ("true" if test_clock else "false") + "\n"
+    return flag + lib + "\n" + body
 
 
 class ScriptTransport(Protocol):
@@ -112,7 +137,8 @@ class CommandTransport:
 
 def register_scripts(client: Any) -> Scripts:
     """Bind every script to `client` (redis.asyncio.Redis or RedisCluster); no I/O."""
-    return Scripts(**{name: Script(name, script_source(name), client) for name in SCRIPT_NAMES})
+    return Scripts(**{name: Script(name, script_source(name, _test_clock), client)
+                      for name in SCRIPT_NAMES})
 
 
 async def load_scripts(client: Any, scripts: Scripts) -> None:

@@ -1,7 +1,9 @@
 -- _lib.lua: helpers prepended to every script at load time; not a script of its own.
 --
--- Units used everywhere: times in microseconds of Redis TIME (unless the pool clock holds
--- frozen_us, which only tests set, so that they can stop and move time without sleeping);
+-- Units used everywhere: times in microseconds of Redis TIME (in a test process only, the
+-- pool clock's frozen_us when set, so that tests can stop and move time without sleeping:
+-- TEST_CLOCK, defined on the line before this file by admission/scripts.py, is false in
+-- every service, and then frozen_us is never read);
 -- token amounts in whole tokens, except a bucket's level, kept in micro-tokens so that
 -- refill (rate tokens/s x elapsed µs) stays an exact integer.
 -- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:, running,
@@ -16,8 +18,10 @@ local function fmt(n)
 end
 
 local function now_us(clock_key)
-  local frozen = redis.call('HGET', clock_key, 'frozen_us')
-  if frozen then return tonumber(frozen) end
+  if TEST_CLOCK then
+    local frozen = redis.call('HGET', clock_key, 'frozen_us')
+    if frozen then return tonumber(frozen) end
+  end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end

@@ -32,8 +32,13 @@ from hypothesis import settings
 from redis.asyncio.cluster import RedisCluster
 
 from admission.keys import PoolKeys
+from admission.scripts import allow_frozen_clock
 from bench.common.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
 from tests.properties import PROFILE
+
+# Tests stop and move time by writing the pool clock's frozen_us; only a process that says so
+# honours it (services never do), so the suite says so before any script is registered.
+allow_frozen_clock()
 
 # Hypothesis' defaults (an example database under .hypothesis/, a 200 ms deadline) make a
 # property's result depend on the checkout and on the machine's load; see tests/properties.py.

@@ -24,6 +24,7 @@ from admission.configfields import (
     required_at_least,
 )
 from admission.controlconfig import ControlSettings
+from admission.fairconfig import FairnessSettings, cap_field, check_tenant_caps, weight_field
 from admission.keys import check_name
 from admission.store import PoolPolicy, TenantQuota
 from admission.tiers import Tier
@@ -286,6 +287,8 @@ class PoolSettings:
     dedicated: DedicatedNodes = field(default_factory=DedicatedNodes)
     control: ControlSettings = field(default_factory=ControlSettings)
     """`[pools.control]`: the release control's objectives (admission.controlconfig)."""
+    fairness: FairnessSettings = field(default_factory=FairnessSettings)
+    """`[pools.fairness]`: release order within a tier (admission.fairconfig)."""
 
     def check(self, key: KeyName) -> None:
         _check_name(key, "name", "pool", self.name)
@@ -311,10 +314,18 @@ class TenantSettings:
     rate: int = at_least(0, 10_000)
     burst: int = at_least(1, 100_000)
     max_queued: int = at_least(0, 100)
+    weight: float = weight_field()
+    """Share within its tier relative to the other tenants' (admission.fairconfig)."""
+    max_queued_tokens: int = cap_field()
+    """Most tokens of its requests queued at once in a pool (0: no cap)."""
+    max_inflight_tokens: int = cap_field()
+    """Most tokens reserved by its released, unfinished requests in a pool (0: no cap)."""
 
     @property
     def quota(self) -> TenantQuota:
-        return TenantQuota(self.name, self.rate, self.burst, self.max_queued)
+        return TenantQuota(self.name, self.rate, self.burst, self.max_queued,
+                           weight=self.weight, max_queued_tokens=self.max_queued_tokens,
+                           max_inflight_tokens=self.max_inflight_tokens)
 
     def check(self, key: KeyName) -> None:
         for i, k in enumerate(self.key_sha256):
@@ -323,6 +334,8 @@ class TenantSettings:
         _check_name(key, "name", "tenant", self.name)
         if self.burst > 1_000_000_000:
             raise ConfigError(f"{key('burst')}: must be at most 1e9 tokens")
+        check_tenant_caps(key, self.burst, {"max_queued_tokens": self.max_queued_tokens,
+                                            "max_inflight_tokens": self.max_inflight_tokens})
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +415,7 @@ class Config:
             lease_ttl_ms=self.gateway.lease_ttl_ms,
             stale_after_ms=self.pools[pool].stale_after_ms,
             retention_s=self.gateway.retention_s,
+            fair=self.pools[pool].fairness.enabled,
         )
 
     def backend_ssl_context(self) -> ssl.SSLContext | None:

@@ -13,9 +13,9 @@ Key names are plain words so operators can read them with redis-cli, for example
 
 The Lua scripts build the names of keys they discover at run time (a task id popped from a
 queue) from the same ``prefix`` the Python side passes in; `lua/_lib.lua` mirrors the suffixes
-of `task_key`, `bucket_key`, `gateway_tasks_key`, `running`, `node_guests` and
-`node_guest_pace`, and a test checks
-that they agree.
+of `task_key`, `bucket_key`, `gateway_tasks_key`, `running`, `node_guests`,
+`node_guest_pace`, `tenant_key`, `flows`, `flow` and `vtime`, and a test checks that they
+agree.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from admission.tiers import Tier
 
 ROOT = "kvg"
+VT_SCALE = 1000
+"""Virtual counter units per token served at weight 1 (`lua/_lib.lua` VT_SCALE): a task of
+cost W charges its tenant's counter floor(W x VT_SCALE / weight)."""
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
@@ -162,6 +165,29 @@ class PoolKeys:
         """HASH node:n, node:over -> VIP first tokens seen per node and those later than the
         objective (monotonic counts, raised by the finish script)."""
         return self.prefix + "node_vip_ttft"
+
+    def flows(self, tier: Tier) -> str:
+        """ZSET tenant -> virtual counter: the tenants with work queued in `tier` (backlogged
+        flows). Fair release serves the least counter first (`lua/_lib.lua`, "Fair release");
+        the counter itself lives in the tenant's hash (`tenant_key`), mirrored here."""
+        return f"{self.prefix}flows:{tier.label}"
+
+    def flow(self, tier: Tier, tenant: str) -> str:
+        """ZSET task id -> enqueue µs: one tenant's queued tasks in `tier` (FIFO within the
+        tenant), the same entries as the tier's queue; gone when empty."""
+        return f"{self.prefix}flow:{tier.label}:{tenant}"
+
+    @property
+    def vtime(self) -> str:
+        """HASH tier label -> virtual time: the counter of the last flow served in that tier,
+        what a tenant's counter is lifted to when it becomes backlogged in an idle tier."""
+        return self.prefix + "vtime"
+
+    def tenant_key(self, tenant: str) -> str:
+        """HASH of one tenant in this pool: vt_0..vt_2 (virtual counters per tier, in
+        `VT_SCALE` units per token at weight 1), weight, inflight_cap, queued_tokens,
+        inflight_tokens, drain and drain_us (tokens released from its queue, decayed)."""
+        return f"{self.prefix}tenant:{tenant}"
 
     def task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"

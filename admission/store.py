@@ -20,6 +20,11 @@ from admission.scripts import Scripts
 from admission.tiers import Tier, Zone
 
 MICRO = 1_000_000
+MIN_WEIGHT = 0.01
+MAX_WEIGHT = 10_000.0
+"""Tenant weights (fair release) within these bounds keep every charge at least one counter unit
+per 10 tokens and the counters exact (below 2**53 units) for 9e10 tokens served at the
+smallest weight."""
 
 
 class AdmitOutcome(enum.StrEnum):
@@ -60,6 +65,8 @@ class PoolPolicy:
     default_retry_ms: int = 1_000
     """The shortest capacity hint, and the hint when nothing is known (admission.hints)."""
     retention_s: int = 600
+    fair: bool = True
+    """Release in weighted fair order across tenants within each tier (False: FIFO)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +77,15 @@ class TenantQuota:
     burst: int
     """Bucket size, tokens: the largest single reservation the tenant can ever make."""
     max_queued: int
+    weight: float = 1.0
+    """The tenant's share within its tier relative to the others' (fair release)."""
 
     def __post_init__(self) -> None:
         check_name("tenant", self.name)
         if self.rate < 0 or self.burst < 0 or self.burst > 1_000_000_000:
             raise ValueError("tenant rate must be >= 0 and burst within 0..1e9 tokens")
+        if not MIN_WEIGHT <= self.weight <= MAX_WEIGHT:
+            raise ValueError(f"tenant weight must be within {MIN_WEIGHT}..{MAX_WEIGHT}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +190,8 @@ class PoolStore:
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
                 tenant.rate, tenant.burst, tenant.max_queued, p.tier_queue_caps[tier],
                 queue_timeout_ms, gateway, p.lease_ttl_ms, p.stale_after_ms,
-                tier_timeout_ms or 0,
+                tier_timeout_ms or 0, self._prefix, "1" if p.fair else "0",
+                repr(float(tenant.weight)),
             ],
         )
         return parse_admit(reply, tier, p.default_retry_ms)
@@ -259,7 +271,7 @@ class PoolStore:
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
                   k.tier_capacity(Tier.BATCH), k.node_prefill, k.node_prefill_released],
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
-                  sum(1 << int(t) for t in set(guests_only))],
+                  sum(1 << int(t) for t in set(guests_only)), "1" if self.policy.fair else "0"],
         )
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))

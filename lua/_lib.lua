@@ -7,9 +7,14 @@
 -- token amounts in whole tokens, except a bucket's level, kept in micro-tokens so that
 -- refill (rate tokens/s x elapsed µs) stays an exact integer.
 -- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:, running,
--- node_guests, node_guest_pace).
+-- node_guests, node_guest_pace, tenant:, flows:, flow:, vtime).
 
 local TIER_QUEUE_COUNT = 3
+local TIER_LABELS = {'vip', 'normal', 'batch'}
+-- Virtual counter units per token served at weight 1 (admission/keys.py VT_SCALE).
+local VT_SCALE = 1000
+-- At most this many flows tied at the least counter are compared by the age of their heads.
+local TIE_SCAN = 8
 -- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
 local TIE_SHARE = 32
 
@@ -59,7 +64,7 @@ local ADMIT_STATE_FIELDS = {unpack(HINT_FIELDS)}
 for _, name in ipairs(PLACEMENT_FIELDS) do table.insert(ADMIT_STATE_FIELDS, name) end
 -- A task record's fields the scripts act on (load_task()).
 local TASK_FIELDS = {'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'deadline_us',
-  'prompt_tokens', 'max_tokens', 'guest'}
+  'prompt_tokens', 'max_tokens', 'guest', 'charge'}
 
 -- What a capacity 429's retry hint is computed from (admission/hints.py), as admit.lua and
 -- hint.lua report it: the tasks queued at `tier` or above; their drain rate in tasks/s, the sum
@@ -86,6 +91,12 @@ local function gateway_key(prefix, gw) return prefix .. 'gateway:' .. gw end
 local function running_key(prefix) return prefix .. 'running' end
 local function guests_key(prefix) return prefix .. 'node_guests' end
 local function pace_key(prefix) return prefix .. 'node_guest_pace' end
+local function tenant_key(prefix, tenant) return prefix .. 'tenant:' .. tenant end
+local function flows_key(prefix, tier) return prefix .. 'flows:' .. TIER_LABELS[tier + 1] end
+local function flow_key(prefix, tier, tenant)
+  return prefix .. 'flow:' .. TIER_LABELS[tier + 1] .. ':' .. tenant
+end
+local function vtime_key(prefix) return prefix .. 'vtime' end
 
 -- A released task's entry in the running index: what the scheduler needs to project how the
 -- node's KV usage will grow (names never contain spaces: admission/keys.py check_name).
@@ -330,9 +341,146 @@ local function unreserve_node(resv_key, node, cost)
   if left <= 0 then redis.call('HDEL', resv_key, node) end
 end
 
+-- A tenant's tokens reserved by its released, unfinished tasks (`inflight_tokens` in its hash).
+local function inflight_add(prefix, tenant, cost)
+  redis.call('HINCRBY', tenant_key(prefix, tenant), 'inflight_tokens', cost)
+end
+
+local function inflight_done(prefix, tenant, cost)
+  local tkey = tenant_key(prefix, tenant)
+  if redis.call('HINCRBY', tkey, 'inflight_tokens', -cost) <= 0 then
+    redis.call('HDEL', tkey, 'inflight_tokens')
+  end
+end
+
 local function tenant_dequeued(tq_key, tenant)
   local left = redis.call('HINCRBY', tq_key, tenant, -1)
   if left <= 0 then redis.call('HDEL', tq_key, tenant) end
+end
+
+-- Fair release within a tier (docs/architecture.md, "Fairness within a tier"). Each tenant
+-- has a virtual counter per tier (vt_<tier> in its hash, tenant_key()): the weighted tokens
+-- it was served there. A task released from the queue charges its tenant
+-- floor(cost x VT_SCALE / weight) (at least 1; the task records the charge), and its settle
+-- takes back the part of the charge it did not use, so service counts real tokens, as the
+-- virtual token counter of fair LLM serving does. Fair release serves the head (oldest task)
+-- of the backlogged flow with the least counter; among up to TIE_SCAN flows tied at it, the
+-- oldest head. A flow that becomes backlogged is lifted to the least counter of the tier's
+-- backlogged flows, or to the tier's virtual time (the counter the last flow was served at)
+-- when none is: idle time banks no credit. The flows ZSET mirrors the counters of the
+-- backlogged tenants so that the least is one ZRANGE away.
+
+local function tenant_vt(tkey, tier)
+  return tonumber(redis.call('HGET', tkey, 'vt_' .. tier) or '0') or 0
+end
+
+-- The least counter of `tier`'s backlogged flows and true, or the tier's virtual time and false.
+local function flow_floor(prefix, tier)
+  local least = redis.call('ZRANGE', flows_key(prefix, tier), 0, 0, 'WITHSCORES')
+  if least[1] then return tonumber(least[2]), true end
+  return tonumber(redis.call('HGET', vtime_key(prefix), TIER_LABELS[tier + 1]) or '0') or 0, false
+end
+
+-- The counter after the lift a flow gets as it becomes backlogged (written back when raised).
+local function flow_lift(prefix, tier, tkey)
+  local floor = flow_floor(prefix, tier)
+  local own = tenant_vt(tkey, tier)
+  if own < floor then
+    own = floor
+    redis.call('HSET', tkey, 'vt_' .. tier, fmt(own))
+  end
+  return own
+end
+
+-- A task queued at `score` (µs) joins its tenant's flow; the tenant's queued tokens grow by its
+-- cost; an empty flow becomes backlogged, lifted.
+local function flow_join(prefix, tier, tenant, id, score, cost)
+  local fkey = flow_key(prefix, tier, tenant)
+  local tkey = tenant_key(prefix, tenant)
+  redis.call('ZADD', fkey, fmt(score), id)
+  redis.call('HINCRBY', tkey, 'queued_tokens', cost)
+  if redis.call('ZCARD', fkey) == 1 then
+    redis.call('ZADD', flows_key(prefix, tier), fmt(flow_lift(prefix, tier, tkey)), tenant)
+  end
+end
+
+-- A queued task leaves its tenant's flow (released, cancelled, expired, reaped); a flow left
+-- empty is no longer backlogged (its counter stays in the tenant's hash).
+local function flow_leave(prefix, tier, tenant, id, cost)
+  local fkey = flow_key(prefix, tier, tenant)
+  local tkey = tenant_key(prefix, tenant)
+  redis.call('ZREM', fkey, id)
+  if redis.call('EXISTS', fkey) == 0 then redis.call('ZREM', flows_key(prefix, tier), tenant) end
+  if redis.call('HINCRBY', tkey, 'queued_tokens', -cost) <= 0 then
+    redis.call('HDEL', tkey, 'queued_tokens')
+  end
+end
+
+-- A counter moved by `delta` units, and its mirror in the flows ZSET while backlogged.
+local function vt_add(prefix, tier, tenant, delta)
+  local after = redis.call('HINCRBY', tenant_key(prefix, tenant), 'vt_' .. tier, fmt(delta))
+  if redis.call('ZSCORE', flows_key(prefix, tier), tenant) then
+    redis.call('ZADD', flows_key(prefix, tier), fmt(after), tenant)
+  end
+end
+
+-- A task of `cost` tokens served from `tenant`'s flow of `tier` (after flow_leave(), or on a
+-- busy tier's fast path after the lift): the tier's virtual time becomes the counter it was
+-- served at, the counter grows by the charge. Returns the charge (VT units).
+local function flow_charge(prefix, tier, tenant, cost)
+  local tkey = tenant_key(prefix, tenant)
+  local weight = tonumber(redis.call('HGET', tkey, 'weight') or '1') or 1
+  if weight <= 0 then weight = 1 end
+  local charge = math.max(1, math.floor(cost * VT_SCALE / weight))
+  local label = TIER_LABELS[tier + 1]
+  local served_at = tenant_vt(tkey, tier)
+  local vtime = tonumber(redis.call('HGET', vtime_key(prefix), label) or '0') or 0
+  if served_at > vtime then redis.call('HSET', vtime_key(prefix), label, fmt(served_at)) end
+  vt_add(prefix, tier, tenant, charge)
+  return charge
+end
+
+-- A released task that was charged ends: the charge's share of what it did not use comes back
+-- (usage < 0: unknown, treated as none used, as its tenant's bucket is refunded); usage above
+-- the reservation adds to the counter.
+local function flow_settle(prefix, task, usage)
+  local charge, cost = tonumber(task.charge), tonumber(task.cost)
+  if not charge or not cost or cost <= 0 then return end
+  local unused = cost
+  if usage >= 0 then unused = cost - usage end
+  local back = math.floor(charge * unused / cost)
+  if back ~= 0 then vt_add(prefix, tonumber(task.tier), task.tenant, -back) end
+end
+
+-- The next flow of `tier` to serve, skipping the tenants in `skip` (`nskip` of them): tenant,
+-- head task id and its enqueue score (string), or nil when no flow is left. A listed flow found
+-- empty (only a bug or a manual edit leaves one) is dropped from the list.
+local function next_flow(prefix, tier, skip, nskip)
+  local list = flows_key(prefix, tier)
+  while true do
+    local rows = redis.call('ZRANGE', list, 0, nskip + TIE_SCAN - 1, 'WITHSCORES')
+    local best, best_id, best_at, best_score, least, ties, stale = nil, nil, nil, nil, nil, 0, false
+    for i = 1, #rows, 2 do
+      local tenant = rows[i]
+      if not skip[tenant] then
+        local score = tonumber(rows[i + 1])
+        if least == nil then least = score elseif score > least then break end
+        local head = redis.call('ZRANGE', flow_key(prefix, tier, tenant), 0, 0, 'WITHSCORES')
+        if not head[1] then
+          redis.call('ZREM', list, tenant)
+          stale = true
+          break
+        end
+        local at = tonumber(head[2])
+        if best == nil or at < best_at then
+          best, best_id, best_at, best_score = tenant, head[1], at, head[2]
+        end
+        ties = ties + 1
+        if ties >= TIE_SCAN then break end
+      end
+    end
+    if not stale then return best, best_id, best_score end
+  end
 end
 
 -- Move a task to a terminal state and let its record expire after `retention_s`, so a late
@@ -349,6 +497,7 @@ local function drop_queued(prefix, queues, deadlines_key, tq_key, id, task, stat
   redis.call('ZREM', queues[tonumber(task.tier) + 1], id)
   redis.call('ZREM', deadlines_key, id)
   tenant_dequeued(tq_key, task.tenant)
+  flow_leave(prefix, tonumber(task.tier), task.tenant, id, tonumber(task.cost))
   redis.call('SREM', gateway_key(prefix, task.gateway), id)
   bucket_credit(bucket_key(prefix, task.tenant), now, tonumber(task.cost))
   task_finish(task_key(prefix, id), state, now, retention_s)
@@ -371,6 +520,8 @@ local function drop_released(prefix, resv_key, stats_key, id, task, state, usage
   redis.call('SREM', gateway_key(prefix, task.gateway), id)
   local refund = cost
   if usage >= 0 then refund = cost - usage end
+  inflight_done(prefix, task.tenant, cost)
+  flow_settle(prefix, task, usage)
   if usage >= 0 and state == 'settled' then
     redis.call('HINCRBY', stats_key, 'settled', 1)
     redis.call('HINCRBY', stats_key, 'settled_cost', cost)

@@ -40,6 +40,17 @@
 -- ARGV[14] stale_after_ms: no fast path if the scheduler's state is older (0 = do not check)
 -- ARGV[15] the tier's own queue timeout (ms); a task queued with exactly that timeout gets no
 --          deadlines entry (optional: absent or 0 indexes every queued task)
+-- ARGV[16] key prefix of the pool: the tenant's hash, flows, flow and vtime keys are built
+--          from it ("Fair release" in _lib.lua)
+-- ARGV[17] '1': the pool releases in fair order (the fast path then follows it, below);
+--          '0': FIFO
+-- ARGV[18] the tenant's weight (a positive number), stored in its hash for the release
+--
+-- Fast path: FIFO, when nothing is queued at this tier or above; fair, when nothing is queued
+-- above, the tenant has nothing queued in this tier, and its counter is no higher than the
+-- least of the tier's backlogged flows (it would be served next: ties go to the arrival). A
+-- fast path in a tier with backlogged flows is charged to the tenant's counter as a release
+-- from the queue is (lifted first); one in an idle tier is not (no one to be fair to).
 --
 -- Returns {outcome, detail, retry_after_ms, depth, zone, ...}:
 --   {'released', node, 0, 0, zone}            fast path: budget debited, node chosen
@@ -65,7 +76,9 @@ local timeout_ms = tonumber(ARGV[11])
 local gateway, lease_ms = ARGV[12], tonumber(ARGV[13])
 local stale_ms = tonumber(ARGV[14])
 local tier_timeout_ms = tonumber(ARGV[15] or '0') or 0
+local prefix, fair, weight = ARGV[16], ARGV[17] == '1', ARGV[18]
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
+local tkey = tenant_key(prefix, tenant)
 
 local now = now_us(KEYS[2])
 local st = hash_fields(KEYS[1], ADMIT_STATE_FIELDS)
@@ -93,12 +106,23 @@ if level < need then
   return {'rejected', 'quota', wait_ms, ahead, zone}
 end
 
--- Fast path: nothing waits at this tier or above, the zone releases this tier freely
--- (GREEN releases every tier, YELLOW and RED still release VIP), the scheduler's view is
--- fresh, and a node the tier may use has room for the whole reservation.
+-- Fast path: nothing waits ahead of this request in its tier's order (header), the zone
+-- releases this tier freely (GREEN releases every tier, YELLOW and RED still release VIP),
+-- the scheduler's view is fresh, and a node the tier may use has room for the whole
+-- reservation.
 local fresh = stale_ms == 0 or (st.updated_us and now - tonumber(st.updated_us) <= stale_ms * 1000)
 local node, guest, placement, prefill = nil, false, nil, nil
-if ahead == 0 and fresh and (zone == 'GREEN' or tier == 0) then
+local first, busy = ahead == 0, false
+if fair then
+  first = ahead == redis.call('ZCARD', queues[tier + 1])
+    and redis.call('EXISTS', flow_key(prefix, tier, tenant)) == 0
+  if first then
+    local least
+    least, busy = flow_floor(prefix, tier)
+    if busy then first = tenant_vt(tkey, tier) <= least end
+  end
+end
+if first and fresh and (zone == 'GREEN' or tier == 0) then
   placement = placement_of(st)
   if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19]) end
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
@@ -124,7 +148,13 @@ redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 
 
 if node then
   reserve_node(KEYS[4], node, cost)
+  inflight_add(prefix, tenant, cost)
   redis.call('HSET', KEYS[12], 'state', 'released', 'node', node, 'released_us', fmt(now))
+  if busy then
+    redis.call('HSET', tkey, 'weight', weight)
+    flow_lift(prefix, tier, tkey)
+    redis.call('HSET', KEYS[12], 'charge', fmt(flow_charge(prefix, tier, tenant, cost)))
+  end
   if guest then
     guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)
   end
@@ -136,8 +166,11 @@ if node then
 end
 
 local deadline = now + timeout_ms * 1000
+local score = queue_clock(KEYS[2], now)
 redis.call('HSET', KEYS[12], 'deadline_us', fmt(deadline))
-redis.call('ZADD', queues[tier + 1], fmt(queue_clock(KEYS[2], now)), id)
+redis.call('ZADD', queues[tier + 1], fmt(score), id)
+redis.call('HSET', tkey, 'weight', weight)
+flow_join(prefix, tier, tenant, id, score, cost)
 -- Within a tier, tasks with the tier's own timeout expire in the order they queued, so the
 -- reaper finds them at the head of the queue; only a shorter (client-set) deadline needs the
 -- index. Saves a sorted-set entry per queued task (bench.perf.memory).

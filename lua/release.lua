@@ -21,21 +21,27 @@
 -- KEYS[14] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here by each such release)
 --
--- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests and
---          node_guest_pace keys: the running index ZSET 'node prompt max id' -> released µs
---          gets each released task, the HASH node_guests counts the guests alive on each
---          dedicated node, the HASH node_guest_pace holds when a paced one takes its next)
+-- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests,
+--          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
+--          'node prompt max id' -> released µs gets each released task, the HASH node_guests
+--          counts the guests alive on each dedicated node, the HASH node_guest_pace holds when
+--          a paced one takes its next; the fair keys: "Fair release" in _lib.lua)
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records
 -- ARGV[7]  tiers (bit 2^tier: 1 VIP, 2 Normal, 4 Batch) that this call may release only as
 --          guests of dedicated nodes (0 or absent: none); see place()
+-- ARGV[8]  '1': fair order within each tier (next_flow() in _lib.lua); '0' or absent: FIFO
 --
--- Order: tiers strictly by priority, FIFO within a tier. When the head of a tier does not fit
--- on any node it may use, nothing of that tier or below is released in this call (no tier overtakes a
--- higher one and no task overtakes an older one of its tier). A tier that only reached its
--- own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch trickle).
--- Queued tasks found past their deadline are expired on the way (tenant refunded).
+-- Order: tiers strictly by priority; within a tier FIFO, or with ARGV[8] the head of the
+-- backlogged flow with the least virtual counter (weighted fair across tenants, FIFO within a
+-- tenant). The next task in that order is the tier's head: when it does not fit on any node
+-- it may use, nothing of that tier or below is released in this call (no tier overtakes a
+-- higher one and no task overtakes one ahead of it in its tier's order). A tier that only
+-- reached its own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch
+-- trickle). Queued tasks found past their deadline at the head are expired on the way (tenant
+-- refunded). Either order charges each released task to its tenant's counter (flow_charge()),
+-- so the order can be switched without losing the tenants' service history.
 --
 -- Returns {'ok', epoch, task, gateway, node, tier, ...} with one 4-tuple per task released or
 -- expired (node '' = expired: its gateway must answer the client), or {'fenced', epoch} when the
@@ -47,6 +53,7 @@ if not ok then return {'fenced', epoch} end
 local limits = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
 local retention_s = tonumber(ARGV[6])
 local guests_only_tiers = tonumber(ARGV[7] or '0') or 0
+local fair = ARGV[8] == '1'
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local placement = placement_of(hash_fields(KEYS[1], PLACEMENT_FIELDS))
@@ -57,13 +64,37 @@ if KEYS[14] then prefill = prefill_of(KEYS[13], KEYS[14]) end
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
+local no_skip = {}
+
+-- The head of tier `t` in its release order: id, enqueue score and record (nil record: a stray
+-- entry, already dropped), or nil when the tier has nothing queued. Fair: the head of the
+-- next flow; a tier with no backlogged flow but a queue (tasks queued by a version without
+-- flows) falls back to FIFO.
+local function head_of(t)
+  if fair then
+    local tenant, id, score = next_flow(prefix, t, no_skip, 0)
+    if tenant then
+      local task = load_task(task_key(prefix, id))
+      if task == nil or task.state ~= 'queued' then
+        local fkey = flow_key(prefix, t, tenant)
+        redis.call('ZREM', fkey, id)
+        if redis.call('EXISTS', fkey) == 0 then redis.call('ZREM', flows_key(prefix, t), tenant) end
+        redis.call('ZREM', queues[t + 1], id)
+        redis.call('ZREM', KEYS[8], id)
+        return id, score, nil
+      end
+      return id, score, task
+    end
+  end
+  return queue_head(prefix, queues[t + 1], KEYS[8])
+end
 
 for t = 0, TIER_QUEUE_COUNT - 1 do
   local released = 0
   local blocked = false
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
-    local head, queued_us, task = queue_head(prefix, queues[t + 1], KEYS[8])
+    local head, queued_us, task = head_of(t)
     if not head then break end
     if task == nil then
       -- a stray entry, dropped by queue_head
@@ -85,9 +116,12 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       redis.call('ZREM', queues[t + 1], head)
       redis.call('ZREM', KEYS[8], head)
       tenant_dequeued(KEYS[9], task.tenant)
+      flow_leave(prefix, t, task.tenant, head, cost)
+      local charge = flow_charge(prefix, t, task.tenant, cost)
+      inflight_add(prefix, task.tenant, cost)
       reserve_node(KEYS[4], node, cost)
       redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
-        'queued_us', queued_us, 'released_us', fmt(now))
+        'queued_us', queued_us, 'released_us', fmt(now), 'charge', fmt(charge))
       redis.call('HDEL', task_key(prefix, head), 'deadline_us')
       if guest then
         guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from admission.hints import drain_hint_ms
 from admission.keys import abandoned_lease
 from admission.store import TaskState
+from tests.fairmodel import FairLedger, heads_of, weight_arg
 
 MICRO = 1_000_000
 TIERS = (0, 1, 2)
@@ -35,6 +36,8 @@ class ModelTask:
     guest: bool = False
     abandoned: bool = False
     """Moved by its gateway to the gateway's abandoned set (`lua/abandon.lua`)."""
+    charge: int | None = None
+    """Counter units charged at its release (fair release); None: not charged."""
 
 
 @dataclass
@@ -82,6 +85,9 @@ class Model:
     """Dedicated nodes that take no guests now (their engines run too many sequences)."""
     released_count: int = 0
     """Tasks released so far (the scripts' stats released_0..2): whose turn a tie is."""
+    fair: bool = True
+    """Release in weighted fair order within a tier (False: FIFO)."""
+    ledger: FairLedger = field(default_factory=FairLedger)
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -161,9 +167,14 @@ class Model:
         else:
             self.reserved[node] = left
 
+    def flows(self, tier: int) -> dict[str, int]:
+        """The backlogged flows of `tier`: tenant -> position of its head in the queue."""
+        return heads_of(self.queues[tier], self.tasks)
+
     def _drop_queued(self, tid: str, state: TaskState) -> None:
         t = self.tasks[tid]
         self.queues[t.tier].remove(tid)
+        self.ledger.add(self.ledger.queued_tokens, t.tenant, -t.cost)
         self.credit(t.tenant, t.cost)
         t.state = state
         t.finishes += 1
@@ -173,6 +184,8 @@ class Model:
         assert t.node is not None
         self._unreserve(t.node, t.cost)
         refund = t.cost if usage is None else t.cost - usage
+        self.ledger.add(self.ledger.inflight_tokens, t.tenant, -t.cost)
+        self.ledger.settle(t.tier, t.tenant, t.charge, t.cost, usage)
         self.credit(t.tenant, refund)
         t.state = state
         t.finishes += 1
@@ -182,6 +195,7 @@ class Model:
     def admit(
         self, tid: str, tenant: str, tier: int, cost: int, rate: int, burst: int,
         tenant_cap: int, timeout_ms: int, gateway: str, prompt: int = 0,
+        weight: float = 1.0,
     ) -> tuple[str, str, int, int]:
         """Returns (outcome, detail, retry_after_ms, depth) as the script does."""
         if tid in self.tasks:
@@ -211,7 +225,17 @@ class Model:
             and self.now - self.state_updated_us <= self.stale_after_ms * 1000
         )
         node, guest = None, False
-        if ahead == 0 and fresh and (self.zone == "GREEN" or tier == 0):
+        ledger = self.ledger
+        flows = self.flows(tier)
+        first, busy = ahead == 0, False
+        if self.fair:
+            # Nothing queued above, nothing of its own queued here, and no backlogged flow
+            # with a lower counter: it would be served next.
+            first = ahead == len(self.queues[tier]) and tenant not in flows
+            if first and flows:
+                busy = True
+                first = ledger.counter(tier, tenant) <= ledger.floor(tier, flows)[0]
+        if first and fresh and (self.zone == "GREEN" or tier == 0):
             node, guest = self.place(tier, cost, prompt)
         if node is None:
             if len(self.queues[tier]) >= self.tier_caps[tier]:
@@ -229,9 +253,18 @@ class Model:
             if guest:
                 self._guest_joined(node, prompt)
             self.reserved[node] = self.reserved.get(node, 0) + cost
+            ledger.add(ledger.inflight_tokens, tenant, cost)
+            if busy:
+                ledger.weight[tenant] = weight_arg(weight)
+                ledger.lift(tier, tenant, flows)
+                task.charge = ledger.charge(tier, tenant, cost)
             return ("released", node, 0, 0)
         task.deadline_us = self.now + timeout_ms * 1000
         self.queues[tier].append(tid)
+        ledger.weight[tenant] = weight_arg(weight)
+        ledger.add(ledger.queued_tokens, tenant, cost)
+        if tenant not in flows:
+            ledger.lift(tier, tenant, flows)
         return ("queued", "", 0, ahead + 1)
 
     def release(
@@ -248,6 +281,11 @@ class Model:
             queue = self.queues[tier]
             while released < limits[tier] and queue:
                 tid = queue[0]
+                if self.fair:
+                    heads = self.flows(tier)
+                    first = self.ledger.next_flow(tier, heads)
+                    assert first is not None
+                    tid = queue[heads[first]]
                 t = self.tasks[tid]
                 if t.deadline_us <= self.now:
                     self._drop_queued(tid, TaskState.EXPIRED)
@@ -257,7 +295,10 @@ class Model:
                 if node is None:
                     blocked = True
                     break
-                queue.pop(0)
+                queue.remove(tid)
+                self.ledger.add(self.ledger.queued_tokens, t.tenant, -t.cost)
+                t.charge = self.ledger.charge(tier, t.tenant, t.cost)
+                self.ledger.add(self.ledger.inflight_tokens, t.tenant, t.cost)
                 self.reserved[node] = self.reserved.get(node, 0) + t.cost
                 t.state, t.node, t.guest = TaskState.RELEASED, node, guest
                 if guest:

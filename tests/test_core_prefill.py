@@ -98,8 +98,9 @@ def test_placements_follow_the_reference_room_rule(
                 if not allowed:
                     assert outcome == "queued"
                     # Queued work blocks its own tier's fast path after it: start afresh.
-                    await client.delete(*k.queues)
-                    await client.delete(k.tenant_queued)
+                    await client.delete(*k.queues, k.tenant_queued, k.tenant_key(TENANT.name),
+                                        *(k.flows(t) for t in Tier),
+                                        *(k.flow(t, TENANT.name) for t in Tier))
                     continue
                 assert outcome == "released" and node in allowed
                 counts[node] += prompt

@@ -33,6 +33,7 @@ from admission.store import (
     TenantQuota,
 )
 from admission.tiers import Tier, Zone
+from tests.fairmodel import expected_fair, read_fair
 from tests.model import MICRO, Model
 from tests.properties import PROPERTIES, examples
 
@@ -40,9 +41,9 @@ START_US = 1_700_000_000_000_000
 POLICY = PoolPolicy(tier_queue_caps=(4, 5, 6), lease_ttl_ms=3_000, stale_after_ms=4_000,
                     default_retry_ms=500, retention_s=3600)
 TENANTS = {
-    "alpha": TenantQuota("alpha", rate=50, burst=600, max_queued=4),
+    "alpha": TenantQuota("alpha", rate=50, burst=600, max_queued=4, weight=3.0),
     "beta": TenantQuota("beta", rate=0, burst=500, max_queued=3),
-    "gamma": TenantQuota("gamma", rate=2_000, burst=5_000, max_queued=8),
+    "gamma": TenantQuota("gamma", rate=2_000, burst=5_000, max_queued=8, weight=0.7),
 }
 GATEWAYS = ("gw-a", "gw-b", "gw-c")
 NODES = ("node-1", "node-2", "node-3")
@@ -143,7 +144,7 @@ class CoreMachine(RuleBasedStateMachine):
         q = TENANTS[tenant]
         zone = self.model.zone
         expected = self.model.admit(tid, tenant, int(tier), prompt + out, q.rate, q.burst,
-                                    q.max_queued, timeout_ms, gateway, prompt)
+                                    q.max_queued, timeout_ms, gateway, prompt, q.weight)
         got = self.run(self.store.admit(task_id=tid, tenant=q, tier=tier, prompt_tokens=prompt,
                                         max_tokens=out, gateway=gateway,
                                         queue_timeout_ms=timeout_ms,
@@ -315,6 +316,12 @@ class CoreMachine(RuleBasedStateMachine):
         assert all(v > 0 for v in reserved.values())
         for t in m.tasks.values():
             assert t.releases <= 1 and t.finishes <= 1
+
+    @invariant()
+    def fair_state_matches_model(self) -> None:
+        """Counters, virtual times, weights, queued and in-flight tokens, backlogged flows."""
+        got = self.run(read_fair(self.client, self.store.keys, sorted(TENANTS)))
+        assert got == expected_fair(self.model.ledger, self.model.queues, self.model.tasks)
 
 
 def test_core_state_machine(redis_url: str) -> None:

@@ -28,6 +28,7 @@ import yaml
 
 from admission import config as cfg
 from admission.controlconfig import ControlSettings
+from admission.fairconfig import FairnessSettings
 from admission.tiers import Tier
 from gateway.shutdown import SETTLE_MARGIN_S
 
@@ -451,6 +452,8 @@ def test_schema_covers_every_config_key() -> None:
         f.name for f in dataclasses.fields(cfg.ZoneSettings)}
     assert set(pool["control"]["properties"]) == {
         f.name for f in dataclasses.fields(ControlSettings)}
+    assert set(pool["fairness"]["properties"]) == {
+        f.name for f in dataclasses.fields(FairnessSettings)}
     assert set(pool["engine"]["properties"]) == {
         f.name for f in dataclasses.fields(cfg.EngineSettings)}
     assert set(props["tiers"]["properties"]) == {t.label for t in Tier}

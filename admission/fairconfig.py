@@ -1,0 +1,40 @@
+"""Fairness settings: `[pools.fairness]` and the per-tenant keys of fair release.
+
+A pool releases queued work within each tier in weighted fair order across tenants (lua/_lib.lua,
+"Fair release"; docs/architecture.md, "Fairness within a tier"), or FIFO when `enabled` is
+false. A tenant's `weight` is its share within its tier relative to the other tenants there;
+its caps bound what it may hold queued and in flight in a pool. The fields declare each key's
+default and bounds (admission.configfields); admission.config reads the table by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from admission.configfields import ConfigError, KeyName, at_least, between
+from admission.store import MAX_WEIGHT, MIN_WEIGHT
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessSettings:
+    enabled: bool = True
+    """Weighted fair order across tenants within each tier; false: FIFO within each tier."""
+
+
+def weight_field() -> float:
+    """A tenant's `weight`: its share within its tier relative to the other tenants'."""
+    return between(MIN_WEIGHT, MAX_WEIGHT, 1.0)
+
+
+def cap_field() -> int:
+    """A tenant's cap on queued or in-flight tokens per pool (0: no cap)."""
+    return at_least(0, 0)
+
+
+def check_tenant_caps(key: KeyName, burst: int, caps: dict[str, int]) -> None:
+    """A cap below `burst` (the largest request the tenant may send) would admit a request that
+    could never queue or run: refused, naming the key."""
+    for name, cap in caps.items():
+        if 0 < cap < burst:
+            raise ConfigError(f"{key(name)}: must be 0 (no cap) or at least the tenant's burst "
+                              f"({burst}), the largest request it may send; got {cap}")

@@ -1,0 +1,174 @@
+"""A plain-Python reference model of fair release within a tier ("Fair release" in
+lua/_lib.lua), used by tests/model.py and the fairness property tests.
+
+The scripts keep, per pool: each tenant's virtual counter per tier, the tier's virtual time,
+the tenant's weight, queued and in-flight tokens, and the backlogged flows (a mirror of the
+counters of the tenants with work queued in the tier). The model keeps the counters and the
+rest in dicts and derives the flows from the tier's queue, which holds the same tasks in the
+same order (FIFO within a tenant is FIFO within the tier restricted to that tenant).
+
+Arithmetic mirrors the scripts' double-precision steps (`float(a) * b / c`, then floor), so
+the counters agree to the unit, not only approximately.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission.keys import VT_SCALE, PoolKeys
+from admission.tiers import Tier
+
+TIE_SCAN = 8
+"""Flows tied at the least counter compared by the age of their heads (lua/_lib.lua)."""
+
+
+def weight_arg(weight: float) -> str:
+    """The weight as the store passes it to the admit script."""
+    return repr(float(weight))
+
+
+def charge_of(cost: int, weight: float) -> int:
+    """Counter units a task of `cost` tokens charges a tenant of `weight`."""
+    return max(1, math.floor(cost * VT_SCALE / weight))
+
+
+def settle_back(charge: int, cost: int, usage: int | None) -> int:
+    """The part of a charge given back when the task ends (usage None: unknown, none used)."""
+    if cost <= 0:
+        return 0
+    unused = cost if usage is None else cost - usage
+    return math.floor(float(charge) * unused / cost)
+
+
+@dataclass
+class FairLedger:
+    vt: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(tier, tenant) -> virtual counter (absent: 0)."""
+    vtime: dict[int, int] = field(default_factory=dict)
+    """tier -> the counter the last flow was served at."""
+    weight: dict[str, str] = field(default_factory=dict)
+    """tenant -> weight as stored by its last admit that queued or was charged."""
+    queued_tokens: dict[str, int] = field(default_factory=dict)
+    inflight_tokens: dict[str, int] = field(default_factory=dict)
+
+    def counter(self, tier: int, tenant: str) -> int:
+        return self.vt.get((tier, tenant), 0)
+
+    def floor(self, tier: int, backlogged: Mapping[str, int]) -> tuple[int, bool]:
+        """The least counter among `backlogged` tenants, or the tier's virtual time."""
+        if backlogged:
+            return min(self.counter(tier, t) for t in backlogged), True
+        return self.vtime.get(tier, 0), False
+
+    def lift(self, tier: int, tenant: str, backlogged: Mapping[str, int]) -> None:
+        """`tenant`'s flow becomes backlogged (it is not among `backlogged`)."""
+        floor, _ = self.floor(tier, backlogged)
+        if self.counter(tier, tenant) < floor:
+            self.vt[(tier, tenant)] = floor
+
+    def charge(self, tier: int, tenant: str, cost: int) -> int:
+        weight = float(self.weight.get(tenant, "1"))
+        if weight <= 0:
+            weight = 1.0
+        charge = charge_of(cost, weight)
+        served_at = self.counter(tier, tenant)
+        if served_at > self.vtime.get(tier, 0):
+            self.vtime[tier] = served_at
+        self.vt[(tier, tenant)] = served_at + charge
+        return charge
+
+    def settle(self, tier: int, tenant: str, charge: int | None, cost: int,
+               usage: int | None) -> None:
+        if charge is None:
+            return
+        back = settle_back(charge, cost, usage)
+        if back:
+            self.vt[(tier, tenant)] = self.counter(tier, tenant) - back
+
+    def add(self, book: dict[str, int], tenant: str, tokens: int) -> None:
+        """Raise or lower a per-tenant count; at 0 or below the field is gone (HDEL)."""
+        left = book.get(tenant, 0) + tokens
+        if left <= 0:
+            book.pop(tenant, None)
+        else:
+            book[tenant] = left
+
+    def next_flow(self, tier: int, heads: Mapping[str, int],
+                  skip: frozenset[str] | set[str] = frozenset()) -> str | None:
+        """The tenant served next among `heads` (tenant -> its head's position in the tier's
+        queue): least counter, then among up to TIE_SCAN tied the oldest head."""
+        rows = sorted(heads, key=lambda t: (self.counter(tier, t), t))[:len(skip) + TIE_SCAN]
+        best: str | None = None
+        least: int | None = None
+        ties = 0
+        for tenant in rows:
+            if tenant in skip:
+                continue
+            score = self.counter(tier, tenant)
+            if least is None:
+                least = score
+            elif score > least:
+                break
+            if best is None or heads[tenant] < heads[best]:
+                best = tenant
+            ties += 1
+            if ties >= TIE_SCAN:
+                break
+        return best
+
+
+def heads_of(queue: Sequence[str], tenant_of: Mapping[str, Any]) -> dict[str, int]:
+    """tenant -> position of its oldest task in `queue` (the backlogged flows of a tier)."""
+    heads: dict[str, int] = {}
+    for i, tid in enumerate(queue):
+        heads.setdefault(tenant_of[tid].tenant, i)
+    return heads
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def read_fair(client: Any, keys: PoolKeys, tenants: Sequence[str]) -> dict[str, Any]:
+    """The fairness state in Redis, in the model's shapes (one MULTI)."""
+    async with client.pipeline(transaction=True) as pipe:
+        for tenant in tenants:
+            pipe.hgetall(keys.tenant_key(tenant))
+        for tier in Tier:
+            pipe.zrange(keys.flows(tier), 0, -1, withscores=True)
+        pipe.hgetall(keys.vtime)
+        reply = list(await pipe.execute())
+    vt: dict[tuple[int, str], int] = {}
+    weight: dict[str, str] = {}
+    queued: dict[str, int] = {}
+    inflight: dict[str, int] = {}
+    for tenant, raw in zip(tenants, reply, strict=False):
+        h = {_s(k): _s(v) for k, v in raw.items()}
+        for tier in Tier:
+            if f"vt_{int(tier)}" in h and int(h[f"vt_{int(tier)}"]) != 0:
+                vt[(int(tier), tenant)] = int(h[f"vt_{int(tier)}"])
+        if "weight" in h:
+            weight[tenant] = h["weight"]
+        if "queued_tokens" in h:
+            queued[tenant] = int(h["queued_tokens"])
+        if "inflight_tokens" in h:
+            inflight[tenant] = int(h["inflight_tokens"])
+    flows = [{_s(m): int(score) for m, score in rows}
+             for rows in reply[len(tenants):len(tenants) + 3]]
+    vtime = {int(Tier.parse(_s(k))): int(_s(v)) for k, v in reply[-1].items()}
+    return {"vt": vt, "weight": weight, "queued_tokens": queued, "inflight_tokens": inflight,
+            "flows": flows, "vtime": vtime}
+
+
+def expected_fair(ledger: FairLedger, queues: Sequence[Sequence[str]],
+                  tasks: Mapping[str, Any]) -> dict[str, Any]:
+    """What `read_fair` must find, from the model."""
+    flows = [{t: ledger.counter(tier, t) for t in heads_of(queue, tasks)}
+             for tier, queue in enumerate(queues)]
+    return {"vt": {k: v for k, v in ledger.vt.items() if v != 0},
+            "weight": dict(ledger.weight), "queued_tokens": dict(ledger.queued_tokens),
+            "inflight_tokens": dict(ledger.inflight_tokens), "flows": flows,
+            "vtime": {t: v for t, v in ledger.vtime.items()}}

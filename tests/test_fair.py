@@ -1,0 +1,180 @@
+"""Fair release within a tier, on a real redis-server: what the model-based property test
+(tests/test_fair_stateful.py) checks step by step, here as the behaviours it is for.
+
+- a tenant that floods a tier does not hold back another tenant that queues after it;
+- weights 3:1 give service 3:1 while both are backlogged, in tokens, not requests;
+- the settle corrects the charge to real usage;
+- a tenant idle for a while banks no credit (it is lifted to the others' counters);
+- FIFO when the pool says so; and the order continues across stores (another leader).
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+
+from admission.scripts import register_scripts
+from admission.store import PoolPolicy, PoolStore, TenantQuota
+from admission.tiers import Tier, Zone
+
+BIG = 10**9
+
+
+def quota(name: str, weight: float = 1.0) -> TenantQuota:
+    return TenantQuota(name, rate=BIG, burst=BIG, max_queued=10_000, weight=weight)
+
+
+def store_of(client: aioredis.Redis, fair: bool = True) -> PoolStore:
+    policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), fair=fair)
+    return PoolStore(client, register_scripts(client), "fair", policy)
+
+
+async def enqueue(store: PoolStore, tenant: TenantQuota, n: int, cost: int = 100,
+                  tier: Tier = Tier.NORMAL, start: int = 0) -> list[str]:
+    ids = []
+    for i in range(n):
+        tid = f"{tenant.name}-{start + i}"
+        got = await store.admit(task_id=tid, tenant=tenant, tier=tier, prompt_tokens=cost // 2,
+                                max_tokens=cost - cost // 2, gateway="gw",
+                                queue_timeout_ms=600_000)
+        assert got.outcome.value == "queued", got
+        ids.append(tid)
+    return ids
+
+
+async def release_one_by_one(store: PoolStore, n: int, room: int = 100) -> list[str]:
+    """Release `n` tasks, each alone on an emptied node (room for one task of `room`)."""
+    out = []
+    for _ in range(n):
+        await store.publish_state(1, Zone.YELLOW, {"node": room})
+        [task] = await store.release(1, (0, 1, 1))
+        assert task.node == "node"
+        out.append(task.task_id)
+        await store.settle(task.task_id, room)
+    return out
+
+
+@pytest.fixture
+async def store(redis_client: aioredis.Redis) -> PoolStore:
+    s = store_of(redis_client)
+    await s.publish_state(1, Zone.YELLOW, {"node": 0})  # YELLOW: Normal always queues
+    return s
+
+
+async def test_a_flood_does_not_hold_back_a_tenant_queued_after_it(store: PoolStore) -> None:
+    await enqueue(store, quota("flood"), 30)
+    light = await enqueue(store, quota("light"), 3)
+    order = await release_one_by_one(store, 8)
+    # The light tenant's three tasks leave among the first six, in their own order.
+    assert [t for t in order if t.startswith("light")] == light
+    assert max(order.index(t) for t in light) < 6, order
+    fifo = store_of(store.client, fair=False)
+    await enqueue(fifo, quota("light"), 1, start=3)
+    # FIFO (the same pool, released in queue order): the flood's queued tasks go first.
+    await store.publish_state(1, Zone.YELLOW, {"node": 100})
+    [task] = await fifo.release(1, (0, 1, 1))
+    assert task.task_id.startswith("flood")
+
+
+async def test_weights_three_to_one_give_three_to_one_service(store: PoolStore) -> None:
+    await enqueue(store, quota("heavy", 3.0), 40)
+    await enqueue(store, quota("light", 1.0), 40)
+    order = await release_one_by_one(store, 40)
+    heavy = sum(t.startswith("heavy") for t in order)
+    assert heavy in (29, 30, 31), order  # 3:1 of 40, within one task
+
+
+async def test_service_is_counted_in_tokens_not_requests(store: PoolStore) -> None:
+    """One tenant sends requests four times larger: it gets a quarter of the requests."""
+    await enqueue(store, quota("docs"), 20, cost=400)
+    await enqueue(store, quota("chats"), 60, cost=100)
+    released: dict[str, int] = {"docs": 0, "chats": 0}
+    for _ in range(25):
+        await store.publish_state(1, Zone.YELLOW, {"node": 400})
+        [task] = await store.release(1, (0, 1, 1))
+        name = task.task_id.split("-")[0]
+        released[name] += 400 if name == "docs" else 100
+        await store.settle(task.task_id, 400 if name == "docs" else 100)
+    assert abs(released["docs"] - released["chats"]) <= 400, released
+
+
+async def test_the_settle_corrects_the_charge_to_real_usage(store: PoolStore) -> None:
+    """Tenant 'thrifty' uses a tenth of what it reserves: corrected, it gets about as many real
+    tokens as 'full', i.e. many more releases."""
+    await enqueue(store, quota("thrifty"), 60)
+    await enqueue(store, quota("full"), 60)
+    used = {"thrifty": 0, "full": 0}
+    for _ in range(44):
+        await store.publish_state(1, Zone.YELLOW, {"node": 100})
+        [task] = await store.release(1, (0, 1, 1))
+        name = task.task_id.split("-")[0]
+        usage = 10 if name == "thrifty" else 100
+        used[name] += usage
+        await store.settle(task.task_id, usage)
+    assert abs(used["thrifty"] - used["full"]) <= 100, used
+
+
+async def test_an_idle_tenant_banks_no_credit(store: PoolStore,
+                                              redis_client: aioredis.Redis) -> None:
+    """'busy' is served alone for a while; 'late' then arrives with many tasks: it is lifted
+    to busy's counter and the two alternate, instead of late taking everything until its
+    counter catches up."""
+    await enqueue(store, quota("busy"), 40)
+    await release_one_by_one(store, 15)
+    await enqueue(store, quota("late"), 20)
+    keys = store.keys
+    assert await redis_client.zscore(keys.flows(Tier.NORMAL), "late") == await (
+        redis_client.zscore(keys.flows(Tier.NORMAL), "busy"))
+    order = await release_one_by_one(store, 10)
+    assert 4 <= sum(t.startswith("late") for t in order) <= 6, order
+
+
+async def test_the_order_continues_across_stores(store: PoolStore,
+                                                 redis_client: aioredis.Redis,
+                                                 redis_url: str) -> None:
+    """Counters live in Redis: a release through another connection (a new leader) picks up
+    where the last one stopped."""
+    await enqueue(store, quota("a", 2.0), 20)
+    await enqueue(store, quota("b"), 20)
+    first = await release_one_by_one(store, 6)
+    other_client = aioredis.Redis.from_url(redis_url)
+    try:
+        other = store_of(other_client)
+        second = await release_one_by_one(other, 6)
+    finally:
+        await other_client.aclose()
+    order = first + second
+    assert sum(t.startswith("a-") for t in order) == 8, order  # 2:1 of 12
+    counters = await redis_client.hget(store.keys.tenant_key("a"), "vt_1")
+    assert counters is not None and int(counters) > 0
+
+
+async def test_fast_path_charges_only_a_busy_tier(store: PoolStore,
+                                                  redis_client: aioredis.Redis) -> None:
+    """GREEN with room: an idle tier's fast path is not charged; with a backlog, a tenant whose
+    counter is the least still takes the fast path, charged."""
+    keys = store.keys
+    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    got = await store.admit(task_id="solo", tenant=quota("solo"), tier=Tier.NORMAL,
+                            prompt_tokens=50, max_tokens=50, gateway="gw",
+                            queue_timeout_ms=60_000)
+    assert got.outcome.value == "released"
+    assert await redis_client.hget(keys.tenant_key("solo"), "vt_1") is None
+    assert await redis_client.hget(keys.task_key("solo"), "charge") is None
+    # A backlog of another tenant (too large to fit) now exists in Normal.
+    big = quota("big")
+    queued = await store.admit(task_id="huge", tenant=big, tier=Tier.NORMAL,
+                               prompt_tokens=2_000, max_tokens=0, gateway="gw",
+                               queue_timeout_ms=60_000)
+    assert queued.outcome.value == "queued"
+    fast = await store.admit(task_id="next", tenant=quota("solo"), tier=Tier.NORMAL,
+                             prompt_tokens=50, max_tokens=50, gateway="gw",
+                             queue_timeout_ms=60_000)
+    assert fast.outcome.value == "released"
+    assert await redis_client.hget(keys.task_key("next"), "charge") == b"100000"
+    assert int(await redis_client.hget(keys.tenant_key("solo"), "vt_1") or 0) == 100_000
+    # Its counter is now above big's: its next request queues behind big's.
+    after = await store.admit(task_id="after", tenant=quota("solo"), tier=Tier.NORMAL,
+                              prompt_tokens=50, max_tokens=50, gateway="gw",
+                              queue_timeout_ms=60_000)
+    assert after.outcome.value == "queued"

@@ -78,6 +78,17 @@ def retry_hint_ms(view: QueueView, tier: Tier, floor_ms: int) -> int:
     return drain_hint_ms(view.ahead, view.drain, floor_ms)
 
 
+def tenant_drain_hint_ms(wait_ms: int, floor_ms: int) -> int:
+    """The hint of a request over its tenant's cap on queued tokens: the script's wait until the
+    excess drains from the tenant's own queue at its own drain rate (`drain_wait_ms` in
+    lua/_lib.lua), within [floor_ms, MAX_RETRY_MS]; -1 (the tenant never drained: unknown)
+    is the floor."""
+    floor = _floor(floor_ms)
+    if wait_ms < 0:
+        return floor
+    return min(MAX_RETRY_MS, max(floor, wait_ms))
+
+
 def parse_rate(raw: object) -> float | None:
     """A rate or estimate field as published ('' or absent: unknown; never negative)."""
     if raw is None or raw is False:

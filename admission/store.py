@@ -14,7 +14,7 @@ from typing import Any
 
 from admission import reads
 from admission.errors import FencedError, ScriptReplyError
-from admission.hints import QueueView, parse_rate, retry_hint_ms
+from admission.hints import QueueView, parse_rate, retry_hint_ms, tenant_drain_hint_ms
 from admission.keys import PoolKeys, SchedulerKeys, abandoned_lease, check_name
 from admission.scripts import Scripts
 from admission.tiers import Tier, Zone
@@ -40,6 +40,7 @@ class RejectReason(enum.StrEnum):
     ZONE_RED = "zone_red"
     QUEUE_FULL = "queue_full"
     TENANT_QUEUE_FULL = "tenant_queue_full"
+    TENANT_QUEUED_TOKENS = "tenant_queued_tokens"
 
 
 class TaskState(enum.StrEnum):
@@ -79,6 +80,10 @@ class TenantQuota:
     max_queued: int
     weight: float = 1.0
     """The tenant's share within its tier relative to the others' (fair release)."""
+    max_queued_tokens: int = 0
+    """Most tokens (reservations) of its requests queued at once in the pool; 0: no cap."""
+    max_inflight_tokens: int = 0
+    """Most tokens reserved by its released, unfinished requests in the pool; 0: no cap."""
 
     def __post_init__(self) -> None:
         check_name("tenant", self.name)
@@ -191,7 +196,7 @@ class PoolStore:
                 tenant.rate, tenant.burst, tenant.max_queued, p.tier_queue_caps[tier],
                 queue_timeout_ms, gateway, p.lease_ttl_ms, p.stale_after_ms,
                 tier_timeout_ms or 0, self._prefix, "1" if p.fair else "0",
-                repr(float(tenant.weight)),
+                repr(float(tenant.weight)), tenant.max_queued_tokens, tenant.max_inflight_tokens,
             ],
         )
         return parse_admit(reply, tier, p.default_retry_ms)
@@ -394,6 +399,8 @@ def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
     if outcome is AdmitOutcome.REJECTED:
         if view is not None:
             retry = retry_hint_ms(view, tier, floor_ms)
+        elif detail == RejectReason.TENANT_QUEUED_TOKENS:
+            retry = tenant_drain_hint_ms(retry, floor_ms)
         return AdmitResult(outcome, zone, depth, reason=RejectReason(detail),
                            retry_after_ms=None if retry < 0 else retry, view=view)
     if outcome is AdmitOutcome.DUPLICATE:

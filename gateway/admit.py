@@ -4,7 +4,9 @@ Outcomes, as the client sees them:
 
 - released (fast path, or by the scheduler while the request waited): a `Ticket` naming the node;
 - rejected: 429 with the backpressure protocol (`capacity_exceeded`: zone RED, queue full;
-  `rate_limit_exceeded`: the tenant's bucket, with its exact refill time), or a 4xx with
+  `rate_limit_exceeded`: the tenant's bucket, with its exact refill time;
+  `rate_limit_exceeded_queued_tokens`: the tenant's cap on queued tokens, with the time its own
+  queue takes to drain the excess; both with `X-RateLimit-Scope`), or a 4xx with
   `x-should-retry: false` when the request can never be admitted as sent;
 - queued past the tier's timeout or the client's deadline (`X-Request-Timeout`, seconds): the
   task is cancelled and the client gets a 429 whose hint follows the same rule as a rejected
@@ -33,6 +35,8 @@ from admission.store import AdmitOutcome, AdmitResult, PoolStore, RejectReason
 from admission.tiers import Tier
 from gateway.errors import (
     CAPACITY_EXCEEDED,
+    KEY_SCOPE,
+    QUEUED_TOKENS_EXCEEDED,
     RATE_LIMIT_EXCEEDED,
     ApiError,
     jittered,
@@ -253,6 +257,19 @@ class Admitter:
                 retry_ms=self._hint(result.retry_after_ms),
                 zone=result.zone.value,
                 depth=result.depth,
+                scope=KEY_SCOPE,
+            )
+        if reason is RejectReason.TENANT_QUEUED_TOKENS:
+            retry_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms
+            return too_many_requests(
+                QUEUED_TOKENS_EXCEEDED,
+                f"This API key has {tenant.max_queued_tokens} tokens of requests queued, its "
+                f"cap; this request needs {inbound.cost} more. Its queue drains enough in about "
+                f"{retry_ms} ms.",
+                retry_ms=self._hint(retry_ms),
+                zone=result.zone.value,
+                depth=result.depth,
+                scope=KEY_SCOPE,
             )
         assert reason is not None
         retry_ms = result.retry_after_ms

@@ -9,6 +9,8 @@ jitter so that clients rejected together do not return together::
     retry-after-ms: 3500                    read first by the official OpenAI SDKs
     X-RateLimit-Backpressure-Level: RED     the pool's load zone
     X-Queue-Depth: 142                      tasks queued at the request's tier or above
+    X-RateLimit-Scope: key                  which limit refused it (a tenant's own limits:
+                                            key; a quota of an enclosing level: its name)
 
 Hints never exceed 60 s (the OpenAI SDK gives up above 120 s).
 
@@ -36,9 +38,14 @@ from admission.hints import MAX_RETRY_MS as MAX_RETRY_MS  # the one cap on every
 
 log = logging.getLogger("kvgate.gateway")
 
-# Codes of the 429 protocol.
+# Codes of the 429 protocol: the pool is full (capacity), or a limit of the tenant is reached
+# (the rate_limit_exceeded family: its token bucket, or its cap on queued tokens).
 CAPACITY_EXCEEDED = "capacity_exceeded"
 RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+QUEUED_TOKENS_EXCEEDED = "rate_limit_exceeded_queued_tokens"
+SCOPE_HEADER = "X-RateLimit-Scope"
+KEY_SCOPE = "key"
+"""The scope of the tenant's own limits (its bucket, its caps)."""
 
 _TYPES = {
     400: "invalid_request_error",
@@ -114,15 +121,12 @@ def jittered(retry_ms: int, jitter: float, rng: random.Random) -> int:
 
 
 def too_many_requests(
-    code: str, message: str, *, retry_ms: int, zone: str, depth: int
+    code: str, message: str, *, retry_ms: int, zone: str, depth: int, scope: str | None = None
 ) -> ApiError:
-    return ApiError(
-        429,
-        message,
-        code=code,
-        retry_after_ms=retry_ms,
-        headers={"X-RateLimit-Backpressure-Level": zone, "X-Queue-Depth": str(depth)},
-    )
+    headers = {"X-RateLimit-Backpressure-Level": zone, "X-Queue-Depth": str(depth)}
+    if scope is not None:
+        headers[SCOPE_HEADER] = scope
+    return ApiError(429, message, code=code, retry_after_ms=retry_ms, headers=headers)
 
 
 def never_retry(status: int, message: str, *, code: str, param: str | None = None,

@@ -42,7 +42,8 @@ class GatewayMetrics:
             [*by_tier, "outcome"], registry=r)
         self.rejections = Counter(
             "kvgate_gateway_rejections", "Requests refused by admission, by reason "
-            "(quota, zone_red, queue_full, tenant_queue_full, exceeds_burst, queue_timeout).",
+            "(quota, zone_red, queue_full, tenant_queue_full, tenant_queued_tokens, "
+            "exceeds_burst, queue_timeout).",
             [*by_tier, "reason"], registry=r)
         self.queue_wait = Histogram(
             "kvgate_gateway_queue_wait_seconds", "Time queued before release.",

@@ -25,6 +25,9 @@ _BACKPRESSURE_HEADERS = {
         "schema": {"type": "string", "enum": ["GREEN", "YELLOW", "RED", "UNKNOWN"]}},
     "X-Queue-Depth": {"description": "Requests queued at this request's tier or above.",
                       "schema": {"type": "integer", "minimum": 0}},
+    "X-RateLimit-Scope": {"description": "With the rate_limit_exceeded family: the limit that "
+                          "refused the request ('key': the key's own; else the name of the "
+                          "enclosing quota level that ran out).", "schema": {"type": "string"}},
 }
 _NO_RETRY = {"x-should-retry": {"description": "false: do not retry this request as sent.",
                                 "schema": {"type": "string", "enum": ["false"]}}}
@@ -49,7 +52,8 @@ _GENERATION_ERRORS = {
     "404": _error("Unknown model (pool)."),
     "413": _error("Request body larger than the configured limit."),
     "429": _error("Backpressure: capacity_exceeded (pool saturated, queue full, queue "
-                  "timeout) or rate_limit_exceeded (the key's token bucket).",
+                  "timeout) or the rate_limit_exceeded family (the key's token bucket; "
+                  "rate_limit_exceeded_queued_tokens: its cap on queued tokens).",
                   _BACKPRESSURE_HEADERS),
     "502": _error("The inference node failed.", _RETRY_HEADERS),
     "503": _error("Admission store or inference node unavailable.", _RETRY_HEADERS),

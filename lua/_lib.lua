@@ -15,6 +15,10 @@ local TIER_LABELS = {'vip', 'normal', 'batch'}
 local VT_SCALE = 1000
 -- At most this many flows tied at the least counter are compared by the age of their heads.
 local TIE_SCAN = 8
+-- Time constant of a tenant's drain rate (the tokens released from its queue, decayed), µs.
+local DRAIN_TAU_US = 5000000
+-- The longest wait a drain rate is turned into (ms); the caller caps its hint lower.
+local DRAIN_WAIT_MAX_MS = 1000000000
 -- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
 local TIE_SHARE = 32
 
@@ -344,6 +348,39 @@ end
 -- A tenant's tokens reserved by its released, unfinished tasks (`inflight_tokens` in its hash).
 local function inflight_add(prefix, tenant, cost)
   redis.call('HINCRBY', tenant_key(prefix, tenant), 'inflight_tokens', cost)
+end
+
+-- A tenant's drain: the tokens released from its queue, each decayed by exp(-age / DRAIN_TAU_US)
+-- (`drain`, with `drain_us` when it was last decayed); drain / tau is its rate in tokens/s.
+local function drain_now(tkey, now)
+  local f = redis.call('HMGET', tkey, 'drain', 'drain_us')
+  local sum, at = tonumber(f[1]), tonumber(f[2])
+  if sum == nil or at == nil then return nil end
+  if now > at then sum = sum * math.exp(-(now - at) / DRAIN_TAU_US) end
+  return sum
+end
+
+local function drain_add(tkey, now, tokens)
+  local sum = (drain_now(tkey, now) or 0) + tokens
+  redis.call('HSET', tkey, 'drain', string.format('%.17g', sum), 'drain_us', fmt(now))
+end
+
+-- The ms until `excess` more tokens of a tenant's queue have drained at its drain rate;
+-- -1 when it has never drained (unknown), DRAIN_WAIT_MAX_MS at most (a rate of 0).
+local function drain_wait_ms(tkey, now, excess)
+  local sum = drain_now(tkey, now)
+  if sum == nil then return -1 end
+  local rate = sum * 1000000 / DRAIN_TAU_US
+  if rate * DRAIN_WAIT_MAX_MS <= excess * 1000 then return DRAIN_WAIT_MAX_MS end
+  return math.ceil(excess * 1000 / rate)
+end
+
+-- Whether a task of `cost` fits under its tenant's cap on in-flight tokens (`inflight_cap` in
+-- the hash, set by its admits; absent or 0: none).
+local function inflight_fits(tkey, cost, cap)
+  if cap == nil then cap = tonumber(redis.call('HGET', tkey, 'inflight_cap') or '0') or 0 end
+  if cap <= 0 then return true end
+  return (tonumber(redis.call('HGET', tkey, 'inflight_tokens') or '0') or 0) + cost <= cap
 end
 
 local function inflight_done(prefix, tenant, cost)

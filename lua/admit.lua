@@ -45,6 +45,10 @@
 -- ARGV[17] '1': the pool releases in fair order (the fast path then follows it, below);
 --          '0': FIFO
 -- ARGV[18] the tenant's weight (a positive number), stored in its hash for the release
+-- ARGV[19] the tenant's cap on queued tokens in this pool (0: none)
+-- ARGV[20] the tenant's cap on in-flight tokens (reserved by its released, unfinished tasks) in
+--          this pool (0: none); stored in its hash for the release, which passes over a tenant
+--          at its cap; the fast path needs room under it too
 --
 -- Fast path: FIFO, when nothing is queued at this tier or above; fair, when nothing is queued
 -- above, the tenant has nothing queued in this tier, and its counter is no higher than the
@@ -57,7 +61,9 @@
 --   {'queued', '', 0, position, zone}         position counts tasks ahead at this tier or above, itself included
 --   {'rejected', reason, retry_after_ms, depth, zone}
 --        reason: exceeds_burst (retry_after_ms -1: never fits), quota (exact refill time, ms;
---                -1: the bucket never refills)
+--                -1: the bucket never refills), tenant_queued_tokens (the tenant's queued
+--                tokens and this request's are above its cap: ms until the excess drains from
+--                its queue at its own drain rate, drain_wait_ms() in _lib.lua; -1 unknown)
 --   {'rejected', reason, 0, depth, zone, drain, red_clear_s, state_age_ms}
 --        reason: zone_red, queue_full, tenant_queue_full; the caller computes the hint from
 --        these (admission/hints.py): drain = tasks/s leaving the queues at this tier or above
@@ -77,6 +83,7 @@ local gateway, lease_ms = ARGV[12], tonumber(ARGV[13])
 local stale_ms = tonumber(ARGV[14])
 local tier_timeout_ms = tonumber(ARGV[15] or '0') or 0
 local prefix, fair, weight = ARGV[16], ARGV[17] == '1', ARGV[18]
+local queued_cap, inflight_cap = tonumber(ARGV[19] or '0') or 0, tonumber(ARGV[20] or '0') or 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local tkey = tenant_key(prefix, tenant)
 
@@ -122,7 +129,8 @@ if fair then
     if busy then first = tenant_vt(tkey, tier) <= least end
   end
 end
-if first and fresh and (zone == 'GREEN' or tier == 0) then
+if first and fresh and (zone == 'GREEN' or tier == 0)
+    and inflight_fits(tkey, cost, inflight_cap) then
   placement = placement_of(st)
   if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19]) end
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
@@ -135,6 +143,13 @@ if node == nil then
   end
   if (tonumber(redis.call('HGET', KEYS[10], tenant) or '0') or 0) >= tenant_cap then
     return capacity_rejected('tenant_queue_full')
+  end
+  if queued_cap > 0 then
+    local excess = (tonumber(redis.call('HGET', tkey, 'queued_tokens') or '0') or 0) + cost
+      - queued_cap
+    if excess > 0 then
+      return {'rejected', 'tenant_queued_tokens', drain_wait_ms(tkey, now, excess), ahead, zone}
+    end
   end
 end
 
@@ -169,7 +184,7 @@ local deadline = now + timeout_ms * 1000
 local score = queue_clock(KEYS[2], now)
 redis.call('HSET', KEYS[12], 'deadline_us', fmt(deadline))
 redis.call('ZADD', queues[tier + 1], fmt(score), id)
-redis.call('HSET', tkey, 'weight', weight)
+redis.call('HSET', tkey, 'weight', weight, 'inflight_cap', fmt(inflight_cap))
 flow_join(prefix, tier, tenant, id, score, cost)
 -- Within a tier, tasks with the tier's own timeout expire in the order they queued, so the
 -- reaper finds them at the head of the queue; only a shorter (client-set) deadline needs the

@@ -37,7 +37,10 @@
 -- backlogged flow with the least virtual counter (weighted fair across tenants, FIFO within a
 -- tenant). The next task in that order is the tier's head: when it does not fit on any node
 -- it may use, nothing of that tier or below is released in this call (no tier overtakes a
--- higher one and no task overtakes one ahead of it in its tier's order). A tier that only
+-- higher one and no task overtakes one ahead of it in its tier's order). A head whose tenant
+-- is at its cap on in-flight tokens (inflight_cap in its hash) is passed over for the rest of
+-- the call in fair order (the tenant's flow is skipped: its cap is its own); in FIFO order it
+-- holds its tier like a head that does not fit. A tier that only
 -- reached its own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch
 -- trickle). Queued tasks found past their deadline at the head are expired on the way (tenant
 -- refunded). Either order charges each released task to its tenant's counter (flow_charge()),
@@ -64,15 +67,15 @@ if KEYS[14] then prefill = prefill_of(KEYS[13], KEYS[14]) end
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
-local no_skip = {}
 
--- The head of tier `t` in its release order: id, enqueue score and record (nil record: a stray
--- entry, already dropped), or nil when the tier has nothing queued. Fair: the head of the
--- next flow; a tier with no backlogged flow but a queue (tasks queued by a version without
--- flows) falls back to FIFO.
-local function head_of(t)
+-- The head of tier `t` in its release order, passing over the tenants in `skip` (`nskip` of
+-- them): id, enqueue score and record (nil record: a stray entry, already dropped), or nil
+-- when nothing is left to release. Fair: the head of the next flow; a tier with no backlogged
+-- flow at all but a queue (tasks queued by a version without flows) falls back to FIFO.
+local function head_of(t, skip, nskip)
   if fair then
-    local tenant, id, score = next_flow(prefix, t, no_skip, 0)
+    local tenant, id, score = next_flow(prefix, t, skip, nskip)
+    if not tenant and nskip > 0 then return nil end
     if tenant then
       local task = load_task(task_key(prefix, id))
       if task == nil or task.state ~= 'queued' then
@@ -92,9 +95,10 @@ end
 for t = 0, TIER_QUEUE_COUNT - 1 do
   local released = 0
   local blocked = false
+  local skip, nskip = {}, 0
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
-    local head, queued_us, task = head_of(t)
+    local head, queued_us, task = head_of(t, skip, nskip)
     if not head then break end
     if task == nil then
       -- a stray entry, dropped by queue_head
@@ -106,33 +110,42 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
     else
       local cost = tonumber(task.cost)
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
-      local node, guest = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
-        placement, t, cost,
-        prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill)
-      if node == nil then
+      local node, guest = nil, false
+      local capped = not inflight_fits(tenant_key(prefix, task.tenant), cost, nil)
+      if not capped then
+        node, guest = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
+          placement, t, cost,
+          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill)
+      end
+      if capped and fair then
+        skip[task.tenant] = true
+        nskip = nskip + 1
+      elseif node == nil then
         blocked = true
         break
+      else
+        redis.call('ZREM', queues[t + 1], head)
+        redis.call('ZREM', KEYS[8], head)
+        tenant_dequeued(KEYS[9], task.tenant)
+        flow_leave(prefix, t, task.tenant, head, cost)
+        local charge = flow_charge(prefix, t, task.tenant, cost)
+        inflight_add(prefix, task.tenant, cost)
+        drain_add(tenant_key(prefix, task.tenant), now, cost)
+        reserve_node(KEYS[4], node, cost)
+        redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
+          'queued_us', queued_us, 'released_us', fmt(now), 'charge', fmt(charge))
+        redis.call('HDEL', task_key(prefix, head), 'deadline_us')
+        if guest then
+          guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
+        end
+        prefill_taken(prefill, t, node, prompt_tokens)
+        redis.call('ZADD', running_key(prefix), fmt(now),
+          running_member(node, task.prompt_tokens, task.max_tokens, head))
+        redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)
+        released = released + 1
+        table.insert(out, head); table.insert(out, task.gateway)
+        table.insert(out, node); table.insert(out, t)
       end
-      redis.call('ZREM', queues[t + 1], head)
-      redis.call('ZREM', KEYS[8], head)
-      tenant_dequeued(KEYS[9], task.tenant)
-      flow_leave(prefix, t, task.tenant, head, cost)
-      local charge = flow_charge(prefix, t, task.tenant, cost)
-      inflight_add(prefix, task.tenant, cost)
-      reserve_node(KEYS[4], node, cost)
-      redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
-        'queued_us', queued_us, 'released_us', fmt(now), 'charge', fmt(charge))
-      redis.call('HDEL', task_key(prefix, head), 'deadline_us')
-      if guest then
-        guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
-      end
-      prefill_taken(prefill, t, node, prompt_tokens)
-      redis.call('ZADD', running_key(prefix), fmt(now),
-        running_member(node, task.prompt_tokens, task.max_tokens, head))
-      redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)
-      released = released + 1
-      table.insert(out, head); table.insert(out, task.gateway)
-      table.insert(out, node); table.insert(out, t)
     end
   end
   if blocked or budget <= 0 then break end

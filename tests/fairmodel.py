@@ -23,6 +23,8 @@ from admission.tiers import Tier
 
 TIE_SCAN = 8
 """Flows tied at the least counter compared by the age of their heads (lua/_lib.lua)."""
+DRAIN_TAU_US = 5_000_000
+DRAIN_WAIT_MAX_MS = 1_000_000_000
 
 
 def weight_arg(weight: float) -> str:
@@ -53,6 +55,34 @@ class FairLedger:
     """tenant -> weight as stored by its last admit that queued or was charged."""
     queued_tokens: dict[str, int] = field(default_factory=dict)
     inflight_tokens: dict[str, int] = field(default_factory=dict)
+    inflight_cap: dict[str, int] = field(default_factory=dict)
+    """tenant -> cap on in-flight tokens as stored by its last admit that queued (0: none)."""
+    drain: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """tenant -> (tokens released from its queue, decayed to the µs that follows)."""
+
+    def drain_now(self, tenant: str, now: int) -> float | None:
+        if tenant not in self.drain:
+            return None
+        total, at = self.drain[tenant]
+        if now > at:
+            total = total * math.exp(-(now - at) / DRAIN_TAU_US)
+        return total
+
+    def drain_add(self, tenant: str, now: int, tokens: int) -> None:
+        self.drain[tenant] = ((self.drain_now(tenant, now) or 0.0) + tokens, now)
+
+    def drain_wait_ms(self, tenant: str, now: int, excess: int) -> int:
+        total = self.drain_now(tenant, now)
+        if total is None:
+            return -1
+        rate = total * 1_000_000 / DRAIN_TAU_US
+        if rate * DRAIN_WAIT_MAX_MS <= excess * 1000:
+            return DRAIN_WAIT_MAX_MS
+        return math.ceil(excess * 1000 / rate)
+
+    def inflight_fits(self, tenant: str, cost: int, cap: int | None = None) -> bool:
+        cap = self.inflight_cap.get(tenant, 0) if cap is None else cap
+        return cap <= 0 or self.inflight_tokens.get(tenant, 0) + cost <= cap
 
     def counter(self, tier: int, tenant: str) -> int:
         return self.vt.get((tier, tenant), 0)
@@ -145,6 +175,8 @@ async def read_fair(client: Any, keys: PoolKeys, tenants: Sequence[str]) -> dict
     weight: dict[str, str] = {}
     queued: dict[str, int] = {}
     inflight: dict[str, int] = {}
+    caps: dict[str, int] = {}
+    drain: dict[str, tuple[float, int]] = {}
     for tenant, raw in zip(tenants, reply, strict=False):
         h = {_s(k): _s(v) for k, v in raw.items()}
         for tier in Tier:
@@ -156,11 +188,15 @@ async def read_fair(client: Any, keys: PoolKeys, tenants: Sequence[str]) -> dict
             queued[tenant] = int(h["queued_tokens"])
         if "inflight_tokens" in h:
             inflight[tenant] = int(h["inflight_tokens"])
+        if "inflight_cap" in h:
+            caps[tenant] = int(h["inflight_cap"])
+        if "drain" in h:
+            drain[tenant] = (float(h["drain"]), int(h["drain_us"]))
     flows = [{_s(m): int(score) for m, score in rows}
              for rows in reply[len(tenants):len(tenants) + 3]]
     vtime = {int(Tier.parse(_s(k))): int(_s(v)) for k, v in reply[-1].items()}
     return {"vt": vt, "weight": weight, "queued_tokens": queued, "inflight_tokens": inflight,
-            "flows": flows, "vtime": vtime}
+            "inflight_cap": caps, "drain": drain, "flows": flows, "vtime": vtime}
 
 
 def expected_fair(ledger: FairLedger, queues: Sequence[Sequence[str]],
@@ -170,5 +206,6 @@ def expected_fair(ledger: FairLedger, queues: Sequence[Sequence[str]],
              for tier, queue in enumerate(queues)]
     return {"vt": {k: v for k, v in ledger.vt.items() if v != 0},
             "weight": dict(ledger.weight), "queued_tokens": dict(ledger.queued_tokens),
-            "inflight_tokens": dict(ledger.inflight_tokens), "flows": flows,
+            "inflight_tokens": dict(ledger.inflight_tokens),
+            "inflight_cap": dict(ledger.inflight_cap), "drain": dict(ledger.drain), "flows": flows,
             "vtime": {t: v for t, v in ledger.vtime.items()}}

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from admission.hints import drain_hint_ms
+from admission.hints import drain_hint_ms, tenant_drain_hint_ms
 from admission.keys import abandoned_lease
 from admission.store import TaskState
 from tests.fairmodel import FairLedger, heads_of, weight_arg
@@ -195,7 +195,7 @@ class Model:
     def admit(
         self, tid: str, tenant: str, tier: int, cost: int, rate: int, burst: int,
         tenant_cap: int, timeout_ms: int, gateway: str, prompt: int = 0,
-        weight: float = 1.0,
+        weight: float = 1.0, queued_cap: int = 0, inflight_cap: int = 0,
     ) -> tuple[str, str, int, int]:
         """Returns (outcome, detail, retry_after_ms, depth) as the script does."""
         if tid in self.tasks:
@@ -235,13 +235,19 @@ class Model:
             if first and flows:
                 busy = True
                 first = ledger.counter(tier, tenant) <= ledger.floor(tier, flows)[0]
-        if first and fresh and (self.zone == "GREEN" or tier == 0):
+        if (first and fresh and (self.zone == "GREEN" or tier == 0)
+                and ledger.inflight_fits(tenant, cost, inflight_cap)):
             node, guest = self.place(tier, cost, prompt)
         if node is None:
             if len(self.queues[tier]) >= self.tier_caps[tier]:
                 return ("rejected", "queue_full", drain_hint(), ahead)
             if self.tenant_queued().get(tenant, 0) >= tenant_cap:
                 return ("rejected", "tenant_queue_full", drain_hint(), ahead)
+            excess = ledger.queued_tokens.get(tenant, 0) + cost - queued_cap
+            if queued_cap > 0 and excess > 0:
+                wait = ledger.drain_wait_ms(tenant, self.now, excess)
+                return ("rejected", "tenant_queued_tokens",
+                        tenant_drain_hint_ms(wait, self.default_retry_ms), ahead)
         self.buckets[tenant] = Bucket(level - need, self.now, rate, burst)
         self.leases[gateway] = self.now + self.lease_ttl_ms * 1000
         task = ModelTask(tenant, tier, cost, gateway, TaskState.QUEUED, prompt=prompt)
@@ -262,6 +268,7 @@ class Model:
         task.deadline_us = self.now + timeout_ms * 1000
         self.queues[tier].append(tid)
         ledger.weight[tenant] = weight_arg(weight)
+        ledger.inflight_cap[tenant] = inflight_cap
         ledger.add(ledger.queued_tokens, tenant, cost)
         if tenant not in flows:
             ledger.lift(tier, tenant, flows)
@@ -279,19 +286,27 @@ class Model:
             released = 0
             blocked = False
             queue = self.queues[tier]
+            skip: set[str] = set()
             while released < limits[tier] and queue:
                 tid = queue[0]
                 if self.fair:
                     heads = self.flows(tier)
-                    first = self.ledger.next_flow(tier, heads)
-                    assert first is not None
+                    first = self.ledger.next_flow(tier, heads, skip)
+                    if first is None:
+                        break
                     tid = queue[heads[first]]
                 t = self.tasks[tid]
                 if t.deadline_us <= self.now:
                     self._drop_queued(tid, TaskState.EXPIRED)
                     out.append((tid, t.gateway, None, tier))
                     continue
-                node, guest = self.place(tier, t.cost, t.prompt, tier in guests_only)
+                capped = not self.ledger.inflight_fits(t.tenant, t.cost)
+                node, guest = None, False
+                if not capped:
+                    node, guest = self.place(tier, t.cost, t.prompt, tier in guests_only)
+                if capped and self.fair:
+                    skip.add(t.tenant)  # its own cap: the others go on
+                    continue
                 if node is None:
                     blocked = True
                     break
@@ -299,6 +314,7 @@ class Model:
                 self.ledger.add(self.ledger.queued_tokens, t.tenant, -t.cost)
                 t.charge = self.ledger.charge(tier, t.tenant, t.cost)
                 self.ledger.add(self.ledger.inflight_tokens, t.tenant, t.cost)
+                self.ledger.drain_add(t.tenant, self.now, t.cost)
                 self.reserved[node] = self.reserved.get(node, 0) + t.cost
                 t.state, t.node, t.guest = TaskState.RELEASED, node, guest
                 if guest:

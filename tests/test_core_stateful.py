@@ -41,9 +41,11 @@ START_US = 1_700_000_000_000_000
 POLICY = PoolPolicy(tier_queue_caps=(4, 5, 6), lease_ttl_ms=3_000, stale_after_ms=4_000,
                     default_retry_ms=500, retention_s=3600)
 TENANTS = {
-    "alpha": TenantQuota("alpha", rate=50, burst=600, max_queued=4, weight=3.0),
+    "alpha": TenantQuota("alpha", rate=50, burst=600, max_queued=4, weight=3.0,
+                         max_queued_tokens=900),
     "beta": TenantQuota("beta", rate=0, burst=500, max_queued=3),
-    "gamma": TenantQuota("gamma", rate=2_000, burst=5_000, max_queued=8, weight=0.7),
+    "gamma": TenantQuota("gamma", rate=2_000, burst=5_000, max_queued=8, weight=0.7,
+                         max_inflight_tokens=1_000),
 }
 GATEWAYS = ("gw-a", "gw-b", "gw-c")
 NODES = ("node-1", "node-2", "node-3")
@@ -144,7 +146,8 @@ class CoreMachine(RuleBasedStateMachine):
         q = TENANTS[tenant]
         zone = self.model.zone
         expected = self.model.admit(tid, tenant, int(tier), prompt + out, q.rate, q.burst,
-                                    q.max_queued, timeout_ms, gateway, prompt, q.weight)
+                                    q.max_queued, timeout_ms, gateway, prompt, q.weight,
+                                    q.max_queued_tokens, q.max_inflight_tokens)
         got = self.run(self.store.admit(task_id=tid, tenant=q, tier=tier, prompt_tokens=prompt,
                                         max_tokens=out, gateway=gateway,
                                         queue_timeout_ms=timeout_ms,

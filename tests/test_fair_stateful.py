@@ -44,9 +44,12 @@ POLICY = PoolPolicy(tier_queue_caps=(1_000, 1_000, 1_000), lease_ttl_ms=60_000,
                     stale_after_ms=0, default_retry_ms=500, retention_s=3600, fair=True)
 TENANTS = {
     "ant": TenantQuota("ant", rate=10**6, burst=10**7, max_queued=1_000, weight=1.0),
-    "bee": TenantQuota("bee", rate=10**6, burst=10**7, max_queued=1_000, weight=3.0),
-    "cat": TenantQuota("cat", rate=10**6, burst=10**7, max_queued=1_000, weight=0.5),
-    "dog": TenantQuota("dog", rate=10**6, burst=10**7, max_queued=1_000, weight=1.0),
+    "bee": TenantQuota("bee", rate=10**6, burst=10**7, max_queued=1_000, weight=3.0,
+                       max_inflight_tokens=1_200),
+    "cat": TenantQuota("cat", rate=10**6, burst=10**7, max_queued=1_000, weight=0.5,
+                       max_queued_tokens=2_000),
+    "dog": TenantQuota("dog", rate=10**6, burst=10**7, max_queued=1_000, weight=1.0,
+                       max_inflight_tokens=900, max_queued_tokens=1_500),
 }
 TIMEOUT_MS = 20_000
 NODES = ("n1", "n2")
@@ -63,7 +66,7 @@ def _s(value: Any) -> str:
 
 
 def _reply(got: AdmitResult) -> tuple[str, str]:
-    return got.outcome.value, got.node or ""
+    return got.outcome.value, got.node or (got.reason.value if got.reason else "")
 
 
 def interleavings(a: Sequence[Any], b: Sequence[Any]) -> Iterator[list[Any]]:
@@ -110,8 +113,9 @@ class FairMachine(RuleBasedStateMachine):
         q = TENANTS[tenant]
         outcome, detail, _, _ = model.admit(tid, tenant, int(tier), prompt + out, q.rate,
                                             q.burst, q.max_queued, TIMEOUT_MS, gateway,
-                                            prompt, q.weight)
-        return outcome, detail if outcome == "released" else ""
+                                            prompt, q.weight, q.max_queued_tokens,
+                                            q.max_inflight_tokens)
+        return outcome, detail if outcome != "queued" else ""
 
     async def _admit(self, store: PoolStore, tid: str, a: Admit, gateway: str) -> AdmitResult:
         tenant, tier, prompt, out = a

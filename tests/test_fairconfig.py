@@ -34,3 +34,16 @@ def test_fifo_when_fairness_is_off() -> None:
     raw = data()
     raw["pools"][0]["fairness"] = {"enabled": False}
     assert not parse_config(raw, env={}).pool_policy("p").fair
+
+
+def test_caps_reach_the_quota() -> None:
+    quota = parse_config(data(burst=1_000, max_queued_tokens=5_000, max_inflight_tokens=1_000),
+                         env={}).tenants[0].quota
+    assert (quota.max_queued_tokens, quota.max_inflight_tokens) == (5_000, 1_000)
+
+
+@pytest.mark.parametrize("key", ["max_queued_tokens", "max_inflight_tokens"])
+def test_a_cap_below_the_burst_is_a_clear_error(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"tenants\[0\]\.{key}: must be 0 \(no cap\) or at "
+                                          r"least the tenant's burst \(1000\)"):
+        parse_config(data(burst=1_000, **{key: 999}), env={})

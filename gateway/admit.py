@@ -260,13 +260,13 @@ class Admitter:
                 scope=KEY_SCOPE,
             )
         if reason is RejectReason.TENANT_QUEUED_TOKENS:
-            retry_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms
+            drain_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms
             return too_many_requests(
                 QUEUED_TOKENS_EXCEEDED,
                 f"This API key has {tenant.max_queued_tokens} tokens of requests queued, its "
                 f"cap; this request needs {inbound.cost} more. Its queue drains enough in about "
-                f"{retry_ms} ms.",
-                retry_ms=self._hint(retry_ms),
+                f"{drain_ms} ms.",
+                retry_ms=self._hint(drain_ms),
                 zone=result.zone.value,
                 depth=result.depth,
                 scope=KEY_SCOPE,

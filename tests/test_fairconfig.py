@@ -26,7 +26,7 @@ def test_weight_defaults_to_one_and_reaches_the_quota() -> None:
 
 @pytest.mark.parametrize("weight", [0, -1, 0.001, 20_000])
 def test_a_weight_out_of_bounds_is_a_clear_error(weight: float) -> None:
-    with pytest.raises(ConfigError, match=r"tenants\[0\]\.weight: must be a number within"):
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.weight: must be between 0.01 and 10000"):
         parse_config(data(weight=weight), env={})
 
 

@@ -42,12 +42,14 @@ from admission.configschema import (
     split_address,
 )
 from admission.controlconfig import ControlSettings
+from admission.quotaconfig import TeamSettings, check_members, check_teams
 from admission.tiers import Tier
 
 __all__ = [
     "DEFAULT_TIERS", "Backend", "Config", "ConfigError", "ControlSettings", "DedicatedNodes",
     "EngineSettings", "GatewaySettings", "PoolSettings", "RedisSettings", "SchedulerSettings",
-    "TenantSettings", "TierSettings", "ZoneSettings", "load_config", "parse_config",
+    "TeamSettings", "TenantSettings", "TierSettings", "ZoneSettings", "load_config",
+    "parse_config",
     "split_address",
 ]
 
@@ -238,6 +240,9 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     all_keys = [k for t in tenants for k in t.key_sha256]
     if len(set(all_keys)) != len(all_keys):
         raise ConfigError("tenants: the same key_sha256 is listed for two tenants")
+    teams = check_teams(_section(_Reader(t, f"teams[{i}]"), TeamSettings)
+                        for i, t in enumerate(root.get("teams", list) or []))
+    check_members(((f"tenants[{i}]", t.team, t.burst) for i, t in enumerate(tenants)), teams)
     redis = root.sub("redis")
     file_url = _field(redis, RedisSettings, "url")
     config = Config(
@@ -247,6 +252,7 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         tiers=_tiers(root.sub("tiers")),
         pools={p.name: p for p in pools},
         tenants=tenants,
+        teams=teams,
     )
     root.done()
     return config

@@ -9,6 +9,7 @@ holds the two together.
 
 from __future__ import annotations
 
+import dataclasses
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from admission.configfields import (
 from admission.controlconfig import ControlSettings
 from admission.fairconfig import FairnessSettings, cap_field, check_tenant_caps, weight_field
 from admission.keys import check_name
+from admission.quotaconfig import TeamSettings, levels_of
 from admission.store import PoolPolicy, TenantQuota
 from admission.tiers import Tier
 
@@ -320,12 +322,21 @@ class TenantSettings:
     """Most tokens of its requests queued at once in a pool (0: no cap)."""
     max_inflight_tokens: int = cap_field()
     """Most tokens reserved by its released, unfinished requests in a pool (0: no cap)."""
+    team: str | None = None
+    """The `[[teams]]` entry enclosing the tenant: its requests also pay at that team's
+    bucket and at every level above it (admission.quotaconfig)."""
+    daily_tokens: int = at_least(0, 0)
+    """The tenant's own allowance per UTC day in a pool (0: none)."""
+    monthly_tokens: int = at_least(0, 0)
+    """The tenant's own allowance per UTC month in a pool (0: none)."""
 
     @property
     def quota(self) -> TenantQuota:
+        """Its own limits (without the enclosing levels: `Config.quota_of`)."""
         return TenantQuota(self.name, self.rate, self.burst, self.max_queued,
                            weight=self.weight, max_queued_tokens=self.max_queued_tokens,
-                           max_inflight_tokens=self.max_inflight_tokens)
+                           max_inflight_tokens=self.max_inflight_tokens,
+                           daily_tokens=self.daily_tokens, monthly_tokens=self.monthly_tokens)
 
     def check(self, key: KeyName) -> None:
         for i, k in enumerate(self.key_sha256):
@@ -335,7 +346,9 @@ class TenantSettings:
         if self.burst > 1_000_000_000:
             raise ConfigError(f"{key('burst')}: must be at most 1e9 tokens")
         check_tenant_caps(key, self.burst, {"max_queued_tokens": self.max_queued_tokens,
-                                            "max_inflight_tokens": self.max_inflight_tokens})
+                                            "max_inflight_tokens": self.max_inflight_tokens,
+                                            "daily_tokens": self.daily_tokens,
+                                            "monthly_tokens": self.monthly_tokens})
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,6 +417,13 @@ class Config:
     tiers: Mapping[Tier, TierSettings]
     pools: Mapping[str, PoolSettings]
     tenants: tuple[TenantSettings, ...]
+    teams: Mapping[str, TeamSettings] = field(default_factory=dict)
+    """`[[teams]]` by name: the quota levels enclosing tenants (admission.quotaconfig)."""
+
+    def quota_of(self, tenant: TenantSettings) -> TenantQuota:
+        """What the scripts check a request of `tenant` against: its own limits and every
+        level enclosing it, innermost first."""
+        return dataclasses.replace(tenant.quota, levels=levels_of(tenant.team, self.teams))
 
     def pool_policy(self, pool: str) -> PoolPolicy:
         return PoolPolicy(

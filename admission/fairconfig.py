@@ -32,8 +32,8 @@ def cap_field() -> int:
 
 
 def check_tenant_caps(key: KeyName, burst: int, caps: dict[str, int]) -> None:
-    """A cap below `burst` (the largest request the tenant may send) would admit a request that
-    could never queue or run: refused, naming the key."""
+    """A cap (or allowance) below `burst`, the largest request the tenant may send, would
+    refuse or hold such a request for ever: refused, naming the key."""
     for name, cap in caps.items():
         if 0 < cap < burst:
             raise ConfigError(f"{key(name)}: must be 0 (no cap) or at least the tenant's burst "

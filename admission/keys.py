@@ -14,8 +14,8 @@ Key names are plain words so operators can read them with redis-cli, for example
 The Lua scripts build the names of keys they discover at run time (a task id popped from a
 queue) from the same ``prefix`` the Python side passes in; `lua/_lib.lua` mirrors the suffixes
 of `task_key`, `bucket_key`, `gateway_tasks_key`, `running`, `node_guests`,
-`node_guest_pace`, `tenant_key`, `flows`, `flow` and `vtime`, and a test checks that they
-agree.
+`node_guest_pace`, `tenant_key`, `flows`, `flow`, `vtime` and `quota_key`, and a test
+checks that they agree.
 """
 
 from __future__ import annotations
@@ -189,11 +189,18 @@ class PoolKeys:
         inflight_tokens, drain and drain_us (tokens released from its queue, decayed)."""
         return f"{self.prefix}tenant:{tenant}"
 
+    def quota_key(self, level: str) -> str:
+        """HASH of an enclosing quota level (a team, an organisation) in this pool: its bucket
+        (micro_tokens, updated_us, rate, burst, as `bucket_key`'s) and its allowances' periods
+        (day, day_used, month, month_used)."""
+        return f"{self.prefix}quota:{level}"
+
     def task_key(self, task_id: str) -> str:
         return f"{self.prefix}task:{task_id}"
 
     def bucket_key(self, tenant: str) -> str:
-        """HASH micro_tokens, updated_us, rate, burst: the tenant's token bucket in this pool."""
+        """HASH micro_tokens, updated_us, rate, burst: the tenant's token bucket in this pool
+        (and day, day_used, month, month_used when it has allowances)."""
         return f"{self.prefix}bucket:{tenant}"
 
     def gateway_tasks_key(self, gateway: str) -> str:

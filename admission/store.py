@@ -7,6 +7,7 @@ nothing here reads a client clock.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,30 @@ class PoolPolicy:
 
 
 @dataclass(frozen=True, slots=True)
+class QuotaLevel:
+    """A level enclosing tenants (a team, an organisation): its own token bucket in each pool,
+    and optional allowances, debited by every request of every tenant under it."""
+
+    name: str
+    rate: int
+    """Bucket refill, tokens per second."""
+    burst: int
+    """Bucket size, tokens."""
+    daily_tokens: int = 0
+    """Tokens per UTC day (0: no allowance)."""
+    monthly_tokens: int = 0
+    """Tokens per UTC month (0: no allowance)."""
+
+    def __post_init__(self) -> None:
+        check_name("team", self.name)
+
+    @property
+    def scope(self) -> str:
+        """How a 429 names it (`X-RateLimit-Scope`)."""
+        return f"team:{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
 class TenantQuota:
     name: str
     rate: int
@@ -84,6 +109,14 @@ class TenantQuota:
     """Most tokens (reservations) of its requests queued at once in the pool; 0: no cap."""
     max_inflight_tokens: int = 0
     """Most tokens reserved by its released, unfinished requests in the pool; 0: no cap."""
+    daily_tokens: int = 0
+    """The key's own allowance per UTC day (0: none)."""
+    monthly_tokens: int = 0
+    """The key's own allowance per UTC month (0: none)."""
+    levels: tuple[QuotaLevel, ...] = ()
+    """The levels enclosing the tenant, innermost first (its team, the team's parent, ...)."""
+    level_args: tuple[str | int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    """The levels as the admit script takes them (built once)."""
 
     def __post_init__(self) -> None:
         check_name("tenant", self.name)
@@ -91,6 +124,12 @@ class TenantQuota:
             raise ValueError("tenant rate must be >= 0 and burst within 0..1e9 tokens")
         if not MIN_WEIGHT <= self.weight <= MAX_WEIGHT:
             raise ValueError(f"tenant weight must be within {MIN_WEIGHT}..{MAX_WEIGHT}")
+        args: list[str | int] = [repr(float(self.weight)), self.max_queued_tokens,
+                                 self.max_inflight_tokens, self.daily_tokens,
+                                 self.monthly_tokens, len(self.levels)]
+        for lvl in self.levels:
+            args += [lvl.name, lvl.rate, lvl.burst, lvl.daily_tokens, lvl.monthly_tokens]
+        object.__setattr__(self, "level_args", tuple(args))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +146,10 @@ class AdmitResult:
     """For DUPLICATE: the state the existing task is in."""
     view: QueueView | None = None
     """For capacity rejections: what the hint was computed from."""
+    scope: str | None = None
+    """For QUOTA: the level that cannot pay ('key', or 'team:<name>')."""
+    limit: str | None = None
+    """For QUOTA: what ran out there: 'bucket', 'daily' or 'monthly'."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +238,7 @@ class PoolStore:
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
                 tenant.rate, tenant.burst, tenant.max_queued, p.tier_queue_caps[tier],
                 queue_timeout_ms, gateway, p.lease_ttl_ms, p.stale_after_ms,
-                tier_timeout_ms or 0, self._prefix, "1" if p.fair else "0",
-                repr(float(tenant.weight)), tenant.max_queued_tokens, tenant.max_inflight_tokens,
+                tier_timeout_ms or 0, self._prefix, "1" if p.fair else "0", *tenant.level_args,
             ],
         )
         return parse_admit(reply, tier, p.default_retry_ms)
@@ -392,6 +434,7 @@ def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
         depth = int(reply[3])
         zone = Zone(_text(reply[4]))
         view = _view(zone, depth, reply[5:8]) if len(reply) >= 8 else None
+        scope, limit = (_text(reply[5]), _text(reply[6])) if len(reply) == 7 else (None, None)
     except (ValueError, IndexError) as exc:
         raise ScriptReplyError(f"unexpected admit reply {reply!r}") from exc
     if outcome is AdmitOutcome.RELEASED:
@@ -402,7 +445,8 @@ def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
         elif detail == RejectReason.TENANT_QUEUED_TOKENS:
             retry = tenant_drain_hint_ms(retry, floor_ms)
         return AdmitResult(outcome, zone, depth, reason=RejectReason(detail),
-                           retry_after_ms=None if retry < 0 else retry, view=view)
+                           retry_after_ms=None if retry < 0 else retry, view=view,
+                           scope=scope, limit=limit)
     if outcome is AdmitOutcome.DUPLICATE:
         return AdmitResult(outcome, zone, depth, state=TaskState(detail))
     return AdmitResult(outcome, zone, depth)

@@ -38,6 +38,7 @@ from gateway.errors import (
     KEY_SCOPE,
     QUEUED_TOKENS_EXCEEDED,
     RATE_LIMIT_EXCEEDED,
+    SCOPE_HEADER,
     ApiError,
     jittered,
     never_retry,
@@ -125,6 +126,8 @@ class Admitter:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self.jitter = config.gateway.retry_jitter
+        # Each tenant's limits with its enclosing quota levels, built once (not per request).
+        self.quotas = {t.name: config.quota_of(t) for t in config.tenants}
 
     def _hint(self, retry_ms: int) -> int:
         return jittered(retry_ms, self.jitter, self.rng)
@@ -157,7 +160,7 @@ class Admitter:
             try:
                 result = await store.admit(
                     task_id=task_id,
-                    tenant=tenant.quota,
+                    tenant=self.quotas.get(tenant.name) or self.config.quota_of(tenant),
                     tier=tier,
                     prompt_tokens=inbound.prompt_tokens,
                     max_tokens=inbound.max_tokens,
@@ -244,20 +247,30 @@ class Admitter:
                 param="max_tokens",
             )
         if reason is RejectReason.QUOTA:
+            scope = result.scope or KEY_SCOPE
+            whose = "This API key's" if scope == KEY_SCOPE else (
+                f"The quota of {scope.replace(':', ' ', 1)} (shared with other keys)")
             if result.retry_after_ms is None:
-                return never_retry(
-                    403,
-                    "This API key's token quota is exhausted and does not refill.",
-                    code="insufficient_quota",
-                )
+                error = never_retry(
+                    403, f"{whose} token quota is exhausted and does not refill.",
+                    code="insufficient_quota")
+                error.headers[SCOPE_HEADER] = scope
+                return error
+            if result.limit in ("daily", "monthly"):
+                what = (f"{whose} {result.limit} token allowance is used up: this request needs "
+                        f"{inbound.cost} tokens; the allowance resets in "
+                        f"{result.retry_after_ms} ms.")
+            else:
+                what = (f"Token rate limit exceeded at {scope}: {whose.lower()} bucket cannot "
+                        f"pay the {inbound.cost} tokens this request needs; it refills enough "
+                        f"in {result.retry_after_ms} ms.")
             return too_many_requests(
                 RATE_LIMIT_EXCEEDED,
-                f"Token rate limit exceeded: this request needs {inbound.cost} tokens; "
-                f"the quota refills enough in {result.retry_after_ms} ms.",
+                what,
                 retry_ms=self._hint(result.retry_after_ms),
                 zone=result.zone.value,
                 depth=result.depth,
-                scope=KEY_SCOPE,
+                scope=scope,
             )
         if reason is RejectReason.TENANT_QUEUED_TOKENS:
             drain_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms

@@ -49,6 +49,12 @@
 -- ARGV[20] the tenant's cap on in-flight tokens (reserved by its released, unfinished tasks) in
 --          this pool (0: none); stored in its hash for the release, which passes over a tenant
 --          at its cap; the fast path needs room under it too
+-- ARGV[21] the key's daily allowance (tokens per UTC day; 0: none)
+-- ARGV[22] the key's monthly allowance (tokens per UTC month; 0: none)
+-- ARGV[23] n = enclosing quota levels (the tenant's team, its parent, ...: innermost first),
+--          then n groups (name, rate tokens/s, burst tokens, daily tokens, monthly tokens):
+--          each level's bucket is quota:<name> ("Quota levels" in _lib.lua); all levels pay
+--          or none does
 --
 -- Fast path: FIFO, when nothing is queued at this tier or above; fair, when nothing is queued
 -- above, the tenant has nothing queued in this tier, and its counter is no higher than the
@@ -60,10 +66,13 @@
 --   {'released', node, 0, 0, zone}            fast path: budget debited, node chosen
 --   {'queued', '', 0, position, zone}         position counts tasks ahead at this tier or above, itself included
 --   {'rejected', reason, retry_after_ms, depth, zone}
---        reason: exceeds_burst (retry_after_ms -1: never fits), quota (exact refill time, ms;
---                -1: the bucket never refills), tenant_queued_tokens (the tenant's queued
+--        reason: exceeds_burst (retry_after_ms -1: never fits), quota (ms until the binding
+--                level can pay: its refill time, or the start of its next day or month;
+--                -1: a bucket that never refills), tenant_queued_tokens (the tenant's queued
 --                tokens and this request's are above its cap: ms until the excess drains from
 --                its queue at its own drain rate, drain_wait_ms() in _lib.lua; -1 unknown)
+--   {'rejected', 'quota', retry_after_ms, depth, zone, scope, kind}   scope: 'key' or
+--        'team:<name>', the binding level; kind: 'bucket', 'daily' or 'monthly'
 --   {'rejected', reason, 0, depth, zone, drain, red_clear_s, state_age_ms}
 --        reason: zone_red, queue_full, tenant_queue_full; the caller computes the hint from
 --        these (admission/hints.py): drain = tasks/s leaving the queues at this tier or above
@@ -105,13 +114,28 @@ end
 if cost > burst then return {'rejected', 'exceeds_burst', -1, ahead, zone} end
 if zone == 'RED' and tier > 0 then return capacity_rejected('zone_red') end
 
-local level = bucket_level(KEYS[13], now, rate, burst)
-local need = cost * 1000000
-if level < need then
-  local wait_ms = -1
-  if rate > 0 then wait_ms = math.ceil((need - level) / rate / 1000) end
-  return {'rejected', 'quota', wait_ms, ahead, zone}
+-- The quota levels: the key's own bucket and allowances, then every enclosing level's
+-- (innermost first). The binding level is the one that can pay last (never, first of all).
+local levels = {{key = KEYS[13], scope = 'key', rate = rate, burst = burst,
+  daily = tonumber(ARGV[21] or '0') or 0, monthly = tonumber(ARGV[22] or '0') or 0}}
+local names = {}
+for i = 0, (tonumber(ARGV[23] or '0') or 0) - 1 do
+  local at = 24 + 5 * i
+  table.insert(names, ARGV[at])
+  table.insert(levels, {key = quota_key(prefix, ARGV[at]), scope = 'team:' .. ARGV[at],
+    rate = tonumber(ARGV[at + 1]), burst = tonumber(ARGV[at + 2]),
+    daily = tonumber(ARGV[at + 3]), monthly = tonumber(ARGV[at + 4])})
 end
+local allowances = false
+local short, short_wait, short_kind = nil, nil, nil
+for _, lvl in ipairs(levels) do
+  if lvl.daily > 0 or lvl.monthly > 0 then allowances = true end
+  local wait, kind = level_short(lvl, now, cost)
+  if wait ~= nil and (short == nil or (short_wait >= 0 and (wait < 0 or wait > short_wait))) then
+    short, short_wait, short_kind = lvl, wait, kind
+  end
+end
+if short then return {'rejected', 'quota', short_wait, ahead, zone, short.scope, short_kind} end
 
 -- Fast path: nothing waits ahead of this request in its tier's order (header), the zone
 -- releases this tier freely (GREEN releases every tier, YELLOW and RED still release VIP),
@@ -153,13 +177,15 @@ if node == nil then
   end
 end
 
-bucket_store(KEYS[13], level - need, now, rate, burst)
+for _, lvl in ipairs(levels) do level_debit(lvl, now, cost) end
 redis.call('ZADD', KEYS[9], fmt(now + lease_ms * 1000), gateway)
 redis.call('SADD', KEYS[14], id)
 -- No enqueue time in the record: while queued it is the task's score in its queue, and the
 -- release copies it in as queued_us (one field less per queued task, bench.perf.memory).
 redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 'cost', cost,
   'prompt_tokens', ARGV[5], 'max_tokens', ARGV[6], 'gateway', gateway)
+if #names > 0 then redis.call('HSET', KEYS[12], 'levels', table.concat(names, ' ')) end
+if allowances then redis.call('HSET', KEYS[12], 'quota_day', fmt(math.floor(now / DAY_US))) end
 
 if node then
   reserve_node(KEYS[4], node, cost)

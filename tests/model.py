@@ -6,14 +6,15 @@ obvious way; the stateful test runs both side by side and compares them after ev
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from admission.hints import drain_hint_ms, tenant_drain_hint_ms
 from admission.keys import abandoned_lease
-from admission.store import TaskState
+from admission.store import QuotaLevel, TaskState
+from tests import quotamodel
 from tests.fairmodel import FairLedger, heads_of, weight_arg
+from tests.quotamodel import Bucket
 
 MICRO = 1_000_000
 TIERS = (0, 1, 2)
@@ -38,18 +39,10 @@ class ModelTask:
     """Moved by its gateway to the gateway's abandoned set (`lua/abandon.lua`)."""
     charge: int | None = None
     """Counter units charged at its release (fair release); None: not charged."""
-
-
-@dataclass
-class Bucket:
-    level: int  # micro-tokens
-    updated_us: int
-    rate: int
-    burst: int
-
-    def level_at(self, now: int) -> int:
-        level = self.level + self.rate * max(0, now - self.updated_us)
-        return min(level, self.burst * MICRO)
+    levels: tuple[str, ...] = ()
+    """The buckets of the enclosing quota levels it paid at ('team:<name>')."""
+    quota_day: int | None = None
+    """The day it was admitted, when an allowance applied."""
 
 
 @dataclass
@@ -69,6 +62,9 @@ class Model:
     queues: tuple[list[str], list[str], list[str]] = field(default_factory=lambda: ([], [], []))
     tasks: dict[str, ModelTask] = field(default_factory=dict)
     buckets: dict[str, Bucket] = field(default_factory=dict)
+    """Tenant name or 'team:<name>' -> its bucket in this pool."""
+    last_scope: tuple[str, str] | None = None
+    """The (scope, kind) of the last admit refused by a quota level."""
     leases: dict[str, int] = field(default_factory=dict)
     dedicated_nodes: frozenset[str] = frozenset()
     dedicated_tiers: int = 0
@@ -154,11 +150,9 @@ class Model:
             self.guest_paced_until[node] = start + prompt * 1_000_000 // self.guest_rate
 
     # --- bucket helpers --------------------------------------------------------------------
-    def credit(self, tenant: str, tokens: int) -> None:
-        b = self.buckets[tenant]
-        level = b.level_at(self.now) + tokens * MICRO
-        b.level = max(0, min(level, b.burst * MICRO))
-        b.updated_us = self.now
+    def credit(self, task: ModelTask, tokens: int) -> None:
+        for key in (task.tenant, *task.levels):
+            quotamodel.credit(self.buckets, key, self.now, tokens, task.quota_day)
 
     def _unreserve(self, node: str, cost: int) -> None:
         left = self.reserved.get(node, 0) - cost
@@ -175,7 +169,7 @@ class Model:
         t = self.tasks[tid]
         self.queues[t.tier].remove(tid)
         self.ledger.add(self.ledger.queued_tokens, t.tenant, -t.cost)
-        self.credit(t.tenant, t.cost)
+        self.credit(t, t.cost)
         t.state = state
         t.finishes += 1
 
@@ -186,7 +180,7 @@ class Model:
         refund = t.cost if usage is None else t.cost - usage
         self.ledger.add(self.ledger.inflight_tokens, t.tenant, -t.cost)
         self.ledger.settle(t.tier, t.tenant, t.charge, t.cost, usage)
-        self.credit(t.tenant, refund)
+        self.credit(t, refund)
         t.state = state
         t.finishes += 1
         return refund
@@ -196,6 +190,7 @@ class Model:
         self, tid: str, tenant: str, tier: int, cost: int, rate: int, burst: int,
         tenant_cap: int, timeout_ms: int, gateway: str, prompt: int = 0,
         weight: float = 1.0, queued_cap: int = 0, inflight_cap: int = 0,
+        daily: int = 0, monthly: int = 0, enclosing: tuple[QuotaLevel, ...] = (),
     ) -> tuple[str, str, int, int]:
         """Returns (outcome, detail, retry_after_ms, depth) as the script does."""
         if tid in self.tasks:
@@ -212,13 +207,10 @@ class Model:
             return ("rejected", "exceeds_burst", -1, ahead)
         if self.zone == "RED" and tier > 0:
             return ("rejected", "zone_red", drain_hint(), ahead)
-        bucket = self.buckets.get(tenant)
-        level = burst * MICRO if bucket is None else min(
-            bucket.level + rate * max(0, self.now - bucket.updated_us), burst * MICRO
-        )
-        need = cost * MICRO
-        if level < need:
-            wait = -1 if rate == 0 else math.ceil((need - level) / rate / 1000)
+        levels = quotamodel.levels_of(tenant, rate, burst, daily, monthly, enclosing)
+        binding, wait, kind, current = quotamodel.binding(self.buckets, levels, self.now, cost)
+        if binding is not None:
+            self.last_scope = ("key" if binding.key == tenant else binding.key, kind)
             return ("rejected", "quota", wait, ahead)
         fresh = self.stale_after_ms == 0 or (
             self.state_updated_us is not None
@@ -248,9 +240,12 @@ class Model:
                 wait = ledger.drain_wait_ms(tenant, self.now, excess)
                 return ("rejected", "tenant_queued_tokens",
                         tenant_drain_hint_ms(wait, self.default_retry_ms), ahead)
-        self.buckets[tenant] = Bucket(level - need, self.now, rate, burst)
+        quotamodel.debit(self.buckets, levels, current, self.now, cost)
         self.leases[gateway] = self.now + self.lease_ttl_ms * 1000
-        task = ModelTask(tenant, tier, cost, gateway, TaskState.QUEUED, prompt=prompt)
+        task = ModelTask(tenant, tier, cost, gateway, TaskState.QUEUED, prompt=prompt,
+                         levels=tuple(lvl.key for lvl in levels[1:]))
+        if any(lvl.daily or lvl.monthly for lvl in levels):
+            task.quota_day = self.now // quotamodel.DAY_US
         self.tasks[tid] = task
         if node is not None:
             task.state, task.node, task.releases = TaskState.RELEASED, node, 1

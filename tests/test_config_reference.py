@@ -63,6 +63,7 @@ ACCESSORS: dict[str, Callable[[Config], Any]] = {
     "pools.engine": lambda c: c.pools["p"].engine,
     "pools.backends": lambda c: c.pools["p"].backends[0],
     "tenants": lambda c: c.tenants[0],
+    "teams": lambda c: c.teams["crew"],
 }
 
 
@@ -83,6 +84,7 @@ def base() -> dict[str, Any]:
             "engine": {},
         }],
         "tenants": [{"name": "acme", "tier": "vip"}],
+        "teams": [{"name": "crew"}],
     }
 
 

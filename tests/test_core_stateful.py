@@ -30,23 +30,30 @@ from admission.store import (
     AdmitOutcome,
     PoolPolicy,
     PoolStore,
+    QuotaLevel,
+    RejectReason,
     TenantQuota,
 )
 from admission.tiers import Tier, Zone
 from tests.fairmodel import expected_fair, read_fair
 from tests.model import MICRO, Model
 from tests.properties import PROPERTIES, examples
+from tests.quotamodel import DAY_US, next_month_day
 
 START_US = 1_700_000_000_000_000
 POLICY = PoolPolicy(tier_queue_caps=(4, 5, 6), lease_ttl_ms=3_000, stale_after_ms=4_000,
                     default_retry_ms=500, retention_s=3600)
+CORP = QuotaLevel("corp", rate=300, burst=6_000, monthly_tokens=2_000)
+CREW = QuotaLevel("crew", rate=100, burst=1_500, daily_tokens=900)
 TENANTS = {
     "alpha": TenantQuota("alpha", rate=50, burst=600, max_queued=4, weight=3.0,
-                         max_queued_tokens=900),
-    "beta": TenantQuota("beta", rate=0, burst=500, max_queued=3),
+                         max_queued_tokens=900, levels=(CREW, CORP)),
+    "beta": TenantQuota("beta", rate=0, burst=500, max_queued=3, daily_tokens=1_200),
     "gamma": TenantQuota("gamma", rate=2_000, burst=5_000, max_queued=8, weight=0.7,
-                         max_inflight_tokens=1_000),
+                         max_inflight_tokens=1_000, monthly_tokens=30_000, levels=(CORP,)),
 }
+BUCKETS = (*sorted(TENANTS), CREW.scope, CORP.scope)
+"""Every bucket of the model: the tenants' (key level) and the teams' (enclosing levels)."""
 GATEWAYS = ("gw-a", "gw-b", "gw-c")
 NODES = ("node-1", "node-2", "node-3")
 TIER_TIMEOUT_MS = 8_000
@@ -147,7 +154,8 @@ class CoreMachine(RuleBasedStateMachine):
         zone = self.model.zone
         expected = self.model.admit(tid, tenant, int(tier), prompt + out, q.rate, q.burst,
                                     q.max_queued, timeout_ms, gateway, prompt, q.weight,
-                                    q.max_queued_tokens, q.max_inflight_tokens)
+                                    q.max_queued_tokens, q.max_inflight_tokens,
+                                    q.daily_tokens, q.monthly_tokens, q.levels)
         got = self.run(self.store.admit(task_id=tid, tenant=q, tier=tier, prompt_tokens=prompt,
                                         max_tokens=out, gateway=gateway,
                                         queue_timeout_ms=timeout_ms,
@@ -158,6 +166,8 @@ class CoreMachine(RuleBasedStateMachine):
         if got.outcome is not AdmitOutcome.REJECTED:
             retry = 0
         assert (got.outcome.value, detail, retry, got.depth) == expected
+        if got.reason is RejectReason.QUOTA:
+            assert (got.scope, got.limit) == self.model.last_scope
         if zone == "RED" and tier > 0:
             assert got.outcome in (AdmitOutcome.REJECTED, AdmitOutcome.DUPLICATE)
         if got.outcome is AdmitOutcome.RELEASED:
@@ -219,6 +229,17 @@ class CoreMachine(RuleBasedStateMachine):
         self.model.now += ms * 1000
         self.run(self.client.hset(self.store.keys.clock, "frozen_us", self.model.now))
 
+    @rule(before_ms=st.integers(0, 3_000), month_end=st.booleans())
+    def advance_to_a_new_period(self, before_ms: int, month_end: bool) -> None:
+        """Close to the next UTC midnight (or the last one of the month), so that allowances
+        roll over while tasks admitted in the old period are still alive."""
+        day = self.model.now // DAY_US + 1
+        if month_end:
+            day = next_month_day(day - 1)
+        target = day * DAY_US - before_ms * 1000
+        if target > self.model.now:
+            self.advance_time((target - self.model.now) // 1000)
+
     @rule(zone=st.sampled_from(list(Zone)),
           caps=st.dictionaries(st.sampled_from(NODES),
                                st.integers(0, 1500) | st.tuples(*[st.integers(0, 1500)] * 3),
@@ -269,8 +290,10 @@ class CoreMachine(RuleBasedStateMachine):
                 pipe.hgetall(k.node_reserved)
                 pipe.hgetall(k.tenant_queued)
                 pipe.zrange(k.leases, 0, -1, withscores=True)
-                for tenant in sorted(TENANTS):
-                    pipe.hget(k.bucket_key(tenant), "micro_tokens")
+                for name in BUCKETS:
+                    key = k.bucket_key(name) if name in TENANTS else k.quota_key(
+                        name.removeprefix("team:"))
+                    pipe.hmget(key, "micro_tokens", "day", "day_used", "month", "month_used")
                 for tid in ids:
                     pipe.hmget(k.task_key(tid), "state", "node", "cost")
                 pipe.hgetall(k.node_guests)
@@ -287,18 +310,21 @@ class CoreMachine(RuleBasedStateMachine):
         assert reserved == m.reserved
         assert {_s(a): int(b) for a, b in snap[4].items()} == m.tenant_queued()
         assert {_s(a): int(b) for a, b in snap[5]} == m.leases
-        for i, tenant in enumerate(sorted(TENANTS)):
-            raw = snap[6 + i]
-            bucket = m.buckets.get(tenant)
+        for i, name in enumerate(BUCKETS):
+            raw, *periods = snap[6 + i]
+            bucket = m.buckets.get(name)
             assert (None if raw is None else int(raw)) == (None if bucket is None
-                                                           else bucket.level)
-            if raw is not None:
-                assert 0 <= int(raw) <= TENANTS[tenant].burst * MICRO
+                                                           else bucket.level), name
+            if bucket is not None:
+                assert [None if v is None else int(v) for v in periods] == [
+                    bucket.day, bucket.day_used if bucket.day is not None else None,
+                    bucket.month, bucket.month_used if bucket.month is not None else None], name
+                assert 0 <= int(raw) <= bucket.burst * MICRO
         # Budget conservation on Redis' own records: what each node has reserved is exactly
         # the sum of the costs of the tasks released to it and not finished.
         from_tasks: dict[str, int] = {}
         released: dict[str, tuple[str, int]] = {}
-        task_rows = snap[6 + len(TENANTS):-3]
+        task_rows = snap[6 + len(BUCKETS):-3]
         # Guest slots: one per task alive as a guest, freed exactly once when it ends.
         assert {_s(a): int(b) for a, b in snap[-3].items()} == m.guests()
         # Paced guests: when each dedicated node takes its next one, to the µs.

@@ -454,6 +454,8 @@ def test_schema_covers_every_config_key() -> None:
         f.name for f in dataclasses.fields(ControlSettings)}
     assert set(pool["fairness"]["properties"]) == {
         f.name for f in dataclasses.fields(FairnessSettings)}
+    assert set(props["teams"]["items"]["properties"]) == {
+        f.name for f in dataclasses.fields(cfg.TeamSettings)}
     assert set(pool["engine"]["properties"]) == {
         f.name for f in dataclasses.fields(cfg.EngineSettings)}
     assert set(props["tiers"]["properties"]) == {t.label for t in Tier}

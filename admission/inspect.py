@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from admission.config import ConfigError, TenantSettings
 from admission.connection import connect
+from admission.inspect_fair import FairView, month_index, read_fair, render_fair
 from admission.inspect_target import SCAN_COUNT as SCAN_COUNT  # public here too
 from admission.inspect_target import (
     NothingFound,
@@ -131,6 +132,8 @@ class PoolView:
     gateways: list[GatewayView]
     tenants: list[TenantView]
     stats: dict[str, int]
+    fairness: FairView | None = None
+    """Fair release and quota levels (admission.inspect_fair)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +323,7 @@ async def read_pool(client: Any, pool: str,
         else:
             views.append(_tenant_view(name, None, queued_n, False))
 
+    fairness = await read_fair(client, keys, now, month_index(now))
     return PoolView(
         pool=pool, now_us=now, clock="redis" if frozen is None else "frozen",
         zone=state.get("zone"), epoch=_int(state.get("epoch")), updated_us=updated,
@@ -332,6 +336,7 @@ async def read_pool(client: Any, pool: str,
         gateways=gateways, tenants=views,
         stats={k: v for k, v in ((k, _int(v)) for k, v in _hash(stats_raw).items())
                if v is not None},
+        fairness=fairness,
     )
 
 
@@ -421,6 +426,8 @@ def render_pool(p: PoolView) -> list[str]:
         lines += table(["tenant", "tokens", "burst", "% of burst", "rate/s", "queued"],
                        ([t.tenant, _num(t.tokens, "{:.1f}"), _num(t.burst), _num(t.percent),
                          _num(t.rate), str(t.queued)] for t in p.tenants))
+    if p.fairness is not None:
+        lines += render_fair(p.fairness, table)
     return lines
 
 

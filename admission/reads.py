@@ -7,7 +7,9 @@ each in one round trip, so that no service names a key or sends a command of its
   when asked the prefill counts, the VIP first-token reports and the running index, whose
   members `running_member` parses: the services never see a member's format);
 - `left_queue` and `task_states`: the gateway's fallback check of its queued requests;
-- `gateway_tasks`: the tasks a gateway holds in the pool (its orphan sweep).
+- `gateway_tasks`: the tasks a gateway holds in the pool (its orphan sweep);
+- `read_fairness`: the backlogged flows, their tenants and the quota levels, for the leader's
+  metrics (three round trips, about once a second, off every request's path).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from admission.keys import PoolKeys
+from admission.keys import VT_SCALE, PoolKeys
 from admission.scripts import frozen_clock_allowed
 from admission.tiers import Tier
 
@@ -159,3 +161,50 @@ async def task_states(client: Any, keys: PoolKeys,
 async def gateway_tasks(client: Any, keys: PoolKeys, gateway: str) -> set[str]:
     """Ids of the live tasks `gateway` holds in the pool (its renewed set)."""
     return {_text(raw) for raw in await client.smembers(keys.gateway_tasks_key(gateway))}
+
+
+@dataclass(frozen=True, slots=True)
+class FairReading:
+    """Fair release and quota levels of one pool, as the leader reads them for its metrics."""
+
+    now_us: int
+    """The scripts' clock (Redis TIME, or the pool clock's frozen_us in tests)."""
+    backlogged: tuple[dict[str, float], dict[str, float], dict[str, float]]
+    """Per tier: the backlogged tenants and their virtual counters, in tokens at weight 1."""
+    tenants: dict[str, dict[str, str]]
+    """The hashes of those tenants (weight, queued_tokens, inflight_tokens, drain, ...)."""
+    levels: dict[str, dict[str, str]]
+    """The quota levels asked for, by name: their bucket hashes (empty: never debited)."""
+
+
+def _str_map(raw: Mapping[Any, Any]) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> FairReading:
+    """Two pipelined reads: the backlogged flows of every tier, the levels' buckets (and the
+    pool clock's frozen_us in a process that enabled the test clock); then the hashes of the
+    tenants found in the flows."""
+    seconds, micros = await client.time()
+    frozen_read = frozen_clock_allowed()
+    async with client.pipeline(transaction=False) as pipe:
+        for tier in Tier:
+            pipe.zrange(keys.flows(tier), 0, -1, withscores=True)
+        for level in levels:
+            pipe.hgetall(keys.quota_key(level))
+        if frozen_read:
+            pipe.hget(keys.clock, "frozen_us")
+        reply = list(await pipe.execute())
+    flows = tuple({_text(m): float(s) / VT_SCALE for m, s in rows} for rows in reply[:3])
+    frozen = reply.pop() if frozen_read else None
+    now = int(frozen) if frozen is not None else int(seconds) * 1_000_000 + int(micros)
+    names = sorted(set().union(*flows))
+    tenants: dict[str, dict[str, str]] = {}
+    if names:
+        async with client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.hgetall(keys.tenant_key(name))
+            tenants = {n: _str_map(raw) for n, raw in zip(names, await pipe.execute(),
+                                                          strict=True)}
+    return FairReading(now, (flows[0], flows[1], flows[2]), tenants,
+                       {lvl: _str_map(raw) for lvl, raw in zip(levels, reply[3:], strict=True)})

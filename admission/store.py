@@ -393,6 +393,11 @@ class PoolStore:
         """(state, node) of each task, '' for what its record lacks."""
         return await reads.task_states(self.client, self.keys, task_ids)
 
+    async def read_fairness(self, levels: Sequence[str] = ()) -> reads.FairReading:
+        """Backlogged flows, their tenants and the named quota levels' buckets
+        (admission.reads.read_fairness)."""
+        return await reads.read_fairness(self.client, self.keys, levels)
+
     async def gateway_tasks(self, gateway: str) -> set[str]:
         """Ids of the live tasks `gateway` holds in this pool."""
         return await reads.gateway_tasks(self.client, self.keys, gateway)

@@ -185,6 +185,9 @@ class Admitter:
             live.discard(task_id)  # refused: nothing was written
             if result.outcome is AdmitOutcome.REJECTED:
                 self.metrics.child(self.metrics.rejections, *labels, str(result.reason)).inc()
+                if result.reason is RejectReason.QUOTA:
+                    self.metrics.child(self.metrics.quota_rejections, pool.name,
+                                       result.scope or KEY_SCOPE).inc()
                 raise self._rejection(result, inbound, tenant)
             raise ApiError(500, "Duplicate task id; please retry.", type_="server_error",
                            code="internal_error", retry_after_ms=self._hint(100))

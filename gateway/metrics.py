@@ -45,6 +45,10 @@ class GatewayMetrics:
             "(quota, zone_red, queue_full, tenant_queue_full, tenant_queued_tokens, "
             "exceeds_burst, queue_timeout).",
             [*by_tier, "reason"], registry=r)
+        self.quota_rejections = Counter(
+            "kvgate_gateway_quota_rejections", "Requests refused by a quota level, by the "
+            "binding level (scope: key, or team:<name> of a configured team).",
+            ["pool", "scope"], registry=r)
         self.queue_wait = Histogram(
             "kvgate_gateway_queue_wait_seconds", "Time queued before release.",
             ["pool", "tier"], buckets=_WAIT_BUCKETS, registry=r)

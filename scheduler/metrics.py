@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from admission.tiers import Zone
+from scheduler.fairmetrics import FairMetrics
 
 ZONE_LEVEL = {Zone.GREEN: 0, Zone.YELLOW: 1, Zone.RED: 2}
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -91,10 +92,13 @@ class SchedulerMetrics:
                                        buckets=_FAST, registry=r)
         self.redis_errors = Counter(p + "redis_errors", "Redis calls that failed in a tick.",
                                     ["pool"], registry=r)
+        self.fair = FairMetrics(r)
+        """Per tenant and team (scheduler.fairmetrics)."""
 
     def forget_pools(self) -> None:
         """Drop every per-pool gauge: a replica that stopped leading must not go on exporting
         the last figures it saw, or sums over replicas count them twice."""
+        self.fair.forget()
         for gauge in (self.zone, self.pool_usage, self.usage_ratio, self.kv_usage,
                       self.projected, self.budget, self.reserved, self.ejected,
                       self.preemptions, self.queue_depth, self.drain, self.prefill_window,

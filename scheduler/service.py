@@ -51,6 +51,9 @@ async def cancel_until_done(tasks: list[asyncio.Task[Any]], recancel_s: float = 
             task.exception()
 
 
+FAIR_METRICS_INTERVAL_S = 1.0
+"""How often the leader reads the fairness and quota figures it exports (scheduler.fairmetrics)."""
+
 REAP_BATCH = 1000
 REAP_CALLS = 10
 """At most this many reap calls per pool per round, so a backlog cannot stall the loop."""
@@ -119,6 +122,7 @@ class SchedulerService:
             asyncio.create_task(self.elector.run(), name="elector"),
             asyncio.create_task(self._tick_loop(), name="ticks"),
             asyncio.create_task(self._reap_loop(), name="reaper"),
+            asyncio.create_task(self._fair_metrics_loop(), name="fair-metrics"),
         ]
         log.info("scheduler %s started: %d pool(s), poll %d ms, Redis %s", self.me,
                  len(self.pools), s.poll_interval_ms, redis_address(self.config.redis))
@@ -228,6 +232,22 @@ class SchedulerService:
                     self._redis_failed_at = self.clock()
                     self.metrics.redis_errors.labels(pool.name).inc()
                     log.warning("pool %s reap failed: %s", pool.name, exc)
+
+    async def _fair_metrics_loop(self) -> None:
+        assert self.elector is not None
+        teams = tuple(sorted(self.config.teams))
+        while True:
+            await asyncio.sleep(FAIR_METRICS_INTERVAL_S)
+            if not self.elector.leading:
+                continue
+            for pool in self.pools:
+                try:
+                    reading = await pool.store.read_fairness(teams)
+                except (RedisError, OSError) as exc:
+                    self.metrics.redis_errors.labels(pool.name).inc()
+                    log.warning("pool %s fairness read failed: %s", pool.name, exc)
+                    continue
+                self.metrics.fair.observe(pool.name, reading)
 
     async def reap(self, pool: PoolScheduler) -> None:
         for _ in range(REAP_CALLS):

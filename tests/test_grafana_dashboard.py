@@ -88,7 +88,7 @@ def _config() -> dict[str, Any]:
     }
 
 
-def _exercise(metrics_object: object) -> None:
+def _exercise(metrics_object: object, least: int = 10) -> None:
     """Create one child of every labelled metric, so that its samples are collected."""
     found = 0
     for metric in vars(metrics_object).values():
@@ -96,7 +96,7 @@ def _exercise(metrics_object: object) -> None:
             found += 1
             if metric._labelnames:
                 metric.labels(*("x" for _ in metric._labelnames))
-    assert found >= 10, f"{type(metrics_object).__name__}: no metrics found on it"
+    assert found >= least, f"{type(metrics_object).__name__}: no metrics found on it"
 
 
 def _samples(registry: CollectorRegistry) -> dict[str, tuple[str, frozenset[str]]]:
@@ -122,6 +122,7 @@ def scheduler_samples() -> dict[str, tuple[str, frozenset[str]]]:
     app = scheduler_app(parse_config(_config(), env={}), me="sched-test")
     metrics = app[SERVICE].metrics
     _exercise(metrics)
+    _exercise(metrics.fair, least=8)  # per tenant and team (scheduler.fairmetrics)
     return _samples(metrics.registry)
 
 

@@ -1,0 +1,194 @@
+"""What `kvgate-inspect` shows of fair release and quota levels, per pool.
+
+Per tenant with a hash in the pool (`kvg:{pool}:tenant:<tenant>`): its weight, its share of
+each tier it has work queued in (its weight over the weights of the tenants queued there: the
+share of releases fair order gives it now), its virtual counter there and how far it is above
+the tier's least (in tokens at weight 1; 0: served next), its queued and in-flight tokens
+against its caps, and the tokens/s released from its queue (decayed over 5 s). Per quota level
+(`kvg:{pool}:quota:<team>`): its bucket refilled to now, and its allowances used this day and
+month. The tier's virtual time (`kvg:{pool}:vtime`) is shown too.
+
+The same figures with redis-cli, for a tenant `acme` of pool `P` in Normal::
+
+    redis-cli HGETALL 'kvg:{P}:tenant:acme'            vt_1, weight, queued_tokens, ...
+    redis-cli ZRANGE 'kvg:{P}:flows:normal' 0 -1 WITHSCORES    backlogged, least first
+    redis-cli ZRANGE 'kvg:{P}:flow:normal:acme' 0 -1   its queued tasks, oldest first
+    redis-cli HGETALL 'kvg:{P}:quota:research'          a team's bucket and allowances
+
+Tenant and level keys are found with SCAN (never KEYS), as buckets are.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from admission.keys import VT_SCALE, PoolKeys
+from admission.tiers import Tier
+
+SCAN_COUNT = 500
+DRAIN_TAU_S = 5.0
+"""The time constant of a tenant's drain in the scripts (lua/_lib.lua DRAIN_TAU_US)."""
+DAY_US = 86_400_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class FairTenantView:
+    tenant: str
+    weight: float
+    counters: list[int | None]
+    """Virtual counter per tier (VIP, Normal, Batch), VT units; None: never charged there."""
+    share: list[float | None]
+    """Share of each tier's releases while it has work queued there; None: nothing queued."""
+    lag_tokens: list[float | None]
+    """Counter above the tier's least backlogged one, tokens at weight 1; None: not queued."""
+    queued_tokens: int
+    inflight_tokens: int
+    inflight_cap: int | None
+    release_rate: float
+    """Tokens/s released from its queue (decayed over 5 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LevelView:
+    level: str
+    tokens: float
+    burst: int
+    rate: int
+    percent: float
+    day_used: int | None
+    """Tokens of the allowance used today (None: no daily or monthly allowance counted)."""
+    month_used: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class FairView:
+    vtime: list[int]
+    """Each tier's virtual time (VIP, Normal, Batch), VT units."""
+    tenants: list[FairTenantView]
+    levels: list[LevelView]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _num(raw: str | None, default: float = 0.0) -> float:
+    try:
+        value = float(raw) if raw is not None else default
+    except ValueError:
+        return default
+    return value if math.isfinite(value) else default
+
+
+async def _hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
+    names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
+    out: dict[str, dict[str, str]] = {}
+    for start in range(0, len(names), SCAN_COUNT):
+        chunk = names[start:start + SCAN_COUNT]
+        async with client.pipeline(transaction=False) as pipe:
+            for name in chunk:
+                pipe.hgetall(name)
+            replies = await pipe.execute()
+        for name, raw in zip(chunk, replies, strict=True):
+            if raw:  # it may vanish between SCAN and HGETALL
+                out[name[len(prefix):]] = {_text(k): _text(v) for k, v in raw.items()}
+    return out
+
+
+def _period(h: Mapping[str, str], kind: str, index: int) -> int | None:
+    if kind not in h:
+        return None
+    return int(_num(h.get(kind + "_used"))) if int(_num(h.get(kind), -1)) == index else 0
+
+
+def level_view(name: str, h: Mapping[str, str], now_us: int, month: int) -> LevelView:
+    level, at = _num(h.get("micro_tokens")), _num(h.get("updated_us"), now_us)
+    rate, burst = int(_num(h.get("rate"))), int(_num(h.get("burst")))
+    if now_us > at:
+        level += rate * (now_us - at)
+    tokens = min(level, burst * 1e6) / 1e6
+    return LevelView(name, tokens, burst, rate,
+                     round(100 * tokens / burst, 2) if burst else 0.0,
+                     _period(h, "day", now_us // DAY_US), _period(h, "month", month))
+
+
+def tenant_view(name: str, h: Mapping[str, str], flows: Sequence[Mapping[str, int]],
+                weights: Mapping[str, float], now_us: int) -> FairTenantView:
+    counters: list[int | None] = []
+    share: list[float | None] = []
+    lag: list[float | None] = []
+    for tier in Tier:
+        raw = h.get(f"vt_{int(tier)}")
+        counters.append(None if raw is None else int(_num(raw)))
+        backlogged = flows[tier]
+        if name in backlogged:
+            total = sum(weights.get(t, 1.0) for t in backlogged) or 1.0
+            share.append(weights.get(name, 1.0) / total)
+            lag.append((backlogged[name] - min(backlogged.values())) / VT_SCALE)
+        else:
+            share.append(None)
+            lag.append(None)
+    drain, at = _num(h.get("drain")), _num(h.get("drain_us"), now_us)
+    if now_us > at:
+        drain *= math.exp(-(now_us - at) / (DRAIN_TAU_S * 1e6))
+    cap = int(_num(h.get("inflight_cap")))
+    return FairTenantView(name, _num(h.get("weight"), 1.0), counters, share, lag,
+                          int(_num(h.get("queued_tokens"))), int(_num(h.get("inflight_tokens"))),
+                          cap or None, drain / DRAIN_TAU_S)
+
+
+async def read_fair(client: Any, keys: PoolKeys, now_us: int, month: int) -> FairView:
+    """`month`: the current UTC month as the scripts count it (year x 12 + month - 1)."""
+    async with client.pipeline(transaction=False) as pipe:
+        for tier in Tier:
+            pipe.zrange(keys.flows(tier), 0, -1, withscores=True)
+        pipe.hgetall(keys.vtime)
+        reply = list(await pipe.execute())
+    flows = [{_text(m): int(s) for m, s in rows} for rows in reply[:3]]
+    vtime_raw = {_text(k): _text(v) for k, v in reply[3].items()}
+    vtime = [int(_num(vtime_raw.get(t.label))) for t in Tier]
+    tenants = await _hashes(client, keys.tenant_key(""))
+    levels = await _hashes(client, keys.quota_key(""))
+    weights = {n: _num(h.get("weight"), 1.0) for n, h in tenants.items()}
+    return FairView(
+        vtime,
+        [tenant_view(n, tenants.get(n, {}), flows, weights, now_us)
+         for n in sorted(set(tenants) | set().union(*flows))],
+        [level_view(n, h, now_us, month) for n, h in sorted(levels.items())])
+
+
+def _fmt(value: float | int | None, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def render_fair(view: FairView, table: Any) -> list[str]:
+    """The fairness and quota tables (`table`: admission.inspect's table formatter)."""
+    lines: list[str] = []
+    if view.tenants:
+        lines += table(
+            ["tenant", "weight", "share v/n/b", "lag tokens v/n/b", "queued tok",
+             "in flight tok", "cap", "released tok/s"],
+            ([t.tenant, f"{t.weight:g}",
+              "/".join(_fmt(s, "{:.0%}") for s in t.share),
+              "/".join(_fmt(x, "{:.0f}") for x in t.lag_tokens),
+              str(t.queued_tokens), str(t.inflight_tokens), _fmt(t.inflight_cap),
+              f"{t.release_rate:.1f}"] for t in view.tenants))
+        lines.append("  virtual time v/n/b: " + "/".join(str(v) for v in view.vtime)
+                     + f" ({VT_SCALE} units per token at weight 1)")
+    if view.levels:
+        lines += table(["quota level", "tokens", "burst", "% of burst", "rate/s",
+                        "used today", "used this month"],
+                       ([lv.level, f"{lv.tokens:.1f}", str(lv.burst), f"{lv.percent:g}",
+                         str(lv.rate), _fmt(lv.day_used), _fmt(lv.month_used)]
+                        for lv in view.levels))
+    return lines
+
+
+def month_index(now_us: int) -> int:
+    """The UTC month of `now_us` as the scripts count it (year x 12 + month - 1)."""
+    date = datetime.datetime.fromtimestamp(now_us // 1_000_000, tz=datetime.UTC)
+    return date.year * 12 + date.month - 1

@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
-PACKAGES = {"sim", "burst", "perf", "common"}
+PACKAGES = {"sim", "burst", "perf", "common", "fair"}
 
 
 def module_name(path: Path) -> str:

@@ -72,12 +72,14 @@ local TASK_FIELDS = {'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'dead
 
 -- What a capacity 429's retry hint is computed from (admission/hints.py), as admit.lua and
 -- hint.lua report it: the tasks queued at `tier` or above; their drain rate in tasks/s, the sum
--- of the state's drain_<t> ('' when none was published); and the state's age in ms at `now`
--- (µs), -1 when no state was published. `st`: the state hash's HINT_FIELDS, by name.
+-- of the state's drain_<t> ('' when none was published); the state's age in ms at `now`
+-- (µs), -1 when no state was published; and the tasks queued at `tier` itself. `st`: the state
+-- hash's HINT_FIELDS, by name.
 local function hint_facts(queues, tier, st, now)
-  local ahead, drain, known = 0, 0, false
+  local ahead, drain, known, own = 0, 0, false, 0
   for t = 0, tier do
-    ahead = ahead + redis.call('ZCARD', queues[t + 1])
+    own = redis.call('ZCARD', queues[t + 1])
+    ahead = ahead + own
     local rate = st['drain_' .. t]
     if rate then
       known = true
@@ -86,7 +88,7 @@ local function hint_facts(queues, tier, st, now)
   end
   local age = -1
   if st.updated_us then age = math.floor((now - tonumber(st.updated_us)) / 1000) end
-  return ahead, known and tostring(drain) or '', age
+  return ahead, known and tostring(drain) or '', age, own
 end
 
 local function task_key(prefix, id) return prefix .. 'task:' .. id end

@@ -105,7 +105,7 @@ if existing then return {'duplicate', existing, 0, 0, zone} end
 
 -- Tasks ahead of this one (everything queued at its tier or above), and the rest of what a
 -- capacity rejection's hint is computed from (header).
-local ahead, drain, state_age_ms = hint_facts(queues, tier, st, now)
+local ahead, drain, state_age_ms, own_tier = hint_facts(queues, tier, st, now)
 
 local function capacity_rejected(reason)
   return {'rejected', reason, 0, ahead, zone, drain, st.red_clear_s or '', state_age_ms}
@@ -144,13 +144,15 @@ if short then return {'rejected', 'quota', short_wait, ahead, zone, short.scope,
 local fresh = stale_ms == 0 or (st.updated_us and now - tonumber(st.updated_us) <= stale_ms * 1000)
 local node, guest, placement, prefill = nil, false, nil, nil
 local first, busy = ahead == 0, false
+-- (The flows mirror the tier's queue: with nothing queued in the tier there is no flow to read.)
 if fair then
-  first = ahead == redis.call('ZCARD', queues[tier + 1])
-    and redis.call('EXISTS', flow_key(prefix, tier, tenant)) == 0
-  if first then
+  first = ahead == own_tier
+  if first and own_tier > 0 and redis.call('EXISTS', flow_key(prefix, tier, tenant)) == 0 then
     local least
     least, busy = flow_floor(prefix, tier)
     if busy then first = tenant_vt(tkey, tier) <= least end
+  elseif first and own_tier > 0 then
+    first = false
   end
 end
 if first and fresh and (zone == 'GREEN' or tier == 0)

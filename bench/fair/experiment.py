@@ -12,6 +12,8 @@ theirs. The arms, each on fresh nodes and a fresh Redis, with the same planned a
 - ``alone``: fair release, B and C only: the reference for their queue wait;
 - ``failover``: as ``fair``, and the leading scheduler is killed (SIGKILL) in the middle of
   the window: the standby takes over from the counters in Redis;
+- ``fair-again``: ``fair`` once more, unchanged: how far shares move between two runs of the
+  same arm on this machine (the noise the failover's move is to be read against);
 - ``weighted``: two tenants of weights 3 and 1, each sending the pool's whole capacity.
 
 The bars (from the issue this experiment answers): in ``fair`` B and C get at least 90% of
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -62,6 +65,7 @@ def arms() -> list[ArmSpec]:
         ArmSpec("fifo", three, noisy, fair=False),
         ArmSpec("alone", three, {"B": light, "C": light}, fair=True),
         ArmSpec("failover", three, noisy, fair=True, failover_at_s=FAILOVER_AT_S),
+        ArmSpec("fair-again", three, noisy, fair=True),
         ArmSpec("weighted", (Tenant("D", 3.0), Tenant("E", 1.0)),
                 {"D": CAPACITY_RPS, "E": CAPACITY_RPS}, fair=True),
     ]
@@ -93,11 +97,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def revision() -> str:
+    """The checkout's commit (and "+changes" when the tree differs from it)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "python -m bench.fair.experiment" + " ".join(
         ["", *(["--seed", str(args.seed)] if args.seed != 1 else [])])
+    command += f"` on revision `{revision()}"
     results = asyncio.run(run_all(args.seed, args.out, args.arm))
     md = markdown(results, seed=args.seed, command=command, capacity_rps=CAPACITY_RPS,
                   flood=FLOOD, light=LIGHT_SHARE, window=(WARMUP_S, DURATION_S))

@@ -18,13 +18,19 @@ FAILOVER_POINTS_BAR = 2.0
 WEIGHT_BAR = 0.10
 
 
-def _verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
+def _verdict(ok: bool | None) -> str:
+    return "reference" if ok is None else "PASS" if ok else "FAIL"
 
 
-def bars(results: Mapping[str, ArmResult]) -> list[tuple[str, str, bool]]:
-    """(bar, measured, passed) for every bar whose arms ran."""
-    out: list[tuple[str, str, bool]] = []
+def _largest_move(a: ArmResult, b: ArmResult) -> float:
+    """The largest change of a tenant's share between two arms, in points."""
+    return max(abs(a.share(n) - b.share(n)) * 100 for n in a.tenants)
+
+
+def bars(results: Mapping[str, ArmResult]) -> list[tuple[str, str, bool | None]]:
+    """(bar, measured, passed) for every bar whose arms ran (passed None: a reference figure,
+    not a bar)."""
+    out: list[tuple[str, str, bool | None]] = []
     fair, fifo = results.get("fair"), results.get("fifo")
     alone, failover = results.get("alone"), results.get("failover")
     if fair is not None:
@@ -44,9 +50,16 @@ def bars(results: Mapping[str, ArmResult]) -> list[tuple[str, str, bool]]:
                     f"{fair.throughput_tps:.0f} vs {fifo.throughput_tps:.0f} tok/s: "
                     f"{change:+.1%}", abs(change) <= THROUGHPUT_BAR))
     if fair is not None and failover is not None:
-        moved = max(abs(failover.share(n) - fair.share(n)) * 100 for n in fair.tenants)
+        moved = _largest_move(failover, fair)
         out.append(("failover: no share moves more than 2 points",
                     f"largest move {moved:.2f} points", moved <= FAILOVER_POINTS_BAR))
+    again = results.get("fair-again")
+    if fair is not None and again is not None:
+        out.append(("fair run again, unchanged: largest share move (the noise floor)",
+                    f"{_largest_move(again, fair):.2f} points", None))
+        if failover is not None:
+            out.append(("failover against fair-again: largest share move",
+                        f"{_largest_move(failover, again):.2f} points", None))
     weighted = results.get("weighted")
     if weighted is not None:
         d, e = weighted.tenants["D"].service_tokens, weighted.tenants["E"].service_tokens

@@ -53,6 +53,8 @@ DURATION_S = 40.0
 WARMUP_S = 15.0
 """Figures count the last 25 s: the pool is full and the queues have their steady shape."""
 FAILOVER_AT_S = 27.5
+LOGS = Path("bench/results/tmp/fairness-logs")
+"""The services' logs and configurations of the last run (untracked)."""
 
 
 def arms() -> list[ArmSpec]:
@@ -79,7 +81,7 @@ async def run_all(seed: int, out: Path, only: Sequence[str]) -> dict[str, ArmRes
             continue
         started = time.monotonic()
         print(f"[{spec.name}] running ({DURATION_S:.0f} s of load)", flush=True)
-        result = await run_arm(spec, lab, seed, DURATION_S, WARMUP_S, out / "logs")
+        result = await run_arm(spec, lab, seed, DURATION_S, WARMUP_S, LOGS)
         results[spec.name] = result
         summary = "  ".join(f"{n}: share {result.share(n):.3f} met {t.demand_met:.3f} "
                             f"p99 {t.wait_p(0.99):.0f} ms" for n, t in result.tenants.items())

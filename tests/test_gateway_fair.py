@@ -20,7 +20,6 @@ MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 
 
 def adjust(data: dict[str, Any]) -> None:
-    KEYS["flood"], KEYS["calm"] = "sk-test-flood", "sk-test-calm"
     data["tenants"] += [
         {"name": "flood", "tier": "normal", "key_sha256": [sha(KEYS["flood"])],
          "rate": 1_000_000, "burst": 1_000, "max_queued": 100,
@@ -31,7 +30,12 @@ def adjust(data: dict[str, Any]) -> None:
 
 
 @pytest.fixture
-async def gw(redis_url: str, redis_client: aioredis.Redis) -> Any:
+async def gw(redis_url: str, redis_client: aioredis.Redis,
+             monkeypatch: pytest.MonkeyPatch) -> Any:
+    # The harness's key table is shared by every test module: the two tenants join it for
+    # this test only (another module counts its entries).
+    monkeypatch.setitem(KEYS, "flood", "sk-test-flood")
+    monkeypatch.setitem(KEYS, "calm", "sk-test-calm")
     async with running_gateway(redis_url, adjust=adjust) as harness:
         yield harness
 

@@ -34,7 +34,7 @@ from redis.exceptions import RedisError
 
 from admission.config import ConfigError, TenantSettings
 from admission.connection import connect
-from admission.inspect_fair import FairView, month_index, read_fair, render_fair
+from admission.inspect_fair import FairView, month_index, read_fair, render_fair, scan_hashes
 from admission.inspect_target import SCAN_COUNT as SCAN_COUNT  # public here too
 from admission.inspect_target import (
     NothingFound,
@@ -219,19 +219,8 @@ async def read_scheduler(client: Any) -> SchedulerView:
 
 
 async def _buckets(client: Any, keys: PoolKeys) -> dict[str, dict[str, str]]:
-    prefix = keys.bucket_key("")
-    names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
-    out: dict[str, dict[str, str]] = {}
-    for start in range(0, len(names), SCAN_COUNT):
-        chunk = names[start:start + SCAN_COUNT]
-        async with client.pipeline(transaction=False) as pipe:
-            for name in chunk:
-                pipe.hgetall(name)
-            replies = await pipe.execute()
-        for name, raw in zip(chunk, replies, strict=True):
-            if raw:  # a bucket may vanish between SCAN and HGETALL (flush, manual DEL)
-                out[name[len(prefix):]] = _hash(raw)
-    return out
+    # A bucket may vanish between SCAN and HGETALL (flush, manual DEL): it is then left out.
+    return await scan_hashes(client, keys.bucket_key(""))
 
 
 def _nodes(state: dict[str, str], capacity: Mapping[str, str],

@@ -21,17 +21,16 @@ Tenant and level keys are found with SCAN (never KEYS), as buckets are.
 from __future__ import annotations
 
 import datetime
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from admission.keys import VT_SCALE, PoolKeys
+from admission.reads import finite_number as _num
+from admission.reads import release_rate
 from admission.tiers import Tier
 
 SCAN_COUNT = 500
-DRAIN_TAU_S = 5.0
-"""The time constant of a tenant's drain in the scripts (lua/_lib.lua DRAIN_TAU_US)."""
 DAY_US = 86_400_000_000
 
 
@@ -76,15 +75,11 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _num(raw: str | None, default: float = 0.0) -> float:
-    try:
-        value = float(raw) if raw is not None else default
-    except ValueError:
-        return default
-    return value if math.isfinite(value) else default
 
 
-async def _hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
+async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
+    """Every hash whose key starts with `prefix`, by the rest of its key: SCAN (never KEYS),
+    then HGETALL in pipelined chunks."""
     names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
     out: dict[str, dict[str, str]] = {}
     for start in range(0, len(names), SCAN_COUNT):
@@ -132,13 +127,10 @@ def tenant_view(name: str, h: Mapping[str, str], flows: Sequence[Mapping[str, in
         else:
             share.append(None)
             lag.append(None)
-    drain, at = _num(h.get("drain")), _num(h.get("drain_us"), now_us)
-    if now_us > at:
-        drain *= math.exp(-(now_us - at) / (DRAIN_TAU_S * 1e6))
     cap = int(_num(h.get("inflight_cap")))
     return FairTenantView(name, _num(h.get("weight"), 1.0), counters, share, lag,
                           int(_num(h.get("queued_tokens"))), int(_num(h.get("inflight_tokens"))),
-                          cap or None, drain / DRAIN_TAU_S)
+                          cap or None, release_rate(h, now_us))
 
 
 async def read_fair(client: Any, keys: PoolKeys, now_us: int, month: int) -> FairView:
@@ -151,8 +143,8 @@ async def read_fair(client: Any, keys: PoolKeys, now_us: int, month: int) -> Fai
     flows = [{_text(m): int(s) for m, s in rows} for rows in reply[:3]]
     vtime_raw = {_text(k): _text(v) for k, v in reply[3].items()}
     vtime = [int(_num(vtime_raw.get(t.label))) for t in Tier]
-    tenants = await _hashes(client, keys.tenant_key(""))
-    levels = await _hashes(client, keys.quota_key(""))
+    tenants = await scan_hashes(client, keys.tenant_key(""))
+    levels = await scan_hashes(client, keys.quota_key(""))
     weights = {n: _num(h.get("weight"), 1.0) for n, h in tenants.items()}
     return FairView(
         vtime,

@@ -14,6 +14,7 @@ each in one round trip, so that no service names a key or sends a command of its
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -208,3 +209,26 @@ async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> F
                                                           strict=True)}
     return FairReading(now, (flows[0], flows[1], flows[2]), tenants,
                        {lvl: _str_map(raw) for lvl, raw in zip(levels, reply[3:], strict=True)})
+
+
+def finite_number(raw: str | None, default: float = 0.0) -> float:
+    """A hash field as a finite float; `default` when it is missing, not a number, or not
+    finite (operators can write anything with redis-cli)."""
+    try:
+        value = float(raw) if raw is not None else default
+    except ValueError:
+        return default
+    return value if math.isfinite(value) else default
+
+
+DRAIN_TAU_S = 5.0
+"""The time constant of a tenant's decayed drain in the scripts (lua/_lib.lua DRAIN_TAU_US)."""
+
+
+def release_rate(h: Mapping[str, str], now_us: int) -> float:
+    """Tokens/s released from a tenant's queue, from its decayed drain (`drain`, `drain_us`
+    of its hash) as of `now_us`."""
+    total, at = finite_number(h.get("drain")), finite_number(h.get("drain_us"), now_us)
+    if now_us > at:
+        total *= math.exp(-(now_us - at) / (DRAIN_TAU_S * 1e6))
+    return total / DRAIN_TAU_S

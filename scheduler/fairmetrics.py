@@ -23,36 +23,16 @@ that left the top are removed, and a replica that stops leading drops them all.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from admission.reads import FairReading
+from admission.reads import FairReading, release_rate
+from admission.reads import finite_number as _num
 from admission.tiers import Tier
 
 TOP_TENANTS = 20
 OTHER = "_other"
-DRAIN_TAU_S = 5.0
-"""The time constant of a tenant's drain in the scripts (lua/_lib.lua DRAIN_TAU_US)."""
-
-
-def _num(raw: str | None, default: float = 0.0) -> float:
-    try:
-        value = float(raw) if raw is not None else default
-    except ValueError:
-        return default
-    return value if math.isfinite(value) else default
-
-
-def release_rate(h: Mapping[str, str], now_us: int) -> float:
-    """Tokens/s released from a tenant's queue, from its decayed drain (`drain`, `drain_us`)."""
-    total, at = _num(h.get("drain")), _num(h.get("drain_us"), now_us)
-    if now_us > at:
-        total *= math.exp(-(now_us - at) / (DRAIN_TAU_S * 1e6))
-    return total / DRAIN_TAU_S
-
-
 def bucket_tokens(h: Mapping[str, str], now_us: int) -> float | None:
     """A bucket's level in tokens at `now_us` (the scripts' lazy refill); None: never used."""
     if "micro_tokens" not in h:

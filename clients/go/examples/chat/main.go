@@ -80,6 +80,21 @@ type request struct {
 	completions bool
 }
 
+// drain reads a stream to its end, handing each event to write as it arrives, and closes it.
+func drain[T any](s *kvgate.Stream[T], write func(T)) error {
+	defer s.Close()
+	for {
+		event, err := s.Recv()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		write(event)
+	}
+}
+
 // send makes one request and writes the answer's text to out, each chunk as it arrives.
 func (r request) send(ctx context.Context, out io.Writer) error {
 	messages := []kvgate.Message{{Role: "user", Content: r.prompt}}
@@ -89,37 +104,21 @@ func (r request) send(ctx context.Context, out io.Writer) error {
 		if err != nil {
 			return err
 		}
-		defer s.Close()
-		for {
-			c, err := s.Recv()
-			if err == io.EOF {
-				return nil
-			}
-			if err != nil {
-				return err
-			}
+		return drain(s, func(c kvgate.Completion) {
 			for _, choice := range c.Choices {
 				fmt.Fprint(out, choice.Text)
 			}
-		}
+		})
 	case r.stream:
 		s, err := r.client.ChatCompletionStream(ctx, kvgate.ChatCompletionRequest{Model: r.model, Messages: messages, MaxTokens: r.maxTokens})
 		if err != nil {
 			return err
 		}
-		defer s.Close()
-		for {
-			c, err := s.Recv()
-			if err == io.EOF {
-				return nil
-			}
-			if err != nil {
-				return err
-			}
+		return drain(s, func(c kvgate.ChatCompletionChunk) {
 			for _, choice := range c.Choices {
 				fmt.Fprint(out, choice.Delta.Content)
 			}
-		}
+		})
 	case r.completions:
 		c, err := r.client.Completion(ctx, kvgate.CompletionRequest{Model: r.model, Prompt: r.prompt, MaxTokens: r.maxTokens})
 		if err != nil {

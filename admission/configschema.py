@@ -436,6 +436,8 @@ class Config:
             stale_after_ms=self.pools[pool].stale_after_ms,
             retention_s=self.gateway.retention_s,
             fair=self.pools[pool].fairness.enabled,
+            fair_headroom=self.pools[pool].fairness.headroom,
+            fair_light_window_ms=self.pools[pool].fairness.light_window_ms,
         )
 
     def backend_ssl_context(self) -> ssl.SSLContext | None:

@@ -19,6 +19,14 @@ from admission.store import MAX_WEIGHT, MIN_WEIGHT
 class FairnessSettings:
     enabled: bool = True
     """Weighted fair order across tenants within each tier; false: FIFO within each tier."""
+    headroom: float = between(0.0, 0.5, 0.02)
+    """The fraction of each node's capacity for a tier that a release from the queue leaves
+    free when its tenant holds more than its weighted share of the tier's in-flight tokens while
+    a lighter tenant is active: that tenant's next request then finds room at once instead of
+    waiting for a completion (0: fair release gives every freed token to the backlog)."""
+    light_window_ms: int = at_least(100, 5_000)
+    """How long a tenant counts as active and light after the fast path admitted it while its
+    tier had a backlog (the room above is held for it that long after its last such admit)."""
 
 
 def weight_field() -> float:

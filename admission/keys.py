@@ -14,7 +14,7 @@ Key names are plain words so operators can read them with redis-cli, for example
 The Lua scripts build the names of keys they discover at run time (a task id popped from a
 queue) from the same ``prefix`` the Python side passes in; `lua/_lib.lua` mirrors the suffixes
 of `task_key`, `bucket_key`, `gateway_tasks_key`, `running`, `node_guests`,
-`node_guest_pace`, `tenant_key`, `flows`, `flow`, `vtime` and `quota_key`, and a test
+`node_guest_pace`, `tenant_key`, `flows`, `flow`, `light`, `vtime` and `quota_key`, and a test
 checks that they agree.
 """
 
@@ -176,6 +176,13 @@ class PoolKeys:
         """ZSET task id -> enqueue µs: one tenant's queued tasks in `tier` (FIFO within the
         tenant), the same entries as the tier's queue; gone when empty."""
         return f"{self.prefix}flow:{tier.label}:{tenant}"
+
+    def light(self, tier: Tier) -> str:
+        """ZSET tenant -> µs: the tenants the fast path admitted in `tier` while it had
+        backlogged flows, each at its last such admit. For a window after it, fair release of a
+        tenant above its share leaves room for them (`lua/_lib.lua`, fair_keep()); the release
+        drops entries older than the window."""
+        return f"{self.prefix}light:{tier.label}"
 
     @property
     def vtime(self) -> str:

@@ -69,6 +69,12 @@ class PoolPolicy:
     retention_s: int = 600
     fair: bool = True
     """Release in weighted fair order across tenants within each tier (False: FIFO)."""
+    fair_headroom: float = 0.0
+    """Fair order: the fraction of each node's capacity a release of a tenant above its share
+    leaves free while a lighter tenant is active (admission.fairconfig `headroom`; the services
+    pass the configured value, whose default is not 0)."""
+    fair_light_window_ms: int = 5_000
+    """Fair order: how long a tenant counts as light (admission.fairconfig `light_window_ms`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +324,8 @@ class PoolStore:
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
                   k.tier_capacity(Tier.BATCH), k.node_prefill, k.node_prefill_released],
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
-                  sum(1 << int(t) for t in set(guests_only)), "1" if self.policy.fair else "0"],
+                  sum(1 << int(t) for t in set(guests_only)), "1" if self.policy.fair else "0",
+                  repr(float(self.policy.fair_headroom)), self.policy.fair_light_window_ms],
         )
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))

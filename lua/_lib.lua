@@ -7,7 +7,7 @@
 -- token amounts in whole tokens, except a bucket's level, kept in micro-tokens so that
 -- refill (rate tokens/s x elapsed µs) stays an exact integer.
 -- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:, running,
--- node_guests, node_guest_pace, tenant:, flows:, flow:, vtime, quota:).
+-- node_guests, node_guest_pace, tenant:, flows:, flow:, vtime, quota:, light:).
 
 local TIER_QUEUE_COUNT = 3
 local TIER_LABELS = {'vip', 'normal', 'batch'}
@@ -21,6 +21,9 @@ local DRAIN_TAU_US = 5000000
 local DRAIN_WAIT_MAX_MS = 1000000000
 -- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
 local TIE_SHARE = 32
+-- At most this many light tenants, and this many backlogged flows, make up the view a
+-- release judges a tenant's share of the in-flight tokens against (fair_view()).
+local LIGHT_SCAN = 8
 
 local function fmt(n)
   return string.format('%.0f', n)
@@ -104,6 +107,7 @@ local function flow_key(prefix, tier, tenant)
 end
 local function vtime_key(prefix) return prefix .. 'vtime' end
 local function quota_key(prefix, level) return prefix .. 'quota:' .. level end
+local function light_key(prefix, tier) return prefix .. 'light:' .. TIER_LABELS[tier + 1] end
 
 -- A released task's entry in the running index: what the scheduler needs to project how the
 -- node's KV usage will grow (names never contain spaces: admission/keys.py check_name).
@@ -386,8 +390,12 @@ end
 -- by it, but is steered to the nodes with the most prefill room
 -- (a short compute queue ahead of its first token: least_queued()), and the KV rules below
 -- choose among those.
+--
+-- Held-back room (`keep`, a fraction; nil or 0: none): the task may use a node only while
+-- keep x the tier's capacity there stays free after it (fair release of a tenant above its
+-- share while lighter tenants are active: fair_view()).
 local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
-                     prompt_tokens, now, guests_only, prefill)
+                     prompt_tokens, now, guests_only, prefill, keep)
   local caps = redis.call('HGETALL', cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
@@ -412,7 +420,9 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     end
     if allowed then
       local reserved = tonumber(redis.call('HGET', resv_key, node) or '0') or 0
-      local room = (tonumber(caps[i + 1]) or 0) - reserved
+      local cap = tonumber(caps[i + 1]) or 0
+      local room = cap - reserved
+      if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
       table.insert(candidates[group], {node, room, reserved, compute and compute.room,
         compute and compute.window})
       if best[group] == nil or room > best[group] then best[group] = room end
@@ -639,6 +649,70 @@ local function next_flow(prefix, tier, skip, nskip)
       end
     end
     if not stale then return best, best_id, best_score end
+  end
+end
+
+-- Held-back room for light tenants (docs/architecture.md, "Fairness within a tier"). Fair
+-- order decides who is served next, but it is work-conserving: every token a completion frees
+-- goes to the backlog, so a tenant sending within its share finds its nodes full of a flooding
+-- tenant's work and waits for the next completion, where alone it would have been admitted at
+-- once. A tenant the fast path admits while its tier has backlogged flows is light (light:<tier>,
+-- ZSET tenant -> µs of that admit). For a window after that admit, a release from the queue of
+-- a tenant holding more than its weighted share of the in-flight tokens of the tier's active
+-- tenants (the light ones and the backlogged ones) leaves a fraction of each node's capacity
+-- free (place()'s keep), which the light tenants' next requests take on the fast path. With
+-- every tenant backlogged no one is light and release stays work-conserving; a tenant never
+-- holds room back from itself alone.
+
+-- A member of a release call's view: its in-flight tokens and weight, added to the sums once.
+local function fair_member(prefix, view, tenant)
+  local m = view.members[tenant]
+  if m then return m end
+  local row = redis.call('HMGET', tenant_key(prefix, tenant), 'inflight_tokens', 'weight')
+  local weight = tonumber(row[2] or '1') or 1
+  if weight <= 0 then weight = 1 end
+  m = {inflight = tonumber(row[1] or '0') or 0, weight = weight}
+  view.members[tenant] = m
+  view.total = view.total + m.inflight
+  view.wsum = view.wsum + m.weight
+  return m
+end
+
+-- The view one release call judges shares by, for `tier`: the light tenants of the last
+-- `window_us` (older entries are dropped here), up to LIGHT_SCAN of them, most recent first,
+-- then up to LIGHT_SCAN backlogged flows, least counter first. No light tenant: an empty view.
+local function fair_view(prefix, tier, now, window_us)
+  local lkey = light_key(prefix, tier)
+  redis.call('ZREMRANGEBYSCORE', lkey, '-inf', '(' .. fmt(now - window_us))
+  local light = redis.call('ZREVRANGE', lkey, 0, LIGHT_SCAN - 1)
+  local view = {light = {}, nlight = #light, members = {}, total = 0, wsum = 0}
+  if #light == 0 then return view end
+  for _, tenant in ipairs(light) do
+    view.light[tenant] = true
+    fair_member(prefix, view, tenant)
+  end
+  for _, tenant in ipairs(redis.call('ZRANGE', flows_key(prefix, tier), 0, LIGHT_SCAN - 1)) do
+    fair_member(prefix, view, tenant)
+  end
+  return view
+end
+
+-- The room `tenant`'s next release must leave free (a fraction of each node's capacity): `keep`
+-- when a light tenant other than itself is in the view and it holds more than its weighted
+-- share of the view's in-flight tokens, else 0.
+local function fair_keep(prefix, view, tenant, keep)
+  if view.nlight == 0 or (view.nlight == 1 and view.light[tenant]) then return 0 end
+  local m = fair_member(prefix, view, tenant)
+  if m.inflight * view.wsum > m.weight * view.total then return keep end
+  return 0
+end
+
+-- A release of `cost` tokens to `tenant` in this call, counted in the view.
+local function fair_served(view, tenant, cost)
+  local m = view.members[tenant]
+  if m then
+    m.inflight = m.inflight + cost
+    view.total = view.total + cost
   end
 end
 

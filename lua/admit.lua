@@ -60,7 +60,9 @@
 -- above, the tenant has nothing queued in this tier, and its counter is no higher than the
 -- least of the tier's backlogged flows (it would be served next: ties go to the arrival). A
 -- fast path in a tier with backlogged flows is charged to the tenant's counter as a release
--- from the queue is (lifted first); one in an idle tier is not (no one to be fair to).
+-- from the queue is (lifted first), and marks the tenant light in the tier (light:<tier>: for a
+-- while, releases of heavier tenants leave it room, fair_keep() in _lib.lua); one in an idle
+-- tier is not (no one to be fair to).
 --
 -- Returns {outcome, detail, retry_after_ms, depth, zone, ...}:
 --   {'released', node, 0, 0, zone}            fast path: budget debited, node chosen
@@ -197,6 +199,7 @@ if node then
     redis.call('HSET', tkey, 'weight', weight)
     flow_lift(prefix, tier, tkey)
     redis.call('HSET', KEYS[12], 'charge', fmt(flow_charge(prefix, tier, tenant, cost)))
+    redis.call('ZADD', light_key(prefix, tier), fmt(now), tenant)
   end
   if guest then
     guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)

@@ -32,6 +32,11 @@
 -- ARGV[7]  tiers (bit 2^tier: 1 VIP, 2 Normal, 4 Batch) that this call may release only as
 --          guests of dedicated nodes (0 or absent: none); see place()
 -- ARGV[8]  '1': fair order within each tier (next_flow() in _lib.lua); '0' or absent: FIFO
+-- ARGV[9]  fair order only: the fraction of each node's capacity a release of a tenant above
+--          its share leaves free while lighter tenants are active (fair_keep() in _lib.lua;
+--          0 or absent: none)
+-- ARGV[10] fair order only: how long (ms) a tenant counts as light after the fast path admitted
+--          it beside a backlog (the light:<tier> ZSET, pruned here)
 --
 -- Order: tiers strictly by priority; within a tier FIFO, or with ARGV[8] the head of the
 -- backlogged flow with the least virtual counter (weighted fair across tenants, FIFO within a
@@ -40,7 +45,8 @@
 -- higher one and no task overtakes one ahead of it in its tier's order). A head whose tenant
 -- is at its cap on in-flight tokens (inflight_cap in its hash) is passed over for the rest of
 -- the call in fair order (the tenant's flow is skipped: its cap is its own); in FIFO order it
--- holds its tier like a head that does not fit. A tier that only
+-- holds its tier like a head that does not fit. In fair order, a head whose tenant must leave
+-- room for lighter tenants (ARGV[9]) and finds none left is passed over the same way. A tier that only
 -- reached its own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch
 -- trickle). Queued tasks found past their deadline at the head are expired on the way (tenant
 -- refunded). Either order charges each released task to its tenant's counter (flow_charge()),
@@ -57,6 +63,8 @@ local limits = {tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])}
 local retention_s = tonumber(ARGV[6])
 local guests_only_tiers = tonumber(ARGV[7] or '0') or 0
 local fair = ARGV[8] == '1'
+local headroom = tonumber(ARGV[9] or '0') or 0
+local window_us = (tonumber(ARGV[10] or '0') or 0) * 1000
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local placement = placement_of(hash_fields(KEYS[1], PLACEMENT_FIELDS))
@@ -96,6 +104,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
   local released = 0
   local blocked = false
   local skip, nskip = {}, 0
+  local view = nil
+  if fair and headroom > 0 then view = fair_view(prefix, t, now, window_us) end
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
     local head, queued_us, task = head_of(t, skip, nskip)
@@ -112,12 +122,14 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
       local node, guest = nil, false
       local capped = not inflight_fits(tenant_key(prefix, task.tenant), cost, nil)
+      local keep = 0
       if not capped then
+        if view then keep = fair_keep(prefix, view, task.tenant, headroom) end
         node, guest = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
           placement, t, cost,
-          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill)
+          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep)
       end
-      if capped and fair then
+      if fair and (capped or (node == nil and keep > 0)) then
         skip[task.tenant] = true
         nskip = nskip + 1
       elseif node == nil then
@@ -130,6 +142,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         flow_leave(prefix, t, task.tenant, head, cost)
         local charge = flow_charge(prefix, t, task.tenant, cost)
         inflight_add(prefix, task.tenant, cost)
+        if view then fair_served(view, task.tenant, cost) end
         drain_add(tenant_key(prefix, task.tenant), now, cost)
         reserve_node(KEYS[4], node, cost)
         redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,

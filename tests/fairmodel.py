@@ -23,6 +23,8 @@ from admission.tiers import Tier
 
 TIE_SCAN = 8
 """Flows tied at the least counter compared by the age of their heads (lua/_lib.lua)."""
+LIGHT_SCAN = 8
+"""Light tenants, and backlogged flows, in a release's view of shares (lua/_lib.lua)."""
 DRAIN_TAU_US = 5_000_000
 DRAIN_WAIT_MAX_MS = 1_000_000_000
 
@@ -59,6 +61,8 @@ class FairLedger:
     """tenant -> cap on in-flight tokens as stored by its last admit that queued (0: none)."""
     drain: dict[str, tuple[float, int]] = field(default_factory=dict)
     """tenant -> (tokens released from its queue, decayed to the µs that follows)."""
+    light: dict[int, dict[str, int]] = field(default_factory=dict)
+    """tier -> tenant -> µs the fast path last admitted it beside a backlog (light:<tier>)."""
 
     def drain_now(self, tenant: str, now: int) -> float | None:
         if tenant not in self.drain:
@@ -150,6 +154,57 @@ class FairLedger:
         return best
 
 
+@dataclass
+class FairView:
+    """What one release call judges a tenant's share of the in-flight tokens by (fair_view()
+    in lua/_lib.lua): the light tenants (up to LIGHT_SCAN, most recent first), then up to
+    LIGHT_SCAN backlogged flows (least counter first), each with its in-flight tokens and
+    weight; sums accumulate in that order, as the script's do."""
+
+    ledger: FairLedger
+    light: frozenset[str]
+    members: dict[str, list[float]] = field(default_factory=dict)
+    total: float = 0
+    wsum: float = 0
+
+    @classmethod
+    def of(cls, ledger: FairLedger, light: Mapping[str, int], flows: Mapping[str, int],
+           tier: int) -> FairView:
+        recent = sorted(light, key=lambda t: (light[t], t), reverse=True)[:LIGHT_SCAN]
+        view = cls(ledger, frozenset(recent))
+        if not recent:
+            return view
+        for tenant in recent:
+            view.member(tenant)
+        for tenant in sorted(flows, key=lambda t: (ledger.counter(tier, t), t))[:LIGHT_SCAN]:
+            view.member(tenant)
+        return view
+
+    def member(self, tenant: str) -> list[float]:
+        if tenant not in self.members:
+            weight = float(self.ledger.weight.get(tenant, "1"))
+            if weight <= 0:
+                weight = 1.0
+            row = [float(self.ledger.inflight_tokens.get(tenant, 0)), weight]
+            self.members[tenant] = row
+            self.total += row[0]
+            self.wsum += row[1]
+        return self.members[tenant]
+
+    def keep(self, tenant: str, headroom: float) -> float:
+        """The room `tenant`'s release must leave: `headroom` when another tenant is light and
+        it holds more than its weighted share of the view's in-flight tokens."""
+        if not self.light or self.light == {tenant}:
+            return 0.0
+        inflight, weight = self.member(tenant)
+        return headroom if inflight * self.wsum > weight * self.total else 0.0
+
+    def served(self, tenant: str, cost: int) -> None:
+        if tenant in self.members:
+            self.members[tenant][0] += cost
+            self.total += cost
+
+
 def heads_of(queue: Sequence[str], tenant_of: Mapping[str, Any]) -> dict[str, int]:
     """tenant -> position of its oldest task in `queue` (the backlogged flows of a tier)."""
     heads: dict[str, int] = {}
@@ -169,6 +224,8 @@ async def read_fair(client: Any, keys: PoolKeys, tenants: Sequence[str]) -> dict
             pipe.hgetall(keys.tenant_key(tenant))
         for tier in Tier:
             pipe.zrange(keys.flows(tier), 0, -1, withscores=True)
+        for tier in Tier:
+            pipe.zrange(keys.light(tier), 0, -1, withscores=True)
         pipe.hgetall(keys.vtime)
         reply = list(await pipe.execute())
     vt: dict[tuple[int, str], int] = {}
@@ -194,9 +251,11 @@ async def read_fair(client: Any, keys: PoolKeys, tenants: Sequence[str]) -> dict
             drain[tenant] = (float(h["drain"]), int(h["drain_us"]))
     flows = [{_s(m): int(score) for m, score in rows}
              for rows in reply[len(tenants):len(tenants) + 3]]
+    light = {tier: {_s(m): int(score) for m, score in rows}
+             for tier, rows in enumerate(reply[len(tenants) + 3:len(tenants) + 6]) if rows}
     vtime = {int(Tier.parse(_s(k))): int(_s(v)) for k, v in reply[-1].items()}
     return {"vt": vt, "weight": weight, "queued_tokens": queued, "inflight_tokens": inflight,
-            "inflight_cap": caps, "drain": drain, "flows": flows, "vtime": vtime}
+            "inflight_cap": caps, "drain": drain, "flows": flows, "light": light, "vtime": vtime}
 
 
 def expected_fair(ledger: FairLedger, queues: Sequence[Sequence[str]],
@@ -208,4 +267,5 @@ def expected_fair(ledger: FairLedger, queues: Sequence[Sequence[str]],
             "weight": dict(ledger.weight), "queued_tokens": dict(ledger.queued_tokens),
             "inflight_tokens": dict(ledger.inflight_tokens),
             "inflight_cap": dict(ledger.inflight_cap), "drain": dict(ledger.drain), "flows": flows,
+            "light": {t: dict(m) for t, m in ledger.light.items() if m},
             "vtime": {t: v for t, v in ledger.vtime.items()}}

@@ -6,6 +6,7 @@ obvious way; the stateful test runs both side by side and compares them after ev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ from admission.hints import drain_hint_ms, tenant_drain_hint_ms
 from admission.keys import abandoned_lease
 from admission.store import QuotaLevel, TaskState
 from tests import quotamodel
-from tests.fairmodel import FairLedger, heads_of, weight_arg
+from tests.fairmodel import FairLedger, FairView, heads_of, weight_arg
 from tests.quotamodel import Bucket
 
 MICRO = 1_000_000
@@ -84,6 +85,9 @@ class Model:
     fair: bool = True
     """Release in weighted fair order within a tier (False: FIFO)."""
     ledger: FairLedger = field(default_factory=FairLedger)
+    fair_headroom: float = 0.0
+    """Fair order: the room a release of a tenant above its share leaves free (a fraction)."""
+    fair_light_window_ms: int = 5_000
 
     # --- derived views -------------------------------------------------------------------
     def tenant_queued(self) -> dict[str, int]:
@@ -109,15 +113,16 @@ class Model:
                 counts[t.node] = counts.get(t.node, 0) + 1
         return counts
 
-    def place(self, tier: int, cost: int, prompt: int,
-              guests_only: bool = False) -> tuple[str | None, bool]:
+    def place(self, tier: int, cost: int, prompt: int, guests_only: bool = False,
+              keep: float = 0.0) -> tuple[str | None, bool]:
         """The most headroom among the nodes the task may use, dedicated ones first for the
         tiers they serve and for guests (other tiers' short work, below the per-node cap);
         (None, False) when the best has no room for `cost` under the tier's own capacity. Nodes
         less than `cost` or 1/TIE_SHARE of the best's headroom below the best tie: the least
         reserved, then the one whose turn it is (`released_count` modulo their number, in name
         order). With
-        `guests_only`, only a dedicated node taking the task as a guest will do."""
+        `guests_only`, only a dedicated node taking the task as a guest will do. With `keep`, a
+        node's headroom counts keep x its capacity less (room held back for light tenants)."""
         owns = bool(self.dedicated_tiers >> tier & 1)
         guests = self.guests()
         may_guest = (not owns and self.guest_cap > 0 and prompt <= self.guest_prompt
@@ -132,6 +137,9 @@ class Model:
             groups = [[] if owns else dedicated, []]
         for group, nodes in enumerate(groups):
             rooms = {n: self.capacity[n][tier] - self.reserved.get(n, 0) for n in nodes}
+            if keep > 0:
+                rooms = {n: r - (math.floor(keep * self.capacity[n][tier])
+                                 if self.capacity[n][tier] > 0 else 0) for n, r in rooms.items()}
             if not rooms or max(rooms.values()) < cost:
                 continue
             best = max(rooms.values())
@@ -259,6 +267,7 @@ class Model:
                 ledger.weight[tenant] = weight_arg(weight)
                 ledger.lift(tier, tenant, flows)
                 task.charge = ledger.charge(tier, tenant, cost)
+                ledger.light.setdefault(tier, {})[tenant] = self.now
             return ("released", node, 0, 0)
         task.deadline_us = self.now + timeout_ms * 1000
         self.queues[tier].append(tid)
@@ -268,6 +277,15 @@ class Model:
         if tenant not in flows:
             ledger.lift(tier, tenant, flows)
         return ("queued", "", 0, ahead + 1)
+
+    def fair_view(self, tier: int) -> FairView:
+        """The view a release call judges shares by in `tier` (fair_view() in lua/_lib.lua);
+        light entries older than the window are dropped first."""
+        window = self.fair_light_window_ms * 1000
+        light = {t: at for t, at in self.ledger.light.get(tier, {}).items()
+                 if at >= self.now - window}
+        self.ledger.light[tier] = light
+        return FairView.of(self.ledger, light, self.flows(tier), tier)
 
     def release(
         self, epoch: int, limits: tuple[int, int, int], guests_only: frozenset[int] = frozenset()
@@ -282,6 +300,7 @@ class Model:
             blocked = False
             queue = self.queues[tier]
             skip: set[str] = set()
+            view = self.fair_view(tier) if self.fair and self.fair_headroom > 0 else None
             while released < limits[tier] and queue:
                 tid = queue[0]
                 if self.fair:
@@ -297,10 +316,13 @@ class Model:
                     continue
                 capped = not self.ledger.inflight_fits(t.tenant, t.cost)
                 node, guest = None, False
+                keep = 0.0
                 if not capped:
-                    node, guest = self.place(tier, t.cost, t.prompt, tier in guests_only)
-                if capped and self.fair:
-                    skip.add(t.tenant)  # its own cap: the others go on
+                    if view is not None:
+                        keep = view.keep(t.tenant, self.fair_headroom)
+                    node, guest = self.place(tier, t.cost, t.prompt, tier in guests_only, keep)
+                if self.fair and (capped or (node is None and keep > 0)):
+                    skip.add(t.tenant)  # its own cap, or room it must leave: the others go on
                     continue
                 if node is None:
                     blocked = True
@@ -309,6 +331,8 @@ class Model:
                 self.ledger.add(self.ledger.queued_tokens, t.tenant, -t.cost)
                 t.charge = self.ledger.charge(tier, t.tenant, t.cost)
                 self.ledger.add(self.ledger.inflight_tokens, t.tenant, t.cost)
+                if view is not None:
+                    view.served(t.tenant, t.cost)
                 self.ledger.drain_add(t.tenant, self.now, t.cost)
                 self.reserved[node] = self.reserved.get(node, 0) + t.cost
                 t.state, t.node, t.guest = TaskState.RELEASED, node, guest

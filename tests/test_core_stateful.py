@@ -42,7 +42,8 @@ from tests.quotamodel import DAY_US, next_month_day
 
 START_US = 1_700_000_000_000_000
 POLICY = PoolPolicy(tier_queue_caps=(4, 5, 6), lease_ttl_ms=3_000, stale_after_ms=4_000,
-                    default_retry_ms=500, retention_s=3600)
+                    default_retry_ms=500, retention_s=3600, fair_headroom=0.25,
+                    fair_light_window_ms=2_000)
 CORP = QuotaLevel("corp", rate=300, burst=6_000, monthly_tokens=2_000)
 CREW = QuotaLevel("crew", rate=100, burst=1_500, daily_tokens=900)
 TENANTS = {
@@ -77,7 +78,9 @@ class CoreMachine(RuleBasedStateMachine):
         self.model = Model(now=START_US, tier_caps=POLICY.tier_queue_caps,
                            lease_ttl_ms=POLICY.lease_ttl_ms,
                            stale_after_ms=POLICY.stale_after_ms,
-                           default_retry_ms=POLICY.default_retry_ms)
+                           default_retry_ms=POLICY.default_retry_ms,
+                           fair_headroom=POLICY.fair_headroom,
+                           fair_light_window_ms=POLICY.fair_light_window_ms)
         self.counter = 0
         self.released_ever: set[str] = set()
         self.run(self.client.flushdb())

@@ -178,3 +178,56 @@ async def test_fast_path_charges_only_a_busy_tier(store: PoolStore,
                               prompt_tokens=50, max_tokens=50, gateway="gw",
                               queue_timeout_ms=60_000)
     assert after.outcome.value == "queued"
+
+
+async def _light_scene(client: aioredis.Redis, headroom: float) -> tuple[PoolStore, list[str]]:
+    """Tenant a fills a GREEN node of 1,000 tokens on the fast path (an idle tier) and queues
+    five more; two of its tasks end, and b is admitted on the fast path beside a's backlog (b
+    becomes light); two more of a's end. Returns the store and what one release then gives."""
+    policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), fair_headroom=headroom,
+                        fair_light_window_ms=5_000)
+    store = PoolStore(client, register_scripts(client), "fair", policy)
+    await client.hset(store.keys.clock, "frozen_us", 1_800_000_000_000_000)
+    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    a, b = quota("a"), quota("b")
+    for i in range(10):
+        got = await store.admit(task_id=f"a-{i}", tenant=a, tier=Tier.NORMAL, prompt_tokens=50,
+                                max_tokens=50, gateway="gw", queue_timeout_ms=600_000)
+        assert got.outcome.value == "released"
+    await enqueue(store, a, 5, start=10)
+    await store.settle("a-0", 100)
+    got = await store.admit(task_id="b-0", tenant=b, tier=Tier.NORMAL, prompt_tokens=25,
+                            max_tokens=25, gateway="gw", queue_timeout_ms=600_000)
+    assert got.outcome.value == "released"
+    assert await client.zscore(store.keys.light(Tier.NORMAL), "b") is not None
+    for tid in ("a-1", "a-2"):
+        await store.settle(tid, 100)
+    return store, [t.task_id for t in await store.release(1, (0, 10, 10))]
+
+
+async def test_a_flooding_tenant_leaves_room_for_a_light_one(
+        redis_client: aioredis.Redis) -> None:
+    """With a's 700 tokens in flight against b's 50, a holds more than its share: its releases
+    stop 10% of the node short of full (900 tokens), and b's next request finds room at once."""
+    store, released = await _light_scene(redis_client, 0.10)
+    assert released == ["a-10"]  # 850 reserved: a second one would leave 50 < 100 free
+    got = await store.admit(task_id="b-1", tenant=quota("b"), tier=Tier.NORMAL,
+                            prompt_tokens=50, max_tokens=50, gateway="gw",
+                            queue_timeout_ms=600_000)
+    assert got.outcome.value == "released"
+    # Once b has been away for longer than the window, a's backlog takes the whole node again.
+    await store.settle("b-0", 50)
+    await store.settle("b-1", 100)
+    await redis_client.hincrby(store.keys.clock, "frozen_us", 5_000_001)
+    assert [t.task_id for t in await store.release(1, (0, 10, 10))] == ["a-11", "a-12"]
+    assert await redis_client.zcard(store.keys.light(Tier.NORMAL)) == 0
+
+
+async def test_without_headroom_the_backlog_takes_every_freed_token(
+        redis_client: aioredis.Redis) -> None:
+    store, released = await _light_scene(redis_client, 0.0)
+    assert released == ["a-10", "a-11"]
+    got = await store.admit(task_id="b-1", tenant=quota("b"), tier=Tier.NORMAL,
+                            prompt_tokens=50, max_tokens=50, gateway="gw",
+                            queue_timeout_ms=600_000)
+    assert got.outcome.value == "queued"

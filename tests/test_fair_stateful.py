@@ -41,7 +41,8 @@ from tests.properties import PROPERTIES, examples
 
 START_US = 1_800_000_000_000_000
 POLICY = PoolPolicy(tier_queue_caps=(1_000, 1_000, 1_000), lease_ttl_ms=60_000,
-                    stale_after_ms=0, default_retry_ms=500, retention_s=3600, fair=True)
+                    stale_after_ms=0, default_retry_ms=500, retention_s=3600, fair=True,
+                    fair_headroom=0.3, fair_light_window_ms=3_000)
 TENANTS = {
     "ant": TenantQuota("ant", rate=10**6, burst=10**7, max_queued=1_000, weight=1.0),
     "bee": TenantQuota("bee", rate=10**6, burst=10**7, max_queued=1_000, weight=3.0,
@@ -91,7 +92,9 @@ class FairMachine(RuleBasedStateMachine):
         self.client, self.store = self.clients[0], self.stores[0]
         self.model = Model(now=START_US, tier_caps=POLICY.tier_queue_caps,
                            lease_ttl_ms=POLICY.lease_ttl_ms, stale_after_ms=0,
-                           default_retry_ms=POLICY.default_retry_ms, fair=True)
+                           default_retry_ms=POLICY.default_retry_ms, fair=True,
+                           fair_headroom=POLICY.fair_headroom,
+                           fair_light_window_ms=POLICY.fair_light_window_ms)
         self.counter = 0
         self.run(self.client.flushdb())
         self.run(self.client.hset(self.store.keys.clock, "frozen_us", START_US))
@@ -184,6 +187,24 @@ class FairMachine(RuleBasedStateMachine):
         got = self.run(self.store.release(1, limits))
         assert [(r.task_id, r.node, int(r.tier)) for r in got] == [
             (tid, node, tier) for tid, _, node, tier in expected or []]
+
+    @rule(heavy=st.sampled_from(sorted(TENANTS)), light=st.sampled_from(sorted(TENANTS)),
+          big=st.integers(150, 450), small=st.integers(2, 120), n=st.integers(2, 5),
+          usage=st.integers(0, 450))
+    def noisy_neighbour(self, heavy: str, light: str, big: int, small: int, n: int,
+                        usage: int) -> None:
+        """One tenant floods a GREEN tier with large requests, another sends a small one, one
+        of the first tenant's tasks ends, the leader releases: the shape in which a release
+        holds room back for a light tenant (fair_keep() in lua/_lib.lua). Every step is checked
+        against the model as the single rules check it."""
+        self._publish(Zone.GREEN, {"n1": 700, "n2": 350})
+        flood = [self.admit((heavy, Tier.NORMAL, big // 2, big - big // 2)) for _ in range(n)]
+        self.admit((light, Tier.NORMAL, small // 2, small - small // 2))
+        running = [t for t in flood
+                   if t in self.model.tasks and self.model.tasks[t].state.value == "released"]
+        if running:
+            self.finish(running[0], min(usage, self.model.tasks[running[0]].cost), False)
+        self.release((0, 6, 0))
 
     @rule(tid=task_ids, usage=st.one_of(st.none(), st.integers(0, 900)),
           cancelled=st.booleans())

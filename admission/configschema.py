@@ -136,6 +136,11 @@ class ZoneSettings:
     """Normal releases per second allowed in YELLOW."""
     batch_trickle_rate: float = between(0.0, 1e6, 0.0)
     """Batch releases per second allowed even while higher tiers wait in GREEN (anti-starvation)."""
+    batch_min_share: float = between(0.0, 0.5, 0.0)
+    """In GREEN, while VIP or Normal work and Batch work both wait: the least share of the
+    tokens the leader releases from the queues that goes to Batch, past the waiting higher
+    tiers (scheduler.policy.BatchShare; 0: off). At most one half: a larger share would put
+    Batch ahead of the tiers above it, not keep it from starving."""
     aggregate: str = one_of("max", "total")
     """How node figures make the pool's zone: 'max' (the fullest node) or 'total' (pool sum)."""
     projection: str = one_of("peak", "final")

@@ -165,6 +165,8 @@ class ReleasedTask:
     node: str | None
     """None: the task expired in the queue instead of being released."""
     tier: Tier
+    cost: int = 0
+    """Tokens the release reserved (prompt + max output); 0 for an expired task."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,10 +332,10 @@ class PoolStore:
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         out = []
-        for i in range(2, len(reply), 4):
+        for i in range(2, len(reply), 5):
             node = _text(reply[i + 2])
             out.append(ReleasedTask(_text(reply[i]), _text(reply[i + 1]), node or None,
-                                    Tier(int(reply[i + 3]))))
+                                    Tier(int(reply[i + 3])), int(reply[i + 4])))
         return out
 
     async def publish_state(

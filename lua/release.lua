@@ -52,9 +52,11 @@
 -- refunded). Either order charges each released task to its tenant's counter (flow_charge()),
 -- so the order can be switched without losing the tenants' service history.
 --
--- Returns {'ok', epoch, task, gateway, node, tier, ...} with one 4-tuple per task released or
--- expired (node '' = expired: its gateway must answer the client), or {'fenced', epoch} when the
--- caller's epoch is older than the pool's, in which case nothing changed.
+-- Returns {'ok', epoch, task, gateway, node, tier, cost, ...} with one 5-tuple per task released
+-- or expired (node '' = expired: its gateway must answer the client), or {'fenced', epoch} when
+-- the caller's epoch is older than the pool's, in which case nothing changed. cost: the tokens
+-- the release reserved (prompt + max output; 0 for an expired task), so the leader can count
+-- what each tier got (its Batch share) without reading the task records back.
 
 local prefix = ARGV[1]
 local ok, epoch = check_epoch(KEYS[1], tonumber(ARGV[2]))
@@ -116,7 +118,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       drop_queued(prefix, queues, KEYS[8], KEYS[9], head, task, 'expired', now, retention_s)
       redis.call('HINCRBY', KEYS[10], 'expired', 1)
       table.insert(out, head); table.insert(out, task.gateway)
-      table.insert(out, ''); table.insert(out, t)
+      table.insert(out, ''); table.insert(out, t); table.insert(out, 0)
     else
       local cost = tonumber(task.cost)
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
@@ -157,7 +159,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)
         released = released + 1
         table.insert(out, head); table.insert(out, task.gateway)
-        table.insert(out, node); table.insert(out, t)
+        table.insert(out, node); table.insert(out, t); table.insert(out, cost)
       end
     end
   end

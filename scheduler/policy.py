@@ -8,14 +8,16 @@ dedicated node's guest room goes to whatever the zone does not hold, Normal chat
 and its batch grows through a flood. RED releases VIP only. With
 `batch_trickle_rate` > 0, GREEN also lets that many Batch tasks per second past VIP and Normal
 tasks that are waiting for room: strict priority otherwise starves Batch under a steady
-interactive load. The rates are token buckets kept here, on the leader, so they hold whatever
-the poll interval is; a new leader starts them empty.
+interactive load. With `batch_min_share` > 0, GREEN also lets Batch past them for at least
+that share of the tokens released (`BatchShare`). The rates are token buckets kept here, on the
+leader, so they hold whatever the poll interval is; a new leader starts them empty, and the
+share's account too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from admission.config import ZoneSettings
 from admission.tiers import Tier, Zone
@@ -45,6 +47,95 @@ class TokenBucket:
         self.level, self.at = 0.0, now
 
 
+class BatchShare:
+    """Batch's minimum share of the tokens the leader releases from the queues, as a credit.
+
+    The credit is in tokens: `share` of every token released minus every Batch token released,
+    so it is positive while Batch is behind its share. Each VIP or Normal token earns Batch
+    `share` of a token and each Batch token spends `1 - share`; while the credit is positive,
+    `owed` Batch tasks go past the waiting higher tiers. The leader releases them at the start
+    of the next tick, before the higher tiers take the room freed meanwhile (released after
+    them, Batch would find their backlog in that room, and a Batch ceiling below theirs): over
+    a run, Batch gets at least `share` of the tokens released, but for what the last tick
+    earned it.
+
+    Only what the leader releases from the queues counts, not the gateways' fast path: a
+    task takes it only when nothing waits ahead of it in its tier's order, so no Batch task
+    does while Batch waits, and the VIP (or, in fair order, Normal) work that does never waited
+    in the queues Batch is kept from starving behind. Counting it would also take a token
+    counter on every admission's hot path (admit.lua), where the leader's count costs nothing:
+    the release reply carries each task's cost.
+
+    The account is kept only while Batch waits (`observe` with `contested`): Batch is owed no
+    share of what was released while it had nothing waiting, so an idle spell banks nothing.
+    While it waits, the credit is bounded both ways by `cap`, the larger of the tokens released
+    on the tick and `CREDIT_TASKS` average released tasks. That carries what one tick earns
+    into the next (a share is at most one half, so a tick earns at most half of its own
+    releases), or across ticks that release nothing while tasks run; but Batch waiting for
+    room it could not use (its ceiling is below Normal's) saves up no more than that, so it
+    never bursts past waiting work on a backlog of credit. The debt is bounded the same way:
+    Batch released freely while nothing above it waited does not hold it back for long later.
+    """
+
+    CREDIT_TASKS = 4
+    """The credit's bound, in average released tasks (when more than the tick released)."""
+    MEAN_WEIGHT = 0.1
+    """Weight of each released task in the running average costs."""
+
+    def __init__(self, share: float, batch_size: int) -> None:
+        self.share = share
+        self.batch_size = batch_size
+        self.credit = 0.0
+        """Tokens Batch is behind its share (negative: ahead of it)."""
+        self.mean_cost = 0.0
+        """Running average cost of the tasks released, any tier (0: none yet)."""
+        self.mean_batch = 0.0
+        """Running average cost of the Batch tasks released (0: none yet)."""
+
+    def owed(self) -> int:
+        """Batch tasks to release past waiting higher tiers now: enough, at the average Batch
+        cost, to pay the credit (at least one while it is positive, at most one release
+        batch). A task's cost is known only once it is released; the one that overpays puts
+        the credit in debt, which the next ticks earn back."""
+        if self.share <= 0 or self.credit <= 0:
+            return 0
+        size = self.mean_batch or self.mean_cost
+        if size <= 0:
+            return 1
+        # (A float credit a hair over a whole number of tasks does not buy one more.)
+        tasks = math.ceil(self.credit / ((1 - self.share) * size) - 1e-9)
+        return min(self.batch_size, max(1, tasks))
+
+    def cap(self, tick_tokens: int) -> float:
+        """The credit's bound either way after a tick that released `tick_tokens`."""
+        return max(float(tick_tokens), self.CREDIT_TASKS * self.mean_cost)
+
+    def observe(self, released: Iterable[tuple[Tier, int]], contested: bool) -> None:
+        """A tick's releases, as (tier, cost) of each task released (not expired) by every
+        release call of the tick. `contested`: Batch work waited when the tick began; if not,
+        the account is closed (credit 0)."""
+        total = batch = 0
+        for tier, cost in released:
+            total += cost
+            self.mean_cost = _average(self.mean_cost, cost, self.MEAN_WEIGHT)
+            if tier is Tier.BATCH:
+                batch += cost
+                self.mean_batch = _average(self.mean_batch, cost, self.MEAN_WEIGHT)
+        if not contested or self.share <= 0:
+            self.credit = 0.0
+            return
+        cap = self.cap(total)
+        self.credit = min(cap, max(-cap, self.credit + self.share * total - batch))
+
+    def reset(self) -> None:
+        self.credit = 0.0
+
+
+def _average(mean: float, value: float, weight: float) -> float:
+    """An exponentially weighted average that starts at its first value (mean 0: none yet)."""
+    return float(value) if mean <= 0 else mean + weight * (value - mean)
+
+
 class ReleasePolicy:
     """Per-tier release limits for one release call."""
 
@@ -55,6 +146,7 @@ class ReleasePolicy:
         """The pool keeps dedicated nodes that take guests."""
         self.normal = TokenBucket(zones.yellow_normal_rate, now)
         self.trickle = TokenBucket(zones.batch_trickle_rate, now)
+        self.share = BatchShare(zones.batch_min_share, batch_size)
         self._zone: Zone | None = None
 
     def limits(self, zone: Zone, now: float) -> tuple[int, int, int]:
@@ -63,6 +155,7 @@ class ReleasePolicy:
             # out the moment the pool turns YELLOW.
             self.normal.reset(now)
             self.trickle.reset(now)
+            self.share.reset()
             self._zone = zone
         n = self.batch_size
         if zone is Zone.GREEN:
@@ -80,6 +173,21 @@ class ReleasePolicy:
         if zone is not Zone.GREEN or self.trickle.rate <= 0:
             return 0
         return min(self.batch_size, self.trickle.refill(now))
+
+    def share_limit(self, zone: Zone, depths: Sequence[int]) -> int:
+        """Batch tasks to release past waiting higher tiers before the tick's release in tier
+        order (GREEN only, while VIP or Normal work and Batch work wait: `depths`)."""
+        if zone is not Zone.GREEN or not depths[Tier.BATCH]:
+            return 0
+        if not depths[Tier.VIP] + depths[Tier.NORMAL]:
+            return 0
+        return self.share.owed()
+
+    def share_observe(self, zone: Zone, released: Iterable[tuple[Tier, int]],
+                      batch_waited: bool) -> None:
+        """Every task a tick released, as (tier, cost), and whether Batch work waited when it
+        began. Outside GREEN, Batch is owed nothing."""
+        self.share.observe(released, batch_waited and zone is Zone.GREEN)
 
     def released(self, zone: Zone, per_tier: Sequence[int], *, trickle: bool = False) -> None:
         if trickle:

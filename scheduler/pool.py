@@ -117,6 +117,9 @@ class TickResult:
     """The release control's figures per usable node (empty when it is off)."""
     prefill: dict[str, tuple[int, int]] | None = None
     """What is published for the scripts: node -> (limit, window); None when control is off."""
+    shared: int = 0
+    """How many of `released`, at its start, Batch's minimum share let past waiting higher
+    tiers (scheduler.policy.BatchShare)."""
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
@@ -363,9 +366,16 @@ class PoolScheduler:
         self._published_at = (written_us, self.clock())
         result.published = True
         if not leading() or not any(snap.depths):
+            self.policy.share_observe(zone, (), False)  # nothing waits: Batch is owed nothing
             self._observe(result)
             return result
-        result.released = await self.store.release(epoch, limits, self.policy.guests_only(zone))
+        owed = self.policy.share_limit(zone, snap.depths)
+        if owed:
+            # Batch's share goes first: after the higher tiers, it would find the room taken.
+            result.released = await self.store.release(epoch, (0, 0, owed))
+            result.shared = len(result.released)
+        result.released += await self.store.release(epoch, limits,
+                                                    self.policy.guests_only(zone))
         per_tier = [result.count(t) for t in Tier]
         self.policy.released(zone, per_tier)
         trickle = self.policy.trickle_limit(zone, self.clock())
@@ -377,6 +387,8 @@ class PoolScheduler:
             more = await self.store.release(epoch, (0, 0, trickle))
             self.policy.released(zone, [0, 0, sum(1 for t in more if t.node)], trickle=True)
             result.released += more
+        self.policy.share_observe(zone, ((t.tier, t.cost) for t in result.released if t.node),
+                                  snap.depths[Tier.BATCH] > 0)
         await self.store.notify(result.released, sharded=self.sharded)
         self._observe(result)
         self.metrics.tick_duration.labels(self.name).observe(self.clock() - started)

@@ -198,3 +198,19 @@ def test_tier_ceilings_default_to_the_zone_lines_and_keep_their_order() -> None:
     ]:
         with pytest.raises(ConfigError, match=message):
             zones(**bad)
+
+
+def test_batch_min_share_is_off_by_default_and_at_most_one_half() -> None:
+    def zones(**z: object) -> Any:
+        data = minimal()
+        data["pools"][0]["zones"] = z
+        return parse_config(data, env={}).pools["llama"].zones
+
+    assert zones().batch_min_share == 0.0
+    assert zones(batch_min_share=0.2, batch_trickle_rate=1.0).batch_min_share == 0.2
+    for bad in (0.6, -0.1):
+        with pytest.raises(ConfigError, match=r"^pools\[0\]\.zones\.batch_min_share: must be "
+                                              rf"between 0\.0 and 0\.5, got {bad}$"):
+            zones(batch_min_share=bad)
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.zones\.batch_min_share"):
+        zones(batch_min_share="a tenth")

@@ -188,6 +188,9 @@ class CoreMachine(RuleBasedStateMachine):
         got = self.run(self.store.release(self.model.epoch, limits,
                                           [Tier(t) for t in guests_only]))
         assert [(r.task_id, r.gateway, r.node, int(r.tier)) for r in got] == expected
+        # Each release reports the tokens it reserved (the leader counts Batch's share by them).
+        assert [r.cost for r in got] == [self.model.tasks[r.task_id].cost if r.node else 0
+                                         for r in got]
         released = [r for r in got if r.node is not None]
         for r in released:
             self._released_once(r.task_id)

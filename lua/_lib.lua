@@ -656,8 +656,10 @@ end
 -- order decides who is served next, but it is work-conserving: every token a completion frees
 -- goes to the backlog, so a tenant sending within its share finds its nodes full of a flooding
 -- tenant's work and waits for the next completion, where alone it would have been admitted at
--- once. A tenant the fast path admits while its tier has backlogged flows is light (light:<tier>,
--- ZSET tenant -> µs of that admit). For a window after that admit, a release from the queue of
+-- once. A tenant admitted with nothing of its own queued while its tier has backlogged flows
+-- is light (light:<tier>, ZSET tenant -> µs of that admit), whether the fast path released it
+-- or it queued (then it had found no room: the mark is what makes room for its next requests).
+-- For a window after that admit, a release from the queue of
 -- a tenant holding more than its weighted share of the in-flight tokens of the tier's active
 -- tenants (the light ones and the backlogged ones) leaves a fraction of each node's capacity
 -- free (place()'s keep), which the light tenants' next requests take on the fast path. With

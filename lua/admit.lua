@@ -60,9 +60,11 @@
 -- above, the tenant has nothing queued in this tier, and its counter is no higher than the
 -- least of the tier's backlogged flows (it would be served next: ties go to the arrival). A
 -- fast path in a tier with backlogged flows is charged to the tenant's counter as a release
--- from the queue is (lifted first), and marks the tenant light in the tier (light:<tier>: for a
--- while, releases of heavier tenants leave it room, fair_keep() in _lib.lua); one in an idle
--- tier is not (no one to be fair to).
+-- from the queue is (lifted first); one in an idle tier is not (no one to be fair to). A
+-- request accepted (released or queued) with nothing of its tenant's queued in a tier that
+-- has backlogged flows marks the tenant light in the tier (light:<tier>: for a while, releases
+-- of heavier tenants leave it room, fair_keep() in _lib.lua), so that its next requests find
+-- room on the fast path even when this one had to queue for it.
 --
 -- Returns {outcome, detail, retry_after_ms, depth, zone, ...}:
 --   {'released', node, 0, 0, zone}            fast path: budget debited, node chosen
@@ -149,11 +151,11 @@ local first, busy = ahead == 0, false
 -- (The flows mirror the tier's queue: with nothing queued in the tier there is no flow to read.)
 if fair then
   first = ahead == own_tier
-  if first and own_tier > 0 and redis.call('EXISTS', flow_key(prefix, tier, tenant)) == 0 then
+  if own_tier > 0 and redis.call('EXISTS', flow_key(prefix, tier, tenant)) == 0 then
     local least
     least, busy = flow_floor(prefix, tier)
-    if busy then first = tenant_vt(tkey, tier) <= least end
-  elseif first and own_tier > 0 then
+    if first and busy then first = tenant_vt(tkey, tier) <= least end
+  elseif own_tier > 0 then
     first = false
   end
 end
@@ -217,6 +219,7 @@ redis.call('HSET', KEYS[12], 'deadline_us', fmt(deadline))
 redis.call('ZADD', queues[tier + 1], fmt(score), id)
 redis.call('HSET', tkey, 'weight', weight, 'inflight_cap', fmt(inflight_cap))
 flow_join(prefix, tier, tenant, id, score, cost)
+if busy then redis.call('ZADD', light_key(prefix, tier), fmt(now), tenant) end
 -- Within a tier, tasks with the tier's own timeout expire in the order they queued, so the
 -- reaper finds them at the head of the queue; only a shorter (client-set) deadline needs the
 -- index. Saves a sorted-set entry per queued task (bench.perf.memory).

@@ -230,10 +230,11 @@ class Model:
         first, busy = ahead == 0, False
         if self.fair:
             # Nothing queued above, nothing of its own queued here, and no backlogged flow
-            # with a lower counter: it would be served next.
+            # with a lower counter: it would be served next. Busy: it arrives beside others'
+            # backlog with none of its own (it is light, released or queued).
+            busy = tenant not in flows and bool(flows)
             first = ahead == len(self.queues[tier]) and tenant not in flows
-            if first and flows:
-                busy = True
+            if first and busy:
                 first = ledger.counter(tier, tenant) <= ledger.floor(tier, flows)[0]
         if (first and fresh and (self.zone == "GREEN" or tier == 0)
                 and ledger.inflight_fits(tenant, cost, inflight_cap)):
@@ -276,6 +277,8 @@ class Model:
         ledger.add(ledger.queued_tokens, tenant, cost)
         if tenant not in flows:
             ledger.lift(tier, tenant, flows)
+        if busy:
+            ledger.light.setdefault(tier, {})[tenant] = self.now
         return ("queued", "", 0, ahead + 1)
 
     def fair_view(self, tier: int) -> FairView:

@@ -80,7 +80,7 @@ def _sentinel_primary(
     sockets = {"socket_timeout": timeout, "socket_connect_timeout": connect_timeout}
     # The Sentinels are reached like the primary (TLS or not), without its credentials.
     sentinel_kwargs: dict[str, Any] = {**sockets, **({"ssl": True, **ssl} if tls else {})}
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         settings.sentinel_addresses(), sentinel_kwargs=sentinel_kwargs)
     client: aioredis.Redis = sentinel.master_for(
         settings.sentinel_master,

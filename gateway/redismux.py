@@ -134,7 +134,7 @@ class RedisMux:
             raise ValueError("RedisMux does not speak Redis Cluster")
         self.settings = settings
         self.locate = locate
-        self.params: dict[str, Any] = parse_url(settings.url)  # type: ignore[no-untyped-call]
+        self.params: dict[str, Any] = parse_url(settings.url)  # type: ignore[no-untyped-call, unused-ignore]
         self.timeout_s = settings.socket_timeout_ms / 1000
         self.connect_timeout_s = settings.connect_timeout_ms / 1000
         self._conn: _Protocol | None = None

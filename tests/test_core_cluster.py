@@ -91,5 +91,5 @@ async def test_sharded_wakeup_reaches_the_subscriber(client: RedisCluster) -> No
         assert message is not None
         assert (message["type"], message["data"]) == ("smessage", b"t-9 gpu-3")
     finally:
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
         await subscriber.aclose()

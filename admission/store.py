@@ -77,6 +77,13 @@ class PoolPolicy:
     """Fair order: how long a tenant counts as light (admission.fairconfig `light_window_ms`)."""
 
 
+def _fair_arg(p: PoolPolicy) -> str:
+    """admit.lua's ARGV[17]: FIFO, fair, or fair holding room back for light tenants."""
+    if not p.fair:
+        return "0"
+    return "2" if p.fair_headroom > 0 else "1"
+
+
 @dataclass(frozen=True, slots=True)
 class QuotaLevel:
     """A level enclosing tenants (a team, an organisation): its own token bucket in each pool,
@@ -246,7 +253,7 @@ class PoolStore:
                 task_id, tenant.name, int(tier), cost, prompt_tokens, max_tokens,
                 tenant.rate, tenant.burst, tenant.max_queued, p.tier_queue_caps[tier],
                 queue_timeout_ms, gateway, p.lease_ttl_ms, p.stale_after_ms,
-                tier_timeout_ms or 0, self._prefix, "1" if p.fair else "0", *tenant.level_args,
+                tier_timeout_ms or 0, self._prefix, _fair_arg(p), *tenant.level_args,
             ],
         )
         return parse_admit(reply, tier, p.default_retry_ms)

@@ -320,9 +320,20 @@ end
 -- A prompt fits the room it takes; one larger than the room fits a room at least half the
 -- window (at most half a window queued for prefill on the node), or long documents would
 -- never run on a node that always has a chat or two to prefill.
-local function prefill_fits(compute, prompt_tokens)
+-- Light tenants (fair order holding room back, fair_view()): a flooding tenant's releases take
+-- the room as fast as the leader publishes it, and a tenant sending within its share would
+-- wait a poll for each request. So while it must hold room back (`held`), a release leaves at
+-- least a token of the room (a prompt that would spend it exactly waits, the long document's
+-- rule aside), and a light tenant's request (`light`: its fast path beside others' backlog)
+-- may take the room down to minus one window. The overdraw comes out of the next poll's
+-- room, as a long document's does; the queue ahead of a VIP chat is then at most twice the
+-- window (the release control's gain shrinks the window if VIP misses its objective).
+local function prefill_fits(compute, prompt_tokens, light, held)
   if compute == nil then return true end
-  return prompt_tokens <= compute.room or (2 * compute.room >= compute.window and compute.room > 0)
+  local room = compute.room
+  if prompt_tokens < room or (prompt_tokens == room and not held) then return true end
+  if light then return room - prompt_tokens >= -2 * compute.window end
+  return room > 0 and 2 * room >= compute.window
 end
 
 local function prefill_taken(prefill, tier, node, prompt_tokens)
@@ -393,9 +404,10 @@ end
 --
 -- Held-back room (`keep`, a fraction; nil or 0: none): the task may use a node only while
 -- keep x the tier's capacity there stays free after it (fair release of a tenant above its
--- share while lighter tenants are active: fair_view()).
+-- share while lighter tenants are active: fair_view()), and a token of the prefill room;
+-- `light`: a light tenant's fast path, which may overdraw the prefill room (prefill_fits()).
 local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
-                     prompt_tokens, now, guests_only, prefill, keep)
+                     prompt_tokens, now, guests_only, prefill, keep, light)
   local caps = redis.call('HGETALL', cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
@@ -416,7 +428,9 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     local compute = nil
     if allowed and prefill then
       compute = prefill_room(prefill, node)
-      if tier > 0 then allowed = prefill_fits(compute, prompt_tokens) end
+      if tier > 0 then
+        allowed = prefill_fits(compute, prompt_tokens, light, keep ~= nil and keep > 0)
+      end
     end
     if allowed then
       local reserved = tonumber(redis.call('HGET', resv_key, node) or '0') or 0
@@ -716,6 +730,25 @@ local function fair_served(view, tenant, cost)
     m.inflight = m.inflight + cost
     view.total = view.total + cost
   end
+end
+
+-- Whether `tenant` (of `weight`, as its request states it) holds no more than its weighted
+-- share of the in-flight tokens of itself and the tier's backlogged flows (up to LIGHT_SCAN,
+-- least counter first): a light tenant's fast path need not wait behind a heavier tenant
+-- whose counter happens to be lower (its own ran one request ahead in a burst); the counters
+-- keep ordering the backlog.
+local function under_share(prefix, tier, tenant, weight)
+  local view = {light = {}, nlight = 0, members = {}, total = 0, wsum = 0}
+  local w = tonumber(weight) or 1
+  if w <= 0 then w = 1 end
+  local own = tonumber(redis.call('HGET', tenant_key(prefix, tenant), 'inflight_tokens') or '0')
+    or 0
+  view.members[tenant] = {inflight = own, weight = w}
+  view.total, view.wsum = own, w
+  for _, other in ipairs(redis.call('ZRANGE', flows_key(prefix, tier), 0, LIGHT_SCAN - 1)) do
+    fair_member(prefix, view, other)
+  end
+  return own * view.wsum <= w * view.total
 end
 
 -- Move a task to a terminal state and let its record expire after `retention_s`, so a late

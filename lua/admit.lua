@@ -43,7 +43,9 @@
 -- ARGV[16] key prefix of the pool: the tenant's hash, flows, flow and vtime keys are built
 --          from it ("Fair release" in _lib.lua)
 -- ARGV[17] '1': the pool releases in fair order (the fast path then follows it, below);
---          '0': FIFO
+--          '2': fair order, and releases hold room back for light tenants (fairness
+--          headroom above 0: a light tenant's fast path may then overdraw the prefill room,
+--          prefill_fits() in _lib.lua); '0': FIFO
 -- ARGV[18] the tenant's weight (a positive number), stored in its hash for the release
 -- ARGV[19] the tenant's cap on queued tokens in this pool (0: none)
 -- ARGV[20] the tenant's cap on in-flight tokens (reserved by its released, unfinished tasks) in
@@ -58,7 +60,9 @@
 --
 -- Fast path: FIFO, when nothing is queued at this tier or above; fair, when nothing is queued
 -- above, the tenant has nothing queued in this tier, and its counter is no higher than the
--- least of the tier's backlogged flows (it would be served next: ties go to the arrival). A
+-- least of the tier's backlogged flows (it would be served next: ties go to the arrival) or,
+-- in a pool holding room back for light tenants, it holds no more than its weighted share of
+-- the in-flight tokens (under_share() in _lib.lua). A
 -- fast path in a tier with backlogged flows is charged to the tenant's counter as a release
 -- from the queue is (lifted first); one in an idle tier is not (no one to be fair to). A
 -- request accepted (released or queued) with nothing of its tenant's queued in a tier that
@@ -95,7 +99,8 @@ local timeout_ms = tonumber(ARGV[11])
 local gateway, lease_ms = ARGV[12], tonumber(ARGV[13])
 local stale_ms = tonumber(ARGV[14])
 local tier_timeout_ms = tonumber(ARGV[15] or '0') or 0
-local prefix, fair, weight = ARGV[16], ARGV[17] == '1', ARGV[18]
+local prefix, hold, weight = ARGV[16], ARGV[17] == '2', ARGV[18]
+local fair = hold or ARGV[17] == '1'
 local queued_cap, inflight_cap = tonumber(ARGV[19] or '0') or 0, tonumber(ARGV[20] or '0') or 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local tkey = tenant_key(prefix, tenant)
@@ -154,7 +159,9 @@ if fair then
   if own_tier > 0 and redis.call('EXISTS', flow_key(prefix, tier, tenant)) == 0 then
     local least
     least, busy = flow_floor(prefix, tier)
-    if first and busy then first = tenant_vt(tkey, tier) <= least end
+    if first and busy then
+      first = tenant_vt(tkey, tier) <= least or (hold and under_share(prefix, tier, tenant, weight))
+    end
   elseif own_tier > 0 then
     first = false
   end
@@ -164,7 +171,7 @@ if first and fresh and (zone == 'GREEN' or tier == 0)
   placement = placement_of(st)
   if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19]) end
   node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
-    tonumber(ARGV[5]), now, false, prefill)
+    tonumber(ARGV[5]), now, false, prefill, nil, hold and busy)
 end
 
 if node == nil then

@@ -84,6 +84,19 @@ class FairLedger:
             return DRAIN_WAIT_MAX_MS
         return math.ceil(excess * 1000 / rate)
 
+    def under_share(self, tier: int, tenant: str, weight: float,
+                    flows: Mapping[str, int]) -> bool:
+        """under_share() in lua/_lib.lua: `tenant` (at the weight its request states) holds no
+        more than its weighted share of the in-flight tokens of itself and up to LIGHT_SCAN
+        backlogged flows (least counter first)."""
+        own_weight = float(weight) if float(weight) > 0 else 1.0
+        view = FairView(self, frozenset())
+        view.members[tenant] = [float(self.inflight_tokens.get(tenant, 0)), own_weight]
+        view.total, view.wsum = view.members[tenant][0], own_weight
+        for other in sorted(flows, key=lambda t: (self.counter(tier, t), t))[:LIGHT_SCAN]:
+            view.member(other)
+        return view.members[tenant][0] * view.wsum <= own_weight * view.total
+
     def inflight_fits(self, tenant: str, cost: int, cap: int | None = None) -> bool:
         cap = self.inflight_cap.get(tenant, 0) if cap is None else cap
         return cap <= 0 or self.inflight_tokens.get(tenant, 0) + cost <= cap

@@ -235,7 +235,9 @@ class Model:
             busy = tenant not in flows and bool(flows)
             first = ahead == len(self.queues[tier]) and tenant not in flows
             if first and busy:
-                first = ledger.counter(tier, tenant) <= ledger.floor(tier, flows)[0]
+                first = (ledger.counter(tier, tenant) <= ledger.floor(tier, flows)[0]
+                         or (self.fair_headroom > 0
+                             and ledger.under_share(tier, tenant, weight, flows)))
         if (first and fresh and (self.zone == "GREEN" or tier == 0)
                 and ledger.inflight_fits(tenant, cost, inflight_cap)):
             node, guest = self.place(tier, cost, prompt)

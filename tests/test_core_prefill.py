@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -137,6 +138,54 @@ async def test_a_prompt_larger_than_the_window_runs_on_a_half_empty_room(
     # Its prompt took the room (and more): nothing else of Normal or Batch until the leader
     # publishes the next room.
     assert (await _admit(store, "chat", Tier.NORMAL, 10))[0] == "queued"
+
+
+def _fair_store(client: aioredis.Redis, headroom: float) -> PoolStore:
+    return PoolStore(client, register_scripts(client), "pf", PoolPolicy(fair_headroom=headroom))
+
+
+async def _admit_as(store: PoolStore, task_id: str, tenant: str, prompt: int) -> str:
+    got = await store.admit(task_id=task_id, tier=Tier.NORMAL, prompt_tokens=prompt,
+                            max_tokens=10, gateway="gw", queue_timeout_ms=60_000,
+                            tenant=TenantQuota(tenant, rate=0, burst=10**9, max_queued=100))
+    return got.outcome.value
+
+
+@pytest.mark.parametrize("headroom", [0.02, 0.0])
+async def test_light_tenants_overdraw_the_room_a_flood_left_by_up_to_two_windows(
+        redis_client: aioredis.Redis, headroom: float) -> None:
+    """Tenant a's chats take 900 of a 1,000-token room and its next one queues (100 left:
+    less than the prompt and than half the window). b and c arrive beside a's backlog with none
+    of their own: in a pool that holds room back for light tenants b overdraws the room to
+    -300, c to -700; d's 1,400 tokens would take it below minus two windows and queue. Without
+    headroom b, c and d queue."""
+    store = _fair_store(redis_client, headroom)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (1_000, 1_000)})
+    assert [await _admit_as(store, f"a-{i}", "a", 300) for i in range(4)] == [
+        "released", "released", "released", "queued"]
+    got = [await _admit_as(store, f"{t}-0", t, p) for t, p in (("b", 400), ("c", 400),
+                                                               ("d", 1_400))]
+    assert got == (["released", "released", "queued"] if headroom else ["queued"] * 3)
+    for tenant in "bcd":
+        assert await redis_client.zscore(store.keys.light(Tier.NORMAL), tenant) is not None
+    assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == (
+        1_700 if headroom else 900)
+
+
+@pytest.mark.parametrize("headroom", [0.02, 0.0])
+async def test_a_flooding_tenants_release_leaves_a_token_of_room_for_a_light_one(
+        redis_client: aioredis.Redis, headroom: float) -> None:
+    """a holds 930 tokens in flight against light b's 60: more than its share. With headroom
+    its queued 300-token prompt does not spend a room of exactly 300 (a light request finds a
+    token left); without, it does."""
+    store = _fair_store(redis_client, headroom)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (1_000, 1_000)})
+    assert [await _admit_as(store, f"a-{i}", "a", 300) for i in range(4)][-1] == "queued"
+    assert await _admit_as(store, "b-0", "b", 50) == "released"
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (950 + 300,
+                                                                                  1_000)})
+    released = [t.task_id for t in await store.release(1, (10, 10, 10))]
+    assert released == ([] if headroom else ["a-3"])
 
 
 async def test_the_leaders_release_obeys_the_room_and_keeps_fifo(

@@ -23,10 +23,13 @@ class FairnessSettings:
     """The fraction of each node's capacity for a tier that a release from the queue leaves
     free when its tenant holds more than its weighted share of the tier's in-flight tokens while
     a lighter tenant is active: that tenant's next request then finds room at once instead of
-    waiting for a completion (0: fair release gives every freed token to the backlog)."""
+    waiting for a completion; and a token of each node's prefill room, while a light tenant's
+    fast path may overdraw that room down to minus two windows (0: fair release gives every
+    freed token to the backlog)."""
     light_window_ms: int = at_least(100, 5_000)
-    """How long a tenant counts as active and light after the fast path admitted it while its
-    tier had a backlog (the room above is held for it that long after its last such admit)."""
+    """How long a tenant counts as active and light after a request of its was admitted with
+    none of its own queued while its tier had others' backlog (the room above is held for it
+    that long after its last such admit)."""
 
 
 def weight_field() -> float:

@@ -701,7 +701,7 @@ local function fair_view(prefix, tier, now, window_us)
   local lkey = light_key(prefix, tier)
   redis.call('ZREMRANGEBYSCORE', lkey, '-inf', '(' .. fmt(now - window_us))
   local light = redis.call('ZREVRANGE', lkey, 0, LIGHT_SCAN - 1)
-  local view = {light = {}, nlight = #light, members = {}, total = 0, wsum = 0}
+  local view = {light = {}, order = light, nlight = #light, members = {}, total = 0, wsum = 0}
   if #light == 0 then return view end
   for _, tenant in ipairs(light) do
     view.light[tenant] = true
@@ -721,6 +721,26 @@ local function fair_keep(prefix, view, tenant, keep)
   local m = fair_member(prefix, view, tenant)
   if m.inflight * view.wsum > m.weight * view.total then return keep end
   return 0
+end
+
+-- The light tenant a release call serves first in `tier`: among the view's light tenants with
+-- work queued there, not in `skip`, and holding no more than their weighted share of the view's
+-- in-flight tokens, the one whose oldest task is oldest: tenant, head id and its score, or nil.
+local function light_flow(prefix, tier, view, skip)
+  local best, best_id, best_at, best_score = nil, nil, nil, nil
+  for _, tenant in ipairs(view.order) do
+    if not skip[tenant] then
+      local head = redis.call('ZRANGE', flow_key(prefix, tier, tenant), 0, 0, 'WITHSCORES')
+      if head[1] then
+        local m = fair_member(prefix, view, tenant)
+        local at = tonumber(head[2])
+        if m.inflight * view.wsum <= m.weight * view.total and (best == nil or at < best_at) then
+          best, best_id, best_at, best_score = tenant, head[1], at, head[2]
+        end
+      end
+    end
+  end
+  return best, best_id, best_score
 end
 
 -- A release of `cost` tokens to `tenant` in this call, counted in the view.

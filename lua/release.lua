@@ -35,8 +35,9 @@
 -- ARGV[9]  fair order only: the fraction of each node's capacity a release of a tenant above
 --          its share leaves free while lighter tenants are active (fair_keep() in _lib.lua;
 --          0 or absent: none)
--- ARGV[10] fair order only: how long (ms) a tenant counts as light after the fast path admitted
---          it beside a backlog (the light:<tier> ZSET, pruned here)
+-- ARGV[10] fair order only: how long (ms) a tenant counts as light after a request of its was
+--          admitted with none of its own queued beside others' backlog (the light:<tier>
+--          ZSET, pruned here)
 --
 -- Order: tiers strictly by priority; within a tier FIFO, or with ARGV[8] the head of the
 -- backlogged flow with the least virtual counter (weighted fair across tenants, FIFO within a
@@ -46,7 +47,10 @@
 -- is at its cap on in-flight tokens (inflight_cap in its hash) is passed over for the rest of
 -- the call in fair order (the tenant's flow is skipped: its cap is its own); in FIFO order it
 -- holds its tier like a head that does not fit. In fair order, a head whose tenant must leave
--- room for lighter tenants (ARGV[9]) and finds none left is passed over the same way. A tier that only
+-- room for lighter tenants (ARGV[9]) and finds none left is passed over the same way, and
+-- with ARGV[9] above 0 a light tenant with work queued that holds no more than its weighted
+-- share of the in-flight tokens is served before the counters' order (light_flow() in
+-- _lib.lua). A tier that only
 -- reached its own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch
 -- trickle). Queued tasks found past their deadline at the head are expired on the way (tenant
 -- refunded). Either order charges each released task to its tenant's counter (flow_charge()),
@@ -82,9 +86,11 @@ local budget = 2000
 -- them): id, enqueue score and record (nil record: a stray entry, already dropped), or nil
 -- when nothing is left to release. Fair: the head of the next flow; a tier with no backlogged
 -- flow at all but a queue (tasks queued by a version without flows) falls back to FIFO.
-local function head_of(t, skip, nskip)
+local function head_of(t, skip, nskip, view)
   if fair then
-    local tenant, id, score = next_flow(prefix, t, skip, nskip)
+    local tenant, id, score = nil, nil, nil
+    if view and view.nlight > 0 then tenant, id, score = light_flow(prefix, t, view, skip) end
+    if not tenant then tenant, id, score = next_flow(prefix, t, skip, nskip) end
     if not tenant and nskip > 0 then return nil end
     if tenant then
       local task = load_task(task_key(prefix, id))
@@ -110,7 +116,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
   if fair and headroom > 0 then view = fair_view(prefix, t, now, window_us) end
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
-    local head, queued_us, task = head_of(t, skip, nskip)
+    local head, queued_us, task = head_of(t, skip, nskip, view)
     if not head then break end
     if task == nil then
       -- a stray entry, dropped by queue_head

@@ -176,6 +176,8 @@ class FairView:
 
     ledger: FairLedger
     light: frozenset[str]
+    order: tuple[str, ...] = ()
+    """The light tenants, most recent first (the script's ZREVRANGE)."""
     members: dict[str, list[float]] = field(default_factory=dict)
     total: float = 0
     wsum: float = 0
@@ -184,7 +186,7 @@ class FairView:
     def of(cls, ledger: FairLedger, light: Mapping[str, int], flows: Mapping[str, int],
            tier: int) -> FairView:
         recent = sorted(light, key=lambda t: (light[t], t), reverse=True)[:LIGHT_SCAN]
-        view = cls(ledger, frozenset(recent))
+        view = cls(ledger, frozenset(recent), tuple(recent))
         if not recent:
             return view
         for tenant in recent:
@@ -211,6 +213,21 @@ class FairView:
             return 0.0
         inflight, weight = self.member(tenant)
         return headroom if inflight * self.wsum > weight * self.total else 0.0
+
+    def light_first(self, heads: Mapping[str, int],
+                    skip: frozenset[str] | set[str]) -> str | None:
+        """light_flow() in lua/_lib.lua: among the light tenants with a head in `heads`
+        (tenant -> its position in the tier's queue), not skipped, holding no more than their
+        weighted share of the view's in-flight tokens, the one whose head is oldest."""
+        best: str | None = None
+        for tenant in self.order:
+            if tenant in skip or tenant not in heads:
+                continue
+            inflight, weight = self.member(tenant)
+            if inflight * self.wsum <= weight * self.total and (
+                    best is None or heads[tenant] < heads[best]):
+                best = tenant
+        return best
 
     def served(self, tenant: str, cost: int) -> None:
         if tenant in self.members:

@@ -310,7 +310,9 @@ class Model:
                 tid = queue[0]
                 if self.fair:
                     heads = self.flows(tier)
-                    first = self.ledger.next_flow(tier, heads, skip)
+                    first = view.light_first(heads, skip) if view is not None else None
+                    if first is None:
+                        first = self.ledger.next_flow(tier, heads, skip)
                     if first is None:
                         break
                     tid = queue[heads[first]]

@@ -231,3 +231,27 @@ async def test_without_headroom_the_backlog_takes_every_freed_token(
                             prompt_tokens=50, max_tokens=50, gateway="gw",
                             queue_timeout_ms=600_000)
     assert got.outcome.value == "queued"
+
+
+@pytest.mark.parametrize("headroom", [0.1, 0.0])
+async def test_a_light_tenant_under_its_share_is_released_before_the_counters_order(
+        redis_client: aioredis.Redis, headroom: float) -> None:
+    """a fills the node and queues five more; b's request finds no room and queues beside a's
+    backlog (b is light, lifted to a's counter: a tie, which a's older head would win). A
+    completion frees 100 tokens: with headroom the release serves b first (it holds nothing in
+    flight, under its share), without it serves a."""
+    policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), fair_headroom=headroom)
+    store = PoolStore(redis_client, register_scripts(redis_client), "fair", policy)
+    await redis_client.hset(store.keys.clock, "frozen_us", 1_800_000_000_000_000)
+    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    a = quota("a")
+    for i in range(10):
+        got = await store.admit(task_id=f"a-{i}", tenant=a, tier=Tier.NORMAL, prompt_tokens=50,
+                                max_tokens=50, gateway="gw", queue_timeout_ms=600_000)
+        assert got.outcome.value == "released"
+    await enqueue(store, a, 5, start=10)
+    await enqueue(store, quota("b"), 1)
+    assert await redis_client.zscore(store.keys.light(Tier.NORMAL), "b") is not None
+    await store.settle("a-0", 100)
+    released = [t.task_id for t in await store.release(1, (0, 10, 10))]
+    assert released == (["b-0"] if headroom else ["a-10"])

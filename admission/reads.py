@@ -90,6 +90,9 @@ class TickReading:
     prefill_released: dict[str, int] = field(default_factory=dict)
     """node -> prompt tokens of Normal and Batch work released there so far (read with
     `control`, before the running index)."""
+    prefill_overdrawn: dict[str, int] = field(default_factory=dict)
+    """node -> prompt tokens light tenants released there beyond the room so far (the same
+    hash's `<node>:light` fields)."""
     vip_reports: dict[str, tuple[int, int]] = field(default_factory=dict)
     """node -> (VIP first tokens seen, those over the objective), monotonic counts (with
     `control`)."""
@@ -128,16 +131,22 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
     depths = (int(reply[2]), int(reply[3]), int(reply[4]))
     rest = reply[5:]
     prefill_released: dict[str, int] = {}
+    overdrawn: dict[str, int] = {}
     reports: dict[str, tuple[int, int]] = {}
     if control:
-        prefill_released, reports, rest = (int_map(rest[0]), vip_reports(int_map(rest[1])),
-                                           rest[2:])
+        for name, count in int_map(rest[0]).items():
+            node, _, kind = name.partition(":")
+            if not kind:
+                prefill_released[node] = count
+            elif kind == "light":
+                overdrawn[node] = count
+        reports, rest = vip_reports(int_map(rest[1])), rest[2:]
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                           reports)
+                           overdrawn, reports)
     frozen = rest[2] if len(rest) > 2 else None
-    return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released, reports,
-                       rest[0], frozen, rest[1])
+    return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
+                       overdrawn, reports, rest[0], frozen, rest[1])
 
 
 async def left_queue(client: Any, keys: PoolKeys, tier: Tier,

@@ -324,21 +324,32 @@ end
 -- the room as fast as the leader publishes it, and a tenant sending within its share would
 -- wait a poll for each request. So while it must hold room back (`held`), a release leaves at
 -- least a token of the room (a prompt that would spend it exactly waits, the long document's
--- rule aside), and a light tenant's request (`light`: its fast path beside others' backlog)
--- may take the room down to minus one window. The overdraw comes out of the next poll's
--- room, as a long document's does; the queue ahead of a VIP chat is then at most twice the
--- window (the release control's gain shrinks the window if VIP misses its objective).
+-- rule aside), and a light tenant's request (`light`: its fast path beside others' backlog,
+-- or its release ahead of the counters' order, light_flow()) may take the room down to minus
+-- two windows, while the room is above 0. The overdraw is counted (prefill_taken()) and the
+-- leader takes it out of the rooms it publishes next, so that it reorders work rather than
+-- adding it; the queue ahead of a VIP chat is then at most three windows for a poll.
 local function prefill_fits(compute, prompt_tokens, light, held)
   if compute == nil then return true end
   local room = compute.room
   if prompt_tokens < room or (prompt_tokens == room and not held) then return true end
-  if light then return room - prompt_tokens >= -2 * compute.window end
+  if light then return room > 0 and room - prompt_tokens >= -2 * compute.window end
   return room > 0 and 2 * room >= compute.window
 end
 
-local function prefill_taken(prefill, tier, node, prompt_tokens)
+-- A placement of `prompt_tokens` on `node` takes its room; a light tenant's (`light`) also
+-- counts what it took beyond the room (<node>:light), which the leader takes out of the rooms
+-- it publishes next (scheduler.control.take_overdraw).
+local function prefill_taken(prefill, tier, node, prompt_tokens, light)
   -- (A record without a prompt count, which only an older version could leave, adds none.)
   if prefill and tier > 0 and prompt_tokens < math.huge then
+    if light then
+      local compute = prefill_room(prefill, node)
+      if compute and prompt_tokens > compute.room then
+        redis.call('HINCRBY', prefill.released_key, node .. ':light',
+          prompt_tokens - math.max(compute.room, 0))
+      end
+    end
     redis.call('HINCRBY', prefill.released_key, node, prompt_tokens)
   end
 end

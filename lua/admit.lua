@@ -28,7 +28,8 @@
 --                                -> tokens: the leader's prefill room (optional: without
 --                                KEYS[18..19] no room is applied; see prefill_of() in _lib.lua)
 -- KEYS[19] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
---                                there so far (raised here on a fast-path release)
+--                                there so far (raised here on a fast-path release), <node>:light
+--                                -> what light tenants took beyond the room (prefill_taken())
 --
 -- ARGV[1]  task id          ARGV[2]  tenant         ARGV[3] tier (0 VIP, 1 Normal, 2 Batch)
 -- ARGV[4]  cost W = prompt + max output tokens (tokens)
@@ -213,7 +214,7 @@ if node then
   if guest then
     guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)
   end
-  prefill_taken(prefill, tier, node, tonumber(ARGV[5]))
+  prefill_taken(prefill, tier, node, tonumber(ARGV[5]), hold and busy)
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)

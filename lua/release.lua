@@ -19,7 +19,8 @@
 --                                -> tokens: the prefill room of Normal and Batch work (optional:
 --                                without KEYS[13..14] no room applies; prefill_of() in _lib.lua)
 -- KEYS[14] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
---                                there so far (raised here by each such release)
+--                                there so far (raised here by each such release), <node>:light
+--                                -> what light tenants took beyond the room (prefill_taken())
 --
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests,
 --          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
@@ -83,14 +84,15 @@ local out = {'ok', epoch}
 local budget = 2000
 
 -- The head of tier `t` in its release order, passing over the tenants in `skip` (`nskip` of
--- them): id, enqueue score and record (nil record: a stray entry, already dropped), or nil
--- when nothing is left to release. Fair: the head of the next flow; a tier with no backlogged
+-- them): id, enqueue score, record (nil record: a stray entry, already dropped) and whether it
+-- is a light tenant's (light_flow(): it may overdraw the prefill room, as its fast path may), or
+-- nil when nothing is left to release. Fair: the head of the next flow; a tier with no backlogged
 -- flow at all but a queue (tasks queued by a version without flows) falls back to FIFO.
 local function head_of(t, skip, nskip, view)
   if fair then
-    local tenant, id, score = nil, nil, nil
+    local tenant, id, score, light = nil, nil, nil, false
     if view and view.nlight > 0 then tenant, id, score = light_flow(prefix, t, view, skip) end
-    if not tenant then tenant, id, score = next_flow(prefix, t, skip, nskip) end
+    if tenant then light = true else tenant, id, score = next_flow(prefix, t, skip, nskip) end
     if not tenant and nskip > 0 then return nil end
     if tenant then
       local task = load_task(task_key(prefix, id))
@@ -102,7 +104,7 @@ local function head_of(t, skip, nskip, view)
         redis.call('ZREM', KEYS[8], id)
         return id, score, nil
       end
-      return id, score, task
+      return id, score, task, light
     end
   end
   return queue_head(prefix, queues[t + 1], KEYS[8])
@@ -116,7 +118,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
   if fair and headroom > 0 then view = fair_view(prefix, t, now, window_us) end
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
-    local head, queued_us, task = head_of(t, skip, nskip, view)
+    local head, queued_us, task, light = head_of(t, skip, nskip, view)
     if not head then break end
     if task == nil then
       -- a stray entry, dropped by queue_head
@@ -135,7 +137,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         if view then keep = fair_keep(prefix, view, task.tenant, headroom) end
         node, guest = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
           placement, t, cost,
-          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep)
+          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
+          light)
       end
       if fair and (capped or (node == nil and keep > 0)) then
         skip[task.tenant] = true
@@ -159,7 +162,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         if guest then
           guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
         end
-        prefill_taken(prefill, t, node, prompt_tokens)
+        prefill_taken(prefill, t, node, prompt_tokens, light)
         redis.call('ZADD', running_key(prefix), fmt(now),
           running_member(node, task.prompt_tokens, task.max_tokens, head))
         redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

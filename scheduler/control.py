@@ -26,7 +26,8 @@ Per node, every poll (all in prompt tokens and seconds):
         backlog at the last poll and the releases since were at least half of it), within
         [GAIN_MIN, GAIN_MAX]; 1 when no report came for `signal_stale_ms`
     X   window = clamp(g x mu x objective x MODEL_SHARE, window_min, window_max)
-    room = X - B, or 0 while the engine runs more than `max_engine_running` sequences
+    room = X - B, or 0 while the engine runs more than `max_engine_running` sequences, less
+        what light tenants overdrew since the last poll (take_overdraw)
 
 Enforcement is in the scripts that admit and release (lua/_lib.lua prefill_of): a Normal or
 Batch task goes to a node only if its prompt fits the room, which its release then takes; a
@@ -123,6 +124,25 @@ class _Node:
     at_poll: float | None = None
     seen: set[Hashable] = field(default_factory=set)
     """The running index's members at the last poll: the others were released since."""
+    overdrawn: int | None = None
+    """The node's count of light tenants' overdraws at the last poll (None: not read yet)."""
+    owed: int = 0
+    """Overdraws not yet taken out of a room."""
+
+
+def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
+    """How much of `room` pays back light tenants' overdraws (lua/_lib.lua prefill_fits): the
+    room bounds the queue ahead of a VIP chat, and on a node that prefills faster than the
+    leader polls, an overdraw prefilled before the next poll would otherwise come on top of
+    the next room, a rate the window never allowed. What one room cannot pay is owed to the
+    next. A new leader owes nothing for overdraws it did not see."""
+    if overdrawn is not None:
+        if s.overdrawn is not None and overdrawn > s.overdrawn:
+            s.owed += overdrawn - s.overdrawn
+        s.overdrawn = overdrawn
+    take = min(s.owed, max(0, room))
+    s.owed -= take
+    return take
 
 
 class ReleaseControl:
@@ -210,11 +230,14 @@ class ReleaseControl:
         running: int | None = None,
         waiting: int = 0,
         reports: tuple[int, int] | None = None,
+        overdrawn: int | None = None,
     ) -> NodeRoom:
         """One poll for node `name`: `tasks` (key, prompt, seconds since release) released to
         it and running (the key, the running index's member, tells the new ones); its prompt
         counter as read at `read_at` (reading number `seq`); its engine's running and waiting
-        counts; the VIP reports (first tokens, those over the objective)."""
+        counts; the VIP reports (first tokens, those over the objective); the count of prompt
+        tokens light tenants released beyond the room (`overdrawn`, monotonic), which the
+        rooms that follow pay back."""
         c = self.settings
         s = self.node(name)
         before = s.counter
@@ -254,6 +277,7 @@ class ReleaseControl:
         reason = ""
         if c.max_engine_running and running is not None and running > c.max_engine_running:
             room, reason = 0, "max_engine_running"
+        room -= take_overdraw(s, overdrawn, room)
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason)
 
     def forget(self, keep: Iterable[str]) -> None:

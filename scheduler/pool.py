@@ -47,6 +47,9 @@ class Snapshot:
     prefill_released: Mapping[str, int] = field(default_factory=dict)
     """Prompt tokens of Normal and Batch work released per node so far, read before the
     running index (scheduler.control: the published room is a limit on this count)."""
+    prefill_overdrawn: Mapping[str, int] = field(default_factory=dict)
+    """Prompt tokens light tenants released per node beyond the room so far (the rooms that
+    follow pay them back: scheduler.control.take_overdraw)."""
     vip_reports: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """VIP first tokens per node and those later than the objective (monotonic counts)."""
     prefill_tasks: Mapping[str, list[tuple[Any, int, float]]] = field(default_factory=dict)
@@ -211,7 +214,8 @@ class PoolScheduler:
             if control:
                 prefill = _prefill_tasks(self._indexed, now_us)
         return Snapshot(reading.reserved, reading.stats, reading.depths, running,
-                        reading.prefill_released, reading.vip_reports, prefill)
+                        reading.prefill_released, reading.prefill_overdrawn,
+                        reading.vip_reports, prefill)
 
     def _redis_now_us(self, frozen: Any, last_published: Any) -> int:
         """The pool clock the scripts use, without a TIME call (Redis Cluster refuses it in a
@@ -287,7 +291,8 @@ class PoolScheduler:
                 read_at=now - view.age_s if math.isfinite(view.age_s) else now,
                 seq=view.seq, running=None if m is None else m.running,
                 waiting=0 if m is None else m.waiting,
-                reports=snap.vip_reports.get(plan.name))
+                reports=snap.vip_reports.get(plan.name),
+                overdrawn=snap.prefill_overdrawn.get(plan.name, 0))
             rooms[plan.name] = room
             prefill[plan.name] = (snap.prefill_released.get(plan.name, 0) + room.room,
                                   room.window)

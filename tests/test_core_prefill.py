@@ -155,21 +155,27 @@ async def _admit_as(store: PoolStore, task_id: str, tenant: str, prompt: int) ->
 async def test_light_tenants_overdraw_the_room_a_flood_left_by_up_to_two_windows(
         redis_client: aioredis.Redis, headroom: float) -> None:
     """Tenant a's chats take 900 of a 1,000-token room and its next one queues (100 left:
-    less than the prompt and than half the window). b and c arrive beside a's backlog with none
-    of their own: in a pool that holds room back for light tenants b overdraws the room to
-    -300, c to -700; d's 1,400 tokens would take it below minus two windows and queue. Without
-    headroom b, c and d queue."""
+    less than the prompt and than half the window). b arrives beside a's backlog with none of
+    its own: in a pool that holds room back for light tenants it overdraws the room by 300
+    (counted for the leader to take out of the next rooms); c then finds the room spent and
+    queues. With the next room of 100, d's 2,200 tokens would take it below minus two windows
+    and queue, e's 2,000 pass. Without headroom none of them passes."""
     store = _fair_store(redis_client, headroom)
     await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (1_000, 1_000)})
     assert [await _admit_as(store, f"a-{i}", "a", 300) for i in range(4)] == [
         "released", "released", "released", "queued"]
-    got = [await _admit_as(store, f"{t}-0", t, p) for t, p in (("b", 400), ("c", 400),
-                                                               ("d", 1_400))]
-    assert got == (["released", "released", "queued"] if headroom else ["queued"] * 3)
-    for tenant in "bcd":
+    got = [await _admit_as(store, f"{t}-0", t, 400) for t in "bc"]
+    assert got == (["released", "queued"] if headroom else ["queued"] * 2)
+    for tenant in "bc":
         assert await redis_client.zscore(store.keys.light(Tier.NORMAL), tenant) is not None
-    assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == (
-        1_700 if headroom else 900)
+    released = 1_300 if headroom else 900
+    assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == released
+    overdrawn = await redis_client.hget(store.keys.node_prefill_released, "node-a:light")
+    assert overdrawn == (b"300" if headroom else None)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
+                              prefill={"node-a": (released + 100, 1_000)})
+    got = [await _admit_as(store, f"{t}-0", t, p) for t, p in (("d", 2_200), ("e", 2_000))]
+    assert got == (["queued", "released"] if headroom else ["queued"] * 2)
 
 
 @pytest.mark.parametrize("headroom", [0.02, 0.0])
@@ -268,3 +274,26 @@ async def test_the_leader_publishes_rooms_from_the_measured_backlog(
             published = await state(ps.store)
             assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("0", "1000")
             assert await _count(redis_client, k.node_prefill_released, "n1") == 1_100
+
+
+async def test_the_leader_takes_light_overdraws_out_of_the_next_room(
+        redis_client: aioredis.Redis, redis_url: str) -> None:
+    """A light tenant's overdraw prefilled before the next poll does not come on top of the
+    next room: 300 overdrawn (the scripts' n1:light count) leave the next room 700, then the
+    whole window again; a count already there when the leader first reads it is not owed."""
+    fake = FakeVllm(running=1, prompt_tokens=0.0)
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             control={"vip_ttft_objective_ms": 200,
+                                      "prefill_tokens_per_s": 10_000})
+        async with pool_scheduler(redis_client, config) as ps:
+            k = ps.store.keys
+            await redis_client.hset(k.node_prefill_released, "n1:light", 5_000)
+            rooms = []
+            for overdraw in (0, 300, 0):
+                await redis_client.hincrby(k.node_prefill_released, "n1:light", overdraw)
+                await ps.tick(1, always)
+                rooms.append((await state(ps.store))["prefill_room:n1"])
+                limit = await _count(redis_client, k.node_prefill, "n1")
+                assert limit == int(rooms[-1])  # nothing released: the limit is the room
+            assert rooms == ["1000", "700", "1000"]

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from admission.config import ConfigError, parse_config
 from admission.controlconfig import ControlSettings
-from scheduler.control import GAIN_MAX, HOLD_S, ReleaseControl, backlog
+from scheduler.control import GAIN_MAX, HOLD_S, ReleaseControl, _Node, backlog, take_overdraw
 
 POLL_S = 0.05
 TICK_S = 0.005
@@ -311,3 +311,26 @@ def test_the_configuration_validates_the_safety_limits() -> None:
                                                      "window_max_tokens": 8_000}}]}, env={})
     with pytest.raises(ConfigError, match=r"pools\[0\]\.control\.vip_ttft_objective_ms"):
         parse_config({"pools": [{**pool, "control": {"vip_ttft_objective_ms": 0}}]}, env={})
+
+
+@settings(max_examples=200, deadline=None)
+@given(first=st.integers(0, 10_000),
+       polls=st.lists(st.tuples(st.integers(0, 3_000), st.integers(0, 2_000)), max_size=30))
+def test_overdraws_are_paid_back_from_the_rooms_that_follow(
+        first: int, polls: list[tuple[int, int]]) -> None:
+    """Each poll: what light tenants overdrew since the last (added to a monotonic count) and
+    the room before paying. A poll takes the least of what is owed and its room; what is owed
+    is everything overdrawn since the first reading less what was taken; nothing is taken
+    from a room of 0 and nothing before the first reading is owed."""
+    node = _Node(rate=1.0)
+    total, owed, paid = first, 0, 0
+    assert take_overdraw(node, total, 1_000) == 0
+    for overdrawn, room in polls:
+        total += overdrawn
+        owed += overdrawn
+        take = take_overdraw(node, total, room)
+        assert take == min(owed, room)
+        owed -= take
+        paid += take
+        assert node.owed == owed
+    assert paid + owed == total - first

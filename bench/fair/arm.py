@@ -44,6 +44,8 @@ class TenantFigures:
     sent: int = 0
     ok: int = 0
     service_tokens: int = 0
+    released: int = 0
+    """Its tasks released in the window."""
     waits_ms: list[float] = field(default_factory=list)
 
     @property
@@ -102,6 +104,7 @@ def measure(spec: ArmSpec, outcomes: Sequence[Outcome], records: Sequence[Mappin
             wait_ms = (int(r["released_us"]) - queued) / 1e3
             if warmup_s <= at < duration_s:
                 tenants[name].service_tokens += cost
+                tenants[name].released += 1
             if warmup_s <= (queued - redis_t0_us) / 1e6 < duration_s:
                 tenants[name].waits_ms.append(wait_ms)
         elif r.get("state") == "expired" and "finished_us" in r:

@@ -37,6 +37,7 @@ def test_measure_counts_the_window_only() -> None:
     assert (a.sent, a.ok, b.sent, b.ok) == (2, 1, 1, 1)
     assert (a.demand_met, b.demand_met) == (0.5, 1.0)
     assert (a.service_tokens, b.service_tokens) == (300, 100)
+    assert (a.released, b.released) == (1, 1)
     assert r.share("a") == 0.75
     assert sorted(a.waits_ms) == [500.0, 3_000.0] and b.waits_ms == [0.0]
     assert r.throughput_tps == 200 / 6.0

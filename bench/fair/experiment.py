@@ -46,8 +46,8 @@ from bench.fair.report import markdown, plot
 
 CAPACITY_RPS = 35.0
 """Requests per wall second the lab's pool releases at saturation: ``--measure-capacity`` (one
-tenant sending `SATURATING_RPS` on seed 99) measured 35.0 and 35.8 in two runs. Remeasure when the release path
-changes: a stale figure leaves the weighted arm short of saturating."""
+tenant sending `SATURATING_RPS` on seed 99) measured 35.0 and 35.8 in two runs. Remeasure when
+the release path changes: a stale figure leaves the weighted arm short of saturating."""
 SATURATING_RPS = 150.0
 FLOOD = 20.0
 """A's rate in multiples of its share."""

@@ -6,6 +6,8 @@ it, and the VIP first-token counts the finish script keeps for the release contr
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -243,37 +245,46 @@ async def test_the_finish_script_counts_vip_first_tokens_against_the_objective(
     assert counts == {"node-a:n": 2, "node-a:over": 1}
 
 
-async def test_the_leader_publishes_rooms_from_the_measured_backlog(
-        redis_client: aioredis.Redis, redis_url: str) -> None:
-    """A tick against a real metrics page: window, backlog and room in the state hash and the
-    scripts' hash, the room shrinking by what a gateway released, and growing back when the
-    engine's prompt counter shows it prefilled."""
+@asynccontextmanager
+async def _one_node_control(redis_client: aioredis.Redis, redis_url: str
+                            ) -> AsyncIterator[tuple[FakeVllm, Any]]:
+    """A pool scheduler with the release control on (window 10,000 tokens/s x 0.2 s x 1/2 =
+    1,000 tokens) over one node whose metrics page a test drives."""
     fake = FakeVllm(running=1, prompt_tokens=0.0)
     async with serve_fake(fake) as url:
         config = make_config(redis_url, [{"name": "n1", "url": url}],
                              control={"vip_ttft_objective_ms": 200,
                                       "prefill_tokens_per_s": 10_000})
         async with pool_scheduler(redis_client, config) as ps:
-            k = ps.store.keys
-            await ps.tick(1, always)  # window 10,000 tokens/s x 0.2 s x 1/2
-            published = await state(ps.store)
-            assert (published["prefill_window:n1"], published["prefill_backlog:n1"],
-                    published["prefill_room:n1"]) == ("1000", "0", "1000")
-            assert published["vip_ttft_objective_ms"] == "200"
-            rooms = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_prefill)).items()}
-            assert rooms == {"n1": 1_000, "n1:window": 1_000}
-            assert ps.metrics.prefill_window.labels("p", "n1")._value.get() == 1_000
-            assert (await _admit(ps.store, "a", Tier.NORMAL, 800))[0] == "released"
-            await ps.tick(1, always)  # the counter has not moved: 800 queued for prefill
-            published = await state(ps.store)
-            assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("800", "200")
-            assert (await _admit(ps.store, "b", Tier.NORMAL, 300))[0] == "queued"
-            fake.prompt_tokens = 800.0
-            result = await ps.tick(1, always)  # prefilled: the whole window again
-            assert [t.task_id for t in result.released] == ["b"]
-            published = await state(ps.store)
-            assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("0", "1000")
-            assert await _count(redis_client, k.node_prefill_released, "n1") == 1_100
+            yield fake, ps
+
+
+async def test_the_leader_publishes_rooms_from_the_measured_backlog(
+        redis_client: aioredis.Redis, redis_url: str) -> None:
+    """A tick against a real metrics page: window, backlog and room in the state hash and the
+    scripts' hash, the room shrinking by what a gateway released, and growing back when the
+    engine's prompt counter shows it prefilled."""
+    async with _one_node_control(redis_client, redis_url) as (fake, ps):
+        k = ps.store.keys
+        await ps.tick(1, always)  # window 10,000 tokens/s x 0.2 s x 1/2
+        published = await state(ps.store)
+        assert (published["prefill_window:n1"], published["prefill_backlog:n1"],
+                published["prefill_room:n1"]) == ("1000", "0", "1000")
+        assert published["vip_ttft_objective_ms"] == "200"
+        rooms = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_prefill)).items()}
+        assert rooms == {"n1": 1_000, "n1:window": 1_000}
+        assert ps.metrics.prefill_window.labels("p", "n1")._value.get() == 1_000
+        assert (await _admit(ps.store, "a", Tier.NORMAL, 800))[0] == "released"
+        await ps.tick(1, always)  # the counter has not moved: 800 queued for prefill
+        published = await state(ps.store)
+        assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("800", "200")
+        assert (await _admit(ps.store, "b", Tier.NORMAL, 300))[0] == "queued"
+        fake.prompt_tokens = 800.0
+        result = await ps.tick(1, always)  # prefilled: the whole window again
+        assert [t.task_id for t in result.released] == ["b"]
+        published = await state(ps.store)
+        assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("0", "1000")
+        assert await _count(redis_client, k.node_prefill_released, "n1") == 1_100
 
 
 async def test_the_leader_takes_light_overdraws_out_of_the_next_room(
@@ -281,19 +292,14 @@ async def test_the_leader_takes_light_overdraws_out_of_the_next_room(
     """A light tenant's overdraw prefilled before the next poll does not come on top of the
     next room: 300 overdrawn (the scripts' n1:light count) leave the next room 700, then the
     whole window again; a count already there when the leader first reads it is not owed."""
-    fake = FakeVllm(running=1, prompt_tokens=0.0)
-    async with serve_fake(fake) as url:
-        config = make_config(redis_url, [{"name": "n1", "url": url}],
-                             control={"vip_ttft_objective_ms": 200,
-                                      "prefill_tokens_per_s": 10_000})
-        async with pool_scheduler(redis_client, config) as ps:
-            k = ps.store.keys
-            await redis_client.hset(k.node_prefill_released, "n1:light", 5_000)
-            rooms = []
-            for overdraw in (0, 300, 0):
-                await redis_client.hincrby(k.node_prefill_released, "n1:light", overdraw)
-                await ps.tick(1, always)
-                rooms.append((await state(ps.store))["prefill_room:n1"])
-                limit = await _count(redis_client, k.node_prefill, "n1")
-                assert limit == int(rooms[-1])  # nothing released: the limit is the room
-            assert rooms == ["1000", "700", "1000"]
+    async with _one_node_control(redis_client, redis_url) as (_fake, ps):
+        k = ps.store.keys
+        await redis_client.hset(k.node_prefill_released, "n1:light", 5_000)
+        rooms = []
+        for overdraw in (0, 300, 0):
+            await redis_client.hincrby(k.node_prefill_released, "n1:light", overdraw)
+            await ps.tick(1, always)
+            rooms.append((await state(ps.store))["prefill_room:n1"])
+            limit = await _count(redis_client, k.node_prefill, "n1")
+            assert limit == int(rooms[-1])  # nothing released: the limit is the room
+        assert rooms == ["1000", "700", "1000"]

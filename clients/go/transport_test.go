@@ -211,15 +211,31 @@ func TestContextDeadlineRespected(t *testing.T) {
 	}
 }
 
+// sleepSignal is the real clock, telling when a backoff sleep has begun.
+type sleepSignal struct {
+	Clock
+	sleeping chan struct{}
+}
+
+func (c sleepSignal) Sleep(ctx context.Context, d time.Duration) error {
+	close(c.sleeping)
+	return c.Clock.Sleep(ctx, d)
+}
+
 // A canceled context interrupts a real backoff sleep at once.
 func TestContextCancellationInterruptsTheSleep(t *testing.T) {
 	srv := newScripted(t, make429s(10), http.Header{"Retry-After": {"30"}})
-	tr := NewTransport(nil, nil) // the real clock: the sleep would last 30 s or more
+	// The real clock: the sleep would last 30 s or more. The context is canceled once the
+	// sleep has begun (canceled while the 429 is still being read, it is an attempt's error).
+	clock := sleepSignal{SystemClock(), make(chan struct{})}
+	retrier, err := NewRetrier(RetrierOptions{Clock: clock})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := NewTransport(nil, retrier)
 	ctx, cancel := context.WithCancel(context.Background())
 	go func() {
-		for len(srv.attempts()) == 0 {
-			time.Sleep(time.Millisecond)
-		}
+		<-clock.sleeping
 		cancel()
 	}()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.server.URL, strings.NewReader("{}"))

@@ -337,18 +337,16 @@ local function prefill_fits(compute, prompt_tokens, light, held)
   return room > 0 and 2 * room >= compute.window
 end
 
--- A placement of `prompt_tokens` on `node` takes its room; a light tenant's (`light`) also
--- counts what it took beyond the room (<node>:light), which the leader takes out of the rooms
--- it publishes next (scheduler.control.take_overdraw).
-local function prefill_taken(prefill, tier, node, prompt_tokens, light)
+-- A placement of `prompt_tokens` on `node` takes its room; a light tenant's also counts what
+-- it took beyond `light_room`, the room place() found there (<node>:light), which the leader
+-- takes out of the rooms it publishes next (scheduler.control.take_overdraw). `light_room`
+-- nil: not a light tenant's placement, or no room published for the node.
+local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
   -- (A record without a prompt count, which only an older version could leave, adds none.)
   if prefill and tier > 0 and prompt_tokens < math.huge then
-    if light then
-      local compute = prefill_room(prefill, node)
-      if compute and prompt_tokens > compute.room then
-        redis.call('HINCRBY', prefill.released_key, node .. ':light',
-          prompt_tokens - math.max(compute.room, 0))
-      end
+    if light_room and prompt_tokens > light_room then
+      redis.call('HINCRBY', prefill.released_key, node .. ':light',
+        prompt_tokens - math.max(light_room, 0))
     end
     redis.call('HINCRBY', prefill.released_key, node, prompt_tokens)
   end
@@ -417,6 +415,8 @@ end
 -- keep x the tier's capacity there stays free after it (fair release of a tenant above its
 -- share while lighter tenants are active: fair_view()), and a token of the prefill room;
 -- `light`: a light tenant's fast path, which may overdraw the prefill room (prefill_fits()).
+-- Returns the node (nil: none), whether as a guest, and the node's prefill room before this
+-- placement (nil when none is published), for prefill_taken().
 local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
                      prompt_tokens, now, guests_only, prefill, keep, light)
   local caps = redis.call('HGETALL', cap_key)
@@ -426,6 +426,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     and (placement.guest_output == 0 or cost - prompt_tokens <= placement.guest_output)
   local candidates = {{}, {}}
   local best = {}
+  local pf_rooms = {}
   for i = 1, #caps, 2 do
     local node = caps[i]
     local group = placement.nodes[node] and 1 or 2
@@ -450,6 +451,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
       table.insert(candidates[group], {node, room, reserved, compute and compute.room,
         compute and compute.window})
+      pf_rooms[node] = compute and compute.room
       if best[group] == nil or room > best[group] then best[group] = room end
     end
   end
@@ -474,7 +476,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         local turn = (tonumber(n[1]) or 0) + (tonumber(n[2]) or 0) + (tonumber(n[3]) or 0)
         node = tied[turn % #tied + 1]
       end
-      return node, group == 1 and not owns_dedicated
+      return node, group == 1 and not owns_dedicated, pf_rooms[node]
     end
   end
   return nil, false
@@ -692,6 +694,15 @@ end
 -- holds room back from itself alone.
 
 -- A member of a release call's view: its in-flight tokens and weight, added to the sums once.
+local function new_view()
+  return {light = {}, order = {}, nlight = 0, members = {}, total = 0, wsum = 0}
+end
+
+-- Whether member `m` holds no more than its weighted share of the view's in-flight tokens.
+local function within_share(view, m)
+  return m.inflight * view.wsum <= m.weight * view.total
+end
+
 local function fair_member(prefix, view, tenant)
   local m = view.members[tenant]
   if m then return m end
@@ -712,7 +723,8 @@ local function fair_view(prefix, tier, now, window_us)
   local lkey = light_key(prefix, tier)
   redis.call('ZREMRANGEBYSCORE', lkey, '-inf', '(' .. fmt(now - window_us))
   local light = redis.call('ZREVRANGE', lkey, 0, LIGHT_SCAN - 1)
-  local view = {light = {}, order = light, nlight = #light, members = {}, total = 0, wsum = 0}
+  local view = new_view()
+  view.order, view.nlight = light, #light
   if #light == 0 then return view end
   for _, tenant in ipairs(light) do
     view.light[tenant] = true
@@ -729,9 +741,8 @@ end
 -- share of the view's in-flight tokens, else 0.
 local function fair_keep(prefix, view, tenant, keep)
   if view.nlight == 0 or (view.nlight == 1 and view.light[tenant]) then return 0 end
-  local m = fair_member(prefix, view, tenant)
-  if m.inflight * view.wsum > m.weight * view.total then return keep end
-  return 0
+  if within_share(view, fair_member(prefix, view, tenant)) then return 0 end
+  return keep
 end
 
 -- The light tenant a release call serves first in `tier`: among the view's light tenants with
@@ -743,9 +754,9 @@ local function light_flow(prefix, tier, view, skip)
     if not skip[tenant] then
       local head = redis.call('ZRANGE', flow_key(prefix, tier, tenant), 0, 0, 'WITHSCORES')
       if head[1] then
-        local m = fair_member(prefix, view, tenant)
         local at = tonumber(head[2])
-        if m.inflight * view.wsum <= m.weight * view.total and (best == nil or at < best_at) then
+        if within_share(view, fair_member(prefix, view, tenant))
+            and (best == nil or at < best_at) then
           best, best_id, best_at, best_score = tenant, head[1], at, head[2]
         end
       end
@@ -769,17 +780,18 @@ end
 -- whose counter happens to be lower (its own ran one request ahead in a burst); the counters
 -- keep ordering the backlog.
 local function under_share(prefix, tier, tenant, weight)
-  local view = {light = {}, nlight = 0, members = {}, total = 0, wsum = 0}
+  local view = new_view()
   local w = tonumber(weight) or 1
   if w <= 0 then w = 1 end
   local own = tonumber(redis.call('HGET', tenant_key(prefix, tenant), 'inflight_tokens') or '0')
     or 0
-  view.members[tenant] = {inflight = own, weight = w}
+  local me = {inflight = own, weight = w}
+  view.members[tenant] = me
   view.total, view.wsum = own, w
   for _, other in ipairs(redis.call('ZRANGE', flows_key(prefix, tier), 0, LIGHT_SCAN - 1)) do
     fair_member(prefix, view, other)
   end
-  return own * view.wsum <= w * view.total
+  return within_share(view, me)
 end
 
 -- Move a task to a terminal state and let its record expire after `retention_s`, so a late

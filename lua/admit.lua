@@ -152,7 +152,7 @@ if short then return {'rejected', 'quota', short_wait, ahead, zone, short.scope,
 -- the scheduler's view is fresh, and a node the tier may use has room for the whole
 -- reservation.
 local fresh = stale_ms == 0 or (st.updated_us and now - tonumber(st.updated_us) <= stale_ms * 1000)
-local node, guest, placement, prefill = nil, false, nil, nil
+local node, guest, placement, prefill, pf_room = nil, false, nil, nil, nil
 local first, busy = ahead == 0, false
 -- (The flows mirror the tier's queue: with nothing queued in the tier there is no flow to read.)
 if fair then
@@ -171,8 +171,8 @@ if first and fresh and (zone == 'GREEN' or tier == 0)
     and inflight_fits(tkey, cost, inflight_cap) then
   placement = placement_of(st)
   if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19]) end
-  node, guest = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier, cost,
-    tonumber(ARGV[5]), now, false, prefill, nil, hold and busy)
+  node, guest, pf_room = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier,
+    cost, tonumber(ARGV[5]), now, false, prefill, nil, hold and busy)
 end
 
 if node == nil then
@@ -214,7 +214,7 @@ if node then
   if guest then
     guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)
   end
-  prefill_taken(prefill, tier, node, tonumber(ARGV[5]), hold and busy)
+  prefill_taken(prefill, tier, node, tonumber(ARGV[5]), (hold and busy) and pf_room or nil)
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)

@@ -130,12 +130,12 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
     else
       local cost = tonumber(task.cost)
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
-      local node, guest = nil, false
+      local node, guest, pf_room = nil, false, nil
       local capped = not inflight_fits(tenant_key(prefix, task.tenant), cost, nil)
       local keep = 0
       if not capped then
         if view then keep = fair_keep(prefix, view, task.tenant, headroom) end
-        node, guest = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
+        node, guest, pf_room = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
           placement, t, cost,
           prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
           light)
@@ -162,7 +162,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         if guest then
           guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
         end
-        prefill_taken(prefill, t, node, prompt_tokens, light)
+        prefill_taken(prefill, t, node, prompt_tokens, light and pf_room or nil)
         redis.call('ZADD', running_key(prefix), fmt(now),
           running_member(node, task.prompt_tokens, task.max_tokens, head))
         redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

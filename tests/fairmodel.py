@@ -95,7 +95,7 @@ class FairLedger:
         view.total, view.wsum = view.members[tenant][0], own_weight
         for other in sorted(flows, key=lambda t: (self.counter(tier, t), t))[:LIGHT_SCAN]:
             view.member(other)
-        return view.members[tenant][0] * view.wsum <= own_weight * view.total
+        return view.within_share(tenant)
 
     def inflight_fits(self, tenant: str, cost: int, cap: int | None = None) -> bool:
         cap = self.inflight_cap.get(tenant, 0) if cap is None else cap
@@ -211,8 +211,7 @@ class FairView:
         it holds more than its weighted share of the view's in-flight tokens."""
         if not self.light or self.light == {tenant}:
             return 0.0
-        inflight, weight = self.member(tenant)
-        return headroom if inflight * self.wsum > weight * self.total else 0.0
+        return 0.0 if self.within_share(tenant) else headroom
 
     def light_first(self, heads: Mapping[str, int],
                     skip: frozenset[str] | set[str]) -> str | None:
@@ -223,11 +222,15 @@ class FairView:
         for tenant in self.order:
             if tenant in skip or tenant not in heads:
                 continue
-            inflight, weight = self.member(tenant)
-            if inflight * self.wsum <= weight * self.total and (
-                    best is None or heads[tenant] < heads[best]):
+            if self.within_share(tenant) and (best is None or heads[tenant] < heads[best]):
                 best = tenant
         return best
+
+    def within_share(self, tenant: str) -> bool:
+        """within_share() in lua/_lib.lua: no more than its weighted share of the view's
+        in-flight tokens (the tenant joins the view if it is not in it yet)."""
+        inflight, weight = self.member(tenant)
+        return inflight * self.wsum <= weight * self.total
 
     def served(self, tenant: str, cost: int) -> None:
         if tenant in self.members:

@@ -63,7 +63,7 @@ end
 -- The state hash's fields that say where a task may run (placement_of()).
 local PLACEMENT_FIELDS = {'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt',
   'dedicated_guest_cap', 'dedicated_guest_rate', 'dedicated_guest_output',
-  'dedicated_guests_closed'}
+  'dedicated_guests_closed', 'prefill_quiet'}
 -- The state hash's fields a capacity 429's hint is computed from (hint_facts()).
 local HINT_FIELDS = {'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2', 'red_clear_s'}
 -- What admit.lua reads of the state hash: both of the above.
@@ -290,7 +290,8 @@ local function placement_of(st)
           guest_prompt = tonumber(st.dedicated_guest_prompt or '0') or 0,
           guest_cap = tonumber(st.dedicated_guest_cap or '0') or 0,
           guest_rate = tonumber(st.dedicated_guest_rate or '0') or 0,
-          guest_output = tonumber(st.dedicated_guest_output or '0') or 0}
+          guest_output = tonumber(st.dedicated_guest_output or '0') or 0,
+          quiet = tonumber(st.prefill_quiet or '0') or 0}
 end
 
 -- Prefill room: how many prompt tokens of Normal and Batch work each node may still be given
@@ -329,12 +330,38 @@ end
 -- two windows, while the room is above 0. The overdraw is counted (prefill_taken()) and the
 -- leader takes it out of the rooms it publishes next, so that it reorders work rather than
 -- adding it; the queue ahead of a VIP chat is then at most three windows for a poll.
+-- Returns whether it fits, and whether only by one of those two rules (a long prefill: the
+-- queue it leaves on the node is more than a window).
 local function prefill_fits(compute, prompt_tokens, light, held)
-  if compute == nil then return true end
+  if compute == nil then return true, false end
   local room = compute.room
-  if prompt_tokens < room or (prompt_tokens == room and not held) then return true end
-  if light then return room > 0 and room - prompt_tokens >= -2 * compute.window end
-  return room > 0 and 2 * room >= compute.window
+  if prompt_tokens < room or (prompt_tokens == room and not held) then return true, false end
+  if light then return room > 0 and room - prompt_tokens >= -2 * compute.window, true end
+  return room > 0 and 2 * room >= compute.window, true
+end
+
+-- A node is quiet while its prefill room is at least half its window (at most half a window
+-- of other tiers' prompts queued ahead of a VIP chat; a node without a published room counts
+-- as quiet): VIP is steered to quiet nodes (least_queued()).
+local function is_quiet(compute)
+  return compute == nil or 2 * compute.room >= compute.window
+end
+
+-- Quiet nodes kept (`placement.quiet`, the state's prefill_quiet, published from
+-- [pools.control] quiet_nodes): a long prefill (prefill_fits()'s second result) may go to a
+-- node only while that many other nodes with capacity for its tier stay quiet, at most all
+-- but one of them (a one-node pool still runs long documents). With every node running a
+-- long prefill, a VIP chat that arrives waits for one of them to finish, however short the
+-- other tiers' windows: an 8k-token document is seconds of prefill on a slice of a GPU, and
+-- the engine computes the running prompt's chunks before a waiting chat's. One quiet node
+-- caps that wait at half a window while the others take the documents.
+-- `computes`: node -> its room, or false when none is published.
+local function quiet_others(computes, node)
+  local n = 0
+  for other, compute in pairs(computes) do
+    if other ~= node and is_quiet(compute or nil) then n = n + 1 end
+  end
+  return n
 end
 
 -- A placement of `prompt_tokens` on `node` takes its room; a light tenant's also counts what
@@ -427,6 +454,19 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
   local candidates = {{}, {}}
   local best = {}
   local pf_rooms = {}
+  -- Rooms of the nodes with capacity for the tier, when long prefills must leave quiet nodes.
+  local computes, need = nil, 0
+  if prefill and tier > 0 and placement.quiet > 0 then
+    computes = {}
+    local n = 0
+    for i = 1, #caps, 2 do
+      if (tonumber(caps[i + 1]) or 0) > 0 then
+        computes[caps[i]] = prefill_room(prefill, caps[i]) or false
+        n = n + 1
+      end
+    end
+    need = math.min(placement.quiet, n - 1)
+  end
   for i = 1, #caps, 2 do
     local node = caps[i]
     local group = placement.nodes[node] and 1 or 2
@@ -439,9 +479,17 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     end
     local compute = nil
     if allowed and prefill then
-      compute = prefill_room(prefill, node)
+      if computes and computes[node] ~= nil then
+        compute = computes[node] or nil
+      else
+        compute = prefill_room(prefill, node)
+      end
       if tier > 0 then
-        allowed = prefill_fits(compute, prompt_tokens, light, keep ~= nil and keep > 0)
+        local long
+        allowed, long = prefill_fits(compute, prompt_tokens, light, keep ~= nil and keep > 0)
+        if allowed and long and need > 0 then
+          allowed = quiet_others(computes, node) >= need
+        end
       end
     end
     if allowed then

@@ -4,6 +4,7 @@
 --                                dedicated_tiers, dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
 --                                dedicated_guests_closed (see place() in _lib.lua),
+--                                prefill_quiet (quiet nodes kept, count; place()),
 --                                red_clear_s (s), by the scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens this task's tier may reserve there (the

@@ -3,8 +3,8 @@
 -- KEYS[1]  state            HASH  epoch (fencing), dedicated_nodes, dedicated_tiers,
 --                                dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
---                                dedicated_guests_closed (where each task may
---                                run, see place() in _lib.lua)
+--                                dedicated_guests_closed, prefill_quiet (where each
+--                                task may run, see place() in _lib.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens VIP may reserve there
 -- KEYS[4]  node_reserved    HASH  node -> tokens

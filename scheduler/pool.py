@@ -311,6 +311,7 @@ class PoolScheduler:
         if self.control is not None:
             # The objective is also what the finish script counts VIP first tokens against.
             extra["vip_ttft_objective_ms"] = self.pool.control.vip_ttft_objective_ms
+            extra["prefill_quiet"] = self.pool.control.quiet_nodes
             for name, room in result.rooms.items():
                 extra[f"prefill_window:{name}"] = room.window
                 extra[f"prefill_backlog:{name}"] = room.backlog

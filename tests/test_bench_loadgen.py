@@ -338,8 +338,9 @@ def test_arm_c_runs_the_shipped_control_converted_to_the_lab_clock() -> None:
         shipped.prefill_tokens_per_s * shipped.vip_ttft_objective_ms / 4, rel=0.02)
     assert (lab.window_min_tokens, lab.window_max_tokens) == (
         shipped.window_min_tokens // 4, shipped.window_max_tokens // 4)
-    assert (lab.enabled, lab.max_engine_running, lab.vip_miss_target) == (
-        shipped.enabled, shipped.max_engine_running, shipped.vip_miss_target)
+    assert (lab.enabled, lab.max_engine_running, lab.vip_miss_target, lab.quiet_nodes) == (
+        shipped.enabled, shipped.max_engine_running, shipped.vip_miss_target,
+        shipped.quiet_nodes)
 
 
 def test_arm_c_runs_the_shipped_engine_timings_converted_to_the_lab_clock() -> None:

@@ -31,6 +31,25 @@ def fits(prompt: int, room: int, window: int) -> bool:
     return prompt <= room or (2 * room >= window and room > 0)
 
 
+def quiet(room: int | None, window: int) -> bool:
+    """A node VIP is steered to: no room published, or at least half its window left."""
+    return room is None or 2 * room >= window
+
+
+def may_place(node: str, prompt: int, rooms: dict[str, int | None], windows: dict[str, int],
+              keep_quiet: int) -> bool:
+    """The reference rule with quiet nodes kept: a prompt that fits only by the half-window
+    rule (a long prefill) goes to `node` only while min(keep_quiet, nodes - 1) others are
+    quiet."""
+    room = rooms[node]
+    if room is None or prompt <= room:
+        return True
+    if not fits(prompt, room, windows[node]):
+        return False
+    others = sum(quiet(r, windows.get(n, 0)) for n, r in rooms.items() if n != node)
+    return others >= min(keep_quiet, len(rooms) - 1)
+
+
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -57,16 +76,18 @@ async def _admit(store: PoolStore, task_id: str, tier: Tier, prompt: int) -> tup
                              st.tuples(st.integers(-500, 3_000), st.integers(1, 3_000),
                                        st.integers(0, 10_000)), min_size=1),
        unlimited=st.sampled_from([(), ("node-c",)]),
+       keep_quiet=st.integers(0, 3),
        admits=st.lists(st.tuples(st.sampled_from(list(Tier)), st.integers(1, 2_500)),
                        min_size=1, max_size=12))
 def test_placements_follow_the_reference_room_rule(
         redis_url: str, rooms: dict[str, tuple[int, int, int]], unlimited: tuple[str, ...],
-        admits: list[tuple[Tier, int]]) -> None:
-    """Each node: (room, window, released so far), published as limit = released + room. A
-    sequence of fast-path admits: a Normal or Batch task is released iff some node's room takes
-    it by the reference rule, goes to such a node, and raises that node's count by its prompt;
-    a VIP task is always released, to a node the reference calls least queued, and raises no
-    count. A node without a published room takes anything."""
+        keep_quiet: int, admits: list[tuple[Tier, int]]) -> None:
+    """Each node: (room, window, released so far), published as limit = released + room, and
+    `keep_quiet` quiet nodes kept. A sequence of fast-path admits: a Normal or Batch task is
+    released iff some node's room takes it by the reference rule, goes to such a node, and
+    raises that node's count by its prompt; a VIP task is always released, to a node the
+    reference calls least queued, and raises no count. A node without a published room takes
+    anything."""
     nodes = {n: r for n, r in rooms.items() if n not in unlimited}
     caps = {n: BIG for n in {*rooms, *unlimited}}
 
@@ -76,8 +97,9 @@ def test_placements_follow_the_reference_room_rule(
             await client.flushdb()
             store = await _store(client)
             k = store.keys
-            await store.publish_state(1, Zone.GREEN, caps, prefill={
-                n: (released + room, window) for n, (room, window, released) in nodes.items()})
+            await store.publish_state(1, Zone.GREEN, caps, {"prefill_quiet": keep_quiet},
+                                      prefill={n: (released + room, window)
+                                               for n, (room, window, released) in nodes.items()})
             counts = {n: released for n, (_, _, released) in nodes.items()}
             if counts:
                 await client.hset(k.node_prefill_released, mapping=counts)  # type: ignore[arg-type]
@@ -88,8 +110,9 @@ def test_placements_follow_the_reference_room_rule(
             for i, (tier, prompt) in enumerate(admits):
                 outcome, node = await _admit(store, f"t{i}", tier, prompt)
                 room = {n: limits[n] - counts[n] for n in nodes}
-                allowed = [n for n in caps if n not in nodes
-                           or fits(prompt, room[n], windows[n])]
+                rooms_now = {n: room.get(n) for n in caps}
+                allowed = [n for n in caps
+                           if may_place(n, prompt, rooms_now, windows, keep_quiet)]
                 if tier is Tier.VIP:
                     assert outcome == "released"
                     light = [n for n in caps if n not in nodes or 2 * room[n] >= windows[n]]
@@ -140,6 +163,37 @@ async def test_a_prompt_larger_than_the_window_runs_on_a_half_empty_room(
     # Its prompt took the room (and more): nothing else of Normal or Batch until the leader
     # publishes the next room.
     assert (await _admit(store, "chat", Tier.NORMAL, 10))[0] == "queued"
+
+
+async def test_long_prompts_leave_a_quiet_node_for_vip(redis_client: aioredis.Redis) -> None:
+    """Two nodes with half-empty rooms, one kept quiet (the shipped default): the first
+    document runs on one of them, the second waits although the other's room would take it
+    by the half-window rule, and a VIP chat goes to the node left quiet. A chat that fits a
+    room goes anywhere. With no quiet node kept, the second document runs at once."""
+    store = await _store(redis_client)
+    rooms = {"node-a": (600, 1_000), "node-b": (600, 1_000)}
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG, "node-b": BIG},
+                              {"prefill_quiet": 1}, prefill=rooms)
+    outcome, first = await _admit(store, "doc-1", Tier.BATCH, 8_000)
+    assert outcome == "released" and first is not None
+    other = "node-b" if first == "node-a" else "node-a"
+    assert await _admit(store, "vip", Tier.VIP, 300) == ("released", other)
+    assert await _admit(store, "chat", Tier.NORMAL, 100) == ("released", other)
+    assert await _admit(store, "doc-2", Tier.NORMAL, 8_000) == ("queued", None)
+    await redis_client.flushdb()
+    store = await _store(redis_client)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG, "node-b": BIG},
+                              {"prefill_quiet": 0}, prefill=rooms)
+    assert (await _admit(store, "doc-1", Tier.BATCH, 8_000))[0] == "released"
+    assert (await _admit(store, "doc-2", Tier.BATCH, 8_000))[0] == "released"
+
+
+async def test_a_one_node_pool_runs_long_prompts_with_a_quiet_node_asked_for(
+        redis_client: aioredis.Redis) -> None:
+    store = await _store(redis_client)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, {"prefill_quiet": 2},
+                              prefill={"node-a": (600, 1_000)})
+    assert await _admit(store, "doc", Tier.BATCH, 8_000) == ("released", "node-a")
 
 
 def _fair_store(client: aioredis.Redis, headroom: float) -> PoolStore:

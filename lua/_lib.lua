@@ -330,14 +330,15 @@ end
 -- two windows, while the room is above 0. The overdraw is counted (prefill_taken()) and the
 -- leader takes it out of the rooms it publishes next, so that it reorders work rather than
 -- adding it; the queue ahead of a VIP chat is then at most three windows for a poll.
--- Returns whether it fits, and whether only by one of those two rules (a long prefill: the
--- queue it leaves on the node is more than a window).
+-- Returns whether it fits, and whether it is a long prefill: larger than the room and than
+-- twice the window (its prefill alone takes the whole objective; see quiet_others()).
 local function prefill_fits(compute, prompt_tokens, light, held)
   if compute == nil then return true, false end
   local room = compute.room
   if prompt_tokens < room or (prompt_tokens == room and not held) then return true, false end
-  if light then return room > 0 and room - prompt_tokens >= -2 * compute.window, true end
-  return room > 0 and 2 * room >= compute.window, true
+  local long = prompt_tokens > 2 * compute.window
+  if light then return room > 0 and room - prompt_tokens >= -2 * compute.window, long end
+  return room > 0 and 2 * room >= compute.window, long
 end
 
 -- A node is quiet while its prefill room is at least half its window (at most half a window
@@ -348,8 +349,9 @@ local function is_quiet(compute)
 end
 
 -- Quiet nodes kept (`placement.quiet`, the state's prefill_quiet, published from
--- [pools.control] quiet_nodes): a long prefill (prefill_fits()'s second result) may go to a
--- node only while that many other nodes with capacity for its tier stay quiet, at most all
+-- [pools.control] quiet_nodes): a long prefill (prefill_fits()'s second result: a prompt
+-- that passes by the half-window or light rule and whose prefill alone takes the whole
+-- objective the window is half of) may go to a node only while that many other nodes with capacity for its tier stay quiet, at most all
 -- but one of them (a one-node pool still runs long documents). With every node running a
 -- long prefill, a VIP chat that arrives waits for one of them to finish, however short the
 -- other tiers' windows: an 8k-token document is seconds of prefill on a slice of a GPU, and

@@ -26,7 +26,8 @@ Per node, every poll (all in prompt tokens and seconds):
         backlog at the last poll and the releases since were at least half of it), within
         [GAIN_MIN, GAIN_MAX]; 1 when no report came for `signal_stale_ms`
     X   window = clamp(g x mu x objective x MODEL_SHARE, window_min, window_max)
-    room = X - B, or 0 while the engine runs more than `max_engine_running` sequences, less
+    room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
+        `max_engine_running` sequences, less
         what light tenants overdrew since the last poll (take_overdraw)
 
 Enforcement is in the scripts that admit and release (lua/_lib.lua prefill_of): a Normal or
@@ -273,10 +274,13 @@ class ReleaseControl:
         s.at_poll = now
         model = s.gain * s.rate * c.vip_ttft_objective_ms / 1000 * MODEL_SHARE
         window = s.window = int(min(c.window_max_tokens, max(c.window_min_tokens, model)))
-        room = max(0, window - math.ceil(s.backlog))
+        # Below 0 when the backlog exceeds the window: no Normal or Batch work fits either way,
+        # but VIP, steered to the node with the most room when none is quiet, then goes to the
+        # shortest queue, not to any node whose room reads 0 (one may hold seconds of prefill).
+        room = window - math.ceil(s.backlog)
         reason = ""
         if c.max_engine_running and running is not None and running > c.max_engine_running:
-            room, reason = 0, "max_engine_running"
+            room, reason = min(room, 0), "max_engine_running"
         room -= take_overdraw(s, overdrawn, room)
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason)
 

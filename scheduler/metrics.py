@@ -56,7 +56,8 @@ class SchedulerMetrics:
                                      "node and not prefilled yet.", ["pool", "node"], registry=r)
         self.prefill_room = Gauge(p + "prefill_room_tokens",
                                   "Release control: prompt tokens of Normal and Batch work the "
-                                  "node may take now (window - backlog).", ["pool", "node"],
+                                  "node may take now (window - backlog; negative: the backlog "
+                                  "beyond the window).", ["pool", "node"],
                                   registry=r)
         self.prefill_rate = Gauge(p + "prefill_rate_tokens_per_second",
                                   "Release control: measured prefill throughput of the node.",

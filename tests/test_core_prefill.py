@@ -39,13 +39,15 @@ def quiet(room: int | None, window: int) -> bool:
 def may_place(node: str, prompt: int, rooms: dict[str, int | None], windows: dict[str, int],
               keep_quiet: int) -> bool:
     """The reference rule with quiet nodes kept: a prompt that fits only by the half-window
-    rule (a long prefill) goes to `node` only while min(keep_quiet, nodes - 1) others are
-    quiet."""
+    rule and is more than twice the window (a long prefill) goes to `node` only while
+    min(keep_quiet, nodes - 1) others are quiet."""
     room = rooms[node]
     if room is None or prompt <= room:
         return True
     if not fits(prompt, room, windows[node]):
         return False
+    if prompt <= 2 * windows[node]:
+        return True
     others = sum(quiet(r, windows.get(n, 0)) for n, r in rooms.items() if n != node)
     return others >= min(keep_quiet, len(rooms) - 1)
 

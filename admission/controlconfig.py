@@ -35,9 +35,9 @@ class ControlSettings:
     quiet_nodes: int = at_least(0, 1)
     """Nodes kept quiet for VIP: a Normal or Batch prompt larger than a node's room whose
     prefill alone takes the whole objective (more than twice the window: a long document) goes
-    to a node only while this many others stay quiet (at most half a window queued for prefill); VIP chats are steered to the quiet ones.
-    At most all but one node of a pool is kept (a one-node pool still runs long prompts);
-    0: none."""
+    to a node only while this many others stay quiet (at most half a window queued for
+    prefill); VIP chats are steered to the quiet ones. At most all but one node of a pool is
+    kept (a one-node pool still runs long prompts); 0: none."""
     vip_miss_target: float = between(0.0, 1.0, 0.01)
     """Share of VIP first tokens that may be later than the objective (0.01: the objective is
     a P99) before the window shrinks."""

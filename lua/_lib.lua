@@ -302,20 +302,46 @@ end
 -- (`node_prefill` field <node>:window, the most the room can be). Absolute, so that releases
 -- made between the leader's read and its publish count against the new limit: exact across
 -- gateways. A node without a published limit is not limited.
+--
+-- Between two polls the room refills as the node prefills: the leader also publishes each
+-- node's measured prefill rate (<node>:rate, tokens/s; 0 while the node must take nothing) and
+-- the Redis time of the publish (`:at`, µs) and until when the rooms may refill (`:until`, µs,
+-- a few polls later: a leader that stopped publishing stops the refill). A room then grows by
+-- rate x (now - :at), up to the window: what the node prefilled since the publish, as the
+-- leader's next measurement would find it, were the node prefilling at its measured rate. Work
+-- flows at the node's prefill rate rather than one window per poll (on a fast node, or with a
+-- slow poll, the window drains long before the next one); a node that prefilled more slowly
+-- has a longer backlog than the room assumed, by at most rate x (the poll and the scrape's age),
+-- which the next poll's measured backlog takes back.
 -- KEYS the caller passes for it: node_prefill HASH (<node> -> limit, tokens; <node>:window ->
--- tokens) and node_prefill_released HASH (<node> -> prompt tokens of Normal and Batch work
--- released there so far).
-local function prefill_of(limits_key, released_key)
-  return {limits_key = limits_key, released_key = released_key}
+-- tokens; <node>:rate -> tokens/s; :at, :until -> µs) and node_prefill_released HASH (<node>
+-- -> prompt tokens of Normal and Batch work released there so far). `now`: µs, Redis TIME.
+local function prefill_of(limits_key, released_key, now)
+  local f = redis.call('HMGET', limits_key, ':at', ':until')
+  local at, till = tonumber(f[1]), tonumber(f[2])
+  local refill_s = 0
+  if at and till then refill_s = math.max(0, math.min(now, till) - at) / 1000000 end
+  return {limits_key = limits_key, released_key = released_key, refill_s = refill_s,
+          idle = {}}
 end
 
 -- {room = tokens left (may be negative), window = tokens} of a node, or nil when unlimited.
+-- A refill beyond the window is prefill time the node spent idle, which cannot be banked:
+-- prefill_taken() lowers the limit by it (`prefill.idle`) when the node takes work, so that
+-- the room after the placement is the window less what was placed, at any later time.
 local function prefill_room(prefill, node)
-  local f = redis.call('HMGET', prefill.limits_key, node, node .. ':window')
+  local f = redis.call('HMGET', prefill.limits_key, node, node .. ':window', node .. ':rate')
   local limit = tonumber(f[1])
   if limit == nil then return nil end
   local released = tonumber(redis.call('HGET', prefill.released_key, node) or '0') or 0
-  return {room = limit - released, window = tonumber(f[2]) or 0}
+  local room, window = limit - released, tonumber(f[2]) or 0
+  local refill = math.floor((tonumber(f[3]) or 0) * prefill.refill_s)
+  prefill.idle[node] = nil
+  if refill > 0 and room < window then
+    if room + refill > window then prefill.idle[node] = room + refill - window end
+    room = math.min(window, room + refill)
+  end
+  return {room = room, window = window}
 end
 
 -- A prompt fits the room it takes; one larger than the room fits a room at least half the
@@ -356,7 +382,8 @@ end
 -- long prefill, a VIP chat that arrives waits for one of them to finish, however short the
 -- other tiers' windows: an 8k-token document is seconds of prefill on a slice of a GPU, and
 -- the engine computes the running prompt's chunks before a waiting chat's. One quiet node
--- caps that wait at half a window while the others take the documents.
+-- caps that wait at half a window while the others take the documents (place() lets them
+-- queue a second one each, so that they prefill documents back to back).
 -- `computes`: node -> its room, or false when none is published.
 local function quiet_others(computes, node)
   local n = 0
@@ -373,6 +400,10 @@ end
 local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
   -- (A record without a prompt count, which only an older version could leave, adds none.)
   if prefill and tier > 0 and prompt_tokens < math.huge then
+    if prefill.idle[node] then
+      redis.call('HINCRBY', prefill.limits_key, node, -prefill.idle[node])
+      prefill.idle[node] = nil
+    end
     if light_room and prompt_tokens > light_room then
       redis.call('HINCRBY', prefill.released_key, node .. ':light',
         prompt_tokens - math.max(light_room, 0))
@@ -489,8 +520,13 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       if tier > 0 then
         local long
         allowed, long = prefill_fits(compute, prompt_tokens, light, keep ~= nil and keep > 0)
-        if allowed and long and need > 0 then
-          allowed = quiet_others(computes, node) >= need
+        if long and need > 0 then
+          -- While others stay quiet, a node may also queue one long prefill behind another
+          -- (its queue beyond the window less than this prompt): the node the documents go
+          -- to prefills them back to back instead of idling until the leader's next poll
+          -- sees the last one done, and only Normal and Batch work is queued behind them.
+          allowed = (allowed or compute.room + prompt_tokens >= 0)
+            and quiet_others(computes, node) >= need
         end
       end
     end

@@ -171,7 +171,7 @@ end
 if first and fresh and (zone == 'GREEN' or tier == 0)
     and inflight_fits(tkey, cost, inflight_cap) then
   placement = placement_of(st)
-  if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19]) end
+  if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19], now) end
   node, guest, pf_room = place(KEYS[3], KEYS[4], KEYS[16], KEYS[17], KEYS[11], placement, tier,
     cost, tonumber(ARGV[5]), now, false, prefill, nil, hold and busy)
 end

@@ -78,7 +78,7 @@ local placement = placement_of(hash_fields(KEYS[1], PLACEMENT_FIELDS))
 local capacities = {KEYS[3], KEYS[11], KEYS[12]}
 local gst_key, pc_key = guests_key(prefix), pace_key(prefix)
 local prefill = nil
-if KEYS[14] then prefill = prefill_of(KEYS[13], KEYS[14]) end
+if KEYS[14] then prefill = prefill_of(KEYS[13], KEYS[14], now) end
 local out = {'ok', epoch}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000

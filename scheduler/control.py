@@ -14,14 +14,18 @@ Per node, every poll (all in prompt tokens and seconds):
         until measured
     B   backlog: prompt tokens released to the node (every tier: the running index's members
         new since the last poll) less those the counter reports prefilled since; 0 when a
-        reading shows the engine idle (then only what was released after it counts), never
-        more than the prompts of the tasks still in the index (one cancelled before its
+        reading shows the engine idle (then only what was released after it, or up to
+        `DISPATCH_S` before it, counts), never more than the prompts of the tasks still in
+        the index (one cancelled before its
         prefill leaves both). The counter moves when a prompt's prefill ends, so B errs by the
         part of one prompt being prefilled, high. Without the counter: the Lindley recursion
         at rate mu (w = max(0, w - mu x gap) + p), which a new leader also starts from.
     g   gain, from the VIP first tokens the gateways report per node (finish script): AIMD,
         halved (at most once per `HOLD_S`) at a poll reporting a miss when more than
-        `vip_miss_target` of the recent ones (~10 s) were later than the objective, plus
+        `vip_miss_target` of the recent ones (~10 s) were later than the objective while
+        the backlog averaged at least half the window (over ~`QUEUE_TAU_S`; else the queue
+        did not make them late, a long decode batch or one large prompt did, and a smaller
+        window would starve Normal and Batch without helping), plus
         `GAIN_STEP` at each poll with reports and no miss if the window was used (the
         backlog at the last poll and the releases since were at least half of it), within
         [GAIN_MIN, GAIN_MAX]; 1 when no report came for `signal_stale_ms`
@@ -29,6 +33,10 @@ Per node, every poll (all in prompt tokens and seconds):
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
         `max_engine_running` sequences, less
         what light tenants overdrew since the last poll (take_overdraw)
+
+Between polls the room refills at mu (up to the window; for `REFILL_POLLS` poll intervals after
+the publish), as the node prefills what is queued: work flows at the node's prefill rate, not
+one window per poll, and the next poll's measured backlog corrects the estimate.
 
 Enforcement is in the scripts that admit and release (lua/_lib.lua prefill_of): a Normal or
 Batch task goes to a node only if its prompt fits the room, which its release then takes; a
@@ -72,6 +80,16 @@ HOLD_S = 1.0
 waiting when the window shrank describe the old window."""
 RATE_TAU_S = 2.0
 """Time constant of the throughput average (the prompt counter moves in whole prompts)."""
+REFILL_POLLS = 3
+"""Between polls a node's room refills at its measured prefill rate (lua/_lib.lua prefill_of)
+for this many poll intervals after a publish: a late poll or two keeps work flowing, a leader
+that stopped publishing stops feeding the nodes on an estimate."""
+DISPATCH_S = 0.05
+"""A task released this long before a reading that shows the engine idle may still be on its
+way to the engine: it stays in the backlog."""
+QUEUE_TAU_S = 1.0
+"""Time constant of the average backlog a VIP miss is blamed on: a prompt prefilled within a
+poll or two is not a queue."""
 SIGNAL_TAU_S = 10.0
 """Time constant of the recent VIP miss share."""
 
@@ -129,6 +147,8 @@ class _Node:
     """The node's count of light tenants' overdraws at the last poll (None: not read yet)."""
     owed: int = 0
     """Overdraws not yet taken out of a room."""
+    queued: float = 0.0
+    """Backlog / window, averaged over polls (time constant `QUEUE_TAU_S`)."""
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
@@ -208,7 +228,8 @@ class ReleaseControl:
             s.over_recent += over
             miss = s.over_recent / s.n_recent
             if over > 0 and miss > self.settings.vip_miss_target:
-                if now >= s.hold_until:
+                # A window the node did not keep half full did not make these chats late.
+                if s.queued >= 0.5 and now >= s.hold_until:
                     s.gain = max(GAIN_MIN, s.gain * GAIN_DECREASE)
                     s.hold_until = now + HOLD_S
             elif over == 0 and used:
@@ -266,11 +287,16 @@ class ReleaseControl:
             # No counter: the recursion from the last poll's backlog, at the estimated rate.
             s.backlog = backlog([(round(s.backlog), now - s.at_poll), *new], s.rate)
         if new_reading and running == 0 and waiting == 0:
-            # The engine was idle when read: nothing of what was released before is queued.
-            s.backlog = float(sum(p for p, age in timed if age < now - read))
+            # The engine was idle when read: nothing released well before is queued. A task
+            # released just before the reading may not have reached the engine yet (the
+            # gateway forwards it after the release): idle then says nothing about it.
+            s.backlog = float(sum(p for p, age in timed if age < now - read + DISPATCH_S))
         # Nothing that has ended is queued: a task cancelled before its prefill (never in
         # the counter) leaves the index, and with it the estimate.
         s.backlog = min(s.backlog, float(sum(p for p, _ in timed)))
+        if s.at_poll is not None and s.window:
+            weight = 1.0 - math.exp(-max(0.0, now - s.at_poll) / QUEUE_TAU_S)
+            s.queued += (s.backlog / s.window - s.queued) * weight
         s.at_poll = now
         model = s.gain * s.rate * c.vip_ttft_objective_ms / 1000 * MODEL_SHARE
         window = s.window = int(min(c.window_max_tokens, max(c.window_min_tokens, model)))

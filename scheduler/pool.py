@@ -28,7 +28,7 @@ from scheduler.budget import (
     plan_node,
     pool_usage,
 )
-from scheduler.control import NodeRoom, ReleaseControl
+from scheduler.control import REFILL_POLLS, NodeRoom, ReleaseControl
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.scrape import NodeView, Poller
@@ -118,7 +118,7 @@ class TickResult:
     """While RED: the estimated seconds until the pool leaves it (scheduler.zones)."""
     rooms: dict[str, NodeRoom] = field(default_factory=dict)
     """The release control's figures per usable node (empty when it is off)."""
-    prefill: dict[str, tuple[int, int]] | None = None
+    prefill: dict[str, tuple[int, int, float]] | None = None
     """What is published for the scripts: node -> (limit, window); None when control is off."""
     shared: int = 0
     """How many of `released`, at its start, Batch's minimum share let past waiting higher
@@ -159,6 +159,7 @@ class PoolScheduler:
         self.drains = DrainRates()
         self.control = ReleaseControl(pool.control) if pool.control.enabled else None
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
+        self.refill_ms = REFILL_POLLS * settings.poll_interval_ms
         self.first_wait_s = settings.scrape_timeout_ms / 1000
         """The first poll of a term waits for a whole scrape: there is no earlier reading to use."""
         self._preemptions: dict[str, float] = {}
@@ -271,14 +272,14 @@ class PoolScheduler:
         return plans
 
     def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
-                      now: float) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int]]]:
-        """The release control's room per usable node, and the (limit, window) pairs the
-        scripts enforce (scheduler.control)."""
+                      now: float) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float]]]:
+        """The release control's room per usable node, and the (limit, window, refill rate)
+        the scripts enforce (scheduler.control; lua/_lib.lua prefill_of)."""
         control = self.control
         if control is None:
             return {}, {}
         rooms: dict[str, NodeRoom] = {}
-        prefill: dict[str, tuple[int, int]] = {}
+        prefill: dict[str, tuple[int, int, float]] = {}
         by_name = {v.name: v for v in views}
         for plan in plans:
             view = by_name.get(plan.name)
@@ -294,8 +295,9 @@ class PoolScheduler:
                 reports=snap.vip_reports.get(plan.name),
                 overdrawn=snap.prefill_overdrawn.get(plan.name, 0))
             rooms[plan.name] = room
+            # A node held by max_engine_running gets no refill between polls either.
             prefill[plan.name] = (snap.prefill_released.get(plan.name, 0) + room.room,
-                                  room.window)
+                                  room.window, 0.0 if room.reason else room.rate)
         control.forget(by_name)
         return rooms, prefill
 
@@ -368,7 +370,8 @@ class PoolScheduler:
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),
-                                                    self._extra(result), result.prefill)
+                                                    self._extra(result), result.prefill,
+                                                    refill_ms=self.refill_ms)
         self._published_at = (written_us, self.clock())
         result.published = True
         if not leading() or not any(snap.depths):

@@ -18,12 +18,15 @@ from hypothesis import strategies as st
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
+from scheduler.control import REFILL_POLLS
 from tests.scheduler_stub import FakeVllm, always, make_config, pool_scheduler, serve_fake, state
 
 NODES = ("node-a", "node-b", "node-c")
 TENANT = TenantQuota("t", rate=0, burst=10**9, max_queued=10_000)
 BIG = 10**9
 """KV budgets that never bind: these tests are about the prefill room alone."""
+FROZEN_US = 10**15
+"""Where tests stop the scripts' clock (µs)."""
 
 
 def fits(prompt: int, room: int, window: int) -> bool:
@@ -38,18 +41,19 @@ def quiet(room: int | None, window: int) -> bool:
 
 def may_place(node: str, prompt: int, rooms: dict[str, int | None], windows: dict[str, int],
               keep_quiet: int) -> bool:
-    """The reference rule with quiet nodes kept: a prompt that fits only by the half-window
-    rule and is more than twice the window (a long prefill) goes to `node` only while
-    min(keep_quiet, nodes - 1) others are quiet."""
+    """The reference rule with quiet nodes kept: a prompt larger than the room and than twice
+    the window (a long prefill) goes to `node` only while min(keep_quiet, nodes - 1) others
+    are quiet, and then by the half-window rule or behind at most a prompt's worth of queue
+    beyond the window (one long prefill queued behind another)."""
     room = rooms[node]
     if room is None or prompt <= room:
         return True
-    if not fits(prompt, room, windows[node]):
-        return False
-    if prompt <= 2 * windows[node]:
-        return True
+    need = min(keep_quiet, len(rooms) - 1)
+    if prompt <= 2 * windows[node] or need == 0:
+        return fits(prompt, room, windows[node])
+    # A long prefill, with quiet nodes kept: also one more behind a long prefill.
     others = sum(quiet(r, windows.get(n, 0)) for n, r in rooms.items() if n != node)
-    return others >= min(keep_quiet, len(rooms) - 1)
+    return (fits(prompt, room, windows[node]) or room + prompt >= 0) and others >= need
 
 
 def _s(v: Any) -> str:
@@ -169,9 +173,10 @@ async def test_a_prompt_larger_than_the_window_runs_on_a_half_empty_room(
 
 async def test_long_prompts_leave_a_quiet_node_for_vip(redis_client: aioredis.Redis) -> None:
     """Two nodes with half-empty rooms, one kept quiet (the shipped default): the first
-    document runs on one of them, the second waits although the other's room would take it
-    by the half-window rule, and a VIP chat goes to the node left quiet. A chat that fits a
-    room goes anywhere. With no quiet node kept, the second document runs at once."""
+    document runs on one of them, the second queues behind it there although the other's room
+    would take it by the half-window rule, a third waits, and a VIP chat goes to the node left
+    quiet, as does a chat that fits its room. With no quiet node kept, the second document
+    runs at once on the other node."""
     store = await _store(redis_client)
     rooms = {"node-a": (600, 1_000), "node-b": (600, 1_000)}
     await store.publish_state(1, Zone.GREEN, {"node-a": BIG, "node-b": BIG},
@@ -179,15 +184,51 @@ async def test_long_prompts_leave_a_quiet_node_for_vip(redis_client: aioredis.Re
     outcome, first = await _admit(store, "doc-1", Tier.BATCH, 8_000)
     assert outcome == "released" and first is not None
     other = "node-b" if first == "node-a" else "node-a"
+    assert await _admit(store, "doc-2", Tier.BATCH, 8_000) == ("released", first)
+    assert await _admit(store, "doc-3", Tier.BATCH, 8_000) == ("queued", None)
     assert await _admit(store, "vip", Tier.VIP, 300) == ("released", other)
     assert await _admit(store, "chat", Tier.NORMAL, 100) == ("released", other)
-    assert await _admit(store, "doc-2", Tier.NORMAL, 8_000) == ("queued", None)
     await redis_client.flushdb()
     store = await _store(redis_client)
     await store.publish_state(1, Zone.GREEN, {"node-a": BIG, "node-b": BIG},
                               {"prefill_quiet": 0}, prefill=rooms)
-    assert (await _admit(store, "doc-1", Tier.BATCH, 8_000))[0] == "released"
-    assert (await _admit(store, "doc-2", Tier.BATCH, 8_000))[0] == "released"
+    placed = {(await _admit(store, f"doc-{i}", Tier.BATCH, 8_000))[1] for i in (1, 2)}
+    assert placed == {"node-a", "node-b"}
+
+
+async def test_rooms_refill_between_polls_at_the_published_rate_up_to_the_window(
+        redis_client: aioredis.Redis) -> None:
+    """A room published with a prefill rate of 10,000 tokens/s refills as the scripts' clock
+    moves, never beyond the window, and only until the publish's horizon (100 ms here)."""
+    async def at_ms(store: PoolStore, ms: int) -> None:
+        await redis_client.hset(store.keys.clock, "frozen_us", FROZEN_US + ms * 1000)
+
+    store = await _store(redis_client, "refill")
+    await at_ms(store, 0)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
+                              prefill={"node-a": (1_000, 1_000, 10_000)}, refill_ms=100)
+    assert await _admit(store, "a", Tier.NORMAL, 1_000) == ("released", "node-a")
+    await at_ms(store, 20)  # 200 tokens prefilled since, by the rate
+    assert await _admit(store, "b", Tier.NORMAL, 150) == ("released", "node-a")
+    await at_ms(store, 500)  # the refill stopped at 100 ms: -150 + 1,000
+    assert await _admit(store, "c", Tier.NORMAL, 850) == ("released", "node-a")
+    assert await _admit(store, "d", Tier.NORMAL, 1) == ("queued", None)
+
+    store = await _store(redis_client, "capped")
+    await at_ms(store, 0)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
+                              prefill={"node-a": (400, 1_000, 10_000)}, refill_ms=100)
+    await at_ms(store, 100)  # 400 + 1,000 refilled, but at most the window
+    assert await _admit(store, "a", Tier.NORMAL, 1_000) == ("released", "node-a")
+    assert await _admit(store, "b", Tier.NORMAL, 1) == ("queued", None)
+
+    store = await _store(redis_client, "still")
+    await at_ms(store, 0)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
+                              prefill={"node-a": (400, 1_000, 0)}, refill_ms=100)
+    await at_ms(store, 100)  # rate 0 (the node must take nothing more): no refill
+    assert await _admit(store, "a", Tier.NORMAL, 400) == ("released", "node-a")
+    assert await _admit(store, "b", Tier.NORMAL, 1) == ("queued", None)
 
 
 async def test_a_one_node_pool_runs_long_prompts_with_a_quiet_node_asked_for(
@@ -305,13 +346,15 @@ async def test_the_finish_script_counts_vip_first_tokens_against_the_objective(
 async def _one_node_control(redis_client: aioredis.Redis, redis_url: str
                             ) -> AsyncIterator[tuple[FakeVllm, Any]]:
     """A pool scheduler with the release control on (window 10,000 tokens/s x 0.2 s x 1/2 =
-    1,000 tokens) over one node whose metrics page a test drives."""
+    1,000 tokens) over one node whose metrics page a test drives; the scripts' clock stopped
+    at FROZEN_US (the rooms refill only as a test moves it)."""
     fake = FakeVllm(running=1, prompt_tokens=0.0)
     async with serve_fake(fake) as url:
         config = make_config(redis_url, [{"name": "n1", "url": url}],
                              control={"vip_ttft_objective_ms": 200,
                                       "prefill_tokens_per_s": 10_000})
         async with pool_scheduler(redis_client, config) as ps:
+            await redis_client.hset(ps.store.keys.clock, "frozen_us", FROZEN_US)
             yield fake, ps
 
 
@@ -328,7 +371,9 @@ async def test_the_leader_publishes_rooms_from_the_measured_backlog(
                 published["prefill_room:n1"]) == ("1000", "0", "1000")
         assert published["vip_ttft_objective_ms"] == "200"
         rooms = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_prefill)).items()}
-        assert rooms == {"n1": 1_000, "n1:window": 1_000}
+        refill_us = REFILL_POLLS * ps.settings.poll_interval_ms * 1000
+        assert rooms == {"n1": 1_000, "n1:window": 1_000, "n1:rate": 10_000,
+                         ":at": FROZEN_US, ":until": FROZEN_US + refill_us}
         assert ps.metrics.prefill_window.labels("p", "n1")._value.get() == 1_000
         assert (await _admit(ps.store, "a", Tier.NORMAL, 800))[0] == "released"
         await ps.tick(1, always)  # the counter has not moved: 800 queued for prefill

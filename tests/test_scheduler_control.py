@@ -216,6 +216,21 @@ def test_the_window_shrinks_while_vip_misses_the_objective_and_recovers_after() 
     assert node.log[-1]["window"] >= 0.9 * settled  # (the rate estimate moves a little)
 
 
+def test_misses_while_no_prefill_was_queued_leave_the_window_alone() -> None:
+    """Every VIP chat misses for a reason the window does not control (a long decode batch,
+    say) while little prefill is offered: a 3,000-token prompt fills most of the window for a
+    poll or two, but the backlog averages far below half of it, so the gain is not cut and
+    Normal and Batch keep their room. The same misses with the queue full cut it (the test
+    above)."""
+    node = Node(controller())
+    node.extra_ttft_s = OBJECTIVE_MS / 1000
+    node.run(15.0, rate_per_s=1.0)
+    fill = [e["backlog"] / e["window"] for e in node.log]
+    assert max(fill) >= 0.5 and sum(fill) / len(fill) < 0.1
+    assert node.log[-1]["gain"] == 1.0
+    assert len([t for t in node.vip_ttft if t[1] * 1000 > OBJECTIVE_MS]) >= 10
+
+
 def test_with_no_vip_reports_for_the_stale_time_the_window_is_the_models() -> None:
     control = controller(signal_stale_ms=2_000)
     node = Node(control)
@@ -251,6 +266,20 @@ def test_the_rate_is_learned_only_while_the_node_has_prefill_queued() -> None:
     # A counter that went back (the engine restarted) is not a rate.
     room = control.update("n", tasks=[], now=301 * POLL_S, prompt_total=0.0, seq=301)
     assert abs(room.rate - MU) / MU < 0.05
+
+
+def test_an_idle_reading_does_not_clear_a_prompt_still_on_its_way_to_the_engine() -> None:
+    """A reading taken 10 ms after a 8,000-token release shows the engine idle (the gateway
+    had not forwarded it yet): the prompt stays in the backlog. One released a second before
+    an idle reading was prefilled, or never arrived: it leaves the backlog."""
+    control = controller()
+    control.update("n", tasks=[], now=0.0, prompt_total=0.0, seq=1, running=0)
+    room = control.update("n", tasks=[("doc", 8_000, 0.04)], now=1.0, read_at=0.97,
+                          prompt_total=0.0, seq=2, running=0, waiting=0)
+    assert room.backlog == 8_000 and room.room < 0
+    room = control.update("n", tasks=[("doc", 8_000, 2.0)], now=2.96, read_at=2.95,
+                          prompt_total=0.0, seq=3, running=0, waiting=0)
+    assert room.backlog == 0 and room.room == room.window
 
 
 def test_the_window_stays_within_its_safety_limits() -> None:

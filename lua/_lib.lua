@@ -393,6 +393,20 @@ local function quiet_others(computes, node)
   return n
 end
 
+-- Whether `node` (its room `compute`) takes a Normal or Batch prompt: prefill_fits(), and for
+-- a long prefill while `need` quiet nodes are kept, only while that many others stay quiet,
+-- and then also queued behind another long prefill (the node's queue beyond its window less
+-- than this prompt): the nodes the documents go to prefill them back to back instead of
+-- idling until the leader's next poll sees the last one done, and only Normal and Batch work
+-- waits behind them.
+local function takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
+  local fits, long = prefill_fits(compute, prompt_tokens, light, held)
+  if long and need > 0 then
+    return (fits or compute.room + prompt_tokens >= 0) and quiet_others(computes, node) >= need
+  end
+  return fits
+end
+
 -- A placement of `prompt_tokens` on `node` takes its room; a light tenant's also counts what
 -- it took beyond `light_room`, the room place() found there (<node>:light), which the leader
 -- takes out of the rooms it publishes next (scheduler.control.take_overdraw). `light_room`
@@ -476,7 +490,8 @@ end
 -- share while lighter tenants are active: fair_view()), and a token of the prefill room;
 -- `light`: a light tenant's fast path, which may overdraw the prefill room (prefill_fits()).
 -- Returns the node (nil: none), whether as a guest, and the node's prefill room before this
--- placement (nil when none is published), for prefill_taken().
+-- placement when only the light rule let the prompt through (an overdraw; nil otherwise, and
+-- when no room is published), for prefill_taken().
 local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
                      prompt_tokens, now, guests_only, prefill, keep, light)
   local caps = redis.call('HGETALL', cap_key)
@@ -510,7 +525,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         allowed = (tonumber(redis.call('HGET', pc_key, node) or '0') or 0) <= now
       end
     end
-    local compute = nil
+    local compute, overdraw = nil, false
     if allowed and prefill then
       if computes and computes[node] ~= nil then
         compute = computes[node] or nil
@@ -518,16 +533,11 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         compute = prefill_room(prefill, node)
       end
       if tier > 0 then
-        local long
-        allowed, long = prefill_fits(compute, prompt_tokens, light, keep ~= nil and keep > 0)
-        if long and need > 0 then
-          -- While others stay quiet, a node may also queue one long prefill behind another
-          -- (its queue beyond the window less than this prompt): the node the documents go
-          -- to prefills them back to back instead of idling until the leader's next poll
-          -- sees the last one done, and only Normal and Batch work is queued behind them.
-          allowed = (allowed or compute.room + prompt_tokens >= 0)
-            and quiet_others(computes, node) >= need
-        end
+        local held = keep ~= nil and keep > 0
+        allowed = takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
+        -- Only what the light rule alone let through is an overdraw (prefill_taken()).
+        overdraw = light and allowed
+          and not takes_prompt(compute, computes, need, node, prompt_tokens, false, held)
       end
     end
     if allowed then
@@ -537,7 +547,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
       table.insert(candidates[group], {node, room, reserved, compute and compute.room,
         compute and compute.window})
-      pf_rooms[node] = compute and compute.room
+      pf_rooms[node] = overdraw and compute and compute.room or nil
       if best[group] == nil or room > best[group] then best[group] = room end
     end
   end

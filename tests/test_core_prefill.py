@@ -277,6 +277,22 @@ async def test_light_tenants_overdraw_the_room_a_flood_left_by_up_to_two_windows
     assert got == (["queued", "released"] if headroom else ["queued"] * 2)
 
 
+async def test_a_light_tenants_prompt_the_room_takes_anyway_is_no_overdraw(
+        redis_client: aioredis.Redis) -> None:
+    """Beside a's backlog, light b's 2,000-token prompt finds 600 of a 1,000-token window: the
+    half-window rule passes it for any tenant, so nothing is counted for the leader to take
+    back (only what the light rule alone let through is an overdraw)."""
+    store = _fair_store(redis_client, 0.02)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (1_000, 1_000)})
+    assert [await _admit_as(store, f"a-{i}", "a", 300) for i in range(4)] == [
+        "released", "released", "released", "queued"]
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
+                              prefill={"node-a": (900 + 600, 1_000)})
+    assert await _admit_as(store, "b-0", "b", 2_000) == "released"
+    assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == 2_900
+    assert await redis_client.hget(store.keys.node_prefill_released, "node-a:light") is None
+
+
 @pytest.mark.parametrize("headroom", [0.02, 0.0])
 async def test_a_flooding_tenants_release_leaves_a_token_of_room_for_a_light_one(
         redis_client: aioredis.Redis, headroom: float) -> None:

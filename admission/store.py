@@ -351,15 +351,16 @@ class PoolStore:
         zone: Zone,
         node_capacity: Mapping[str, int | tuple[int, int, int]],
         extra: Mapping[str, str | int | float] | None = None,
-        prefill: Mapping[str, tuple[int, int] | tuple[int, int, float]] | None = None,
+        prefill: Mapping[str, tuple[float, ...]] | None = None,
         refill_ms: int = 0,
     ) -> int:
         """Write the zone and node capacities (fenced); returns the Redis time written, µs.
         A node's capacity is the tokens each tier may reserve on it (VIP, Normal, Batch), or
         one number for all three. `prefill`: node -> (limit on the node's released Normal and
-        Batch prompt tokens, window[, prefill rate in tokens/s]), replacing the published
-        prefill rooms (None: keep none, no node limited); each room refills at its node's rate
-        for `refill_ms` after the publish (lua/_lib.lua prefill_of)."""
+        Batch prompt tokens, window[, prefill rate in tokens/s[, the engine's running
+        sequences]]), replacing the published prefill rooms (None: keep none, no node
+        limited); each room refills at its node's rate for `refill_ms` after the publish
+        (lua/_lib.lua prefill_of)."""
         k = self.keys
         args: list[str | int | float] = [epoch, zone.value, len(node_capacity)]
         for node, capacity in sorted(node_capacity.items()):
@@ -367,8 +368,10 @@ class PoolStore:
             args += [node, *(int(c) for c in per_tier)]
         rooms = prefill or {}
         args += [len(rooms), int(refill_ms)]
-        for node, (limit, window, *rate) in sorted(rooms.items()):
-            args += [node, int(limit), int(window), int(rate[0]) if rate else 0]
+        for node, (limit, window, *more) in sorted(rooms.items()):
+            rate = more[0] if more else 0
+            running = more[1] if len(more) > 1 else -1
+            args += [node, int(limit), int(window), int(rate), int(running)]
         for field, value in (extra or {}).items():
             args += [field, value]
         reply = await self.scripts.state(

@@ -21,6 +21,9 @@ local DRAIN_TAU_US = 5000000
 local DRAIN_WAIT_MAX_MS = 1000000000
 -- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
 local TIE_SHARE = 32
+-- VIP goes to the quiet nodes whose engines run at most max(RUNNING_SLACK_MIN, RUNNING_SLACK x
+-- the least) more sequences than the least busy of them (least_queued()).
+local RUNNING_SLACK, RUNNING_SLACK_MIN = 0.25, 4
 -- At most this many light tenants, and this many backlogged flows, make up the view a
 -- release judges a tenant's share of the in-flight tokens against (fair_view()).
 local LIGHT_SCAN = 8
@@ -314,8 +317,9 @@ end
 -- has a longer backlog than the room assumed, by at most rate x (the poll and the scrape's age),
 -- which the next poll's measured backlog takes back.
 -- KEYS the caller passes for it: node_prefill HASH (<node> -> limit, tokens; <node>:window ->
--- tokens; <node>:rate -> tokens/s; :at, :until -> µs) and node_prefill_released HASH (<node>
--- -> prompt tokens of Normal and Batch work released there so far). `now`: µs, Redis TIME.
+-- tokens; <node>:rate -> tokens/s; <node>:running -> sequences; :at, :until -> µs) and
+-- node_prefill_released HASH (<node> -> prompt tokens of Normal and Batch work released there
+-- so far). `now`: µs, Redis TIME.
 local function prefill_of(limits_key, released_key, now)
   local f = redis.call('HMGET', limits_key, ':at', ':until')
   local at, till = tonumber(f[1]), tonumber(f[2])
@@ -325,12 +329,15 @@ local function prefill_of(limits_key, released_key, now)
           idle = {}}
 end
 
--- {room = tokens left (may be negative), window = tokens} of a node, or nil when unlimited.
+-- {room = tokens left (may be negative), window = tokens, running = the engine's running
+-- sequences at the leader's last scrape (nil: not published)} of a node, or nil when
+-- unlimited.
 -- A refill beyond the window is prefill time the node spent idle, which cannot be banked:
 -- prefill_taken() lowers the limit by it (`prefill.idle`) when the node takes work, so that
 -- the room after the placement is the window less what was placed, at any later time.
 local function prefill_room(prefill, node)
-  local f = redis.call('HMGET', prefill.limits_key, node, node .. ':window', node .. ':rate')
+  local f = redis.call('HMGET', prefill.limits_key, node, node .. ':window', node .. ':rate',
+    node .. ':running')
   local limit = tonumber(f[1])
   if limit == nil then return nil end
   local released = tonumber(redis.call('HGET', prefill.released_key, node) or '0') or 0
@@ -341,7 +348,7 @@ local function prefill_room(prefill, node)
     if room + refill > window then prefill.idle[node] = room + refill - window end
     room = math.min(window, room + refill)
   end
-  return {room = room, window = window}
+  return {room = room, window = window, running = tonumber(f[4])}
 end
 
 -- A prompt fits the room it takes; one larger than the room fits a room at least half the
@@ -426,10 +433,15 @@ local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
   end
 end
 
--- VIP's candidates (rows {node, kv room, reserved, prefill room, window}): those whose
--- prefill room is at least half their window (a short compute queue ahead of the chat's first
--- token; a node without a published room counts as such), if one of them has KV room for it,
--- else the ones with the most prefill room; the KV rules of place() then choose among them.
+-- VIP's candidates (rows {node, kv room, reserved, prefill room, window, running}): those
+-- whose prefill room is at least half their window (a short compute queue ahead of the chat's
+-- first token; a node without a published room counts as such), if one of them has KV room
+-- for it, else the ones with the most prefill room; the KV rules of place() then choose among
+-- them. Among the quiet ones with KV room, only those whose engine runs at most
+-- RUNNING_SLACK more sequences than the least busy (the leader publishes the scraped count):
+-- every step of a decode batch costs time per sequence, and the chat's first token waits for
+-- a step or two of it, so the most KV headroom is the wrong choice where it sits beside the
+-- longest batch (long generations fill a node's batch long before its cache).
 -- Returns the candidates and best KV room per group (unchanged when no row qualifies).
 local function least_queued(candidates, best, cost)
   local function pick(keep)
@@ -445,8 +457,22 @@ local function least_queued(candidates, best, cost)
     end
     return any and out, top
   end
-  local out, top = pick(function(c) return c[4] == nil or 2 * c[4] >= c[5] end)
-  if out then return out, top end
+  local function quiet(c) return c[4] == nil or 2 * c[4] >= c[5] end
+  local out, top = pick(quiet)
+  if out then
+    local least = nil
+    for group = 1, 2 do
+      for _, c in ipairs(out[group]) do
+        if c[2] >= cost and c[6] and (least == nil or c[6] < least) then least = c[6] end
+      end
+    end
+    if least then
+      local most = least + math.max(RUNNING_SLACK_MIN, math.ceil(least * RUNNING_SLACK))
+      local idle, idle_top = pick(function(c) return quiet(c) and (c[6] or 0) <= most end)
+      if idle then return idle, idle_top end
+    end
+    return out, top
+  end
   local most = nil
   for group = 1, 2 do
     for _, c in ipairs(candidates[group]) do
@@ -546,7 +572,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       local room = cap - reserved
       if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
       table.insert(candidates[group], {node, room, reserved, compute and compute.room,
-        compute and compute.window})
+        compute and compute.window, compute and compute.running})
       pf_rooms[node] = overdraw and compute and compute.room or nil
       if best[group] == nil or room > best[group] then best[group] = room end
     end

@@ -118,7 +118,7 @@ class TickResult:
     """While RED: the estimated seconds until the pool leaves it (scheduler.zones)."""
     rooms: dict[str, NodeRoom] = field(default_factory=dict)
     """The release control's figures per usable node (empty when it is off)."""
-    prefill: dict[str, tuple[int, int, float]] | None = None
+    prefill: dict[str, tuple[int, int, float, int]] | None = None
     """What is published for the scripts: node -> (limit, window); None when control is off."""
     shared: int = 0
     """How many of `released`, at its start, Batch's minimum share let past waiting higher
@@ -272,14 +272,16 @@ class PoolScheduler:
         return plans
 
     def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
-                      now: float) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float]]]:
-        """The release control's room per usable node, and the (limit, window, refill rate)
-        the scripts enforce (scheduler.control; lua/_lib.lua prefill_of)."""
+                      now: float
+                      ) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float, int]]]:
+        """The release control's room per usable node, and the (limit, window, refill rate,
+        running sequences) the scripts enforce and steer VIP by (scheduler.control;
+        lua/_lib.lua prefill_of, least_queued)."""
         control = self.control
         if control is None:
             return {}, {}
         rooms: dict[str, NodeRoom] = {}
-        prefill: dict[str, tuple[int, int, float]] = {}
+        prefill: dict[str, tuple[int, int, float, int]] = {}
         by_name = {v.name: v for v in views}
         for plan in plans:
             view = by_name.get(plan.name)
@@ -296,8 +298,9 @@ class PoolScheduler:
                 overdrawn=snap.prefill_overdrawn.get(plan.name, 0))
             rooms[plan.name] = room
             # A node held by max_engine_running gets no refill between polls either.
+            running = -1 if m is None or m.running is None else int(m.running)
             prefill[plan.name] = (snap.prefill_released.get(plan.name, 0) + room.room,
-                                  room.window, 0.0 if room.reason else room.rate)
+                                  room.window, 0.0 if room.reason else room.rate, running)
         control.forget(by_name)
         return rooms, prefill
 

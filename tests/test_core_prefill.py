@@ -231,6 +231,23 @@ async def test_rooms_refill_between_polls_at_the_published_rate_up_to_the_window
     assert await _admit(store, "b", Tier.NORMAL, 1) == ("queued", None)
 
 
+async def test_vip_goes_to_the_quiet_node_with_the_shorter_decode_batch(
+        redis_client: aioredis.Redis) -> None:
+    """Both nodes quiet, node-a with twice node-b's KV headroom: a VIP chat goes to node-b
+    while node-a's engine runs 40 sequences to node-b's 10, and to node-a (the KV rule) once
+    their counts are within the slack (10 and 12). A node not quiet is passed over whatever
+    its batch."""
+    store = await _store(redis_client)
+    caps = {"node-a": 2 * BIG, "node-b": BIG}
+    for running, expect in (((40, 10), "node-b"), ((12, 10), "node-a")):
+        await store.publish_state(1, Zone.GREEN, caps, prefill={
+            "node-a": (1_000, 1_000, 0, running[0]), "node-b": (1_000, 1_000, 0, running[1])})
+        assert await _admit(store, f"vip-{expect}", Tier.VIP, 300) == ("released", expect)
+    await store.publish_state(1, Zone.GREEN, caps, prefill={
+        "node-a": (100, 1_000, 0, 0), "node-b": (1_000, 1_000, 0, 40)})
+    assert await _admit(store, "vip-busy", Tier.VIP, 300) == ("released", "node-b")
+
+
 async def test_a_one_node_pool_runs_long_prompts_with_a_quiet_node_asked_for(
         redis_client: aioredis.Redis) -> None:
     store = await _store(redis_client)
@@ -388,7 +405,7 @@ async def test_the_leader_publishes_rooms_from_the_measured_backlog(
         assert published["vip_ttft_objective_ms"] == "200"
         rooms = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_prefill)).items()}
         refill_us = REFILL_POLLS * ps.settings.poll_interval_ms * 1000
-        assert rooms == {"n1": 1_000, "n1:window": 1_000, "n1:rate": 10_000,
+        assert rooms == {"n1": 1_000, "n1:window": 1_000, "n1:rate": 10_000, "n1:running": 1,
                          ":at": FROZEN_US, ":until": FROZEN_US + refill_us}
         assert ps.metrics.prefill_window.labels("p", "n1")._value.get() == 1_000
         assert (await _admit(ps.store, "a", Tier.NORMAL, 800))[0] == "released"

@@ -383,14 +383,14 @@ end
 
 -- Quiet nodes kept (`placement.quiet`, the state's prefill_quiet, published from
 -- [pools.control] quiet_nodes): a long prefill (prefill_fits()'s second result: a prompt
--- that passes by the half-window or light rule and whose prefill alone takes the whole
--- objective the window is half of) may go to a node only while that many other nodes with capacity for its tier stay quiet, at most all
--- but one of them (a one-node pool still runs long documents). With every node running a
--- long prefill, a VIP chat that arrives waits for one of them to finish, however short the
--- other tiers' windows: an 8k-token document is seconds of prefill on a slice of a GPU, and
--- the engine computes the running prompt's chunks before a waiting chat's. One quiet node
--- caps that wait at half a window while the others take the documents (place() lets them
--- queue a second one each, so that they prefill documents back to back).
+-- larger than the room whose prefill alone takes the whole objective the window is half of)
+-- may go to a node only while that many other nodes with capacity for its tier stay quiet,
+-- at most all but one of them (a one-node pool still runs long documents). With every node
+-- running a long prefill, a VIP chat that arrives waits for one of them to finish, however
+-- short the other tiers' windows: an 8k-token document is seconds of prefill on a slice of
+-- a GPU, and the engine computes the running prompt's chunks before a waiting chat's. One
+-- quiet node caps that wait at half a window while the others take the documents
+-- (takes_prompt() lets them queue a second one each, to prefill documents back to back).
 -- `computes`: node -> its room, or false when none is published.
 local function quiet_others(computes, node)
   local n = 0

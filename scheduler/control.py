@@ -16,10 +16,10 @@ Per node, every poll (all in prompt tokens and seconds):
         new since the last poll) less those the counter reports prefilled since; 0 when a
         reading shows the engine idle (then only what was released after it, or up to
         `DISPATCH_S` before it, counts), never more than the prompts of the tasks still in
-        the index (one cancelled before its
-        prefill leaves both). The counter moves when a prompt's prefill ends, so B errs by the
-        part of one prompt being prefilled, high. Without the counter: the Lindley recursion
-        at rate mu (w = max(0, w - mu x gap) + p), which a new leader also starts from.
+        the index (one cancelled before its prefill leaves both). The counter moves when a
+        prompt's prefill ends, so B errs by the part of one prompt being prefilled, high.
+        Without the counter: the Lindley recursion at rate mu (w = max(0, w - mu x gap) + p),
+        which a new leader also starts from.
     g   gain, from the VIP first tokens the gateways report per node (finish script): AIMD,
         halved (at most once per `HOLD_S`) at a poll reporting a miss when more than
         `vip_miss_target` of the recent ones (~10 s) were later than the objective while

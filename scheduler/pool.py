@@ -119,7 +119,8 @@ class TickResult:
     rooms: dict[str, NodeRoom] = field(default_factory=dict)
     """The release control's figures per usable node (empty when it is off)."""
     prefill: dict[str, tuple[int, int, float, int]] | None = None
-    """What is published for the scripts: node -> (limit, window); None when control is off."""
+    """What is published for the scripts: node -> (limit, window, refill rate, running
+    sequences); None when control is off."""
     shared: int = 0
     """How many of `released`, at its start, Batch's minimum share let past waiting higher
     tiers (scheduler.policy.BatchShare)."""

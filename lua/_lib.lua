@@ -414,10 +414,11 @@ local function takes_prompt(compute, computes, need, node, prompt_tokens, light,
   return fits
 end
 
--- A placement of `prompt_tokens` on `node` takes its room; a light tenant's also counts what
--- it took beyond `light_room`, the room place() found there (<node>:light), which the leader
--- takes out of the rooms it publishes next (scheduler.control.take_overdraw). `light_room`
--- nil: not a light tenant's placement, or no room published for the node.
+-- A placement of `prompt_tokens` on `node` takes its room; one that only the light rule let
+-- through also counts what it took beyond `light_room`, the room place() found there
+-- (<node>:light), which the leader takes out of the rooms it publishes next
+-- (scheduler.control.take_overdraw). `light_room` nil: not such a placement (place()'s third
+-- result).
 local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
   -- (A record without a prompt count, which only an older version could leave, adds none.)
   if prefill and tier > 0 and prompt_tokens < math.huge then
@@ -433,8 +434,8 @@ local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
   end
 end
 
--- VIP's candidates (rows {node, kv room, reserved, prefill room, window, running}): those
--- whose prefill room is at least half their window (a short compute queue ahead of the chat's
+-- VIP's candidates (rows {node, kv room, reserved, prefill room: prefill_room(), nil when
+-- none is published}): the quiet ones, whose prefill room is at least half their window (a short compute queue ahead of the chat's
 -- first token; a node without a published room counts as such), if one of them has KV room
 -- for it, else the ones with the most prefill room; the KV rules of place() then choose among
 -- them. Among the quiet ones with KV room, only those whose engine runs at most
@@ -457,30 +458,33 @@ local function least_queued(candidates, best, cost)
     end
     return any and out, top
   end
-  local function quiet(c) return c[4] == nil or 2 * c[4] >= c[5] end
-  local out, top = pick(quiet)
+  local function running(c) return c[4] and c[4].running end
+  local out, top = pick(function(c) return is_quiet(c[4]) end)
   if out then
     local least = nil
     for group = 1, 2 do
       for _, c in ipairs(out[group]) do
-        if c[2] >= cost and c[6] and (least == nil or c[6] < least) then least = c[6] end
+        local n = running(c)
+        if c[2] >= cost and n and (least == nil or n < least) then least = n end
       end
     end
     if least then
       local most = least + math.max(RUNNING_SLACK_MIN, math.ceil(least * RUNNING_SLACK))
-      local idle, idle_top = pick(function(c) return quiet(c) and (c[6] or 0) <= most end)
+      local idle, idle_top = pick(function(c)
+        return is_quiet(c[4]) and (running(c) or 0) <= most end)
       if idle then return idle, idle_top end
     end
     return out, top
   end
+  -- No quiet node has KV room for it (so every node considered has a published room).
   local most = nil
   for group = 1, 2 do
     for _, c in ipairs(candidates[group]) do
-      if c[2] >= cost and (most == nil or c[4] > most) then most = c[4] end
+      if c[2] >= cost and c[4] and (most == nil or c[4].room > most) then most = c[4].room end
     end
   end
   if most == nil then return candidates, best end
-  out, top = pick(function(c) return c[4] ~= nil and c[4] >= most end)
+  out, top = pick(function(c) return c[4] ~= nil and c[4].room >= most end)
   return out, top
 end
 
@@ -528,6 +532,12 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
   local candidates = {{}, {}}
   local best = {}
   local pf_rooms = {}
+  -- Each node's prefill room, read once (false: none published).
+  local rooms = {}
+  local function room_of(node)
+    if rooms[node] == nil then rooms[node] = prefill_room(prefill, node) or false end
+    return rooms[node] or nil
+  end
   -- Rooms of the nodes with capacity for the tier, when long prefills must leave quiet nodes.
   local computes, need = nil, 0
   if prefill and tier > 0 and placement.quiet > 0 then
@@ -535,7 +545,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     local n = 0
     for i = 1, #caps, 2 do
       if (tonumber(caps[i + 1]) or 0) > 0 then
-        computes[caps[i]] = prefill_room(prefill, caps[i]) or false
+        computes[caps[i]] = room_of(caps[i]) or false
         n = n + 1
       end
     end
@@ -553,11 +563,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     end
     local compute, overdraw = nil, false
     if allowed and prefill then
-      if computes and computes[node] ~= nil then
-        compute = computes[node] or nil
-      else
-        compute = prefill_room(prefill, node)
-      end
+      compute = room_of(node)
       if tier > 0 then
         local held = keep ~= nil and keep > 0
         allowed = takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
@@ -571,9 +577,8 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       local cap = tonumber(caps[i + 1]) or 0
       local room = cap - reserved
       if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
-      table.insert(candidates[group], {node, room, reserved, compute and compute.room,
-        compute and compute.window, compute and compute.running})
-      pf_rooms[node] = overdraw and compute and compute.room or nil
+      table.insert(candidates[group], {node, room, reserved, compute})
+      pf_rooms[node] = overdraw and compute.room or nil
       if best[group] == nil or room > best[group] then best[group] = room end
     end
   end

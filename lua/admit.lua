@@ -215,7 +215,7 @@ if node then
   if guest then
     guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)
   end
-  prefill_taken(prefill, tier, node, tonumber(ARGV[5]), (hold and busy) and pf_room or nil)
+  prefill_taken(prefill, tier, node, tonumber(ARGV[5]), pf_room)
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)

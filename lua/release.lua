@@ -162,7 +162,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         if guest then
           guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
         end
-        prefill_taken(prefill, t, node, prompt_tokens, light and pf_room or nil)
+        prefill_taken(prefill, t, node, prompt_tokens, pf_room)
         redis.call('ZADD', running_key(prefix), fmt(now),
           running_member(node, task.prompt_tokens, task.max_tokens, head))
         redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

@@ -203,10 +203,15 @@ async def test_rooms_refill_between_polls_at_the_published_rate_up_to_the_window
     async def at_ms(store: PoolStore, ms: int) -> None:
         await redis_client.hset(store.keys.clock, "frozen_us", FROZEN_US + ms * 1000)
 
-    store = await _store(redis_client, "refill")
-    await at_ms(store, 0)
-    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
-                              prefill={"node-a": (1_000, 1_000, 10_000)}, refill_ms=100)
+    async def published(pool: str, room: int, rate: int) -> PoolStore:
+        """A pool whose one node got `room` of a 1,000-token window at 0 ms."""
+        store = await _store(redis_client, pool)
+        await at_ms(store, 0)
+        await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
+                                  prefill={"node-a": (room, 1_000, rate)}, refill_ms=100)
+        return store
+
+    store = await published("refill", 1_000, 10_000)
     assert await _admit(store, "a", Tier.NORMAL, 1_000) == ("released", "node-a")
     await at_ms(store, 20)  # 200 tokens prefilled since, by the rate
     assert await _admit(store, "b", Tier.NORMAL, 150) == ("released", "node-a")
@@ -214,18 +219,12 @@ async def test_rooms_refill_between_polls_at_the_published_rate_up_to_the_window
     assert await _admit(store, "c", Tier.NORMAL, 850) == ("released", "node-a")
     assert await _admit(store, "d", Tier.NORMAL, 1) == ("queued", None)
 
-    store = await _store(redis_client, "capped")
-    await at_ms(store, 0)
-    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
-                              prefill={"node-a": (400, 1_000, 10_000)}, refill_ms=100)
+    store = await published("capped", 400, 10_000)
     await at_ms(store, 100)  # 400 + 1,000 refilled, but at most the window
     assert await _admit(store, "a", Tier.NORMAL, 1_000) == ("released", "node-a")
     assert await _admit(store, "b", Tier.NORMAL, 1) == ("queued", None)
 
-    store = await _store(redis_client, "still")
-    await at_ms(store, 0)
-    await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
-                              prefill={"node-a": (400, 1_000, 0)}, refill_ms=100)
+    store = await published("still", 400, 0)
     await at_ms(store, 100)  # rate 0 (the node must take nothing more): no refill
     assert await _admit(store, "a", Tier.NORMAL, 400) == ("released", "node-a")
     assert await _admit(store, "b", Tier.NORMAL, 1) == ("queued", None)

@@ -176,6 +176,15 @@ class ReleasedTask:
     """Tokens the release reserved (prompt + max output); 0 for an expired task."""
 
 
+class Released(list[ReleasedTask]):
+    """The tasks one release call released or expired, and the Normal credit of the YELLOW
+    rate (lua/release.lua ARGV[11]) the call found unused and left for light tenants' fast
+    path (both 0 when the call was given no reserve)."""
+
+    credit_before: int = 0
+    credit_after: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class FinishResult:
     outcome: str
@@ -324,22 +333,28 @@ class PoolStore:
         return ReapResult(int(reply[0]), int(reply[1]), int(reply[2]), bool(int(reply[3])))
 
     async def release(self, epoch: int, limits: tuple[int, int, int],
-                      guests_only: Iterable[Tier] = ()) -> list[ReleasedTask]:
+                      guests_only: Iterable[Tier] = (), reserve: int | None = None) -> Released:
         """Pop up to `limits` tasks per tier (VIP, Normal, Batch); tasks of a tier in
-        `guests_only` may go only to dedicated nodes, as guests. Raises FencedError."""
+        `guests_only` may go only to dedicated nodes, as guests. `reserve` (fair order only):
+        the Normal tasks of the limit that tenants above their share leave for light tenants'
+        fast path; given, the call also settles the credit the last one left (`Released`).
+        Raises FencedError."""
         k = self.keys
+        extra = [] if reserve is None or not self.policy.fair else [int(reserve)]
         reply = await self.scripts.release(
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
                   k.tier_capacity(Tier.BATCH), k.node_prefill, k.node_prefill_released],
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
                   sum(1 << int(t) for t in set(guests_only)), "1" if self.policy.fair else "0",
-                  repr(float(self.policy.fair_headroom)), self.policy.fair_light_window_ms],
+                  repr(float(self.policy.fair_headroom)), self.policy.fair_light_window_ms,
+                  *extra],
         )
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
-        out = []
-        for i in range(2, len(reply), 5):
+        out = Released()
+        out.credit_before, out.credit_after = int(reply[2]), int(reply[3])
+        for i in range(4, len(reply), 5):
             node = _text(reply[i + 2])
             out.append(ReleasedTask(_text(reply[i]), _text(reply[i + 1]), node or None,
                                     Tier(int(reply[i + 3])), int(reply[i + 4])))

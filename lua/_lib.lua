@@ -360,7 +360,8 @@ end
 -- least a token of the room (a prompt that would spend it exactly waits, the long document's
 -- rule aside), and a light tenant's request (`light`: its fast path beside others' backlog,
 -- or its release ahead of the counters' order, light_flow()) may take the room down to minus
--- two windows, while the room is above 0. The overdraw is counted (prefill_taken()) and the
+-- two windows (light requests arriving together each pass, not only the first one after a
+-- refill: a flood's releases take every refill). The overdraw is counted (prefill_taken()) and the
 -- leader takes it out of the rooms it publishes next, so that it reorders work rather than
 -- adding it; the queue ahead of a VIP chat is then at most three windows for a poll.
 -- Returns whether it fits, and whether it is a long prefill: larger than the room and than
@@ -370,7 +371,7 @@ local function prefill_fits(compute, prompt_tokens, light, held)
   local room = compute.room
   if prompt_tokens < room or (prompt_tokens == room and not held) then return true, false end
   local long = prompt_tokens > 2 * compute.window
-  if light then return room > 0 and room - prompt_tokens >= -2 * compute.window, long end
+  if light then return room - prompt_tokens >= -2 * compute.window, long end
   return room > 0 and 2 * room >= compute.window, long
 end
 

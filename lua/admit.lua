@@ -17,7 +17,8 @@
 -- KEYS[9]  leases           ZSET  gateway -> lease expiry µs
 -- KEYS[10] tenant_queued    HASH  tenant -> queued count
 -- KEYS[11] stats            HASH  counters (released_0..2 also take turns among tied nodes,
---                                see place() in _lib.lua)
+--                                see place() in _lib.lua); normal_credit: Normal tasks of the
+--                                YELLOW rate the fast path may still release (set by release.lua)
 -- KEYS[12] task             HASH  this task's record (must not exist yet)
 -- KEYS[13] bucket           HASH  the tenant's bucket in this pool
 -- KEYS[14] gateway tasks    SET   the calling gateway's live tasks
@@ -149,9 +150,9 @@ end
 if short then return {'rejected', 'quota', short_wait, ahead, zone, short.scope, short_kind} end
 
 -- Fast path: nothing waits ahead of this request in its tier's order (header), the zone
--- releases this tier freely (GREEN releases every tier, YELLOW and RED still release VIP),
--- the scheduler's view is fresh, and a node the tier may use has room for the whole
--- reservation.
+-- releases this tier freely (GREEN releases every tier, YELLOW and RED still release VIP;
+-- YELLOW releases a light tenant's Normal request against the rate's credit, below), the
+-- scheduler's view is fresh, and a node the tier may use has room for the whole reservation.
 local fresh = stale_ms == 0 or (st.updated_us and now - tonumber(st.updated_us) <= stale_ms * 1000)
 local node, guest, placement, prefill, pf_room = nil, false, nil, nil, nil
 local first, busy = ahead == 0, false
@@ -168,7 +169,14 @@ if fair then
     first = false
   end
 end
-if first and fresh and (zone == 'GREEN' or tier == 0)
+-- In YELLOW, Normal leaves the queue at the leader's rate; a light tenant's request (first in
+-- the fair order beside others' backlog) takes one of the tasks of that rate the last release
+-- left it (normal_credit), at once rather than at the leader's next release.
+local credit = false
+if tier == 1 and zone == 'YELLOW' and hold and busy and first then
+  credit = (tonumber(redis.call('HGET', KEYS[11], 'normal_credit') or '0') or 0) >= 1
+end
+if first and fresh and (zone == 'GREEN' or tier == 0 or credit)
     and inflight_fits(tkey, cost, inflight_cap) then
   placement = placement_of(st)
   if KEYS[19] then prefill = prefill_of(KEYS[18], KEYS[19], now) end
@@ -219,6 +227,10 @@ if node then
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)
+  if credit then
+    redis.call('HINCRBY', KEYS[11], 'normal_credit', -1)
+    redis.call('HINCRBY', KEYS[11], 'credit_used', 1)
+  end
   return {'released', node, 0, 0, zone}
 end
 

@@ -156,7 +156,8 @@ class PoolScheduler:
         self.clearance = RedClearance(zones.red - zones.hysteresis)
         self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
                                     zones.max_overcommit)
-        self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._dedicated_guests)
+        self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._dedicated_guests,
+                                    self._holds_room)
         self.drains = DrainRates()
         self.control = ReleaseControl(pool.control) if pool.control.enabled else None
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
@@ -185,6 +186,11 @@ class PoolScheduler:
                      and v.metrics.running > bound)
 
     @property
+    def _holds_room(self) -> bool:
+        """Fair release that holds room back for light tenants (a fairness headroom)."""
+        return self.store.policy.fair and self.store.policy.fair_headroom > 0
+
+    @property
     def _dedicated_guests(self) -> bool:
         d = self.pool.dedicated
         return bool(d.nodes) and d.guest_max_prompt_tokens > 0 and d.max_guests_per_node > 0
@@ -197,7 +203,7 @@ class PoolScheduler:
         """A new leadership starts: rates start empty, the learned ratio is kept, and the first
         poll waits for the whole scrape timeout (connections are cold)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
-                                    self._dedicated_guests)
+                                    self._dedicated_guests, self._holds_room)
         self.clearance.reset()
         self._first_poll = True
 
@@ -387,10 +393,12 @@ class PoolScheduler:
             # Batch's share goes first: after the higher tiers, it would find the room taken.
             result.released = await self.store.release(epoch, (0, 0, owed))
             result.shared = len(result.released)
-        result.released += await self.store.release(epoch, limits,
-                                                    self.policy.guests_only(zone))
+        main = await self.store.release(epoch, limits, self.policy.guests_only(zone),
+                                        reserve=(self.policy.light_reserve(zone)
+                                                 if self.policy.light else None))
+        result.released += main
         per_tier = [result.count(t) for t in Tier]
-        self.policy.released(zone, per_tier)
+        self.policy.released(zone, per_tier, credit=(main.credit_before, main.credit_after))
         trickle = self.policy.trickle_limit(zone, self.clock())
         higher_waiting = (snap.depths[Tier.VIP] + snap.depths[Tier.NORMAL]
                           > per_tier[Tier.VIP] + per_tier[Tier.NORMAL])

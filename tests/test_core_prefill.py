@@ -270,26 +270,28 @@ async def _admit_as(store: PoolStore, task_id: str, tenant: str, prompt: int) ->
 async def test_light_tenants_overdraw_the_room_a_flood_left_by_up_to_two_windows(
         redis_client: aioredis.Redis, headroom: float) -> None:
     """Tenant a's chats take 900 of a 1,000-token room and its next one queues (100 left:
-    less than the prompt and than half the window). b arrives beside a's backlog with none of
-    its own: in a pool that holds room back for light tenants it overdraws the room by 300
-    (counted for the leader to take out of the next rooms); c then finds the room spent and
-    queues. With the next room of 100, d's 2,200 tokens would take it below minus two windows
-    and queue, e's 2,000 pass. Without headroom none of them passes."""
+    less than the prompt and than half the window). b and c arrive beside a's backlog with none
+    of their own: in a pool that holds room back for light tenants each overdraws the room
+    (to -300, then -700: counted for the leader to take out of the next rooms), d's 1,400
+    tokens would take it below minus two windows and queue. With the next room of 100, e's
+    2,200 tokens would take it below minus two windows and queue, f's 2,000 pass. Without
+    headroom none of them passes."""
     store = _fair_store(redis_client, headroom)
     await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, prefill={"node-a": (1_000, 1_000)})
     assert [await _admit_as(store, f"a-{i}", "a", 300) for i in range(4)] == [
         "released", "released", "released", "queued"]
-    got = [await _admit_as(store, f"{t}-0", t, 400) for t in "bc"]
-    assert got == (["released", "queued"] if headroom else ["queued"] * 2)
-    for tenant in "bc":
+    got = [await _admit_as(store, f"{t}-0", t, p) for t, p in (("b", 400), ("c", 400),
+                                                                 ("d", 1_400))]
+    assert got == (["released", "released", "queued"] if headroom else ["queued"] * 3)
+    for tenant in "bcd":
         assert await redis_client.zscore(store.keys.light(Tier.NORMAL), tenant) is not None
-    released = 1_300 if headroom else 900
+    released = 1_700 if headroom else 900
     assert await _count(redis_client, store.keys.node_prefill_released, "node-a") == released
     overdrawn = await redis_client.hget(store.keys.node_prefill_released, "node-a:light")
-    assert overdrawn == (b"300" if headroom else None)
+    assert overdrawn == (b"700" if headroom else None)
     await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
                               prefill={"node-a": (released + 100, 1_000)})
-    got = [await _admit_as(store, f"{t}-0", t, p) for t, p in (("d", 2_200), ("e", 2_000))]
+    got = [await _admit_as(store, f"{t}-0", t, p) for t, p in (("e", 2_200), ("f", 2_000))]
     assert got == (["queued", "released"] if headroom else ["queued"] * 2)
 
 

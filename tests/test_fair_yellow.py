@@ -1,0 +1,247 @@
+"""YELLOW's Normal rate shared with light tenants, on a real redis-server.
+
+In YELLOW the leader releases Normal at `yellow_normal_rate`. In a pool that holds room back
+for light tenants, each release call leaves part of that rate (the reserve: the rate's burst)
+as a credit in the pool's stats hash, which a light tenant's request (first in the fair order
+beside others' backlog) takes on the fast path at once; tenants above their share get the
+rate minus the reserve (lua/release.lua ARGV[11], scheduler/policy.py `light_reserve`).
+
+- directed: the credit is left, taken and refunded as the scripts' headers say; without a
+  reserve (or in FIFO order) nothing of it applies;
+- property: any sequence of light arrivals and leader ticks gives the replies and the credit
+  of a plain-Python reference, and the Normal tasks released in a YELLOW spell (queue and fast
+  path) never exceed the reserve plus the rate times the time elapsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+import redis.asyncio as aioredis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from admission.config import ZoneSettings
+from admission.scripts import register_scripts
+from admission.store import PoolPolicy, PoolStore, Released, TenantQuota
+from admission.tiers import Tier, Zone
+from scheduler.policy import ReleasePolicy
+from tests.properties import PROPERTIES, examples
+
+START_US = 1_800_000_000_000_000
+BIG = 10**9
+
+
+def quota(name: str) -> TenantQuota:
+    return TenantQuota(name, rate=BIG, burst=BIG, max_queued=10_000)
+
+
+def fair_store(client: aioredis.Redis, fair: bool = True) -> PoolStore:
+    policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), stale_after_ms=0,
+                        fair=fair, fair_headroom=0.1 if fair else 0.0,
+                        fair_light_window_ms=5_000)
+    return PoolStore(client, register_scripts(client), "fair", policy)
+
+
+async def admit(store: PoolStore, task_id: str, tenant: str, cost: int = 100) -> str:
+    got = await store.admit(task_id=task_id, tenant=quota(tenant), tier=Tier.NORMAL,
+                            prompt_tokens=cost // 2, max_tokens=cost - cost // 2, gateway="gw",
+                            queue_timeout_ms=600_000)
+    return got.outcome.value
+
+
+async def flood(store: PoolStore, client: aioredis.Redis, queued: int) -> None:
+    """Tenant a holds 5 x 10,000 tokens in flight (released in GREEN) and queues `queued` more
+    in YELLOW: far above its share of the in-flight tokens whenever a light tenant shows up."""
+    await client.hset(store.keys.clock, "frozen_us", START_US)
+    await store.publish_state(1, Zone.GREEN, {"node": BIG})
+    assert [await admit(store, f"a-{i}", "a", 10_000) for i in range(5)] == ["released"] * 5
+    await store.publish_state(1, Zone.YELLOW, {"node": BIG})
+    for i in range(queued):
+        assert await admit(store, f"a-q{i}", "a") == "queued"
+
+
+async def credit(client: aioredis.Redis, store: PoolStore) -> int:
+    return int(await client.hget(store.keys.stats, "normal_credit") or 0)
+
+
+def ids(released: Released) -> list[str]:
+    return [t.task_id for t in released]
+
+
+async def test_a_light_tenant_takes_the_reserve_at_once_and_the_flood_the_rest(
+        redis_client: aioredis.Redis) -> None:
+    store = fair_store(redis_client)
+    await flood(store, redis_client, 10)
+    assert await admit(store, "b-0", "b") == "queued"  # no credit yet; b is light from here
+    # A limit of 3 with a reserve of 2: b's queued task first, a's would leave less than the
+    # reserve; the 2 left become the credit.
+    got = await store.release(1, (0, 3, 0), reserve=2)
+    assert ids(got) == ["b-0"]
+    assert (got.credit_before, got.credit_after) == (0, 2)
+    assert await credit(redis_client, store) == 2
+    # Light tenants' requests take it on the fast path, one task each; a's keeps queuing.
+    assert [await admit(store, t, t[0]) for t in ("b-1", "c-0", "a-x", "b-2")] == [
+        "released", "released", "queued", "queued"]
+    assert await credit(redis_client, store) == 0
+    assert int(await redis_client.hget(store.keys.stats, "credit_used") or 0) == 2
+    # Nothing left unused: the next call's limit is its own; b's queued task goes first.
+    got = await store.release(1, (0, 3, 0), reserve=2)
+    assert ids(got) == ["b-2"]
+    assert (got.credit_before, got.credit_after) == (0, 2)
+    # Unused credit comes back: it is added to the next limit (1 + 2), a takes 1 of it.
+    got = await store.release(1, (0, 1, 0), reserve=2)
+    assert ids(got) == ["a-q0"]
+    assert (got.credit_before, got.credit_after) == (2, 2)
+    # Reserve 0 (the leader outside YELLOW): the credit is returned and cleared, the limit is
+    # not raised by it.
+    got = await store.release(1, (0, 1, 0), reserve=0)
+    assert ids(got) == ["a-q1"]
+    assert (got.credit_before, got.credit_after) == (2, 0)
+    assert await credit(redis_client, store) == 0
+
+
+async def test_without_a_light_tenant_the_flood_gets_the_whole_limit(
+        redis_client: aioredis.Redis) -> None:
+    store = fair_store(redis_client)
+    await flood(store, redis_client, 5)
+    got = await store.release(1, (0, 3, 0), reserve=2)
+    assert ids(got) == ["a-q0", "a-q1", "a-q2"]
+    assert (got.credit_before, got.credit_after) == (0, 0)
+
+
+async def test_no_reserve_leaves_the_credit_alone_and_fifo_uses_none(
+        redis_client: aioredis.Redis) -> None:
+    store = fair_store(redis_client)
+    await flood(store, redis_client, 5)
+    assert await admit(store, "b-0", "b") == "queued"
+    await redis_client.hset(store.keys.stats, "normal_credit", 3)
+    got = await store.release(1, (0, 3, 0))  # no reserve: no hold, the credit untouched
+    assert ids(got) == ["b-0", "a-q0", "a-q1"]
+    assert (got.credit_before, got.credit_after) == (0, 0)
+    assert await credit(redis_client, store) == 3
+    # A light tenant takes it; in GREEN the fast path needs none (and takes none).
+    assert await admit(store, "c-0", "c") == "released"
+    assert await credit(redis_client, store) == 2
+    await store.publish_state(1, Zone.GREEN, {"node": BIG})
+    assert await admit(store, "d-0", "d") == "released"
+    assert await credit(redis_client, store) == 2
+    # FIFO order: YELLOW queues Normal whatever credit the stats hash holds.
+    fifo = PoolStore(redis_client, register_scripts(redis_client), "fifo",
+                     PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), stale_after_ms=0,
+                                fair=False))
+    await fifo.publish_state(1, Zone.YELLOW, {"node": BIG})
+    await redis_client.hset(fifo.keys.stats, "normal_credit", 3)
+    assert await admit(fifo, "e-0", "e") == "queued"
+    got = await fifo.release(1, (0, 0, 0), reserve=2)  # not fair: no reserve is sent
+    assert (got.credit_before, got.credit_after) == (0, 0)
+    assert await credit(redis_client, fifo) == 3
+
+
+@dataclass
+class Reference:
+    """The credit and the light tenants' queue as the scripts' headers describe them."""
+
+    reserve: int
+    credit: int = 0
+    light_active: bool = False
+    queued: list[str] = field(default_factory=list)
+    """Light tenants' queued tasks, oldest first (each tenant's own oldest first)."""
+
+    def admit(self, tenant: str) -> str:
+        self.light_active = True  # beside a's backlog with none of its own queued, or queued
+        if tenant in self.queued or self.credit < 1:
+            self.queued.append(tenant)
+            return "queued"
+        self.credit -= 1
+        return "released"
+
+    def release(self, limit: int) -> tuple[int, int, int, int]:
+        """(light released, a's released, credit before, credit after) of one call."""
+        before = self.credit
+        avail = limit + before
+        light = min(avail, len(self.queued))
+        del self.queued[:light]
+        heavy = max(0, avail - (self.reserve if self.light_active else 0) - light)
+        self.credit = min(self.reserve, avail - light - heavy) if self.light_active else 0
+        return light, heavy, before, self.credit
+
+
+steps = st.lists(st.tuples(st.integers(0, 100), st.lists(st.sampled_from("bc"), max_size=4),
+                           st.booleans()), min_size=1, max_size=30)
+
+
+@settings(PROPERTIES, max_examples=examples(25))
+@given(rate=st.sampled_from([5.0, 20.0, 50.0]), plan=steps)
+def test_the_yellow_rate_holds_with_the_light_tenants_credit(
+        redis_url: str, rate: float, plan: list[tuple[int, list[str], bool]]) -> None:
+    """Each step: `dt` ms pass, light tenants b and c send requests (each settled at once when
+    released, so they stay under their share), and the leader may tick (limits, a release
+    with the reserve, the policy told what it took). a floods with 200 queued."""
+
+    async def run() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await client.flushdb()
+            store = fair_store(client)
+            await flood(store, client, 200)
+            policy = ReleasePolicy(ZoneSettings(yellow_normal_rate=rate), batch_size=500,
+                                   now=0.0, light_reserve=True)
+            ref = Reference(policy.light_reserve(Zone.YELLOW))
+            now_ms, released, n = 0, 0, 0
+            for dt, senders, tick in plan:
+                now_ms += dt
+                await client.hset(store.keys.clock, "frozen_us", START_US + now_ms * 1000)
+                for tenant in senders:
+                    n += 1
+                    got = await admit(store, f"{tenant}-{n}", tenant)
+                    assert got == ref.admit(tenant)
+                    if got == "released":
+                        released += 1
+                        await store.settle(f"{tenant}-{n}", 100)
+                if tick:
+                    limits = policy.limits(Zone.YELLOW, now_ms / 1000)
+                    out = await store.release(1, limits,
+                                              reserve=policy.light_reserve(Zone.YELLOW))
+                    light, heavy, before, after = ref.release(limits[Tier.NORMAL])
+                    assert sum(1 for t in out if t.task_id.startswith("a-")) == heavy
+                    assert len(out) == light + heavy
+                    assert (out.credit_before, out.credit_after) == (before, after)
+                    policy.released(Zone.YELLOW, [0, len(out), 0],
+                                    credit=(out.credit_before, out.credit_after))
+                    released += len(out)
+                    for t in out:
+                        if not t.task_id.startswith("a-"):
+                            await store.settle(t.task_id, 100)
+                assert await credit(client, store) == ref.credit
+                # The rate's bound: the reserve the spell starts with plus what it refilled.
+                assert released <= ref.reserve + rate * now_ms / 1000 + 1e-9
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("light", [True, False])
+def test_the_reserve_is_a_second_of_the_rate_paid_when_handed_out(light: bool) -> None:
+    policy = ReleasePolicy(ZoneSettings(yellow_normal_rate=10.0), batch_size=500, now=0.0,
+                           light_reserve=light)
+    assert policy.limits(Zone.GREEN, 0.0) == (500, 500, 500)
+    # A second of 10/s, kept in GREEN too (whole when the pool turns YELLOW), none in RED.
+    assert policy.light_reserve(Zone.GREEN) == (10 if light else 0)
+    assert policy.light_reserve(Zone.YELLOW) == (10 if light else 0)
+    assert policy.light_reserve(Zone.RED) == 0
+    # Entering YELLOW the bucket starts empty, reserve or not.
+    assert policy.limits(Zone.YELLOW, 0.0) == (500, 0, 0)
+    if not light:
+        return
+    # The first call found the 10 GREEN left, released 1 and left 9: 10 - 1 - 9 = 0.
+    policy.released(Zone.YELLOW, [0, 1, 0], credit=(10, 9))
+    assert policy.limits(Zone.YELLOW, 0.0) == (500, 0, 0)
+    # The refill stops at the burst (2)...
+    assert policy.limits(Zone.YELLOW, 1.0) == (500, 2, 0)
+    # ...but credit handed back unused is kept above it: 2 + 5 - 0.
+    policy.released(Zone.YELLOW, [0, 0, 0], credit=(5, 0))
+    assert policy.limits(Zone.YELLOW, 1.0) == (500, 7, 0)

@@ -24,8 +24,9 @@ class FairnessSettings:
     free when its tenant holds more than its weighted share of the tier's in-flight tokens while
     a lighter tenant is active: that tenant's next request then finds room at once instead of
     waiting for a completion; and a token of each node's prefill room, while a light tenant's
-    fast path may overdraw that room down to minus two windows (0: fair release gives every
-    freed token to the backlog)."""
+    fast path may overdraw that room down to minus two windows; and a second of YELLOW's
+    Normal rate as a credit for light tenants' fast path (0: fair release gives every freed
+    token and every task of the rate to the backlog)."""
     light_window_ms: int = at_least(100, 5_000)
     """How long a tenant counts as active and light after a request of its was admitted with
     none of its own queued while its tier had others' backlog (the room above is held for it

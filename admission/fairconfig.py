@@ -25,8 +25,8 @@ class FairnessSettings:
     a lighter tenant is active: that tenant's next request then finds room at once instead of
     waiting for a completion; and a token of each node's prefill room, while a light tenant's
     fast path may overdraw that room down to minus two windows; and a second of YELLOW's
-    Normal rate as a credit for light tenants' fast path (0: fair release gives every freed
-    token and every task of the rate to the backlog)."""
+    Normal rate as a credit light tenants' fast path takes ahead of the refill (0: fair release
+    gives every freed token and every task of the rate to the backlog)."""
     light_window_ms: int = at_least(100, 5_000)
     """How long a tenant counts as active and light after a request of its was admitted with
     none of its own queued while its tier had others' backlog (the room above is held for it

@@ -179,7 +179,7 @@ class ReleasedTask:
 class Released(list[ReleasedTask]):
     """The tasks one release call released or expired, and the Normal credit of the YELLOW
     rate (lua/release.lua ARGV[11]) the call found unused and left for light tenants' fast
-    path (both 0 when the call was given no reserve)."""
+    path (both 0 when the call was given no credit to leave)."""
 
     credit_before: int = 0
     credit_after: int = 0
@@ -333,14 +333,16 @@ class PoolStore:
         return ReapResult(int(reply[0]), int(reply[1]), int(reply[2]), bool(int(reply[3])))
 
     async def release(self, epoch: int, limits: tuple[int, int, int],
-                      guests_only: Iterable[Tier] = (), reserve: int | None = None) -> Released:
+                      guests_only: Iterable[Tier] = (),
+                      credit: tuple[int, int] | None = None) -> Released:
         """Pop up to `limits` tasks per tier (VIP, Normal, Batch); tasks of a tier in
-        `guests_only` may go only to dedicated nodes, as guests. `reserve` (fair order only):
-        the Normal tasks of the limit that tenants above their share leave for light tenants'
-        fast path; given, the call also settles the credit the last one left (`Released`).
+        `guests_only` may go only to dedicated nodes, as guests. `credit`: (the Normal tasks
+        light tenants' fast path may release in YELLOW until the next call, the credit the
+        last call left): the credit is set to the first less what was taken of the second
+        (`Released` says what the call found and set); None leaves the credit alone.
         Raises FencedError."""
         k = self.keys
-        extra = [] if reserve is None or not self.policy.fair else [int(reserve)]
+        extra = [] if credit is None else [int(credit[0]), int(credit[1])]
         reply = await self.scripts.release(
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),

@@ -39,12 +39,11 @@
 -- ARGV[10] fair order only: how long (ms) a tenant counts as light after a request of its was
 --          admitted with none of its own queued beside others' backlog (the light:<tier>
 --          ZSET, pruned here)
--- ARGV[11] fair order only, optional: the Normal tasks of this call's limit (the YELLOW rate)
---          that releases of tenants above their share leave to light tenants' fast path (the
---          reserve; absent or '': the credit below is left as it is). Given, the call reads
---          stats normal_credit (the credit the last call left, unused), adds it to Normal's
---          limit when the reserve is above 0, and sets the credit anew: min(reserve, what is
---          left of Normal's limit) while a light tenant is active in Normal, else 0
+-- ARGV[11] optional: the Normal credit of the YELLOW rate to leave for light tenants' fast
+--          path (stats normal_credit, taken by admit.lua; the leader takes what they took out
+--          of its rate's next refills), less what they took of the last credit, ARGV[12] (the
+--          credit the leader's last call left): the credit and what is owed for it stay within
+--          ARGV[11]. Absent or '': the credit is left as it is
 --
 -- Order: tiers strictly by priority; within a tier FIFO, or with ARGV[8] the head of the
 -- backlogged flow with the least virtual counter (weighted fair across tenants, FIFO within a
@@ -80,15 +79,6 @@ local guests_only_tiers = tonumber(ARGV[7] or '0') or 0
 local fair = ARGV[8] == '1'
 local headroom = tonumber(ARGV[9] or '0') or 0
 local window_us = (tonumber(ARGV[10] or '0') or 0) * 1000
-local reserve = nil
-if fair and ARGV[11] and ARGV[11] ~= '' then reserve = tonumber(ARGV[11]) end
-local credit_before, credit_after = 0, 0
-if reserve then
-  credit_before = tonumber(redis.call('HGET', KEYS[10], 'normal_credit') or '0') or 0
-  if credit_before < 0 then credit_before = 0 end
-  if reserve > 0 then limits[2] = limits[2] + credit_before else reserve = nil end
-end
-local normal_released = 0
 local queues = {KEYS[5], KEYS[6], KEYS[7]}
 local now = now_us(KEYS[2])
 local placement = placement_of(hash_fields(KEYS[1], PLACEMENT_FIELDS))
@@ -149,19 +139,15 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       local prompt_tokens = tonumber(task.prompt_tokens) or math.huge
       local node, guest, pf_room = nil, false, nil
       local capped = not inflight_fits(tenant_key(prefix, task.tenant), cost, nil)
-      local keep, held = 0, false
+      local keep = 0
       if not capped then
         if view then keep = fair_keep(prefix, view, task.tenant, headroom) end
-        -- A tenant above its share leaves the rate's reserve to the light tenants (ARGV[11]).
-        held = keep > 0 and t == 1 and reserve ~= nil and released + reserve >= limits[2]
-        if not held then
-          node, guest, pf_room = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
-            placement, t, cost,
-            prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
-            light)
-        end
+        node, guest, pf_room = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
+          placement, t, cost,
+          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
+          light)
       end
-      if fair and (capped or held or (node == nil and keep > 0)) then
+      if fair and (capped or (node == nil and keep > 0)) then
         skip[task.tenant] = true
         nskip = nskip + 1
       elseif node == nil then
@@ -193,14 +179,12 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       end
     end
   end
-  if t == 1 then normal_released = released end
   if blocked or budget <= 0 then break end
 end
-if ARGV[11] and ARGV[11] ~= '' and fair then
-  if reserve and redis.call('ZCOUNT', light_key(prefix, 1), fmt(now - window_us), '+inf') > 0 then
-    credit_after = math.max(0, math.min(reserve, limits[2] - normal_released))
-  end
-  redis.call('HSET', KEYS[10], 'normal_credit', credit_after)
-  out[3], out[4] = credit_before, credit_after
+if ARGV[11] and ARGV[11] ~= '' then
+  local before = math.max(0, tonumber(redis.call('HGET', KEYS[10], 'normal_credit') or '0') or 0)
+  local taken = math.max(0, (tonumber(ARGV[12] or '0') or 0) - before)
+  out[3], out[4] = before, math.max(0, math.floor(tonumber(ARGV[11]) or 0) - taken)
+  redis.call('HSET', KEYS[10], 'normal_credit', out[4])
 end
 return out

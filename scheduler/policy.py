@@ -22,10 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from admission.config import ZoneSettings
 from admission.tiers import Tier, Zone
 
-LIGHT_RESERVE_S = 1.0
-"""The light tenants' reserve of YELLOW's Normal rate holds this many seconds of the rate (at
-least the bucket's burst): a tenant within its share sends in Poisson bursts, and a reserve of
-a fraction of a second would run dry in them while the flood's backlog took every refill."""
+LIGHT_CREDIT_S = 1.0
+"""Light tenants may take this many seconds of YELLOW's Normal rate ahead of its refill (at
+least the bucket's burst): a tenant within its share sends in Poisson bursts, and a credit of
+a fraction of a second would run dry in them."""
 BURST_S = 0.2
 """A rate bucket holds this many seconds of its rate (at least one task): entering YELLOW
 after a quiet spell lets a handful of Normal tasks out, not a second's worth at once."""
@@ -39,21 +39,18 @@ class TokenBucket:
         self.at = now
 
     def refill(self, now: float) -> int:
-        """Whole tasks available now. The refill stops at the burst; a level above it (a
-        reserve seeded or credit refunded, `settle`) is kept."""
-        filled = min(self.burst, self.level + self.rate * max(0.0, now - self.at))
-        self.level = max(self.level, filled)
+        """Whole tasks available now (0 while in debt, `owe`)."""
+        self.level = min(self.burst, self.level + self.rate * max(0.0, now - self.at))
         self.at = now
-        return math.floor(self.level)
+        return max(0, math.floor(self.level))
 
     def take(self, n: int) -> None:
         self.level = max(0.0, self.level - n)
 
-    def settle(self, refund: int, spent: int) -> None:
-        """Credit handed out earlier and returned unused (`refund`), and tasks taken now
-        (`spent`, the credit handed out anew included): the level never exceeds what it held
-        plus the refund, so every task is paid once."""
-        self.level = max(0.0, self.level + refund - spent)
+    def owe(self, n: int) -> None:
+        """Tasks taken ahead of the refill: the level goes below 0, and the refill pays the
+        debt before anything more is available."""
+        self.level -= n
 
     def reset(self, now: float) -> None:
         self.level, self.at = 0.0, now
@@ -157,8 +154,10 @@ class ReleasePolicy:
         self.dedicated_guests = dedicated_guests
         """The pool keeps dedicated nodes that take guests."""
         self.light = light_reserve
-        """Releases hold room back for light tenants (fair order with a headroom): YELLOW's
-        Normal rate keeps a reserve for their fast path (`light_reserve`)."""
+        """Releases hold room back for light tenants (fair order with a headroom): they may
+        take YELLOW's Normal rate ahead of its refill on the fast path (`light_credit`)."""
+        self.credit_out = 0
+        """The credit the last release call left for them (lua/release.lua ARGV[11])."""
         self.normal = TokenBucket(zones.yellow_normal_rate, now)
         self.trickle = TokenBucket(zones.batch_trickle_rate, now)
         self.share = BatchShare(zones.batch_min_share, batch_size)
@@ -179,19 +178,22 @@ class ReleasePolicy:
             return (n, min(n, self.normal.refill(now)), n if self.dedicated_guests else 0)
         return (n, 0, 0)
 
-    def light_reserve(self, zone: Zone) -> int:
-        """Normal tasks of the YELLOW rate that releases of tenants above their share leave to
-        light tenants' fast path (lua/release.lua ARGV[11]): `LIGHT_RESERVE_S` of the rate, so
-        a light tenant's requests need not wait for the next release while a flood holds the
-        pool in YELLOW. The flood gets what the light tenants leave of the rate once the
-        reserve is whole. GREEN keeps the reserve too (its fast path needs no credit, and
-        releases hold nothing back by it there: the limit is the batch), so that the light
-        tenants find it whole the moment the pool turns YELLOW: a YELLOW spell releases at
-        most the reserve plus the rate times its length. 0 in RED (no Normal) and in a pool
-        that holds no room back for light tenants."""
+    def light_credit(self, zone: Zone, normal_limit: int) -> int:
+        """Normal tasks light tenants' fast path may release in YELLOW until the next release
+        call (lua/release.lua ARGV[11]; the leader passes it with a call whose Normal limit is
+        `normal_limit`), taken ahead of the rate's refill: what they take is owed by the rate's
+        bucket (`released`), so the flood waits while the refill pays it. Up to
+        `LIGHT_CREDIT_S` of the rate, less what is still owed (and the script takes off what
+        they took of the last credit), so that a YELLOW spell releases at most that much beyond
+        the rate times its length. Kept in GREEN too (its fast path takes
+        none), so that it is whole when the pool turns YELLOW; 0 in RED (no Normal) and in a
+        pool that holds no room back for light tenants."""
         if zone is Zone.RED or not self.light:
             return 0
-        return math.floor(max(self.normal.burst, self.normal.rate * LIGHT_RESERVE_S))
+        whole = math.floor(max(self.normal.burst, self.normal.rate * LIGHT_CREDIT_S))
+        if zone is not Zone.YELLOW:
+            return whole
+        return max(0, whole + min(0, math.floor(self.normal.level) - normal_limit))
 
     def guests_only(self, zone: Zone) -> tuple[Tier, ...]:
         """Tiers that this zone releases only as guests of dedicated nodes."""
@@ -220,14 +222,16 @@ class ReleasePolicy:
 
     def released(self, zone: Zone, per_tier: Sequence[int], *, trickle: bool = False,
                  credit: tuple[int, int] = (0, 0)) -> None:
-        """Tasks a release call took per tier; `credit`: the Normal credit it found unused
-        and the credit it left (`light_reserve`), paid from the YELLOW rate when handed out."""
+        """Tasks a release call took per tier; `credit`: the Normal credit it found left and
+        the credit it set (`light_credit`): what light tenants took of the last one is owed by
+        the YELLOW rate."""
         if trickle:
             self.trickle.take(per_tier[Tier.BATCH])
             return
         before, after = credit
+        taken, self.credit_out = max(0, self.credit_out - before), after
         if zone is Zone.YELLOW:
-            self.normal.settle(before, per_tier[Tier.NORMAL] + after)
+            self.normal.owe(per_tier[Tier.NORMAL] + taken)
 
 
 class DrainRates:

@@ -393,9 +393,10 @@ class PoolScheduler:
             # Batch's share goes first: after the higher tiers, it would find the room taken.
             result.released = await self.store.release(epoch, (0, 0, owed))
             result.shared = len(result.released)
+        credit = ((self.policy.light_credit(zone, limits[Tier.NORMAL]), self.policy.credit_out)
+                  if self.policy.light else None)
         main = await self.store.release(epoch, limits, self.policy.guests_only(zone),
-                                        reserve=(self.policy.light_reserve(zone)
-                                                 if self.policy.light else None))
+                                        credit=credit)
         result.released += main
         per_tier = [result.count(t) for t in Tier]
         self.policy.released(zone, per_tier, credit=(main.credit_before, main.credit_after))

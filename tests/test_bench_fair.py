@@ -80,4 +80,17 @@ def test_bars_pass_and_fail_as_measured() -> None:
     assert verdicts["weighted: service within 10% of 3:1"] is True         # 2.85:1
     text = markdown(results, seed=1, command="c", capacity_rps=27, flood=20, light=0.5,
                     window=(15, 40))
-    assert "| fair: B's P99 queue wait <= 1.2x alone's | 100 ms vs 50 ms: x2.00 | FAIL |" in text
+    assert ("| fair: B's P99 queue wait <= 1.2x alone's | 100 ms vs 50 ms: x2.00 "
+            "(queued 1 of 1 vs 1 of 1) | FAIL |") in text
+
+
+def test_a_wait_of_zero_in_both_arms_passes_and_shows_no_ratio() -> None:
+    results = {
+        "fair": _arm("fair", {"A": 700, "B": 150, "C": 150}, 1000.0, {"C": 12.0}),
+        "alone": _arm("alone", {"B": 500, "C": 500}, 300.0, {}),
+    }
+    found = {b: (measured, ok) for b, measured, ok in bars(results)}
+    assert found["fair: B's P99 queue wait <= 1.2x alone's"] == (
+        "0 ms vs 0 ms (queued 0 of 1 vs 0 of 1)", True)
+    assert found["fair: C's P99 queue wait <= 1.2x alone's"] == (
+        "12 ms vs 0 ms (queued 1 of 1 vs 0 of 1)", False)

@@ -1,16 +1,17 @@
 """YELLOW's Normal rate shared with light tenants, on a real redis-server.
 
 In YELLOW the leader releases Normal at `yellow_normal_rate`. In a pool that holds room back
-for light tenants, each release call leaves part of that rate (the reserve: the rate's burst)
-as a credit in the pool's stats hash, which a light tenant's request (first in the fair order
-beside others' backlog) takes on the fast path at once; tenants above their share get the
-rate minus the reserve (lua/release.lua ARGV[11], scheduler/policy.py `light_reserve`).
+for light tenants, each release call leaves a credit of that rate in the pool's stats hash
+(`normal_credit`), which a light tenant's request (first in the fair order beside others'
+backlog) takes on the fast path at once; what they take is owed by the leader's rate bucket,
+so the flood's next releases wait while the refill pays it (lua/release.lua ARGV[11..12],
+scheduler/policy.py `light_credit`).
 
-- directed: the credit is left, taken and refunded as the scripts' headers say; without a
-  reserve (or in FIFO order) nothing of it applies;
+- directed: the credit is set, taken and charged as the scripts' headers say; without one (or
+  in FIFO order) nothing of it applies;
 - property: any sequence of light arrivals and leader ticks gives the replies and the credit
   of a plain-Python reference, and the Normal tasks released in a YELLOW spell (queue and fast
-  path) never exceed the reserve plus the rate times the time elapsed.
+  path) never exceed the credit plus the rate times the time elapsed.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ def quota(name: str) -> TenantQuota:
     return TenantQuota(name, rate=BIG, burst=BIG, max_queued=10_000)
 
 
-def fair_store(client: aioredis.Redis, fair: bool = True) -> PoolStore:
+def fair_store(client: aioredis.Redis, fair: bool = True, pool: str = "fair") -> PoolStore:
     policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), stale_after_ms=0,
                         fair=fair, fair_headroom=0.1 if fair else 0.0,
                         fair_light_window_ms=5_000)
-    return PoolStore(client, register_scripts(client), "fair", policy)
+    return PoolStore(client, register_scripts(client), pool, policy)
 
 
 async def admit(store: PoolStore, task_id: str, tenant: str, cost: int = 100) -> str:
@@ -71,15 +72,14 @@ def ids(released: Released) -> list[str]:
     return [t.task_id for t in released]
 
 
-async def test_a_light_tenant_takes_the_reserve_at_once_and_the_flood_the_rest(
+async def test_light_tenants_take_the_credit_at_once_and_it_is_charged(
         redis_client: aioredis.Redis) -> None:
     store = fair_store(redis_client)
     await flood(store, redis_client, 10)
     assert await admit(store, "b-0", "b") == "queued"  # no credit yet; b is light from here
-    # A limit of 3 with a reserve of 2: b's queued task first, a's would leave less than the
-    # reserve; the 2 left become the credit.
-    got = await store.release(1, (0, 3, 0), reserve=2)
-    assert ids(got) == ["b-0"]
+    # b's queued task first (light), then a's: the credit holds nothing back from the limit.
+    got = await store.release(1, (0, 3, 0), credit=(2, 0))
+    assert ids(got) == ["b-0", "a-q0", "a-q1"]
     assert (got.credit_before, got.credit_after) == (0, 2)
     assert await credit(redis_client, store) == 2
     # Light tenants' requests take it on the fast path, one task each; a's keeps queuing.
@@ -87,38 +87,27 @@ async def test_a_light_tenant_takes_the_reserve_at_once_and_the_flood_the_rest(
         "released", "released", "queued", "queued"]
     assert await credit(redis_client, store) == 0
     assert int(await redis_client.hget(store.keys.stats, "credit_used") or 0) == 2
-    # Nothing left unused: the next call's limit is its own; b's queued task goes first.
-    got = await store.release(1, (0, 3, 0), reserve=2)
+    # The next call was told the last credit was 2 and finds 0: both were taken, so a new
+    # credit of 2 is 0 until the leader's bucket has paid them (it owes what was taken).
+    got = await store.release(1, (0, 1, 0), credit=(2, 2))
     assert ids(got) == ["b-2"]
+    assert (got.credit_before, got.credit_after) == (0, 0)
+    got = await store.release(1, (0, 1, 0), credit=(2, 0))
+    assert ids(got) == ["a-q2"]
     assert (got.credit_before, got.credit_after) == (0, 2)
-    # Unused credit comes back: it is added to the next limit (1 + 2), a takes 1 of it.
-    got = await store.release(1, (0, 1, 0), reserve=2)
-    assert ids(got) == ["a-q0"]
-    assert (got.credit_before, got.credit_after) == (2, 2)
-    # Reserve 0 (the leader outside YELLOW): the credit is returned and cleared, the limit is
-    # not raised by it.
-    got = await store.release(1, (0, 1, 0), reserve=0)
-    assert ids(got) == ["a-q1"]
+    # Nothing taken: a credit of 0 (RED) clears it.
+    got = await store.release(1, (0, 0, 0), credit=(0, 2))
     assert (got.credit_before, got.credit_after) == (2, 0)
     assert await credit(redis_client, store) == 0
 
 
-async def test_without_a_light_tenant_the_flood_gets_the_whole_limit(
-        redis_client: aioredis.Redis) -> None:
-    store = fair_store(redis_client)
-    await flood(store, redis_client, 5)
-    got = await store.release(1, (0, 3, 0), reserve=2)
-    assert ids(got) == ["a-q0", "a-q1", "a-q2"]
-    assert (got.credit_before, got.credit_after) == (0, 0)
-
-
-async def test_no_reserve_leaves_the_credit_alone_and_fifo_uses_none(
+async def test_no_credit_leaves_it_alone_and_fifo_and_green_take_none(
         redis_client: aioredis.Redis) -> None:
     store = fair_store(redis_client)
     await flood(store, redis_client, 5)
     assert await admit(store, "b-0", "b") == "queued"
     await redis_client.hset(store.keys.stats, "normal_credit", 3)
-    got = await store.release(1, (0, 3, 0))  # no reserve: no hold, the credit untouched
+    got = await store.release(1, (0, 3, 0))
     assert ids(got) == ["b-0", "a-q0", "a-q1"]
     assert (got.credit_before, got.credit_after) == (0, 0)
     assert await credit(redis_client, store) == 3
@@ -129,14 +118,11 @@ async def test_no_reserve_leaves_the_credit_alone_and_fifo_uses_none(
     assert await admit(store, "d-0", "d") == "released"
     assert await credit(redis_client, store) == 2
     # FIFO order: YELLOW queues Normal whatever credit the stats hash holds.
-    fifo = PoolStore(redis_client, register_scripts(redis_client), "fifo",
-                     PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), stale_after_ms=0,
-                                fair=False))
+    fifo = fair_store(redis_client, fair=False, pool="fifo")
     await fifo.publish_state(1, Zone.YELLOW, {"node": BIG})
     await redis_client.hset(fifo.keys.stats, "normal_credit", 3)
+    await flood(fifo, redis_client, 1)
     assert await admit(fifo, "e-0", "e") == "queued"
-    got = await fifo.release(1, (0, 0, 0), reserve=2)  # not fair: no reserve is sent
-    assert (got.credit_before, got.credit_after) == (0, 0)
     assert await credit(redis_client, fifo) == 3
 
 
@@ -144,29 +130,24 @@ async def test_no_reserve_leaves_the_credit_alone_and_fifo_uses_none(
 class Reference:
     """The credit and the light tenants' queue as the scripts' headers describe them."""
 
-    reserve: int
     credit: int = 0
-    light_active: bool = False
     queued: list[str] = field(default_factory=list)
     """Light tenants' queued tasks, oldest first (each tenant's own oldest first)."""
 
     def admit(self, tenant: str) -> str:
-        self.light_active = True  # beside a's backlog with none of its own queued, or queued
         if tenant in self.queued or self.credit < 1:
             self.queued.append(tenant)
             return "queued"
         self.credit -= 1
         return "released"
 
-    def release(self, limit: int) -> tuple[int, int, int, int]:
-        """(light released, a's released, credit before, credit after) of one call."""
+    def release(self, limit: int, allowance: int, last: int) -> tuple[int, int, int, int]:
+        """(light released, a's released, credit found, credit left) of one call."""
         before = self.credit
-        avail = limit + before
-        light = min(avail, len(self.queued))
+        light = min(limit, len(self.queued))
         del self.queued[:light]
-        heavy = max(0, avail - (self.reserve if self.light_active else 0) - light)
-        self.credit = min(self.reserve, avail - light - heavy) if self.light_active else 0
-        return light, heavy, before, self.credit
+        self.credit = max(0, allowance - max(0, last - before))
+        return light, limit - light, before, self.credit
 
 
 steps = st.lists(st.tuples(st.integers(0, 100), st.lists(st.sampled_from("bc"), max_size=4),
@@ -177,9 +158,10 @@ steps = st.lists(st.tuples(st.integers(0, 100), st.lists(st.sampled_from("bc"), 
 @given(rate=st.sampled_from([5.0, 20.0, 50.0]), plan=steps)
 def test_the_yellow_rate_holds_with_the_light_tenants_credit(
         redis_url: str, rate: float, plan: list[tuple[int, list[str], bool]]) -> None:
-    """Each step: `dt` ms pass, light tenants b and c send requests (each settled at once when
-    released, so they stay under their share), and the leader may tick (limits, a release
-    with the reserve, the policy told what it took). a floods with 200 queued."""
+    """A GREEN tick leaves the credit whole; then, in YELLOW, each step: `dt` ms pass, light
+    tenants b and c send requests (each settled at once when released, so they stay under
+    their share), and the leader may tick (limits, a release with the credit, the policy told
+    what it took). a floods with 200 queued."""
 
     async def run() -> None:
         client = aioredis.Redis.from_url(redis_url)
@@ -189,23 +171,28 @@ def test_the_yellow_rate_holds_with_the_light_tenants_credit(
             await flood(store, client, 200)
             policy = ReleasePolicy(ZoneSettings(yellow_normal_rate=rate), batch_size=500,
                                    now=0.0, light_reserve=True)
-            ref = Reference(policy.light_reserve(Zone.YELLOW))
+            whole = policy.light_credit(Zone.GREEN, 0)
+            got = await store.release(1, (0, 0, 0), credit=(whole, policy.credit_out))
+            policy.released(Zone.GREEN, [0, 0, 0], credit=(got.credit_before, got.credit_after))
+            ref = Reference(credit=whole)
             now_ms, released, n = 0, 0, 0
             for dt, senders, tick in plan:
                 now_ms += dt
                 await client.hset(store.keys.clock, "frozen_us", START_US + now_ms * 1000)
                 for tenant in senders:
                     n += 1
-                    got = await admit(store, f"{tenant}-{n}", tenant)
-                    assert got == ref.admit(tenant)
-                    if got == "released":
+                    got_one = await admit(store, f"{tenant}-{n}", tenant)
+                    assert got_one == ref.admit(tenant)
+                    if got_one == "released":
                         released += 1
                         await store.settle(f"{tenant}-{n}", 100)
                 if tick:
                     limits = policy.limits(Zone.YELLOW, now_ms / 1000)
-                    out = await store.release(1, limits,
-                                              reserve=policy.light_reserve(Zone.YELLOW))
-                    light, heavy, before, after = ref.release(limits[Tier.NORMAL])
+                    allowance = policy.light_credit(Zone.YELLOW, limits[Tier.NORMAL])
+                    last = policy.credit_out
+                    out = await store.release(1, limits, credit=(allowance, last))
+                    light, heavy, before, after = ref.release(limits[Tier.NORMAL], allowance,
+                                                              last)
                     assert sum(1 for t in out if t.task_id.startswith("a-")) == heavy
                     assert len(out) == light + heavy
                     assert (out.credit_before, out.credit_after) == (before, after)
@@ -216,8 +203,8 @@ def test_the_yellow_rate_holds_with_the_light_tenants_credit(
                         if not t.task_id.startswith("a-"):
                             await store.settle(t.task_id, 100)
                 assert await credit(client, store) == ref.credit
-                # The rate's bound: the reserve the spell starts with plus what it refilled.
-                assert released <= ref.reserve + rate * now_ms / 1000 + 1e-9
+                # The rate's bound: the whole credit plus what the rate refilled.
+                assert released <= whole + rate * now_ms / 1000 + 1e-9
         finally:
             await client.aclose()
 
@@ -225,23 +212,25 @@ def test_the_yellow_rate_holds_with_the_light_tenants_credit(
 
 
 @pytest.mark.parametrize("light", [True, False])
-def test_the_reserve_is_a_second_of_the_rate_paid_when_handed_out(light: bool) -> None:
+def test_the_credit_is_a_second_of_the_rate_and_what_is_taken_is_owed(light: bool) -> None:
     policy = ReleasePolicy(ZoneSettings(yellow_normal_rate=10.0), batch_size=500, now=0.0,
                            light_reserve=light)
     assert policy.limits(Zone.GREEN, 0.0) == (500, 500, 500)
     # A second of 10/s, kept in GREEN too (whole when the pool turns YELLOW), none in RED.
-    assert policy.light_reserve(Zone.GREEN) == (10 if light else 0)
-    assert policy.light_reserve(Zone.YELLOW) == (10 if light else 0)
-    assert policy.light_reserve(Zone.RED) == 0
-    # Entering YELLOW the bucket starts empty, reserve or not.
+    assert policy.light_credit(Zone.GREEN, 500) == (10 if light else 0)
+    assert policy.light_credit(Zone.RED, 0) == 0
+    policy.released(Zone.GREEN, [0, 0, 0], credit=(0, policy.light_credit(Zone.GREEN, 500)))
+    # Entering YELLOW the bucket starts empty, credit or not.
     assert policy.limits(Zone.YELLOW, 0.0) == (500, 0, 0)
     if not light:
+        assert policy.light_credit(Zone.YELLOW, 0) == 0
         return
-    # The first call found the 10 GREEN left, released 1 and left 9: 10 - 1 - 9 = 0.
-    policy.released(Zone.YELLOW, [0, 1, 0], credit=(10, 9))
-    assert policy.limits(Zone.YELLOW, 0.0) == (500, 0, 0)
-    # The refill stops at the burst (2)...
-    assert policy.limits(Zone.YELLOW, 1.0) == (500, 2, 0)
-    # ...but credit handed back unused is kept above it: 2 + 5 - 0.
-    policy.released(Zone.YELLOW, [0, 0, 0], credit=(5, 0))
-    assert policy.limits(Zone.YELLOW, 1.0) == (500, 7, 0)
+    assert policy.light_credit(Zone.YELLOW, 0) == 10
+    # Light tenants took 6 of the 10: the bucket owes 6 and the next credit is 4 less...
+    policy.released(Zone.YELLOW, [0, 0, 0], credit=(4, 4))
+    assert policy.limits(Zone.YELLOW, 0.5) == (500, 0, 0)  # -6 + 5
+    assert policy.light_credit(Zone.YELLOW, 0) == 9
+    # ...and the flood gets nothing until the refill has paid the debt.
+    assert policy.limits(Zone.YELLOW, 0.75) == (500, 1, 0)  # -1 + 2.5
+    policy.released(Zone.YELLOW, [0, 1, 0], credit=(4, 9))  # none taken since
+    assert policy.limits(Zone.YELLOW, 0.75) == (500, 0, 0)

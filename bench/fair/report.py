@@ -39,10 +39,12 @@ def bars(results: Mapping[str, ArmResult]) -> list[tuple[str, str, bool | None]]
             out.append((f"fair: {n} gets >= 90% of its demand", f"{met:.1%}", met >= DEMAND_BAR))
     if fair is not None and alone is not None:
         for n in ("B", "C"):
-            with_a, without = fair.tenants[n].wait_p(0.99), alone.tenants[n].wait_p(0.99)
-            ratio = with_a / without if without > 0 else float("inf")
+            mine, other = fair.tenants[n], alone.tenants[n]
+            with_a, without = mine.wait_p(0.99), other.wait_p(0.99)
+            shown = f": x{with_a / without:.2f}" if without > 0 else ""
             out.append((f"fair: {n}'s P99 queue wait <= 1.2x alone's",
-                        f"{with_a:.0f} ms vs {without:.0f} ms: x{ratio:.2f}",
+                        f"{with_a:.0f} ms vs {without:.0f} ms{shown} (queued {mine.queued} of "
+                        f"{len(mine.waits_ms)} vs {other.queued} of {len(other.waits_ms)})",
                         with_a <= WAIT_RATIO_BAR * without))
     if fair is not None and fifo is not None:
         change = fair.throughput_tps / fifo.throughput_tps - 1

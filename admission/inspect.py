@@ -404,6 +404,9 @@ def render_pool(p: PoolView) -> list[str]:
                     for q in p.queues))
     lines.append(f"  in flight: {p.in_flight_tasks} tasks, {p.in_flight_tokens} tokens "
                  f"reserved; queued: {p.queued}")
+    if "normal_credit" in p.stats:
+        lines.append(f"  light tenants' YELLOW credit: {p.stats['normal_credit']} Normal tasks "
+                     f"({p.stats.get('credit_used', 0)} taken on the fast path so far)")
     if p.gateways:
         lines += table(["gateway", "live tasks", "lease left"],
                        ([g.gateway, str(g.live_tasks),

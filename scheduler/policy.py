@@ -53,7 +53,9 @@ class TokenBucket:
         self.level -= n
 
     def reset(self, now: float) -> None:
-        self.level, self.at = 0.0, now
+        """Empty, but for a debt (`owe`): what was taken ahead of the rate in one spell is
+        paid in the next one, not forgiven by a spell in another zone."""
+        self.level, self.at = min(0.0, self.level), now
 
 
 class BatchShare:
@@ -149,11 +151,11 @@ class ReleasePolicy:
     """Per-tier release limits for one release call."""
 
     def __init__(self, zones: ZoneSettings, batch_size: int, now: float,
-                 dedicated_guests: bool = False, light_reserve: bool = False) -> None:
+                 dedicated_guests: bool = False, light: bool = False) -> None:
         self.batch_size = batch_size
         self.dedicated_guests = dedicated_guests
         """The pool keeps dedicated nodes that take guests."""
-        self.light = light_reserve
+        self.light = light
         """Releases hold room back for light tenants (fair order with a headroom): they may
         take YELLOW's Normal rate ahead of its refill on the fast path (`light_credit`)."""
         self.credit_out = 0
@@ -184,16 +186,15 @@ class ReleasePolicy:
         `normal_limit`), taken ahead of the rate's refill: what they take is owed by the rate's
         bucket (`released`), so the flood waits while the refill pays it. Up to
         `LIGHT_CREDIT_S` of the rate, less what is still owed (and the script takes off what
-        they took of the last credit), so that a YELLOW spell releases at most that much beyond
-        the rate times its length. Kept in GREEN too (its fast path takes
-        none), so that it is whole when the pool turns YELLOW; 0 in RED (no Normal) and in a
-        pool that holds no room back for light tenants."""
+        they took of the last credit), so that the YELLOW spells of a run release at most that
+        much beyond the rate times their length (the debt outlives a spell: `reset`). Kept in
+        GREEN too (its fast path takes none), so that it is there when the pool turns YELLOW;
+        0 in RED (no Normal) and in a pool that holds no room back for light tenants."""
         if zone is Zone.RED or not self.light:
             return 0
         whole = math.floor(max(self.normal.burst, self.normal.rate * LIGHT_CREDIT_S))
-        if zone is not Zone.YELLOW:
-            return whole
-        return max(0, whole + min(0, math.floor(self.normal.level) - normal_limit))
+        owed = math.floor(self.normal.level) - (normal_limit if zone is Zone.YELLOW else 0)
+        return max(0, whole + min(0, owed))
 
     def guests_only(self, zone: Zone) -> tuple[Tier, ...]:
         """Tiers that this zone releases only as guests of dedicated nodes."""

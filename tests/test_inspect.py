@@ -189,6 +189,18 @@ async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis
     assert "closed to guests" in inspect.render(await inspect.snapshot(redis_client, [POOL]))
 
 
+async def test_the_light_tenants_yellow_credit_is_shown(redis_client: aioredis.Redis) -> None:
+    w = World(redis_client)
+    await w.at(T0)
+    await w.store.publish_state(1, Zone.YELLOW, CAPS)
+    text = inspect.render(await inspect.snapshot(redis_client, [POOL]))
+    assert "YELLOW credit" not in text  # none set: a pool without fair release's headroom
+    await redis_client.hset(w.store.keys.stats, mapping={"normal_credit": 7, "credit_used": 3})
+    text = inspect.render(await inspect.snapshot(redis_client, [POOL]))
+    assert ("  light tenants' YELLOW credit: 7 Normal tasks (3 taken on the fast path so far)"
+            in text.splitlines())
+
+
 async def test_buckets_found_by_scan_across_pages(redis_client: aioredis.Redis) -> None:
     """More buckets than one SCAN step and one pipeline chunk return; other pools' do not."""
     n = inspect.SCAN_COUNT * 2 + 7

@@ -155,7 +155,7 @@ class ReleasePolicy:
         self.batch_size = batch_size
         self.dedicated_guests = dedicated_guests
         """The pool keeps dedicated nodes that take guests."""
-        self.light = light
+        self.credit_for_light = light
         """Releases hold room back for light tenants (fair order with a headroom): they may
         take YELLOW's Normal rate ahead of its refill on the fast path (`light_credit`)."""
         self.credit_out = 0
@@ -190,7 +190,7 @@ class ReleasePolicy:
         much beyond the rate times their length (the debt outlives a spell: `reset`). Kept in
         GREEN too (its fast path takes none), so that it is there when the pool turns YELLOW;
         0 in RED (no Normal) and in a pool that holds no room back for light tenants."""
-        if zone is Zone.RED or not self.light:
+        if zone is Zone.RED or not self.credit_for_light:
             return 0
         whole = math.floor(max(self.normal.burst, self.normal.rate * LIGHT_CREDIT_S))
         owed = math.floor(self.normal.level) - (normal_limit if zone is Zone.YELLOW else 0)

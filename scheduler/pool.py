@@ -394,7 +394,7 @@ class PoolScheduler:
             result.released = await self.store.release(epoch, (0, 0, owed))
             result.shared = len(result.released)
         credit = ((self.policy.light_credit(zone, limits[Tier.NORMAL]), self.policy.credit_out)
-                  if self.policy.light else None)
+                  if self.policy.credit_for_light else None)
         main = await self.store.release(epoch, limits, self.policy.guests_only(zone),
                                         credit=credit)
         result.released += main

@@ -231,8 +231,10 @@ class ReleasePolicy:
             return
         before, after = credit
         taken, self.credit_out = max(0, self.credit_out - before), after
-        if zone is Zone.YELLOW:
-            self.normal.owe(per_tier[Tier.NORMAL] + taken)
+        # Taken in YELLOW (the only zone the fast path takes it in), whatever zone this call
+        # is in: a debt counted only by a YELLOW call would be lost when the pool left YELLOW
+        # between the take and the call.
+        self.normal.owe(taken + (per_tier[Tier.NORMAL] if zone is Zone.YELLOW else 0))
 
 
 class DrainRates:

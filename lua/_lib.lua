@@ -361,9 +361,9 @@ end
 -- rule aside), and a light tenant's request (`light`: its fast path beside others' backlog,
 -- or its release ahead of the counters' order, light_flow()) may take the room down to minus
 -- two windows (light requests arriving together each pass, not only the first one after a
--- refill: a flood's releases take every refill). The overdraw is counted (prefill_taken()) and the
--- leader takes it out of the rooms it publishes next, so that it reorders work rather than
--- adding it; the queue ahead of a VIP chat is then at most three windows for a poll.
+-- refill: a flood's releases take every refill). The overdraw is counted (prefill_taken())
+-- and the leader takes it out of the rooms it publishes next, so that it reorders work rather
+-- than adding it; the queue ahead of a VIP chat is then at most three windows for a poll.
 -- Returns whether it fits, and whether it is a long prefill: larger than the room and than
 -- twice the window (its prefill alone takes the whole objective; see quiet_others()).
 local function prefill_fits(compute, prompt_tokens, light, held)
@@ -436,11 +436,12 @@ local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
 end
 
 -- VIP's candidates (rows {node, kv room, reserved, prefill room: prefill_room(), nil when
--- none is published}): the quiet ones, whose prefill room is at least half their window (a short compute queue ahead of the chat's
--- first token; a node without a published room counts as such), if one of them has KV room
--- for it, else the ones with the most prefill room; the KV rules of place() then choose among
--- them. Among the quiet ones with KV room, only those whose engine runs at most
--- RUNNING_SLACK more sequences than the least busy (the leader publishes the scraped count):
+-- none is published}): the quiet ones, whose prefill room is at least half their window (a
+-- short compute queue ahead of the chat's first token; a node without a published room counts
+-- as such), if one of them has KV room for it, else the ones with the most prefill room; the
+-- KV rules of place() then choose among them. Among the quiet ones with KV room, only those
+-- whose engine runs at most RUNNING_SLACK more sequences than the least busy (the leader
+-- publishes the scraped count):
 -- every step of a decode batch costs time per sequence, and the chat's first token waits for
 -- a step or two of it, so the most KV headroom is the wrong choice where it sits beside the
 -- longest batch (long generations fill a node's batch long before its cache).

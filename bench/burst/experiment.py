@@ -24,7 +24,6 @@ import dataclasses
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +46,7 @@ from bench.burst.mixes import MIXES, with_mix
 from bench.burst.plot import plot
 from bench.burst.report import ArmSummary, markdown_table, summarize
 from bench.burst.workload import Schedule, plan
+from bench.common.gitrev import revision
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 
@@ -345,17 +345,6 @@ def _summary_json(settings: Settings, cap: CapacityResult | None,
     return json.dumps(clean(data), indent=2)
 
 
-def git_revision() -> str:
-    """The commit the run used, with "+changes" when the work tree differs from it."""
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, cwd=RESULTS_DIR, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, cwd=RESULTS_DIR,
-                               check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return rev + ("+changes" if dirty else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -368,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     name = args.name or ("burst" if args.preset == "full" else f"burst-{args.preset}")
     started = time.monotonic()
-    revision = git_revision()  # now: the code that runs, whatever is committed meanwhile
+    code = revision()  # now: the code that runs, whatever is committed meanwhile
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-burst-"))
     print(f"logs: {log_dir}", flush=True)
     coro = run_experiment(settings, arms, log_dir, capacity=args.ideal)
@@ -382,7 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = argv if argv is not None else sys.argv[1:]
     command = "python -m bench.burst.experiment " + " ".join(given)
     lines = [*describe(settings, schedule),
-             f"code {revision}, {time.strftime('%Y-%m-%d %H:%M')} local time, "
+             f"code {code}, {time.strftime('%Y-%m-%d %H:%M')} local time, "
              f"{(time.monotonic() - started) / 60:.0f} minutes on {os.cpu_count()} cores "
              f"(load average at the end {os.getloadavg()[0]:.1f}: other work shares this machine)"]
     md = report_markdown(settings, lines, cap, summaries, command.strip())

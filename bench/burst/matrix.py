@@ -49,9 +49,10 @@ from typing import Any
 from bench.burst.arm import flush_print
 from bench.burst.criteria import CRITERIA, LABELS, Verdict, cell_table, judge_all, validity
 from bench.burst.expconfig import ARM_TITLES, ARMS, Settings
-from bench.burst.experiment import git_revision, run_experiment
+from bench.burst.experiment import run_experiment
 from bench.burst.mixes import MIXES, with_mix
 from bench.burst.report import ArmSummary
+from bench.common.gitrev import revision as git_revision
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "matrix"
 

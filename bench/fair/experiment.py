@@ -33,13 +33,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.common.gitrev import revision
 from bench.fair.arm import ArmResult, ArmSpec, run_arm
 from bench.fair.lab import LabSettings, Tenant
 from bench.fair.report import markdown, plot
@@ -110,21 +110,6 @@ async def measure_capacity(seed: int) -> float:
     spec = ArmSpec("capacity", (Tenant("A"),), {"A": SATURATING_RPS}, fair=True)
     result = await run_arm(spec, LabSettings(), seed, DURATION_S, WARMUP_S, LOGS)
     return result.tenants["A"].released / (DURATION_S - WARMUP_S)
-
-
-def revision() -> str:
-    """The checkout's commit (and "+changes" when the tree differs from it)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        # The records a run writes are outputs: a second seed run after the first is still
-        # on the commit's code.
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":!bench/results"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

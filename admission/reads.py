@@ -103,8 +103,6 @@ class TickReading:
     frozen_us: Any = None
     """The pool clock's frozen_us, read with the index only in a process that enabled the test
     clock (`admission.scripts.allow_frozen_clock`); None in every service."""
-    updated_us: Any = None
-    """The state hash's updated_us: the Redis time of the last publish, read with the index."""
 
 
 async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool) -> TickReading:
@@ -124,7 +122,6 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
         if running:
             # Raw: redis-py's own score conversion would double this read's cost.
             pipe.execute_command("ZRANGE", keys.running, 0, -1, "WITHSCORES")
-            pipe.hget(keys.state, "updated_us")
             if frozen_clock_allowed():
                 pipe.hget(keys.clock, "frozen_us")
         reply = list(await pipe.execute())
@@ -144,9 +141,9 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
                            overdrawn, reports)
-    frozen = rest[2] if len(rest) > 2 else None
+    frozen = rest[1] if len(rest) > 1 else None
     return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                       overdrawn, reports, rest[0], frozen, rest[1])
+                       overdrawn, reports, rest[0], frozen)
 
 
 async def left_queue(client: Any, keys: PoolKeys, tier: Tier,
@@ -191,11 +188,17 @@ def _str_map(raw: Mapping[Any, Any]) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in raw.items()}
 
 
+async def redis_time_us(client: Any) -> int:
+    """The server's TIME in µs (a keyless command: on Redis Cluster, any node's clock)."""
+    seconds, micros = await client.time()
+    return int(seconds) * 1_000_000 + int(micros)
+
+
 async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> FairReading:
     """Two pipelined reads: the backlogged flows of every tier, the levels' buckets (and the
     pool clock's frozen_us in a process that enabled the test clock); then the hashes of the
     tenants found in the flows."""
-    seconds, micros = await client.time()
+    server_now = await redis_time_us(client)
     frozen_read = frozen_clock_allowed()
     async with client.pipeline(transaction=False) as pipe:
         for tier in Tier:
@@ -207,7 +210,7 @@ async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> F
         reply = list(await pipe.execute())
     flows = tuple({_text(m): float(s) / VT_SCALE for m, s in rows} for rows in reply[:3])
     frozen = reply.pop() if frozen_read else None
-    now = int(frozen) if frozen is not None else int(seconds) * 1_000_000 + int(micros)
+    now = int(frozen) if frozen is not None else server_now
     names = sorted(set().union(*flows))
     tenants: dict[str, dict[str, str]] = {}
     if names:

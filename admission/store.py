@@ -423,6 +423,10 @@ class PoolStore:
         """What the leader plans a tick from (admission.reads.read_tick)."""
         return await reads.read_tick(self.client, self.keys, control=control, running=running)
 
+    async def redis_time_us(self) -> int:
+        """Redis TIME in µs (admission.reads.redis_time_us)."""
+        return await reads.redis_time_us(self.client)
+
     async def left_queue(self, tier: Tier, task_ids: Sequence[str]) -> list[str]:
         """Those of `task_ids` no longer queued in `tier`."""
         return await reads.left_queue(self.client, self.keys, tier, task_ids)

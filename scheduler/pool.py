@@ -169,8 +169,9 @@ class PoolScheduler:
         self._first_poll = True
         self._indexed: dict[Any, _Indexed] = {}
         """The running index as parsed on the last tick."""
-        self._published_at: tuple[int, float] | None = None
-        """Redis time (µs) our last publish wrote, and the local clock then."""
+        self._redis_at: tuple[int, float] | None = None
+        """A Redis time (µs) and the local clock then: what our last publish wrote, or TIME
+        read before this replica's first publish (`_redis_now_us`)."""
 
     @property
     def name(self) -> str:
@@ -216,7 +217,7 @@ class PoolScheduler:
         running: dict[str, list[RunningTask]] = {}
         prefill: dict[str, list[tuple[Any, int, float]]] = {}
         if reading.running is not None:
-            now_us = self._redis_now_us(reading.frozen_us, reading.updated_us)
+            now_us = await self._redis_now_us(reading.frozen_us)
             running, self._indexed = _running(reading.running, now_us, self._indexed,
                                               self.pool.engine)
             if control:
@@ -225,17 +226,21 @@ class PoolScheduler:
                         reading.prefill_released, reading.prefill_overdrawn,
                         reading.vip_reports, prefill)
 
-    def _redis_now_us(self, frozen: Any, last_published: Any) -> int:
-        """The pool clock the scripts use, without a TIME call (Redis Cluster refuses it in a
-        pipeline): frozen_us when a test froze it, else the Redis time our last publish
-        returned plus the local time since, else the last publish anyone made (older: tasks
-        look younger, which the projection treats as more overlap, the safe side)."""
+    async def _redis_now_us(self, frozen: Any) -> int:
+        """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
+        refuses it in a pipeline): frozen_us when a test froze it, else the Redis time our last
+        publish returned plus the local time since.
+
+        A replica that never published reads TIME once. The last publish is the previous
+        leader's, from before the takeover pause: against it, the tasks the fast path released
+        since would look released in the future, so still waiting for their prefill, and the
+        release control would hold every node's room shut until they finished."""
         if frozen is not None:
             return int(frozen)
-        if self._published_at is not None:
-            redis_us, local_s = self._published_at
-            return redis_us + int((self.clock() - local_s) * 1_000_000)
-        return int(last_published) if last_published is not None else 0
+        if self._redis_at is None:
+            self._redis_at = (await self.store.redis_time_us(), self.clock())
+        redis_us, local_s = self._redis_at
+        return redis_us + int((self.clock() - local_s) * 1_000_000)
 
     def _node_factor(self, view: NodeView, now: float) -> float:
         """The pool's learned factor, or 1 (no overcommit) while the node cools down from a
@@ -382,7 +387,7 @@ class PoolScheduler:
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),
                                                     self._extra(result), result.prefill,
                                                     refill_ms=self.refill_ms)
-        self._published_at = (written_us, self.clock())
+        self._redis_at = (written_us, self.clock())
         result.published = True
         if not leading() or not any(snap.depths):
             self.policy.share_observe(zone, (), False)  # nothing waits: Batch is owed nothing

@@ -438,3 +438,36 @@ async def test_the_leader_takes_light_overdraws_out_of_the_next_room(
             limit = await _count(redis_client, k.node_prefill, "n1")
             assert limit == int(rooms[-1])  # nothing released: the limit is the room
         assert rooms == ["1000", "700", "1000"]
+
+
+async def test_a_new_leader_ages_released_tasks_by_the_redis_clock(
+        redis_client: aioredis.Redis, redis_url: str) -> None:
+    """A takeover: the last publish is the previous leader's, from before the pause, and the
+    fast path released a task after it, long enough ago to be prefilled at the configured rate.
+    The new leader's first room is the whole window: it ages the task by Redis TIME. Against
+    the last publish the task would look released in the future, so still queued, and the room
+    would stay shut for as long as the task runs (the engine's counter, which would correct
+    the estimate, does not move once everything is prefilled)."""
+    fake = FakeVllm(running=1, prompt_tokens=0.0)
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             control={"vip_ttft_objective_ms": 200,
+                                      "prefill_tokens_per_s": 10_000})
+        async with pool_scheduler(redis_client, config) as old:
+            k = old.store.keys
+            await old.tick(1, always)
+            assert (await _admit(old.store, "a", Tier.NORMAL, 800))[0] == "released"
+        # The history, moved back: the publish 10 s ago, the release 5 s ago.
+        now_us = await old.store.redis_time_us()
+        await redis_client.hset(k.state, "updated_us", now_us - 10_000_000)
+        members = [_s(m) for m in await redis_client.zrange(k.running, 0, -1)]
+        assert len(members) == 1
+        await redis_client.zadd(k.running, {members[0]: now_us - 5_000_000})
+        async with pool_scheduler(redis_client, config) as new:
+            await new.tick(2, always)
+            published = await state(new.store)
+            assert (published["prefill_backlog:n1"], published["prefill_room:n1"]) == ("0", "1000")
+            # The control: a task released just now is queued for its prefill.
+            assert (await _admit(new.store, "b", Tier.NORMAL, 300))[0] == "released"
+            await new.tick(2, always)
+            assert (await state(new.store))["prefill_backlog:n1"] == "300"

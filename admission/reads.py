@@ -188,6 +188,11 @@ def _str_map(raw: Mapping[Any, Any]) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in raw.items()}
 
 
+async def published_state(client: Any, keys: PoolKeys) -> dict[str, str]:
+    """The pool's state hash, as the last leader published it (empty: none yet)."""
+    return _str_map(await client.hgetall(keys.state))
+
+
 async def redis_time_us(client: Any) -> int:
     """The server's TIME in µs (a keyless command: on Redis Cluster, any node's clock)."""
     seconds, micros = await client.time()

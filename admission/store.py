@@ -423,6 +423,10 @@ class PoolStore:
         """What the leader plans a tick from (admission.reads.read_tick)."""
         return await reads.read_tick(self.client, self.keys, control=control, running=running)
 
+    async def published_state(self) -> dict[str, str]:
+        """The state hash as the last leader published it (admission.reads.published_state)."""
+        return await reads.published_state(self.client, self.keys)
+
     async def redis_time_us(self) -> int:
         """Redis TIME in µs (admission.reads.redis_time_us)."""
         return await reads.redis_time_us(self.client)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from admission.config import EngineSettings, PoolSettings, SchedulerSettings
-from admission.reads import RunningMember, running_member
+from admission.reads import RunningMember, finite_number, running_member
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -91,6 +91,18 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
         else:
             tasks.append(task)
     return out, parsed
+
+
+def learned_control(state: Mapping[str, str]) -> dict[str, tuple[float, float]]:
+    """node -> (prefill rate, gain) as a leader published them in the state hash
+    (`prefill_rate:<node>`, `prefill_gain:<node>`; a missing or unreadable gain reads 1)."""
+    out: dict[str, tuple[float, float]] = {}
+    for field_name, raw in state.items():
+        kind, _, node = field_name.partition(":")
+        if kind != "prefill_rate" or not node:
+            continue
+        out[node] = (finite_number(raw), finite_number(state.get(f"prefill_gain:{node}"), 1.0))
+    return out
 
 
 def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int
@@ -167,6 +179,8 @@ class PoolScheduler:
         self._preemptions: dict[str, float] = {}
         self._cooldown_until: dict[str, float] = {}
         self._first_poll = True
+        self._resume_control = True
+        """The release control starts from what the last leader published (`new_term`)."""
         self._indexed: dict[Any, _Indexed] = {}
         """The running index as parsed on the last tick."""
         self._redis_at: tuple[int, float] | None = None
@@ -201,12 +215,14 @@ class PoolScheduler:
         return self.pool.zones.projection == "peak"
 
     def new_term(self) -> None:
-        """A new leadership starts: rates start empty, the learned ratio is kept, and the first
-        poll waits for the whole scrape timeout (connections are cold)."""
+        """A new leadership starts: rates start empty, the learned ratio is kept, the release
+        control resumes from the prefill rates and gains the last leader published, and the
+        first poll waits for the whole scrape timeout (connections are cold)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
                                     self._dedicated_guests, self._holds_room)
         self.clearance.reset()
         self._first_poll = True
+        self._resume_control = True
 
     async def read_snapshot(self) -> Snapshot:
         control = self.control is not None
@@ -370,6 +386,9 @@ class PoolScheduler:
             # Nothing heard yet (a leader just took over): publishing now would say "no usable
             # node", i.e. RED, and turn clients away for a tick. Keep the state as it is.
             return TickResult(self.tracker.zone, None, [], (0, 0, 0), (0, 0, 0))
+        if self._resume_control and self.control is not None:
+            self.control.resume(learned_control(await self.store.published_state()))
+        self._resume_control = False
         snap = await self.read_snapshot()
         now = self.clock()
         plans = self.plan(views, snap, now)

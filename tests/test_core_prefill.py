@@ -471,3 +471,24 @@ async def test_a_new_leader_ages_released_tasks_by_the_redis_clock(
             assert (await _admit(new.store, "b", Tier.NORMAL, 300))[0] == "released"
             await new.tick(2, always)
             assert (await state(new.store))["prefill_backlog:n1"] == "300"
+
+
+async def test_a_new_leader_resumes_the_published_prefill_rate_and_gain(
+        redis_client: aioredis.Redis, redis_url: str) -> None:
+    """The rate and gain the last leader measured (the state hash's prefill_rate and
+    prefill_gain) carry over a takeover: the new leader's first window is built on them, not
+    on the configured rate (10,000 tokens/s: a window of 1,000), and it publishes them on."""
+    fake = FakeVllm(running=1, prompt_tokens=0.0)
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             control={"vip_ttft_objective_ms": 200,
+                                      "prefill_tokens_per_s": 10_000})
+        async with pool_scheduler(redis_client, config) as ps:
+            await redis_client.hset(ps.store.keys.state, mapping={
+                "prefill_rate:n1": "8000", "prefill_gain:n1": "0.900",
+                "prefill_rate:gone": "nan"})
+            await ps.tick(1, always)
+            published = await state(ps.store)
+            # 0.9 x 8,000 tokens/s x 0.2 s x 1/2
+            assert (published["prefill_window:n1"], published["prefill_rate:n1"],
+                    published["prefill_gain:n1"]) == ("720", "8000", "0.900")

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from admission.config import ConfigError, parse_config
 from admission.controlconfig import ControlSettings
 from scheduler.control import GAIN_MAX, HOLD_S, ReleaseControl, _Node, backlog, take_overdraw
+from scheduler.pool import learned_control
 
 POLL_S = 0.05
 TICK_S = 0.005
@@ -363,3 +364,21 @@ def test_overdraws_are_paid_back_from_the_rooms_that_follow(
         paid += take
         assert node.owed == owed
     assert paid + owed == total - first
+
+
+def test_resume_seeds_rate_and_gain_and_forgets_the_rest() -> None:
+    """A new leadership starts from the published figures: the rate and gain are taken (the
+    gain within its bounds), unreadable ones are not, and nothing else carries over."""
+    control = ReleaseControl(ControlSettings(prefill_tokens_per_s=10_000))
+    control.node("old").backlog = 5_000.0
+    control.resume({"a": (8_000.0, 9.0), "b": (math.nan, 0.5), "c": (4_000.0, math.inf)})
+    assert (control.node("a").rate, control.node("a").gain) == (8_000.0, GAIN_MAX)
+    assert (control.node("b").rate, control.node("b").gain) == (10_000.0, 1.0)
+    assert (control.node("c").rate, control.node("c").gain) == (4_000.0, 1.0)
+    assert control.node("old").backlog == 0.0
+
+
+def test_learned_control_reads_the_published_fields() -> None:
+    state = {"prefill_rate:n1": "8000", "prefill_gain:n1": "0.500", "prefill_rate:n2": "x",
+             "prefill_window:n1": "100", "zone": "GREEN"}
+    assert learned_control(state) == {"n1": (8000.0, 0.5), "n2": (0.0, 1.0)}

@@ -22,11 +22,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from admission.tiers import Tier
-from bench.burst.criteria import CRITERIA, LABELS
+from bench.burst.criteria import CRITERIA, EXTRA, LABELS, judge_all
 from bench.burst.expconfig import ARM_TITLES, default_max_tokens
 from bench.burst.loadgen import ClientSettings, LoadGenerator
 from bench.burst.matrix import SCALES, Cell, cells, main, parse_seeds
 from bench.burst.mixes import MIXES, REALISTIC, with_mix
+from bench.burst.report import ArmSummary
 from bench.burst.workload import EXACT_MAX_TOKENS, PlannedRequest, Schedule, plan, prompt_text
 
 
@@ -41,14 +42,14 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
     record = json.loads((out / "cells" / "ci-article-n2-s1.json").read_text())
     assert record["cell"] == {"scale": "ci", "mix": "article", "size": 2, "seed": 1}
     assert [a["arm"] for a in record["arms"]] == ["a", "c", "d"]
-    for key in (*CRITERIA, "calm"):
+    for key in (*CRITERIA, *EXTRA):
         assert LABELS[key] in table
     for arm in ("a", "c", "d"):
         assert ARM_TITLES[arm] in table
     assert "## Aggregate over cells" in table and "## article, 2 nodes, seed 1" in table
     for arm in record["arms"]:
         verdicts = arm["verdicts"]
-        assert [v["key"] for v in verdicts] == [*CRITERIA, "calm"]
+        assert [v["key"] for v in verdicts] == [*CRITERIA, *EXTRA]
         # Every criterion is judged (pass or fail): arm (a) is in the run, so the VIP ratio
         # has its reference.
         assert all(v["ok"] in (True, False) for v in verdicts if v["key"] in CRITERIA), verdicts
@@ -60,6 +61,12 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
     # Every arm judged VIP requests (how many depends on when each arm stopped: requests still
     # in flight after the burst are censored).
     assert all(a["summary"]["counted"]["vip"] > 0 for a in record["arms"])
+    # The nodes traced VIP requests under the ids clients (or the gateway) sent, in every arm:
+    # the engine's part of a TTFT is known, and it is never more than the whole.
+    for arm in record["arms"]:
+        engine, whole = arm["summary"]["vip_engine_base"], arm["summary"]["vip_ttft_base"]
+        assert 0 < engine[0] <= whole[1], (arm["arm"], engine, whole)
+        assert arm["summary"]["vip_front_burst"][0] >= 0, arm["arm"]
 
 
 def test_nothing_in_a_cell_but_the_schedule_depends_on_the_seed() -> None:
@@ -154,3 +161,25 @@ async def test_arm_d_clients_send_their_tier_as_priority_and_omit_max_tokens_whe
         assert body["priority"] == int(req.tier)
         assert body.get("max_tokens") == req.max_tokens
         assert ("max_tokens" in body) == (req.ask != "none")
+
+
+def _summary(arm: str, engine_base: float, engine_burst: float,
+             front: tuple[float, float] = (30.0, 60.0)) -> ArmSummary:
+    return ArmSummary(arm=arm, kv_peak=0.5, preemptions=0, crashed_nodes=0,
+                      success={t: 1.0 for t in Tier}, counted={t: 10 for t in Tier},
+                      vip_ttft_base=(100.0, 150.0), vip_ttft_burst=(120.0, 200.0),
+                      last_batch_s=0.0, batch_unfinished=0, goodput=1.0, goodput_ratio=0.9,
+                      vip_engine_base=(60.0, engine_base), vip_engine_burst=(80.0, engine_burst),
+                      vip_front_burst=front)
+
+
+def test_the_engine_part_of_vip_ttft_is_judged_against_arm_a_calm_engine_p99() -> None:
+    judged = judge_all([_summary("a", 100.0, 300.0), _summary("c", 90.0, 115.0),
+                        _summary("d", 80.0, 125.0, (float("nan"), float("nan")))], 96.0, 2.0)
+    engine = [next(v for v in verdicts if v.key == "vip_engine") for verdicts in judged]
+    assert [v.ok for v in engine] == [False, True, False]
+    assert [round(v.number, 2) for v in engine] == [3.0, 1.15, 1.25]
+    assert engine[1].value == "x1.15; rest 30 / 60 ms" and engine[2].value.endswith("rest n/a")
+    # Without (a)'s traces there is no reference: not judged.
+    alone = judge_all([_summary("c", 90.0, 115.0)], 96.0, 2.0)[0]
+    assert next(v for v in alone if v.key == "vip_engine").ok is None

@@ -45,6 +45,7 @@ from bench.burst.expconfig import (
 from bench.burst.mixes import MIXES, with_mix
 from bench.burst.plot import plot
 from bench.burst.report import ArmSummary, markdown_table, summarize
+from bench.burst.ttft import load_traces
 from bench.burst.workload import Schedule, plan
 from bench.common.gitrev import revision
 
@@ -212,7 +213,8 @@ async def run_experiment(
         started = time.monotonic()
         result = await run_arm(arm, settings, schedule, log_dir / f"arm-{arm}", progress=say)
         await asyncio.to_thread(dump_raw, result, log_dir / f"arm-{arm}")
-        summary = summarize(result, cap)
+        traced, _ = await asyncio.to_thread(load_traces, log_dir / f"arm-{arm}" / "nodes")
+        summary = summarize(result, cap, {rid: rec for rid, (_, rec) in traced.items()})
         results.append(result)
         summaries.append(summary)
         say(f"    done in {time.monotonic() - started:.0f} s: KV peak {summary.kv_peak:.1%}, "

@@ -193,7 +193,12 @@ class LoadGenerator:
             "Content-Type": "application/json",
             OUTPUT_TOKENS_HEADER: str(req.output_tokens),
             TIER_HEADER: req.tier.label,
+            # The nodes trace a request under this id (kvgate's gateway sends its task id
+            # instead and answers with it): the engine's part of a TTFT is then known in
+            # every arm, not only behind the gateway.
+            "X-Request-Id": f"bench-{req.index}",
         }
+        out.request_id = headers["X-Request-Id"]
         counters.sent += 1
         counters.inflight += 1
         budget.record_request()

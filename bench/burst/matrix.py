@@ -47,7 +47,15 @@ from pathlib import Path
 from typing import Any
 
 from bench.burst.arm import flush_print
-from bench.burst.criteria import CRITERIA, LABELS, Verdict, cell_table, judge_all, validity
+from bench.burst.criteria import (
+    CRITERIA,
+    EXTRA,
+    LABELS,
+    Verdict,
+    cell_table,
+    judge_all,
+    validity,
+)
 from bench.burst.expconfig import ARM_TITLES, ARMS, Settings
 from bench.burst.experiment import run_experiment
 from bench.burst.mixes import MIXES, with_mix
@@ -175,10 +183,11 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[str]:
              "left out and counted in the last row.", "",
              "| criterion | " + " | ".join(ARM_TITLES[a] for a in arms) + " |",
              "|---|" + "---|" * len(arms)]
-    for i, key in enumerate((*CRITERIA, "calm")):
+    for key in (*CRITERIA, *EXTRA):
         row = []
         for a in arms:
-            vs = [v[i] for v in by_arm[a] if v[i].ok is not None]
+            # By key: a cell recorded before a check was added has no verdict for it.
+            vs = [x for v in by_arm[a] for x in v if x.key == key and x.ok is not None]
             if not vs:
                 row.append("n/a")
                 continue
@@ -204,7 +213,7 @@ def _fmt(key: str, x: float) -> str:
         return "inf"
     if key in ("kv_peak", "vip_success", "goodput"):
         return f"{x:.1%}" if key != "vip_success" else f"{x:.2%}"
-    if key in ("vip_p99", "calm", "batch_done"):
+    if key in ("vip_p99", "calm", "batch_done", "vip_engine"):
         return f"x{x:.2f}"
     return f"{x:,.0f}"
 

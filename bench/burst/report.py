@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from admission.tiers import Tier
@@ -78,6 +78,14 @@ class ArmSummary:
     vip_p99_ratio_range: tuple[float, float] = (math.nan, math.nan)
     """90% bootstrap range of the VIP P99 TTFT ratio, burst / baseline: how much of the ratio
     is the sampling of a few hundred requests."""
+    vip_engine_base: tuple[float, float] = (math.nan, math.nan)
+    """P50, P99 (simulated ms) of the engine's part of the VIP TTFTs at calm: from the
+    request's arrival at its node to its first token, by the node's trace (nan: no traces)."""
+    vip_engine_burst: tuple[float, float] = (math.nan, math.nan)
+    vip_front_burst: tuple[float, float] = (math.nan, math.nan)
+    """P50, P99 (simulated ms) of the rest of each burst VIP TTFT: the way to the node and the
+    first token's way back (the gateway's hop; at a reduced scale a wall millisecond there is
+    `time_scale` simulated ones)."""
 
 
 def _censored(o: Outcome, burst_end: float) -> bool:
@@ -98,6 +106,26 @@ def _ttft_values(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
     return values
 
 
+def _engine_split(outcomes: Sequence[Outcome], traces: Mapping[str, Mapping[str, object]],
+                  lo: float, hi: float, ts: float, burst_end: float
+                  ) -> tuple[list[float], list[float]]:
+    """The engine's part (node arrival to first token) and the rest of each VIP TTFT counted
+    in [lo, hi), in simulated ms, for the requests the nodes traced."""
+    engine, front = [], []
+    for o in outcomes:
+        if o.req.tier is not Tier.VIP or not o.req.stream or not lo <= o.req.at < hi:
+            continue
+        if _censored(o, burst_end) or o.ttft is None or o.request_id is None:
+            continue
+        rec = traces.get(o.request_id)
+        arrival, first = (rec.get("arr"), rec.get("first")) if rec else (None, None)
+        if not isinstance(arrival, float) or not isinstance(first, float):
+            continue
+        engine.append((first - arrival) * 1000)
+        front.append(o.ttft * ts * 1000 - engine[-1])
+    return engine, front
+
+
 def _p50_p99(values: Sequence[float]) -> tuple[float, float]:
     return percentile(values, 50), percentile(values, 99)
 
@@ -106,7 +134,10 @@ def _at(samples: Sequence[Sample], t: float) -> Sample:
     return min(samples, key=lambda s: abs(s.t - t))
 
 
-def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
+def summarize(result: ArmResult, capacity: CapacityResult | None,
+              traces: Mapping[str, Mapping[str, object]] | None = None) -> ArmSummary:
+    """`traces`: the nodes' request records by request id (bench.burst.ttft.load_traces), for
+    the engine's part of VIP TTFTs."""
     s = result.settings
     ts = s.time_scale
     profile = s.profile
@@ -160,6 +191,8 @@ def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
     running = (_mean_running(samples, 0.0, b0), _mean_running(samples, b0, b1))
     base_ttft = _ttft_values(outcomes, 0.0, b0, ts, b1)
     burst_ttft = _ttft_values(outcomes, b0, b1, ts, b1)
+    engine_base, _ = _engine_split(outcomes, traces or {}, 0.0, b0, ts, b1)
+    engine_burst, front_burst = _engine_split(outcomes, traces or {}, b0, b1, ts, b1)
     reasons = Counter(_reason(o, result.stopped_at) for o in outcomes
                       if o.status != OK and not _censored(o, b1) and o.req.at < result.stopped_at)
     return ArmSummary(
@@ -182,6 +215,9 @@ def summarize(result: ArmResult, capacity: CapacityResult | None) -> ArmSummary:
         lag_ms=lag,
         running=running,
         vip_p99_ratio_range=bootstrap_ratio_range(burst_ttft, base_ttft, 99),
+        vip_engine_base=_p50_p99(engine_base),
+        vip_engine_burst=_p50_p99(engine_burst),
+        vip_front_burst=_p50_p99(front_burst),
     )
 
 

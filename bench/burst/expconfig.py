@@ -81,6 +81,9 @@ class Settings:
     """Arm (c): `zones.projection` of the pool; None = the project's default."""
     max_engine_waiting: int | None = None
     """Arm (c): `zones.max_engine_waiting` of the pool; None = the project's default."""
+    max_engine_running: int | None = None
+    """Arm (c): `control.max_engine_running` of the pool at real scale (a k-slice node gets k
+    times as many, rounded, at least 1); None = the project's default (no bound)."""
     batch_ceiling: float | None = None
     """Arm (c): `zones.batch_ceiling` of the pool; None = the project's default."""
     vip_ceiling: float | None = None
@@ -196,12 +199,17 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
     capacity_scale x time_scale, and a window of tokens is capacity_scale times as many. This is
     a change of units, not a tuning: at scale 1 (the full
     preset) nothing is written and the services run the defaults as shipped."""
+    bound = []
+    if settings.max_engine_running is not None:
+        running = max(1, round(settings.max_engine_running * settings.capacity_scale))
+        bound = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
     if settings.time_scale == 1.0 and settings.capacity_scale == 1.0:
-        return []
+        return ["[pools.control]", *bound, ""] if bound else []
     d, e = ControlSettings(), EngineSettings()
     speed = settings.time_scale
     return [
         "[pools.control]",
+        *bound,
         f"vip_ttft_objective_ms = {max(1, round(d.vip_ttft_objective_ms / speed))}",
         f"prefill_tokens_per_s = "
         f"{max(1, round(d.prefill_tokens_per_s * settings.capacity_scale * speed))}",

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arm (c): the pool's zones.projection (default: the project's)")
     p.add_argument("--max-engine-waiting", type=int, dest="max_engine_waiting",
                    help="arm (c): the pool's zones.max_engine_waiting (default: the project's)")
+    p.add_argument("--max-engine-running", type=int, dest="max_engine_running",
+                   help="arm (c): the pool's control.max_engine_running at real scale "
+                        "(default: the project's, no bound)")
     p.add_argument("--ideal", action="store_true",
                    help="also replay the requests offline behind an ideal admission controller "
                         "(bench.burst.capacity; a reference, minutes at full scale)")
@@ -129,6 +132,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         batch_ceiling=args.batch_ceiling, vip_ceiling=args.vip_ceiling, yellow=args.yellow,
         kv_target=args.kv_target,
         max_engine_waiting=args.max_engine_waiting,
+        max_engine_running=args.max_engine_running,
     )
 
 
@@ -325,6 +329,8 @@ def setup_section(settings: Settings) -> list[str]:
 
 def _zone_overrides(settings: Settings) -> str:
     named = [f"`zones.{line}`" for line in zone_overrides(settings)]
+    if settings.max_engine_running is not None:
+        named.append(f"`control.max_engine_running = {settings.max_engine_running}` (real scale)")
     return " except " + ", ".join(named) if named else ""
 
 

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from admission.config import Config
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
@@ -376,6 +377,12 @@ async def test_the_finish_script_counts_vip_first_tokens_against_the_objective(
     assert counts == {"node-a:n": 2, "node-a:over": 1}
 
 
+def _control_config(redis_url: str, node_url: str) -> Config:
+    """One node, the release control on: a window of 10,000 tokens/s x 0.2 s x 1/2 = 1,000."""
+    return make_config(redis_url, [{"name": "n1", "url": node_url}],
+                       control={"vip_ttft_objective_ms": 200, "prefill_tokens_per_s": 10_000})
+
+
 @asynccontextmanager
 async def _one_node_control(redis_client: aioredis.Redis, redis_url: str
                             ) -> AsyncIterator[tuple[FakeVllm, Any]]:
@@ -384,9 +391,7 @@ async def _one_node_control(redis_client: aioredis.Redis, redis_url: str
     at FROZEN_US (the rooms refill only as a test moves it)."""
     fake = FakeVllm(running=1, prompt_tokens=0.0)
     async with serve_fake(fake) as url:
-        config = make_config(redis_url, [{"name": "n1", "url": url}],
-                             control={"vip_ttft_objective_ms": 200,
-                                      "prefill_tokens_per_s": 10_000})
+        config = _control_config(redis_url, url)
         async with pool_scheduler(redis_client, config) as ps:
             await redis_client.hset(ps.store.keys.clock, "frozen_us", FROZEN_US)
             yield fake, ps
@@ -450,9 +455,7 @@ async def test_a_new_leader_ages_released_tasks_by_the_redis_clock(
     the estimate, does not move once everything is prefilled)."""
     fake = FakeVllm(running=1, prompt_tokens=0.0)
     async with serve_fake(fake) as url:
-        config = make_config(redis_url, [{"name": "n1", "url": url}],
-                             control={"vip_ttft_objective_ms": 200,
-                                      "prefill_tokens_per_s": 10_000})
+        config = _control_config(redis_url, url)
         async with pool_scheduler(redis_client, config) as old:
             k = old.store.keys
             await old.tick(1, always)
@@ -480,9 +483,7 @@ async def test_a_new_leader_resumes_the_published_prefill_rate_and_gain(
     on the configured rate (10,000 tokens/s: a window of 1,000), and it publishes them on."""
     fake = FakeVllm(running=1, prompt_tokens=0.0)
     async with serve_fake(fake) as url:
-        config = make_config(redis_url, [{"name": "n1", "url": url}],
-                             control={"vip_ttft_objective_ms": 200,
-                                      "prefill_tokens_per_s": 10_000})
+        config = _control_config(redis_url, url)
         async with pool_scheduler(redis_client, config) as ps:
             await redis_client.hset(ps.store.keys.state, mapping={
                 "prefill_rate:n1": "8000", "prefill_gain:n1": "0.900",

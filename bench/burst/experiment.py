@@ -353,8 +353,6 @@ def _summary_json(settings: Settings, cap: CapacityResult | None,
     return json.dumps(clean(data), indent=2)
 
 
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = settings_from_args(args)

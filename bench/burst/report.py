@@ -92,14 +92,18 @@ def _censored(o: Outcome, burst_end: float) -> bool:
     return not o.finished and o.req.at >= burst_end
 
 
+def _vip_counted(outcomes: Sequence[Outcome], lo: float, hi: float,
+                 burst_end: float) -> list[Outcome]:
+    """The streamed VIP requests whose TTFT counts in [lo, hi) (not censored by the end)."""
+    return [o for o in outcomes
+            if o.req.tier is Tier.VIP and o.req.stream and lo <= o.req.at < hi
+            and not _censored(o, burst_end)]
+
+
 def _ttft_values(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
                  burst_end: float) -> list[float]:
     values = []
-    for o in outcomes:
-        if o.req.tier is not Tier.VIP or not o.req.stream or not lo <= o.req.at < hi:
-            continue
-        if _censored(o, burst_end):
-            continue
+    for o in _vip_counted(outcomes, lo, hi, burst_end):
         # A first token is a first token even if the stream broke later (that shows in the
         # success rate); no first token at all counts as infinitely slow.
         values.append(o.ttft * ts * 1000 if o.ttft is not None else math.inf)
@@ -112,10 +116,8 @@ def _engine_split(outcomes: Sequence[Outcome], traces: Mapping[str, Mapping[str,
     """The engine's part (node arrival to first token) and the rest of each VIP TTFT counted
     in [lo, hi), in simulated ms, for the requests the nodes traced."""
     engine, front = [], []
-    for o in outcomes:
-        if o.req.tier is not Tier.VIP or not o.req.stream or not lo <= o.req.at < hi:
-            continue
-        if _censored(o, burst_end) or o.ttft is None or o.request_id is None:
+    for o in _vip_counted(outcomes, lo, hi, burst_end):
+        if o.ttft is None or o.request_id is None:
             continue
         rec = traces.get(o.request_id)
         arrival, first = (rec.get("arr"), rec.get("first")) if rec else (None, None)

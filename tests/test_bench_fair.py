@@ -32,7 +32,7 @@ def test_measure_counts_the_window_only() -> None:
                {"tenant": "a", "cost": "50", "state": "expired",
                 "finished_us": str(T0 + 9_000_000)}]            # queued at 9 - 3 = 6 s
     r = measure(spec, outcomes, records, T0, warmup_s=4.0, duration_s=10.0,
-                queue_timeout_ms=3_000, lateness=0.0, killed=None)
+                queue_timeout_ms=3_000, lateness=0.0, killed=None, engine_tokens=1_500.0)
     a, b = r.tenants["a"], r.tenants["b"]
     assert (a.sent, a.ok, b.sent, b.ok) == (2, 1, 1, 1)
     assert (a.demand_met, b.demand_met) == (0.5, 1.0)
@@ -40,7 +40,8 @@ def test_measure_counts_the_window_only() -> None:
     assert (a.released, b.released) == (1, 1)
     assert r.share("a") == 0.75
     assert sorted(a.waits_ms) == [500.0, 3_000.0] and b.waits_ms == [0.0]
-    assert r.throughput_tps == 200 / 6.0
+    assert r.throughput_tps == 1_500 / 6.0
+    assert r.completed_tps == 200 / 6.0
     assert r.series["a"][2] == 300 / 2.0  # released at 5.5 s: the bin 4-6 s
 
 
@@ -54,17 +55,19 @@ def test_plan_is_poisson_per_tenant_and_reproducible() -> None:
 
 
 def _arm(name: str, service: dict[str, int], tps: float, waits: dict[str, float],
-         met: float = 1.0, weights: dict[str, float] | None = None) -> ArmResult:
+         met: float = 1.0, weights: dict[str, float] | None = None,
+         completed_tps: float | None = None) -> ArmResult:
     spec = ArmSpec(name, tuple(Tenant(n, (weights or {}).get(n, 1.0)) for n in service),
                    dict.fromkeys(service, 1.0), fair=name != "fifo")
     tenants = {n: TenantFigures(sent=100, ok=round(100 * met), service_tokens=s,
                                 waits_ms=[waits.get(n, 0.0)]) for n, s in service.items()}
-    return ArmResult(spec, tenants, tps, 0.0)
+    return ArmResult(spec, tenants, tps, completed_tps or tps, 0.0)
 
 
 def test_bars_pass_and_fail_as_measured() -> None:
     results = {
-        "fair": _arm("fair", {"A": 700, "B": 150, "C": 150}, 1000.0, {"B": 100.0, "C": 11.0}),
+        "fair": _arm("fair", {"A": 700, "B": 150, "C": 150}, 1000.0, {"B": 100.0, "C": 11.0},
+                     completed_tps=1200.0),
         "fifo": _arm("fifo", {"A": 700, "B": 150, "C": 150}, 1040.0, {"B": 5000.0}),
         "alone": _arm("alone", {"B": 500, "C": 500}, 300.0, {"B": 50.0, "C": 10.0}),
         "failover": _arm("failover", {"A": 690, "B": 155, "C": 155}, 1000.0, {}),
@@ -75,7 +78,9 @@ def test_bars_pass_and_fail_as_measured() -> None:
     assert verdicts["fair: B gets >= 90% of its demand"] is True
     assert verdicts["fair: B's P99 queue wait <= 1.2x alone's"] is False   # 100 vs 50 ms
     assert verdicts["fair: C's P99 queue wait <= 1.2x alone's"] is True    # 11 vs 10 ms
-    assert verdicts["fair: pool throughput within 5% of fifo's"] is True   # -3.8%
+    throughput = "fair: pool throughput (tokens the engines computed) within 5% of fifo's"
+    assert verdicts[throughput] is True   # -3.8%, though 15% more completed
+    assert verdicts["fair: tokens of requests completed in the window, against fifo's"] is None
     assert verdicts["failover: no share moves more than 2 points"] is True  # 1 point
     assert verdicts["weighted: service within 10% of 3:1"] is True         # 2.85:1
     text = markdown(results, seed=1, command="c", capacity_rps=27, flood=20, light=0.5,
@@ -94,3 +99,16 @@ def test_a_wait_of_zero_in_both_arms_passes_and_shows_no_ratio() -> None:
         "0 ms vs 0 ms (queued 0 of 1 vs 0 of 1)", True)
     assert found["fair: C's P99 queue wait <= 1.2x alone's"] == (
         "12 ms vs 0 ms (queued 1 of 1 vs 0 of 1)", False)
+
+
+def test_the_throughput_bar_reads_the_engines_not_the_completions() -> None:
+    """Equal completions do not pass an arm whose engines computed 6% less."""
+    results = {
+        "fair": _arm("fair", {"A": 700, "B": 150, "C": 150}, 940.0, {}, completed_tps=1000.0),
+        "fifo": _arm("fifo", {"A": 700, "B": 150, "C": 150}, 1000.0, {}, completed_tps=1000.0),
+    }
+    found = {b: (measured, ok) for b, measured, ok in bars(results)}
+    assert found["fair: pool throughput (tokens the engines computed) within 5% of fifo's"] == (
+        "940 vs 1000 tok/s: -6.0%", False)
+    assert found["fair: tokens of requests completed in the window, against fifo's"] == (
+        "1000 vs 1000 tok/s: +0.0%", None)

@@ -90,7 +90,8 @@ async def run_all(seed: int, out: Path, only: Sequence[str]) -> dict[str, ArmRes
         summary = "  ".join(f"{n}: share {result.share(n):.3f} met {t.demand_met:.3f} "
                             f"p99 {t.wait_p(0.99):.0f} ms" for n, t in result.tenants.items())
         print(f"[{spec.name}] {time.monotonic() - started:.0f} s  throughput "
-              f"{result.throughput_tps:.0f} tok/s  {summary}", flush=True)
+              f"{result.throughput_tps:.0f} tok/s (completed {result.completed_tps:.0f})  "
+              f"{summary}", flush=True)
     return results
 
 
@@ -128,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (args.out / f"fairness-s{args.seed}.md").write_text(md)
     (args.out / f"fairness-s{args.seed}.json").write_text(json.dumps(
         {name: {"spec": asdict(r.spec), "throughput_tps": r.throughput_tps,
+                "completed_tps": r.completed_tps,
                 "max_send_lateness_s": r.max_send_lateness_s, "killed": r.killed,
                 "tenants": {n: {"sent": t.sent, "ok": t.ok, "service_tokens": t.service_tokens,
                                 "share": r.share(n), "wait_p50_ms": t.wait_p(0.5),

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import redis.asyncio as aioredis
 
 from admission.config import ControlSettings, EngineSettings
 from admission.keys import PoolKeys, SchedulerKeys
+from bench.burst.monitor import parse_metrics
 from bench.common.localredis import LocalRedis, free_port, start_redis
 from bench.common.procs import Child, python_module, spawn, wait_http_ok
 from bench.sim.cluster import SimCluster
@@ -161,6 +163,18 @@ class Lab:
         index = int(leader.rsplit("-", 1)[1])
         self.schedulers[index].process.kill()
         return leader
+
+    async def engine_tokens(self) -> float:
+        """Prompt plus generated tokens every node's engine has computed so far (the vLLM
+        counters): the work the pool did, whether or not its requests have completed yet."""
+        assert self.cluster is not None
+        total = 0.0
+        async with aiohttp.ClientSession() as session:
+            for url in self.cluster.urls:
+                async with session.get(url + "/metrics") as r:
+                    sample = parse_metrics(await r.text())
+                total += sample.prompt_tokens + sample.generation_tokens
+        return total
 
     async def task_records(self) -> list[dict[str, str]]:
         """Every task record of the pool (retention 1 h: all of the arm's)."""

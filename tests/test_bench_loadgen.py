@@ -343,6 +343,17 @@ def test_arm_c_runs_the_shipped_control_converted_to_the_lab_clock() -> None:
         shipped.quiet_nodes)
 
 
+def test_an_explored_vip_objective_is_converted_to_the_lab_clock_as_the_default_is() -> None:
+    def objective(settings: Settings) -> int:
+        text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
+        return parse_config(tomllib.loads(text), env={}).pools[POOL].control.vip_ttft_objective_ms
+
+    full = with_overrides(PRESETS["smoke"], time_scale=1.0, capacity_scale=1.0)
+    assert objective(with_overrides(full, vip_ttft_objective_ms=120)) == 120
+    lab = with_overrides(PRESETS["smoke"], time_scale=8.0, capacity_scale=0.25)
+    assert objective(with_overrides(lab, vip_ttft_objective_ms=120)) == 15
+
+
 def test_arm_c_runs_the_shipped_engine_timings_converted_to_the_lab_clock() -> None:
     """The projection's prefill allowance is wall time per prompt token: a k-slice on a clock
     time_scale times faster takes 1 / (k x time_scale) of it; the dispatch hop is wall time."""

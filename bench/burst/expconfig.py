@@ -84,6 +84,9 @@ class Settings:
     max_engine_running: int | None = None
     """Arm (c): `control.max_engine_running` of the pool at real scale (a k-slice node gets k
     times as many, rounded, at least 1); None = the project's default (no bound)."""
+    vip_ttft_objective_ms: int | None = None
+    """Arm (c): `control.vip_ttft_objective_ms` of the pool at real scale (converted to the lab
+    clock as the default is); None = the project's default."""
     batch_ceiling: float | None = None
     """Arm (c): `zones.batch_ceiling` of the pool; None = the project's default."""
     vip_ceiling: float | None = None
@@ -203,14 +206,18 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
     if settings.max_engine_running is not None:
         running = max(1, round(settings.max_engine_running * settings.capacity_scale))
         bound = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
-    if settings.time_scale == 1.0 and settings.capacity_scale == 1.0:
-        return ["[pools.control]", *bound, ""] if bound else []
     d, e = ControlSettings(), EngineSettings()
+    objective = settings.vip_ttft_objective_ms
+    if settings.time_scale == 1.0 and settings.capacity_scale == 1.0:
+        if objective is not None:
+            bound.append(f"vip_ttft_objective_ms = {objective}")
+        return ["[pools.control]", *bound, ""] if bound else []
+    objective = d.vip_ttft_objective_ms if objective is None else objective
     speed = settings.time_scale
     return [
         "[pools.control]",
         *bound,
-        f"vip_ttft_objective_ms = {max(1, round(d.vip_ttft_objective_ms / speed))}",
+        f"vip_ttft_objective_ms = {max(1, round(objective / speed))}",
         f"prefill_tokens_per_s = "
         f"{max(1, round(d.prefill_tokens_per_s * settings.capacity_scale * speed))}",
         f"signal_stale_ms = {max(1, round(d.signal_stale_ms / speed))}",

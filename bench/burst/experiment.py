@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-engine-running", type=int, dest="max_engine_running",
                    help="arm (c): the pool's control.max_engine_running at real scale "
                         "(default: the project's, no bound)")
+    p.add_argument("--vip-objective-ms", type=int, dest="vip_ttft_objective_ms",
+                   help="arm (c): the pool's control.vip_ttft_objective_ms at real scale "
+                        "(default: the project's)")
     p.add_argument("--ideal", action="store_true",
                    help="also replay the requests offline behind an ideal admission controller "
                         "(bench.burst.capacity; a reference, minutes at full scale)")
@@ -133,6 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         kv_target=args.kv_target,
         max_engine_waiting=args.max_engine_waiting,
         max_engine_running=args.max_engine_running,
+        vip_ttft_objective_ms=args.vip_ttft_objective_ms,
     )
 
 
@@ -331,6 +335,9 @@ def _zone_overrides(settings: Settings) -> str:
     named = [f"`zones.{line}`" for line in zone_overrides(settings)]
     if settings.max_engine_running is not None:
         named.append(f"`control.max_engine_running = {settings.max_engine_running}` (real scale)")
+    if settings.vip_ttft_objective_ms is not None:
+        named.append(f"`control.vip_ttft_objective_ms = {settings.vip_ttft_objective_ms}` "
+                     "(real scale)")
     return " except " + ", ".join(named) if named else ""
 
 

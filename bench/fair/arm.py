@@ -14,7 +14,7 @@ task record the pool kept. Figures count the window after `warmup_s`:
 - its **completed** tokens: those of requests answered in the window, per second. Not the
   throughput: a request takes seconds in the engines, so this also moves with how many are in
   flight at the window's ends (an arm that admitted more early completes more in the window,
-  without the engines doing more; seed 6, fair against FIFO: +2.7% completed, +0.2% computed).
+  without the engines doing more).
 """
 
 from __future__ import annotations

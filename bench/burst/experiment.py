@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.burst import jsonlines
 from bench.burst.arm import ArmResult, flush_print, run_arm
 from bench.burst.capacity import CapacityResult, ideal_replay
 from bench.burst.criteria import summaries_table
@@ -343,21 +343,12 @@ def _zone_overrides(settings: Settings) -> str:
 
 def _summary_json(settings: Settings, cap: CapacityResult | None,
                   summaries: Sequence[ArmSummary]) -> str:
-    def clean(x: object) -> object:
-        if isinstance(x, float) and not math.isfinite(x):
-            return str(x)
-        if isinstance(x, dict):
-            return {str(getattr(k, "label", k)): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
     data = {
         "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "classes"},
         "capacity": cap.as_dict() if cap else None,
-        "arms": [clean(dataclasses.asdict(s)) for s in summaries],
+        "arms": [jsonlines.safe(dataclasses.asdict(s)) for s in summaries],
     }
-    return json.dumps(clean(data), indent=2)
+    return json.dumps(jsonlines.safe(data), indent=2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.burst import jsonlines
 from bench.burst.arm import flush_print
 from bench.burst.criteria import (
     CRITERIA,
@@ -117,20 +118,10 @@ def cells(scale: str, mixes: Sequence[str], sizes: Sequence[int], seeds: str | N
             for seed in parse_seeds(seeds or DEFAULT_SEEDS[mix])]
 
 
-def _clean(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(getattr(k, "label", k)): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
 def cell_record(cell: Cell, settings: Settings, summaries: Sequence[ArmSummary],
                 wall_s: float, revision: str) -> dict[str, Any]:
     judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
-    record: dict[str, Any] = _clean({
+    record: dict[str, Any] = jsonlines.safe({
         "cell": dataclasses.asdict(cell),
         "code": revision,
         "wall_s": wall_s,

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.burst import jsonlines
 from bench.burst.arm import flush_print
 from bench.burst.criteria import Verdict, judge_all, passed, validity
 from bench.burst.expconfig import Settings
@@ -155,17 +155,8 @@ def record(cell: Cell, reference: ArmSummary, rows: Sequence[Row], revision: str
             out["verdicts"] = [dataclasses.asdict(v) for v in verdicts]
         return out
 
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return str(x)
-        if isinstance(x, dict):
-            return {str(getattr(k, "label", k)): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
     top = best(rows)
-    out: dict[str, Any] = clean({
+    out: dict[str, Any] = jsonlines.safe({
         "cell": dataclasses.asdict(cell), "code": revision, "wall_s": wall_s,
         "reference": arm(reference, None),
         "points": [{"point": r.point.label, **arm(r.summary, r.verdicts)} for r in rows],

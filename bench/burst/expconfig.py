@@ -202,22 +202,22 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
     capacity_scale x time_scale, and a window of tokens is capacity_scale times as many. This is
     a change of units, not a tuning: at scale 1 (the full
     preset) nothing is written and the services run the defaults as shipped."""
+    d, e = ControlSettings(), EngineSettings()
+    # Exploration settings (never set by the matrix), at real scale like the defaults.
     bound = []
     if settings.max_engine_running is not None:
         running = max(1, round(settings.max_engine_running * settings.capacity_scale))
         bound = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
-    d, e = ControlSettings(), EngineSettings()
     objective = settings.vip_ttft_objective_ms
-    if settings.time_scale == 1.0 and settings.capacity_scale == 1.0:
-        if objective is not None:
-            bound.append(f"vip_ttft_objective_ms = {objective}")
-        return ["[pools.control]", *bound, ""] if bound else []
-    objective = d.vip_ttft_objective_ms if objective is None else objective
     speed = settings.time_scale
+    if speed == 1.0 and settings.capacity_scale == 1.0:
+        explored = bound + ([] if objective is None else [f"vip_ttft_objective_ms = {objective}"])
+        return ["[pools.control]", *explored, ""] if explored else []
     return [
         "[pools.control]",
         *bound,
-        f"vip_ttft_objective_ms = {max(1, round(objective / speed))}",
+        f"vip_ttft_objective_ms = "
+        f"{max(1, round((d.vip_ttft_objective_ms if objective is None else objective) / speed))}",
         f"prefill_tokens_per_s = "
         f"{max(1, round(d.prefill_tokens_per_s * settings.capacity_scale * speed))}",
         f"signal_stale_ms = {max(1, round(d.signal_stale_ms / speed))}",

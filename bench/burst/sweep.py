@@ -170,15 +170,15 @@ async def run_sweep(cell: Cell, points: Sequence[Point], log_root: Path, verbose
     _, _, (reference,) = await run_experiment(settings, ["a"], log_root / "a",
                                               progress=verbose)
     flush_print(f"(a): calm VIP P99 {reference.vip_ttft_base[1]:.0f} ms")
-    runs = []
+    rows = []
     for point in points:
         _, _, (summary,) = await run_experiment(point.apply(settings), ["c"],
                                                 log_root / f"c-{point.label}", progress=verbose)
-        runs.append((point, summary))
-        row = judge_points(reference, [(point, summary)], settings)[0]
+        (row,) = judge_points(reference, [(point, summary)], settings)
+        rows.append(row)
         flush_print(f"(c) {point.label}: VIP {row.verdict('vip_p99').value}, goodput "
                     f"{row.verdict('goodput').value}, Batch {row.verdict('batch_done').value}")
-    return reference, judge_points(reference, runs, settings)
+    return reference, rows
 
 
 def build_parser() -> argparse.ArgumentParser:

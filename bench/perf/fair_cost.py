@@ -47,6 +47,8 @@ TENANT = TenantQuota("bench", rate=10**8, burst=10**9, max_queued=10**6)
 TEAM = TenantQuota("member", rate=10**8, burst=10**9, max_queued=10**6,
                    levels=(QuotaLevel("team", 10**8, 10**9), QuotaLevel("org", 10**8, 10**9)))
 SCRIPT_CALLS = ("evalsha", "eval")
+BEFORE_FAIRNESS = "02b80a6"
+"""The last revision whose scripts have no fair release, tenant caps or quota levels."""
 
 
 class CountingTransport:
@@ -95,9 +97,6 @@ class Figures:
     pairs_per_s: float = 0.0
     release_usec_per_task: float = float("nan")
 
-
-BEFORE_FAIRNESS = "02b80a6"
-"""The last revision whose scripts have no fair release, tenant caps or quota levels."""
 
 async def _stats(client: aioredis.Redis) -> dict[str, tuple[int, float]]:
     info = await client.info("commandstats")

@@ -18,10 +18,15 @@ from admission.configfields import ConfigError, KeyName, at_least, between
 class ControlSettings:
     enabled: bool = True
     """Off: no prefill room is published, Normal and Batch are limited by KV only."""
+    vip_slowdown: float = between(0.0, 100.0, 1.2)
+    """The objective in a flood: VIP time to first token (from the dispatch to the node) at
+    most this many times its P99 while the pool was calm, which the leader learns
+    (scheduler/calm.py). 0: the absolute `vip_ttft_objective_ms` always."""
     vip_ttft_objective_ms: int = at_least(1, 250)
-    """VIP time to first token (from the dispatch to the node) that the window is sized for:
-    prompt tokens of other tiers allowed ahead of a VIP chat are those the node prefills in
-    half this time; measured VIP first tokens later than it shrink the window."""
+    """The objective until the calm P99 is learned (or always, with `vip_slowdown` 0). The
+    window is sized for it: prompt tokens of other tiers allowed ahead of a VIP chat are those
+    the node prefills in half the objective; measured VIP first tokens later than it shrink
+    the window, or the node's running limit when the window was not full."""
     prefill_tokens_per_s: int = at_least(1, 15_000)
     """A node's prefill throughput until its `vllm:prompt_tokens_total` counter has been seen
     to move while it had work queued (then the measured rate is used)."""
@@ -32,6 +37,11 @@ class ControlSettings:
     max_engine_running: int = at_least(0, 0)
     """A node whose engine runs more sequences than this gets no Normal or Batch work until it
     runs fewer (0: no bound)."""
+    running_min: int = at_least(0, 8)
+    """The learned running limit never goes below this (0: no running limit is learned). VIP
+    misses with a short prefill queue lower a node's limit (a decode batch of many sequences
+    makes every step, and so the chat's first token, slower); reports without a miss raise
+    it again."""
     quiet_nodes: int = at_least(0, 1)
     """Nodes kept quiet for VIP: a Normal or Batch prompt larger than a node's room whose
     prefill alone takes the whole objective (more than twice the window: a long document) goes
@@ -46,6 +56,8 @@ class ControlSettings:
     alone (gain 1): the measured correction only holds while it is fresh."""
 
     def check(self, key: KeyName) -> None:
+        if 0 < self.vip_slowdown < 1:
+            raise ConfigError(f"{key('vip_slowdown')}: must be 0 (off) or at least 1")
         if self.window_min_tokens > self.window_max_tokens:
             raise ConfigError(f"{key('window_min_tokens')}: must be at most "
                               f"{key('window_max_tokens')}")

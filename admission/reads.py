@@ -77,6 +77,18 @@ def vip_reports(counts: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def vip_histogram(counts: Mapping[str, int]) -> dict[int, int]:
+    """bucket k -> VIP first tokens of the whole pool whose ms lie in [1.1^k, 1.1^(k+1)), from
+    the `<node>:h<k>` fields the finish script counts in node_vip_ttft (monotonic)."""
+    out: dict[int, int] = {}
+    for field_name, value in counts.items():
+        _, _, kind = field_name.rpartition(":")
+        if kind.startswith("h") and kind[1:].isdigit():
+            bucket = int(kind[1:])
+            out[bucket] = out.get(bucket, 0) + value
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class TickReading:
     """One pool as the leader reads it at the start of a tick."""
@@ -96,6 +108,9 @@ class TickReading:
     vip_reports: dict[str, tuple[int, int]] = field(default_factory=dict)
     """node -> (VIP first tokens seen, those over the objective), monotonic counts (with
     `control`)."""
+    vip_histogram: dict[int, int] = field(default_factory=dict)
+    """The pool's VIP first tokens per 10% bucket of ms (`vip_histogram`), monotonic counts
+    (with `control`)."""
     running: Sequence[tuple[Any, Any]] | None = None
     """The running index's (member, score) pairs as Redis returns them, for `running_member`
     to parse (the leader parses each member once and keeps it while its task runs, keyed by
@@ -130,6 +145,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
     prefill_released: dict[str, int] = {}
     overdrawn: dict[str, int] = {}
     reports: dict[str, tuple[int, int]] = {}
+    histogram: dict[int, int] = {}
     if control:
         for name, count in int_map(rest[0]).items():
             node, _, kind = name.partition(":")
@@ -137,13 +153,14 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
                 prefill_released[node] = count
             elif kind == "light":
                 overdrawn[node] = count
-        reports, rest = vip_reports(int_map(rest[1])), rest[2:]
+        ttft = int_map(rest[1])
+        reports, histogram, rest = vip_reports(ttft), vip_histogram(ttft), rest[2:]
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                           overdrawn, reports)
+                           overdrawn, reports, histogram)
     frozen = rest[1] if len(rest) > 1 else None
     return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                       overdrawn, reports, rest[0], frozen)
+                       overdrawn, reports, histogram, rest[0], frozen)
 
 
 async def left_queue(client: Any, keys: PoolKeys, tier: Tier,

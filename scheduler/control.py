@@ -75,6 +75,12 @@ GAIN_MIN, GAIN_MAX = 0.1, 1.5
 GAIN_STEP = 0.02
 """Additive increase per poll with VIP reports and no excess misses."""
 GAIN_DECREASE = 0.5
+RUN_DECREASE = 0.75
+"""A VIP miss the queue did not cause cuts the node's running limit to this share of what it
+runs."""
+RUN_STEP, RUN_GROWTH = 0.5, 0.03
+"""A binding running limit grows by the larger of RUN_STEP sequences and RUN_GROWTH of itself
+at each poll with VIP reports and no miss."""
 HOLD_S = 1.0
 """After a decrease, no other one for this long: the reports of chats that were already
 waiting when the window shrank describe the old window."""
@@ -118,7 +124,10 @@ class NodeRoom:
     gain: float
     rate: float
     reason: str
-    """Why the room is 0 beside the backlog ('' when it is not): max_engine_running."""
+    """Why the room is 0 beside the backlog ('' when it is not): max_engine_running or
+    running_limit."""
+    running_limit: int | None = None
+    """The learned running limit (None: none holds)."""
 
 
 @dataclass(slots=True)
@@ -149,6 +158,11 @@ class _Node:
     """Overdraws not yet taken out of a room."""
     queued: float = 0.0
     """Backlog / window, averaged over polls (time constant `QUEUE_TAU_S`)."""
+    run_limit: float | None = None
+    """Sequences the engine may run before Normal and Batch wait (None: no limit learned)."""
+    run_hold_until: float = -math.inf
+    unheld_since: float | None = None
+    """Since when no Normal or Batch work has waited (None: some waits)."""
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
@@ -208,7 +222,7 @@ class ReleaseControl:
         return True
 
     def _observe_reports(self, s: _Node, reports: tuple[int, int] | None, now: float,
-                         used: bool) -> None:
+                         used: bool, running: int | None) -> None:
         if s.at is not None:
             decay = math.exp(-max(0.0, now - s.at) / SIGNAL_TAU_S)
             s.n_recent *= decay
@@ -228,17 +242,57 @@ class ReleaseControl:
             s.over_recent += over
             miss = s.over_recent / s.n_recent
             if over > 0 and miss > self.settings.vip_miss_target:
-                # A window the node did not keep half full did not make these chats late.
-                if s.queued >= 0.5 and now >= s.hold_until:
-                    s.gain = max(GAIN_MIN, s.gain * GAIN_DECREASE)
-                    s.hold_until = now + HOLD_S
-            elif over == 0 and used:
-                # Only a window that was used is known to be safe (TCP's rule for a window
-                # that limits): a quiet node would otherwise grow it to the bound and let a
-                # burst through at once.
-                s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
+                if s.queued >= 0.5:
+                    if now >= s.hold_until:
+                        s.gain = max(GAIN_MIN, s.gain * GAIN_DECREASE)
+                        s.hold_until = now + HOLD_S
+                else:
+                    # A window the node did not keep half full did not make these chats late:
+                    # the decode batch they joined did (every step costs time per sequence).
+                    self._cut_running(s, now, running)
+            elif over == 0:
+                if used:
+                    # Only a window that was used is known to be safe (TCP's rule for a window
+                    # that limits): a quiet node would otherwise grow it to the bound and let
+                    # a burst through at once.
+                    s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
+                if (s.run_limit is not None and running is not None
+                        and running >= s.run_limit - 1):
+                    # The same rule: only a limit that binds grows.
+                    s.run_limit += max(RUN_STEP, RUN_GROWTH * s.run_limit)
         elif s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
             s.gain = 1.0
+            s.run_limit = None
+
+    def _hold_running(self, s: _Node, held: bool, now: float, running: int | None) -> None:
+        """A flood starts the node's running limit at what it runs then: the decode batch
+        grows only as fast as chats meet the objective (`_observe_reports`), instead of to
+        whatever the KV budget admits before the first late chat reports. Only while VIP
+        chats report (with none, nothing needs the decode batch short). The limit goes once
+        nothing has waited for `signal_stale_ms`."""
+        stale_s = self.settings.signal_stale_ms / 1000
+        if not self.settings.running_min:
+            return
+        if held:
+            s.unheld_since = None
+            fresh = s.reported_at is not None and now - s.reported_at <= stale_s
+            if s.run_limit is None and running is not None and fresh:
+                s.run_limit = float(max(self.settings.running_min, running))
+        elif s.unheld_since is None:
+            s.unheld_since = now
+        elif now - s.unheld_since > stale_s:
+            s.run_limit = None
+
+    def _cut_running(self, s: _Node, now: float, running: int | None) -> None:
+        """Lower the node's running limit below what it runs now, once the last cut has taken
+        effect: sequences leave only as they finish, so chats that miss while the engine still
+        runs more than the limit describe the batch before the cut."""
+        floor = self.settings.running_min
+        if (running is None or not floor or now < s.run_hold_until
+                or (s.run_limit is not None and running > s.run_limit)):
+            return
+        s.run_limit = max(float(floor), running * RUN_DECREASE)
+        s.run_hold_until = now + HOLD_S
 
     def update(
         self,
@@ -253,13 +307,16 @@ class ReleaseControl:
         waiting: int = 0,
         reports: tuple[int, int] | None = None,
         overdrawn: int | None = None,
+        objective_ms: int | None = None,
+        held: bool = False,
     ) -> NodeRoom:
         """One poll for node `name`: `tasks` (key, prompt, seconds since release) released to
         it and running (the key, the running index's member, tells the new ones); its prompt
         counter as read at `read_at` (reading number `seq`); its engine's running and waiting
         counts; the VIP reports (first tokens, those over the objective); the count of prompt
         tokens light tenants released beyond the room (`overdrawn`, monotonic), which the
-        rooms that follow pay back."""
+        rooms that follow pay back; the VIP objective now (scheduler.calm; None: the
+        configured one); whether Normal or Batch work waits in the pool (`held`)."""
         c = self.settings
         s = self.node(name)
         before = s.counter
@@ -275,7 +332,8 @@ class ReleaseControl:
         # The window was used if the node held at least half of it at the last poll, counting
         # what it was given since (a small window on a fast node is drained within a poll).
         used = s.backlog + sum(p for p, _ in new) >= s.window / 2
-        self._observe_reports(s, reports, now, used)
+        self._hold_running(s, held, now, running)
+        self._observe_reports(s, reports, now, used, running)
         read = now if read_at is None else read_at
         if s.at_poll is None:
             # A new leader: the recursion over the tasks the index holds.
@@ -298,7 +356,8 @@ class ReleaseControl:
             weight = 1.0 - math.exp(-max(0.0, now - s.at_poll) / QUEUE_TAU_S)
             s.queued += (s.backlog / s.window - s.queued) * weight
         s.at_poll = now
-        model = s.gain * s.rate * c.vip_ttft_objective_ms / 1000 * MODEL_SHARE
+        objective = c.vip_ttft_objective_ms if objective_ms is None else objective_ms
+        model = s.gain * s.rate * objective / 1000 * MODEL_SHARE
         window = s.window = int(min(c.window_max_tokens, max(c.window_min_tokens, model)))
         # Below 0 when the backlog exceeds the window: no Normal or Batch work fits either way,
         # but VIP, steered to the node with the most room when none is quiet, then goes to the
@@ -307,8 +366,20 @@ class ReleaseControl:
         reason = ""
         if c.max_engine_running and running is not None and running > c.max_engine_running:
             room, reason = min(room, 0), "max_engine_running"
+        elif s.run_limit is not None and running is not None:
+            # Releases between two readings of the running count are bounded by the room in
+            # tokens: as many of the node's typical prompts as the limit has places left
+            # (the requests the engine has waiting join its batch next).
+            places = math.floor(s.run_limit) - running - waiting
+            if places <= 0:
+                room, reason = min(room, 0), "running_limit"
+            else:
+                prompts = [p for p, _ in timed]
+                typical = sum(prompts) / len(prompts) if prompts else window
+                room = min(room, math.ceil(places * typical))
         room -= take_overdraw(s, overdrawn, room)
-        return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason)
+        limit = None if s.run_limit is None else math.floor(s.run_limit)
+        return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit)
 
     def resume(self, learned: Mapping[str, tuple[float, float]]) -> None:
         """Start a new leadership from the (prefill rate, gain) per node that the last leader

@@ -65,6 +65,14 @@ class SchedulerMetrics:
         self.control_gain = Gauge(p + "control_gain",
                                   "Release control: the window's correction from measured VIP "
                                   "TTFT (1: the model alone).", ["pool", "node"], registry=r)
+        self.running_limit = Gauge(p + "running_limit",
+                                   "Release control: sequences the node's engine may run before "
+                                   "Normal and Batch work waits, learned from VIP misses (NaN: "
+                                   "no limit).", ["pool", "node"], registry=r)
+        self.vip_objective = Gauge(p + "vip_ttft_objective_seconds",
+                                   "Release control: the VIP time-to-first-token objective now "
+                                   "(vip_slowdown x the learned calm P99, or the configured "
+                                   "one).", ["pool"], registry=r)
         self.ejected = Gauge(p + "node_ejected", "1 while the node is ejected.",
                              ["pool", "node"], registry=r)
         self.preemptions = Gauge(p + "node_preemptions",
@@ -104,5 +112,5 @@ class SchedulerMetrics:
                       self.projected, self.budget, self.reserved, self.ejected,
                       self.preemptions, self.queue_depth, self.drain, self.prefill_window,
                       self.prefill_backlog, self.prefill_room, self.prefill_rate,
-                      self.control_gain):
+                      self.control_gain, self.running_limit, self.vip_objective):
             gauge.clear()

@@ -28,6 +28,7 @@ from scheduler.budget import (
     plan_node,
     pool_usage,
 )
+from scheduler.calm import CalmBaseline
 from scheduler.control import REFILL_POLLS, NodeRoom, ReleaseControl
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.policy import DrainRates, ReleasePolicy
@@ -52,6 +53,8 @@ class Snapshot:
     follow pay them back: scheduler.control.take_overdraw)."""
     vip_reports: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """VIP first tokens per node and those later than the objective (monotonic counts)."""
+    vip_histogram: Mapping[int, int] = field(default_factory=dict)
+    """The pool's VIP first tokens per 10% bucket of ms (monotonic counts; scheduler.calm)."""
     prefill_tasks: Mapping[str, list[tuple[Any, int, float]]] = field(default_factory=dict)
     """Released tasks per node as the release control reads them: (running index member,
     prompt tokens, seconds since release)."""
@@ -172,6 +175,8 @@ class PoolScheduler:
                                     self._holds_room)
         self.drains = DrainRates()
         self.control = ReleaseControl(pool.control) if pool.control.enabled else None
+        self.calm = CalmBaseline(pool.control.vip_slowdown, pool.control.vip_ttft_objective_ms,
+                                 pool.control.signal_stale_ms / 1000)
         self.wait_s = min(settings.scrape_timeout_ms, settings.poll_interval_ms / 2) / 1000
         self.refill_ms = REFILL_POLLS * settings.poll_interval_ms
         self.first_wait_s = settings.scrape_timeout_ms / 1000
@@ -223,6 +228,7 @@ class PoolScheduler:
         self.clearance.reset()
         self._first_poll = True
         self._resume_control = True
+        self.calm.restart()
 
     async def read_snapshot(self) -> Snapshot:
         control = self.control is not None
@@ -240,7 +246,7 @@ class PoolScheduler:
                 prefill = _prefill_tasks(self._indexed, now_us)
         return Snapshot(reading.reserved, reading.stats, reading.depths, running,
                         reading.prefill_released, reading.prefill_overdrawn,
-                        reading.vip_reports, prefill)
+                        reading.vip_reports, reading.vip_histogram, prefill)
 
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
@@ -311,6 +317,7 @@ class PoolScheduler:
         rooms: dict[str, NodeRoom] = {}
         prefill: dict[str, tuple[int, int, float, int]] = {}
         by_name = {v.name: v for v in views}
+        objective = self.calm.objective_ms()
         for plan in plans:
             view = by_name.get(plan.name)
             if view is None or plan.budget is None:
@@ -323,7 +330,8 @@ class PoolScheduler:
                 seq=view.seq, running=None if m is None else m.running,
                 waiting=0 if m is None else m.waiting,
                 reports=snap.vip_reports.get(plan.name),
-                overdrawn=snap.prefill_overdrawn.get(plan.name, 0))
+                overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective,
+                held=bool(snap.depths[Tier.NORMAL] or snap.depths[Tier.BATCH]))
             rooms[plan.name] = room
             # A node held by max_engine_running gets no refill between polls either.
             running = -1 if m is None or m.running is None else int(m.running)
@@ -343,7 +351,9 @@ class PoolScheduler:
                 out.append(f"{p.name}:{p.reason}")
         if self.control is not None:
             # The objective is also what the finish script counts VIP first tokens against.
-            extra["vip_ttft_objective_ms"] = self.pool.control.vip_ttft_objective_ms
+            extra["vip_ttft_objective_ms"] = self.calm.objective_ms()
+            calm = self.calm.calm_ms()
+            extra["vip_calm_p99_ms"] = "" if calm is None else f"{calm:.1f}"
             extra["prefill_quiet"] = self.pool.control.quiet_nodes
             for name, room in result.rooms.items():
                 extra[f"prefill_window:{name}"] = room.window
@@ -351,6 +361,8 @@ class PoolScheduler:
                 extra[f"prefill_room:{name}"] = room.room
                 extra[f"prefill_rate:{name}"] = f"{room.rate:.0f}"
                 extra[f"prefill_gain:{name}"] = f"{room.gain:.3f}"
+                extra[f"running_limit:{name}"] = ("" if room.running_limit is None
+                                                  else room.running_limit)
                 if room.reason:
                     out.append(f"{name}:{room.reason}")
         extra["nodes_out"] = ",".join(out)
@@ -395,6 +407,12 @@ class PoolScheduler:
         usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes,
                            projection_cap=self.pool.zones.kv_target)
         zone = self.tracker.update(usage)
+        if self.control is not None:
+            # Calm: nothing above VIP's line held back (scheduler.calm).
+            self.calm.observe(snap.vip_histogram, sum(o for _, o in snap.vip_reports.values()),
+                              zone is Zone.GREEN
+                              and not snap.depths[Tier.NORMAL] and not snap.depths[Tier.BATCH],
+                              now)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,
                             guests_closed=self._guests_closed(views),
@@ -457,6 +475,10 @@ class PoolScheduler:
             m.prefill_room.labels(pool, name).set(room.room)
             m.prefill_rate.labels(pool, name).set(room.rate)
             m.control_gain.labels(pool, name).set(room.gain)
+            m.running_limit.labels(pool, name).set(
+                math.nan if room.running_limit is None else room.running_limit)
+        if self.control is not None:
+            m.vip_objective.labels(pool).set(self.calm.objective_ms() / 1000)
         for node in self.poller.nodes:
             if node.metrics is not None and node.metrics.preemptions is not None:
                 m.preemptions.labels(pool, node.name).set(node.metrics.preemptions)

@@ -367,14 +367,31 @@ async def test_the_finish_script_counts_vip_first_tokens_against_the_objective(
         assert (await _admit(store, task_id, tier, 10))[0] == "released"
         await store.finish(task_id, 20, cancelled=False, ttft_ms=ttft)
     counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}
-    assert counts == {"node-a:n": 2, "node-a:over": 1}
+    # ...and each in its 10% bucket: 100 ms in [1.1^48, 1.1^49), 251 in [1.1^57, 1.1^58).
+    assert counts == {"node-a:n": 2, "node-a:over": 1, "node-a:h48": 1, "node-a:h57": 1}
     # The leader reads them per node, the field format parsed in admission.reads.
-    assert (await store.read_tick(control=True, running=False)).vip_reports == {
-        "node-a": (2, 1)}
+    reading = await store.read_tick(control=True, running=False)
+    assert reading.vip_reports == {"node-a": (2, 1)}
+    assert reading.vip_histogram == {48: 1, 57: 1}
     # A repeated settle is a no-op: counted once.
     await store.finish("v2", 20, cancelled=False, ttft_ms=251)
     counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}
-    assert counts == {"node-a:n": 2, "node-a:over": 1}
+    assert counts == {"node-a:n": 2, "node-a:over": 1, "node-a:h48": 1, "node-a:h57": 1}
+
+
+@pytest.mark.parametrize("ttft_ms", [0, 1, 2, 10, 11, 12, 99, 1_000, 45_000, 10**7])
+async def test_the_finish_scripts_buckets_are_ten_percent_wide(
+        redis_client: aioredis.Redis, ttft_ms: int) -> None:
+    """The bucket of a first token is the k with 1.1^k <= ms < 1.1^(k+1), from 0 (below
+    1.1 ms) to 120 (the last holds everything above ~92 s); scheduler.calm reads them so."""
+    store = await _store(redis_client)
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG}, {"vip_ttft_objective_ms": 250})
+    assert (await _admit(store, "v", Tier.VIP, 10))[0] == "released"
+    await store.finish("v", 20, cancelled=False, ttft_ms=ttft_ms)
+    [bucket] = (await store.read_tick(control=True, running=False)).vip_histogram
+    assert 0 <= bucket <= 120
+    assert bucket == 0 or 1.1 ** bucket <= ttft_ms * 1.000001
+    assert bucket == 120 or ttft_ms < 1.1 ** (bucket + 1) * 1.000001
 
 
 def _control_config(redis_url: str, node_url: str) -> Config:

@@ -225,6 +225,10 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
         # fewer, so the same time ahead of a VIP chat is k times fewer tokens.
         f"window_min_tokens = {max(1, round(d.window_min_tokens * settings.capacity_scale))}",
         f"window_max_tokens = {max(1, round(d.window_max_tokens * settings.capacity_scale))}",
+        # Sequences: a k-slice's engine runs a k-th of a real node's batch for the same step
+        # time (bench/sim/timing.py divides the per-sequence cost by k).
+        f"running_min = "
+        f"{max(1, round(d.running_min * settings.capacity_scale)) if d.running_min else 0}",
         "",
         # The projection's prefill allowance is wall time a prompt token may take: a k-slice on a
         # clock `time_scale` times faster prefills a token in 1 / (k x time_scale) of a real

@@ -1,0 +1,203 @@
+"""The running limit and the learned objective (scheduler.control, scheduler.calm) in a
+deterministic loop, no Redis, no clock.
+
+`Engine` is a decode loop of vLLM's shape: steps back to back, each costing a fixed part plus
+a part per running sequence (bench/sim/timing.py's model at full scale), every running
+sequence producing one token per step; a released or arriving request joins at the next step.
+A VIP chat's first token is the end of the first step it runs in, so its wait is the decode
+batch's step time: prefill is cheap here (short prompts), the queue ahead is empty, and only
+the number of running sequences makes VIP late. Normal work arrives in a FIFO the leader
+releases from at each poll, within the published room and the KV line (a count of sequences
+here). VIP first tokens are counted as the finish script counts them (per 10% bucket, and
+against the objective in force) when the chat ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from admission.controlconfig import ControlSettings
+from scheduler.calm import BUCKET_RATIO, CalmBaseline
+from scheduler.control import ReleaseControl
+
+FIXED_S, PER_SEQ_S = 0.006, 0.0006
+OUT, VIP_OUT, PROMPT = 60, 10, 100
+MAX_SEQS = 120
+"""The KV line, in sequences."""
+POLL_S = 0.05
+VIP_EVERY_S = 0.1
+CALM_RATE, FLOOD_RATE = 10.0, 60.0
+"""Normal requests per second: ~700 tokens/s with VIP at calm (about 10 running, steps of
+12 ms; the engine's ceiling is ~1,650), ~3,700 in the flood."""
+CALM_S, FLOOD_S = 30.0, 40.0
+SETTLE_S = 5.0
+"""From the flood's start, VIP is back within 1.5x of its calm P99 after this long (100
+polls: the batch the flood started before the first late chat reported has to finish)."""
+AFTER_RATE, AFTER_S = 2.0, 240.0
+
+
+@dataclass
+class Seq:
+    key: int
+    left: int
+    arrived: float
+    vip: bool
+    first: float | None = None
+
+
+@dataclass
+class Engine:
+    control: ReleaseControl
+    calm: CalmBaseline
+    now: float = 0.0
+    running: list[Seq] = field(default_factory=list)
+    joining: list[Seq] = field(default_factory=list)
+    offered: deque[float] = field(default_factory=deque)
+    keys: int = 0
+    next_vip: float = 0.0
+    next_poll: float = 0.0
+    next_arrival: float = 0.0
+    rate: float = CALM_RATE
+    room: int = 0
+    """Prompt tokens of the published room not taken yet."""
+    histogram: dict[int, int] = field(default_factory=dict)
+    reports: list[int] = field(default_factory=lambda: [0, 0])
+    vip_ttft: list[tuple[float, float]] = field(default_factory=list)
+    served: list[float] = field(default_factory=list)
+    """When each Normal request ended."""
+    log: list[dict[str, float]] = field(default_factory=list)
+
+    def seq(self, left: int, arrived: float, vip: bool) -> Seq:
+        self.keys += 1
+        return Seq(self.keys, left, arrived, vip)
+
+    def poll(self, at: float) -> None:
+        objective = self.calm.objective_ms()
+        held = bool(self.offered)
+        self.calm.observe(dict(self.histogram), self.reports[1], not held, at)
+        tasks = [(s.key, PROMPT, at - s.arrived) for s in self.running + self.joining
+                 if not s.vip]
+        room = self.control.update("n", tasks=tasks, now=at, running=len(self.running),
+                                   waiting=len(self.joining), reports=(self.reports[0],
+                                                                       self.reports[1]),
+                                   objective_ms=objective, held=held)
+        self.room = room.room
+        while (self.offered and self.room > 0
+               and len(self.running) + len(self.joining) < MAX_SEQS):
+            self.joining.append(self.seq(OUT, self.offered.popleft(), vip=False))
+            self.room -= PROMPT
+        self.log.append({"t": at, "running": len(self.running), "objective": objective,
+                         "limit": math.nan if room.running_limit is None
+                         else room.running_limit, "queued": len(self.offered)})
+
+    def events_until(self, end: float) -> None:
+        """Arrivals and polls before `end`, in time order."""
+        while True:
+            at = min(self.next_vip, self.next_poll, self.next_arrival)
+            if at >= end:
+                return
+            if at == self.next_vip:
+                self.joining.append(self.seq(VIP_OUT, at, vip=True))
+                self.next_vip += VIP_EVERY_S
+            elif at == self.next_poll:
+                self.poll(at)
+                self.next_poll += POLL_S
+            else:
+                # The admit script's fast path: released at once while the room lasts.
+                if (not self.offered and self.room >= PROMPT
+                        and len(self.running) + len(self.joining) < MAX_SEQS):
+                    self.joining.append(self.seq(OUT, at, vip=False))
+                    self.room -= PROMPT
+                else:
+                    self.offered.append(at)
+                self.next_arrival += 1 / self.rate
+
+    def finish(self, s: Seq) -> None:
+        if not s.vip:
+            self.served.append(self.now)
+            return
+        assert s.first is not None
+        ms = (s.first - s.arrived) * 1000
+        # The finish script: counted against the objective published now, in its bucket.
+        self.reports[0] += 1
+        self.reports[1] += ms > self.calm.objective_ms()
+        bucket = 0 if ms < 1 else min(120, math.floor(math.log(ms) / math.log(BUCKET_RATIO)))
+        self.histogram[bucket] = self.histogram.get(bucket, 0) + 1
+
+    def run(self, until: float, rate: float) -> None:
+        self.rate = rate
+        while self.now < until:
+            self.running += self.joining
+            self.joining = []
+            assert len(self.running) <= MAX_SEQS + 2  # a VIP chat or two may pass the line
+            if not self.running:
+                self.events_until(self.now + FIXED_S)
+                self.now += FIXED_S
+                continue
+            end = self.now + FIXED_S + PER_SEQ_S * len(self.running)
+            self.events_until(end)
+            self.now = end
+            for s in self.running:
+                s.left -= 1
+                if s.first is None:
+                    s.first = end
+                    if s.vip:
+                        self.vip_ttft.append((s.arrived, end - s.arrived))
+            for s in [s for s in self.running if s.left <= 0]:
+                self.finish(s)
+            self.running = [s for s in self.running if s.left > 0]
+
+
+def p99(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def engine(**overrides: object) -> Engine:
+    settings = replace(ControlSettings(), **overrides)  # type: ignore[arg-type]
+    return Engine(ReleaseControl(settings),
+                  CalmBaseline(settings.vip_slowdown, settings.vip_ttft_objective_ms,
+                               settings.signal_stale_ms / 1000))
+
+
+def ttft_between(e: Engine, start: float, end: float) -> list[float]:
+    return [ttft for at, ttft in e.vip_ttft if start <= at < end]
+
+
+def test_a_flood_settles_within_the_learned_objective_and_the_limit_lets_go_after() -> None:
+    """A sixfold step in Normal load. The objective is 1.2x the calm P99; the loop holds VIP
+    within 1.5x once settled (a first token waits for up to two steps, and the releases of
+    one poll and the VIP chats themselves run a few sequences past the limit), where the
+    same flood without the limit makes it several times slower (the test below)."""
+    e = engine()
+    e.run(CALM_S, CALM_RATE)
+    calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
+    objective = e.calm.objective_ms()
+    assert 1.2 * calm_p99 * 1000 / BUCKET_RATIO <= objective <= 1.2 * calm_p99 * 1000 * BUCKET_RATIO
+    e.run(CALM_S + FLOOD_S, FLOOD_RATE)
+    # Settled within SETTLE_S (SETTLE_S / POLL_S polls), every 2 s window after it.
+    for start in range(int(CALM_S + SETTLE_S), int(CALM_S + FLOOD_S), 2):
+        assert p99(ttft_between(e, start, start + 2)) <= 1.5 * calm_p99, start
+    assert e.calm.objective_ms() == objective  # a flood does not teach the calm figure
+    limits = [x["limit"] for x in e.log if x["t"] >= CALM_S and not math.isnan(x["limit"])]
+    assert limits and min(limits) >= ControlSettings().running_min
+    # The flood is held, not dropped, and served faster than calm traffic arrives.
+    served = sum(1 for t in e.served if CALM_S + SETTLE_S <= t < CALM_S + FLOOD_S)
+    assert served / (FLOOD_S - SETTLE_S) > 1.2 * CALM_RATE
+    assert e.log[-1]["queued"] > 0
+    # Light traffic again: the backlog drains, the limit goes, VIP is as fast as before.
+    e.run(CALM_S + FLOOD_S + AFTER_S, AFTER_RATE)
+    assert e.log[-1]["queued"] == 0 and math.isnan(e.log[-1]["limit"])
+    assert p99(ttft_between(e, e.now - 20.0, e.now)) <= calm_p99
+
+
+def test_without_a_running_limit_the_same_flood_slows_vip_several_times() -> None:
+    """The loop's counterfactual: with no limit learned the decode batch grows to the KV
+    line, and every VIP first token waits for its steps."""
+    e = engine(running_min=0)
+    e.run(CALM_S, CALM_RATE)
+    calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
+    e.run(CALM_S + FLOOD_S, FLOOD_RATE)
+    assert p99(ttft_between(e, CALM_S + SETTLE_S, CALM_S + FLOOD_S)) > 3 * calm_p99

@@ -17,9 +17,13 @@ of `CALM_TAU_S`, when the pool was calm over that interval:
 * its zone GREEN and no Normal or Batch task queued at every poll since at least
   `signal_stale_ms` before the interval (the decode batches a flood leaves take a while to
   end, and VIP chats are slow in them);
-* no first token reported later than the objective in it (a flood the admission lets through
-  queues nothing, and its first tokens are not calm ones; this trims the calm tail beyond
-  `vip_slowdown` x P99, which moves the P99 itself by little).
+* and VIP itself not slower than it was: a flood that the admission lets through queues
+  nothing (its work fits the KV budget and the prefill windows) and only slows the decode
+  batch. About 1% of calm first tokens lie beyond the learned P99; a flood puts many there.
+  An interval is learned only while such tail first tokens arrive one at a time (decayed
+  count, time constant `signal_stale_ms`, at most `TAIL_ALLOWED`). The first one is learned,
+  so the tail is not trimmed at calm; those that follow it closely are not, so the P99 does
+  not ratchet up with a flood's slower chats, each one a little above the last P99.
 
 Once the histogram holds `MIN_SAMPLES` first tokens, the objective is `vip_slowdown` x its
 P99 (interpolated within the bucket); before that, and with `vip_slowdown` 0, the configured
@@ -43,6 +47,8 @@ CALM_TAU_S = 600.0
 MIN_SAMPLES = 20.0
 """Calm first tokens needed before the learned objective replaces the configured one."""
 QUANTILE = 0.99
+TAIL_ALLOWED = 1.5
+"""A second first token beyond the P99 within ~`settle_s` of another is not calm any more."""
 
 
 def quantile(histogram: Mapping[int, float], q: float) -> float | None:
@@ -76,7 +82,8 @@ class CalmBaseline:
         """The counts read at the last poll (None: no reading to start deltas from)."""
         self._at: float | None = None
         """The last poll's time."""
-        self._over: int | None = None
+        self._tail = 0.0
+        """First tokens in the tail lately (decaying with the time constant `settle_s`)."""
         self._calm_since: float | None = None
         """Since when the pool has been calm at every poll (None: not calm at the last)."""
 
@@ -84,19 +91,15 @@ class CalmBaseline:
         """A new leadership: the counters read in an earlier term are not a start for deltas,
         nor is calm then known to have lasted (the histogram is kept, and decays by the time
         between)."""
-        self._last, self._over, self._calm_since = None, None, None
+        self._last, self._calm_since = None, None
 
     @property
     def samples(self) -> float:
         return sum(self.histogram.values())
 
-    def observe(self, counts: Mapping[int, int], over: int, calm: bool, now: float) -> None:
-        """One poll: the pool's monotonic bucket counts, its monotonic count of first tokens
-        later than the objective, and whether it is calm now. The interval since the last
-        poll counts when the pool was calm at both ends and for `settle_s` before its start
-        (after a flood, the decode batches it left take a while to end, and VIP chats are
-        slow in them), and reported no first token later than the objective (a flood the
-        admission lets through queues nothing, and its first tokens are not calm ones)."""
+    def observe(self, counts: Mapping[int, int], calm: bool, now: float) -> None:
+        """One poll: the pool's monotonic bucket counts and whether it is calm now (see the
+        module for when the interval since the last poll is learned)."""
         last_at, self._at = self._at, now
         if last_at is not None:
             decay = math.exp(-max(0.0, now - last_at) / CALM_TAU_S)
@@ -109,12 +112,20 @@ class CalmBaseline:
         elif self._calm_since is None:
             self._calm_since = now
         last, self._last = self._last, dict(counts)
-        over_before, self._over = self._over, over
-        if last is None or not settled or over_before is None or over != over_before:
+        if last is None:
             return
         deltas = {bucket: count - last.get(bucket, 0) for bucket, count in counts.items()}
         if any(delta < 0 for delta in deltas.values()):
             return  # the counters were reset (Redis flushed): the deltas start again
+        # The tail: first tokens beyond the learned P99's bucket, ~1% of them at calm.
+        known = self.calm_ms()
+        edge = -1 if known is None else math.floor(math.log(known) / math.log(BUCKET_RATIO))
+        tail = sum(d for b, d in deltas.items() if known is not None and b > edge)
+        if last_at is not None:
+            self._tail *= math.exp(-max(0.0, now - last_at) / max(self.settle_s, 1e-9))
+        tail_before, self._tail = self._tail, self._tail + tail
+        if not settled or tail_before + tail > TAIL_ALLOWED:
+            return
         for bucket, delta in deltas.items():
             if delta:
                 self.histogram[bucket] = self.histogram.get(bucket, 0.0) + delta

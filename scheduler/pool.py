@@ -409,8 +409,7 @@ class PoolScheduler:
         zone = self.tracker.update(usage)
         if self.control is not None:
             # Calm: nothing above VIP's line held back (scheduler.calm).
-            self.calm.observe(snap.vip_histogram, sum(o for _, o in snap.vip_reports.values()),
-                              zone is Zone.GREEN
+            self.calm.observe(snap.vip_histogram, zone is Zone.GREEN
                               and not snap.depths[Tier.NORMAL] and not snap.depths[Tier.BATCH],
                               now)
         limits = self.policy.limits(zone, now)

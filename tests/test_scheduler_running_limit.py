@@ -76,7 +76,7 @@ class Engine:
     def poll(self, at: float) -> None:
         objective = self.calm.objective_ms()
         held = bool(self.offered)
-        self.calm.observe(dict(self.histogram), self.reports[1], not held, at)
+        self.calm.observe(dict(self.histogram), not held, at)
         tasks = [(s.key, PROMPT, at - s.arrived) for s in self.running + self.joining
                  if not s.vip]
         room = self.control.update("n", tasks=tasks, now=at, running=len(self.running),

@@ -17,13 +17,14 @@ of `CALM_TAU_S`, when the pool was calm over that interval:
 * its zone GREEN and no Normal or Batch task queued at every poll since at least
   `signal_stale_ms` before the interval (the decode batches a flood leaves take a while to
   end, and VIP chats are slow in them);
-* and VIP itself not slower than it was: a flood that the admission lets through queues
-  nothing (its work fits the KV budget and the prefill windows) and only slows the decode
-  batch. About 1% of calm first tokens lie beyond the learned P99; a flood puts many there.
-  An interval is learned only while such tail first tokens arrive one at a time (decayed
-  count, time constant `signal_stale_ms`, at most `TAIL_ALLOWED`). The first one is learned,
-  so the tail is not trimmed at calm; those that follow it closely are not, so the P99 does
-  not ratchet up with a flood's slower chats, each one a little above the last P99.
+* and, for the first tokens beyond the learned P99's bucket (the tail), only as many as the
+  quantile allows: each first token learned below it earns a hundredth of a tail one
+  (banking at most `TAIL_CREDIT_MAX`). At calm about 1% of first tokens lie in the tail and
+  are learned at that rate, so the tail is not trimmed; a flood that the admission lets
+  through queues nothing (its work fits the KV budget and the prefill windows) and slows the
+  decode batch, putting many first tokens in the tail, and they cannot ratchet the P99 up,
+  each a little above the last (with a few dozen samples the P99 is the largest of them).
+  Its first tokens below the P99 are learned: they only make the P99 smaller.
 
 Once the histogram holds `MIN_SAMPLES` first tokens, the objective is `vip_slowdown` x its
 P99 (interpolated within the bucket); before that, and with `vip_slowdown` 0, the configured
@@ -47,8 +48,8 @@ CALM_TAU_S = 600.0
 MIN_SAMPLES = 20.0
 """Calm first tokens needed before the learned objective replaces the configured one."""
 QUANTILE = 0.99
-TAIL_ALLOWED = 1.5
-"""A second first token beyond the P99 within ~`settle_s` of another is not calm any more."""
+TAIL_CREDIT_MAX = 2.0
+"""Tail credit does not bank beyond this many first tokens."""
 
 
 def quantile(histogram: Mapping[int, float], q: float) -> float | None:
@@ -82,8 +83,8 @@ class CalmBaseline:
         """The counts read at the last poll (None: no reading to start deltas from)."""
         self._at: float | None = None
         """The last poll's time."""
-        self._tail = 0.0
-        """First tokens in the tail lately (decaying with the time constant `settle_s`)."""
+        self._credit = 0.0
+        """Tail first tokens that may be learned now (earned at 1% of the others)."""
         self._calm_since: float | None = None
         """Since when the pool has been calm at every poll (None: not calm at the last)."""
 
@@ -120,15 +121,17 @@ class CalmBaseline:
         # The tail: first tokens beyond the learned P99's bucket, ~1% of them at calm.
         known = self.calm_ms()
         edge = -1 if known is None else math.floor(math.log(known) / math.log(BUCKET_RATIO))
-        tail = sum(d for b, d in deltas.items() if known is not None and b > edge)
-        if last_at is not None:
-            self._tail *= math.exp(-max(0.0, now - last_at) / max(self.settle_s, 1e-9))
-        tail_before, self._tail = self._tail, self._tail + tail
-        if not settled or tail_before + tail > TAIL_ALLOWED:
+        if not settled:
             return
-        for bucket, delta in deltas.items():
-            if delta:
-                self.histogram[bucket] = self.histogram.get(bucket, 0.0) + delta
+        body = {b: d for b, d in deltas.items() if d and (known is None or b <= edge)}
+        for bucket, delta in body.items():
+            self.histogram[bucket] = self.histogram.get(bucket, 0.0) + delta
+        self._credit = min(TAIL_CREDIT_MAX, self._credit + (1 - QUANTILE) * sum(body.values()))
+        for bucket in sorted(b for b, d in deltas.items() if d and b not in body):
+            take = min(deltas[bucket], math.floor(self._credit))
+            if take > 0:
+                self.histogram[bucket] = self.histogram.get(bucket, 0.0) + take
+                self._credit -= take
 
     def calm_ms(self) -> float | None:
         """The learned calm P99 (ms), None until `MIN_SAMPLES` calm first tokens."""

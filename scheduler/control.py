@@ -269,7 +269,8 @@ class ReleaseControl:
         grows only as fast as chats meet the objective (`_observe_reports`), instead of to
         whatever the KV budget admits before the first late chat reports. Only while VIP
         chats report (with none, nothing needs the decode batch short). The limit goes once
-        nothing has waited for `signal_stale_ms`."""
+        nothing has waited, and no miss has cut it, for `signal_stale_ms` (a flood that only
+        slows the decode batch queues nothing until the limit it sets binds)."""
         stale_s = self.settings.signal_stale_ms / 1000
         if not self.settings.running_min:
             return
@@ -280,7 +281,7 @@ class ReleaseControl:
                 s.run_limit = float(max(self.settings.running_min, running))
         elif s.unheld_since is None:
             s.unheld_since = now
-        elif now - s.unheld_since > stale_s:
+        elif now - max(s.unheld_since, s.run_hold_until - HOLD_S) > stale_s:
             s.run_limit = None
 
     def _cut_running(self, s: _Node, now: float, running: int | None) -> None:

@@ -221,15 +221,22 @@ def test_misses_while_no_prefill_was_queued_leave_the_window_alone() -> None:
     """Every VIP chat misses for a reason the window does not control (a long decode batch,
     say) while little prefill is offered: a 3,000-token prompt fills most of the window for a
     poll or two, but the backlog averages far below half of it, so the gain is not cut and
-    Normal and Batch keep their room. The same misses with the queue full cut it (the test
-    above)."""
-    node = Node(controller())
+    Normal and Batch keep their window. The same misses with the queue full cut it (the test
+    above). With the running limit on, these misses lower it instead (its own loop is in
+    tests/test_scheduler_running_limit.py); off here, so the prompts flow as before."""
+    node = Node(controller(running_min=0))
     node.extra_ttft_s = OBJECTIVE_MS / 1000
     node.run(15.0, rate_per_s=1.0)
     fill = [e["backlog"] / e["window"] for e in node.log]
     assert max(fill) >= 0.5 and sum(fill) / len(fill) < 0.1
     assert node.log[-1]["gain"] == 1.0
     assert len([t for t in node.vip_ttft if t[1] * 1000 > OBJECTIVE_MS]) >= 10
+    assert node.control.node("n").run_limit is None
+    limited = Node(controller())
+    limited.extra_ttft_s = OBJECTIVE_MS / 1000
+    limited.run(15.0, rate_per_s=1.0)
+    assert limited.log[-1]["gain"] == 1.0
+    assert limited.control.node("n").run_limit == ControlSettings().running_min
 
 
 def test_with_no_vip_reports_for_the_stale_time_the_window_is_the_models() -> None:

@@ -333,10 +333,12 @@ class PoolScheduler:
                 overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective,
                 held=bool(snap.depths[Tier.NORMAL] or snap.depths[Tier.BATCH]))
             rooms[plan.name] = room
-            # A node held by max_engine_running gets no refill between polls either.
+            # A node held by max_engine_running gets no refill between polls either, nor one
+            # under a running limit: its room counts the places the limit has left.
             running = -1 if m is None or m.running is None else int(m.running)
+            refill = 0.0 if room.reason or room.running_limit is not None else room.rate
             prefill[plan.name] = (snap.prefill_released.get(plan.name, 0) + room.room,
-                                  room.window, 0.0 if room.reason else room.rate, running)
+                                  room.window, refill, running)
         control.forget(by_name)
         return rooms, prefill
 

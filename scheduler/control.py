@@ -261,8 +261,9 @@ class ReleaseControl:
                     # The same rule: only a limit that binds grows.
                     s.run_limit += max(RUN_STEP, RUN_GROWTH * s.run_limit)
         elif s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
+            # (The running limit stays while the flood does: VIP steered to the other nodes,
+            # away from this one's long batch, may come back to it any time.)
             s.gain = 1.0
-            s.run_limit = None
 
     def _hold_running(self, s: _Node, held: bool, now: float, running: int | None) -> None:
         """A flood starts the node's running limit at what it runs then: the decode batch
@@ -370,8 +371,10 @@ class ReleaseControl:
         elif s.run_limit is not None and running is not None:
             # Releases between two readings of the running count are bounded by the room in
             # tokens: as many of the node's typical prompts as the limit has places left
-            # (the requests the engine has waiting join its batch next).
-            places = math.floor(s.run_limit) - running - waiting
+            # (the requests the engine has waiting join its batch next, and those released
+            # since the reading, or just before it, may not be in its counts yet).
+            unseen = sum(1 for _, age in timed if age < now - read + DISPATCH_S)
+            places = math.floor(s.run_limit) - running - waiting - unseen
             if places <= 0:
                 room, reason = min(room, 0), "running_limit"
             else:

@@ -79,8 +79,9 @@ def test_nothing_in_a_cell_but_the_schedule_depends_on_the_seed() -> None:
             # kvgate's shipped defaults: no dedicated node, no guests, no zone overrides.
             assert (a.vip_nodes, a.guest_prompt, a.kv_target, a.yellow, a.batch_ceiling,
                     a.vip_ceiling, a.projection, a.max_engine_waiting,
-                    a.max_engine_running, a.vip_ttft_objective_ms) == (
-                        0, 0, None, None, None, None, None, None, None, None)
+                    a.max_engine_running, a.vip_ttft_objective_ms, a.running_min,
+                    a.vip_slowdown) == (
+                        0, 0, None, None, None, None, None, None, None, None, None, None)
 
 
 def test_default_cells_cover_ten_article_seeds_and_five_of_the_others_on_two_sizes() -> None:

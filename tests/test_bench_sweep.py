@@ -30,9 +30,11 @@ def test_points_parse_and_name_themselves() -> None:
     assert Point.parse("o=120") == Point(vip_ttft_objective_ms=120)
     assert Point.parse("o=120,r=16") == Point(120, 16)
     assert Point.parse("r=0").max_engine_running == 0
-    for spec in ("default", "o=120", "r=16", "o=120,r=16"):
-        assert Point.parse(spec).label == spec
-    for bad in ("o=0", "x=3", "o", "", "r=-1", "o=fast"):
+    assert Point.parse("m=0,s=0") == Point(running_min=0, vip_slowdown=0.0)
+    assert Point.parse("s=1.5").vip_slowdown == 1.5
+    for spec in ("default", "o=120", "r=16", "o=120,r=16", "m=0,s=0", "s=1.5,m=4"):
+        assert Point.parse(spec).label == (spec if spec != "s=1.5,m=4" else "m=4,s=1.5")
+    for bad in ("o=0", "x=3", "o", "", "r=-1", "o=fast", "s=0.5", "m=-1"):
         with pytest.raises(ValueError):
             Point.parse(bad)
 

@@ -87,6 +87,12 @@ class Settings:
     vip_ttft_objective_ms: int | None = None
     """Arm (c): `control.vip_ttft_objective_ms` of the pool at real scale (converted to the lab
     clock as the default is); None = the project's default."""
+    running_min: int | None = None
+    """Arm (c): `control.running_min` of the pool at real scale (converted as the default is;
+    0: no running limit); None = the project's default."""
+    vip_slowdown: float | None = None
+    """Arm (c): `control.vip_slowdown` of the pool (0: the absolute objective); None = the
+    project's default."""
     batch_ceiling: float | None = None
     """Arm (c): `zones.batch_ceiling` of the pool; None = the project's default."""
     vip_ceiling: float | None = None
@@ -210,8 +216,13 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
         bound = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
     objective = settings.vip_ttft_objective_ms
     speed = settings.time_scale
+    running_min = d.running_min if settings.running_min is None else settings.running_min
+    if settings.vip_slowdown is not None:
+        bound.append(f"vip_slowdown = {settings.vip_slowdown!r}")
     if speed == 1.0 and settings.capacity_scale == 1.0:
         explored = bound + ([] if objective is None else [f"vip_ttft_objective_ms = {objective}"])
+        if settings.running_min is not None:
+            explored.append(f"running_min = {running_min}")
         return ["[pools.control]", *explored, ""] if explored else []
     return [
         "[pools.control]",
@@ -228,7 +239,7 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
         # Sequences: a k-slice's engine runs a k-th of a real node's batch for the same step
         # time (bench/sim/timing.py divides the per-sequence cost by k).
         f"running_min = "
-        f"{max(1, round(d.running_min * settings.capacity_scale)) if d.running_min else 0}",
+        f"{max(1, round(running_min * settings.capacity_scale)) if running_min else 0}",
         "",
         # The projection's prefill allowance is wall time a prompt token may take: a k-slice on a
         # clock `time_scale` times faster prefills a token in 1 / (k x time_scale) of a real

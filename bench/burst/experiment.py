@@ -338,6 +338,10 @@ def _zone_overrides(settings: Settings) -> str:
     if settings.vip_ttft_objective_ms is not None:
         named.append(f"`control.vip_ttft_objective_ms = {settings.vip_ttft_objective_ms}` "
                      "(real scale)")
+    if settings.running_min is not None:
+        named.append(f"`control.running_min = {settings.running_min}` (real scale)")
+    if settings.vip_slowdown is not None:
+        named.append(f"`control.vip_slowdown = {settings.vip_slowdown:g}`")
     return " except " + ", ".join(named) if named else ""
 
 

@@ -13,7 +13,10 @@ converted to the lab clock as the defaults are (bench.burst.expconfig):
 * ``o=<ms>``: ``control.vip_ttft_objective_ms``, the VIP objective the prefill window is sized
   for;
 * ``r=<n>``: ``control.max_engine_running``, no Normal or Batch work to a node whose engine
-  runs more sequences (0: no bound).
+  runs more sequences (0: no bound);
+* ``m=<n>``: ``control.running_min``, the floor of the learned running limit (0: no limit);
+* ``s=<x>``: ``control.vip_slowdown``, the objective as a multiple of the learned calm P99 (0:
+  the absolute ``vip_ttft_objective_ms``). ``m=0,s=0`` is the control without either.
 
 Writes ``<out>/sweep-<scale>-<mix>-n<size>-s<seed>.md`` (per point: the VIP criterion, its
 engine part, goodput against the upper bound, KV peak, preemptions, Batch, calm VIP, validity,
@@ -44,7 +47,8 @@ from bench.burst.mixes import MIXES
 from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
 
-_KEYS = {"o": "vip_ttft_objective_ms", "r": "max_engine_running"}
+_KEYS = {"o": "vip_ttft_objective_ms", "r": "max_engine_running", "m": "running_min",
+         "s": "vip_slowdown"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,28 +57,31 @@ class Point:
 
     vip_ttft_objective_ms: int | None = None
     max_engine_running: int | None = None
+    running_min: int | None = None
+    vip_slowdown: float | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Point:
-        """``default``, or ``o=120``, ``r=16``, ``o=120,r=16``."""
+        """``default``, or ``o=120``, ``r=16``, ``o=120,r=16``, ``m=0,s=0``."""
         if spec.strip() == "default":
             return cls()
-        fields: dict[str, int] = {}
+        fields: dict[str, int | float] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
             if not sep or key not in _KEYS:
-                raise ValueError(f"{item!r}: expected o=<ms> or r=<sequences>")
-            number = int(value)
-            if number < (1 if key == "o" else 0):
+                raise ValueError(f"{item!r}: expected o=<ms>, r=<sequences>, m=<sequences> "
+                                 "or s=<slowdown>")
+            number: int | float = float(value) if key == "s" else int(value)
+            if number < (1 if key == "o" else 0) or (key == "s" and 0 < number < 1):
                 raise ValueError(f"{item!r}: out of range")
             fields[_KEYS[key]] = number
         if not fields:
             raise ValueError(f"{spec!r}: no setting")
-        return cls(**fields)
+        return cls(**fields)  # type: ignore[arg-type]
 
     @property
     def label(self) -> str:
-        parts = [f"{k}={getattr(self, name)}" for k, name in _KEYS.items()
+        parts = [f"{k}={getattr(self, name):g}" for k, name in _KEYS.items()
                  if getattr(self, name) is not None]
         return ",".join(parts) or "default"
 

@@ -257,8 +257,10 @@ class ReleaseControl:
                     # a burst through at once.
                     s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
                 if (s.run_limit is not None and running is not None
-                        and running >= s.run_limit - 1):
-                    # The same rule: only a limit that binds grows.
+                        and running >= s.run_limit - 1 and miss <= self.settings.vip_miss_target):
+                    # The same rule: only a limit that binds grows; and only once the recent
+                    # chats meet the objective (a decode batch shrinks as its sequences end,
+                    # seconds after a cut: chats late meanwhile are no reason to grow it).
                     s.run_limit += max(RUN_STEP, RUN_GROWTH * s.run_limit)
         elif s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
             # (The running limit stays while the flood does: VIP steered to the other nodes,

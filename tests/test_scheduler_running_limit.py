@@ -167,10 +167,10 @@ def ttft_between(e: Engine, start: float, end: float) -> list[float]:
 
 
 def test_a_flood_settles_within_the_learned_objective_and_the_limit_lets_go_after() -> None:
-    """A sixfold step in Normal load. The objective is 1.2x the calm P99; the loop holds VIP
-    within 1.5x once settled (a first token waits for up to two steps, and the releases of
-    one poll and the VIP chats themselves run a few sequences past the limit), where the
-    same flood without the limit makes it several times slower (the test below)."""
+    """A sixfold step in Normal load. The objective is 1.2x the calm P99; once settled the
+    loop holds VIP's P99 within 1.35x in every 2 s window (the chats of a window that come
+    while the limit is a sequence or two high, before their misses report and cut it), where
+    the same flood without the limit makes it several times slower (the test below)."""
     e = engine()
     e.run(CALM_S, CALM_RATE)
     calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
@@ -179,13 +179,14 @@ def test_a_flood_settles_within_the_learned_objective_and_the_limit_lets_go_afte
     e.run(CALM_S + FLOOD_S, FLOOD_RATE)
     # Settled within SETTLE_S (SETTLE_S / POLL_S polls), every 2 s window after it.
     for start in range(int(CALM_S + SETTLE_S), int(CALM_S + FLOOD_S), 2):
-        assert p99(ttft_between(e, start, start + 2)) <= 1.5 * calm_p99, start
+        assert p99(ttft_between(e, start, start + 2)) <= 1.35 * calm_p99, start
     assert e.calm.objective_ms() == objective  # a flood does not teach the calm figure
     limits = [x["limit"] for x in e.log if x["t"] >= CALM_S and not math.isnan(x["limit"])]
     assert limits and min(limits) >= ControlSettings().running_min
-    # The flood is held, not dropped, and served faster than calm traffic arrives.
+    # The flood is held, not dropped, and served faster than calm traffic arrives (the price
+    # of VIP's objective: the engine does ~27 requests a second with no limit).
     served = sum(1 for t in e.served if CALM_S + SETTLE_S <= t < CALM_S + FLOOD_S)
-    assert served / (FLOOD_S - SETTLE_S) > 1.2 * CALM_RATE
+    assert served / (FLOOD_S - SETTLE_S) > CALM_RATE
     assert e.log[-1]["queued"] > 0
     # Light traffic again: the backlog drains, the limit goes, VIP is as fast as before.
     e.run(CALM_S + FLOOD_S + AFTER_S, AFTER_RATE)

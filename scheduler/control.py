@@ -21,9 +21,9 @@ Per node, every poll (all in prompt tokens and seconds):
         Without the counter: the Lindley recursion at rate mu (w = max(0, w - mu x gap) + p),
         which a new leader also starts from.
     g   gain, from the VIP first tokens the gateways report per node (finish script): AIMD,
-        halved (at most once per `HOLD_S`) at a poll reporting a miss when more than
+        halved (at most once per `hold_s`) at a poll reporting a miss when more than
         `vip_miss_target` of the recent ones (~10 s) were later than the objective while
-        the backlog averaged at least half the window (over ~`QUEUE_TAU_S`; else the queue
+        the backlog averaged at least half the window (over ~`queue_tau_s`; else the queue
         did not make them late, a long decode batch or one large prompt did, and a smaller
         window would starve Normal and Batch without helping), plus
         `GAIN_STEP` at each poll with reports and no miss if the window was used (the
@@ -51,7 +51,7 @@ than configured): releases track the node's prefill within one poll, the queue a
 chat stays within the window plus one prompt from the 20th poll after the step on, mu is
 within 15% of the truth 10 s after it, the node prefills at 85% or more of its capacity. The
 gain grows only with use and halves on misses: a node slower than any model shrinks the window
-to a quarter within the chats' duration plus three `HOLD_S`, and it recovers at
+to a quarter within the chats' duration plus three `hold_s`, and it recovers at
 `GAIN_STEP` per reported poll once they meet the objective again (~13 s from 0.1 to 1 at four
 chats a second). VIP reports come with the settle, at the end of a chat: the correction lags
 by a chat's duration, which GAIN_MAX < 2 (at most 3/4 of the objective queued) leaves room for.
@@ -81,10 +81,12 @@ runs."""
 RUN_STEP, RUN_GROWTH = 0.5, 0.03
 """A binding running limit grows by the larger of RUN_STEP sequences and RUN_GROWTH of itself
 at each poll with VIP reports and no miss."""
-HOLD_S = 1.0
+# The law's time constants are shares of `signal_stale_ms` (10 s by default: 1 s, 2 s, 1 s and
+# 10 s), so a deployment, or the lab on its faster clock, scales them with the one setting.
+HOLD_SHARE = 0.1
 """After a decrease, no other one for this long: the reports of chats that were already
 waiting when the window shrank describe the old window."""
-RATE_TAU_S = 2.0
+RATE_TAU_SHARE = 0.2
 """Time constant of the throughput average (the prompt counter moves in whole prompts)."""
 REFILL_POLLS = 3
 """Between polls a node's room refills at its measured prefill rate (lua/_lib.lua prefill_of)
@@ -93,10 +95,10 @@ that stopped publishing stops feeding the nodes on an estimate."""
 DISPATCH_S = 0.05
 """A task released this long before a reading that shows the engine idle may still be on its
 way to the engine: it stays in the backlog."""
-QUEUE_TAU_S = 1.0
+QUEUE_TAU_SHARE = 0.1
 """Time constant of the average backlog a VIP miss is blamed on: a prompt prefilled within a
 poll or two is not a queue."""
-SIGNAL_TAU_S = 10.0
+SIGNAL_TAU_SHARE = 1.0
 """Time constant of the recent VIP miss share."""
 
 
@@ -157,7 +159,7 @@ class _Node:
     owed: int = 0
     """Overdraws not yet taken out of a room."""
     queued: float = 0.0
-    """Backlog / window, averaged over polls (time constant `QUEUE_TAU_S`)."""
+    """Backlog / window, averaged over polls (time constant `queue_tau_s`)."""
     run_limit: float | None = None
     """Sequences the engine may run before Normal and Batch wait (None: no limit learned)."""
     run_hold_until: float = -math.inf
@@ -186,6 +188,12 @@ class ReleaseControl:
     def __init__(self, settings: ControlSettings) -> None:
         self.settings = settings
         self._nodes: dict[str, _Node] = {}
+        # The law's time constants, in seconds: shares of signal_stale_ms (10 s by default).
+        clock = settings.signal_stale_ms / 1000
+        self.hold_s = HOLD_SHARE * clock
+        self.rate_tau_s = RATE_TAU_SHARE * clock
+        self.queue_tau_s = QUEUE_TAU_SHARE * clock
+        self.signal_tau_s = SIGNAL_TAU_SHARE * clock
 
     def node(self, name: str) -> _Node:
         state = self._nodes.get(name)
@@ -207,7 +215,7 @@ class ReleaseControl:
         if done < 0:
             return True  # the engine restarted: its counter starts again
         sample = done / dt
-        alpha = 1.0 - math.exp(-dt / RATE_TAU_S)
+        alpha = 1.0 - math.exp(-dt / self.rate_tau_s)
         # The counter moves in whole prompts, as each one's prefill ends: one interval's rate
         # says little, an average over a few seconds is what the node did.
         s.observed += alpha * (sample - s.observed)
@@ -224,7 +232,7 @@ class ReleaseControl:
     def _observe_reports(self, s: _Node, reports: tuple[int, int] | None, now: float,
                          used: bool, running: int | None) -> None:
         if s.at is not None:
-            decay = math.exp(-max(0.0, now - s.at) / SIGNAL_TAU_S)
+            decay = math.exp(-max(0.0, now - s.at) / self.signal_tau_s)
             s.n_recent *= decay
             s.over_recent *= decay
         s.at = now
@@ -245,7 +253,7 @@ class ReleaseControl:
                 if s.queued >= 0.5:
                     if now >= s.hold_until:
                         s.gain = max(GAIN_MIN, s.gain * GAIN_DECREASE)
-                        s.hold_until = now + HOLD_S
+                        s.hold_until = now + self.hold_s
                 else:
                     # A window the node did not keep half full did not make these chats late:
                     # the decode batch they joined did (every step costs time per sequence).
@@ -284,7 +292,7 @@ class ReleaseControl:
                 s.run_limit = float(max(self.settings.running_min, running))
         elif s.unheld_since is None:
             s.unheld_since = now
-        elif now - max(s.unheld_since, s.run_hold_until - HOLD_S) > stale_s:
+        elif now - max(s.unheld_since, s.run_hold_until - self.hold_s) > stale_s:
             s.run_limit = None
 
     def _cut_running(self, s: _Node, now: float, running: int | None) -> None:
@@ -296,7 +304,7 @@ class ReleaseControl:
                 or (s.run_limit is not None and running > s.run_limit)):
             return
         s.run_limit = max(float(floor), running * RUN_DECREASE)
-        s.run_hold_until = now + HOLD_S
+        s.run_hold_until = now + self.hold_s
 
     def update(
         self,
@@ -357,7 +365,7 @@ class ReleaseControl:
         # the counter) leaves the index, and with it the estimate.
         s.backlog = min(s.backlog, float(sum(p for p, _ in timed)))
         if s.at_poll is not None and s.window:
-            weight = 1.0 - math.exp(-max(0.0, now - s.at_poll) / QUEUE_TAU_S)
+            weight = 1.0 - math.exp(-max(0.0, now - s.at_poll) / self.queue_tau_s)
             s.queued += (s.backlog / s.window - s.queued) * weight
         s.at_poll = now
         objective = c.vip_ttft_objective_ms if objective_ms is None else objective_ms

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from admission.config import ConfigError, parse_config
 from admission.controlconfig import ControlSettings
-from scheduler.control import GAIN_MAX, HOLD_S, ReleaseControl, _Node, backlog, take_overdraw
+from scheduler.control import GAIN_MAX, ReleaseControl, _Node, backlog, take_overdraw
 from scheduler.pool import learned_control
 
 POLL_S = 0.05
@@ -206,8 +206,8 @@ def test_the_window_shrinks_while_vip_misses_the_objective_and_recovers_after() 
     assert node.log[-1]["gain"] >= 1.0
     node.extra_ttft_s = OBJECTIVE_MS / 1000  # every chat now misses, whatever the window
     # The first late chat reports when it ends (DECODE_S later), then the gain halves once per
-    # HOLD_S: from 1.5, below 0.25 within DECODE_S + 3 HOLD_S; back above 1 within 25 s.
-    node.run(10.0 + DECODE_S + 3 * HOLD_S, rate_per_s=40.0)
+    # hold_s (1 s): from 1.5, below 0.25 within DECODE_S + 3 hold_s; back above 1 within 25 s.
+    node.run(10.0 + DECODE_S + 3 * node.control.hold_s, rate_per_s=40.0)
     shrunk = node.log[-1]
     assert shrunk["gain"] <= 0.25
     assert shrunk["window"] <= 0.25 * settled

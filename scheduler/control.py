@@ -296,12 +296,12 @@ class ReleaseControl:
             s.run_limit = None
 
     def _cut_running(self, s: _Node, now: float, running: int | None) -> None:
-        """Lower the node's running limit below what it runs now, once the last cut has taken
-        effect: sequences leave only as they finish, so chats that miss while the engine still
-        runs more than the limit describe the batch before the cut."""
+        """Lower the node's running limit below what it runs now, once the last cut has begun
+        to take effect: sequences leave only as they finish, so chats that miss while the
+        engine still runs what it ran before the cut describe the batch before it."""
         floor = self.settings.running_min
         if (running is None or not floor or now < s.run_hold_until
-                or (s.run_limit is not None and running > s.run_limit)):
+                or (s.run_limit is not None and running >= s.run_limit / RUN_DECREASE)):
             return
         s.run_limit = max(float(floor), running * RUN_DECREASE)
         s.run_hold_until = now + self.hold_s

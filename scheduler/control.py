@@ -130,6 +130,9 @@ class NodeRoom:
     running_limit."""
     running_limit: int | None = None
     """The learned running limit (None: none holds)."""
+    miss_share: float = 0.0
+    """The share of the node's recent VIP first tokens (~signal_stale_ms) later than the
+    objective."""
 
 
 @dataclass(slots=True)
@@ -393,7 +396,8 @@ class ReleaseControl:
                 room = min(room, math.ceil(places * typical))
         room -= take_overdraw(s, overdrawn, room)
         limit = None if s.run_limit is None else math.floor(s.run_limit)
-        return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit)
+        miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
+        return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss)
 
     def resume(self, learned: Mapping[str, tuple[float, float]]) -> None:
         """Start a new leadership from the (prefill rate, gain) per node that the last leader

@@ -365,6 +365,7 @@ class PoolScheduler:
                 extra[f"prefill_gain:{name}"] = f"{room.gain:.3f}"
                 extra[f"running_limit:{name}"] = ("" if room.running_limit is None
                                                   else room.running_limit)
+                extra[f"vip_miss:{name}"] = f"{room.miss_share:.3f}"
                 if room.reason:
                     out.append(f"{name}:{room.reason}")
         extra["nodes_out"] = ",".join(out)

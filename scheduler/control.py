@@ -29,9 +29,22 @@ Per node, every poll (all in prompt tokens and seconds):
         `GAIN_STEP` at each poll with reports and no miss if the window was used (the
         backlog at the last poll and the releases since were at least half of it), within
         [GAIN_MIN, GAIN_MAX]; 1 when no report came for `signal_stale_ms`
-    X   window = clamp(g x mu x objective x MODEL_SHARE, window_min, window_max)
+    O   objective: `vip_slowdown` x the pool's learned calm VIP P99 (scheduler.calm), the
+        configured `vip_ttft_objective_ms` until learned
+    X   window = clamp(g x mu x O x MODEL_SHARE, window_min, window_max)
+    R   running limit, for misses the window did not cause (the backlog averaged under half
+        of it: the decode batch the chat joined made it late, every step costing time per
+        sequence): none at calm; set when Normal or Batch work starts waiting while VIP
+        reports are fresh, to what the engine runs then (at least `running_min` and
+        `RUN_BLAME` x the batch it ran at calm); cut to
+        `RUN_DECREASE` of what it runs at such a miss (at most once per `hold_s`, and only
+        once the batch has begun to shrink since the last cut); grown by the larger of
+        `RUN_STEP` and `RUN_GROWTH` at each poll with fresh reports, the recent miss share
+        within `vip_miss_target` and the engine at R - 1 or more; gone once nothing has
+        waited and no miss has cut it for `signal_stale_ms`
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
-        `max_engine_running` sequences, less
+        `max_engine_running` sequences or R, else at most the places R leaves (R - running -
+        waiting - released since the reading) x the node's mean prompt, less
         what light tenants overdrew since the last poll (take_overdraw)
 
 Between polls the room refills at mu (up to the window; for `REFILL_POLLS` poll intervals after
@@ -55,6 +68,10 @@ to a quarter within the chats' duration plus three `hold_s`, and it recovers at
 `GAIN_STEP` per reported poll once they meet the objective again (~13 s from 0.1 to 1 at four
 chats a second). VIP reports come with the settle, at the end of a chat: the correction lags
 by a chat's duration, which GAIN_MAX < 2 (at most 3/4 of the objective queued) leaves room for.
+A flood that slows only the decode batch (tests/test_scheduler_running_limit.py, six times the
+calm load): from 100 polls after the step VIP's P99 within 1.25x of the calm one over the
+flood and 1.5x in every 2 s window, more than 3x without the limit; the flood served faster
+than calm traffic arrives.
 Stale or missing signals: no VIP report for `signal_stale_ms` means gain 1 (the model alone);
 a stale scrape keeps the last mu and drains nothing from B until the counter moves again (the
 queue looks longer: the safe side); a page without the counter keeps the configured rate.
@@ -78,9 +95,13 @@ GAIN_DECREASE = 0.5
 RUN_DECREASE = 0.75
 """A VIP miss the queue did not cause cuts the node's running limit to this share of what it
 runs."""
-RUN_STEP, RUN_GROWTH = 0.5, 0.03
+RUN_BLAME = 1.5
+"""A miss is the decode batch's only while the engine runs more than this many times what it
+ran at calm (at calm the batch gave the calm TTFT the objective is a slowdown of); nor does a
+cut go below the calm batch."""
+RUN_STEP, RUN_GROWTH = 0.5, 0.01
 """A binding running limit grows by the larger of RUN_STEP sequences and RUN_GROWTH of itself
-at each poll with VIP reports and no miss."""
+at each poll while the recent VIP chats meet the objective (~20% a second at 50 ms polls)."""
 # The law's time constants are shares of `signal_stale_ms` (10 s by default: 1 s, 2 s, 1 s and
 # 10 s), so a deployment, or the lab on its faster clock, scales them with the one setting.
 HOLD_SHARE = 0.1
@@ -100,6 +121,8 @@ QUEUE_TAU_SHARE = 0.1
 poll or two is not a queue."""
 SIGNAL_TAU_SHARE = 1.0
 """Time constant of the recent VIP miss share."""
+CALM_RUN_TAU_SHARE = 6.0
+"""Time constant of the running count at calm."""
 
 
 def backlog(tasks: Iterable[tuple[int, float]], rate: float) -> float:
@@ -168,6 +191,10 @@ class _Node:
     run_hold_until: float = -math.inf
     unheld_since: float | None = None
     """Since when no Normal or Batch work has waited (None: some waits)."""
+    calm_running: float | None = None
+    """Sequences the engine ran at calm, averaged (None: not seen calm yet)."""
+    calm_polls: int = 0
+    calm_at: float | None = None
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
@@ -197,6 +224,7 @@ class ReleaseControl:
         self.rate_tau_s = RATE_TAU_SHARE * clock
         self.queue_tau_s = QUEUE_TAU_SHARE * clock
         self.signal_tau_s = SIGNAL_TAU_SHARE * clock
+        self.calm_run_tau_s = CALM_RUN_TAU_SHARE * clock
 
     def node(self, name: str) -> _Node:
         state = self._nodes.get(name)
@@ -261,18 +289,11 @@ class ReleaseControl:
                     # A window the node did not keep half full did not make these chats late:
                     # the decode batch they joined did (every step costs time per sequence).
                     self._cut_running(s, now, running)
-            elif over == 0:
-                if used:
-                    # Only a window that was used is known to be safe (TCP's rule for a window
-                    # that limits): a quiet node would otherwise grow it to the bound and let
-                    # a burst through at once.
-                    s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
-                if (s.run_limit is not None and running is not None
-                        and running >= s.run_limit - 1 and miss <= self.settings.vip_miss_target):
-                    # The same rule: only a limit that binds grows; and only once the recent
-                    # chats meet the objective (a decode batch shrinks as its sequences end,
-                    # seconds after a cut: chats late meanwhile are no reason to grow it).
-                    s.run_limit += max(RUN_STEP, RUN_GROWTH * s.run_limit)
+            elif over == 0 and used:
+                # Only a window that was used is known to be safe (TCP's rule for a window
+                # that limits): a quiet node would otherwise grow it to the bound and let a
+                # burst through at once.
+                s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
         elif s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
             # (The running limit stays while the flood does: VIP steered to the other nodes,
             # away from this one's long batch, may come back to it any time.)
@@ -292,21 +313,50 @@ class ReleaseControl:
             s.unheld_since = None
             fresh = s.reported_at is not None and now - s.reported_at <= stale_s
             if s.run_limit is None and running is not None and fresh:
-                s.run_limit = float(max(self.settings.running_min, running))
+                # A batch the misses would not be blamed on needs no limit below it.
+                calm = 0.0 if s.calm_running is None else RUN_BLAME * s.calm_running
+                s.run_limit = float(max(self.settings.running_min, running, calm))
         elif s.unheld_since is None:
             s.unheld_since = now
         elif now - max(s.unheld_since, s.run_hold_until - self.hold_s) > stale_s:
             s.run_limit = None
 
+    def _grow_running(self, s: _Node, now: float, running: int | None) -> None:
+        """A limit grows at every poll while it binds (the same rule as the window's: only a
+        limit that is used is known to be safe), the recent VIP chats meet the objective
+        (a decode batch shrinks as its sequences end, seconds after a cut: chats late
+        meanwhile are no reason to grow it) and they report (with none, nothing is known)."""
+        if s.run_limit is None or running is None or running < s.run_limit - 1:
+            return
+        if s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
+            return
+        if s.n_recent <= 0 or s.over_recent / s.n_recent > self.settings.vip_miss_target:
+            return
+        s.run_limit += max(RUN_STEP, RUN_GROWTH * s.run_limit)
+
+    def _observe_calm_running(self, s: _Node, running: int, now: float) -> None:
+        """Average the running count over calm polls (from the first ones while they are few;
+        a flood's limit still set or just gone is not calm: the batch it left is draining)."""
+        dt = 0.0 if s.calm_at is None else max(0.0, now - s.calm_at)
+        s.calm_at = now
+        s.calm_polls += 1
+        weight = max(1.0 / s.calm_polls, 1.0 - math.exp(-dt / self.calm_run_tau_s))
+        base = float(running) if s.calm_running is None else s.calm_running
+        s.calm_running = base + weight * (running - base)
+
     def _cut_running(self, s: _Node, now: float, running: int | None) -> None:
         """Lower the node's running limit below what it runs now, once the last cut has begun
         to take effect: sequences leave only as they finish, so chats that miss while the
         engine still runs what it ran before the cut describe the batch before it."""
-        floor = self.settings.running_min
+        floor = float(self.settings.running_min)
         if (running is None or not floor or now < s.run_hold_until
                 or (s.run_limit is not None and running >= s.run_limit / RUN_DECREASE)):
             return
-        s.run_limit = max(float(floor), running * RUN_DECREASE)
+        if s.calm_running is not None:
+            if running <= RUN_BLAME * s.calm_running:
+                return  # a batch no longer than at calm did not make the chat late
+            floor = max(floor, s.calm_running)
+        s.run_limit = max(floor, running * RUN_DECREASE)
         s.run_hold_until = now + self.hold_s
 
     def update(
@@ -324,6 +374,7 @@ class ReleaseControl:
         overdrawn: int | None = None,
         objective_ms: int | None = None,
         held: bool = False,
+        calm: bool = False,
     ) -> NodeRoom:
         """One poll for node `name`: `tasks` (key, prompt, seconds since release) released to
         it and running (the key, the running index's member, tells the new ones); its prompt
@@ -331,7 +382,9 @@ class ReleaseControl:
         counts; the VIP reports (first tokens, those over the objective); the count of prompt
         tokens light tenants released beyond the room (`overdrawn`, monotonic), which the
         rooms that follow pay back; the VIP objective now (scheduler.calm; None: the
-        configured one); whether Normal or Batch work waits in the pool (`held`)."""
+        configured one); whether Normal or Batch work waits in the pool (`held`), and whether
+        the pool is calm (`calm`: zone GREEN, nothing waiting; the running count is learned
+        then)."""
         c = self.settings
         s = self.node(name)
         before = s.counter
@@ -347,8 +400,11 @@ class ReleaseControl:
         # The window was used if the node held at least half of it at the last poll, counting
         # what it was given since (a small window on a fast node is drained within a poll).
         used = s.backlog + sum(p for p, _ in new) >= s.window / 2
+        if calm and s.run_limit is None and running is not None:
+            self._observe_calm_running(s, running, now)
         self._hold_running(s, held, now, running)
         self._observe_reports(s, reports, now, used, running)
+        self._grow_running(s, now, running)
         read = now if read_at is None else read_at
         if s.at_poll is None:
             # A new leader: the recursion over the tasks the index holds.

@@ -318,6 +318,8 @@ class PoolScheduler:
         prefill: dict[str, tuple[int, int, float, int]] = {}
         by_name = {v.name: v for v in views}
         objective = self.calm.objective_ms()
+        held = bool(snap.depths[Tier.NORMAL] or snap.depths[Tier.BATCH])
+        zone = self.tracker.zone
         for plan in plans:
             view = by_name.get(plan.name)
             if view is None or plan.budget is None:
@@ -331,7 +333,7 @@ class PoolScheduler:
                 waiting=0 if m is None else m.waiting,
                 reports=snap.vip_reports.get(plan.name),
                 overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective,
-                held=bool(snap.depths[Tier.NORMAL] or snap.depths[Tier.BATCH]))
+                held=held, calm=zone is Zone.GREEN and not held)
             rooms[plan.name] = room
             # A node held by max_engine_running gets no refill between polls either, nor one
             # under a running limit: its room counts the places the limit has left.

@@ -389,3 +389,37 @@ def test_learned_control_reads_the_published_fields() -> None:
     state = {"prefill_rate:n1": "8000", "prefill_gain:n1": "0.500", "prefill_rate:n2": "x",
              "prefill_window:n1": "100", "zone": "GREEN"}
     assert learned_control(state) == {"n1": (8000.0, 0.5), "n2": (0.0, 1.0)}
+
+
+def test_a_miss_is_the_batchs_only_when_the_batch_outgrew_the_calm_one() -> None:
+    """The engine ran 10 sequences at calm. Misses while it runs 12 (a long prompt's chunk,
+    say) never cut the running limit; misses while it runs 30 cut it, step by step as the
+    batch shrinks, down to where the batch is no longer than 1.5x the calm one, never below
+    the calm batch."""
+    t = 0.0
+
+    def poll(control: ReleaseControl, running: int, late: bool, *, calm: bool = False
+             ) -> float | None:
+        nonlocal t
+        t += POLL_S
+        n, over = control.node("n").reports or (0, 0)
+        control.update("n", tasks=[], now=t, running=running, reports=(n + 2, over + late),
+                       calm=calm, held=not calm)
+        return control.node("n").run_limit
+
+    def calm_then_flood(start: int) -> ReleaseControl:
+        control = controller()
+        for _ in range(40):
+            assert poll(control, 10, False, calm=True) is None
+        assert control.node("n").calm_running == 10
+        return control
+
+    control = calm_then_flood(12)
+    assert all((poll(control, 12, True) or 0) >= 12 for _ in range(400))
+    control = calm_then_flood(30)
+    running, limit = 30, poll(control, 30, True)
+    for _ in range(400):
+        limit = poll(control, running, True)
+        assert limit is not None and limit >= 10
+        running = min(running, math.floor(limit))  # the batch shrinks to the limit
+    assert limit is not None and 10 <= limit <= 15 and running <= 15

@@ -82,7 +82,7 @@ class Engine:
         room = self.control.update("n", tasks=tasks, now=at, running=len(self.running),
                                    waiting=len(self.joining), reports=(self.reports[0],
                                                                        self.reports[1]),
-                                   objective_ms=objective, held=held)
+                                   objective_ms=objective, held=held, calm=not held)
         self.room = room.room
         while (self.offered and self.room > 0
                and len(self.running) + len(self.joining) < MAX_SEQS):
@@ -168,9 +168,10 @@ def ttft_between(e: Engine, start: float, end: float) -> list[float]:
 
 def test_a_flood_settles_within_the_learned_objective_and_the_limit_lets_go_after() -> None:
     """A sixfold step in Normal load. The objective is 1.2x the calm P99; once settled the
-    loop holds VIP's P99 within 1.35x in every 2 s window (the chats of a window that come
-    while the limit is a sequence or two high, before their misses report and cut it), where
-    the same flood without the limit makes it several times slower (the test below)."""
+    loop holds VIP's P99 over the flood within 1.25x, and within 1.5x in every 2 s window
+    (the limit probes upward while chats meet the objective, and the chats that come while it
+    is a sequence or two high are late before their misses report and cut it), where the same
+    flood without the limit makes it several times slower (the test below)."""
     e = engine()
     e.run(CALM_S, CALM_RATE)
     calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
@@ -179,7 +180,8 @@ def test_a_flood_settles_within_the_learned_objective_and_the_limit_lets_go_afte
     e.run(CALM_S + FLOOD_S, FLOOD_RATE)
     # Settled within SETTLE_S (SETTLE_S / POLL_S polls), every 2 s window after it.
     for start in range(int(CALM_S + SETTLE_S), int(CALM_S + FLOOD_S), 2):
-        assert p99(ttft_between(e, start, start + 2)) <= 1.35 * calm_p99, start
+        assert p99(ttft_between(e, start, start + 2)) <= 1.5 * calm_p99, start
+    assert p99(ttft_between(e, CALM_S + SETTLE_S, CALM_S + FLOOD_S)) <= 1.25 * calm_p99
     assert e.calm.objective_ms() == objective  # a flood does not teach the calm figure
     limits = [x["limit"] for x in e.log if x["t"] >= CALM_S and not math.isnan(x["limit"])]
     assert limits and min(limits) >= ControlSettings().running_min

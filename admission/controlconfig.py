@@ -18,10 +18,11 @@ from admission.configfields import ConfigError, KeyName, at_least, between
 class ControlSettings:
     enabled: bool = True
     """Off: no prefill room is published, Normal and Batch are limited by KV only."""
-    vip_slowdown: float = between(0.0, 100.0, 1.2)
+    vip_slowdown: float = between(0.0, 100.0, 0.0)
     """The objective in a flood: VIP time to first token (from the dispatch to the node) at
     most this many times its P99 while the pool was calm, which the leader learns
-    (scheduler/calm.py). 0: the absolute `vip_ttft_objective_ms` always."""
+    (scheduler/calm.py); 1.2 with `running_min` 8 is the setting measured in
+    docs/design.md. 0 (the default): the absolute `vip_ttft_objective_ms` always."""
     vip_ttft_objective_ms: int = at_least(1, 250)
     """The objective until the calm P99 is learned (or always, with `vip_slowdown` 0). The
     window is sized for it: prompt tokens of other tiers allowed ahead of a VIP chat are those
@@ -37,11 +38,12 @@ class ControlSettings:
     max_engine_running: int = at_least(0, 0)
     """A node whose engine runs more sequences than this gets no Normal or Batch work until it
     runs fewer (0: no bound)."""
-    running_min: int = at_least(0, 8)
-    """The learned running limit never goes below this (0: no running limit is learned). VIP
-    misses with a short prefill queue lower a node's limit (a decode batch of many sequences
-    makes every step, and so the chat's first token, slower); reports without a miss raise
-    it again."""
+    running_min: int = at_least(0, 0)
+    """The learned running limit never goes below this (0, the default: no running limit is
+    learned). VIP misses with a short prefill queue lower a node's limit (a decode batch of
+    many sequences makes every step, and so the chat's first token, slower); reports without
+    a miss raise it again. Off by default: where misses have other causes (long prompts'
+    chunks) the limit costs throughput without helping (docs/design.md)."""
     quiet_nodes: int = at_least(0, 1)
     """Nodes kept quiet for VIP: a Normal or Batch prompt larger than a node's room whose
     prefill alone takes the whole objective (more than twice the window: a long document) goes

@@ -232,11 +232,11 @@ def test_misses_while_no_prefill_was_queued_leave_the_window_alone() -> None:
     assert node.log[-1]["gain"] == 1.0
     assert len([t for t in node.vip_ttft if t[1] * 1000 > OBJECTIVE_MS]) >= 10
     assert node.control.node("n").run_limit is None
-    limited = Node(controller())
+    limited = Node(controller(running_min=8))
     limited.extra_ttft_s = OBJECTIVE_MS / 1000
     limited.run(15.0, rate_per_s=1.0)
     assert limited.log[-1]["gain"] == 1.0
-    assert limited.control.node("n").run_limit == ControlSettings().running_min
+    assert limited.control.node("n").run_limit == 8
 
 
 def test_with_no_vip_reports_for_the_stale_time_the_window_is_the_models() -> None:
@@ -408,7 +408,7 @@ def test_a_miss_is_the_batchs_only_when_the_batch_outgrew_the_calm_one() -> None
         return control.node("n").run_limit
 
     def calm_then_flood(start: int) -> ReleaseControl:
-        control = controller()
+        control = controller(running_min=8)
         for _ in range(40):
             assert poll(control, 10, False, calm=True) is None
         assert control.node("n").calm_running == 10

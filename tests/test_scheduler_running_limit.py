@@ -155,8 +155,13 @@ def p99(samples: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
+RUNNING_MIN, SLOWDOWN = 8, 1.2
+"""The control under test (both off by default)."""
+
+
 def engine(**overrides: object) -> Engine:
-    settings = replace(ControlSettings(), **overrides)  # type: ignore[arg-type]
+    settings = replace(ControlSettings(running_min=RUNNING_MIN, vip_slowdown=SLOWDOWN),
+                       **overrides)  # type: ignore[arg-type]
     return Engine(ReleaseControl(settings),
                   CalmBaseline(settings.vip_slowdown, settings.vip_ttft_objective_ms,
                                settings.signal_stale_ms / 1000))
@@ -184,7 +189,7 @@ def test_a_flood_settles_within_the_learned_objective_and_the_limit_lets_go_afte
     assert p99(ttft_between(e, CALM_S + SETTLE_S, CALM_S + FLOOD_S)) <= 1.25 * calm_p99
     assert e.calm.objective_ms() == objective  # a flood does not teach the calm figure
     limits = [x["limit"] for x in e.log if x["t"] >= CALM_S and not math.isnan(x["limit"])]
-    assert limits and min(limits) >= ControlSettings().running_min
+    assert limits and min(limits) >= RUNNING_MIN
     # The flood is held, not dropped, and served faster than calm traffic arrives (the price
     # of VIP's objective: the engine does ~27 requests a second with no limit).
     served = sum(1 for t in e.served if CALM_S + SETTLE_S <= t < CALM_S + FLOOD_S)

@@ -191,7 +191,8 @@ async def run_sweep(cell: Cell, points: Sequence[Point], log_root: Path, verbose
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.burst.sweep",
                                 description=(__doc__ or "").splitlines()[0])
-    p.add_argument("points", nargs="+", help="default, or o=<ms>, r=<n>, o=<ms>,r=<n>")
+    p.add_argument("points", nargs="+",
+                   help="default, or comma-separated o=<ms>, r=<n>, m=<n>, s=<x> (see above)")
     p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
     p.add_argument("--mix", choices=list(MIXES), required=True)
     p.add_argument("--size", type=int, required=True, help="nodes")

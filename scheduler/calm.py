@@ -6,7 +6,8 @@ a VIP chat in 60 ms and runs a light decode batch serves it in about 100 ms at c
 calm traffic already keeps its engines busy serves VIP in 700 ms at calm, and a 250 ms
 objective would throttle its Normal traffic for a slowdown nobody asked to avoid. What
 operators promise is relative: "VIP is at most `vip_slowdown` times slower in a flood than
-when the pool is calm".
+when the pool is calm". It is off by default (`vip_slowdown` 0): docs/design.md has what it
+costs.
 
 So the leader learns the calm distribution. The finish script counts every VIP first token
 of the pool (ms from its dispatch to the node until its first token) in log buckets 10% wide

@@ -29,19 +29,21 @@ Per node, every poll (all in prompt tokens and seconds):
         `GAIN_STEP` at each poll with reports and no miss if the window was used (the
         backlog at the last poll and the releases since were at least half of it), within
         [GAIN_MIN, GAIN_MAX]; 1 when no report came for `signal_stale_ms`
-    O   objective: `vip_slowdown` x the pool's learned calm VIP P99 (scheduler.calm), the
-        configured `vip_ttft_objective_ms` until learned
+    O   objective: the configured `vip_ttft_objective_ms`; with `vip_slowdown` set (off by
+        default), that many times the pool's learned calm VIP P99 once learned
+        (scheduler.calm)
     X   window = clamp(g x mu x O x MODEL_SHARE, window_min, window_max)
-    R   running limit, for misses the window did not cause (the backlog averaged under half
-        of it: the decode batch the chat joined made it late, every step costing time per
-        sequence): none at calm; set when Normal or Batch work starts waiting while VIP
-        reports are fresh, to what the engine runs then (at least `running_min` and
-        `RUN_BLAME` x the batch it ran at calm); cut to
-        `RUN_DECREASE` of what it runs at such a miss (at most once per `hold_s`, and only
-        once the batch has begun to shrink since the last cut); grown by the larger of
-        `RUN_STEP` and `RUN_GROWTH` at each poll with fresh reports, the recent miss share
-        within `vip_miss_target` and the engine at R - 1 or more; gone once nothing has
-        waited and no miss has cut it for `signal_stale_ms`
+    R   running limit (with `running_min` set; off by default), for misses the window did
+        not cause (the backlog averaged under half of it: the decode batch the chat joined
+        made it late, every step costing time per sequence): none at calm; set when Normal
+        or Batch work starts waiting while VIP reports are fresh, to what the engine runs
+        then (at least `running_min` and `RUN_BLAME` x the batch it ran at calm); cut to
+        `RUN_DECREASE` of what it runs at such a miss while it runs more than `RUN_BLAME` x
+        its calm batch (never below that batch, at most once per `hold_s`, and only once
+        the batch has begun to shrink since the last cut); grown by the larger of `RUN_STEP`
+        and `RUN_GROWTH` at each poll with fresh reports, the recent miss share within
+        `vip_miss_target` and the engine at R - 1 or more; gone once nothing has waited
+        and no miss has cut it for `signal_stale_ms`
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
         `max_engine_running` sequences or R, else at most the places R leaves (R - running -
         waiting - released since the reading) x the node's mean prompt, less

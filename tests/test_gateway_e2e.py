@@ -262,4 +262,8 @@ async def test_a_vip_streams_first_token_is_counted_for_its_node(gw: Harness) ->
     await gw.openai("vip").chat.completions.create(model="demo", messages=MESSAGES, max_tokens=3)
     await gw.settled()
     raw: dict[Any, Any] = await gw.redis.hgetall(gw.store.keys.node_vip_ttft)
-    assert {bytes(k).decode(): int(v) for k, v in raw.items()} == {"node-0:n": 1}
+    counts = {bytes(k).decode(): int(v) for k, v in raw.items()}
+    # ...and in one 10% bucket of milliseconds (scheduler.calm learns the calm P99 from them).
+    buckets = {k: v for k, v in counts.items() if k.startswith("node-0:h")}
+    assert {k: v for k, v in counts.items() if k not in buckets} == {"node-0:n": 1}
+    assert list(buckets.values()) == [1]

@@ -27,7 +27,8 @@ class ControlSettings:
     """The objective until the calm P99 is learned (or always, with `vip_slowdown` 0). The
     window is sized for it: prompt tokens of other tiers allowed ahead of a VIP chat are those
     the node prefills in half the objective; measured VIP first tokens later than it shrink
-    the window, or the node's running limit when the window was not full."""
+    the window (or, with `running_min` set, the node's running limit when the window was not
+    full)."""
     prefill_tokens_per_s: int = at_least(1, 15_000)
     """A node's prefill throughput until its `vllm:prompt_tokens_total` counter has been seen
     to move while it had work queued (then the measured rate is used)."""

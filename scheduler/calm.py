@@ -117,13 +117,11 @@ class CalmBaseline:
         if last is None:
             return
         deltas = {bucket: count - last.get(bucket, 0) for bucket, count in counts.items()}
-        if any(delta < 0 for delta in deltas.values()):
-            return  # the counters were reset (Redis flushed): the deltas start again
+        if not settled or any(delta < 0 for delta in deltas.values()):
+            return  # (below 0: the counters were reset, Redis flushed; the deltas start again)
         # The tail: first tokens beyond the learned P99's bucket, ~1% of them at calm.
         known = self.calm_ms()
         edge = -1 if known is None else math.floor(math.log(known) / math.log(BUCKET_RATIO))
-        if not settled:
-            return
         body = {b: d for b, d in deltas.items() if d and (known is None or b <= edge)}
         for bucket, delta in body.items():
             self.histogram[bucket] = self.histogram.get(bucket, 0.0) + delta

@@ -221,7 +221,7 @@ class ReleaseControl:
         self.settings = settings
         self._nodes: dict[str, _Node] = {}
         # The law's time constants, in seconds: shares of signal_stale_ms (10 s by default).
-        clock = settings.signal_stale_ms / 1000
+        clock = self.stale_s = settings.signal_stale_ms / 1000
         self.hold_s = HOLD_SHARE * clock
         self.rate_tau_s = RATE_TAU_SHARE * clock
         self.queue_tau_s = QUEUE_TAU_SHARE * clock
@@ -296,7 +296,7 @@ class ReleaseControl:
                 # that limits): a quiet node would otherwise grow it to the bound and let a
                 # burst through at once.
                 s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
-        elif s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
+        elif not self._fresh(s, now):
             # (The running limit stays while the flood does: VIP steered to the other nodes,
             # away from this one's long batch, may come back to it any time.)
             s.gain = 1.0
@@ -308,19 +308,17 @@ class ReleaseControl:
         chats report (with none, nothing needs the decode batch short). The limit goes once
         nothing has waited, and no miss has cut it, for `signal_stale_ms` (a flood that only
         slows the decode batch queues nothing until the limit it sets binds)."""
-        stale_s = self.settings.signal_stale_ms / 1000
         if not self.settings.running_min:
             return
         if held:
             s.unheld_since = None
-            fresh = s.reported_at is not None and now - s.reported_at <= stale_s
-            if s.run_limit is None and running is not None and fresh:
+            if s.run_limit is None and running is not None and self._fresh(s, now):
                 # A batch the misses would not be blamed on needs no limit below it.
                 calm = 0.0 if s.calm_running is None else RUN_BLAME * s.calm_running
                 s.run_limit = float(max(self.settings.running_min, running, calm))
         elif s.unheld_since is None:
             s.unheld_since = now
-        elif now - max(s.unheld_since, s.run_hold_until - self.hold_s) > stale_s:
+        elif now - max(s.unheld_since, s.run_hold_until - self.hold_s) > self.stale_s:
             s.run_limit = None
 
     def _grow_running(self, s: _Node, now: float, running: int | None) -> None:
@@ -330,11 +328,15 @@ class ReleaseControl:
         meanwhile are no reason to grow it) and they report (with none, nothing is known)."""
         if s.run_limit is None or running is None or running < s.run_limit - 1:
             return
-        if s.reported_at is None or now - s.reported_at > self.settings.signal_stale_ms / 1000:
+        if not self._fresh(s, now):
             return
         if s.n_recent <= 0 or s.over_recent / s.n_recent > self.settings.vip_miss_target:
             return
         s.run_limit += max(RUN_STEP, RUN_GROWTH * s.run_limit)
+
+    def _fresh(self, s: _Node, now: float) -> bool:
+        """A VIP first token was reported on the node within `signal_stale_ms`."""
+        return s.reported_at is not None and now - s.reported_at <= self.stale_s
 
     def _observe_calm_running(self, s: _Node, running: int, now: float) -> None:
         """Average the running count over calm polls (from the first ones while they are few;
@@ -402,7 +404,7 @@ class ReleaseControl:
         # The window was used if the node held at least half of it at the last poll, counting
         # what it was given since (a small window on a fast node is drained within a poll).
         used = s.backlog + sum(p for p, _ in new) >= s.window / 2
-        if calm and s.run_limit is None and running is not None:
+        if calm and c.running_min and s.run_limit is None and running is not None:
             self._observe_calm_running(s, running, now)
         self._hold_running(s, held, now, running)
         self._observe_reports(s, reports, now, used, running)

@@ -59,6 +59,11 @@ class Snapshot:
     """Released tasks per node as the release control reads them: (running index member,
     prompt tokens, seconds since release)."""
 
+    @property
+    def held(self) -> bool:
+        """Normal or Batch work waits in the pool."""
+        return bool(self.depths[Tier.NORMAL] or self.depths[Tier.BATCH])
+
 
 def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int, prefill_us_per_token: int
                  ) -> RunningTask:
@@ -139,6 +144,8 @@ class TickResult:
     shared: int = 0
     """How many of `released`, at its start, Batch's minimum share let past waiting higher
     tiers (scheduler.policy.BatchShare)."""
+    objective_ms: int = 0
+    """The VIP objective the release control used (scheduler.calm; 0 when it is off)."""
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
@@ -306,7 +313,7 @@ class PoolScheduler:
         return plans
 
     def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
-                      now: float
+                      now: float, calm: bool, objective_ms: int
                       ) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float, int]]]:
         """The release control's room per usable node, and the (limit, window, refill rate,
         running sequences) the scripts enforce and steer VIP by (scheduler.control;
@@ -317,9 +324,6 @@ class PoolScheduler:
         rooms: dict[str, NodeRoom] = {}
         prefill: dict[str, tuple[int, int, float, int]] = {}
         by_name = {v.name: v for v in views}
-        objective = self.calm.objective_ms()
-        held = bool(snap.depths[Tier.NORMAL] or snap.depths[Tier.BATCH])
-        zone = self.tracker.zone
         for plan in plans:
             view = by_name.get(plan.name)
             if view is None or plan.budget is None:
@@ -332,8 +336,8 @@ class PoolScheduler:
                 seq=view.seq, running=None if m is None else m.running,
                 waiting=0 if m is None else m.waiting,
                 reports=snap.vip_reports.get(plan.name),
-                overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective,
-                held=held, calm=zone is Zone.GREEN and not held)
+                overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective_ms,
+                held=snap.held, calm=calm)
             rooms[plan.name] = room
             # A node held by max_engine_running gets no refill between polls either, nor one
             # under a running limit: its room counts the places the limit has left.
@@ -355,7 +359,7 @@ class PoolScheduler:
                 out.append(f"{p.name}:{p.reason}")
         if self.control is not None:
             # The objective is also what the finish script counts VIP first tokens against.
-            extra["vip_ttft_objective_ms"] = self.calm.objective_ms()
+            extra["vip_ttft_objective_ms"] = result.objective_ms
             calm = self.calm.calm_ms()
             extra["vip_calm_p99_ms"] = "" if calm is None else f"{calm:.1f}"
             extra["prefill_quiet"] = self.pool.control.quiet_nodes
@@ -412,17 +416,18 @@ class PoolScheduler:
         usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes,
                            projection_cap=self.pool.zones.kv_target)
         zone = self.tracker.update(usage)
+        # Calm: nothing above VIP's line held back (scheduler.calm).
+        calm = zone is Zone.GREEN and not snap.held
         if self.control is not None:
-            # Calm: nothing above VIP's line held back (scheduler.calm).
-            self.calm.observe(snap.vip_histogram, zone is Zone.GREEN
-                              and not snap.depths[Tier.NORMAL] and not snap.depths[Tier.BATCH],
-                              now)
+            self.calm.observe(snap.vip_histogram, calm, now)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,
                             guests_closed=self._guests_closed(views),
                             red_clear_s=self.clearance.update(zone, usage, now))
         if self.control is not None:
-            result.rooms, result.prefill = self.control_rooms(views, plans, snap, now)
+            result.objective_ms = self.calm.objective_ms()
+            result.rooms, result.prefill = self.control_rooms(views, plans, snap, now, calm,
+                                                              result.objective_ms)
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),
@@ -482,7 +487,7 @@ class PoolScheduler:
             m.running_limit.labels(pool, name).set(
                 math.nan if room.running_limit is None else room.running_limit)
         if self.control is not None:
-            m.vip_objective.labels(pool).set(self.calm.objective_ms() / 1000)
+            m.vip_objective.labels(pool).set(result.objective_ms / 1000)
         for node in self.poller.nodes:
             if node.metrics is not None and node.metrics.preemptions is not None:
                 m.preemptions.labels(pool, node.name).set(node.metrics.preemptions)

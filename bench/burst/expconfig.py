@@ -210,23 +210,24 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
     preset) nothing is written and the services run the defaults as shipped."""
     d, e = ControlSettings(), EngineSettings()
     # Exploration settings (never set by the matrix), at real scale like the defaults.
-    bound = []
+    explored = []
     if settings.max_engine_running is not None:
         running = max(1, round(settings.max_engine_running * settings.capacity_scale))
-        bound = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
+        explored = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
+    if settings.vip_slowdown is not None:
+        explored.append(f"vip_slowdown = {settings.vip_slowdown!r}")
     objective = settings.vip_ttft_objective_ms
     speed = settings.time_scale
     running_min = d.running_min if settings.running_min is None else settings.running_min
-    if settings.vip_slowdown is not None:
-        bound.append(f"vip_slowdown = {settings.vip_slowdown!r}")
     if speed == 1.0 and settings.capacity_scale == 1.0:
-        explored = bound + ([] if objective is None else [f"vip_ttft_objective_ms = {objective}"])
+        if objective is not None:
+            explored.append(f"vip_ttft_objective_ms = {objective}")
         if settings.running_min is not None:
             explored.append(f"running_min = {running_min}")
         return ["[pools.control]", *explored, ""] if explored else []
     return [
         "[pools.control]",
-        *bound,
+        *explored,
         f"vip_ttft_objective_ms = "
         f"{max(1, round((d.vip_ttft_objective_ms if objective is None else objective) / speed))}",
         f"prefill_tokens_per_s = "

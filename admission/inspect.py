@@ -376,13 +376,17 @@ def _dedicated(n: NodeView) -> str:
 
 def _prefill(n: NodeView) -> str:
     """The release control's room / window and backlog, in prompt tokens, with the prefill rate
-    and gain the window was sized by and the learned running limit ('-': not limited)."""
+    and gain the window was sized by, the running limit ('-': not limited) and the decode step
+    time now / at calm (the limit's signal)."""
     room, window = n.fields.get("prefill_room"), n.fields.get("prefill_window")
     if room is None or window is None:
         return "-"
     sized = "".join(f", {label}{n.fields[key]}{unit}" for key, label, unit in (
         ("prefill_rate", "", "/s"), ("prefill_gain", "gain ", ""),
         ("running_limit", "running limit ", "")) if n.fields.get(key))
+    step, calm = n.fields.get("decode_step_ms"), n.fields.get("calm_step_ms")
+    if step:
+        sized += f", step {step}{f'/{calm}' if calm else ''} ms"
     return f"{room}/{window} (queued {n.fields.get('prefill_backlog', '?')}{sized})"
 
 

@@ -33,19 +33,24 @@ Per node, every poll (all in prompt tokens and seconds):
         default), that many times the pool's learned calm VIP P99 once learned
         (scheduler.calm)
     X   window = clamp(g x mu x O x MODEL_SHARE, window_min, window_max)
-    R   running limit (with `running_min` set; off by default), for misses the window did
-        not cause (the backlog averaged under half of it: the decode batch the chat joined
-        made it late, every step costing time per sequence): none at calm; set when Normal
-        or Batch work starts waiting while VIP reports are fresh, to what the engine runs
-        then (at least `running_min` and `RUN_BLAME` x the batch it ran at calm); cut to
-        `RUN_DECREASE` of what it runs at such a miss while it runs more than `RUN_BLAME` x
-        its calm batch (never below that batch, at most once per `hold_s`, and only once
-        the batch has begun to shrink since the last cut); grown by the larger of `RUN_STEP`
-        and `RUN_GROWTH` at each poll with fresh reports, the recent miss share within
-        `vip_miss_target` and the engine at R - 1 or more; gone once nothing has waited
-        and no miss has cut it for `signal_stale_ms`
+    L   running limit (with `running_min` set; off by default), for the part of a VIP first
+        token the queue does not control: every step the chat waits for costs a fixed part
+        plus a part per running sequence, so a flood admitted into the decode batch slows
+        VIP with no queue at all. From the node's mean step time over the last reading,
+        tau (the rate of vLLM's inter-token latency histogram: sum over count), the step
+        time it had at calm, tau0 (averaged over calm polls, ~`CALM_STEP_TAU_SHARE`), and
+        the pool's calm VIP P99, P (scheduler.calm): a flood may add O - P to a first token
+        in the calm tail (the objective's slowdown of it; at least 0), and such a first
+        token waits for about `STEP_SPAN` steps (the one it arrives in, a long prompt's
+        chunk ahead of it, its own), so each step may grow by (O - P) / `STEP_SPAN`:
+        tau_max = tau0 + (O - P) / STEP_SPAN, and L = running x tau_max / tau (the batch
+        whose step would take tau_max if the step time were proportional to it: below the
+        true one, whose fixed part does not grow, so L converges from the safe side over
+        a few polls), at least `running_min`. None without a VIP report in the pool for
+        `signal_stale_ms` (nothing to protect), before tau0 and P are learned, or while the
+        node decodes nothing (no step to measure)
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
-        `max_engine_running` sequences or R, else at most the places R leaves (R - running -
+        `max_engine_running` sequences or L, else at most the places L leaves (L - running -
         waiting - released since the reading) x the node's mean prompt, less
         what light tenants overdrew since the last poll (take_overdraw)
 
@@ -71,10 +76,12 @@ to a quarter within the chats' duration plus three `hold_s`, and it recovers at
 chats a second). VIP reports come with the settle, at the end of a chat: the correction lags
 by a chat's duration, which GAIN_MAX < 2 (at most 3/4 of the objective queued) leaves room for.
 A flood that slows only the decode batch (tests/test_scheduler_running_limit.py, six times the
-calm load): from 100 polls after the step VIP's P99 within 1.25x of the calm one over the
-flood and 1.5x in every 2 s window, more than 3x without the limit; the flood served faster
-than calm traffic arrives.
-Stale or missing signals: no VIP report for `signal_stale_ms` means gain 1 (the model alone);
+calm load, long generations): the limit follows the step time within a poll (the signal is
+every decoded token, not the few VIP chats), VIP's P99 over the flood stays within 1.25x of
+the calm one where it is more than 3x without the limit, and the flood is served faster than
+calm traffic arrives.
+Stale or missing signals: no VIP report for `signal_stale_ms` means gain 1 (the model alone)
+and no running limit; a page without the inter-token histogram sets no limit;
 a stale scrape keeps the last mu and drains nothing from B until the counter moves again (the
 queue looks longer: the safe side); a page without the counter keeps the configured rate.
 """
@@ -94,16 +101,10 @@ GAIN_MIN, GAIN_MAX = 0.1, 1.5
 GAIN_STEP = 0.02
 """Additive increase per poll with VIP reports and no excess misses."""
 GAIN_DECREASE = 0.5
-RUN_DECREASE = 0.75
-"""A VIP miss the queue did not cause cuts the node's running limit to this share of what it
-runs."""
-RUN_BLAME = 1.5
-"""A miss is the decode batch's only while the engine runs more than this many times what it
-ran at calm (at calm the batch gave the calm TTFT the objective is a slowdown of); nor does a
-cut go below the calm batch."""
-RUN_STEP, RUN_GROWTH = 0.5, 0.01
-"""A binding running limit grows by the larger of RUN_STEP sequences and RUN_GROWTH of itself
-at each poll while the recent VIP chats meet the objective (~20% a second at 50 ms polls)."""
+STEP_SPAN = 3.0
+"""Decode steps a VIP first token in the calm tail waits for: the one it arrives in, a long
+prompt's chunk ahead of it and its own. The slowdown a flood may add to such a first token is
+spread over this many steps."""
 # The law's time constants are shares of `signal_stale_ms` (10 s by default: 1 s, 2 s, 1 s and
 # 10 s), so a deployment, or the lab on its faster clock, scales them with the one setting.
 HOLD_SHARE = 0.1
@@ -123,8 +124,8 @@ QUEUE_TAU_SHARE = 0.1
 poll or two is not a queue."""
 SIGNAL_TAU_SHARE = 1.0
 """Time constant of the recent VIP miss share."""
-CALM_RUN_TAU_SHARE = 6.0
-"""Time constant of the running count at calm."""
+CALM_STEP_TAU_SHARE = 6.0
+"""Time constant of the step time learned at calm."""
 
 
 def backlog(tasks: Iterable[tuple[int, float]], rate: float) -> float:
@@ -158,6 +159,10 @@ class NodeRoom:
     miss_share: float = 0.0
     """The share of the node's recent VIP first tokens (~signal_stale_ms) later than the
     objective."""
+    step_s: float | None = None
+    """The node's mean decode step time at its last reading (None: not measured)."""
+    calm_step_s: float | None = None
+    """...and at calm (None: not learned)."""
 
 
 @dataclass(slots=True)
@@ -188,15 +193,17 @@ class _Node:
     """Overdraws not yet taken out of a room."""
     queued: float = 0.0
     """Backlog / window, averaged over polls (time constant `queue_tau_s`)."""
-    run_limit: float | None = None
-    """Sequences the engine may run before Normal and Batch wait (None: no limit learned)."""
-    run_hold_until: float = -math.inf
-    unheld_since: float | None = None
-    """Since when no Normal or Batch work has waited (None: some waits)."""
-    calm_running: float | None = None
-    """Sequences the engine ran at calm, averaged (None: not seen calm yet)."""
+    itl: tuple[float, float] | None = None
+    """(sum, count) of the engine's inter-token latency histogram at the last reading."""
+    itl_seq: int = -1
+    step_s: float | None = None
+    """Mean step time over the last reading that counted decoded tokens (tau)."""
+    calm_step_s: float | None = None
+    """The step time at calm, averaged (tau0; None: not seen calm yet)."""
     calm_polls: int = 0
     calm_at: float | None = None
+    limited: bool = False
+    """The running limit held the node's room at the last poll."""
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
@@ -226,7 +233,9 @@ class ReleaseControl:
         self.rate_tau_s = RATE_TAU_SHARE * clock
         self.queue_tau_s = QUEUE_TAU_SHARE * clock
         self.signal_tau_s = SIGNAL_TAU_SHARE * clock
-        self.calm_run_tau_s = CALM_RUN_TAU_SHARE * clock
+        self.calm_step_tau_s = CALM_STEP_TAU_SHARE * clock
+        self._vip_at: float | None = None
+        """When a VIP first token was last reported on any node of the pool."""
 
     def node(self, name: str) -> _Node:
         state = self._nodes.get(name)
@@ -263,7 +272,7 @@ class ReleaseControl:
         return True
 
     def _observe_reports(self, s: _Node, reports: tuple[int, int] | None, now: float,
-                         used: bool, running: int | None) -> None:
+                         used: bool) -> None:
         if s.at is not None:
             decay = math.exp(-max(0.0, now - s.at) / self.signal_tau_s)
             s.n_recent *= decay
@@ -279,89 +288,66 @@ class ReleaseControl:
             return  # the counters were reset (Redis flushed): start again
         if n > 0:
             s.reported_at = now
+            self._vip_at = now if self._vip_at is None else max(self._vip_at, now)
             s.n_recent += n
             s.over_recent += over
             miss = s.over_recent / s.n_recent
             if over > 0 and miss > self.settings.vip_miss_target:
-                if s.queued >= 0.5:
-                    if now >= s.hold_until:
-                        s.gain = max(GAIN_MIN, s.gain * GAIN_DECREASE)
-                        s.hold_until = now + self.hold_s
-                else:
-                    # A window the node did not keep half full did not make these chats late:
-                    # the decode batch they joined did (every step costs time per sequence).
-                    self._cut_running(s, now, running)
+                # A window the node did not keep half full did not make these chats late: the
+                # decode batch they joined did (every step costs time per sequence), which the
+                # running limit answers from the step time.
+                if s.queued >= 0.5 and now >= s.hold_until:
+                    s.gain = max(GAIN_MIN, s.gain * GAIN_DECREASE)
+                    s.hold_until = now + self.hold_s
             elif over == 0 and used:
                 # Only a window that was used is known to be safe (TCP's rule for a window
                 # that limits): a quiet node would otherwise grow it to the bound and let a
                 # burst through at once.
                 s.gain = min(GAIN_MAX, s.gain + GAIN_STEP)
         elif not self._fresh(s, now):
-            # (The running limit stays while the flood does: VIP steered to the other nodes,
-            # away from this one's long batch, may come back to it any time.)
             s.gain = 1.0
-
-    def _hold_running(self, s: _Node, held: bool, now: float, running: int | None) -> None:
-        """A flood starts the node's running limit at what it runs then: the decode batch
-        grows only as fast as chats meet the objective (`_observe_reports`), instead of to
-        whatever the KV budget admits before the first late chat reports. Only while VIP
-        chats report (with none, nothing needs the decode batch short). The limit goes once
-        nothing has waited, and no miss has cut it, for `signal_stale_ms` (a flood that only
-        slows the decode batch queues nothing until the limit it sets binds)."""
-        if not self.settings.running_min:
-            return
-        if held:
-            s.unheld_since = None
-            if s.run_limit is None and running is not None and self._fresh(s, now):
-                # A batch the misses would not be blamed on needs no limit below it.
-                calm = 0.0 if s.calm_running is None else RUN_BLAME * s.calm_running
-                s.run_limit = float(max(self.settings.running_min, running, calm))
-        elif s.unheld_since is None:
-            s.unheld_since = now
-        elif now - max(s.unheld_since, s.run_hold_until - self.hold_s) > self.stale_s:
-            s.run_limit = None
-
-    def _grow_running(self, s: _Node, now: float, running: int | None) -> None:
-        """A limit grows at every poll while it binds (the same rule as the window's: only a
-        limit that is used is known to be safe), the recent VIP chats meet the objective
-        (a decode batch shrinks as its sequences end, seconds after a cut: chats late
-        meanwhile are no reason to grow it) and they report (with none, nothing is known)."""
-        if s.run_limit is None or running is None or running < s.run_limit - 1:
-            return
-        if not self._fresh(s, now):
-            return
-        if s.n_recent <= 0 or s.over_recent / s.n_recent > self.settings.vip_miss_target:
-            return
-        s.run_limit += max(RUN_STEP, RUN_GROWTH * s.run_limit)
 
     def _fresh(self, s: _Node, now: float) -> bool:
         """A VIP first token was reported on the node within `signal_stale_ms`."""
         return s.reported_at is not None and now - s.reported_at <= self.stale_s
 
-    def _observe_calm_running(self, s: _Node, running: int, now: float) -> None:
-        """Average the running count over calm polls (from the first ones while they are few;
-        a flood's limit still set or just gone is not calm: the batch it left is draining)."""
+    def _observe_step(self, s: _Node, itl: tuple[float, float] | None, seq: int,
+                      now: float, calm: bool) -> None:
+        """The step time from a new reading of the inter-token histogram (a mean over every
+        token decoded since the last one), and at calm its average, from the first polls
+        while they are few (not while the limit held the node: its batch was not the calm
+        one)."""
+        if itl is None or seq == s.itl_seq:
+            return
+        s.itl_seq = seq
+        last, s.itl = s.itl, itl
+        if last is None:
+            return
+        count, total = itl[1] - last[1], itl[0] - last[0]
+        if count <= 0 or total < 0:
+            return  # nothing decoded since (or the engine restarted: its histogram did too)
+        s.step_s = total / count
+        if not calm or s.limited:
+            return
         dt = 0.0 if s.calm_at is None else max(0.0, now - s.calm_at)
         s.calm_at = now
         s.calm_polls += 1
-        weight = max(1.0 / s.calm_polls, 1.0 - math.exp(-dt / self.calm_run_tau_s))
-        base = float(running) if s.calm_running is None else s.calm_running
-        s.calm_running = base + weight * (running - base)
+        weight = max(1.0 / s.calm_polls, 1.0 - math.exp(-dt / self.calm_step_tau_s))
+        base = s.step_s if s.calm_step_s is None else s.calm_step_s
+        s.calm_step_s = base + weight * (s.step_s - base)
 
-    def _cut_running(self, s: _Node, now: float, running: int | None) -> None:
-        """Lower the node's running limit below what it runs now, once the last cut has begun
-        to take effect: sequences leave only as they finish, so chats that miss while the
-        engine still runs what it ran before the cut describe the batch before it."""
-        floor = float(self.settings.running_min)
-        if (running is None or not floor or now < s.run_hold_until
-                or (s.run_limit is not None and running >= s.run_limit / RUN_DECREASE)):
-            return
-        if s.calm_running is not None:
-            if running <= RUN_BLAME * s.calm_running:
-                return  # a batch no longer than at calm did not make the chat late
-            floor = max(floor, s.calm_running)
-        s.run_limit = max(floor, running * RUN_DECREASE)
-        s.run_hold_until = now + self.hold_s
+    def running_limit(self, s: _Node, running: int | None, objective_ms: float,
+                      calm_p99_ms: float | None, now: float) -> int | None:
+        """The sequences the node may run before Normal and Batch wait (module docstring:
+        L); None when no limit holds."""
+        floor = self.settings.running_min
+        if (not floor or not running or s.step_s is None or s.calm_step_s is None
+                or calm_p99_ms is None or self._vip_at is None
+                or now - self._vip_at > self.stale_s):
+            return None
+        budget_s = max(0.0, objective_ms - calm_p99_ms) / 1000 / STEP_SPAN
+        most = s.calm_step_s + budget_s
+        return max(floor, math.floor(running * most / s.step_s + 1e-9))  # (float noise)
 
     def update(
         self,
@@ -377,8 +363,9 @@ class ReleaseControl:
         reports: tuple[int, int] | None = None,
         overdrawn: int | None = None,
         objective_ms: int | None = None,
-        held: bool = False,
         calm: bool = False,
+        itl: tuple[float, float] | None = None,
+        calm_p99_ms: float | None = None,
     ) -> NodeRoom:
         """One poll for node `name`: `tasks` (key, prompt, seconds since release) released to
         it and running (the key, the running index's member, tells the new ones); its prompt
@@ -386,9 +373,9 @@ class ReleaseControl:
         counts; the VIP reports (first tokens, those over the objective); the count of prompt
         tokens light tenants released beyond the room (`overdrawn`, monotonic), which the
         rooms that follow pay back; the VIP objective now (scheduler.calm; None: the
-        configured one); whether Normal or Batch work waits in the pool (`held`), and whether
-        the pool is calm (`calm`: zone GREEN, nothing waiting; the running count is learned
-        then)."""
+        configured one); whether the pool is calm (`calm`: zone GREEN, nothing waiting; the
+        step time is learned then); the (sum, count) of the engine's inter-token latency
+        histogram, and the pool's calm VIP P99 (scheduler.calm; None: not learned)."""
         c = self.settings
         s = self.node(name)
         before = s.counter
@@ -404,11 +391,8 @@ class ReleaseControl:
         # The window was used if the node held at least half of it at the last poll, counting
         # what it was given since (a small window on a fast node is drained within a poll).
         used = s.backlog + sum(p for p, _ in new) >= s.window / 2
-        if calm and c.running_min and s.run_limit is None and running is not None:
-            self._observe_calm_running(s, running, now)
-        self._hold_running(s, held, now, running)
-        self._observe_reports(s, reports, now, used, running)
-        self._grow_running(s, now, running)
+        self._observe_step(s, itl, seq, now, calm)
+        self._observe_reports(s, reports, now, used)
         read = now if read_at is None else read_at
         if s.at_poll is None:
             # A new leader: the recursion over the tasks the index holds.
@@ -432,6 +416,8 @@ class ReleaseControl:
             s.queued += (s.backlog / s.window - s.queued) * weight
         s.at_poll = now
         objective = c.vip_ttft_objective_ms if objective_ms is None else objective_ms
+        limit = self.running_limit(s, running, objective, calm_p99_ms, now)
+        s.limited = False
         model = s.gain * s.rate * objective / 1000 * MODEL_SHARE
         window = s.window = int(min(c.window_max_tokens, max(c.window_min_tokens, model)))
         # Below 0 when the backlog exceeds the window: no Normal or Batch work fits either way,
@@ -441,40 +427,46 @@ class ReleaseControl:
         reason = ""
         if c.max_engine_running and running is not None and running > c.max_engine_running:
             room, reason = min(room, 0), "max_engine_running"
-        elif s.run_limit is not None and running is not None:
+        elif limit is not None and running is not None:
             # Releases between two readings of the running count are bounded by the room in
             # tokens: as many of the node's typical prompts as the limit has places left
             # (the requests the engine has waiting join its batch next, and those released
             # since the reading, or just before it, may not be in its counts yet).
             unseen = sum(1 for _, age in timed if age < now - read + DISPATCH_S)
-            places = math.floor(s.run_limit) - running - waiting - unseen
+            places = limit - running - waiting - unseen
             if places <= 0:
                 room, reason = min(room, 0), "running_limit"
+                s.limited = True
             else:
                 prompts = [p for p, _ in timed]
                 typical = sum(prompts) / len(prompts) if prompts else window
                 room = min(room, math.ceil(places * typical))
         room -= take_overdraw(s, overdrawn, room)
-        limit = None if s.run_limit is None else math.floor(s.run_limit)
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
-        return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss)
+        return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
+                        s.step_s, s.calm_step_s)
 
-    def resume(self, learned: Mapping[str, tuple[float, float]]) -> None:
-        """Start a new leadership from the (prefill rate, gain) per node that the last leader
-        published, forgetting the rest: a standby's configured rate may be far from what the
-        nodes were measured to do (on the lab's nodes 30,000 tokens/s against 17,600
-        measured), and the windows built on it would release a burst of Normal and Batch work
-        until the rate is measured again. Readings, backlogs and VIP counts start afresh (a
-        new leader's backlog is the recursion over the running index). Values that are not
-        finite and positive are ignored."""
+    def resume(self, learned: Mapping[str, tuple[float, float, float]]) -> None:
+        """Start a new leadership from the (prefill rate, gain, calm step time) per node that
+        the last leader published, forgetting the rest. A standby's configured rate may be far
+        from what the nodes were measured to do (on the lab's nodes 30,000 tokens/s against
+        17,600 measured), and the windows built on it would release a burst of Normal and
+        Batch work until the rate is measured again; a leader taking over in a flood keeps
+        the running limit without waiting for calm to learn the step time again. Readings,
+        backlogs and VIP counts start afresh (a new leader's backlog is the recursion over the
+        running index). Values that are not finite and positive are ignored."""
         self._nodes = {}
-        for name, (rate, gain) in learned.items():
+        self._vip_at = None
+        for name, (rate, gain, calm_step) in learned.items():
             if not (math.isfinite(rate) and rate > 0):
                 continue
             state = self.node(name)
             state.rate = rate
             if math.isfinite(gain) and gain > 0:
                 state.gain = min(GAIN_MAX, max(GAIN_MIN, gain))
+            if math.isfinite(calm_step) and calm_step > 0:
+                # Learned over many calm polls: the next one moves it by its time's share.
+                state.calm_step_s, state.calm_polls = calm_step, 1_000_000
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of nodes no longer in the pool."""

@@ -67,8 +67,15 @@ class SchedulerMetrics:
                                   "TTFT (1: the model alone).", ["pool", "node"], registry=r)
         self.running_limit = Gauge(p + "running_limit",
                                    "Release control: sequences the node's engine may run before "
-                                   "Normal and Batch work waits, learned from VIP misses (NaN: "
-                                   "no limit).", ["pool", "node"], registry=r)
+                                   "Normal and Batch work waits, from its decode step time "
+                                   "(NaN: no limit).", ["pool", "node"], registry=r)
+        self.decode_step = Gauge(p + "decode_step_seconds",
+                                 "Release control: the node's mean decode step time at its last "
+                                 "reading (vLLM's inter-token latency; NaN: not measured).",
+                                 ["pool", "node"], registry=r)
+        self.calm_step = Gauge(p + "calm_decode_step_seconds",
+                               "Release control: the node's decode step time learned at calm "
+                               "(NaN: not learned).", ["pool", "node"], registry=r)
         self.vip_objective = Gauge(p + "vip_ttft_objective_seconds",
                                    "Release control: the VIP time-to-first-token objective now "
                                    "(vip_slowdown x the learned calm P99, or the configured "
@@ -112,5 +119,6 @@ class SchedulerMetrics:
                       self.projected, self.budget, self.reserved, self.ejected,
                       self.preemptions, self.queue_depth, self.drain, self.prefill_window,
                       self.prefill_backlog, self.prefill_room, self.prefill_rate,
-                      self.control_gain, self.running_limit, self.vip_objective):
+                      self.control_gain, self.running_limit, self.decode_step,
+                      self.calm_step, self.vip_objective):
             gauge.clear()

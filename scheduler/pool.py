@@ -101,15 +101,21 @@ def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _
     return out, parsed
 
 
-def learned_control(state: Mapping[str, str]) -> dict[str, tuple[float, float]]:
-    """node -> (prefill rate, gain) as a leader published them in the state hash
-    (`prefill_rate:<node>`, `prefill_gain:<node>`; a missing or unreadable gain reads 1)."""
-    out: dict[str, tuple[float, float]] = {}
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1000:.2f}"
+
+
+def learned_control(state: Mapping[str, str]) -> dict[str, tuple[float, float, float]]:
+    """node -> (prefill rate, gain, calm step in seconds) as a leader published them in the
+    state hash (`prefill_rate:<node>`, `prefill_gain:<node>`, `calm_step_ms:<node>`; a missing
+    or unreadable gain reads 1, a missing calm step 0: not learned)."""
+    out: dict[str, tuple[float, float, float]] = {}
     for field_name, raw in state.items():
         kind, _, node = field_name.partition(":")
         if kind != "prefill_rate" or not node:
             continue
-        out[node] = (finite_number(raw), finite_number(state.get(f"prefill_gain:{node}"), 1.0))
+        out[node] = (finite_number(raw), finite_number(state.get(f"prefill_gain:{node}"), 1.0),
+                     finite_number(state.get(f"calm_step_ms:{node}")) / 1000)
     return out
 
 
@@ -313,7 +319,7 @@ class PoolScheduler:
         return plans
 
     def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
-                      now: float, calm: bool, objective_ms: int
+                      now: float, calm: bool, objective_ms: int, calm_p99_ms: float | None
                       ) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float, int]]]:
         """The release control's room per usable node, and the (limit, window, refill rate,
         running sequences) the scripts enforce and steer VIP by (scheduler.control;
@@ -337,7 +343,7 @@ class PoolScheduler:
                 waiting=0 if m is None else m.waiting,
                 reports=snap.vip_reports.get(plan.name),
                 overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective_ms,
-                held=snap.held, calm=calm)
+                calm=calm, itl=None if m is None else m.itl, calm_p99_ms=calm_p99_ms)
             rooms[plan.name] = room
             # A node held by max_engine_running gets no refill between polls either, nor one
             # under a running limit: its room counts the places the limit has left.
@@ -371,6 +377,8 @@ class PoolScheduler:
                 extra[f"prefill_gain:{name}"] = f"{room.gain:.3f}"
                 extra[f"running_limit:{name}"] = ("" if room.running_limit is None
                                                   else room.running_limit)
+                extra[f"decode_step_ms:{name}"] = _ms(room.step_s)
+                extra[f"calm_step_ms:{name}"] = _ms(room.calm_step_s)
                 extra[f"vip_miss:{name}"] = f"{room.miss_share:.3f}"
                 if room.reason:
                     out.append(f"{name}:{room.reason}")
@@ -426,8 +434,8 @@ class PoolScheduler:
                             red_clear_s=self.clearance.update(zone, usage, now))
         if self.control is not None:
             result.objective_ms = self.calm.objective_ms()
-            result.rooms, result.prefill = self.control_rooms(views, plans, snap, now, calm,
-                                                              result.objective_ms)
+            result.rooms, result.prefill = self.control_rooms(
+                views, plans, snap, now, calm, result.objective_ms, self.calm.calm_ms())
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),
@@ -486,6 +494,10 @@ class PoolScheduler:
             m.control_gain.labels(pool, name).set(room.gain)
             m.running_limit.labels(pool, name).set(
                 math.nan if room.running_limit is None else room.running_limit)
+            m.decode_step.labels(pool, name).set(
+                math.nan if room.step_s is None else room.step_s)
+            m.calm_step.labels(pool, name).set(
+                math.nan if room.calm_step_s is None else room.calm_step_s)
         if self.control is not None:
             m.vip_objective.labels(pool).set(result.objective_ms / 1000)
         for node in self.poller.nodes:

@@ -8,7 +8,9 @@ go through the parser: parsing cost stays flat as vLLM adds metrics.
 Names: `vllm:kv_cache_usage_perc` (V1, vLLM >= 0.10) is read first, the V0 name
 `vllm:gpu_cache_usage_perc` (removed in 0.12) when the first is absent. Capacity comes from
 `vllm:cache_config_info` (`num_gpu_blocks` x `block_size`) when the page has it; a backend's
-`capacity_tokens` in the configuration wins over it (an operator's explicit decision).
+`capacity_tokens` in the configuration wins over it (an operator's explicit decision). The
+decode step time comes from `vllm:inter_token_latency_seconds` (vLLM >= 0.11), or the older
+`vllm:time_per_output_token_seconds`: only their `_sum` and `_count`.
 
 A server running several engines (data parallel) exposes one sample per `engine` label:
 usage is the highest engine's (conservative), counts and capacities are summed.
@@ -33,9 +35,12 @@ WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions"
 CACHE_INFO = "vllm:cache_config_info"
 PROMPT_TOKENS = "vllm:prompt_tokens"
+ITL_V1 = "vllm:inter_token_latency_seconds"
+ITL_V0 = "vllm:time_per_output_token_seconds"
 DEFAULT_BLOCK_SIZE = 16
 
-_NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO, PROMPT_TOKENS)
+_NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO, PROMPT_TOKENS,
+          *(name + part for name in (ITL_V1, ITL_V0) for part in ("_sum", "_count")))
 _WANTED = tuple(
     prefix + name for name in _NAMES for prefix in ("", "# HELP ", "# TYPE ")
 )
@@ -61,6 +66,9 @@ class NodeMetrics:
     prompt_tokens: float | None = None
     """vllm:prompt_tokens_total (prompt tokens prefilled so far), None when the page lacks it:
     its rate is the node's prefill throughput (scheduler.control)."""
+    itl: tuple[float, float] | None = None
+    """(sum in seconds, count) of the inter-token latency histogram, None when the page lacks
+    it: their rates' ratio is the node's mean decode step time (scheduler.control)."""
 
 
 def _select(text: str) -> str:
@@ -80,6 +88,8 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     running = waiting = 0.0
     preemptions: float | None = None
     prompt_tokens: float | None = None
+    itl: dict[str, list[float]] = {ITL_V1: [0.0, 0.0], ITL_V0: [0.0, 0.0]}
+    seen_itl: set[str] = set()
     capacity = 0
     block_size: int | None = None
     try:
@@ -99,6 +109,12 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
                 preemptions = (preemptions or 0.0) + sample.value
             elif name == PROMPT_TOKENS + "_total":
                 prompt_tokens = (prompt_tokens or 0.0) + sample.value
+            elif name.rpartition("_")[0] in itl:
+                # Only the _sum and _count lines are selected (not the buckets): summed over
+                # engines, the ratio of their rates is the mean over every decoded token.
+                base, _, part = name.rpartition("_")
+                itl[base][part == "count"] += sample.value
+                seen_itl.add(base)
             elif name == CACHE_INFO:
                 blocks = _int_label(sample.labels, "num_gpu_blocks")
                 size = _int_label(sample.labels, "block_size")
@@ -120,6 +136,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
         capacity_tokens=capacity or None,
         block_size=block_size or DEFAULT_BLOCK_SIZE,
         prompt_tokens=prompt_tokens,
+        itl=next(((itl[n][0], itl[n][1]) for n in (ITL_V1, ITL_V0) if n in seen_itl), None),
     )
 
 

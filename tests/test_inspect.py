@@ -171,7 +171,8 @@ async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis
         "dedicated_nodes": "gpu-1", "dedicated_tiers": 1, "dedicated_guest_prompt": 500,
         "dedicated_guest_cap": 4, "prefill_room:gpu-0": 300, "prefill_window:gpu-0": 1000,
         "prefill_backlog:gpu-0": 700, "prefill_rate:gpu-0": "8000",
-        "prefill_gain:gpu-0": "0.900", "running_limit:gpu-0": "24", "running_limit:gpu-1": ""})
+        "prefill_gain:gpu-0": "0.900", "running_limit:gpu-0": "24", "running_limit:gpu-1": "",
+        "decode_step_ms:gpu-0": "21.50", "calm_step_ms:gpu-0": "15.00"})
     assert await w.admit("g", ACME, Tier.NORMAL, 100, 100, "gw-1") is AdmitOutcome.RELEASED
     (p,) = (await inspect.snapshot(redis_client, [POOL])).pools
     assert [(n.node, n.guests) for n in p.nodes] == [("gpu-0", 0), ("gpu-1", 1)]
@@ -179,10 +180,11 @@ async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis
     text = inspect.render(await inspect.snapshot(redis_client, [POOL]))
     row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-1"))
     assert row[6:9] == ["-", "yes", "1"]
-    # The release control's room, window, backlog, rate and gain, where the leader published
-    # them.
+    # The release control's room, window, backlog, rate and gain, running limit and step
+    # times, where the leader published them.
     row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-0"))
-    assert " ".join(row[6:15]) == "300/1000 (queued 700, 8000/s, gain 0.900, running limit 24)"
+    assert " ".join(row[6:18]) == ("300/1000 (queued 700, 8000/s, gain 0.900, running limit 24, "
+                                   "step 21.50/15.00 ms)")
     # The leader closes the dedicated node to guests while it runs above its bound.
     await w.store.publish_state(1, Zone.GREEN, CAPS, {
         "dedicated_nodes": "gpu-1", "dedicated_tiers": 1, "dedicated_guests_closed": "gpu-1"})

@@ -222,8 +222,8 @@ def test_misses_while_no_prefill_was_queued_leave_the_window_alone() -> None:
     say) while little prefill is offered: a 3,000-token prompt fills most of the window for a
     poll or two, but the backlog averages far below half of it, so the gain is not cut and
     Normal and Batch keep their window. The same misses with the queue full cut it (the test
-    above). With the running limit on, these misses lower it instead (its own loop is in
-    tests/test_scheduler_running_limit.py); off here, so the prompts flow as before."""
+    above). The running limit answers such a batch from the step time, not from misses
+    (tests/test_scheduler_running_limit.py)."""
     node = Node(controller(running_min=0))
     node.extra_ttft_s = OBJECTIVE_MS / 1000
     node.run(15.0, rate_per_s=1.0)
@@ -231,12 +231,6 @@ def test_misses_while_no_prefill_was_queued_leave_the_window_alone() -> None:
     assert max(fill) >= 0.5 and sum(fill) / len(fill) < 0.1
     assert node.log[-1]["gain"] == 1.0
     assert len([t for t in node.vip_ttft if t[1] * 1000 > OBJECTIVE_MS]) >= 10
-    assert node.control.node("n").run_limit is None
-    limited = Node(controller(running_min=8))
-    limited.extra_ttft_s = OBJECTIVE_MS / 1000
-    limited.run(15.0, rate_per_s=1.0)
-    assert limited.log[-1]["gain"] == 1.0
-    assert limited.control.node("n").run_limit == 8
 
 
 def test_with_no_vip_reports_for_the_stale_time_the_window_is_the_models() -> None:
@@ -378,48 +372,95 @@ def test_resume_seeds_rate_and_gain_and_forgets_the_rest() -> None:
     gain within its bounds), unreadable ones are not, and nothing else carries over."""
     control = ReleaseControl(ControlSettings(prefill_tokens_per_s=10_000))
     control.node("old").backlog = 5_000.0
-    control.resume({"a": (8_000.0, 9.0), "b": (math.nan, 0.5), "c": (4_000.0, math.inf)})
+    control.resume({"a": (8_000.0, 9.0, 0.02), "b": (math.nan, 0.5, 0.02),
+                    "c": (4_000.0, math.inf, math.nan)})
     assert (control.node("a").rate, control.node("a").gain) == (8_000.0, GAIN_MAX)
+    assert control.node("a").calm_step_s == 0.02
     assert (control.node("b").rate, control.node("b").gain) == (10_000.0, 1.0)
+    assert control.node("b").calm_step_s is None
     assert (control.node("c").rate, control.node("c").gain) == (4_000.0, 1.0)
+    assert control.node("c").calm_step_s is None
     assert control.node("old").backlog == 0.0
 
 
 def test_learned_control_reads_the_published_fields() -> None:
     state = {"prefill_rate:n1": "8000", "prefill_gain:n1": "0.500", "prefill_rate:n2": "x",
-             "prefill_window:n1": "100", "zone": "GREEN"}
-    assert learned_control(state) == {"n1": (8000.0, 0.5), "n2": (0.0, 1.0)}
+             "prefill_window:n1": "100", "calm_step_ms:n1": "12.50", "calm_step_ms:n2": "",
+             "zone": "GREEN"}
+    assert learned_control(state) == {"n1": (8000.0, 0.5, 0.0125), "n2": (0.0, 1.0, 0.0)}
 
 
-def test_a_miss_is_the_batchs_only_when_the_batch_outgrew_the_calm_one() -> None:
-    """The engine ran 10 sequences at calm. Misses while it runs 12 (a long prompt's chunk,
-    say) never cut the running limit; misses while it runs 30 cut it, step by step as the
-    batch shrinks, down to where the batch is no longer than 1.5x the calm one, never below
-    the calm batch."""
-    t = 0.0
+class StepNode:
+    """Polls of one node whose engine decodes `running` sequences in steps of `step_s` (its
+    inter-token histogram grows by one step per sequence per step) and reports a VIP chat per
+    poll."""
 
-    def poll(control: ReleaseControl, running: int, late: bool, *, calm: bool = False
-             ) -> float | None:
-        nonlocal t
-        t += POLL_S
-        n, over = control.node("n").reports or (0, 0)
-        control.update("n", tasks=[], now=t, running=running, reports=(n + 2, over + late),
-                       calm=calm, held=not calm)
-        return control.node("n").run_limit
+    def __init__(self, **overrides: Any) -> None:
+        self.control = controller(**overrides)
+        self.t, self.seq = 0.0, 0
+        self.itl = [0.0, 0.0]
+        self.vip = 0
 
-    def calm_then_flood(start: int) -> ReleaseControl:
-        control = controller(running_min=8)
-        for _ in range(40):
-            assert poll(control, 10, False, calm=True) is None
-        assert control.node("n").calm_running == 10
-        return control
+    def poll(self, running: int, step_s: float, *, calm: bool = False,
+             calm_p99_ms: float | None = 100.0, vip: bool = True, objective_ms: int = 130
+             ) -> int | None:
+        steps = POLL_S / step_s
+        self.itl[0] += steps * running * step_s
+        self.itl[1] += steps * running
+        self.t += POLL_S
+        self.seq += 1
+        self.vip += vip
+        room = self.control.update("n", tasks=[], now=self.t, seq=self.seq, running=running,
+                                   reports=(self.vip, 0), calm=calm,
+                                   itl=(self.itl[0], self.itl[1]), calm_p99_ms=calm_p99_ms,
+                                   objective_ms=objective_ms)
+        return room.running_limit
 
-    control = calm_then_flood(12)
-    assert all((poll(control, 12, True) or 0) >= 12 for _ in range(400))
-    control = calm_then_flood(30)
-    running, limit = 30, poll(control, 30, True)
-    for _ in range(400):
-        limit = poll(control, running, True)
-        assert limit is not None and limit >= 10
-        running = min(running, math.floor(limit))  # the batch shrinks to the limit
-    assert limit is not None and 10 <= limit <= 15 and running <= 15
+
+def test_the_running_limit_is_the_batch_whose_step_would_take_the_budget() -> None:
+    """Calm: 10 sequences in 10 ms steps. The objective 130 ms against a calm P99 of 100 ms
+    lets a flood add 30 ms to a first token, 10 ms to each of its STEP_SPAN steps: the step
+    may take 20 ms, and the limit is the batch that would take it at the measured step time
+    per sequence."""
+    node = StepNode(running_min=4)
+    for _ in range(50):
+        node.poll(10, 0.010, calm=True)
+    assert node.control.node("n").calm_step_s == pytest.approx(0.010)
+    assert node.poll(10, 0.010) == 20
+    assert node.poll(16, 0.016) == 20
+    assert node.poll(30, 0.025) == 24  # above the budget: below what runs, room 0
+    assert node.poll(2, 0.1) == 4  # never below running_min
+    # A flood does not teach the calm step time.
+    assert node.control.node("n").calm_step_s == pytest.approx(0.010)
+    # An objective at or below the calm P99 leaves no budget: the calm step time.
+    assert node.poll(10, 0.0125, objective_ms=90) == 8
+
+
+def test_no_running_limit_without_what_it_is_computed_from() -> None:
+    """Off (running_min 0); before the calm step time or the calm P99 is learned; on a node
+    that decodes nothing; with no VIP first token reported in the pool for signal_stale_ms
+    (nothing to protect)."""
+    assert StepNode(running_min=0).poll(10, 0.010, calm=True) is None
+    node = StepNode(running_min=4)
+    assert node.poll(10, 0.010) is None  # the first reading only starts the deltas
+    assert node.poll(10, 0.010) is None  # not calm: no calm step time
+    node.poll(10, 0.010, calm=True)
+    assert node.poll(10, 0.010, calm_p99_ms=None) is None
+    assert node.poll(0, 0.010) is None
+    assert node.poll(10, 0.010) == 20
+    for _ in range(int(node.control.stale_s / POLL_S) + 1):
+        limit = node.poll(10, 0.010, vip=False)
+    assert limit is None
+
+
+def test_the_calm_step_is_not_learned_while_the_limit_holds_the_node() -> None:
+    """Calm by the pool's signals (GREEN, nothing queued) but held by the limit at the poll
+    before: that batch is the limit's, not calm's."""
+    node = StepNode(running_min=4)
+    for _ in range(50):
+        node.poll(10, 0.010, calm=True)
+    node.poll(40, 0.040)  # a flood: room 0 at this poll
+    for _ in range(5):
+        node.poll(40, 0.040, calm=True)
+    learned = node.control.node("n").calm_step_s
+    assert learned is not None and learned < 0.011

@@ -9,7 +9,8 @@ batch's step time: prefill is cheap here (short prompts), the queue ahead is emp
 the number of running sequences makes VIP late. Normal work arrives in a FIFO the leader
 releases from at each poll, within the published room and the KV line (a count of sequences
 here). VIP first tokens are counted as the finish script counts them (per 10% bucket, and
-against the objective in force) when the chat ends.
+against the objective in force) when the chat ends; every later token is an inter-token
+latency of the engine's histogram (its sum and count), which the leader reads at each poll.
 """
 
 from __future__ import annotations
@@ -32,10 +33,7 @@ CALM_RATE, FLOOD_RATE = 10.0, 60.0
 """Normal requests per second: ~700 tokens/s with VIP at calm (about 10 running, steps of
 12 ms; the engine's ceiling is ~1,650), ~3,700 in the flood."""
 CALM_S, FLOOD_S = 30.0, 40.0
-SETTLE_S = 5.0
-"""From the flood's start, VIP is back within 1.5x of its calm P99 after this long (100
-polls: the batch the flood started before the first late chat reported has to finish)."""
-AFTER_RATE, AFTER_S = 2.0, 240.0
+AFTER_RATE, AFTER_S = 2.0, 480.0
 
 
 @dataclass
@@ -63,7 +61,12 @@ class Engine:
     room: int = 0
     """Prompt tokens of the published room not taken yet."""
     histogram: dict[int, int] = field(default_factory=dict)
+    itl: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    """The engine's inter-token latency histogram: (sum in seconds, count)."""
+    polls: int = 0
+    now_before: float = 0.0
     reports: list[int] = field(default_factory=lambda: [0, 0])
+    vip_every_s: float = VIP_EVERY_S
     vip_ttft: list[tuple[float, float]] = field(default_factory=list)
     served: list[float] = field(default_factory=list)
     """When each Normal request ended."""
@@ -79,10 +82,13 @@ class Engine:
         self.calm.observe(dict(self.histogram), not held, at)
         tasks = [(s.key, PROMPT, at - s.arrived) for s in self.running + self.joining
                  if not s.vip]
+        self.polls += 1
         room = self.control.update("n", tasks=tasks, now=at, running=len(self.running),
                                    waiting=len(self.joining), reports=(self.reports[0],
                                                                        self.reports[1]),
-                                   objective_ms=objective, held=held, calm=not held)
+                                   objective_ms=objective, calm=not held, seq=self.polls,
+                                   itl=(self.itl[0], self.itl[1]),
+                                   calm_p99_ms=self.calm.calm_ms())
         self.room = room.room
         while (self.offered and self.room > 0
                and len(self.running) + len(self.joining) < MAX_SEQS):
@@ -100,7 +106,7 @@ class Engine:
                 return
             if at == self.next_vip:
                 self.joining.append(self.seq(VIP_OUT, at, vip=True))
-                self.next_vip += VIP_EVERY_S
+                self.next_vip += self.vip_every_s
             elif at == self.next_poll:
                 self.poll(at)
                 self.next_poll += POLL_S
@@ -138,9 +144,12 @@ class Engine:
                 continue
             end = self.now + FIXED_S + PER_SEQ_S * len(self.running)
             self.events_until(end)
-            self.now = end
+            self.now_before, self.now = self.now, end
             for s in self.running:
                 s.left -= 1
+                if s.first is not None:
+                    self.itl[0] += end - self.now_before
+                    self.itl[1] += 1
                 if s.first is None:
                     s.first = end
                     if s.vip:
@@ -159,53 +168,68 @@ RUNNING_MIN, SLOWDOWN = 8, 1.2
 """The control under test (both off by default)."""
 
 
-def engine(**overrides: object) -> Engine:
+def engine(vip_every_s: float = VIP_EVERY_S, **overrides: object) -> Engine:
     settings = replace(ControlSettings(running_min=RUNNING_MIN, vip_slowdown=SLOWDOWN),
                        **overrides)  # type: ignore[arg-type]
     return Engine(ReleaseControl(settings),
                   CalmBaseline(settings.vip_slowdown, settings.vip_ttft_objective_ms,
-                               settings.signal_stale_ms / 1000))
+                               settings.signal_stale_ms / 1000), vip_every_s=vip_every_s)
 
 
 def ttft_between(e: Engine, start: float, end: float) -> list[float]:
     return [ttft for at, ttft in e.vip_ttft if start <= at < end]
 
 
-def test_a_flood_settles_within_the_learned_objective_and_the_limit_lets_go_after() -> None:
-    """A sixfold step in Normal load. The objective is 1.2x the calm P99; once settled the
-    loop holds VIP's P99 over the flood within 1.25x, and within 1.5x in every 2 s window
-    (the limit probes upward while chats meet the objective, and the chats that come while it
-    is a sequence or two high are late before their misses report and cut it), where the same
-    flood without the limit makes it several times slower (the test below)."""
+def test_a_flood_stays_within_the_learned_objective_from_its_first_second() -> None:
+    """A sixfold step in Normal load. The objective is 1.2x the calm P99; the step time is
+    measured at every poll, so the limit holds the batch from the flood's first poll: VIP's
+    P99 over the flood within 1.25x of calm, and within 1.5x in every 2 s window from its
+    start, where the same flood without the limit makes it several times slower (the test
+    below)."""
     e = engine()
     e.run(CALM_S, CALM_RATE)
     calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
+    calm_running = max(x["running"] for x in e.log if 5.0 <= x["t"] < CALM_S)
     objective = e.calm.objective_ms()
     assert 1.2 * calm_p99 * 1000 / BUCKET_RATIO <= objective <= 1.2 * calm_p99 * 1000 * BUCKET_RATIO
     e.run(CALM_S + FLOOD_S, FLOOD_RATE)
-    # Settled within SETTLE_S (SETTLE_S / POLL_S polls), every 2 s window after it.
-    for start in range(int(CALM_S + SETTLE_S), int(CALM_S + FLOOD_S), 2):
+    for start in range(int(CALM_S), int(CALM_S + FLOOD_S), 2):
         assert p99(ttft_between(e, start, start + 2)) <= 1.5 * calm_p99, start
-    assert p99(ttft_between(e, CALM_S + SETTLE_S, CALM_S + FLOOD_S)) <= 1.25 * calm_p99
+    assert p99(ttft_between(e, CALM_S, CALM_S + FLOOD_S)) <= 1.25 * calm_p99
     assert e.calm.objective_ms() == objective  # a flood does not teach the calm figure
-    limits = [x["limit"] for x in e.log if x["t"] >= CALM_S and not math.isnan(x["limit"])]
-    assert limits and min(limits) >= RUNNING_MIN
+    flood = [x for x in e.log if x["t"] >= CALM_S]
+    assert all(x["limit"] >= RUNNING_MIN for x in flood if not math.isnan(x["limit"]))
+    assert max(x["running"] for x in flood) <= 1.5 * calm_running
     # The flood is held, not dropped, and served faster than calm traffic arrives (the price
-    # of VIP's objective: the engine does ~27 requests a second with no limit).
-    served = sum(1 for t in e.served if CALM_S + SETTLE_S <= t < CALM_S + FLOOD_S)
-    assert served / (FLOOD_S - SETTLE_S) > CALM_RATE
+    # of VIP's objective: the engine does ~23 requests a second with no limit).
+    served = sum(1 for t in e.served if CALM_S <= t < CALM_S + FLOOD_S)
+    assert served / FLOOD_S > CALM_RATE
     assert e.log[-1]["queued"] > 0
-    # Light traffic again: the backlog drains, the limit goes, VIP is as fast as before.
+    # Light traffic again: the backlog drains and VIP is as fast as before.
     e.run(CALM_S + FLOOD_S + AFTER_S, AFTER_RATE)
-    assert e.log[-1]["queued"] == 0 and math.isnan(e.log[-1]["limit"])
+    assert e.log[-1]["queued"] == 0
     assert p99(ttft_between(e, e.now - 20.0, e.now)) <= calm_p99
 
 
+def test_the_limit_does_not_wait_for_late_vip_chats() -> None:
+    """One VIP chat every 2 s: too few for a miss to say anything within the flood, but the
+    limit is the step time's, measured over every decoded token, and holds the batch where
+    the dense chats above held it."""
+    e = engine(vip_every_s=2.0)
+    e.run(3 * CALM_S, CALM_RATE)  # the calm P99 needs 20 chats
+    assert e.calm.calm_ms() is not None
+    calm_running = max(x["running"] for x in e.log if 5.0 <= x["t"] < 3 * CALM_S)
+    e.run(3 * CALM_S + FLOOD_S, FLOOD_RATE)
+    flood = [x for x in e.log if x["t"] >= 3 * CALM_S]
+    assert max(x["running"] for x in flood) <= 1.5 * calm_running
+    assert all(x["queued"] > 0 for x in flood[len(flood) // 2:])
+
+
 def test_without_a_running_limit_the_same_flood_slows_vip_several_times() -> None:
-    """The loop's counterfactual: with no limit learned the decode batch grows to the KV
-    line, and every VIP first token waits for its steps."""
+    """The loop's counterfactual: with no limit the decode batch grows to the KV line, and
+    every VIP first token waits for its steps."""
     e = engine(running_min=0)
     e.run(CALM_S, CALM_RATE)
     calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
     e.run(CALM_S + FLOOD_S, FLOOD_RATE)
-    assert p99(ttft_between(e, CALM_S + SETTLE_S, CALM_S + FLOOD_S)) > 3 * calm_p99
+    assert p99(ttft_between(e, CALM_S, CALM_S + FLOOD_S)) > 3 * calm_p99

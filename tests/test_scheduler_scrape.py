@@ -64,6 +64,25 @@ def test_several_engines_take_the_fullest_and_sum_capacity() -> None:
     assert (m.kv_usage, m.running, m.capacity_tokens) == (0.6, 7, 3_200)
 
 
+def _itl(name: str, engine: int, total: float, count: float) -> str:
+    labels = f'engine="{engine}",model_name="m"'
+    return (f"# TYPE {name} histogram\n"
+            f'{name}_bucket{{{labels},le="0.01"}} {count / 2}\n'
+            f'{name}_bucket{{{labels},le="+Inf"}} {count}\n'
+            f"{name}_count{{{labels}}} {count}\n{name}_sum{{{labels}}} {total}\n")
+
+
+def test_the_inter_token_histogram_is_read_by_its_sum_and_count() -> None:
+    """Summed over engines; the V1 name first, the V0 one without it; none: None."""
+    base = FakeVllm(usage=0.1).render()
+    v1, v0 = "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
+    m = parse_vllm_metrics(base + _itl(v1, 0, 1.5, 100) + _itl(v1, 1, 0.5, 20))
+    assert m.itl == (2.0, 120.0)
+    assert parse_vllm_metrics(base + _itl(v0, 0, 0.25, 10)).itl == (0.25, 10.0)
+    assert parse_vllm_metrics(base + _itl(v0, 0, 9.0, 9) + _itl(v1, 0, 1.0, 4)).itl == (1.0, 4.0)
+    assert parse_vllm_metrics(base).itl is None
+
+
 @pytest.mark.parametrize("page", ["", 'vllm:num_requests_running{engine="0"} 1\n',
                                   "vllm:kv_cache_usage_perc NaN\n", "vllm:kv_cache_usage_perc {\n"])
 def test_page_without_usable_usage_is_an_error(page: str) -> None:

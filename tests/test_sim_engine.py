@@ -329,6 +329,20 @@ def test_latency_histograms_observe_each_token() -> None:
     assert stats.ttft.sum == pytest.approx(2 * engine.step_seconds(d.plans[0]))
 
 
+def test_latency_histograms_are_in_the_clients_wall_seconds() -> None:
+    """A node on a clock 8x faster answers 8x sooner: its histograms hold an eighth of the
+    simulated latencies, the unit its clients (and a leader comparing step times with
+    gateway-timed first tokens) measure in."""
+    sums = []
+    for scale in (1.0, 8.0):
+        engine = small_engine(time_scale=scale)
+        d = Driver(engine)
+        d.add(new_request("a", prompt=30, max_tokens=6))
+        d.run_until_idle()
+        sums.append((engine.stats.ttft.sum, engine.stats.itl.sum, engine.stats.e2e.sum))
+    assert sums[1] == pytest.approx(tuple(x / 8 for x in sums[0]))
+
+
 def test_config_rejects_a_cache_smaller_than_one_request() -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         SimConfig(num_gpu_blocks=10, block_size=16, max_model_len=1000)

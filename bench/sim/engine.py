@@ -182,6 +182,10 @@ class _PriorityQueue:
 class Engine:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
+        # Latency histograms hold what the node's clients measure, wall seconds: a node on a
+        # clock `time_scale` times faster answers that much sooner (a leader compares its step
+        # time with first tokens the gateways time on the wall clock).
+        self.wall_per_sim = 1.0 / config.time_scale
         self.block_size = config.block_size
         self.max_num_seqs = config.effective_max_num_seqs
         self.max_num_batched_tokens = config.effective_max_num_batched_tokens
@@ -268,9 +272,10 @@ class Engine:
         req.finish_time = now
         self.stats.finished[reason] += 1
         if reason != "abort":
-            self.stats.e2e.observe(now - req.arrival)
+            self.stats.e2e.observe((now - req.arrival) * self.wall_per_sim)
             if req.first_scheduled is not None:
-                self.stats.queue_time.observe(req.first_scheduled - req.arrival)
+                self.stats.queue_time.observe(
+                    (req.first_scheduled - req.arrival) * self.wall_per_sim)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -375,10 +380,10 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
                 stats.prompt_tokens += req.prompt_tokens
-                stats.ttft.observe(now - req.arrival)
+                stats.ttft.observe((now - req.arrival) * self.wall_per_sim)
             else:
                 assert req.last_token_time is not None
-                stats.itl.observe(now - req.last_token_time)
+                stats.itl.observe((now - req.last_token_time) * self.wall_per_sim)
             req.last_token_time = now
             result.emitted.append(req)
             if req.eos_at is not None and req.num_output >= req.eos_at:

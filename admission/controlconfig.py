@@ -27,8 +27,8 @@ class ControlSettings:
     """The objective until the calm P99 is learned (or always, with `vip_slowdown` 0). The
     window is sized for it: prompt tokens of other tiers allowed ahead of a VIP chat are those
     the node prefills in half the objective; measured VIP first tokens later than it shrink
-    the window (or, with `running_min` set, the node's running limit when the window was not
-    full)."""
+    the window when it was at least half full. With `running_min` set, what it leaves over
+    the calm P99 bounds the decode step time."""
     prefill_tokens_per_s: int = at_least(1, 15_000)
     """A node's prefill throughput until its `vllm:prompt_tokens_total` counter has been seen
     to move while it had work queued (then the measured rate is used)."""
@@ -40,11 +40,13 @@ class ControlSettings:
     """A node whose engine runs more sequences than this gets no Normal or Batch work until it
     runs fewer (0: no bound)."""
     running_min: int = at_least(0, 0)
-    """The learned running limit never goes below this (0, the default: no running limit is
-    learned). VIP misses with a short prefill queue lower a node's limit (a decode batch of
-    many sequences makes every step, and so the chat's first token, slower); reports without
-    a miss raise it again. Off by default: where misses have other causes (long prompts'
-    chunks) the limit costs throughput without helping (docs/design.md)."""
+    """The running limit never goes below this (0, the default: no running limit). A long
+    decode batch slows every step, so every VIP first token, without queueing anything: the
+    limit keeps each node's decode step time (vLLM's inter-token latency) within its calm step
+    time plus a third of what the objective leaves over the learned calm VIP P99
+    (scheduler/control.py). Off by default: with the learned objective it is stricter than
+    the VIP bar wherever the gateway's own calm is faster than the engines' without it, and
+    costs Normal and Batch throughput there (docs/design.md)."""
     quiet_nodes: int = at_least(0, 1)
     """Nodes kept quiet for VIP: a Normal or Batch prompt larger than a node's room whose
     prefill alone takes the whole objective (more than twice the window: a long document) goes

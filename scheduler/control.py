@@ -155,7 +155,7 @@ class NodeRoom:
     """Why the room is 0 beside the backlog ('' when it is not): max_engine_running or
     running_limit."""
     running_limit: int | None = None
-    """The learned running limit (None: none holds)."""
+    """The running limit in sequences (None: none holds)."""
     miss_share: float = 0.0
     """The share of the node's recent VIP first tokens (~signal_stale_ms) later than the
     objective."""

@@ -14,7 +14,7 @@ converted to the lab clock as the defaults are (bench.burst.expconfig):
   for;
 * ``r=<n>``: ``control.max_engine_running``, no Normal or Batch work to a node whose engine
   runs more sequences (0: no bound);
-* ``m=<n>``: ``control.running_min``, the floor of the learned running limit (0: no limit);
+* ``m=<n>``: ``control.running_min``, the floor of the running limit (0: no limit);
 * ``s=<x>``: ``control.vip_slowdown``, the objective as a multiple of the learned calm P99 (0:
   the absolute ``vip_ttft_objective_ms``). ``m=0,s=0`` is the control without either.
 

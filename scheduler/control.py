@@ -336,7 +336,7 @@ class ReleaseControl:
         base = s.step_s if s.calm_step_s is None else s.calm_step_s
         s.calm_step_s = base + weight * (s.step_s - base)
 
-    def running_limit(self, s: _Node, running: int | None, objective_ms: float,
+    def _running_limit(self, s: _Node, running: int | None, objective_ms: float,
                       calm_p99_ms: float | None, now: float) -> int | None:
         """The sequences the node may run before Normal and Batch wait (module docstring:
         L); None when no limit holds."""
@@ -416,7 +416,7 @@ class ReleaseControl:
             s.queued += (s.backlog / s.window - s.queued) * weight
         s.at_poll = now
         objective = c.vip_ttft_objective_ms if objective_ms is None else objective_ms
-        limit = self.running_limit(s, running, objective, calm_p99_ms, now)
+        limit = self._running_limit(s, running, objective, calm_p99_ms, now)
         s.limited = False
         model = s.gain * s.rate * objective / 1000 * MODEL_SHARE
         window = s.window = int(min(c.window_max_tokens, max(c.window_min_tokens, model)))

@@ -42,6 +42,8 @@ class FakeVllm:
     scrapes: int = 0
     prompt_tokens: float | None = None
     """vllm:prompt_tokens_total; None: not on the page."""
+    itl: tuple[float, float] | None = None
+    """(sum, count) of vllm:inter_token_latency_seconds; None: not on the page."""
 
     def render(self) -> str:
         labels = f'model_name="{MODEL}"' if self.v0 else f'engine="0",model_name="{MODEL}"'
@@ -69,6 +71,12 @@ class FakeVllm:
             f"vllm:time_to_first_token_seconds_count{{{labels}}} 3.0",
             f"vllm:time_to_first_token_seconds_sum{{{labels}}} 0.12",
         ]
+        if self.itl is not None:
+            name = "vllm:inter_token_latency_seconds"
+            lines += [f"# TYPE {name} histogram",
+                      f'{name}_bucket{{{labels},le="+Inf"}} {self.itl[1]}',
+                      f"{name}_count{{{labels}}} {self.itl[1]}",
+                      f"{name}_sum{{{labels}}} {self.itl[0]}"]
         if self.prompt_tokens is not None:
             lines += ["# HELP vllm:prompt_tokens Number of prefill tokens processed.",
                       "# TYPE vllm:prompt_tokens counter",

@@ -510,3 +510,25 @@ async def test_a_new_leader_resumes_the_published_prefill_rate_and_gain(
             # 0.9 x 8,000 tokens/s x 0.2 s x 1/2
             assert (published["prefill_window:n1"], published["prefill_rate:n1"],
                     published["prefill_gain:n1"]) == ("720", "8000", "0.900")
+
+
+async def test_the_leader_publishes_the_decode_step_time_and_resumes_the_calm_one(
+        redis_client: aioredis.Redis, redis_url: str) -> None:
+    """The running limit's signal against a real metrics page: the mean step time between two
+    readings of the inter-token histogram (0.5 s over 20 tokens: 25 ms) in the state hash and
+    the metrics, and the calm step time the last leader published carried over a takeover."""
+    fake = FakeVllm(running=1, prompt_tokens=0.0, itl=(1.0, 100.0))
+    async with serve_fake(fake) as url:
+        config = _control_config(redis_url, url)
+        async with pool_scheduler(redis_client, config) as ps:
+            await redis_client.hset(ps.store.keys.state, mapping={
+                "prefill_rate:n1": "8000", "calm_step_ms:n1": "12.50"})
+            await ps.tick(1, always)
+            published = await state(ps.store)
+            assert (published["decode_step_ms:n1"], published["calm_step_ms:n1"]) == ("", "12.50")
+            fake.itl = (1.5, 120.0)
+            await ps.tick(1, always)
+            published = await state(ps.store)
+            assert published["decode_step_ms:n1"] == "25.00"
+            assert published["calm_step_ms:n1"] == "12.50"  # one calm poll moves it by ~nothing
+            assert ps.metrics.decode_step.labels("p", "n1")._value.get() == pytest.approx(0.025)

@@ -38,8 +38,9 @@ Per node, every poll (all in prompt tokens and seconds):
         plus a part per running sequence, so a flood admitted into the decode batch slows
         VIP with no queue at all. From the node's mean step time over the last reading,
         tau (the rate of vLLM's inter-token latency histogram: sum over count), the step
-        time it had at calm, tau0 (averaged over calm polls, ~`CALM_STEP_TAU_SHARE`), and
-        the pool's calm VIP P99, P (scheduler.calm): a flood may add O - P to a first token
+        time it had at calm, tau0 (averaged, ~`CALM_STEP_TAU_SHARE`, over polls at which the
+        pool has been calm for `signal_stale_ms`), and the pool's calm VIP P99, P
+        (scheduler.calm): a flood may add O - P to a first token
         in the calm tail (the objective's slowdown of it; at least 0), and such a first
         token waits for about `STEP_SPAN` steps (the one it arrives in, a long prompt's
         chunk ahead of it, its own), so each step may grow by (O - P) / `STEP_SPAN`:
@@ -202,8 +203,6 @@ class _Node:
     """The step time at calm, averaged (tau0; None: not seen calm yet)."""
     calm_polls: int = 0
     calm_at: float | None = None
-    limited: bool = False
-    """The running limit held the node's room at the last poll."""
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
@@ -236,6 +235,8 @@ class ReleaseControl:
         self.calm_step_tau_s = CALM_STEP_TAU_SHARE * clock
         self._vip_at: float | None = None
         """When a VIP first token was last reported on any node of the pool."""
+        self._calm_since: float | None = None
+        """Since when the pool has been calm at every poll (None: not calm at the last)."""
 
     def node(self, name: str) -> _Node:
         state = self._nodes.get(name)
@@ -311,24 +312,24 @@ class ReleaseControl:
         """A VIP first token was reported on the node within `signal_stale_ms`."""
         return s.reported_at is not None and now - s.reported_at <= self.stale_s
 
-    def _observe_step(self, s: _Node, itl: tuple[float, float] | None, seq: int,
-                      now: float, calm: bool) -> None:
-        """The step time from a new reading of the inter-token histogram (a mean over every
-        token decoded since the last one), and at calm its average, from the first polls
-        while they are few (not while the limit held the node: its batch was not the calm
-        one)."""
+    def _observe_step(self, s: _Node, itl: tuple[float, float] | None, seq: int) -> bool:
+        """The step time from a new reading of the inter-token histogram: a mean over every
+        token decoded since the last one. False when there is no new one."""
         if itl is None or seq == s.itl_seq:
-            return
+            return False
         s.itl_seq = seq
         last, s.itl = s.itl, itl
         if last is None:
-            return
+            return False
         count, total = itl[1] - last[1], itl[0] - last[0]
         if count <= 0 or total < 0:
-            return  # nothing decoded since (or the engine restarted: its histogram did too)
+            return False  # nothing decoded since (or the engine restarted: so did its histogram)
         s.step_s = total / count
-        if not calm or s.limited:
-            return
+        return True
+
+    def _learn_calm_step(self, s: _Node, now: float) -> None:
+        """Average the step time over calm polls, from the first ones while they are few."""
+        assert s.step_s is not None
         dt = 0.0 if s.calm_at is None else max(0.0, now - s.calm_at)
         s.calm_at = now
         s.calm_polls += 1
@@ -374,8 +375,9 @@ class ReleaseControl:
         tokens light tenants released beyond the room (`overdrawn`, monotonic), which the
         rooms that follow pay back; the VIP objective now (scheduler.calm; None: the
         configured one); whether the pool is calm (`calm`: zone GREEN, nothing waiting; the
-        step time is learned then); the (sum, count) of the engine's inter-token latency
-        histogram, and the pool's calm VIP P99 (scheduler.calm; None: not learned)."""
+        step time is learned once that has lasted `signal_stale_ms`); the (sum, count) of the
+        engine's inter-token latency histogram, and the pool's calm VIP P99 (scheduler.calm;
+        None: not learned)."""
         c = self.settings
         s = self.node(name)
         before = s.counter
@@ -391,7 +393,14 @@ class ReleaseControl:
         # The window was used if the node held at least half of it at the last poll, counting
         # what it was given since (a small window on a fast node is drained within a poll).
         used = s.backlog + sum(p for p, _ in new) >= s.window / 2
-        self._observe_step(s, itl, seq, now, calm)
+        if not calm:
+            self._calm_since = None
+        elif self._calm_since is None:
+            self._calm_since = now
+        # The decode batches a flood leaves take a while to end, queueing nothing: calm counts
+        # once it has lasted signal_stale_ms, as for the calm P99 (scheduler.calm).
+        settled = self._calm_since is not None and now - self._calm_since >= self.stale_s
+        stepped = self._observe_step(s, itl, seq)
         self._observe_reports(s, reports, now, used)
         read = now if read_at is None else read_at
         if s.at_poll is None:
@@ -417,7 +426,7 @@ class ReleaseControl:
         s.at_poll = now
         objective = c.vip_ttft_objective_ms if objective_ms is None else objective_ms
         limit = self._running_limit(s, running, objective, calm_p99_ms, now)
-        s.limited = False
+        limited = False
         model = s.gain * s.rate * objective / 1000 * MODEL_SHARE
         window = s.window = int(min(c.window_max_tokens, max(c.window_min_tokens, model)))
         # Below 0 when the backlog exceeds the window: no Normal or Batch work fits either way,
@@ -436,11 +445,14 @@ class ReleaseControl:
             places = limit - running - waiting - unseen
             if places <= 0:
                 room, reason = min(room, 0), "running_limit"
-                s.limited = True
+                limited = True
             else:
                 prompts = [p for p, _ in timed]
                 typical = sum(prompts) / len(prompts) if prompts else window
                 room = min(room, math.ceil(places * typical))
+        if stepped and settled and not limited:
+            # (Not while the limit holds the node: that batch is the limit's, not calm's.)
+            self._learn_calm_step(s, now)
         room -= take_overdraw(s, overdrawn, room)
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
@@ -456,7 +468,7 @@ class ReleaseControl:
         backlogs and VIP counts start afresh (a new leader's backlog is the recursion over the
         running index). Values that are not finite and positive are ignored."""
         self._nodes = {}
-        self._vip_at = None
+        self._vip_at = self._calm_since = None
         for name, (rate, gain, calm_step) in learned.items():
             if not (math.isfinite(rate) and rate > 0):
                 continue

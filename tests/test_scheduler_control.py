@@ -416,6 +416,11 @@ class StepNode:
                                    objective_ms=objective_ms)
         return room.running_limit
 
+    def calm(self) -> None:
+        """10 sequences in 10 ms steps, at calm for as long as it takes to learn them."""
+        for _ in range(int(self.control.stale_s / POLL_S) + 50):
+            self.poll(10, 0.010, calm=True)
+
 
 def test_the_running_limit_is_the_batch_whose_step_would_take_the_budget() -> None:
     """Calm: 10 sequences in 10 ms steps. The objective 130 ms against a calm P99 of 100 ms
@@ -423,8 +428,7 @@ def test_the_running_limit_is_the_batch_whose_step_would_take_the_budget() -> No
     may take 20 ms, and the limit is the batch that would take it at the measured step time
     per sequence."""
     node = StepNode(running_min=4)
-    for _ in range(50):
-        node.poll(10, 0.010, calm=True)
+    node.calm()
     assert node.control.node("n").calm_step_s == pytest.approx(0.010)
     assert node.poll(10, 0.010) == 20
     assert node.poll(16, 0.016) == 20
@@ -444,7 +448,7 @@ def test_no_running_limit_without_what_it_is_computed_from() -> None:
     node = StepNode(running_min=4)
     assert node.poll(10, 0.010) is None  # the first reading only starts the deltas
     assert node.poll(10, 0.010) is None  # not calm: no calm step time
-    node.poll(10, 0.010, calm=True)
+    node.calm()
     assert node.poll(10, 0.010, calm_p99_ms=None) is None
     assert node.poll(0, 0.010) is None
     assert node.poll(10, 0.010) == 20
@@ -453,14 +457,25 @@ def test_no_running_limit_without_what_it_is_computed_from() -> None:
     assert limit is None
 
 
-def test_the_calm_step_is_not_learned_while_the_limit_holds_the_node() -> None:
-    """Calm by the pool's signals (GREEN, nothing queued) but held by the limit at the poll
-    before: that batch is the limit's, not calm's."""
+def test_the_calm_step_is_learned_only_once_calm_has_lasted() -> None:
+    """Calm by the pool's signals (GREEN, nothing queued) is learned from once it has lasted
+    signal_stale_ms: the decode batch a flood leaves behind queues nothing while it ends, and
+    would otherwise teach its long steps as calm ones. Nor while the limit held the node at
+    the poll before: that batch is the limit's, not calm's."""
     node = StepNode(running_min=4)
-    for _ in range(50):
-        node.poll(10, 0.010, calm=True)
-    node.poll(40, 0.040)  # a flood: room 0 at this poll
-    for _ in range(5):
-        node.poll(40, 0.040, calm=True)
+    node.calm()
+    settle = int(node.control.stale_s / POLL_S)
+    node.poll(40, 0.040)  # a flood (work queued: not calm)
+    for _ in range(settle - 1):
+        node.poll(12, 0.015, calm=True)  # its batch, ending, under the limit
+    assert node.control.node("n").calm_step_s == pytest.approx(0.010)
+    for _ in range(settle):
+        node.poll(12, 0.015, calm=True)  # calm has lasted: a busier calm is learned
     learned = node.control.node("n").calm_step_s
-    assert learned is not None and learned < 0.011
+    assert learned is not None and 0.0101 < learned < 0.015
+    node = StepNode(running_min=4)
+    node.calm()
+    for _ in range(50):
+        node.poll(30, 0.030, calm=True)  # held by the limit from the first poll on
+    learned = node.control.node("n").calm_step_s
+    assert learned is not None and learned < 0.0101

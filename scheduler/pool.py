@@ -152,6 +152,8 @@ class TickResult:
     tiers (scheduler.policy.BatchShare)."""
     objective_ms: int = 0
     """The VIP objective the release control used (scheduler.calm; 0 when it is off)."""
+    calm_p99_ms: float | None = None
+    """The learned calm VIP P99 it used (None: not learned, or the control is off)."""
 
     def count(self, tier: Tier) -> int:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
@@ -366,7 +368,7 @@ class PoolScheduler:
         if self.control is not None:
             # The objective is also what the finish script counts VIP first tokens against.
             extra["vip_ttft_objective_ms"] = result.objective_ms
-            calm = self.calm.calm_ms()
+            calm = result.calm_p99_ms
             extra["vip_calm_p99_ms"] = "" if calm is None else f"{calm:.1f}"
             extra["prefill_quiet"] = self.pool.control.quiet_nodes
             for name, room in result.rooms.items():
@@ -434,8 +436,9 @@ class PoolScheduler:
                             red_clear_s=self.clearance.update(zone, usage, now))
         if self.control is not None:
             result.objective_ms = self.calm.objective_ms()
+            result.calm_p99_ms = self.calm.calm_ms()
             result.rooms, result.prefill = self.control_rooms(
-                views, plans, snap, now, calm, result.objective_ms, self.calm.calm_ms())
+                views, plans, snap, now, calm, result.objective_ms, result.calm_p99_ms)
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),

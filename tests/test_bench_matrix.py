@@ -55,8 +55,11 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
         assert all(v["ok"] in (True, False) for v in verdicts if v["key"] in CRITERIA), verdicts
         summary = arm["summary"]
         assert 0 < summary["goodput_ratio"] <= 1.0, summary["goodput_bound"]
-        bound = summary["goodput_bound"]
-        assert bound["tokens"] == min(bound["offered"], bound["capacity"])
+        assert 0 < summary["token_ratio"] <= 1.0, summary["token_bound"]
+        for bound, unit in ((summary["goodput_bound"], "node-seconds"),
+                            (summary["token_bound"], "tokens")):
+            assert bound["ceiling"] == min(bound["offered"], bound["capacity"])
+            assert bound["unit"] == unit
         assert arm["validity"].startswith(("yes", "**INVALID**"))
     # Every arm judged VIP requests (how many depends on when each arm stopped: requests still
     # in flight after the burst are censored).

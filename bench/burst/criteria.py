@@ -6,6 +6,9 @@ VIP P99 at calm: the system without any gateway, on the same draw, is the refere
 its own calm is reported beside it. Without arm (a) in the run, the reference is missing and
 the criterion reads n/a (not a pass).
 
+Goodput is judged as work done (bench.burst.goodput: each token at the least node time its
+kind costs); the same counters with every token counting one are shown, not judged.
+
 Besides the seven, the table shows whether the arm's calm VIP P50 and P99 stay within 1.10x of
 (a)'s (the price of the arm at calm), and the VIP criterion on the engine's part of the TTFT
 alone (arrival at the node to first token, from the nodes' traces, against (a)'s calm engine
@@ -34,7 +37,7 @@ GOODPUT_BAR = 0.90
 
 CRITERIA = ("kv_peak", "preemptions", "crashes", "vip_success", "vip_p99", "batch_done",
             "goodput")
-EXTRA = ("calm", "vip_engine")
+EXTRA = ("calm", "vip_engine", "goodput_tokens")
 """Judged and shown, not among the seven."""
 LABELS = {
     "kv_peak": f"KV peak < {KV_BAR:.0%}",
@@ -43,10 +46,12 @@ LABELS = {
     "vip_success": f"VIP success >= {VIP_SUCCESS_BAR:.2%}",
     "vip_p99": f"VIP P99 burst <= {VIP_RATIO_BAR:.2f}x (a)'s calm P99",
     "batch_done": "every Batch done within 2x the burst",
-    "goodput": f"goodput >= {GOODPUT_BAR:.0%} of the upper bound",
+    "goodput": f"goodput (work done) >= {GOODPUT_BAR:.0%} of its upper bound",
     "calm": f"calm VIP P50 and P99 <= {CALM_BAR:.2f}x (a)'s (not one of the seven)",
     "vip_engine": f"VIP P99 burst in the engine <= {VIP_RATIO_BAR:.2f}x (a)'s calm engine P99; "
                   "the rest, P50 / P99 (not one of the seven)",
+    "goodput_tokens": f"goodput as tokens, each counting one, >= {GOODPUT_BAR:.0%} of their "
+                      "upper bound (not one of the seven)",
 }
 
 
@@ -124,6 +129,9 @@ def judge(s: ArmSummary, ref: tuple[float, float] | None, burst_sim_s: float,
             else f"{front[0]:.0f} / {front[1]:.0f} ms")
     out.append(Verdict("vip_engine", f"{_x(engine)}; rest {rest}",
                        None if math.isnan(engine) else engine <= VIP_RATIO_BAR, engine))
+    t = s.token_ratio
+    out.append(Verdict("goodput_tokens", "n/a" if t is None else f"{t:.1%}",
+                       None if t is None else t >= GOODPUT_BAR, math.nan if t is None else t))
     return out
 
 

@@ -170,7 +170,7 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[str]:
                 invalid[a["arm"]] += 1
     lines = ["## Aggregate over cells", "",
              "Per criterion: valid cells passed / valid cells judged; median and worst figure "
-             "(worst: highest, except success and goodput: lowest). Invalid arm runs (lag) are "
+             "(worst: highest, except success and goodputs: lowest). Invalid arm runs (lag) are "
              "left out and counted in the last row.", "",
              "| criterion | " + " | ".join(ARM_TITLES[a] for a in arms) + " |",
              "|---|" + "---|" * len(arms)]
@@ -183,7 +183,7 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[str]:
                 row.append("n/a")
                 continue
             nums = [v.number for v in vs if not math.isnan(v.number)]
-            low_is_bad = key in ("vip_success", "goodput")
+            low_is_bad = key in ("vip_success", "goodput", "goodput_tokens")
             worst = (min if low_is_bad else max)(nums) if nums else math.nan
             med = statistics.median(nums) if nums else math.nan
             row.append(f"{sum(1 for v in vs if v.ok)}/{len(vs)} (median {_fmt(key, med)}, "
@@ -202,7 +202,7 @@ def _fmt(key: str, x: float) -> str:
         return "n/a"
     if math.isinf(x):
         return "inf"
-    if key in ("kv_peak", "vip_success", "goodput"):
+    if key in ("kv_peak", "vip_success", "goodput", "goodput_tokens"):
         return f"{x:.1%}" if key != "vip_success" else f"{x:.2%}"
     if key in ("vip_p99", "calm", "batch_done", "vip_engine"):
         return f"x{x:.2f}"

@@ -15,12 +15,14 @@ Definitions (also printed under the table):
 * last Batch: when the last Batch request sent before the burst's end completed, in seconds
   after the burst's end (the bar: at most twice the burst's duration, and all of them).
 * goodput: prompt + generated tokens the engines processed during the burst (the vLLM counters:
-  recomputation after preemption is not in them), per second, against a true upper bound
-  (bench.burst.goodput): the smaller of the work offered (every engine-bound attempt planned before
-  the window's end, less what was already counted at its start) and what the nodes' time allows
-  at the step-time model's cheapest cost per token (prompt tokens first, then generated ones),
-  plus the window's edges. No arm can exceed it; the report asserts so. When measured, the
-  ideal replay (bench.burst.capacity: the same requests, offline, behind an omniscient admission
+  recomputation after preemption is not in them), per second; judged as work (each token
+  valued at the least node time its kind costs) against a true upper bound
+  (bench.burst.goodput): the smaller of the work offered (every engine-bound attempt planned
+  before the window's end, less what was already counted at its start) and what the nodes'
+  time allows at the step-time model's least cost per token, fixed and attention costs
+  included, plus the window's edges. The same with every token counting one is shown beside
+  it. No arm can exceed either bound; the report asserts so. When measured, the ideal replay
+  (bench.burst.capacity: the same requests, offline, behind an omniscient admission
   controller) is shown as a reference, not a bound.
 * valid: the simulators' event loops lagged past the threshold (wall ms; lag shifts the
   simulated clock) for at most 5% of the samples, and at most 5% of requests left later than the
@@ -39,7 +41,7 @@ from admission.tiers import Tier
 from bench.burst.arm import ArmResult
 from bench.burst.capacity import CapacityResult
 from bench.burst.expconfig import ARM_TITLES, Settings
-from bench.burst.goodput import Bound, Work, check, upper_bound
+from bench.burst.goodput import TOKENS, Bound, Offer, Value, Work, check, upper_bound, work_value
 from bench.burst.loadgen import OK, Outcome
 from bench.burst.monitor import Sample, scrape_timeout_s
 from bench.common.stats import bootstrap_ratio_range, percentile
@@ -62,9 +64,14 @@ class ArmSummary:
     goodput: float
     """Tokens per simulated second during the burst."""
     goodput_ratio: float | None
-    """Tokens counted in the burst window over their upper bound (bench.burst.goodput); <= 1."""
+    """Work counted in the burst window (node-seconds: each token at the least time its kind
+    costs) over its upper bound (bench.burst.goodput); <= 1. The criterion."""
     goodput_bound: dict[str, float | str] | None = None
     """The bound's terms (``Bound.as_dict``)."""
+    token_ratio: float | None = None
+    """Tokens counted in the burst window over their upper bound, every token counting one
+    (shown beside the criterion)."""
+    token_bound: dict[str, float | str] | None = None
     ideal_ratio: float | None = None
     """Goodput over the ideal replay's throughput (a reference, not a bound), when measured."""
     invalid: list[str] = field(default_factory=list)
@@ -158,19 +165,23 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
     samples = result.samples
     final = samples[-1]
     goodput = math.nan
-    ratio: float | None = None
-    bound: Bound | None = None
+    ratio = token_ratio = None
+    bound = token_bound = None
     if samples:
         first, last_sample = _at(samples, b0), _at(samples, b1)
         span = last_sample.t - first.t
         if span > 0:
-            tokens = sum(
-                n1.prompt_tokens + n1.generation_tokens - n0.prompt_tokens - n0.generation_tokens
-                for n0, n1 in zip(first.nodes, last_sample.nodes, strict=True)
-            )
-            goodput = tokens / span / ts
-            bound = window_bound(s, outcomes, first, last_sample)
-            ratio = check(tokens, bound)
+            done = Work(sum(n1.prompt_tokens - n0.prompt_tokens for n0, n1
+                            in zip(first.nodes, last_sample.nodes, strict=True)),
+                        sum(n1.generation_tokens - n0.generation_tokens for n0, n1
+                            in zip(first.nodes, last_sample.nodes, strict=True)))
+            goodput = done.total / span / ts
+            configs = [s.sim_config(i) for i in range(len(first.nodes))]
+            worth = work_value(configs)
+            bound = window_bound(s, outcomes, first, last_sample, worth)
+            ratio = check(worth.of(done), bound)
+            token_bound = window_bound(s, outcomes, first, last_sample, TOKENS)
+            token_ratio = check(done.total, token_bound)
     ideal = None
     if capacity is not None and capacity.total_tokens_per_s > 0:
         ideal = goodput / capacity.total_tokens_per_s
@@ -211,6 +222,8 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
         goodput=goodput,
         goodput_ratio=ratio,
         goodput_bound=bound.as_dict() if bound is not None else None,
+        token_ratio=token_ratio,
+        token_bound=token_bound.as_dict() if token_bound is not None else None,
         ideal_ratio=ideal,
         invalid=invalid,
         errors=reasons.most_common(6),
@@ -224,22 +237,20 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
 
 
 def window_bound(settings: Settings, outcomes: Sequence[Outcome], first: Sample,
-                 last: Sample) -> Bound:
-    """bench.burst.goodput's bound for the tokens counted between two samples."""
+                 last: Sample, value: Value) -> Bound:
+    """bench.burst.goodput's bound for the work counted between two samples, in ``value``'s
+    unit."""
     # A request planned up to one scrape timeout after the closing sample may still have been
     # counted by a node that answered that scrape late.
     horizon = last.t + scrape_timeout_s(settings.sample_interval_s)
-    prompt = generated = 0
-    for o in outcomes:
-        if o.req.at < horizon:
-            runs = max(0, o.attempts - o.rejections)  # a 429 never reached an engine
-            prompt += runs * o.req.prompt_tokens
-            generated += runs * o.req.output_tokens
+    offers = [Offer(o.req.prompt_tokens, o.req.output_tokens)
+              for o in outcomes if o.req.at < horizon
+              for _ in range(max(0, o.attempts - o.rejections))]  # a 429 never reached an engine
     before = Work(sum(n.prompt_tokens for n in first.nodes),
                   sum(n.generation_tokens for n in first.nodes))
     spans = [n1.clock - n0.clock for n0, n1 in zip(first.nodes, last.nodes, strict=True)]
     configs = [settings.sim_config(i) for i in range(len(first.nodes))]
-    return upper_bound(configs, spans, Work(prompt, generated), before)
+    return upper_bound(configs, spans, offers, before, value)
 
 
 MAX_LAGGING_SHARE = 0.05
@@ -294,11 +305,10 @@ def _ms(x: float) -> str:
     return "n/a" if math.isnan(x) else f"{x:,.0f}"
 
 
-def _binding(s: ArmSummary) -> str:
-    b = s.goodput_bound
+def _binding(b: Mapping[str, float | str] | None) -> str:
     if not b:
         return "n/a"
-    return f"{b['binding']}: {float(b['tokens']):,.0f} tokens"
+    return f"{b['binding']}: {float(b['ceiling']):,.0f} {b['unit']}"
 
 
 def _last_batch(s: ArmSummary, burst_sim_s: float) -> str:
@@ -332,8 +342,10 @@ def markdown_table(summaries: Sequence[ArmSummary], capacity: CapacityResult | N
         ("running sequences per node, mean, baseline / burst",
          [f"{s.running[0]:.1f} / {s.running[1]:.1f}" for s in summaries]),
         ("goodput during the burst (tok/s)", [f"{s.goodput:,.0f}" for s in summaries]),
-        ("goodput / upper bound (bench.burst.goodput; the binding term)",
-         [f"{_pct(s.goodput_ratio, 1)} ({_binding(s)})" for s in summaries]),
+        ("goodput: work done / upper bound (bench.burst.goodput; the binding term)",
+         [f"{_pct(s.goodput_ratio, 1)} ({_binding(s.goodput_bound)})" for s in summaries]),
+        ("tokens counted / their upper bound (every token counting one)",
+         [f"{_pct(s.token_ratio, 1)} ({_binding(s.token_bound)})" for s in summaries]),
         *([("goodput / ideal replay (a reference, not a bound)",
             [_pct(s.ideal_ratio, 1) for s in summaries])] if capacity is not None else []),
         ("valid run (share of time sims lagged past the threshold, worst lag; share of requests "

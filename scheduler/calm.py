@@ -95,6 +95,12 @@ class CalmBaseline:
         between)."""
         self._last, self._calm_since = None, None
 
+    def settled(self, now: float) -> bool:
+        """The pool has been calm at every poll for `settle_s` as of the last one observed
+        (`now`): a flood's decode batches take a while to end, queueing nothing, so calm
+        counts once it has lasted (the release control learns the calm step time then)."""
+        return self._calm_since is not None and now - self._calm_since >= self.settle_s
+
     @property
     def samples(self) -> float:
         return sum(self.histogram.values())

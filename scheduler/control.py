@@ -235,8 +235,6 @@ class ReleaseControl:
         self.calm_step_tau_s = CALM_STEP_TAU_SHARE * clock
         self._vip_at: float | None = None
         """When a VIP first token was last reported on any node of the pool."""
-        self._calm_since: float | None = None
-        """Since when the pool has been calm at every poll (None: not calm at the last)."""
 
     def node(self, name: str) -> _Node:
         state = self._nodes.get(name)
@@ -364,7 +362,7 @@ class ReleaseControl:
         reports: tuple[int, int] | None = None,
         overdrawn: int | None = None,
         objective_ms: int | None = None,
-        calm: bool = False,
+        settled: bool = False,
         itl: tuple[float, float] | None = None,
         calm_p99_ms: float | None = None,
     ) -> NodeRoom:
@@ -374,8 +372,9 @@ class ReleaseControl:
         counts; the VIP reports (first tokens, those over the objective); the count of prompt
         tokens light tenants released beyond the room (`overdrawn`, monotonic), which the
         rooms that follow pay back; the VIP objective now (scheduler.calm; None: the
-        configured one); whether the pool is calm (`calm`: zone GREEN, nothing waiting; the
-        step time is learned once that has lasted `signal_stale_ms`); the (sum, count) of the
+        configured one); whether the pool's calm (zone GREEN, nothing waiting) has lasted
+        `signal_stale_ms` (`settled`, scheduler.calm: the step time is learned then); the
+        (sum, count) of the
         engine's inter-token latency histogram, and the pool's calm VIP P99 (scheduler.calm;
         None: not learned)."""
         c = self.settings
@@ -393,13 +392,6 @@ class ReleaseControl:
         # The window was used if the node held at least half of it at the last poll, counting
         # what it was given since (a small window on a fast node is drained within a poll).
         used = s.backlog + sum(p for p, _ in new) >= s.window / 2
-        if not calm:
-            self._calm_since = None
-        elif self._calm_since is None:
-            self._calm_since = now
-        # The decode batches a flood leaves take a while to end, queueing nothing: calm counts
-        # once it has lasted signal_stale_ms, as for the calm P99 (scheduler.calm).
-        settled = self._calm_since is not None and now - self._calm_since >= self.stale_s
         stepped = self._observe_step(s, itl, seq)
         self._observe_reports(s, reports, now, used)
         read = now if read_at is None else read_at

@@ -321,7 +321,7 @@ class PoolScheduler:
         return plans
 
     def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
-                      now: float, calm: bool, objective_ms: int, calm_p99_ms: float | None
+                      now: float, settled: bool, objective_ms: int, calm_p99_ms: float | None
                       ) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float, int]]]:
         """The release control's room per usable node, and the (limit, window, refill rate,
         running sequences) the scripts enforce and steer VIP by (scheduler.control;
@@ -345,7 +345,8 @@ class PoolScheduler:
                 waiting=0 if m is None else m.waiting,
                 reports=snap.vip_reports.get(plan.name),
                 overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective_ms,
-                calm=calm, itl=None if m is None else m.itl, calm_p99_ms=calm_p99_ms)
+                settled=settled, itl=None if m is None else m.itl,
+                calm_p99_ms=calm_p99_ms)
             rooms[plan.name] = room
             # A node held by max_engine_running gets no refill between polls either, nor one
             # under a running limit: its room counts the places the limit has left.
@@ -430,6 +431,7 @@ class PoolScheduler:
         calm = zone is Zone.GREEN and not snap.held
         if self.control is not None:
             self.calm.observe(snap.vip_histogram, calm, now)
+            settled = self.calm.settled(now)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,
                             guests_closed=self._guests_closed(views),
@@ -438,7 +440,7 @@ class PoolScheduler:
             result.objective_ms = self.calm.objective_ms()
             result.calm_p99_ms = self.calm.calm_ms()
             result.rooms, result.prefill = self.control_rooms(
-                views, plans, snap, now, calm, result.objective_ms, result.calm_p99_ms)
+                views, plans, snap, now, settled, result.objective_ms, result.calm_p99_ms)
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),

@@ -113,6 +113,18 @@ def test_calm_counts_only_once_it_has_lasted_the_settle_time() -> None:
     # Calm from t=3: intervals starting at t=8 or later count, i.e. those ending at 9..19
     # (less the decay of the 11 s since the first of them).
     assert math.isclose(calm.samples, 110, rel_tol=0.01)
+    # What the release control is told (it learns the calm step time then): settled from the
+    # poll at which calm has lasted 5 s, until the pool is not calm, or a new term begins.
+    assert calm.settled(19.0)
+    probe = CalmBaseline(1.2, 250, 5.0)
+    seen = []
+    for i in range(12):
+        probe.observe({}, i not in (0, 9), float(i))
+        seen.append(probe.settled(float(i)))
+    assert seen == [False] * 6 + [True] * 3 + [False] * 3
+    probe.restart()
+    probe.observe({}, True, 12.0)
+    assert not probe.settled(12.0)
 
 
 def test_a_flood_that_queues_nothing_does_not_ratchet_the_objective_up() -> None:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from admission.config import ConfigError, parse_config
 from admission.controlconfig import ControlSettings
+from scheduler.calm import CalmBaseline
 from scheduler.control import GAIN_MAX, ReleaseControl, _Node, backlog, take_overdraw
 from scheduler.pool import learned_control
 
@@ -397,6 +398,9 @@ class StepNode:
 
     def __init__(self, **overrides: Any) -> None:
         self.control = controller(**overrides)
+        # The pool's calm, as the leader tracks it (scheduler.calm): it says when calm has
+        # lasted long enough for the step time to be learned.
+        self.baseline = CalmBaseline(0.0, 130, self.control.stale_s)
         self.t, self.seq = 0.0, 0
         self.itl = [0.0, 0.0]
         self.vip = 0
@@ -410,8 +414,9 @@ class StepNode:
         self.t += POLL_S
         self.seq += 1
         self.vip += vip
+        self.baseline.observe({}, calm, self.t)
         room = self.control.update("n", tasks=[], now=self.t, seq=self.seq, running=running,
-                                   reports=(self.vip, 0), calm=calm,
+                                   reports=(self.vip, 0), settled=self.baseline.settled(self.t),
                                    itl=(self.itl[0], self.itl[1]), calm_p99_ms=calm_p99_ms,
                                    objective_ms=objective_ms)
         return room.running_limit

@@ -86,7 +86,8 @@ class Engine:
         room = self.control.update("n", tasks=tasks, now=at, running=len(self.running),
                                    waiting=len(self.joining), reports=(self.reports[0],
                                                                        self.reports[1]),
-                                   objective_ms=objective, calm=not held, seq=self.polls,
+                                   objective_ms=objective, settled=self.calm.settled(at),
+                                   seq=self.polls,
                                    itl=(self.itl[0], self.itl[1]),
                                    calm_p99_ms=self.calm.calm_ms())
         self.room = room.room

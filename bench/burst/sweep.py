@@ -19,9 +19,9 @@ converted to the lab clock as the defaults are (bench.burst.expconfig):
   the absolute ``vip_ttft_objective_ms``). ``m=0,s=0`` is the control without either.
 
 Writes ``<out>/sweep-<scale>-<mix>-n<size>-s<seed>.md`` (per point: the VIP criterion, its
-engine part, goodput against the upper bound, KV peak, preemptions, Batch, calm VIP, validity,
-criteria met; then the best goodput among the valid points that keep the VIP bar) and the same
-figures as ``.json``.
+engine part, goodput as work and as tokens against their upper bounds, KV peak, preemptions,
+Batch, calm VIP, validity, criteria met; then the best goodput among the valid points that
+keep the VIP bar) and the same figures as ``.json``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def best(rows: Sequence[Row]) -> Row | None:
 
 
 _COLUMNS = (("vip_p99", "VIP P99 burst vs (a) calm"), ("vip_engine", "engine part; rest"),
-            ("goodput", "goodput"), ("kv_peak", "KV peak"), ("preemptions", "preemptions"),
+            ("goodput", "goodput (work)"), ("goodput_tokens", "goodput (tokens)"),
+            ("kv_peak", "KV peak"), ("preemptions", "preemptions"),
             ("batch_done", "Batch"), ("calm", "calm VIP vs (a)"))
 
 

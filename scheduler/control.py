@@ -374,9 +374,8 @@ class ReleaseControl:
         rooms that follow pay back; the VIP objective now (scheduler.calm; None: the
         configured one); whether the pool's calm (zone GREEN, nothing waiting) has lasted
         `signal_stale_ms` (`settled`, scheduler.calm: the step time is learned then); the
-        (sum, count) of the
-        engine's inter-token latency histogram, and the pool's calm VIP P99 (scheduler.calm;
-        None: not learned)."""
+        (sum, count) of the engine's inter-token latency histogram, and the pool's calm VIP
+        P99 (scheduler.calm; None: not learned)."""
         c = self.settings
         s = self.node(name)
         before = s.counter

@@ -431,7 +431,6 @@ class PoolScheduler:
         calm = zone is Zone.GREEN and not snap.held
         if self.control is not None:
             self.calm.observe(snap.vip_histogram, calm, now)
-            settled = self.calm.settled(now)
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,
                             guests_closed=self._guests_closed(views),
@@ -440,7 +439,8 @@ class PoolScheduler:
             result.objective_ms = self.calm.objective_ms()
             result.calm_p99_ms = self.calm.calm_ms()
             result.rooms, result.prefill = self.control_rooms(
-                views, plans, snap, now, settled, result.objective_ms, result.calm_p99_ms)
+                views, plans, snap, now, self.calm.settled(now), result.objective_ms,
+                result.calm_p99_ms)
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),

@@ -113,10 +113,7 @@ def judge(s: ArmSummary, ref: tuple[float, float] | None, burst_sim_s: float,
     else:
         out.append(Verdict("batch_done", f"+{s.last_batch_s / burst_sim_s:.2f}x the burst",
                            s.last_batch_s <= limit, s.last_batch_s / burst_sim_s))
-    g = s.goodput_ratio
-    out.append(Verdict("goodput", "n/a" if g is None else f"{g:.1%}",
-                       None if g is None else g >= GOODPUT_BAR,
-                       math.nan if g is None else g))
+    out.append(_goodput("goodput", s.goodput_ratio))
     if ref is None:
         out.append(Verdict("calm", "n/a", None))
     else:
@@ -129,10 +126,14 @@ def judge(s: ArmSummary, ref: tuple[float, float] | None, burst_sim_s: float,
             else f"{front[0]:.0f} / {front[1]:.0f} ms")
     out.append(Verdict("vip_engine", f"{_x(engine)}; rest {rest}",
                        None if math.isnan(engine) else engine <= VIP_RATIO_BAR, engine))
-    t = s.token_ratio
-    out.append(Verdict("goodput_tokens", "n/a" if t is None else f"{t:.1%}",
-                       None if t is None else t >= GOODPUT_BAR, math.nan if t is None else t))
+    out.append(_goodput("goodput_tokens", s.token_ratio))
     return out
+
+
+def _goodput(key: str, ratio: float | None) -> Verdict:
+    if ratio is None:
+        return Verdict(key, "n/a", None)
+    return Verdict(key, f"{ratio:.1%}", ratio >= GOODPUT_BAR, ratio)
 
 
 def passed(verdicts: Sequence[Verdict]) -> int:

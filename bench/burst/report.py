@@ -176,11 +176,8 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
                         sum(n1.generation_tokens - n0.generation_tokens for n0, n1
                             in zip(first.nodes, last_sample.nodes, strict=True)))
             goodput = done.total / span / ts
-            configs = [s.sim_config(i) for i in range(len(first.nodes))]
-            worth = work_value(configs)
-            bound = window_bound(s, outcomes, first, last_sample, worth)
+            worth, bound, token_bound = window_bounds(s, outcomes, first, last_sample)
             ratio = check(worth.of(done), bound)
-            token_bound = window_bound(s, outcomes, first, last_sample, TOKENS)
             token_ratio = check(done.total, token_bound)
     ideal = None
     if capacity is not None and capacity.total_tokens_per_s > 0:
@@ -236,10 +233,10 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
     )
 
 
-def window_bound(settings: Settings, outcomes: Sequence[Outcome], first: Sample,
-                 last: Sample, value: Value) -> Bound:
-    """bench.burst.goodput's bound for the work counted between two samples, in ``value``'s
-    unit."""
+def window_bounds(settings: Settings, outcomes: Sequence[Outcome], first: Sample,
+                  last: Sample) -> tuple[Value, Bound, Bound]:
+    """bench.burst.goodput's bounds for the work counted between two samples: the work value
+    of a token of each kind, the bound in that unit and the bound in tokens."""
     # A request planned up to one scrape timeout after the closing sample may still have been
     # counted by a node that answered that scrape late.
     horizon = last.t + scrape_timeout_s(settings.sample_interval_s)
@@ -250,7 +247,9 @@ def window_bound(settings: Settings, outcomes: Sequence[Outcome], first: Sample,
                   sum(n.generation_tokens for n in first.nodes))
     spans = [n1.clock - n0.clock for n0, n1 in zip(first.nodes, last.nodes, strict=True)]
     configs = [settings.sim_config(i) for i in range(len(first.nodes))]
-    return upper_bound(configs, spans, offers, before, value)
+    worth = work_value(configs)
+    return (worth, upper_bound(configs, spans, offers, before, worth),
+            upper_bound(configs, spans, offers, before, TOKENS))
 
 
 MAX_LAGGING_SHARE = 0.05

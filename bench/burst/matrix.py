@@ -23,9 +23,9 @@ Scales (``--scale``):
 
 * ``reduced`` (default): quarter-size nodes on a clock eight times faster, 64 s baseline, 96 s
   burst (simulated), the lag bound 25 ms: fits two cores when nothing else runs. One cell
-  with four arms took 209 s of wall time on 2 cores with 2 nodes and 242 s with 4 (each arm
+  with four arms takes about 3 minutes of wall time on 2 cores with 2 or 4 nodes (each arm
   stops at most 44 wall seconds after its start, plus start-up), so the default 40 cells take
-  about 2.5 hours.
+  about 2 hours.
 * ``full``: real-size nodes in real time, 300 s baseline, 240 s burst: the headline cells, about
   an hour per cell with four arms (run it per cell, with ``--seed``/``--mix``/``--size``).
 * ``ci``: a tiny cell for the test suite (seconds per arm; its figures mean little).

@@ -459,7 +459,7 @@ class ReleaseControl:
         backlogs and VIP counts start afresh (a new leader's backlog is the recursion over the
         running index). Values that are not finite and positive are ignored."""
         self._nodes = {}
-        self._vip_at = self._calm_since = None
+        self._vip_at = None
         for name, (rate, gain, calm_step) in learned.items():
             if not (math.isfinite(rate) and rate > 0):
                 continue

@@ -1,6 +1,6 @@
 """Fairness settings: `[pools.fairness]` and the per-tenant keys of fair release.
 
-A pool releases queued work within each tier in weighted fair order across tenants (lua/_lib.lua,
+A pool releases queued work within each tier in weighted fair order across tenants (lua/_tenant.lua,
 "Fair release"; docs/architecture.md, "Fairness within a tier"), or FIFO when `enabled` is
 false. A tenant's `weight` is its share within its tier relative to the other tenants there;
 its caps bound what it may hold queued and in flight in a pool. The fields declare each key's

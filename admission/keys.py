@@ -27,7 +27,7 @@ from admission.tiers import Tier
 
 ROOT = "kvg"
 VT_SCALE = 1000
-"""Virtual counter units per token served at weight 1 (`lua/_lib.lua` VT_SCALE): a task of
+"""Virtual counter units per token served at weight 1 (`lua/_tenant.lua` VT_SCALE): a task of
 cost W charges its tenant's counter floor(W x VT_SCALE / weight)."""
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
@@ -168,7 +168,7 @@ class PoolKeys:
 
     def flows(self, tier: Tier) -> str:
         """ZSET tenant -> virtual counter: the tenants with work queued in `tier` (backlogged
-        flows). Fair release serves the least counter first (`lua/_lib.lua`, "Fair release");
+        flows). Fair release serves the least counter first (`lua/_tenant.lua`, "Fair release");
         the counter itself lives in the tenant's hash (`tenant_key`), mirrored here."""
         return f"{self.prefix}flows:{tier.label}"
 
@@ -180,7 +180,7 @@ class PoolKeys:
     def light(self, tier: Tier) -> str:
         """ZSET tenant -> µs: the tenants the fast path admitted in `tier` while it had
         backlogged flows, each at its last such admit. For a window after it, fair release of a
-        tenant above its share leaves room for them (`lua/_lib.lua`, fair_keep()); the release
+        tenant above its share leaves room for them (`lua/_tenant.lua`, fair_keep()); the release
         drops entries older than the window."""
         return f"{self.prefix}light:{tier.label}"
 

@@ -2,7 +2,7 @@
 keys that place a tenant under one.
 
 A request debits its tenant's bucket and the bucket of every level above it, in the one admit
-call, and is refused when any of them cannot pay (lua/_lib.lua, "Quota levels";
+call, and is refused when any of them cannot pay (lua/_quota.lua, "Quota levels";
 docs/architecture.md, "Quotas in levels"). A team names its `parent` (another team: an
 organisation, a department), so the levels form a forest; a tenant names its `team`. Each
 level has a token bucket (`rate`, `burst`) and optional daily and monthly allowances. Every

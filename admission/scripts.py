@@ -1,6 +1,7 @@
 """The Lua scripts, loaded once as package data, and the one way they are run.
 
-Each script is `_lib.lua` followed by its own file. A `Script` runs EVALSHA and, on NOSCRIPT,
+Each script is the library files (`LIBRARY`, in that order: each uses only what the ones
+before it define) followed by its own file. A `Script` runs EVALSHA and, on NOSCRIPT,
 SCRIPT LOAD + EVALSHA once more, so a Redis restart, a failover or a `SCRIPT FLUSH` costs one
 extra round trip, never an error. Every script call of the project goes through
 `Script.__call__`, whatever carries it: a redis-py client (`redis.asyncio.Redis`,
@@ -20,6 +21,10 @@ from typing import Any, Protocol
 from redis.exceptions import NoScriptError
 
 SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon", "hint")
+LIBRARY = ("_lib", "_quota", "_place", "_tenant", "_task")
+"""The helpers every script starts with: units, key names, clocks and token buckets; quota
+levels; placement and the prefill room; per-tenant accounting and fair release; the end of a
+task and the fencing epoch."""
 
 
 _test_clock = False
@@ -45,11 +50,12 @@ def frozen_clock_allowed() -> bool:
 
 @cache
 def script_source(name: str, test_clock: bool = False) -> str:
-    """`_lib.lua` and the script, after one line that says whether the clock may be frozen
-    (``TEST_CLOCK``, read by `now_us` in `_lib.lua`): the two variants have different SHAs,
+    """The library files and the script, after one line that says whether the clock may be
+    frozen (``TEST_CLOCK``, read by `now_us` in `_lib.lua`): the two variants have different SHAs,
     so a service never runs a test's script by accident."""
     package = resources.files("lua")
-    lib = package.joinpath("_lib.lua").read_text(encoding="utf-8")
+    lib = "\n".join(package.joinpath(f"{part}.lua").read_text(encoding="utf-8")
+                    for part in LIBRARY)
     body = package.joinpath(f"{name}.lua").read_text(encoding="utf-8")
     flag = "local TEST_CLOCK = " + ("true" if test_clock else "false") + "\n"
     return flag + lib + "\n" + body

@@ -377,7 +377,7 @@ class PoolStore:
         Batch prompt tokens, window[, prefill rate in tokens/s[, the engine's running
         sequences]]), replacing the published prefill rooms (None: keep none, no node
         limited); each room refills at its node's rate for `refill_ms` after the publish
-        (lua/_lib.lua prefill_of)."""
+        (lua/_place.lua prefill_of)."""
         k = self.keys
         args: list[str | int | float] = [epoch, zone.value, len(node_capacity)]
         for node, capacity in sorted(node_capacity.items()):

@@ -3,7 +3,7 @@
 -- KEYS[1]  state            HASH  zone, updated_us, drain_0..2 (tasks/s), dedicated_nodes,
 --                                dedicated_tiers, dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
---                                dedicated_guests_closed (see place() in _lib.lua),
+--                                dedicated_guests_closed (see place() in _place.lua),
 --                                prefill_quiet (quiet nodes kept, count; place()),
 --                                red_clear_s (s), by the scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
@@ -17,7 +17,7 @@
 -- KEYS[9]  leases           ZSET  gateway -> lease expiry µs
 -- KEYS[10] tenant_queued    HASH  tenant -> queued count
 -- KEYS[11] stats            HASH  counters (released_0..2 also take turns among tied nodes,
---                                see place() in _lib.lua); normal_credit: Normal tasks of the
+--                                see place() in _place.lua); normal_credit: Normal tasks of the
 --                                YELLOW rate the fast path may still release (set by release.lua)
 -- KEYS[12] task             HASH  this task's record (must not exist yet)
 -- KEYS[13] bucket           HASH  the tenant's bucket in this pool
@@ -28,7 +28,7 @@
 --                                guest (paced guests only)
 -- KEYS[18] node_prefill     HASH  node -> limit on node_prefill_released (tokens), node:window
 --                                -> tokens: the leader's prefill room (optional: without
---                                KEYS[18..19] no room is applied; see prefill_of() in _lib.lua)
+--                                KEYS[18..19] no room is applied; see prefill_of() in _place.lua)
 -- KEYS[19] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here on a fast-path release), <node>:light
 --                                -> what light tenants took beyond the room (prefill_taken())
@@ -44,11 +44,11 @@
 -- ARGV[15] the tier's own queue timeout (ms); a task queued with exactly that timeout gets no
 --          deadlines entry (optional: absent or 0 indexes every queued task)
 -- ARGV[16] key prefix of the pool: the tenant's hash, flows, flow and vtime keys are built
---          from it ("Fair release" in _lib.lua)
+--          from it ("Fair release" in _tenant.lua)
 -- ARGV[17] '1': the pool releases in fair order (the fast path then follows it, below);
 --          '2': fair order, and releases hold room back for light tenants (fairness
 --          headroom above 0: a light tenant's fast path may then overdraw the prefill room,
---          prefill_fits() in _lib.lua); '0': FIFO
+--          prefill_fits() in _place.lua); '0': FIFO
 -- ARGV[18] the tenant's weight (a positive number), stored in its hash for the release
 -- ARGV[19] the tenant's cap on queued tokens in this pool (0: none)
 -- ARGV[20] the tenant's cap on in-flight tokens (reserved by its released, unfinished tasks) in
@@ -58,19 +58,19 @@
 -- ARGV[22] the key's monthly allowance (tokens per UTC month; 0: none)
 -- ARGV[23] n = enclosing quota levels (the tenant's team, its parent, ...: innermost first),
 --          then n groups (name, rate tokens/s, burst tokens, daily tokens, monthly tokens):
---          each level's bucket is quota:<name> ("Quota levels" in _lib.lua); all levels pay
+--          each level's bucket is quota:<name> ("Quota levels" in _quota.lua); all levels pay
 --          or none does
 --
 -- Fast path: FIFO, when nothing is queued at this tier or above; fair, when nothing is queued
 -- above, the tenant has nothing queued in this tier, and its counter is no higher than the
 -- least of the tier's backlogged flows (it would be served next: ties go to the arrival) or,
 -- in a pool holding room back for light tenants, it holds no more than its weighted share of
--- the in-flight tokens (under_share() in _lib.lua). A
+-- the in-flight tokens (under_share() in _tenant.lua). A
 -- fast path in a tier with backlogged flows is charged to the tenant's counter as a release
 -- from the queue is (lifted first); one in an idle tier is not (no one to be fair to). A
 -- request accepted (released or queued) with nothing of its tenant's queued in a tier that
 -- has backlogged flows marks the tenant light in the tier (light:<tier>: for a while, releases
--- of heavier tenants leave it room, fair_keep() in _lib.lua), so that its next requests find
+-- of heavier tenants leave it room, fair_keep() in _tenant.lua), so that its next requests find
 -- room on the fast path even when this one had to queue for it.
 --
 -- Returns {outcome, detail, retry_after_ms, depth, zone, ...}:
@@ -81,7 +81,7 @@
 --                level can pay: its refill time, or the start of its next day or month;
 --                -1: a bucket that never refills), tenant_queued_tokens (the tenant's queued
 --                tokens and this request's are above its cap: ms until the excess drains from
---                its queue at its own drain rate, drain_wait_ms() in _lib.lua; -1 unknown)
+--                its queue at its own drain rate, drain_wait_ms() in _tenant.lua; -1 unknown)
 --   {'rejected', 'quota', retry_after_ms, depth, zone, scope, kind}   scope: 'key' or
 --        'team:<name>', the binding level; kind: 'bucket', 'daily' or 'monthly'
 --   {'rejected', reason, 0, depth, zone, drain, red_clear_s, state_age_ms}

@@ -4,7 +4,7 @@
 --                                dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
 --                                dedicated_guests_closed, prefill_quiet (where each
---                                task may run, see place() in _lib.lua)
+--                                task may run, see place() in _place.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens VIP may reserve there
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -12,12 +12,12 @@
 -- KEYS[8]  deadlines        ZSET  task id -> deadline µs
 -- KEYS[9]  tenant_queued    HASH  tenant -> queued count
 -- KEYS[10] stats            HASH  counters (released_0..2 also take turns among tied nodes,
---                                see place() in _lib.lua)
+--                                see place() in _place.lua)
 -- KEYS[11] node_capacity:normal  HASH  node -> tokens Normal may reserve there
 -- KEYS[12] node_capacity:batch   HASH  node -> tokens Batch may reserve there
 -- KEYS[13] node_prefill     HASH  node -> limit on node_prefill_released (tokens), node:window
 --                                -> tokens: the prefill room of Normal and Batch work (optional:
---                                without KEYS[13..14] no room applies; prefill_of() in _lib.lua)
+--                                without KEYS[13..14] no room applies; prefill_of() in _place.lua)
 -- KEYS[14] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here by each such release), <node>:light
 --                                -> what light tenants took beyond the room (prefill_taken())
@@ -26,15 +26,15 @@
 --          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
 --          'node prompt max id' -> released µs gets each released task, the HASH node_guests
 --          counts the guests alive on each dedicated node, the HASH node_guest_pace holds when
---          a paced one takes its next; the fair keys: "Fair release" in _lib.lua)
+--          a paced one takes its next; the fair keys: "Fair release" in _tenant.lua)
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records
 -- ARGV[7]  tiers (bit 2^tier: 1 VIP, 2 Normal, 4 Batch) that this call may release only as
 --          guests of dedicated nodes (0 or absent: none); see place()
--- ARGV[8]  '1': fair order within each tier (next_flow() in _lib.lua); '0' or absent: FIFO
+-- ARGV[8]  '1': fair order within each tier (next_flow() in _tenant.lua); '0' or absent: FIFO
 -- ARGV[9]  fair order only: the fraction of each node's capacity a release of a tenant above
---          its share leaves free while lighter tenants are active (fair_keep() in _lib.lua;
+--          its share leaves free while lighter tenants are active (fair_keep() in _tenant.lua;
 --          0 or absent: none)
 -- ARGV[10] fair order only: how long (ms) a tenant counts as light after a request of its was
 --          admitted with none of its own queued beside others' backlog (the light:<tier>
@@ -56,7 +56,7 @@
 -- room for lighter tenants (ARGV[9]) and finds none left is passed over the same way, and
 -- with ARGV[9] above 0 a light tenant with work queued that holds no more than its weighted
 -- share of the in-flight tokens is served before the counters' order (light_flow() in
--- _lib.lua). A tier that only
+-- _tenant.lua). A tier that only
 -- reached its own count limit lets the next tier go on (the scheduler's YELLOW rate and Batch
 -- trickle). Queued tasks found past their deadline at the head are expired on the way (tenant
 -- refunded). Either order charges each released task to its tenant's counter (flow_charge()),

@@ -9,7 +9,7 @@
 -- KEYS[6]  node_prefill     HASH  node -> limit on node_prefill_released, node:window -> tokens,
 --                          node:rate -> tokens/s, node:running -> sequences, :at and
 --                          :until -> µs (replaced whole; optional: without KEYS[6] ARGV
---                          carries no prefill group count either; see prefill_of() in _lib.lua)
+--                          carries no prefill group count either; see prefill_of() in _place.lua)
 --
 -- ARGV[1]  caller's fencing epoch
 -- ARGV[2]  zone: GREEN | YELLOW | RED

@@ -59,7 +59,7 @@ Between polls the room refills at mu (up to the window; for `REFILL_POLLS` poll 
 the publish), as the node prefills what is queued: work flows at the node's prefill rate, not
 one window per poll, and the next poll's measured backlog corrects the estimate.
 
-Enforcement is in the scripts that admit and release (lua/_lib.lua prefill_of): a Normal or
+Enforcement is in the scripts that admit and release (lua/_place.lua prefill_of): a Normal or
 Batch task goes to a node only if its prompt fits the room, which its release then takes; a
 prompt larger than the room passes on a node whose room is at least half the window, so long
 documents run instead of never (a node always has a chat or two to prefill). The room is
@@ -114,7 +114,7 @@ waiting when the window shrank describe the old window."""
 RATE_TAU_SHARE = 0.2
 """Time constant of the throughput average (the prompt counter moves in whole prompts)."""
 REFILL_POLLS = 3
-"""Between polls a node's room refills at its measured prefill rate (lua/_lib.lua prefill_of)
+"""Between polls a node's room refills at its measured prefill rate (lua/_place.lua prefill_of)
 for this many poll intervals after a publish: a late poll or two keeps work flowing, a leader
 that stopped publishing stops feeding the nodes on an estimate."""
 DISPATCH_S = 0.05
@@ -206,7 +206,7 @@ class _Node:
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
-    """How much of `room` pays back light tenants' overdraws (lua/_lib.lua prefill_fits): the
+    """How much of `room` pays back light tenants' overdraws (lua/_place.lua prefill_fits): the
     room bounds the queue ahead of a VIP chat, and on a node that prefills faster than the
     leader polls, an overdraw prefilled before the next poll would otherwise come on top of
     the next room, a rate the window never allowed. What one room cannot pay is owed to the

@@ -325,7 +325,7 @@ class PoolScheduler:
                       ) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float, int]]]:
         """The release control's room per usable node, and the (limit, window, refill rate,
         running sequences) the scripts enforce and steer VIP by (scheduler.control;
-        lua/_lib.lua prefill_of, least_queued)."""
+        lua/_place.lua prefill_of, least_queued)."""
         control = self.control
         if control is None:
             return {}, {}

@@ -1,5 +1,5 @@
 """A plain-Python reference model of fair release within a tier ("Fair release" in
-lua/_lib.lua), used by tests/model.py and the fairness property tests.
+lua/_tenant.lua), used by tests/model.py and the fairness property tests.
 
 The scripts keep, per pool: each tenant's virtual counter per tier, the tier's virtual time,
 the tenant's weight, queued and in-flight tokens, and the backlogged flows (a mirror of the
@@ -22,9 +22,9 @@ from admission.keys import VT_SCALE, PoolKeys
 from admission.tiers import Tier
 
 TIE_SCAN = 8
-"""Flows tied at the least counter compared by the age of their heads (lua/_lib.lua)."""
+"""Flows tied at the least counter compared by the age of their heads (lua/_tenant.lua)."""
 LIGHT_SCAN = 8
-"""Light tenants, and backlogged flows, in a release's view of shares (lua/_lib.lua)."""
+"""Light tenants, and backlogged flows, in a release's view of shares (lua/_tenant.lua)."""
 DRAIN_TAU_US = 5_000_000
 DRAIN_WAIT_MAX_MS = 1_000_000_000
 
@@ -86,7 +86,7 @@ class FairLedger:
 
     def under_share(self, tier: int, tenant: str, weight: float,
                     flows: Mapping[str, int]) -> bool:
-        """under_share() in lua/_lib.lua: `tenant` (at the weight its request states) holds no
+        """under_share() in lua/_tenant.lua: `tenant` (at the weight its request states) holds no
         more than its weighted share of the in-flight tokens of itself and up to LIGHT_SCAN
         backlogged flows (least counter first)."""
         own_weight = float(weight) if float(weight) > 0 else 1.0
@@ -170,7 +170,7 @@ class FairLedger:
 @dataclass
 class FairView:
     """What one release call judges a tenant's share of the in-flight tokens by (fair_view()
-    in lua/_lib.lua): the light tenants (up to LIGHT_SCAN, most recent first), then up to
+    in lua/_tenant.lua): the light tenants (up to LIGHT_SCAN, most recent first), then up to
     LIGHT_SCAN backlogged flows (least counter first), each with its in-flight tokens and
     weight; sums accumulate in that order, as the script's do."""
 
@@ -215,7 +215,7 @@ class FairView:
 
     def light_first(self, heads: Mapping[str, int],
                     skip: frozenset[str] | set[str]) -> str | None:
-        """light_flow() in lua/_lib.lua: among the light tenants with a head in `heads`
+        """light_flow() in lua/_tenant.lua: among the light tenants with a head in `heads`
         (tenant -> its position in the tier's queue), not skipped, holding no more than their
         weighted share of the view's in-flight tokens, the one whose head is oldest."""
         best: str | None = None
@@ -227,7 +227,7 @@ class FairView:
         return best
 
     def within_share(self, tenant: str) -> bool:
-        """within_share() in lua/_lib.lua: no more than its weighted share of the view's
+        """within_share() in lua/_tenant.lua: no more than its weighted share of the view's
         in-flight tokens (the tenant joins the view if it is not in it yet)."""
         inflight, weight = self.member(tenant)
         return inflight * self.wsum <= weight * self.total

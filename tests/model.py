@@ -20,7 +20,7 @@ from tests.quotamodel import Bucket
 MICRO = 1_000_000
 TIERS = (0, 1, 2)
 TIE_SHARE = 32
-"""Headroom within 1/TIE_SHARE of the best node's ties with it (lua/_lib.lua)."""
+"""Headroom within 1/TIE_SHARE of the best node's ties with it (lua/_place.lua)."""
 
 
 @dataclass
@@ -284,7 +284,7 @@ class Model:
         return ("queued", "", 0, ahead + 1)
 
     def fair_view(self, tier: int) -> FairView:
-        """The view a release call judges shares by in `tier` (fair_view() in lua/_lib.lua);
+        """The view a release call judges shares by in `tier` (fair_view() in lua/_tenant.lua);
         light entries older than the window are dropped first."""
         window = self.fair_light_window_ms * 1000
         light = {t: at for t, at in self.ledger.light.get(tier, {}).items()

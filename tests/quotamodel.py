@@ -1,4 +1,4 @@
-"""A plain-Python reference model of quota levels ("Quota levels" in lua/_lib.lua), used by
+"""A plain-Python reference model of quota levels ("Quota levels" in lua/_quota.lua), used by
 tests/model.py: the key's bucket and every enclosing level's, each with optional daily and
 monthly allowances of UTC days and months.
 

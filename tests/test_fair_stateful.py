@@ -195,7 +195,7 @@ class FairMachine(RuleBasedStateMachine):
                         usage: int) -> None:
         """One tenant floods a GREEN tier with large requests, another sends a small one, one
         of the first tenant's tasks ends, the leader releases: the shape in which a release
-        holds room back for a light tenant (fair_keep() in lua/_lib.lua). Every step is checked
+        holds room back for a light tenant (fair_keep() in lua/_tenant.lua). Every step is checked
         against the model as the single rules check it."""
         self._publish(Zone.GREEN, {"n1": 700, "n2": 350})
         flood = [self.admit((heavy, Tier.NORMAL, big // 2, big - big // 2)) for _ in range(n)]

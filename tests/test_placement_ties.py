@@ -1,6 +1,6 @@
 """Placement among nodes with (nearly) the same headroom: equal nodes share the load.
 
-`place()` in lua/_lib.lua picks the node with the most headroom; nodes whose headroom is less
+`place()` in lua/_place.lua picks the node with the most headroom; nodes whose headroom is less
 than the task's cost or a 32nd of the best's below it tie, and a tie goes to the least
 reserved, then in turn by the pool's release count (`stats` released_0..2). The property test
 checks the script's choice against the reference model (tests/model.py); the integration test

@@ -37,7 +37,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from admission.scripts import SCRIPT_NAMES, Script, Scripts, script_source
+from admission.scripts import LIBRARY, SCRIPT_NAMES, Script, Scripts, script_source
 from admission.store import PoolPolicy, PoolStore, QuotaLevel, TenantQuota
 from admission.tiers import Tier, Zone
 from bench.common.localredis import running_redis
@@ -78,9 +78,14 @@ def sources_at(revision: str | None) -> dict[str, str]:
     def show(path: str) -> str:
         return subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True,
                               text=True, check=True).stdout
+    def exists(path: str) -> bool:
+        return subprocess.run(["git", "cat-file", "-e", f"{revision}:{path}"],
+                              capture_output=True).returncode == 0
     # As admission.scripts.script_source builds a service's scripts: the clock flag off (an
-    # unused local for a revision that predates it), the library, the script.
-    lib = "local TEST_CLOCK = false\n" + show("lua/_lib.lua")
+    # unused local for a revision that predates it), the library files (a revision before
+    # the library was split into them has only the first), the script.
+    lib = "local TEST_CLOCK = false\n" + "\n".join(
+        show(f"lua/{part}.lua") for part in LIBRARY if exists(f"lua/{part}.lua"))
     return {name: lib + "\n" + show(f"lua/{name}.lua") for name in SCRIPT_NAMES}
 
 

@@ -1,0 +1,374 @@
+-- _place.lua: where a released task may run and which node takes it: dedicated nodes and guests,
+-- the prefill room, place(), node reservations.
+-- Prepended to every script, after the files before it in admission/scripts.py LIBRARY (each
+-- uses only what those define); not a script of its own. Units as in _lib.lua.
+
+-- Headroom within 1/TIE_SHARE of the best node's counts as a tie (see place()).
+local TIE_SHARE = 32
+-- VIP goes to the quiet nodes whose engines run at most max(RUNNING_SLACK_MIN, RUNNING_SLACK x
+-- the least) more sequences than the least busy of them (least_queued()).
+local RUNNING_SLACK, RUNNING_SLACK_MIN = 0.25, 4
+
+-- Dedicated nodes, as the scheduler publishes them in the state hash: 'dedicated_nodes' (names,
+-- space-separated) serve the tiers in 'dedicated_tiers' (bit 2^tier: 1 VIP, 2 Normal,
+-- 4 Batch), and of the other tiers only guests: tasks whose prompt is at most
+-- 'dedicated_guest_prompt' tokens, at most 'dedicated_guest_cap' of them alive on each such
+-- node at once (both 0 or absent: no guests), with 'dedicated_guest_output' > 0 only those
+-- asking for at most that many output tokens, and with 'dedicated_guest_rate' > 0 paced by
+-- their prompts: after a guest of p prompt tokens the node takes no other guest for
+-- p / rate seconds. 'dedicated_guests_closed' (names): dedicated nodes that take no guests
+-- now (their engines run more sequences than the pool allows guests beside). Absent fields:
+-- every node is shared.
+-- `st`: the state hash's PLACEMENT_FIELDS, by name (hash_fields()).
+local function placement_of(st)
+  local nodes = {}
+  if st.dedicated_nodes then
+    for node in string.gmatch(st.dedicated_nodes, '%S+') do nodes[node] = true end
+  end
+  local closed = {}
+  if st.dedicated_guests_closed then
+    for node in string.gmatch(st.dedicated_guests_closed, '%S+') do closed[node] = true end
+  end
+  return {nodes = nodes, tiers = tonumber(st.dedicated_tiers or '0') or 0, closed = closed,
+          guest_prompt = tonumber(st.dedicated_guest_prompt or '0') or 0,
+          guest_cap = tonumber(st.dedicated_guest_cap or '0') or 0,
+          guest_rate = tonumber(st.dedicated_guest_rate or '0') or 0,
+          guest_output = tonumber(st.dedicated_guest_output or '0') or 0,
+          quiet = tonumber(st.prefill_quiet or '0') or 0}
+end
+
+-- Prefill room: how many prompt tokens of Normal and Batch work each node may still be given
+-- before a VIP chat's first token would wait behind too much prefill (scheduler/control.py).
+-- The leader publishes, per node, an absolute limit on the node's count of such prompt tokens
+-- released so far (`node_prefill` field <node>; the count is `node_prefill_released` <node>,
+-- which every Normal or Batch placement raises by its prompt) and the node's window
+-- (`node_prefill` field <node>:window, the most the room can be). Absolute, so that releases
+-- made between the leader's read and its publish count against the new limit: exact across
+-- gateways. A node without a published limit is not limited.
+--
+-- Between two polls the room refills as the node prefills: the leader also publishes each
+-- node's measured prefill rate (<node>:rate, tokens/s; 0 while the node must take nothing) and
+-- the Redis time of the publish (`:at`, µs) and until when the rooms may refill (`:until`, µs,
+-- a few polls later: a leader that stopped publishing stops the refill). A room then grows by
+-- rate x (now - :at), up to the window: what the node prefilled since the publish, as the
+-- leader's next measurement would find it, were the node prefilling at its measured rate. Work
+-- flows at the node's prefill rate rather than one window per poll (on a fast node, or with a
+-- slow poll, the window drains long before the next one); a node that prefilled more slowly
+-- has a longer backlog than the room assumed, by at most rate x (the poll and the scrape's age),
+-- which the next poll's measured backlog takes back.
+-- KEYS the caller passes for it: node_prefill HASH (<node> -> limit, tokens; <node>:window ->
+-- tokens; <node>:rate -> tokens/s; <node>:running -> sequences; :at, :until -> µs) and
+-- node_prefill_released HASH (<node> -> prompt tokens of Normal and Batch work released there
+-- so far). `now`: µs, Redis TIME.
+local function prefill_of(limits_key, released_key, now)
+  local f = redis.call('HMGET', limits_key, ':at', ':until')
+  local at, till = tonumber(f[1]), tonumber(f[2])
+  local refill_s = 0
+  if at and till then refill_s = math.max(0, math.min(now, till) - at) / 1000000 end
+  return {limits_key = limits_key, released_key = released_key, refill_s = refill_s,
+          idle = {}}
+end
+
+-- {room = tokens left (may be negative), window = tokens, running = the engine's running
+-- sequences at the leader's last scrape (nil: not published)} of a node, or nil when
+-- unlimited.
+-- A refill beyond the window is prefill time the node spent idle, which cannot be banked:
+-- prefill_taken() lowers the limit by it (`prefill.idle`) when the node takes work, so that
+-- the room after the placement is the window less what was placed, at any later time.
+local function prefill_room(prefill, node)
+  local f = redis.call('HMGET', prefill.limits_key, node, node .. ':window', node .. ':rate',
+    node .. ':running')
+  local limit = tonumber(f[1])
+  if limit == nil then return nil end
+  local released = tonumber(redis.call('HGET', prefill.released_key, node) or '0') or 0
+  local room, window = limit - released, tonumber(f[2]) or 0
+  local refill = math.floor((tonumber(f[3]) or 0) * prefill.refill_s)
+  prefill.idle[node] = nil
+  if refill > 0 and room < window then
+    if room + refill > window then prefill.idle[node] = room + refill - window end
+    room = math.min(window, room + refill)
+  end
+  return {room = room, window = window, running = tonumber(f[4])}
+end
+
+-- A prompt fits the room it takes; one larger than the room fits a room at least half the
+-- window (at most half a window queued for prefill on the node), or long documents would
+-- never run on a node that always has a chat or two to prefill.
+-- Light tenants (fair order holding room back, fair_view()): a flooding tenant's releases take
+-- the room as fast as the leader publishes it, and a tenant sending within its share would
+-- wait a poll for each request. So while it must hold room back (`held`), a release leaves at
+-- least a token of the room (a prompt that would spend it exactly waits, the long document's
+-- rule aside), and a light tenant's request (`light`: its fast path beside others' backlog,
+-- or its release ahead of the counters' order, light_flow()) may take the room down to minus
+-- two windows (light requests arriving together each pass, not only the first one after a
+-- refill: a flood's releases take every refill). The overdraw is counted (prefill_taken())
+-- and the leader takes it out of the rooms it publishes next, so that it reorders work rather
+-- than adding it; the queue ahead of a VIP chat is then at most three windows for a poll.
+-- Returns whether it fits, and whether it is a long prefill: larger than the room and than
+-- twice the window (its prefill alone takes the whole objective; see quiet_others()).
+local function prefill_fits(compute, prompt_tokens, light, held)
+  if compute == nil then return true, false end
+  local room = compute.room
+  if prompt_tokens < room or (prompt_tokens == room and not held) then return true, false end
+  local long = prompt_tokens > 2 * compute.window
+  if light then return room - prompt_tokens >= -2 * compute.window, long end
+  return room > 0 and 2 * room >= compute.window, long
+end
+
+-- A node is quiet while its prefill room is at least half its window (at most half a window
+-- of other tiers' prompts queued ahead of a VIP chat; a node without a published room counts
+-- as quiet): VIP is steered to quiet nodes (least_queued()).
+local function is_quiet(compute)
+  return compute == nil or 2 * compute.room >= compute.window
+end
+
+-- Quiet nodes kept (`placement.quiet`, the state's prefill_quiet, published from
+-- [pools.control] quiet_nodes): a long prefill (prefill_fits()'s second result: a prompt
+-- larger than the room whose prefill alone takes the whole objective the window is half of)
+-- may go to a node only while that many other nodes with capacity for its tier stay quiet,
+-- at most all but one of them (a one-node pool still runs long documents). With every node
+-- running a long prefill, a VIP chat that arrives waits for one of them to finish, however
+-- short the other tiers' windows: an 8k-token document is seconds of prefill on a slice of
+-- a GPU, and the engine computes the running prompt's chunks before a waiting chat's. One
+-- quiet node caps that wait at half a window while the others take the documents
+-- (takes_prompt() lets them queue a second one each, to prefill documents back to back).
+-- `computes`: node -> its room, or false when none is published.
+local function quiet_others(computes, node)
+  local n = 0
+  for other, compute in pairs(computes) do
+    if other ~= node and is_quiet(compute or nil) then n = n + 1 end
+  end
+  return n
+end
+
+-- Whether `node` (its room `compute`) takes a Normal or Batch prompt: prefill_fits(), and for
+-- a long prefill while `need` quiet nodes are kept, only while that many others stay quiet,
+-- and then also queued behind another long prefill (the node's queue beyond its window less
+-- than this prompt): the nodes the documents go to prefill them back to back instead of
+-- idling until the leader's next poll sees the last one done, and only Normal and Batch work
+-- waits behind them.
+local function takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
+  local fits, long = prefill_fits(compute, prompt_tokens, light, held)
+  if long and need > 0 then
+    return (fits or compute.room + prompt_tokens >= 0) and quiet_others(computes, node) >= need
+  end
+  return fits
+end
+
+-- A placement of `prompt_tokens` on `node` takes its room; one that only the light rule let
+-- through also counts what it took beyond `light_room`, the room place() found there
+-- (<node>:light), which the leader takes out of the rooms it publishes next
+-- (scheduler.control.take_overdraw). `light_room` nil: not such a placement (place()'s third
+-- result).
+local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
+  -- (A record without a prompt count, which only an older version could leave, adds none.)
+  if prefill and tier > 0 and prompt_tokens < math.huge then
+    if prefill.idle[node] then
+      redis.call('HINCRBY', prefill.limits_key, node, -prefill.idle[node])
+      prefill.idle[node] = nil
+    end
+    if light_room and prompt_tokens > light_room then
+      redis.call('HINCRBY', prefill.released_key, node .. ':light',
+        prompt_tokens - math.max(light_room, 0))
+    end
+    redis.call('HINCRBY', prefill.released_key, node, prompt_tokens)
+  end
+end
+
+-- VIP's candidates (rows {node, kv room, reserved, prefill room: prefill_room(), nil when
+-- none is published}): the quiet ones, whose prefill room is at least half their window (a
+-- short compute queue ahead of the chat's first token; a node without a published room counts
+-- as such), if one of them has KV room for it, else the ones with the most prefill room; the
+-- KV rules of place() then choose among them. Among the quiet ones with KV room, only those
+-- whose engine runs at most RUNNING_SLACK more sequences than the least busy (the leader
+-- publishes the scraped count):
+-- every step of a decode batch costs time per sequence, and the chat's first token waits for
+-- a step or two of it, so the most KV headroom is the wrong choice where it sits beside the
+-- longest batch (long generations fill a node's batch long before its cache).
+-- Returns the candidates and best KV room per group (unchanged when no row qualifies).
+local function least_queued(candidates, best, cost)
+  local function pick(keep)
+    local out, top, any = {{}, {}}, {}, false
+    for group = 1, 2 do
+      for _, c in ipairs(candidates[group]) do
+        if keep(c) then
+          table.insert(out[group], c)
+          if top[group] == nil or c[2] > top[group] then top[group] = c[2] end
+          if c[2] >= cost then any = true end
+        end
+      end
+    end
+    return any and out, top
+  end
+  local function running(c) return c[4] and c[4].running end
+  local out, top = pick(function(c) return is_quiet(c[4]) end)
+  if out then
+    local least = nil
+    for group = 1, 2 do
+      for _, c in ipairs(out[group]) do
+        local n = running(c)
+        if c[2] >= cost and n and (least == nil or n < least) then least = n end
+      end
+    end
+    if least then
+      local most = least + math.max(RUNNING_SLACK_MIN, math.ceil(least * RUNNING_SLACK))
+      local idle, idle_top = pick(function(c)
+        return is_quiet(c[4]) and (running(c) or 0) <= most end)
+      if idle then return idle, idle_top end
+    end
+    return out, top
+  end
+  -- No quiet node has KV room for it (so every node considered has a published room).
+  local most = nil
+  for group = 1, 2 do
+    for _, c in ipairs(candidates[group]) do
+      if c[2] >= cost and c[4] and (most == nil or c[4].room > most) then most = c[4].room end
+    end
+  end
+  if most == nil then return candidates, best end
+  out, top = pick(function(c) return c[4] ~= nil and c[4].room >= most end)
+  return out, top
+end
+
+-- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
+-- whether it goes there as a guest: the most headroom (capacity - reserved) among the nodes
+-- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
+-- dedicated to VIP that takes short work of other tiers must get it before the shared nodes do,
+-- or it never fills its guest slots). `cap_key` is the task's tier's own capacity hash: each
+-- tier is placed up to its own ceiling on the node's projected KV. With `guests_only`, the
+-- task may go only to a dedicated node as a
+-- guest (the scheduler's YELLOW release of Batch: the zone holds it off the shared nodes).
+--
+-- Ties share the load. A node ties with the best when its headroom is less than `cost` or
+-- 1/TIE_SHARE of the best's headroom below it (and it has room for the task): a difference
+-- smaller than the task is one this very placement would reverse, and budgets are measured
+-- figures (each engine's profiled KV size, scraped usage, a paged-KV block of padding per
+-- sequence) that differ by a few tokens or a percent between identical nodes. The strict best
+-- (by a token, or by name on an exact tie) would take every request that finds the pool
+-- idle, so a stream of short requests would all go to one node. Among tied nodes the least
+-- reserved wins (the one running less of ours), and among those, in name order, the one whose
+-- turn it is: the pool's count of releases so far (`stats_key` released_0..2, which every
+-- placement advances by one) modulo their number. Deterministic, so every replica picks the
+-- same node, and it needs no state beyond the counters the scheduler already reads.
+--
+-- Prefill room (`prefill`, see prefill_of(); nil: none published). A task of Normal or Batch
+-- goes only to a node whose prefill room takes its prompt (prefill_fits()); VIP is never held
+-- by it, but is steered to the nodes with the most prefill room
+-- (a short compute queue ahead of its first token: least_queued()), and the KV rules below
+-- choose among those.
+--
+-- Held-back room (`keep`, a fraction; nil or 0: none): the task may use a node only while
+-- keep x the tier's capacity there stays free after it (fair release of a tenant above its
+-- share while lighter tenants are active: fair_view()), and a token of the prefill room;
+-- `light`: a light tenant's fast path, which may overdraw the prefill room (prefill_fits()).
+-- Returns the node (nil: none), whether as a guest, and the node's prefill room before this
+-- placement when only the light rule let the prompt through (an overdraw; nil otherwise, and
+-- when no room is published), for prefill_taken().
+local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
+                     prompt_tokens, now, guests_only, prefill, keep, light)
+  local caps = redis.call('HGETALL', cap_key)
+  local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
+  local may_guest = not owns_dedicated and placement.guest_cap > 0
+    and prompt_tokens <= placement.guest_prompt
+    and (placement.guest_output == 0 or cost - prompt_tokens <= placement.guest_output)
+  local candidates = {{}, {}}
+  local best = {}
+  local pf_rooms = {}
+  -- Each node's prefill room, read once (false: none published).
+  local rooms = {}
+  local function room_of(node)
+    if rooms[node] == nil then rooms[node] = prefill_room(prefill, node) or false end
+    return rooms[node] or nil
+  end
+  -- Rooms of the nodes with capacity for the tier, when long prefills must leave quiet nodes.
+  local computes, need = nil, 0
+  if prefill and tier > 0 and placement.quiet > 0 then
+    computes = {}
+    local n = 0
+    for i = 1, #caps, 2 do
+      if (tonumber(caps[i + 1]) or 0) > 0 then
+        computes[caps[i]] = room_of(caps[i]) or false
+        n = n + 1
+      end
+    end
+    need = math.min(placement.quiet, n - 1)
+  end
+  for i = 1, #caps, 2 do
+    local node = caps[i]
+    local group = placement.nodes[node] and 1 or 2
+    local allowed = (group == 2 or owns_dedicated) and not guests_only
+    if group == 1 and not allowed and may_guest and not placement.closed[node] then
+      allowed = (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < placement.guest_cap
+      if allowed and placement.guest_rate > 0 then
+        allowed = (tonumber(redis.call('HGET', pc_key, node) or '0') or 0) <= now
+      end
+    end
+    local compute, overdraw = nil, false
+    if allowed and prefill then
+      compute = room_of(node)
+      if tier > 0 then
+        local held = keep ~= nil and keep > 0
+        allowed = takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
+        -- Only what the light rule alone let through is an overdraw (prefill_taken()).
+        overdraw = light and allowed
+          and not takes_prompt(compute, computes, need, node, prompt_tokens, false, held)
+      end
+    end
+    if allowed then
+      local reserved = tonumber(redis.call('HGET', resv_key, node) or '0') or 0
+      local cap = tonumber(caps[i + 1]) or 0
+      local room = cap - reserved
+      if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
+      table.insert(candidates[group], {node, room, reserved, compute})
+      pf_rooms[node] = overdraw and compute.room or nil
+      if best[group] == nil or room > best[group] then best[group] = room end
+    end
+  end
+  if tier == 0 and prefill then candidates, best = least_queued(candidates, best, cost) end
+  for group = 1, 2 do
+    if best[group] and best[group] >= cost then
+      local margin = math.max(cost, math.floor(best[group] / TIE_SHARE), 1)
+      local tied, least = {}, nil
+      for _, c in ipairs(candidates[group]) do
+        if c[2] >= cost and best[group] - c[2] < margin then
+          if least == nil or c[3] < least then
+            tied, least = {c[1]}, c[3]
+          elseif c[3] == least then
+            table.insert(tied, c[1])
+          end
+        end
+      end
+      local node = tied[1]
+      if #tied > 1 then
+        table.sort(tied)
+        local n = redis.call('HMGET', stats_key, 'released_0', 'released_1', 'released_2')
+        local turn = (tonumber(n[1]) or 0) + (tonumber(n[2]) or 0) + (tonumber(n[3]) or 0)
+        node = tied[turn % #tied + 1]
+      end
+      return node, group == 1 and not owns_dedicated, pf_rooms[node]
+    end
+  end
+  return nil, false
+end
+
+-- A task released as a guest holds one of its node's guest slots until it ends, and on a
+-- paced node puts off the next guest by its prompt's share of the rate (from now, or from the
+-- time the node was already paced to, whichever is later).
+local function guest_joined(gst_key, pc_key, placement, tkey, node, prompt_tokens, now)
+  redis.call('HINCRBY', gst_key, node, 1)
+  redis.call('HSET', tkey, 'guest', '1')
+  if placement.guest_rate > 0 then
+    local from = math.max(now, tonumber(redis.call('HGET', pc_key, node) or '0') or 0)
+    redis.call('HSET', pc_key, node,
+      fmt(from + math.floor(prompt_tokens * 1000000 / placement.guest_rate)))
+  end
+end
+
+local function reserve_node(resv_key, node, cost)
+  redis.call('HINCRBY', resv_key, node, cost)
+end
+
+local function unreserve_node(resv_key, node, cost)
+  local left = redis.call('HINCRBY', resv_key, node, -cost)
+  if left <= 0 then redis.call('HDEL', resv_key, node) end
+end

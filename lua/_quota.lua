@@ -1,0 +1,122 @@
+-- _quota.lua: quota levels (buckets and allowances of a tenant and its enclosing levels).
+-- Prepended to every script, after the files before it in admission/scripts.py LIBRARY (each
+-- uses only what those define); not a script of its own. Units as in _lib.lua.
+
+-- Quota levels. A request debits its tenant's bucket (the key level, bucket_key()) and the
+-- bucket of every enclosing level (a team, its organisation: quota_key()), all in the admit
+-- call, and is refused when any of them cannot pay. Each level may also have a daily and a
+-- monthly allowance of tokens (UTC days and months of Redis TIME), kept in its bucket's hash:
+-- day (days since 1970-01-01) and day_used, month (year x 12 + month - 1) and month_used. A
+-- task records the day it was admitted (quota_day) when an allowance applies, so that its
+-- refund at the end goes back to that period only if it is still the current one.
+local DAY_US = 86400000000
+
+-- Year and month (1..12) of a day counted from 1970-01-01 (the proleptic Gregorian calendar,
+-- by eras of 400 years).
+local function civil_of(days)
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+    - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then y = y + 1 end
+  return y, m
+end
+
+-- The day (from 1970-01-01) of the first of month `m` (1..12) of year `y`.
+local function first_of_month(y, m)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mp = m > 2 and m - 3 or m + 9
+  local doy = math.floor((153 * mp + 2) / 5)
+  return era * 146097 + yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy - 719468
+end
+
+local function month_of_day(day)
+  local y, m = civil_of(day)
+  return y * 12 + m - 1
+end
+
+-- Tokens used so far in the current period of an allowance ('day' or 'month'), from a hash
+-- read with HMGET day, day_used, month, month_used (`f`).
+local function period_used(f, kind, index)
+  local at, used = f[1], f[2]
+  if kind == 'month' then at, used = f[3], f[4] end
+  if tonumber(at) == index then return tonumber(used) or 0 end
+  return 0
+end
+
+-- Why a level cannot pay `cost` now, as the ms until it can (-1: never, the bucket does not
+-- refill) and the kind ('bucket', 'daily', 'monthly'), or nil when it can. `lvl`: {key, rate,
+-- burst, daily, monthly}; sets lvl.level (micro-tokens at `now`).
+local function level_short(lvl, now, cost)
+  lvl.level = bucket_level(lvl.key, now, lvl.rate, lvl.burst)
+  local need, wait, kind = cost * 1000000, nil, nil
+  if lvl.level < need then
+    wait, kind = -1, 'bucket'
+    if lvl.rate > 0 then wait = math.ceil((need - lvl.level) / lvl.rate / 1000) end
+  end
+  if lvl.daily > 0 or lvl.monthly > 0 then
+    local f = redis.call('HMGET', lvl.key, 'day', 'day_used', 'month', 'month_used')
+    local day = math.floor(now / DAY_US)
+    if lvl.daily > 0 and period_used(f, 'day', day) + cost > lvl.daily then
+      local w = math.ceil(((day + 1) * DAY_US - now) / 1000)
+      if wait == nil or (wait >= 0 and w > wait) then wait, kind = w, 'daily' end
+    end
+    if lvl.monthly > 0 then
+      local y, m = civil_of(day)
+      if period_used(f, 'month', y * 12 + m - 1) + cost > lvl.monthly then
+        if m == 12 then y, m = y + 1, 1 else m = m + 1 end
+        local w = math.ceil((first_of_month(y, m) * DAY_US - now) / 1000)
+        if wait == nil or (wait >= 0 and w > wait) then wait, kind = w, 'monthly' end
+      end
+    end
+  end
+  return wait, kind
+end
+
+-- A level pays `cost`: its bucket is debited and its allowances count it.
+local function level_debit(lvl, now, cost)
+  bucket_store(lvl.key, lvl.level - cost * 1000000, now, lvl.rate, lvl.burst)
+  if lvl.daily > 0 or lvl.monthly > 0 then
+    local f = redis.call('HMGET', lvl.key, 'day', 'day_used', 'month', 'month_used')
+    local day = math.floor(now / DAY_US)
+    local month = month_of_day(day)
+    redis.call('HSET', lvl.key, 'day', fmt(day), 'day_used',
+      fmt(period_used(f, 'day', day) + cost), 'month', fmt(month), 'month_used',
+      fmt(period_used(f, 'month', month) + cost))
+  end
+end
+
+-- Give `tokens` back to a level (negative takes more): its bucket, and its allowances when the
+-- task was admitted in the current period (`task_day`: the day it was admitted, or nil).
+local function level_credit(key, now, tokens, task_day)
+  bucket_credit(key, now, tokens)
+  if task_day == nil then return end
+  local f = redis.call('HMGET', key, 'day', 'day_used', 'month', 'month_used')
+  local day = math.floor(now / DAY_US)
+  if task_day == day and tonumber(f[1]) == day then
+    redis.call('HSET', key, 'day_used', fmt(math.max(0, (tonumber(f[2]) or 0) - tokens)))
+  end
+  local month = month_of_day(day)
+  if month_of_day(task_day) == month and tonumber(f[3]) == month then
+    redis.call('HSET', key, 'month_used', fmt(math.max(0, (tonumber(f[4]) or 0) - tokens)))
+  end
+end
+
+-- A task's tenant and enclosing levels get `tokens` back (its record's levels: names,
+-- space-separated).
+local function task_credit(prefix, task, now, tokens)
+  local task_day = tonumber(task.quota_day)
+  level_credit(bucket_key(prefix, task.tenant), now, tokens, task_day)
+  if task.levels then
+    for name in string.gmatch(task.levels, '%S+') do
+      level_credit(quota_key(prefix, name), now, tokens, task_day)
+    end
+  end
+end

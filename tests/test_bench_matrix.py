@@ -39,6 +39,7 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
                  "--arms", "a,c,d", "--out", str(out), "--log-dir", str(tmp_path / "logs"),
                  "--quiet"]) == 0
     table = (out / "matrix-ci.md").read_text()
+    assert (out / "matrix-ci.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((out / "cells" / "ci-article-n2-s1.json").read_text())
     assert record["cell"] == {"scale": "ci", "mix": "article", "size": 2, "seed": 1}
     assert [a["arm"] for a in record["arms"]] == ["a", "c", "d"]

@@ -15,7 +15,8 @@ Each cell writes ``<out>/cells/<scale>-<mix>-n<size>-s<seed>.json`` (every arm's
 verdicts on the seven criteria, the lag the run measured, its wall time), and after every cell
 ``<out>/matrix-<scale>.md`` is written again from all cell files of that scale in ``<out>``:
 one table per cell, then the aggregate (per arm and criterion: cells passed of valid cells, the
-median and worst figure). An arm whose simulators lagged or whose load generator sent late
+median and worst figure), and ``<out>/matrix-<scale>.png``, every cell's figures per criterion
+(bench.burst.matrixplot). An arm whose simulators lagged or whose load generator sent late
 beyond the bound (bench.burst.report) is marked INVALID in its cell and left out of the aggregate,
 never counted as a pass.
 
@@ -59,6 +60,7 @@ from bench.burst.criteria import (
 )
 from bench.burst.expconfig import ARM_TITLES, ARMS, Settings
 from bench.burst.experiment import run_experiment
+from bench.burst.matrixplot import plot_matrix
 from bench.burst.mixes import MIXES, with_mix
 from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
@@ -236,8 +238,9 @@ async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_ro
             say(f"  {ARM_TITLES[a['arm']]}: {met}/7 criteria"
                 + ("" if a["valid"] else " (INVALID: lag)"))
         say(f"  {wall:.0f} s wall")
-        (out / f"matrix-{cell.scale}.md").write_text(
-            render(load_records(out, cell.scale), cell.scale))
+        records = load_records(out, cell.scale)
+        (out / f"matrix-{cell.scale}.md").write_text(render(records, cell.scale))
+        plot_matrix(records, out / f"matrix-{cell.scale}.png")
 
 
 def build_parser() -> argparse.ArgumentParser:

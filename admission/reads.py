@@ -65,28 +65,22 @@ def running_member(raw: Any, score: Any) -> RunningMember | None:
         return None
 
 
-def vip_reports(counts: Mapping[str, int]) -> dict[str, tuple[int, int]]:
-    """node -> (VIP first tokens, those over the objective), from the `<node>:n` and
-    `<node>:over` fields the finish script counts in node_vip_ttft."""
-    out: dict[str, tuple[int, int]] = {}
+def vip_counts(counts: Mapping[str, int]) -> tuple[dict[str, tuple[int, int]], dict[int, int]]:
+    """The fields the finish script counts in node_vip_ttft, in one pass: node -> (VIP first
+    tokens, those over the objective), from the `<node>:n` and `<node>:over` fields; and
+    bucket k -> VIP first tokens of the whole pool whose ms lie in [1.1^k, 1.1^(k+1)), from
+    the `<node>:h<k>` fields (monotonic)."""
+    reports: dict[str, tuple[int, int]] = {}
+    histogram: dict[int, int] = {}
     for field_name, value in counts.items():
         node, _, kind = field_name.rpartition(":")
         if kind in ("n", "over") and node:
-            n, over = out.get(node, (0, 0))
-            out[node] = (value, over) if kind == "n" else (n, value)
-    return out
-
-
-def vip_histogram(counts: Mapping[str, int]) -> dict[int, int]:
-    """bucket k -> VIP first tokens of the whole pool whose ms lie in [1.1^k, 1.1^(k+1)), from
-    the `<node>:h<k>` fields the finish script counts in node_vip_ttft (monotonic)."""
-    out: dict[int, int] = {}
-    for field_name, value in counts.items():
-        _, _, kind = field_name.rpartition(":")
-        if kind.startswith("h") and kind[1:].isdigit():
+            n, over = reports.get(node, (0, 0))
+            reports[node] = (value, over) if kind == "n" else (n, value)
+        elif kind.startswith("h") and kind[1:].isdigit():
             bucket = int(kind[1:])
-            out[bucket] = out.get(bucket, 0) + value
-    return out
+            histogram[bucket] = histogram.get(bucket, 0) + value
+    return reports, histogram
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +147,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
                 prefill_released[node] = count
             elif kind == "light":
                 overdrawn[node] = count
-        ttft = int_map(rest[1])
-        reports, histogram, rest = vip_reports(ttft), vip_histogram(ttft), rest[2:]
+        (reports, histogram), rest = vip_counts(int_map(rest[1])), rest[2:]
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
                            overdrawn, reports, histogram)
@@ -256,7 +249,7 @@ def finite_number(raw: str | None, default: float = 0.0) -> float:
 
 
 DRAIN_TAU_S = 5.0
-"""The time constant of a tenant's decayed drain in the scripts (lua/_lib.lua DRAIN_TAU_US)."""
+"""The time constant of a tenant's decayed drain in the scripts (lua/_tenant.lua DRAIN_TAU_US)."""
 
 
 def release_rate(h: Mapping[str, str], now_us: int) -> float:

@@ -44,6 +44,7 @@ from admission.inspect_target import (
 )
 from admission.inspect_target import discover_pools as discover_pools  # public here too
 from admission.keys import PoolKeys, SchedulerKeys, check_name
+from admission.reads import redis_time_us
 from admission.scripts import frozen_clock_allowed
 from admission.store import MICRO
 from admission.tiers import Tier
@@ -199,11 +200,6 @@ def _tenant_view(name: str, level: tuple[int, int, int] | None, queued: int,
     return TenantView(name, bucket, micro, micro / MICRO, burst, rate, percent, queued)
 
 
-async def _now(client: Any) -> int:
-    sec, usec = await client.time()
-    return int(sec) * 1_000_000 + int(usec)
-
-
 async def read_scheduler(client: Any) -> SchedulerView:
     k = SchedulerKeys()
     async with client.pipeline(transaction=False) as pipe:
@@ -267,7 +263,8 @@ async def read_pool(client: Any, pool: str,
         if frozen_clock_allowed():
             pipe.hget(keys.clock, "frozen_us")
         replies = list(await pipe.execute())
-    redis_now = await _now(client) if cluster else _time_us(replies.pop(0))
+    redis_now = (await redis_time_us(client, keys.state) if cluster
+                 else _time_us(replies.pop(0)))
     state_raw, cap_raw, res_raw, guests_raw = replies[:4]
     queue_replies = replies[4:10]
     leases_raw, queued_raw, stats_raw = replies[10:13]

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from redis.asyncio.cluster import RedisCluster
+
 from admission.keys import VT_SCALE, PoolKeys
 from admission.scripts import frozen_clock_allowed
 from admission.tiers import Tier
@@ -203,9 +205,16 @@ async def published_state(client: Any, keys: PoolKeys) -> dict[str, str]:
     return _str_map(await client.hgetall(keys.state))
 
 
-async def redis_time_us(client: Any) -> int:
-    """The server's TIME in µs (a keyless command: on Redis Cluster, any node's clock)."""
-    seconds, micros = await client.time()
+async def redis_time_us(client: Any, key: str) -> int:
+    """TIME in µs of the server that holds `key`. The scripts stamp a pool's records with the
+    clock of the server that runs them, the one that owns the pool's slot; TIME names no key,
+    so on Redis Cluster it would go to any node, whose clock may differ from that one's by
+    their skew. It is sent to the owner of `key`'s slot instead."""
+    if isinstance(client, RedisCluster):
+        owner = client.get_node_from_key(key)
+        seconds, micros = await client.execute_command("TIME", target_nodes=owner)
+    else:
+        seconds, micros = await client.time()
     return int(seconds) * 1_000_000 + int(micros)
 
 
@@ -213,7 +222,7 @@ async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> F
     """Two pipelined reads: the backlogged flows of every tier, the levels' buckets (and the
     pool clock's frozen_us in a process that enabled the test clock); then the hashes of the
     tenants found in the flows."""
-    server_now = await redis_time_us(client)
+    server_now = await redis_time_us(client, keys.state)
     frozen_read = frozen_clock_allowed()
     async with client.pipeline(transaction=False) as pipe:
         for tier in Tier:

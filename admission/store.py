@@ -428,8 +428,9 @@ class PoolStore:
         return await reads.published_state(self.client, self.keys)
 
     async def redis_time_us(self) -> int:
-        """Redis TIME in µs (admission.reads.redis_time_us)."""
-        return await reads.redis_time_us(self.client)
+        """Redis TIME in µs, of the server that runs the pool's scripts
+        (admission.reads.redis_time_us)."""
+        return await reads.redis_time_us(self.client, self.keys.state)
 
     async def left_queue(self, tier: Tier, task_ids: Sequence[str]) -> list[str]:
         """Those of `task_ids` no longer queued in `tier`."""

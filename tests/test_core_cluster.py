@@ -93,3 +93,27 @@ async def test_sharded_wakeup_reaches_the_subscriber(client: RedisCluster) -> No
     finally:
         await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
         await subscriber.aclose()
+
+
+async def _time_calls(node: ClusterNode) -> int:
+    direct = aioredis.Redis(host=node.host, port=node.port)
+    try:
+        stats = await direct.info("commandstats")
+    finally:
+        await direct.aclose()
+    return int(stats.get("cmdstat_time", {}).get("calls", 0))
+
+
+async def test_the_pool_clock_is_read_on_the_server_that_runs_its_scripts(
+        client: RedisCluster) -> None:
+    # TIME names no key: sent as is, the cluster client picks any node, whose clock may be
+    # skewed against the one the pool's scripts stamp its records with.
+    nodes = client.get_primaries()
+    for pool in POOLS:
+        store = PoolStore(client, register_scripts(client), pool, PoolPolicy())
+        before = {n.name: await _time_calls(n) for n in nodes}
+        for _ in range(5):
+            assert await store.redis_time_us() > 0
+        grown = {n.name: await _time_calls(n) - before[n.name] for n in nodes}
+        assert grown == {n.name: 5 if n.name == _owner(client, store.keys.state).name else 0
+                         for n in nodes}

@@ -96,7 +96,7 @@ async def test_sharded_wakeup_reaches_the_subscriber(client: RedisCluster) -> No
 
 
 async def _time_calls(node: ClusterNode) -> int:
-    direct = aioredis.Redis(host=node.host, port=node.port)
+    direct = aioredis.Redis(host=node.host, port=int(node.port))
     try:
         stats = await direct.info("commandstats")
     finally:

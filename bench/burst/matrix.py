@@ -60,7 +60,7 @@ from bench.burst.criteria import (
 )
 from bench.burst.expconfig import ARM_TITLES, ARMS, Settings
 from bench.burst.experiment import run_experiment
-from bench.burst.matrixplot import plot_matrix
+from bench.burst.matrixplot import load_records, plot_matrix
 from bench.burst.mixes import MIXES, with_mix
 from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
@@ -209,10 +209,6 @@ def _fmt(key: str, x: float) -> str:
     if key in ("vip_p99", "calm", "batch_done", "vip_engine"):
         return f"x{x:.2f}"
     return f"{x:,.0f}"
-
-
-def load_records(out: Path, scale: str) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted((out / "cells").glob(f"{scale}-*.json"))]
 
 
 async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_root: Path,

@@ -13,6 +13,7 @@ The matrix writes it after every cell beside ``matrix-<scale>.md``.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -61,6 +62,11 @@ class Point:
     """The cell's place on the x axis."""
     y: float
     valid: bool
+
+
+def load_records(out: Path, scale: str) -> list[dict[str, Any]]:
+    """The cell records of `scale` in a matrix's output directory (``<out>/cells``)."""
+    return [json.loads(p.read_text()) for p in sorted((out / "cells").glob(f"{scale}-*.json"))]
 
 
 def ordered(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -142,8 +148,6 @@ def _mark_mixes(ax: Any, cells: Sequence[dict[str, Any]], named: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench.burst.matrix import load_records  # the records' reader; it imports this module
-
     p = argparse.ArgumentParser(prog="python -m bench.burst.matrixplot",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("out", type=Path, help="the matrix's --out directory (holds cells/)")

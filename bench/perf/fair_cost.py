@@ -78,14 +78,15 @@ def sources_at(revision: str | None) -> dict[str, str]:
     def show(path: str) -> str:
         return subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True,
                               text=True, check=True).stdout
-    def exists(path: str) -> bool:
-        return subprocess.run(["git", "cat-file", "-e", f"{revision}:{path}"],
-                              capture_output=True).returncode == 0
+
     # As admission.scripts.script_source builds a service's scripts: the clock flag off (an
     # unused local for a revision that predates it), the library files (a revision before
     # the library was split into them has only the first), the script.
+    present = set(subprocess.run(
+        ["git", "ls-tree", "--name-only", revision, "lua/"], capture_output=True, text=True,
+        check=True).stdout.split())
     lib = "local TEST_CLOCK = false\n" + "\n".join(
-        show(f"lua/{part}.lua") for part in LIBRARY if exists(f"lua/{part}.lua"))
+        show(f"lua/{part}.lua") for part in LIBRARY if f"lua/{part}.lua" in present)
     return {name: lib + "\n" + show(f"lua/{name}.lua") for name in SCRIPT_NAMES}
 
 

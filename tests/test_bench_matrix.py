@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestServer
 from admission.tiers import Tier
 from bench.burst.criteria import CRITERIA, EXTRA, LABELS, judge_all
 from bench.burst.expconfig import ARM_TITLES, default_max_tokens
+from bench.burst.ideal import main as ideal_main
 from bench.burst.loadgen import ClientSettings, LoadGenerator
 from bench.burst.matrix import SCALES, Cell, cells, main, parse_seeds
 from bench.burst.mixes import MIXES, REALISTIC, with_mix
@@ -71,6 +72,11 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
         engine, whole = arm["summary"]["vip_engine_base"], arm["summary"]["vip_ttft_base"]
         assert 0 < engine[0] <= whole[1], (arm["arm"], engine, whole)
         assert arm["summary"]["vip_front_burst"][0] >= 0, arm["arm"]
+    # The ideal of the same cell reads the arms' records: kvgate's goodput is set beside it.
+    assert ideal_main(["--scale", "ci", "--seed", "1", "--mix", "article", "--size", "2",
+                       "--out", str(out)]) == 0
+    goodput = next(v for v in record["arms"][1]["verdicts"] if v["key"] == "goodput")
+    assert f"| {goodput['number']:.1%} |" in (out / "ideal-ci.md").read_text()
 
 
 def test_nothing_in_a_cell_but_the_schedule_depends_on_the_seed() -> None:

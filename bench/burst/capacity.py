@@ -61,6 +61,16 @@ class CapacityResult:
     """Nodes the ideal dedicated to VIP (as `[pools.dedicated]` does): 0 = all shared."""
     alternative: CapacityResult | None = None
     """The same replay with one node dedicated to VIP, when measured: the placement's price."""
+    counted_before: tuple[int, int] = (0, 0)
+    """Prompt and generated tokens the engines had counted when the burst began."""
+    counted: tuple[int, int] = (0, 0)
+    """Prompt and generated tokens the engines counted during the burst (what goodput counts)."""
+    batch_left: int | None = None
+    """Batch requests planned before the burst's end and not done ``drain_s`` after it (None:
+    not measured)."""
+    last_batch_s: float | None = None
+    """Simulated seconds from the burst's end to the last of those finishing (None: some were
+    left, or not measured)."""
 
     def as_dict(self) -> dict[str, float]:
         return {"vip_nodes": self.vip_nodes, "total_tokens_per_s": self.total_tokens_per_s,
@@ -170,6 +180,7 @@ def ideal_replay(
     guest_rate: float | None = None,
     guest_running: int | None = None,
     dedicated_threshold: int = 0,
+    drain_s: float | None = None,
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
     engines; measure over ``window`` (wall seconds, converted to simulated time).
@@ -204,6 +215,11 @@ def ideal_replay(
     ``strict_order`` admits in kvgate's release order: at the first queued request of a tier
     that fits nowhere it may go, nothing of that tier or below is admitted in that pass (the
     default lets later, smaller requests of any tier go past it, which packs better).
+
+    ``drain_s`` (simulated seconds) runs the replay on after the burst, with the traffic that
+    follows it, until every Batch request planned before the burst's end is done or ``drain_s``
+    has passed: the Batch criterion's deadline, met or not by an admission that takes the oldest
+    Batch work first and knows every request's size.
     """
     config = dataclasses.replace(config, scheduling_policy="priority")
     lo, hi = window[0] * time_scale, window[1] * time_scale
@@ -230,6 +246,9 @@ def ideal_replay(
     queues: dict[Tier, list[tuple[float, PlannedRequest]]] = {t: [] for t in Tier}
     steps: list[tuple[float, int]] = []  # (step end, node index), a heap
     vips: list[tuple[float, SimRequest]] = []
+    batch: list[SimRequest] = []  # admitted Batch requests planned before the burst's end
+    batch_planned = sum(1 for r in requests if r.tier is Tier.BATCH and r.at * time_scale < hi)
+    deadline = hi + drain_s if drain_s is not None else -math.inf
     ids = itertools.count()
     next_arrival = 0
     now = 0.0
@@ -286,6 +305,8 @@ def ideal_replay(
                     node.paced_at = max(node.paced_at, now) + req.prompt_tokens / guest_rate
                 if tier is Tier.VIP:
                     vips.append((arrived, sim_req))
+                elif tier is Tier.BATCH and arrived < hi:
+                    batch.append(sim_req)
             queues[tier] = still_queued
 
     def start_steps() -> None:
@@ -304,6 +325,10 @@ def ideal_replay(
     def vips_served() -> bool:
         return not queues[Tier.VIP] and all(r.first_token_time is not None for _, r in vips)
 
+    def batch_done() -> bool:
+        return now >= deadline or (
+            len(batch) == batch_planned and all(r.finish_time is not None for r in batch))
+
     while next_arrival < len(arrivals) or steps:
         t_arrival = arrivals[next_arrival][0] if next_arrival < len(arrivals) else math.inf
         t_step = steps[0][0] if steps else math.inf
@@ -313,7 +338,8 @@ def ideal_replay(
             start_counts = counts()
         if end_counts is None and now >= hi:
             end_counts = counts()
-        if end_counts is not None and (vips_served() or now >= hi + _VIP_GRACE_S):
+        if end_counts is not None and batch_done() and (
+                vips_served() or now >= max(hi + _VIP_GRACE_S, deadline)):
             break
         if t_paced < min(t_step, t_arrival):
             changed = True  # a paced dedicated node may take a guest again
@@ -329,8 +355,9 @@ def ideal_replay(
         else:
             arrived, req = arrivals[next_arrival]
             next_arrival += 1
-            # After the window only VIP traffic matters (for the burst's last VIP answers).
-            if arrived < hi or req.tier is Tier.VIP:
+            # After the window only VIP traffic matters (for the burst's last VIP answers),
+            # unless Batch work is drained: then what follows the burst competes with it.
+            if arrived < max(hi, deadline) or req.tier is Tier.VIP:
                 queues[req.tier].append((arrived, req))
             changed = True
         # Between finishes a node's projection does not move (decode lockstep keeps every
@@ -343,6 +370,9 @@ def ideal_replay(
     span = hi - lo
     prompt = end_counts[0] - start_counts[0]
     generated = end_counts[1] - start_counts[1]
+    finished = [r.finish_time for r in batch
+                if r.finish_time is not None and r.finish_time <= deadline]
+    batch_left = None if drain_s is None else batch_planned - len(finished)
     return CapacityResult(
         total_tokens_per_s=(prompt + generated) / span,
         generation_tokens_per_s=generated / span,
@@ -352,6 +382,10 @@ def ideal_replay(
         vip_ttft_base=vip_ttft_ms(vips, 0.0, lo),
         vip_ttft_burst=vip_ttft_ms(vips, lo, hi),
         vip_nodes=vip_nodes,
+        counted_before=start_counts,
+        counted=(prompt, generated),
+        batch_left=batch_left,
+        last_batch_s=(max(finished, default=hi) - hi) if batch_left == 0 else None,
     )
 
 

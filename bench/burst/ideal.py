@@ -1,0 +1,299 @@
+"""The ideal admission in every matrix cell: how much of the goodput bound, and how much of the
+Batch deadline, an admission controller could reach on the same engines and traffic.
+
+    python -m bench.burst.ideal                              # every reduced cell, ~1 s each
+    python -m bench.burst.ideal --mix article --size 4 --seed 3
+    python -m bench.burst.ideal --scale full --mix article --size 4 --seed 1
+
+Each cell's schedule (the one its arms replay, drawn from its seed) is replayed offline by
+``bench.burst.capacity.ideal_replay``: the simulator's own engine, in simulated time, behind an
+admission that knows every request's exact size and each sequence's progress and starts any
+queued request (oldest first, VIP before Normal before Batch) wherever its projected KV peak
+fits. Two points per cell (``POINTS``): with the whole cache, and held below the KV bar as the
+arms are judged. Each is valued exactly as the arms are (bench.burst.goodput): goodput as work
+in the burst against the same upper bound, offered work and node time alike, and the Batch
+criterion's deadline, with the replay run on through the traffic that follows the burst.
+
+What it is for: the goodput criterion (``GOODPUT_BAR`` of the bound) allows, where the measured
+frontier shows it out of reach, the best goodput that keeps the VIP bar instead. An ideal below
+the bar in a cell is that frontier for the cell: the rest of the bound is lost inside the
+engines (the fixed cost of a step that is not full, the cached context each decode token reads)
+or is slack in the bound's relaxations, not held back by admission. The ideal is not an upper
+bound itself (it is greedy, so another order could pack better) and puts no VIP objective
+first: its VIP P99 is shown, and is far above the bar where the cache is full.
+
+Output: ``ideal-<scale>.json`` (one record per cell; reruns replace their cells) and
+``ideal-<scale>.md``, which sets each cell's ideal beside the arms' figures from the matrix's
+cell records in the same directory, when they are there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.burst import jsonlines
+from bench.burst.capacity import CapacityResult, ideal_replay
+from bench.burst.criteria import CRITERIA, GOODPUT_BAR, KV_BAR
+from bench.burst.experiment import planned
+from bench.burst.goodput import Offer, Work, check, upper_bound, work_value
+from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells
+from bench.burst.matrixplot import load_records
+from bench.burst.mixes import MIXES
+from bench.common.gitrev import revision as git_revision
+
+POINTS = {"whole": 1.0, "under_bar": KV_BAR - 1e-9}
+"""The ideal's KV ceilings: the whole cache, and just below the KV bar (a peak of exactly the
+bar would fail "below")."""
+
+
+def replay_cell(cell: Cell, kv_ceiling: float) -> dict[str, Any]:
+    """The ideal replay of ``cell``'s schedule held to ``kv_ceiling``, valued like an arm."""
+    settings = cell.settings()
+    schedule = planned(settings)
+    lo, hi = settings.profile.window("burst")
+    result = ideal_replay(settings.sim_config(0), settings.nodes, schedule.requests,
+                          settings.time_scale, (lo, hi), kv_ceiling=kv_ceiling,
+                          drain_s=settings.drain_factor * settings.burst_sim_s)
+    configs = [settings.sim_config(i) for i in range(settings.nodes)]
+    worth = work_value(configs)
+    span = (hi - lo) * settings.time_scale
+    # Every request planned before the window's end, once: the ideal never turns one away.
+    offers = [Offer(r.prompt_tokens, r.output_tokens) for r in schedule.requests if r.at < hi]
+    bound = upper_bound(configs, [span] * settings.nodes, offers,
+                        Work(*result.counted_before), worth)
+    ratio = check(worth.of(Work(*result.counted)), bound)
+    return point_record(kv_ceiling, result, ratio, bound.as_dict())
+
+
+def point_record(kv_ceiling: float, result: CapacityResult, ratio: float,
+                 bound: dict[str, float | str]) -> dict[str, Any]:
+    base, burst = result.vip_ttft_base[1], result.vip_ttft_burst[1]
+    return {"kv_ceiling": kv_ceiling, "goodput_ratio": ratio, "goodput_bound": bound,
+            "kv_peak": result.kv_peak, "preemptions": result.preemptions,
+            "batch_left": result.batch_left, "last_batch_s": result.last_batch_s,
+            "vip_p99_base_ms": base, "vip_p99_burst_ms": burst,
+            "mean_running": result.mean_running}
+
+
+def cell_record(cell: Cell, revision: str = "") -> dict[str, Any]:
+    record: dict[str, Any] = jsonlines.safe({
+        "cell": dataclasses.asdict(cell),
+        "code": revision,
+        "points": {name: replay_cell(cell, kv) for name, kv in POINTS.items()},
+    })
+    return record
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return list(json.loads(path.read_text())) if path.exists() else []
+
+
+def merge(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``old`` with the cells of ``new`` replaced or added, in the matrix's order."""
+    by_cell = {json.dumps(r["cell"], sort_keys=True): r for r in (*old, *new)}
+    return sorted(by_cell.values(), key=_order)
+
+
+def _order(r: dict[str, Any]) -> tuple[str, int, int]:
+    c = r["cell"]
+    return c["mix"], c["size"], c["seed"]
+
+
+def _arm(matrix: dict[str, Any] | None, arm: str) -> dict[str, Any] | None:
+    if matrix is None:
+        return None
+    return next((a for a in matrix["arms"] if a["arm"] == arm), None)
+
+
+def _number(arm: dict[str, Any] | None, key: str) -> float:
+    if arm is None:
+        return math.nan
+    v = next((v for v in arm["verdicts"] if v["key"] == key), None)
+    return math.nan if v is None else float(v.get("number", math.nan))
+
+
+def _ok(arm: dict[str, Any] | None, key: str) -> bool | None:
+    if arm is None:
+        return None
+    v = next((v for v in arm["verdicts"] if v["key"] == key), None)
+    return None if v is None else v["ok"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frontier:
+    """One cell's goodput criterion judged with the frontier clause, for one arm."""
+
+    reachable: bool
+    """The ideal under the KV bar reaches the goodput bar."""
+    passed: bool | None
+    """The criterion: the bar where reachable; else the arm keeps the VIP bar and no other arm
+    that keeps it has more goodput (None: the arm's figures are not there or not valid)."""
+
+
+def slack(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]]) -> float:
+    """How far any valid arm's goodput was above the ideal's best point in its cell: the greedy
+    ideal is not an upper bound, so a cell counts as out of reach only this far below the bar."""
+    by_cell = {_key(m): m for m in matrix}
+    gaps = [0.0]
+    for r in records:
+        m = by_cell.get(_key(r))
+        best = max(float(p["goodput_ratio"]) for p in r["points"].values())
+        gaps += [_number(a, "goodput") - best for a in (m or {}).get("arms", []) if a["valid"]]
+    return max(g for g in gaps if not math.isnan(g))
+
+
+def _key(r: dict[str, Any]) -> str:
+    return json.dumps(r["cell"], sort_keys=True)
+
+
+def frontier(ideal: dict[str, Any], matrix: dict[str, Any] | None, arm: str = "c",
+             margin: float = 0.0) -> Frontier:
+    """``arm``'s goodput criterion in one cell, counting the bar out of reach where the ideal
+    below the KV bar, plus ``margin``, falls short of it."""
+    reachable = float(ideal["points"]["under_bar"]["goodput_ratio"]) + margin >= GOODPUT_BAR
+    mine = _arm(matrix, arm)
+    if mine is None or not mine["valid"] or matrix is None:
+        return Frontier(reachable, None)
+    goodput = _number(mine, "goodput")
+    if reachable:
+        return Frontier(True, goodput >= GOODPUT_BAR)
+    if not _ok(mine, "vip_p99"):
+        return Frontier(False, False)
+    rivals = [_number(a, "goodput") for a in matrix["arms"]
+              if a["arm"] != arm and a["valid"] and _ok(a, "vip_p99")]
+    return Frontier(False, all(goodput >= g for g in rivals))
+
+
+def _pct(x: object) -> str:
+    v = float(str(x))
+    return "n/a" if math.isnan(v) else f"{v:.1%}"
+
+
+def _batch(p: dict[str, Any], burst_sim_s: float) -> str:
+    if p["batch_left"] is None:
+        return "n/a"
+    if int(p["batch_left"]):
+        return f"{p['batch_left']} left"
+    return f"+{float(p['last_batch_s']) / burst_sim_s:.2f}x"
+
+
+def _others_pass(arm: dict[str, Any] | None) -> bool:
+    """The arm meets the six criteria other than goodput."""
+    return arm is not None and all(v["ok"] for v in arm["verdicts"]
+                                   if v["key"] in CRITERIA and v["key"] != "goodput")
+
+
+def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
+           scale: str) -> str:
+    by_cell = {_key(m): m for m in matrix}
+    burst_sim_s = SCALES[scale].burst_sim_s
+    margin = slack(records, matrix)
+    rows: list[str] = []
+    judged: list[tuple[dict[str, Any], Frontier, dict[str, Any] | None]] = []
+    for r in records:
+        m = by_cell.get(_key(r))
+        whole, under = r["points"]["whole"], r["points"]["under_bar"]
+        c = _arm(m, "c")
+        f = frontier(r, m, margin=margin)
+        judged.append((r, f, c))
+        others = [a for a in (m or {}).get("arms", []) if a["arm"] != "c" and a["valid"]]
+        best = max(others, key=lambda a: _number(a, "goodput"), default=None)
+        vip = float(under["vip_p99_burst_ms"]) / float(under["vip_p99_base_ms"])
+        cell = r["cell"]
+        rows.append(
+            f"| {cell['mix']} | {cell['size']} | {cell['seed']} "
+            f"| {_pct(whole['goodput_ratio'])} | {_pct(under['goodput_ratio'])} "
+            f"| {_batch(under, burst_sim_s)} | x{vip:.2f} | {_pct(_number(c, 'goodput'))} "
+            f"| {_mark(None if c is None else _ok(c, 'vip_p99'), 'kept', 'missed')} "
+            f"| {_pct(_number(best, 'goodput'))}{'' if best is None else ' (' + best['arm'] + ')'} "
+            f"| {_mark(f.passed, 'PASS', 'FAIL')} |")
+    under_ratios = [float(r["points"]["under_bar"]["goodput_ratio"]) for r, _, _ in judged]
+    shares = [_number(c, "goodput") / float(r["points"]["under_bar"]["goodput_ratio"])
+              for r, _, c in judged if c is not None]
+    valid = [(r, f, c) for r, f, c in judged if f.passed is not None]
+    summary = [
+        f"- Cells: {len(judged)}. The ideal below the KV bar reaches {GOODPUT_BAR:.0%} of the "
+        f"bound in {sum(1 for _, f, _ in judged if f.reachable)} (counting a cell as in reach "
+        f"within {margin:.1%} of the bar: the most any arm's goodput was above the ideal's "
+        "best point in its cell)."]
+    if under_ratios:
+        summary.append(f"- The ideal below the KV bar: median {statistics.median(under_ratios):.1%}"
+                       f", range {min(under_ratios):.1%}-{max(under_ratios):.1%} of the bound.")
+    if shares:
+        summary.append(f"- kvgate's goodput as a share of that ideal's: median "
+                       f"{statistics.median(shares):.1%}, range {min(shares):.1%}-"
+                       f"{max(shares):.1%}.")
+    summary += [
+        f"- kvgate, goodput criterion with the frontier clause: "
+        f"{sum(1 for _, f, _ in valid if f.passed)}/{len(valid)} valid cells; all seven "
+        f"criteria with it: {sum(1 for _, f, c in valid if f.passed and _others_pass(c))}"
+        f"/{len(valid)}.",
+        f"- Batch: the ideal, oldest Batch work first, leaves some past the deadline in "
+        f"{sum(1 for r, _, _ in judged if r['points']['under_bar']['batch_left'])} of "
+        f"{len(judged)} cells."]
+    return "\n".join([
+        f"# The ideal admission in each matrix cell, {scale} scale", "",
+        "`python -m bench.burst.ideal --scale " + scale + "` (bench/burst/ideal.py says how), "
+        f"code {', '.join(sorted({str(r.get('code') or '?') for r in records}))}. "
+        "Goodput as work against the same upper bound as the arms. Where the ideal below the "
+        "KV bar falls short of the goodput bar, the criterion falls back on the best goodput "
+        "that keeps the VIP bar: judged here as the arm keeping the VIP bar with no valid arm "
+        "that keeps it ahead (the measured points are the four arms, not a sweep of settings). "
+        "The arms' figures are from cells/*.json.", "",
+        "## Summary", "", *summary, "",
+        "## Cells", "",
+        "| mix | nodes | seed | ideal, whole cache | ideal, KV below the bar | its Batch "
+        "| its VIP P99 burst / calm | kvgate goodput | kvgate VIP bar "
+        "| best other arm | goodput criterion, frontier clause |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|:-:|", *rows, ""])
+
+
+def _mark(ok: bool | None, yes: str, no: str) -> str:
+    return "n/a" if ok is None else (yes if ok else no)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.burst.ideal",
+                                description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
+    p.add_argument("--seed", help='as the matrix: "3", "1-10", "1,4,7-9" (default: its seeds)')
+    p.add_argument("--mix", default=",".join(MIXES))
+    p.add_argument("--size", default=",".join(map(str, DEFAULT_SIZES)))
+    p.add_argument("--out", type=Path, default=RESULTS,
+                   help="where ideal-<scale>.* go and the matrix's cells/ are read")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    mixes = [m.strip() for m in args.mix.split(",") if m.strip()]
+    unknown = [m for m in mixes if m not in MIXES]
+    if unknown:
+        print(f"error: unknown mix {unknown}", file=sys.stderr)
+        return 2
+    todo = cells(args.scale, mixes, [int(s) for s in args.size.split(",") if s.strip()],
+                 args.seed)
+    new, revision = [], git_revision()
+    for n, cell in enumerate(todo, 1):
+        print(f"cell {n}/{len(todo)}: {cell.name}", flush=True)
+        new.append(cell_record(cell, revision))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"ideal-{args.scale}.json"
+    records = merge(load(path), new)
+    path.write_text(json.dumps(records, indent=1))
+    md = args.out / f"ideal-{args.scale}.md"
+    md.write_text(render(records, load_records(args.out, args.scale), args.scale))
+    print(f"written: {path}, {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The ideal admission per matrix cell: the replay's Batch deadline, the valuation against the
+arms' bound, and the goodput criterion's frontier clause."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from admission.tiers import Tier
+from bench.burst.capacity import ideal_replay
+from bench.burst.criteria import CRITERIA, GOODPUT_BAR
+from bench.burst.ideal import POINTS, cell_record, frontier, main, merge, render, slack
+from bench.burst.matrix import Cell
+from bench.burst.workload import PlannedRequest
+from bench.sim.config import SimConfig
+
+
+def _batch_and_vip(seed: int) -> list[PlannedRequest]:
+    """Long generations in the first 20 s, VIP chats throughout."""
+    rng = random.Random(seed)
+    requests = [PlannedRequest(i, "gen", Tier.BATCH, at=rng.uniform(0, 20),
+                               prompt_tokens=rng.randint(100, 400),
+                               output_tokens=rng.randint(200, 800), stream=False)
+                for i in range(40)]
+    requests += [PlannedRequest(100 + i, "vip", Tier.VIP, at=0.5 * i, prompt_tokens=200,
+                                output_tokens=20, stream=True) for i in range(60)]
+    return requests
+
+
+def test_the_replay_measures_the_batch_deadline_only_when_asked() -> None:
+    config = SimConfig(capacity_scale=0.05, max_model_len=4096)
+    requests = _batch_and_vip(1)
+    window = (5.0, 20.0)
+    plain = ideal_replay(config, 2, requests, 1.0, window)
+    assert plain.batch_left is None and plain.last_batch_s is None
+    ample = ideal_replay(config, 2, requests, 1.0, window, drain_s=10_000.0)
+    assert ample.batch_left == 0
+    assert ample.last_batch_s is not None and 0 < ample.last_batch_s < 10_000.0
+    # A deadline before the last one finished leaves some, and says when none was the last.
+    short = ideal_replay(config, 2, requests, 1.0, window, drain_s=ample.last_batch_s / 2)
+    assert short.batch_left is not None and short.batch_left > 0
+    assert short.last_batch_s is None
+    # Draining changes nothing the burst's window counted.
+    assert ample.counted == plain.counted and ample.counted_before == plain.counted_before
+    assert sum(ample.counted) > 0
+
+
+def test_a_cell_is_valued_against_the_arms_bound_at_both_ceilings() -> None:
+    record = cell_record(Cell("ci", "chat", 2, 1))
+    json.dumps(record)  # stored as JSON: nothing non-finite left raw
+    assert set(record["points"]) == set(POINTS)
+    for point in record["points"].values():
+        assert 0 < point["goodput_ratio"] <= 1.0, point["goodput_bound"]
+        assert point["goodput_bound"]["unit"] == "node-seconds"
+        assert point["preemptions"] == 0
+    assert record["points"]["under_bar"]["kv_peak"] < 0.80
+
+
+def _verdict(key: str, ok: bool, number: float) -> dict[str, Any]:
+    return {"key": key, "value": "", "ok": ok, "number": number}
+
+
+def _arm(name: str, goodput: float, vip_kept: bool, valid: bool = True,
+         others: bool = True) -> dict[str, Any]:
+    verdicts = [_verdict(k, others, 0.0) for k in CRITERIA if k not in ("goodput", "vip_p99")]
+    verdicts += [_verdict("vip_p99", vip_kept, 1.0 if vip_kept else 2.0),
+                 _verdict("goodput", goodput >= GOODPUT_BAR, goodput)]
+    return {"arm": name, "valid": valid, "verdicts": verdicts}
+
+
+def _cell(seed: int) -> dict[str, Any]:
+    return {"scale": "reduced", "mix": "article", "size": 2, "seed": seed}
+
+
+def _ideal(seed: int, under: float, whole: float | None = None) -> dict[str, Any]:
+    def point(ratio: float) -> dict[str, Any]:
+        return {"goodput_ratio": ratio, "batch_left": 0, "last_batch_s": 10.0,
+                "vip_p99_base_ms": 100.0, "vip_p99_burst_ms": 300.0}
+    return {"cell": _cell(seed), "points": {"whole": point(whole or under),
+                                            "under_bar": point(under)}}
+
+
+def _matrix(seed: int, *arms: dict[str, Any]) -> dict[str, Any]:
+    return {"cell": _cell(seed), "arms": list(arms)}
+
+
+def test_where_the_ideal_reaches_the_bar_the_bar_is_the_criterion() -> None:
+    ideal = _ideal(1, 0.92)
+    assert frontier(ideal, _matrix(1, _arm("c", 0.91, False))).passed
+    short = frontier(ideal, _matrix(1, _arm("c", 0.89, True)))
+    assert short.reachable and short.passed is False
+
+
+def test_out_of_reach_the_arm_must_keep_the_vip_bar_and_lead_those_that_do() -> None:
+    ideal = _ideal(1, 0.86)
+    kept = frontier(ideal, _matrix(1, _arm("a", 0.88, False), _arm("c", 0.84, True)))
+    assert not kept.reachable and kept.passed  # (a) is ahead but misses the VIP bar
+    assert frontier(ideal, _matrix(1, _arm("c", 0.84, False))).passed is False
+    behind = frontier(ideal, _matrix(1, _arm("b", 0.85, True), _arm("c", 0.84, True)))
+    assert behind.passed is False
+    # An invalid run of the rival does not count; one of the arm itself is not judged.
+    assert frontier(ideal, _matrix(1, _arm("b", 0.85, True, valid=False),
+                                   _arm("c", 0.84, True))).passed
+    assert frontier(ideal, _matrix(1, _arm("c", 0.84, True, valid=False))).passed is None
+    assert frontier(ideal, None).passed is None
+
+
+def test_the_margin_is_how_far_an_arm_beat_the_ideal_and_it_widens_the_reach() -> None:
+    records = [_ideal(1, 0.898, whole=0.896), _ideal(2, 0.80)]
+    matrix = [_matrix(1, _arm("b", 0.901, False)), _matrix(2, _arm("c", 0.79, True))]
+    margin = slack(records, matrix)
+    assert margin == pytest.approx(0.003)
+    assert not frontier(records[0], matrix[0]).reachable
+    assert frontier(records[0], matrix[0], margin=margin).reachable
+    table = render(records, matrix, "reduced")
+    assert "reaches 90% of the bound in 1" in table
+    assert table.count("| article | 2 |") == 2
+
+
+def test_merge_replaces_a_rerun_cell_and_keeps_the_matrix_order() -> None:
+    old = [_ideal(2, 0.8), _ideal(1, 0.8)]
+    merged = merge(old, [_ideal(2, 0.9)])
+    assert [r["cell"]["seed"] for r in merged] == [1, 2]
+    assert merged[1]["points"]["under_bar"]["goodput_ratio"] == 0.9
+
+
+def test_the_command_writes_the_records_and_the_table(tmp_path: Path) -> None:
+    args = ["--scale", "ci", "--mix", "chat", "--size", "2", "--seed", "1", "--out",
+            str(tmp_path)]
+    assert main(args) == 0
+    assert main(args) == 0  # a rerun replaces its cell
+    records = json.loads((tmp_path / "ideal-ci.json").read_text())
+    assert [r["cell"] for r in records] == [{"scale": "ci", "mix": "chat", "size": 2,
+                                             "seed": 1}]
+    table = (tmp_path / "ideal-ci.md").read_text()
+    assert "| chat | 2 | 1 |" in table
+    assert main(["--mix", "nope", "--out", str(tmp_path)]) == 2

@@ -13,10 +13,21 @@ import pytest
 from admission.tiers import Tier
 from bench.burst.capacity import ideal_replay
 from bench.burst.criteria import CRITERIA, GOODPUT_BAR
-from bench.burst.ideal import POINTS, cell_record, frontier, main, merge, render, slack
+from bench.burst.ideal import (
+    POINTS,
+    cell_record,
+    deadline_load,
+    frontier,
+    least_seconds,
+    main,
+    merge,
+    render,
+    slack,
+)
 from bench.burst.matrix import Cell
 from bench.burst.workload import PlannedRequest
 from bench.sim.config import SimConfig
+from bench.sim.engine import Engine, SimRequest
 
 
 def _batch_and_vip(seed: int) -> list[PlannedRequest]:
@@ -49,10 +60,45 @@ def test_the_replay_measures_the_batch_deadline_only_when_asked() -> None:
     assert sum(ample.counted) > 0
 
 
+@pytest.mark.parametrize(("prompt", "output"), [(1, 1), (300, 1), (300, 2), (900, 57)])
+def test_a_request_alone_costs_its_least_time_plus_the_steps_fixed_part(
+        prompt: int, output: int) -> None:
+    config = SimConfig(capacity_scale=0.25, max_model_len=4096)
+    engine = Engine(config)
+    engine.add(SimRequest("r", prompt_tokens=prompt, max_tokens=output), 0.0)
+    now, steps = 0.0, 0
+    while engine.has_work():
+        plan = engine.schedule(now)
+        now += engine.step_seconds(plan)
+        engine.complete(plan, now)
+        steps += 1
+    assert now - steps * config.step_costs.fixed_s == pytest.approx(
+        least_seconds(prompt, output, config))
+
+
+def test_the_work_due_by_the_deadline_is_batch_before_the_end_and_the_rest_before_it() -> None:
+    settings = Cell("ci", "chat", 2, 1).settings()
+    ts = settings.time_scale
+    end = settings.profile.window("burst")[1]  # wall seconds, as requests are planned
+    deadline = end + settings.drain_factor * settings.burst_sim_s / ts
+
+    def req(i: int, tier: Tier, at: float) -> PlannedRequest:
+        return PlannedRequest(i, "x", tier, at=at, prompt_tokens=100 * (i + 1),
+                              output_tokens=10 * (i + 1), stream=False)
+    due = [req(0, Tier.BATCH, end - 1), req(1, Tier.NORMAL, deadline - 1),
+           req(2, Tier.VIP, deadline - 1)]
+    not_due = [req(3, Tier.BATCH, end + 1), req(4, Tier.NORMAL, deadline + 1)]
+    config = settings.sim_config(0)
+    expected = sum(least_seconds(r.prompt_tokens, r.output_tokens, config) for r in due)
+    assert deadline_load(settings, due + not_due) == pytest.approx(
+        expected / (settings.nodes * deadline * ts))
+
+
 def test_a_cell_is_valued_against_the_arms_bound_at_both_ceilings() -> None:
     record = cell_record(Cell("ci", "chat", 2, 1))
     json.dumps(record)  # stored as JSON: nothing non-finite left raw
     assert set(record["points"]) == set(POINTS)
+    assert 0 < record["deadline_load"] < 2
     for point in record["points"].values():
         assert 0 < point["goodput_ratio"] <= 1.0, point["goodput_bound"]
         assert point["goodput_bound"]["unit"] == "node-seconds"

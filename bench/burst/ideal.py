@@ -39,15 +39,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from admission.tiers import Tier
 from bench.burst import jsonlines
 from bench.burst.capacity import CapacityResult, ideal_replay
 from bench.burst.criteria import CRITERIA, GOODPUT_BAR, KV_BAR
+from bench.burst.expconfig import Settings
 from bench.burst.experiment import planned
 from bench.burst.goodput import Offer, Work, check, upper_bound, work_value
 from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells
 from bench.burst.matrixplot import load_records
 from bench.burst.mixes import MIXES
+from bench.burst.workload import PlannedRequest
 from bench.common.gitrev import revision as git_revision
+from bench.sim.config import SimConfig
 
 POINTS = {"whole": 1.0, "under_bar": KV_BAR - 1e-9}
 """The ideal's KV ceilings: the whole cache, and just below the KV bar (a peak of exactly the
@@ -73,6 +77,30 @@ def replay_cell(cell: Cell, kv_ceiling: float) -> dict[str, Any]:
     return point_record(kv_ceiling, result, ratio, bound.as_dict())
 
 
+def least_seconds(prompt: int, output: int, config: SimConfig) -> float:
+    """The least node time a request can cost on ``config``'s engine (bench.sim.timing's step
+    model without its fixed part): its prompt's prefill, a sequence's place in a step per
+    generated token, and the cached context each decode step after the first token reads."""
+    costs, k = config.step_costs, config.capacity_scale
+    reads = (output - 1) * prompt + (output - 1) * (output - 2) / 2 if output >= 2 else 0.0
+    return (costs.per_prefill_token_s * prompt + costs.per_seq_s * output
+            + costs.per_context_token_s * reads) / k
+
+
+def deadline_load(settings: Settings, requests: Sequence[PlannedRequest]) -> float:
+    """The work due by the Batch deadline, each request at its least cost, as a share of the
+    nodes' time from the start to the deadline: the Batch requests planned before the burst's
+    end, and every VIP and Normal request planned before the deadline (the tier order serves
+    them first). Above 1, no schedule that keeps the tier order does the Batch work in time;
+    below, the rest is what the steps' fixed cost and imperfect packing may take."""
+    end = settings.profile.window("burst")[1] * settings.time_scale
+    deadline = end + settings.drain_factor * settings.burst_sim_s
+    config = settings.sim_config(0)
+    due = sum(least_seconds(r.prompt_tokens, r.output_tokens, config) for r in requests
+              if r.at * settings.time_scale < (end if r.tier is Tier.BATCH else deadline))
+    return due / (settings.nodes * deadline)
+
+
 def point_record(kv_ceiling: float, result: CapacityResult, ratio: float,
                  bound: dict[str, float | str]) -> dict[str, Any]:
     base, burst = result.vip_ttft_base[1], result.vip_ttft_burst[1]
@@ -88,6 +116,7 @@ def cell_record(cell: Cell, revision: str = "") -> dict[str, Any]:
         "cell": dataclasses.asdict(cell),
         "code": revision,
         "points": {name: replay_cell(cell, kv) for name, kv in POINTS.items()},
+        "deadline_load": deadline_load(cell.settings(), planned(cell.settings()).requests),
     })
     return record
 
@@ -211,7 +240,8 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
         rows.append(
             f"| {cell['mix']} | {cell['size']} | {cell['seed']} "
             f"| {_pct(whole['goodput_ratio'])} | {_pct(under['goodput_ratio'])} "
-            f"| {_batch(under, burst_sim_s)} | x{vip:.2f} | {_pct(_number(c, 'goodput'))} "
+            f"| {_batch(under, burst_sim_s)} | {_load(r)} | x{vip:.2f} "
+            f"| {_pct(_number(c, 'goodput'))} "
             f"| {_mark(None if c is None else _ok(c, 'vip_p99'), 'kept', 'missed')} "
             f"| {_pct(_number(best, 'goodput'))}{'' if best is None else ' (' + best['arm'] + ')'} "
             f"| {_mark(f.passed, 'PASS', 'FAIL')} |")
@@ -238,7 +268,12 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
         f"/{len(valid)}.",
         f"- Batch: the ideal, oldest Batch work first, leaves some past the deadline in "
         f"{sum(1 for r, _, _ in judged if r['points']['under_bar']['batch_left'])} of "
-        f"{len(judged)} cells."]
+        f"{len(judged)} cells.",
+        f"- The work due by the Batch deadline (the Batch requests planned before the burst's "
+        "end, and every VIP and Normal request planned before the deadline), each at its least "
+        "cost (no step's fixed part), as a share of the nodes' time up to the deadline: "
+        f"{_spread([r.get('deadline_load') for r, _, _ in judged])} (there no schedule that "
+        "keeps the tier order does the Batch work in time)."]
     return "\n".join([
         f"# The ideal admission in each matrix cell, {scale} scale", "",
         "`python -m bench.burst.ideal --scale " + scale + "` (bench/burst/ideal.py says how), "
@@ -251,9 +286,21 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
         "## Summary", "", *summary, "",
         "## Cells", "",
         "| mix | nodes | seed | ideal, whole cache | ideal, KV below the bar | its Batch "
-        "| its VIP P99 burst / calm | kvgate goodput | kvgate VIP bar "
-        "| best other arm | goodput criterion, frontier clause |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|:-:|---:|:-:|", *rows, ""])
+        "| work due by the Batch deadline / node time | its VIP P99 burst / calm "
+        "| kvgate goodput | kvgate VIP bar | best other arm "
+        "| goodput criterion, frontier clause |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|:-:|", *rows, ""])
+
+
+def _spread(values: Sequence[object]) -> str:
+    xs = [float(str(v)) for v in values if v is not None]
+    return (f"median {statistics.median(xs):.0%}, range {min(xs):.0%}-{max(xs):.0%}, above 100% "
+            f"in {sum(1 for x in xs if x > 1)} cells" if xs else "not measured")
+
+
+def _load(r: dict[str, Any]) -> str:
+    load = r.get("deadline_load")
+    return "n/a" if load is None else f"{float(load):.0%}"
 
 
 def _mark(ok: bool | None, yes: str, no: str) -> str:

@@ -340,3 +340,24 @@ def test_the_dedicated_nodes_may_run_their_own_prefill_threshold(
     assert Point.parse("vip=1,n=9000,r=6500,g=76,dt=2048").label == (
         "1 dedicated: VIP + prompts <= 9000, no cap, paced at 6,500 prompt tokens/s, none above 76 "
         "running; dedicated nodes' threshold 2048")
+
+
+def test_a_running_cap_bounds_normal_and_batch_per_node_and_lets_vip_past(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whenever a node is given a request, it already runs fewer Normal and Batch sequences than
+    the cap, unless the request is VIP: VIP is admitted past a full cap."""
+    admitted = _record_admissions(monkeypatch, _admission_time)
+    config = SimConfig(capacity_scale=0.05, max_model_len=8192)
+    result = ideal_replay(config, 2, _mixed_requests(3), time_scale=1.0, window=(2.0, 20.0),
+                          running_cap=2)
+    assert result.preemptions == 0
+
+    def others_alive(log: list[tuple[float, SimRequest]], i: int) -> int:
+        at = log[i][0]
+        return sum(1 for _, g in log[:i] if g.priority != int(Tier.VIP)
+                   and (g.finish_time is None or g.finish_time > at))
+    counts = [(r.priority == int(Tier.VIP), others_alive(log, i))
+              for log in admitted for i, (_, r) in enumerate(log)]
+    assert any(not vip for vip, _ in counts)
+    assert all(n < 2 for vip, n in counts if not vip)
+    assert any(n >= 2 for vip, n in counts if vip)

@@ -15,6 +15,8 @@ from bench.burst.capacity import ideal_replay
 from bench.burst.criteria import CRITERIA, GOODPUT_BAR
 from bench.burst.ideal import (
     POINTS,
+    RUNNING_CAPS,
+    best_keeping_vip,
     cell_record,
     deadline_load,
     frontier,
@@ -99,6 +101,10 @@ def test_a_cell_is_valued_against_the_arms_bound_at_both_ceilings() -> None:
     json.dumps(record)  # stored as JSON: nothing non-finite left raw
     assert set(record["points"]) == set(POINTS)
     assert 0 < record["deadline_load"] < 2
+    # The VIP frontier: the caps scaled to the quarter node, tightest last, all below the bar.
+    caps = [p["running_cap"] for p in record["vip_frontier"]]
+    assert caps == sorted({max(1, round(c * 0.25)) for c in RUNNING_CAPS}, reverse=True)
+    assert all(p["kv_peak"] < 0.80 and p["preemptions"] == 0 for p in record["vip_frontier"])
     for point in record["points"].values():
         assert 0 < point["goodput_ratio"] <= 1.0, point["goodput_bound"]
         assert point["goodput_bound"]["unit"] == "node-seconds"
@@ -185,3 +191,19 @@ def test_the_command_writes_the_records_and_the_table(tmp_path: Path) -> None:
     table = (tmp_path / "ideal-ci.md").read_text()
     assert "| chat | 2 | 1 |" in table
     assert main(["--mix", "nope", "--out", str(tmp_path)]) == 2
+
+
+def test_the_best_point_keeping_the_vip_bar_is_the_one_with_most_goodput_within_it() -> None:
+    def point(ratio: float, base: float, burst: float, cap: int | None) -> dict[str, Any]:
+        return {"goodput_ratio": ratio, "vip_p99_base_ms": base, "vip_p99_burst_ms": burst,
+                "running_cap": cap}
+    record: dict[str, Any] = {"points": {"under_bar": point(0.86, 100.0, 250.0, None)},
+                              "vip_frontier": [point(0.80, 100.0, 121.0, 8),
+                                               point(0.75, 100.0, 119.0, 4),
+                                               point(0.60, 100.0, 90.0, 2)]}
+    best = best_keeping_vip(record)
+    assert best is not None and best["running_cap"] == 4
+    record["points"]["under_bar"] = point(0.86, 100.0, 120.0, None)  # exactly the bar
+    best = best_keeping_vip(record)
+    assert best is not None and best["running_cap"] is None
+    assert best_keeping_vip({"points": {"under_bar": point(0.86, 100.0, 250.0, None)}}) is None

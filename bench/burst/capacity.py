@@ -181,6 +181,7 @@ def ideal_replay(
     guest_running: int | None = None,
     dedicated_threshold: int = 0,
     drain_s: float | None = None,
+    running_cap: int | None = None,
 ) -> CapacityResult:
     """Replay ``requests`` (times in wall seconds of the arm) on ``nodes`` ideal-admitted
     engines; measure over ``window`` (wall seconds, converted to simulated time).
@@ -216,6 +217,9 @@ def ideal_replay(
     that fits nowhere it may go, nothing of that tier or below is admitted in that pass (the
     default lets later, smaller requests of any tier go past it, which packs better).
 
+    ``running_cap`` keeps every node at most that many Normal and Batch sequences (VIP goes
+    past it): the price in throughput of a short decode batch for VIP's first tokens.
+
     ``drain_s`` (simulated seconds) runs the replay on after the burst, with the traffic that
     follows it, until every Batch request planned before the burst's end is done or ``drain_s``
     has passed: the Batch criterion's deadline, met or not by an admission that takes the oldest
@@ -236,8 +240,13 @@ def ideal_replay(
     dedicated_ids = {id(n) for n in dedicated_nodes}
 
     def room(node: _Node, tier: Tier) -> bool:
-        """Whether a guest's tier cap lets ``node`` take one more (VIP and shared: always)."""
-        if tier is Tier.VIP or id(node) not in dedicated_ids:
+        """Whether a guest's tier cap lets ``node`` take one more (VIP: always; shared: up to
+        ``running_cap``)."""
+        if tier is Tier.VIP:
+            return True
+        if running_cap is not None and node.guests >= running_cap:
+            return False
+        if id(node) not in dedicated_ids:
             return True
         return ((guest_cap is None or node.guests < guest_cap)
                 and (guest_rate is None or now >= node.paced_at)

@@ -13,18 +13,17 @@ import pytest
 from admission.tiers import Tier
 from bench.burst.capacity import ideal_replay
 from bench.burst.criteria import CRITERIA, GOODPUT_BAR
+from bench.burst.fallback import frontier, slack, tally
 from bench.burst.ideal import (
     POINTS,
     RUNNING_CAPS,
     best_keeping_vip,
     cell_record,
     deadline_load,
-    frontier,
     least_seconds,
     main,
     merge,
     render,
-    slack,
 )
 from bench.burst.matrix import Cell
 from bench.burst.workload import PlannedRequest
@@ -185,6 +184,8 @@ def test_the_command_writes_the_records_and_the_table(tmp_path: Path) -> None:
             str(tmp_path)]
     assert main(args) == 0
     assert main(args) == 0  # a rerun replaces its cell
+    (tmp_path / "ideal-ci.md").unlink()
+    assert main([*args, "--tables-only"]) == 0
     records = json.loads((tmp_path / "ideal-ci.json").read_text())
     assert [r["cell"] for r in records] == [{"scale": "ci", "mix": "chat", "size": 2,
                                              "seed": 1}]
@@ -207,3 +208,18 @@ def test_the_best_point_keeping_the_vip_bar_is_the_one_with_most_goodput_within_
     best = best_keeping_vip(record)
     assert best is not None and best["running_cap"] is None
     assert best_keeping_vip({"points": {"under_bar": point(0.86, 100.0, 250.0, None)}}) is None
+
+
+def test_the_tally_counts_each_arm_with_the_fallback_and_the_six_others() -> None:
+    ideal = [_ideal(1, 0.86), _ideal(2, 0.92), _ideal(3, 0.86)]
+    matrix = [
+        _matrix(1, _arm("a", 0.88, False), _arm("c", 0.84, True)),  # out of reach: c kept VIP
+        _matrix(2, _arm("a", 0.91, True), _arm("c", 0.89, True)),  # in reach: the bar
+        _matrix(3, _arm("a", 0.80, True, others=False), _arm("c", 0.85, True, valid=False)),
+        _matrix(4, _arm("a", 0.95, True), _arm("c", 0.95, True)),  # no ideal record
+    ]
+    counts = tally(matrix, ideal, ["a", "c"])
+    assert counts["c"].judged == 2 and counts["c"].goodput == 1 and counts["c"].all_seven == 1
+    # (a): misses the VIP bar out of reach; passes the bar in reach, with the six others; leads
+    # out of reach on 3 (c's run is invalid there) but fails another criterion.
+    assert counts["a"].judged == 3 and counts["a"].goodput == 2 and counts["a"].all_seven == 1

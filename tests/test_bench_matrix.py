@@ -77,6 +77,10 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
                        "--out", str(out)]) == 0
     goodput = next(v for v in record["arms"][1]["verdicts"] if v["key"] == "goodput")
     assert f"| {goodput['number']:.1%} |" in (out / "ideal-ci.md").read_text()
+    # ...and the matrix's table, written again, judges goodput with the fallback too.
+    table = (out / "matrix-ci.md").read_text()
+    assert "| all seven, goodput with the fallback |" in table
+    assert "The ideal admission (ideal-ci.md) gets" in table
 
 
 def test_nothing_in_a_cell_but_the_schedule_depends_on_the_seed() -> None:

@@ -50,11 +50,23 @@ from typing import Any
 from admission.tiers import Tier
 from bench.burst import jsonlines
 from bench.burst.capacity import CapacityResult, ideal_replay
-from bench.burst.criteria import CRITERIA, GOODPUT_BAR, KV_BAR, VIP_RATIO_BAR
+from bench.burst.criteria import GOODPUT_BAR, KV_BAR, VIP_RATIO_BAR
 from bench.burst.expconfig import Settings
 from bench.burst.experiment import planned
+from bench.burst.fallback import (
+    Frontier,
+    arm_of,
+    cell_key,
+    frontier,
+    load_ideal,
+    number,
+    ok,
+    others_pass,
+    slack,
+)
 from bench.burst.goodput import Offer, Work, check, upper_bound, work_value
 from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells
+from bench.burst.matrix import render as matrix_render
 from bench.burst.matrixplot import load_records
 from bench.burst.mixes import MIXES
 from bench.burst.workload import PlannedRequest, Schedule
@@ -158,7 +170,7 @@ def cell_record(cell: Cell, revision: str = "") -> dict[str, Any]:
 
 
 def load(path: Path) -> list[dict[str, Any]]:
-    return list(json.loads(path.read_text())) if path.exists() else []
+    return load_ideal(path)
 
 
 def merge(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -170,71 +182,6 @@ def merge(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> list[
 def _order(r: dict[str, Any]) -> tuple[str, int, int]:
     c = r["cell"]
     return c["mix"], c["size"], c["seed"]
-
-
-def _arm(matrix: dict[str, Any] | None, arm: str) -> dict[str, Any] | None:
-    if matrix is None:
-        return None
-    return next((a for a in matrix["arms"] if a["arm"] == arm), None)
-
-
-def _number(arm: dict[str, Any] | None, key: str) -> float:
-    if arm is None:
-        return math.nan
-    v = next((v for v in arm["verdicts"] if v["key"] == key), None)
-    return math.nan if v is None else float(v.get("number", math.nan))
-
-
-def _ok(arm: dict[str, Any] | None, key: str) -> bool | None:
-    if arm is None:
-        return None
-    v = next((v for v in arm["verdicts"] if v["key"] == key), None)
-    return None if v is None else v["ok"]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Frontier:
-    """One cell's goodput criterion judged with the frontier clause, for one arm."""
-
-    reachable: bool
-    """The ideal under the KV bar reaches the goodput bar."""
-    passed: bool | None
-    """The criterion: the bar where reachable; else the arm keeps the VIP bar and no other arm
-    that keeps it has more goodput (None: the arm's figures are not there or not valid)."""
-
-
-def slack(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]]) -> float:
-    """How far any valid arm's goodput was above the ideal's best point in its cell: the greedy
-    ideal is not an upper bound, so a cell counts as out of reach only this far below the bar."""
-    by_cell = {_key(m): m for m in matrix}
-    gaps = [0.0]
-    for r in records:
-        m = by_cell.get(_key(r))
-        best = max(float(p["goodput_ratio"]) for p in r["points"].values())
-        gaps += [_number(a, "goodput") - best for a in (m or {}).get("arms", []) if a["valid"]]
-    return max(g for g in gaps if not math.isnan(g))
-
-
-def _key(r: dict[str, Any]) -> str:
-    return json.dumps(r["cell"], sort_keys=True)
-
-
-def frontier(ideal: dict[str, Any], matrix: dict[str, Any] | None, arm: str = "c",
-             margin: float = 0.0) -> Frontier:
-    """``arm``'s goodput criterion in one cell, counting the bar out of reach where the ideal
-    below the KV bar, plus ``margin``, falls short of it."""
-    reachable = float(ideal["points"]["under_bar"]["goodput_ratio"]) + margin >= GOODPUT_BAR
-    mine = _arm(matrix, arm)
-    if mine is None or not mine["valid"] or matrix is None:
-        return Frontier(reachable, None)
-    goodput = _number(mine, "goodput")
-    if reachable:
-        return Frontier(True, goodput >= GOODPUT_BAR)
-    if not _ok(mine, "vip_p99"):
-        return Frontier(False, False)
-    rivals = [_number(a, "goodput") for a in matrix["arms"]
-              if a["arm"] != arm and a["valid"] and _ok(a, "vip_p99")]
-    return Frontier(False, all(goodput >= g for g in rivals))
 
 
 def _pct(x: object) -> str:
@@ -250,39 +197,33 @@ def _batch(p: dict[str, Any], burst_sim_s: float) -> str:
     return f"+{float(p['last_batch_s']) / burst_sim_s:.2f}x"
 
 
-def _others_pass(arm: dict[str, Any] | None) -> bool:
-    """The arm meets the six criteria other than goodput."""
-    return arm is not None and all(v["ok"] for v in arm["verdicts"]
-                                   if v["key"] in CRITERIA and v["key"] != "goodput")
-
-
 def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
            scale: str) -> str:
-    by_cell = {_key(m): m for m in matrix}
+    by_cell = {cell_key(m): m for m in matrix}
     burst_sim_s = SCALES[scale].burst_sim_s
     margin = slack(records, matrix)
     rows: list[str] = []
     judged: list[tuple[dict[str, Any], Frontier, dict[str, Any] | None]] = []
     for r in records:
-        m = by_cell.get(_key(r))
+        m = by_cell.get(cell_key(r))
         whole, under = r["points"]["whole"], r["points"]["under_bar"]
-        c = _arm(m, "c")
+        c = arm_of(m, "c")
         f = frontier(r, m, margin=margin)
         judged.append((r, f, c))
         others = [a for a in (m or {}).get("arms", []) if a["arm"] != "c" and a["valid"]]
-        best = max(others, key=lambda a: _number(a, "goodput"), default=None)
+        best = max(others, key=lambda a: number(a, "goodput"), default=None)
         vip = float(under["vip_p99_burst_ms"]) / float(under["vip_p99_base_ms"])
         cell = r["cell"]
         rows.append(
             f"| {cell['mix']} | {cell['size']} | {cell['seed']} "
             f"| {_pct(whole['goodput_ratio'])} | {_pct(under['goodput_ratio'])} "
             f"| {_batch(under, burst_sim_s)} | {_load(r)} | x{vip:.2f} | {_kept(r)} "
-            f"| {_pct(_number(c, 'goodput'))} "
-            f"| {_mark(None if c is None else _ok(c, 'vip_p99'), 'kept', 'missed')} "
-            f"| {_pct(_number(best, 'goodput'))}{'' if best is None else ' (' + best['arm'] + ')'} "
+            f"| {_pct(number(c, 'goodput'))} "
+            f"| {_mark(None if c is None else ok(c, 'vip_p99'), 'kept', 'missed')} "
+            f"| {_pct(number(best, 'goodput'))}{'' if best is None else ' (' + best['arm'] + ')'} "
             f"| {_mark(f.passed, 'PASS', 'FAIL')} |")
     under_ratios = [float(r["points"]["under_bar"]["goodput_ratio"]) for r, _, _ in judged]
-    shares = [_number(c, "goodput") / float(r["points"]["under_bar"]["goodput_ratio"])
+    shares = [number(c, "goodput") / float(r["points"]["under_bar"]["goodput_ratio"])
               for r, _, c in judged if c is not None]
     valid = [(r, f, c) for r, f, c in judged if f.passed is not None]
     summary = [
@@ -300,7 +241,7 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
     summary += [
         f"- kvgate, goodput criterion with the frontier clause: "
         f"{sum(1 for _, f, _ in valid if f.passed)}/{len(valid)} valid cells; all seven "
-        f"criteria with it: {sum(1 for _, f, c in valid if f.passed and _others_pass(c))}"
+        f"criteria with it: {sum(1 for _, f, c in valid if f.passed and others_pass(c))}"
         f"/{len(valid)}.",
         f"- The ideal keeping its VIP P99 in the burst within {VIP_RATIO_BAR:.2f}x of its own "
         "calm P99 (its VIP frontier: Normal and Batch sequences per node capped): "
@@ -383,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--size", default=",".join(map(str, DEFAULT_SIZES)))
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="where ideal-<scale>.* go and the matrix's cells/ are read")
+    p.add_argument("--tables-only", action="store_true",
+                   help="replay nothing: write the tables again from the records in --out")
     return p
 
 
@@ -393,8 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown mix {unknown}", file=sys.stderr)
         return 2
-    todo = cells(args.scale, mixes, [int(s) for s in args.size.split(",") if s.strip()],
-                 args.seed)
+    todo = [] if args.tables_only else cells(
+        args.scale, mixes, [int(s) for s in args.size.split(",") if s.strip()], args.seed)
     new, revision = [], git_revision()
     for n, cell in enumerate(todo, 1):
         print(f"cell {n}/{len(todo)}: {cell.name}", flush=True)
@@ -404,8 +347,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = merge(load(path), new)
     path.write_text(json.dumps(records, indent=1))
     md = args.out / f"ideal-{args.scale}.md"
-    md.write_text(render(records, load_records(args.out, args.scale), args.scale))
-    print(f"written: {path}, {md}")
+    matrix = load_records(args.out, args.scale)
+    md.write_text(render(records, matrix, args.scale))
+    written = [path, md]
+    if matrix:  # the matrix's table judges goodput with the fallback from these records
+        table = args.out / f"matrix-{args.scale}.md"
+        table.write_text(matrix_render(matrix, args.scale, records))
+        written.append(table)
+    print("written: " + ", ".join(map(str, written)))
     return 0
 
 

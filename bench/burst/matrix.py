@@ -52,6 +52,7 @@ from bench.burst.arm import flush_print
 from bench.burst.criteria import (
     CRITERIA,
     EXTRA,
+    GOODPUT_BAR,
     LABELS,
     Verdict,
     cell_table,
@@ -60,6 +61,7 @@ from bench.burst.criteria import (
 )
 from bench.burst.expconfig import ARM_TITLES, ARMS, Settings
 from bench.burst.experiment import run_experiment
+from bench.burst.fallback import cell_key, frontier, load_ideal, slack, tally
 from bench.burst.matrixplot import load_records, plot_matrix
 from bench.burst.mixes import MIXES, with_mix
 from bench.burst.report import ArmSummary
@@ -141,13 +143,17 @@ def _verdict(d: dict[str, Any]) -> Verdict:
     return Verdict(d["key"], d["value"], d["ok"], float(d.get("number", math.nan)))
 
 
-def render(records: Sequence[dict[str, Any]], scale: str) -> str:
-    """The matrix's markdown: one table per cell, then the aggregate."""
+def render(records: Sequence[dict[str, Any]], scale: str,
+           ideal: Sequence[dict[str, Any]] = ()) -> str:
+    """The matrix's markdown: the aggregate, then one table per cell; with the ideal's records
+    (bench.burst.ideal), the goodput criterion is also judged with its fallback."""
     parts = [f"# Burst matrix, {scale} scale", "",
              f"{len(records)} cells; kvgate on its shipped defaults; every arm on the same "
              "engines. Criteria and method: bench/README.md; each cell's figures: "
              "cells/*.json.", ""]
-    parts += aggregate(records)
+    parts += aggregate(records, ideal)
+    by_cell = {cell_key(r): r for r in ideal}
+    margin = slack(ideal, records)
     for rec in sorted(records, key=lambda r: (r["cell"]["mix"], r["cell"]["size"],
                                               r["cell"]["seed"])):
         c = rec["cell"]
@@ -156,11 +162,28 @@ def render(records: Sequence[dict[str, Any]], scale: str) -> str:
         parts += [f"## {c['mix']}, {c['size']} nodes, seed {c['seed']}", "",
                   f"{rec['wall_s'] / 60:.1f} minutes wall, code {rec['code']}", "",
                   cell_table(arms, judged, [a["validity"] for a in rec["arms"]]), ""]
+        top = by_cell.get(cell_key(rec))
+        if top is not None:
+            parts += [_fallback_line(top, rec, arms, margin, scale), ""]
     return "\n".join(parts)
 
 
-def aggregate(records: Sequence[dict[str, Any]]) -> list[str]:
-    """Per arm and criterion over the valid cells: passed / judged, median and worst figure."""
+def _fallback_line(top: dict[str, Any], rec: dict[str, Any], arms: Sequence[str],
+                   margin: float, scale: str) -> str:
+    reach = float(top["points"]["under_bar"]["goodput_ratio"])
+    verdicts = {a: frontier(top, rec, a, margin).passed for a in arms}
+    marks = ", ".join(f"({a}) {'n/a' if v is None else ('PASS' if v else 'FAIL')}"
+                      for a, v in verdicts.items())
+    return (f"The ideal admission (ideal-{scale}.md) gets {reach:.1%} of the goodput bound "
+            f"below the KV bar: {GOODPUT_BAR:.0%} is "
+            f"{'in reach' if frontier(top, None, margin=margin).reachable else 'out of reach'}"
+            f". Goodput with the fallback: {marks}.")
+
+
+def aggregate(records: Sequence[dict[str, Any]],
+              ideal: Sequence[dict[str, Any]] = ()) -> list[str]:
+    """Per arm and criterion over the valid cells: passed / judged, median and worst figure;
+    with the ideal's records, goodput and all seven also judged with the fallback."""
     arms = [a for a in ARMS if any(x["arm"] == a for r in records for x in r["arms"])]
     by_arm: dict[str, list[list[Verdict]]] = {a: [] for a in arms}
     invalid: dict[str, int] = dict.fromkeys(arms, 0)
@@ -194,6 +217,14 @@ def aggregate(records: Sequence[dict[str, Any]]) -> list[str]:
     lines.append("| cells meeting all seven | " + " | ".join(
         f"{sum(1 for v in by_arm[a] if all(x.ok for x in v if x.key in CRITERIA))}"
         f"/{len(by_arm[a])}" for a in arms) + " |")
+    if ideal:
+        counts = tally(records, ideal, arms)
+        lines.append("| goodput with the fallback: where the ideal admission cannot reach "
+                     f"{GOODPUT_BAR:.0%}, the best goodput that keeps the VIP bar | "
+                     + " | ".join(f"{counts[a].goodput}/{counts[a].judged}" for a in arms)
+                     + " |")
+        lines.append("| all seven, goodput with the fallback | " + " | ".join(
+            f"{counts[a].all_seven}/{counts[a].judged}" for a in arms) + " |")
     lines.append("| invalid runs (left out) | " + " | ".join(str(invalid[a]) for a in arms)
                  + " |")
     return [*lines, ""]
@@ -235,7 +266,8 @@ async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_ro
                 + ("" if a["valid"] else " (INVALID: lag)"))
         say(f"  {wall:.0f} s wall")
         records = load_records(out, cell.scale)
-        (out / f"matrix-{cell.scale}.md").write_text(render(records, cell.scale))
+        ideal = load_ideal(out / f"ideal-{cell.scale}.json")
+        (out / f"matrix-{cell.scale}.md").write_text(render(records, cell.scale, ideal))
         plot_matrix(records, out / f"matrix-{cell.scale}.png")
 
 

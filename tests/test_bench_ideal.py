@@ -1,5 +1,5 @@
 """The ideal admission per matrix cell: the replay's Batch deadline, the valuation against the
-arms' bound, and the goodput criterion's frontier clause."""
+arms' bound, and the goodput criterion's fallback."""
 
 from __future__ import annotations
 

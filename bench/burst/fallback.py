@@ -56,7 +56,7 @@ def ok(arm: dict[str, Any] | None, key: str) -> bool | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Frontier:
-    """One cell's goodput criterion judged with the frontier clause, for one arm."""
+    """One cell's goodput criterion judged with the fallback, for one arm."""
 
     reachable: bool
     """The ideal under the KV bar reaches the goodput bar."""

@@ -239,7 +239,7 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
                        f"{statistics.median(shares):.1%}, range {min(shares):.1%}-"
                        f"{max(shares):.1%}.")
     summary += [
-        f"- kvgate, goodput criterion with the frontier clause: "
+        f"- kvgate, goodput criterion with the fallback: "
         f"{sum(1 for _, f, _ in valid if f.passed)}/{len(valid)} valid cells; all seven "
         f"criteria with it: {sum(1 for _, f, c in valid if f.passed and others_pass(c))}"
         f"/{len(valid)}.",
@@ -273,7 +273,7 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
         "| work due by the Batch deadline / node time | its VIP P99 burst / calm "
         "| its best goodput keeping the VIP bar (running cap) "
         "| kvgate goodput | kvgate VIP bar | best other arm "
-        "| goodput criterion, frontier clause |",
+        "| goodput criterion with the fallback |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:-:|---:|:-:|", *rows, ""])
 
 

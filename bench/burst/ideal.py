@@ -61,13 +61,13 @@ from bench.burst.fallback import (
     load_ideal,
     number,
     ok,
-    others_pass,
     slack,
+    tally,
 )
 from bench.burst.goodput import Offer, Work, check, upper_bound, work_value
 from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells
 from bench.burst.matrix import render as matrix_render
-from bench.burst.matrixplot import load_records
+from bench.burst.matrixplot import load_records, ordered
 from bench.burst.mixes import MIXES
 from bench.burst.workload import PlannedRequest, Schedule
 from bench.common.gitrev import revision as git_revision
@@ -169,19 +169,9 @@ def cell_record(cell: Cell, revision: str = "") -> dict[str, Any]:
     return record
 
 
-def load(path: Path) -> list[dict[str, Any]]:
-    return load_ideal(path)
-
-
 def merge(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """``old`` with the cells of ``new`` replaced or added, in the matrix's order."""
-    by_cell = {json.dumps(r["cell"], sort_keys=True): r for r in (*old, *new)}
-    return sorted(by_cell.values(), key=_order)
-
-
-def _order(r: dict[str, Any]) -> tuple[str, int, int]:
-    c = r["cell"]
-    return c["mix"], c["size"], c["seed"]
+    return ordered(list({cell_key(r): r for r in (*old, *new)}.values()))
 
 
 def _pct(x: object) -> str:
@@ -225,7 +215,7 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
     under_ratios = [float(r["points"]["under_bar"]["goodput_ratio"]) for r, _, _ in judged]
     shares = [number(c, "goodput") / float(r["points"]["under_bar"]["goodput_ratio"])
               for r, _, c in judged if c is not None]
-    valid = [(r, f, c) for r, f, c in judged if f.passed is not None]
+    kvgate = tally(matrix, records, ["c"])["c"]
     summary = [
         f"- Cells: {len(judged)}. The ideal below the KV bar reaches {GOODPUT_BAR:.0%} of the "
         f"bound in {sum(1 for _, f, _ in judged if f.reachable)} (counting a cell as in reach "
@@ -239,10 +229,8 @@ def render(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]],
                        f"{statistics.median(shares):.1%}, range {min(shares):.1%}-"
                        f"{max(shares):.1%}.")
     summary += [
-        f"- kvgate, goodput criterion with the fallback: "
-        f"{sum(1 for _, f, _ in valid if f.passed)}/{len(valid)} valid cells; all seven "
-        f"criteria with it: {sum(1 for _, f, c in valid if f.passed and others_pass(c))}"
-        f"/{len(valid)}.",
+        f"- kvgate, goodput criterion with the fallback: {kvgate.goodput}/{kvgate.judged} "
+        f"valid cells; all seven criteria with it: {kvgate.all_seven}/{kvgate.judged}.",
         f"- The ideal keeping its VIP P99 in the burst within {VIP_RATIO_BAR:.2f}x of its own "
         "calm P99 (its VIP frontier: Normal and Batch sequences per node capped): "
         f"{_kept_summary([r for r, _, _ in judged])}.",
@@ -344,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         new.append(cell_record(cell, revision))
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"ideal-{args.scale}.json"
-    records = merge(load(path), new)
+    records = merge(load_ideal(path), new)
     path.write_text(json.dumps(records, indent=1))
     md = args.out / f"ideal-{args.scale}.md"
     matrix = load_records(args.out, args.scale)

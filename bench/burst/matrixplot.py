@@ -28,6 +28,7 @@ import matplotlib.pyplot as plt
 
 from bench.burst.criteria import GOODPUT_BAR, KV_BAR, VIP_RATIO_BAR
 from bench.burst.expconfig import ARM_TITLES, ARMS
+from bench.burst.fallback import number
 
 _COLORS = {"a": "tab:gray", "b": "tab:orange", "c": "tab:blue", "d": "tab:purple"}
 _MARKERS = {"a": "o", "b": "s", "c": "D", "d": "^"}
@@ -79,10 +80,7 @@ def figure(arm: dict[str, Any], key: str) -> float:
     as strings, which float() reads."""
     if key == "batch_left":
         return float(arm["summary"]["batch_unfinished"])
-    for v in arm["verdicts"]:
-        if v["key"] == key:
-            return float(v.get("number", math.nan))
-    return math.nan
+    return number(arm, key)
 
 
 def series(records: Sequence[dict[str, Any]], panel: Panel) -> dict[str, list[Point]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import random
 import time
@@ -38,6 +39,7 @@ from bench.burst.workload import (
     plan,
     prompt_text,
 )
+from bench.common.openloop import FULL_COLLECTIONS_DEFERRED, LoopLag, quiet_collector
 from bench.common.stats import bootstrap_ratio_range
 from bench.sim.config import SimConfig
 from bench.sim.metrics import make_registry, render
@@ -402,3 +404,58 @@ async def test_the_kvgate_timeline_keeps_what_the_leader_published(
     assert (published["budget:node-0"], published["budget:node-1"]) == ("1000", "2000")
     assert published["reserved:node-0"] == "400" and "reserved:node-1" not in published
     assert published["stats:released_2"] == "17"
+
+
+def test_a_stall_of_the_load_generator_voids_the_run_when_it_spans_vip_ttfts() -> None:
+    settings: Settings = PRESETS["smoke"]
+    b0, b1 = settings.profile.window("burst")
+    vip = [_request(i, "vip-chat", Tier.VIP, b0 + 0.01 * i) for i in range(100)]
+    outcomes = [_outcome(r, OK, 0.01) for r in vip]
+    node = NodeSample(kv_peak=0.5)
+    samples = [Sample(0.0, [node]), Sample(b1, [node])]
+    seconds = int(b1) + 2
+    result = ArmResult(arm="c", settings=settings, outcomes=outcomes, samples=samples,
+                       admitted=[], rejected=[], crashed_nodes=0, max_loop_lag_s=0.0,
+                       send_lag_max_s=0.0, stopped_at=b1 + 1,
+                       client_lag=[0.001] * seconds)
+    calm = summarize(result, None)
+    assert not calm.invalid and calm.client_lag_ms[2:] == (0, 100)
+    # One 300 ms stall in the second the burst's VIP requests were waiting in: one second of
+    # many is no lagging share, but every counted VIP TTFT spans it.
+    result.client_lag[int(b0)] = 0.3
+    stalled = summarize(result, None)
+    assert stalled.client_lag_ms[1] == pytest.approx(300)
+    assert stalled.client_lag_ms[2] == sum(int(o.req.at) == int(b0) for o in outcomes)
+    assert any("load generator stall" in reason for reason in stalled.invalid)
+    assert "load generator's loop" in markdown_table([stalled], None, 1.0)
+
+
+def test_the_loop_lag_probe_sees_a_blocked_loop_in_the_seconds_it_covered() -> None:
+    lag = LoopLag(interval_s=0.001)
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        t0 = time.perf_counter()
+        probe = asyncio.create_task(lag.run(t0, stop))
+        await asyncio.sleep(0.01)
+        time.sleep(0.08)  # noqa: ASYNC251 - holds the loop, as a full collection does
+        await asyncio.sleep(0.01)
+        stop.set()
+        await probe
+
+    asyncio.run(scenario())
+    assert max(lag.per_second) >= 0.07
+    lag.record(2.5, 0.02)
+    assert len(lag.per_second) == 3 and lag.per_second[2] == 0.02
+    lag.record(-1.0, 5.0)  # before the start: not part of the run
+    assert max(lag.per_second) < 5.0
+
+
+def test_the_quiet_collector_freezes_what_exists_and_defers_full_collections() -> None:
+    before = gc.get_threshold()
+    kept = [[i] for i in range(1000)]
+    with quiet_collector():
+        assert gc.get_freeze_count() >= len(kept)
+        assert gc.get_threshold()[2] == FULL_COLLECTIONS_DEFERRED
+        assert gc.get_threshold()[:2] == before[:2]
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0

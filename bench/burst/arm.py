@@ -34,6 +34,7 @@ from bench.burst.loadgen import ClientSettings, LoadGenerator, Outcome
 from bench.burst.monitor import Monitor, QueueSource, Sample, proxy_queues, redis_queues
 from bench.burst.workload import Schedule
 from bench.common.localredis import LocalRedis, free_port, start_redis
+from bench.common.openloop import LoopLag, quiet_collector
 from bench.common.procs import Child, python_module, spawn, wait_http_ok
 from bench.sim.cluster import SimCluster
 from bench.sim.config import DEFAULT_MODEL
@@ -59,6 +60,8 @@ class ArmResult:
     """Wall seconds from the arm's start at which the load stopped."""
     cpu: dict[str, float] = field(default_factory=dict)
     """Cores used on average while the load ran, by kind of process (sims, gateways, ...)."""
+    client_lag: list[float] = field(default_factory=list)
+    """The load generator's own worst event-loop lag (wall s) in each second of the arm."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -242,31 +245,34 @@ async def _drive(
 
     pids = services.pids()
     cpu_start = _cpu_by_kind(pids)
-    t0 = time.perf_counter() + 0.2
-    stop_monitor = asyncio.Event()
-    monitor_task = asyncio.create_task(monitor.run(t0, stop_monitor))
-    sender = asyncio.create_task(gen.run(session, t0))
-    stopped_at = window_end
-    try:
-        next_line = 1.0
-        while True:
-            await asyncio.sleep(max(0.0, t0 + next_line - time.perf_counter()))
-            now = time.perf_counter() - t0
-            progress(_progress_line(arm, profile.phase_at(now), now, gen, monitor))
-            next_line += 1.0
-            drained = all(o.finished for o in watched)
-            if now >= window_end or (now >= min_end and drained):
-                stopped_at = now
-                break
-            if sender.done() and sender.exception() is not None:
-                raise sender.exception()  # type: ignore[misc]
-    finally:
-        sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await sender
-        await gen.cancel()
-        stop_monitor.set()
-        await monitor_task
+    with quiet_collector():
+        t0 = time.perf_counter() + 0.2
+        stop_monitor = asyncio.Event()
+        client_lag = LoopLag()
+        lag_task = asyncio.create_task(client_lag.run(t0, stop_monitor))
+        monitor_task = asyncio.create_task(monitor.run(t0, stop_monitor))
+        sender = asyncio.create_task(gen.run(session, t0))
+        stopped_at = window_end
+        try:
+            next_line = 1.0
+            while True:
+                await asyncio.sleep(max(0.0, t0 + next_line - time.perf_counter()))
+                now = time.perf_counter() - t0
+                progress(_progress_line(arm, profile.phase_at(now), now, gen, monitor))
+                next_line += 1.0
+                drained = all(o.finished for o in watched)
+                if now >= window_end or (now >= min_end and drained):
+                    stopped_at = now
+                    break
+                if sender.done() and sender.exception() is not None:
+                    raise sender.exception()  # type: ignore[misc]
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sender
+            await gen.cancel()
+            stop_monitor.set()
+            await asyncio.gather(monitor_task, lag_task)
     elapsed = max(1e-9, time.perf_counter() - t0)
     # A process that died (a crashed node) reads 0 at the end; clamp rather than go negative.
     cpu = {kind: max(0.0, used - cpu_start.get(kind, 0.0)) / elapsed
@@ -277,7 +283,7 @@ async def _drive(
         arm=arm, settings=settings, outcomes=gen.outcomes, samples=monitor.samples,
         admitted=gen.stats.admitted, rejected=gen.stats.rejected, crashed_nodes=crashed,
         max_loop_lag_s=monitor.max_lag, send_lag_max_s=gen.stats.send_lag_max,
-        stopped_at=stopped_at, cpu=cpu,
+        stopped_at=stopped_at, cpu=cpu, client_lag=client_lag.per_second,
     )
 
 

@@ -151,7 +151,8 @@ def validity(s: ArmSummary) -> str:
     """The run's validity with the lag figures it rests on (share of samples over the
     threshold, worst simulator loop lag; share of requests sent late, latest send)."""
     lag = (f"sims over the lag bound {s.lag_ms[0]:.1%} of the time, worst {s.lag_ms[1]:.0f} "
-           f"ms; {s.lag_ms[2]:.1%} sent late, latest {s.lag_ms[3]:.0f} ms")
+           f"ms; {s.lag_ms[2]:.1%} sent late, latest {s.lag_ms[3]:.0f} ms; client loop worst "
+           f"{s.client_lag_ms[1]:.0f} ms, {s.client_lag_ms[2]} VIP across a stall")
     return (f"yes ({lag})" if not s.invalid
             else "**INVALID**: " + "; ".join(s.invalid) + f" ({lag})")
 

@@ -80,6 +80,10 @@ class ArmSummary:
     lag_ms: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     """Share of samples with simulator loop lag above the threshold, its max (wall ms); share
     of requests sent later than the threshold, the latest (wall ms)."""
+    client_lag_ms: tuple[float, float, int, int] = (0.0, 0.0, 0, 0)
+    """The load generator's own loop: share of seconds it lagged past the send-lag threshold,
+    its worst lag (wall ms), how many of the burst's counted VIP requests waited for their
+    first token during such a second, and how many were counted."""
     running: tuple[float, float] = (0.0, 0.0)
     """Mean running sequences per node, baseline and burst."""
     vip_p99_ratio_range: tuple[float, float] = (math.nan, math.nan)
@@ -192,12 +196,18 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
     send_lags = [(o.sent_at - o.req.at) * 1000 for o in outcomes if o.sent_at is not None]
     lag = (_share_above(loop_lags, s.max_loop_lag_ms), max(loop_lags, default=math.nan),
            _share_above(send_lags, s.max_send_lag_ms), max(send_lags, default=math.nan))
+    client = _client_lag(result, _vip_counted(outcomes, b0, b1, b1), s.max_send_lag_ms)
     invalid = []
     if lag[0] > MAX_LAGGING_SHARE:
         invalid.append(f"simulator loop lag above {s.max_loop_lag_ms:.0f} ms "
                        f"{lag[0]:.1%} of the time")
     if lag[2] > MAX_LAGGING_SHARE:
         invalid.append(f"{lag[2]:.1%} of requests sent more than {s.max_send_lag_ms:.0f} ms late")
+    if client[0] > MAX_LAGGING_SHARE:
+        invalid.append(f"the load generator's loop lagged more than {s.max_send_lag_ms:.0f} ms "
+                       f"in {client[0]:.1%} of the seconds")
+    if client[3] and client[2] / client[3] > MAX_STALLED_VIP_SHARE:
+        invalid.append(f"{client[2]} of {client[3]} burst VIP TTFTs span a load generator stall")
     running = (_mean_running(samples, 0.0, b0), _mean_running(samples, b0, b1))
     base_ttft = _ttft_values(outcomes, 0.0, b0, ts, b1)
     burst_ttft = _ttft_values(outcomes, b0, b1, ts, b1)
@@ -225,6 +235,7 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
         invalid=invalid,
         errors=reasons.most_common(6),
         lag_ms=lag,
+        client_lag_ms=client,
         running=running,
         vip_p99_ratio_range=bootstrap_ratio_range(burst_ttft, base_ttft, 99),
         vip_engine_base=_p50_p99(engine_base),
@@ -255,6 +266,25 @@ def window_bounds(settings: Settings, outcomes: Sequence[Outcome], first: Sample
 MAX_LAGGING_SHARE = 0.05
 """A run is invalid when its simulators lagged, or its requests left late, beyond the
 thresholds for more than this share of the time (of the requests)."""
+
+
+MAX_STALLED_VIP_SHARE = 0.005
+"""A run is invalid when more than this share of the burst's VIP TTFTs were taken across a
+stall of the load generator itself: past half of the 1% above the P99, the P99 may be the
+client's stall rather than the system's."""
+
+
+def _client_lag(result: ArmResult, vip: Sequence[Outcome], threshold_ms: float
+                ) -> tuple[float, float, int, int]:
+    per_second = [lag * 1000 for lag in result.client_lag]
+    stalled = {sec for sec, lag in enumerate(per_second) if lag > threshold_ms}
+    touched = 0
+    for o in vip:
+        end = o.req.at + (o.ttft if o.ttft is not None else 0.0)
+        if any(sec in stalled for sec in range(int(o.req.at), int(end) + 1)):
+            touched += 1
+    return (_share_above(per_second, threshold_ms), max(per_second, default=0.0), touched,
+            len(vip))
 
 
 def _share_above(values: Sequence[float], threshold: float) -> float:
@@ -352,6 +382,10 @@ def markdown_table(summaries: Sequence[ArmSummary], capacity: CapacityResult | N
          [("yes" if not s.invalid else "NO: " + "; ".join(s.invalid))
           + f" ({s.lag_ms[0]:.1%}, {s.lag_ms[1]:.0f} ms; {s.lag_ms[2]:.1%}, {s.lag_ms[3]:.0f} ms)"
           for s in summaries]),
+        ("load generator's loop (share of seconds past the send-lag threshold, worst lag; "
+         "burst VIP TTFTs spanning such a second)",
+         [f"{s.client_lag_ms[0]:.1%}, {s.client_lag_ms[1]:.0f} ms; "
+          f"{s.client_lag_ms[2]} of {s.client_lag_ms[3]}" for s in summaries]),
     ]
     lines = [head, rule] + [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
     if capacity is not None:

@@ -24,6 +24,7 @@ from admission.scripts import register_scripts
 from admission.store import PoolStore
 from admission.tiers import Tier, Zone
 from bench.burst.arm import ArmResult
+from bench.burst.criteria import judge_all
 from bench.burst.expconfig import POOL, PRESETS, Settings, kvgate_toml, with_overrides
 from bench.burst.experiment import setup_section
 from bench.burst.fifo_proxy import FifoLimiter
@@ -406,28 +407,46 @@ async def test_the_kvgate_timeline_keeps_what_the_leader_published(
     assert published["stats:released_2"] == "17"
 
 
-def test_a_stall_of_the_load_generator_voids_the_run_when_it_spans_vip_ttfts() -> None:
+def test_an_arm_whose_vip_verdict_turns_on_the_load_generators_stalls_is_invalid() -> None:
     settings: Settings = PRESETS["smoke"]
     b0, b1 = settings.profile.window("burst")
-    vip = [_request(i, "vip-chat", Tier.VIP, b0 + 0.01 * i) for i in range(100)]
-    outcomes = [_outcome(r, OK, 0.01) for r in vip]
+    calm = [_request(i, "vip-chat", Tier.VIP, 0.5 + 0.01 * i) for i in range(100)]
+    burst = [_request(100 + i, "vip-chat", Tier.VIP, b0 + 0.04 * i) for i in range(100)]
+    outcomes = [_outcome(r, OK, 0.01) for r in calm + burst]
     node = NodeSample(kv_peak=0.5)
     samples = [Sample(0.0, [node]), Sample(b1, [node])]
-    seconds = int(b1) + 2
-    result = ArmResult(arm="c", settings=settings, outcomes=outcomes, samples=samples,
+    result = ArmResult(arm="a", settings=settings, outcomes=outcomes, samples=samples,
                        admitted=[], rejected=[], crashed_nodes=0, max_loop_lag_s=0.0,
                        send_lag_max_s=0.0, stopped_at=b1 + 1,
-                       client_lag=[0.001] * seconds)
-    calm = summarize(result, None)
-    assert not calm.invalid and calm.client_lag_ms[2:] == (0, 100)
-    # One 300 ms stall in the second the burst's VIP requests were waiting in: one second of
-    # many is no lagging share, but every counted VIP TTFT spans it.
-    result.client_lag[int(b0)] = 0.3
+                       client_lag=[0.001] * 100)
+    # Two burst VIP requests waited 300 ms for their first token, in the second the load
+    # generator stood still for 300 ms: they make the P99.
+    stalled_at = {int(burst[k].at) for k in (50, 51)}
+    for k in (50, 51):
+        outcomes[100 + k] = _outcome(burst[k], OK, 0.3)
+    quiet = summarize(result, None)
+    judge_all([quiet], settings.burst_sim_s, settings.drain_factor)
+    assert not quiet.invalid and quiet.client_lag_ms[2:] == (0, 200)
+    assert quiet.vip_p99_steady[1] == quiet.vip_ttft_burst[1]
+    for second in stalled_at:
+        result.client_lag[second] = 0.3
     stalled = summarize(result, None)
     assert stalled.client_lag_ms[1] == pytest.approx(300)
-    assert stalled.client_lag_ms[2] == sum(int(o.req.at) == int(b0) for o in outcomes)
-    assert any("load generator stall" in reason for reason in stalled.invalid)
+    touched = sum(any(int(o.req.at) <= sec <= int(o.req.at + (o.ttft or 0))
+                      for sec in stalled_at) for o in outcomes)
+    assert stalled.client_lag_ms[2:] == (touched, 200)
+    assert stalled.vip_p99_steady[1] < stalled.vip_ttft_burst[1]
+    assert not stalled.invalid  # two seconds of a hundred: no lagging share
+    judge_all([stalled], settings.burst_sim_s, settings.drain_factor)
+    assert len(stalled.invalid) == 1 and "load generator's stalls" in stalled.invalid[0]
+    judge_all([stalled], settings.burst_sim_s, settings.drain_factor)
+    assert len(stalled.invalid) == 1  # judged again, marked once
     assert "load generator's loop" in markdown_table([stalled], None, 1.0)
+    # Stalls that do not change the verdict leave the arm valid.
+    result.outcomes = [_outcome(r, OK, 0.01) for r in calm + burst]
+    harmless = summarize(result, None)
+    judge_all([harmless], settings.burst_sim_s, settings.drain_factor)
+    assert harmless.client_lag_ms[2] > 0 and not harmless.invalid
 
 
 def test_the_loop_lag_probe_sees_a_blocked_loop_in_the_seconds_it_covered() -> None:

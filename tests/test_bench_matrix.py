@@ -63,6 +63,11 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
             assert bound["ceiling"] == min(bound["offered"], bound["capacity"])
             assert bound["unit"] == unit
         assert arm["validity"].startswith(("yes", "**INVALID**"))
+        # The load generator's own loop was measured, second by second, and kept in the logs.
+        assert summary["client_lag_ms"][3] > 0 and summary["client_lag_ms"][1] > 0
+        lags = json.loads((tmp_path / "logs" / "ci-article-n2-s1" / f"arm-{arm['arm']}"
+                           / "client_lag.json").read_text())
+        assert len(lags) >= 4 and max(lags) * 1000 == pytest.approx(summary["client_lag_ms"][1])
     # Every arm judged VIP requests (how many depends on when each arm stopped: requests still
     # in flight after the burst are censored).
     assert all(a["summary"]["counted"]["vip"] > 0 for a in record["arms"])

@@ -143,8 +143,35 @@ def passed(verdicts: Sequence[Verdict]) -> int:
 
 def judge_all(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
               ) -> list[list[Verdict]]:
+    """Every arm's verdicts. An arm whose VIP verdict turns on its load generator's own
+    stalls (see ``stall_dependence``) is marked invalid here, once."""
     ref, engine_ref = reference(summaries), engine_reference(summaries)
+    for s in summaries:
+        reason = stall_dependence(s, summaries)
+        if reason is not None and reason not in s.invalid:
+            s.invalid.append(reason)
     return [judge(s, ref, burst_sim_s, drain_factor, engine_ref) for s in summaries]
+
+
+def stall_dependence(s: ArmSummary, summaries: Sequence[ArmSummary]) -> str | None:
+    """Why the arm's VIP verdict cannot be trusted, or None.
+
+    A stall of the load generator (its own event loop held, by a collection or a starved CPU)
+    delays every timestamp it takes meanwhile, so a VIP request waiting for its first token
+    across one carries the stall in its TTFT. The verdict is judged again without those
+    requests, in this arm and in (a)'s calm reference; if it changes, the stalls decide it."""
+    ref = reference(summaries)
+    steady_ref = next((a.vip_p99_steady[0] for a in summaries if a.arm == "a"), math.nan)
+    if ref is None:
+        return None
+    with_all = _ratio(s.vip_ttft_burst[1], ref[1])
+    without = _ratio(s.vip_p99_steady[1], steady_ref)
+    if math.isnan(with_all) or math.isnan(without):
+        return None
+    if (with_all <= VIP_RATIO_BAR) == (without <= VIP_RATIO_BAR):
+        return None
+    return (f"the VIP verdict turns on the load generator's stalls: {_x(with_all)} of (a)'s "
+            f"calm, {_x(without)} without the VIP requests waiting across one")
 
 
 def validity(s: ArmSummary) -> str:

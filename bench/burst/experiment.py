@@ -155,8 +155,9 @@ def run_capacity(settings: Settings, schedule: Schedule) -> CapacityResult:
 
 
 def dump_raw(result: ArmResult, directory: Path) -> None:
-    """Every request's outcome and every timeline sample, one JSON object per line, so that a
-    run can be analysed after the fact (they stay in the log directory, not in results/)."""
+    """Every request's outcome and every timeline sample, one JSON object per line, and the
+    load generator's worst loop lag per second, so that a run can be analysed after the fact
+    (they stay in the log directory, not in results/)."""
     with (directory / "requests.jsonl").open("w") as f:
         for o in result.outcomes:
             row = {"index": o.req.index, "class": o.req.klass, "tier": o.req.tier.label,
@@ -171,6 +172,7 @@ def dump_raw(result: ArmResult, directory: Path) -> None:
             f.write(json.dumps({"t": smp.t, "queues": smp.queues, "zone": smp.zone,
                                 "scheduler": smp.scheduler,
                                 "nodes": [dataclasses.asdict(n) for n in smp.nodes]}) + "\n")
+    (directory / "client_lag.json").write_text(json.dumps(result.client_lag))
 
 
 def planned(settings: Settings) -> Schedule:

@@ -247,9 +247,9 @@ async def _drive(
     cpu_start = _cpu_by_kind(pids)
     with quiet_collector():
         t0 = time.perf_counter() + 0.2
-        stop_monitor = asyncio.Event()
+        stop_monitor, stop_probe = asyncio.Event(), asyncio.Event()
         client_lag = LoopLag()
-        lag_task = asyncio.create_task(client_lag.run(t0, stop_monitor))
+        lag_task = asyncio.create_task(client_lag.run(t0, stop_probe))
         monitor_task = asyncio.create_task(monitor.run(t0, stop_monitor))
         sender = asyncio.create_task(gen.run(session, t0))
         stopped_at = window_end
@@ -267,6 +267,8 @@ async def _drive(
                 if sender.done() and sender.exception() is not None:
                     raise sender.exception()  # type: ignore[misc]
         finally:
+            # Cancelling thousands of requests holds the loop: the load is over, not measured.
+            stop_probe.set()
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sender

@@ -284,7 +284,8 @@ def _client_lag(result: ArmResult, vip: Sequence[Outcome], threshold_ms: float
                 ) -> tuple[set[int], tuple[float, float, int, int]]:
     """The VIP outcomes (by id) that waited for their first token in a second the load
     generator lagged past the threshold, and the figures of ``ArmSummary.client_lag_ms``."""
-    per_second = [lag * 1000 for lag in result.client_lag]
+    # Up to the load's end: what the loop does after (cancelling) delays no measured request.
+    per_second = [lag * 1000 for lag in result.client_lag[:math.ceil(result.stopped_at)]]
     stalls = {sec for sec, lag in enumerate(per_second) if lag > threshold_ms}
     touched = set()
     for o in vip:

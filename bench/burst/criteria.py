@@ -176,7 +176,8 @@ def stall_dependence(s: ArmSummary, summaries: Sequence[ArmSummary]) -> str | No
 
 def validity(s: ArmSummary) -> str:
     """The run's validity with the lag figures it rests on (share of samples over the
-    threshold, worst simulator loop lag; share of requests sent late, latest send)."""
+    threshold, worst simulator loop lag; share of requests sent late, latest send; the load
+    generator's worst loop lag and the VIP requests that waited across one of its stalls)."""
     lag = (f"sims over the lag bound {s.lag_ms[0]:.1%} of the time, worst {s.lag_ms[1]:.0f} "
            f"ms; {s.lag_ms[2]:.1%} sent late, latest {s.lag_ms[3]:.0f} ms; client loop worst "
            f"{s.client_lag_ms[1]:.0f} ms, {s.client_lag_ms[2]} VIP across a stall")

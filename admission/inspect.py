@@ -66,7 +66,8 @@ class NodeView:
     out: str | None
     """Why the leader took the node out (stale, ejected, ...), from the state's nodes_out."""
     guests: int
-    """Tasks of other tiers alive on a dedicated node as guests ([pools.dedicated])."""
+    """Tasks of other tiers alive on a dedicated node as guests ([pools.dedicated]), or Normal
+    and Batch tasks alive on a lane ([pools.control] lane_nodes)."""
     dedicated: bool
     """A dedicated node: its tiers first, other tiers only as bounded guests."""
     guests_closed: bool
@@ -366,9 +367,14 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "
 
 
 def _dedicated(n: NodeView) -> str:
-    if not n.dedicated:
-        return "-"
-    return "closed to guests" if n.guests_closed else "yes"
+    """Whether the node is kept for VIP: dedicated (`[pools.dedicated]`), or a lane with the
+    cap its Normal and Batch tasks (its guests) have now."""
+    if n.dedicated:
+        return "closed to guests" if n.guests_closed else "yes"
+    cap = n.fields.get("lane_cap")
+    if cap:
+        return "lane" if cap == "-1" else f"lane, cap {cap}"
+    return "-"
 
 
 def _prefill(n: NodeView) -> str:

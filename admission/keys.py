@@ -137,8 +137,9 @@ class PoolKeys:
 
     @property
     def node_guests(self) -> str:
-        """HASH dedicated node -> tasks of other tiers alive on it as guests (released and not
-        ended: `[pools.dedicated]` caps them per node)."""
+        """HASH dedicated node or lane -> tasks of other tiers alive on it as guests (released
+        and not ended: `[pools.dedicated]` caps them per dedicated node, the leader's lane cap
+        per lane, `[pools.control] lane_nodes`)."""
         return self.prefix + "node_guests"
 
     @property

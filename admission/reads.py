@@ -107,6 +107,9 @@ class TickReading:
     vip_histogram: dict[int, int] = field(default_factory=dict)
     """The pool's VIP first tokens per 10% bucket of ms (`vip_histogram`), monotonic counts
     (with `control`)."""
+    guests: dict[str, int] = field(default_factory=dict)
+    """node_guests: node -> tasks alive there as guests of a dedicated node or a lane (with
+    `control`)."""
     running: Sequence[tuple[Any, Any]] | None = None
     """The running index's (member, score) pairs as Redis returns them, for `running_member`
     to parse (the leader parses each member once and keeps it while its task runs, keyed by
@@ -130,6 +133,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
             # and in this count, so the room it took is not given back.
             pipe.hgetall(keys.node_prefill_released)
             pipe.hgetall(keys.node_vip_ttft)
+            pipe.hgetall(keys.node_guests)
         if running:
             # Raw: redis-py's own score conversion would double this read's cost.
             pipe.execute_command("ZRANGE", keys.running, 0, -1, "WITHSCORES")
@@ -142,6 +146,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
     overdrawn: dict[str, int] = {}
     reports: dict[str, tuple[int, int]] = {}
     histogram: dict[int, int] = {}
+    guests: dict[str, int] = {}
     if control:
         for name, count in int_map(rest[0]).items():
             node, _, kind = name.partition(":")
@@ -149,13 +154,14 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
                 prefill_released[node] = count
             elif kind == "light":
                 overdrawn[node] = count
-        (reports, histogram), rest = vip_counts(int_map(rest[1])), rest[2:]
+        (reports, histogram), guests = vip_counts(int_map(rest[1])), int_map(rest[2])
+        rest = rest[3:]
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                           overdrawn, reports, histogram)
+                           overdrawn, reports, histogram, guests)
     frozen = rest[1] if len(rest) > 1 else None
     return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                       overdrawn, reports, histogram, rest[0], frozen)
+                       overdrawn, reports, histogram, guests, rest[0], frozen)
 
 
 async def left_queue(client: Any, keys: PoolKeys, tier: Tier,

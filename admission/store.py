@@ -375,9 +375,10 @@ class PoolStore:
         A node's capacity is the tokens each tier may reserve on it (VIP, Normal, Batch), or
         one number for all three. `prefill`: node -> (limit on the node's released Normal and
         Batch prompt tokens, window[, prefill rate in tokens/s[, the engine's running
-        sequences]]), replacing the published prefill rooms (None: keep none, no node
-        limited); each room refills at its node's rate for `refill_ms` after the publish
-        (lua/_place.lua prefill_of)."""
+        sequences[, the lane's cap: Normal and Batch tasks alive on it, -1 for a lane without
+        a cap, -2 or absent for a node that is not a lane]]]), replacing the published prefill
+        rooms (None: keep none, no node limited); each room refills at its node's rate for
+        `refill_ms` after the publish (lua/_place.lua prefill_of, lane_takes)."""
         k = self.keys
         args: list[str | int | float] = [epoch, zone.value, len(node_capacity)]
         for node, capacity in sorted(node_capacity.items()):
@@ -388,7 +389,8 @@ class PoolStore:
         for node, (limit, window, *more) in sorted(rooms.items()):
             rate = more[0] if more else 0
             running = more[1] if len(more) > 1 else -1
-            args += [node, int(limit), int(window), int(rate), int(running)]
+            lane = more[2] if len(more) > 2 else -2
+            args += [node, int(limit), int(window), int(rate), int(running), int(lane)]
         for field, value in (extra or {}).items():
             args += [field, value]
         reply = await self.scripts.state(

@@ -70,14 +70,15 @@ local function prefill_of(limits_key, released_key, now)
 end
 
 -- {room = tokens left (may be negative), window = tokens, running = the engine's running
--- sequences at the leader's last scrape (nil: not published)} of a node, or nil when
--- unlimited.
+-- sequences at the leader's last scrape (nil: not published), lane = the node's lane cap
+-- (nil: not a lane; -1: a lane without a cap on its count; see lane_takes())} of a node, or
+-- nil when unlimited.
 -- A refill beyond the window is prefill time the node spent idle, which cannot be banked:
 -- prefill_taken() lowers the limit by it (`prefill.idle`) when the node takes work, so that
 -- the room after the placement is the window less what was placed, at any later time.
 local function prefill_room(prefill, node)
   local f = redis.call('HMGET', prefill.limits_key, node, node .. ':window', node .. ':rate',
-    node .. ':running')
+    node .. ':running', node .. ':lane')
   local limit = tonumber(f[1])
   if limit == nil then return nil end
   local released = tonumber(redis.call('HGET', prefill.released_key, node) or '0') or 0
@@ -88,7 +89,7 @@ local function prefill_room(prefill, node)
     if room + refill > window then prefill.idle[node] = room + refill - window end
     room = math.min(window, room + refill)
   end
-  return {room = room, window = window, running = tonumber(f[4])}
+  return {room = room, window = window, running = tonumber(f[4]), lane = tonumber(f[5])}
 end
 
 -- A prompt fits the room it takes; one larger than the room fits a room at least half the
@@ -153,6 +154,23 @@ local function takes_prompt(compute, computes, need, node, prompt_tokens, light,
     return (fits or compute.room + prompt_tokens >= 0) and quiet_others(computes, node) >= need
   end
   return fits
+end
+
+-- VIP lanes (`<node>:lane` in the node_prefill hash, published for the first
+-- [pools.control] lane_nodes usable nodes of the pool by name; scheduler/control.py, "Lanes"):
+-- a node where a VIP chat finds a short decode batch and no long prefill however long the
+-- flood. VIP is placed there by the usual rules (least_queued() steers it to the quiet node
+-- running the fewest sequences, which in a flood is the lane); a Normal or Batch task goes to
+-- a lane only with a prompt of at most twice its window (a long document's prefill would hold
+-- every VIP chat there for its whole length) and while fewer than the lane's cap of such
+-- tasks are alive on it (`gst_key`, the guests count: the placement joins it, the task's end
+-- leaves it; a cap of -1 counts nothing, the leader has not learned one yet). Exact across
+-- gateways: the count moves in the same script as the placement.
+local function lane_takes(compute, gst_key, node, prompt_tokens)
+  if compute == nil or compute.lane == nil then return true end
+  if prompt_tokens > 2 * compute.window then return false end
+  return compute.lane < 0
+    or (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < compute.lane
 end
 
 -- A placement of `prompt_tokens` on `node` takes its room; one that only the light rule let
@@ -309,6 +327,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       if tier > 0 then
         local held = keep ~= nil and keep > 0
         allowed = takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
+          and lane_takes(compute, gst_key, node, prompt_tokens)
         -- Only what the light rule alone let through is an overdraw (prefill_taken()).
         overdraw = light and allowed
           and not takes_prompt(compute, computes, need, node, prompt_tokens, false, held)
@@ -345,19 +364,22 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         local turn = (tonumber(n[1]) or 0) + (tonumber(n[2]) or 0) + (tonumber(n[3]) or 0)
         node = tied[turn % #tied + 1]
       end
-      return node, group == 1 and not owns_dedicated, pf_rooms[node]
+      local guest = group == 1 and not owns_dedicated
+      if not guest and tier > 0 and rooms[node] and rooms[node].lane then guest = 'lane' end
+      return node, guest, pf_rooms[node]
     end
   end
   return nil, false
 end
 
--- A task released as a guest holds one of its node's guest slots until it ends, and on a
--- paced node puts off the next guest by its prompt's share of the rate (from now, or from the
--- time the node was already paced to, whichever is later).
-local function guest_joined(gst_key, pc_key, placement, tkey, node, prompt_tokens, now)
+-- A task released as a guest (`guest`: true on a dedicated node, 'lane' on a lane) holds one of
+-- its node's guest slots until it ends, and on a paced dedicated node puts off the next guest
+-- by its prompt's share of the rate (from now, or from the time the node was already paced
+-- to, whichever is later).
+local function guest_joined(gst_key, pc_key, placement, tkey, node, prompt_tokens, now, guest)
   redis.call('HINCRBY', gst_key, node, 1)
   redis.call('HSET', tkey, 'guest', '1')
-  if placement.guest_rate > 0 then
+  if placement.guest_rate > 0 and guest ~= 'lane' then
     local from = math.max(now, tonumber(redis.call('HGET', pc_key, node) or '0') or 0)
     redis.call('HSET', pc_key, node,
       fmt(from + math.floor(prompt_tokens * 1000000 / placement.guest_rate)))

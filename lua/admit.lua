@@ -23,7 +23,7 @@
 -- KEYS[13] bucket           HASH  the tenant's bucket in this pool
 -- KEYS[14] gateway tasks    SET   the calling gateway's live tasks
 -- KEYS[15] running          ZSET  'node prompt max id' -> released µs (released tasks)
--- KEYS[16] node_guests      HASH  dedicated node -> tasks of other tiers alive on it
+-- KEYS[16] node_guests      HASH  dedicated node or lane -> tasks of other tiers alive on it
 -- KEYS[17] node_guest_pace  HASH  dedicated node -> µs (Redis TIME) before which it takes no
 --                                guest (paced guests only)
 -- KEYS[18] node_prefill     HASH  node -> limit on node_prefill_released (tokens), node:window
@@ -221,7 +221,8 @@ if node then
     redis.call('ZADD', light_key(prefix, tier), fmt(now), tenant)
   end
   if guest then
-    guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now)
+    guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now,
+      guest)
   end
   prefill_taken(prefill, tier, node, tonumber(ARGV[5]), pf_room)
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))

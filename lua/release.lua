@@ -25,8 +25,8 @@
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests,
 --          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
 --          'node prompt max id' -> released µs gets each released task, the HASH node_guests
---          counts the guests alive on each dedicated node, the HASH node_guest_pace holds when
---          a paced one takes its next; the fair keys: "Fair release" in _tenant.lua)
+--          counts the guests alive on each dedicated node or lane, the HASH node_guest_pace
+--          holds when a paced one takes its next; the fair keys: "Fair release" in _tenant.lua)
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records
@@ -167,7 +167,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
           'queued_us', queued_us, 'released_us', fmt(now), 'charge', fmt(charge))
         redis.call('HDEL', task_key(prefix, head), 'deadline_us')
         if guest then
-          guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens, now)
+          guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens,
+            now, guest)
         end
         prefill_taken(prefill, t, node, prompt_tokens, pf_room)
         redis.call('ZADD', running_key(prefix), fmt(now),

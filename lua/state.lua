@@ -7,7 +7,8 @@
 --                          HASH  node -> tokens that VIP, Normal, Batch may reserve there, each
 --                          up to its own tier's ceiling (replaced whole: absent nodes get nothing)
 -- KEYS[6]  node_prefill     HASH  node -> limit on node_prefill_released, node:window -> tokens,
---                          node:rate -> tokens/s, node:running -> sequences, :at and
+--                          node:rate -> tokens/s, node:running -> sequences, node:lane ->
+--                          the lane's cap in tasks (lanes only), :at and
 --                          :until -> µs (replaced whole; optional: without KEYS[6] ARGV
 --                          carries no prefill group count either; see prefill_of() in _place.lua)
 --
@@ -17,7 +18,8 @@
 -- then     with KEYS[6]: m = number of nodes with a prefill room, the ms after now until which
 --          the rooms refill at their rates, then m groups (node, limit in prompt tokens, window
 --          in prompt tokens, prefill rate in tokens/s: 0, no refill, the engine's running
---          sequences: -1, unknown)
+--          sequences: -1, unknown, the lane's cap in Normal and Batch tasks alive on it: -2,
+--          not a lane, -1, a lane without a cap)
 -- then     field, value pairs stored into the state hash as given (drain_0..2 in tasks/s,
 --          red_clear_s in s while RED, usage figures for operators)
 --
@@ -42,17 +44,20 @@ if KEYS[6] then
   local refill_ms = tonumber(ARGV[extra_start + 1]) or 0
   redis.call('DEL', KEYS[6])
   for i = 0, m - 1 do
-    local at = extra_start + 2 + 5 * i
+    local at = extra_start + 2 + 6 * i
     redis.call('HSET', KEYS[6], ARGV[at], ARGV[at + 1], ARGV[at] .. ':window', ARGV[at + 2],
       ARGV[at] .. ':rate', ARGV[at + 3])
     if tonumber(ARGV[at + 4]) >= 0 then
       redis.call('HSET', KEYS[6], ARGV[at] .. ':running', ARGV[at + 4])
     end
+    if tonumber(ARGV[at + 5]) >= -1 then
+      redis.call('HSET', KEYS[6], ARGV[at] .. ':lane', ARGV[at + 5])
+    end
   end
   if m > 0 then
     redis.call('HSET', KEYS[6], ':at', fmt(now), ':until', fmt(now + refill_ms * 1000))
   end
-  extra_start = extra_start + 2 + 5 * m
+  extra_start = extra_start + 2 + 6 * m
 end
 if #ARGV >= extra_start + 1 then
   redis.call('HSET', KEYS[1], unpack(ARGV, extra_start))

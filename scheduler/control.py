@@ -50,6 +50,15 @@ Per node, every poll (all in prompt tokens and seconds):
         a few polls), at least `running_min`. None without a VIP report in the pool for
         `signal_stale_ms` (nothing to protect), before tau0 and P are learned, or while the
         node decodes nothing (no step to measure)
+    C   lane cap (for the pool's lanes, `lane_nodes`): the Normal and Batch tasks the node
+        may hold alive, which the scripts count (lua/_place.lua lane_takes): the batch whose
+        step would take tau_lane = tau0 + (`lane_slowdown` - 1) x P / `STEP_SPAN`, as L is
+        computed, less the sequences the engine runs that are not such tasks (VIP), at least
+        0. Until tau0 and P are learned the node's shortest step read and the configured
+        objective stand in for them (a stricter cap); an idle node keeps its last cap, at
+        least 1, to grow from; -1 (no cap) while its engine reports no inter-token histogram.
+        Unlike L it holds without VIP reports: a lane must be short when VIP arrives, not
+        a poll after, and the long generations it would otherwise take run for minutes
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
         `max_engine_running` sequences or L, else at most the places L leaves (L - running -
         waiting - released since the reading) x the node's mean prompt, less
@@ -164,6 +173,9 @@ class NodeRoom:
     """The node's mean decode step time at its last reading (None: not measured)."""
     calm_step_s: float | None = None
     """...and at calm (None: not learned)."""
+    lane_cap: int | None = None
+    """Normal and Batch tasks the node may hold alive as a lane (None: not a lane; -1: a lane
+    without a cap, its engine reports no step time)."""
 
 
 @dataclass(slots=True)
@@ -203,6 +215,10 @@ class _Node:
     """The step time at calm, averaged (tau0; None: not seen calm yet)."""
     calm_polls: int = 0
     calm_at: float | None = None
+    min_step_s: float | None = None
+    """The shortest step time read: the calm one's stand-in until that is learned."""
+    lane_cap: int = 1
+    """The cap last computed for the node as a lane (an idle lane keeps it, at least 1)."""
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
@@ -323,6 +339,7 @@ class ReleaseControl:
         if count <= 0 or total < 0:
             return False  # nothing decoded since (or the engine restarted: so did its histogram)
         s.step_s = total / count
+        s.min_step_s = s.step_s if s.min_step_s is None else min(s.min_step_s, s.step_s)
         return True
 
     def _learn_calm_step(self, s: _Node, now: float) -> None:
@@ -348,6 +365,22 @@ class ReleaseControl:
         most = s.calm_step_s + budget_s
         return max(floor, math.floor(running * most / s.step_s + 1e-9))  # (float noise)
 
+    def _lane_cap(self, s: _Node, running: int | None, guests: int, itl_read: bool,
+                  calm_p99_ms: float | None) -> int:
+        """The Normal and Batch tasks a lane may hold alive (module docstring: C); -1 when
+        its engine reports no step time."""
+        if not itl_read:
+            return -1
+        calm_step = s.calm_step_s if s.calm_step_s is not None else s.min_step_s
+        if not running or s.step_s is None or calm_step is None:
+            s.lane_cap = max(1, s.lane_cap)  # idle: what it may start from
+            return s.lane_cap
+        p99 = self.settings.vip_ttft_objective_ms if calm_p99_ms is None else calm_p99_ms
+        budget_s = (self.settings.lane_slowdown - 1.0) * p99 / 1000 / STEP_SPAN
+        total = math.floor(running * (calm_step + budget_s) / s.step_s + 1e-9)
+        s.lane_cap = max(0, total - max(0, running - guests))
+        return s.lane_cap
+
     def update(
         self,
         name: str,
@@ -365,6 +398,8 @@ class ReleaseControl:
         settled: bool = False,
         itl: tuple[float, float] | None = None,
         calm_p99_ms: float | None = None,
+        lane: bool = False,
+        guests: int = 0,
     ) -> NodeRoom:
         """One poll for node `name`: `tasks` (key, prompt, seconds since release) released to
         it and running (the key, the running index's member, tells the new ones); its prompt
@@ -375,7 +410,8 @@ class ReleaseControl:
         configured one); whether the pool's calm (zone GREEN, nothing waiting) has lasted
         `signal_stale_ms` (`settled`, scheduler.calm: the step time is learned then); the
         (sum, count) of the engine's inter-token latency histogram, and the pool's calm VIP
-        P99 (scheduler.calm; None: not learned)."""
+        P99 (scheduler.calm; None: not learned); whether the node is one of the pool's lanes,
+        and the Normal and Batch tasks alive on it as the scripts count them (`guests`)."""
         c = self.settings
         s = self.node(name)
         before = s.counter
@@ -446,8 +482,10 @@ class ReleaseControl:
             self._learn_calm_step(s, now)
         room -= take_overdraw(s, overdrawn, room)
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
+        lane_cap = (self._lane_cap(s, running, guests, s.itl is not None, calm_p99_ms)
+                    if lane else None)
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
-                        s.step_s, s.calm_step_s)
+                        s.step_s, s.calm_step_s, lane_cap)
 
     def resume(self, learned: Mapping[str, tuple[float, float, float]]) -> None:
         """Start a new leadership from the (prefill rate, gain, calm step time) per node that

@@ -69,6 +69,9 @@ class SchedulerMetrics:
                                    "Release control: sequences the node's engine may run before "
                                    "Normal and Batch work waits, from its decode step time "
                                    "(NaN: no limit).", ["pool", "node"], registry=r)
+        self.lane_cap = Gauge(p + "lane_cap",
+                              "Release control: Normal and Batch tasks a lane may hold alive "
+                              "(-1: no cap; NaN: not a lane).", ["pool", "node"], registry=r)
         self.decode_step = Gauge(p + "decode_step_seconds",
                                  "Release control: the node's mean decode step time at its last "
                                  "reading (vLLM's inter-token latency; NaN: not measured).",
@@ -119,6 +122,6 @@ class SchedulerMetrics:
                       self.projected, self.budget, self.reserved, self.ejected,
                       self.preemptions, self.queue_depth, self.drain, self.prefill_window,
                       self.prefill_backlog, self.prefill_room, self.prefill_rate,
-                      self.control_gain, self.running_limit, self.decode_step,
+                      self.control_gain, self.running_limit, self.lane_cap, self.decode_step,
                       self.calm_step, self.vip_objective):
             gauge.clear()

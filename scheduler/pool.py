@@ -58,6 +58,8 @@ class Snapshot:
     prefill_tasks: Mapping[str, list[tuple[Any, int, float]]] = field(default_factory=dict)
     """Released tasks per node as the release control reads them: (running index member,
     prompt tokens, seconds since release)."""
+    guests: Mapping[str, int] = field(default_factory=dict)
+    """Tasks alive per node as guests of a dedicated node or a lane (node_guests)."""
 
     @property
     def held(self) -> bool:
@@ -144,9 +146,9 @@ class TickResult:
     """While RED: the estimated seconds until the pool leaves it (scheduler.zones)."""
     rooms: dict[str, NodeRoom] = field(default_factory=dict)
     """The release control's figures per usable node (empty when it is off)."""
-    prefill: dict[str, tuple[int, int, float, int]] | None = None
+    prefill: dict[str, tuple[int, int, float, int, int]] | None = None
     """What is published for the scripts: node -> (limit, window, refill rate, running
-    sequences); None when control is off."""
+    sequences, lane cap: -2 for a node that is not a lane); None when control is off."""
     shared: int = 0
     """How many of `released`, at its start, Batch's minimum share let past waiting higher
     tiers (scheduler.policy.BatchShare)."""
@@ -261,7 +263,7 @@ class PoolScheduler:
                 prefill = _prefill_tasks(self._indexed, now_us)
         return Snapshot(reading.reserved, reading.stats, reading.depths, running,
                         reading.prefill_released, reading.prefill_overdrawn,
-                        reading.vip_reports, reading.vip_histogram, prefill)
+                        reading.vip_reports, reading.vip_histogram, prefill, reading.guests)
 
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
@@ -322,16 +324,18 @@ class PoolScheduler:
 
     def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
                       now: float, settled: bool, objective_ms: int, calm_p99_ms: float | None
-                      ) -> tuple[dict[str, NodeRoom], dict[str, tuple[int, int, float, int]]]:
+                      ) -> tuple[dict[str, NodeRoom],
+                                 dict[str, tuple[int, int, float, int, int]]]:
         """The release control's room per usable node, and the (limit, window, refill rate,
-        running sequences) the scripts enforce and steer VIP by (scheduler.control;
-        lua/_place.lua prefill_of, least_queued)."""
+        running sequences, lane cap) the scripts enforce and steer VIP by (scheduler.control;
+        lua/_place.lua prefill_of, least_queued, lane_takes)."""
         control = self.control
         if control is None:
             return {}, {}
         rooms: dict[str, NodeRoom] = {}
-        prefill: dict[str, tuple[int, int, float, int]] = {}
+        prefill: dict[str, tuple[int, int, float, int, int]] = {}
         by_name = {v.name: v for v in views}
+        lanes = self.lanes(plans)
         for plan in plans:
             view = by_name.get(plan.name)
             if view is None or plan.budget is None:
@@ -346,16 +350,27 @@ class PoolScheduler:
                 reports=snap.vip_reports.get(plan.name),
                 overdrawn=snap.prefill_overdrawn.get(plan.name, 0), objective_ms=objective_ms,
                 settled=settled, itl=None if m is None else m.itl,
-                calm_p99_ms=calm_p99_ms)
+                calm_p99_ms=calm_p99_ms, lane=plan.name in lanes,
+                guests=snap.guests.get(plan.name, 0))
             rooms[plan.name] = room
             # A node held by max_engine_running gets no refill between polls either, nor one
             # under a running limit: its room counts the places the limit has left.
             running = -1 if m is None or m.running is None else int(m.running)
             refill = 0.0 if room.reason or room.running_limit is not None else room.rate
             prefill[plan.name] = (snap.prefill_released.get(plan.name, 0) + room.room,
-                                  room.window, refill, running)
+                                  room.window, refill, running,
+                                  -2 if room.lane_cap is None else room.lane_cap)
         control.forget(by_name)
         return rooms, prefill
+
+    def lanes(self, plans: Sequence[NodePlan]) -> list[str]:
+        """The pool's lanes (`[pools.control] lane_nodes`, scheduler.control "Lanes"): the
+        first usable shared nodes by name, at most all but one. By name, so every leader picks
+        the same ones and a lane stays one while it is usable (its Normal and Batch tasks are
+        counted from when it became one)."""
+        usable = sorted(p.name for p in plans
+                        if p.budget is not None and p.name not in self.pool.dedicated.nodes)
+        return usable[:min(self.pool.control.lane_nodes, len(usable) - 1)]
 
     def _extra(self, result: TickResult) -> dict[str, str | int | float]:
         extra: dict[str, str | int | float] = dict(self.drains.fields())
@@ -380,6 +395,8 @@ class PoolScheduler:
                 extra[f"prefill_gain:{name}"] = f"{room.gain:.3f}"
                 extra[f"running_limit:{name}"] = ("" if room.running_limit is None
                                                   else room.running_limit)
+                if room.lane_cap is not None:
+                    extra[f"lane_cap:{name}"] = room.lane_cap
                 extra[f"decode_step_ms:{name}"] = _ms(room.step_s)
                 extra[f"calm_step_ms:{name}"] = _ms(room.calm_step_s)
                 extra[f"vip_miss:{name}"] = f"{room.miss_share:.3f}"
@@ -499,6 +516,8 @@ class PoolScheduler:
             m.control_gain.labels(pool, name).set(room.gain)
             m.running_limit.labels(pool, name).set(
                 math.nan if room.running_limit is None else room.running_limit)
+            m.lane_cap.labels(pool, name).set(
+                math.nan if room.lane_cap is None else room.lane_cap)
             m.decode_step.labels(pool, name).set(
                 math.nan if room.step_s is None else room.step_s)
             m.calm_step.labels(pool, name).set(

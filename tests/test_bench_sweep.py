@@ -31,6 +31,7 @@ def test_points_parse_and_name_themselves() -> None:
     assert Point.parse("o=120,r=16") == Point(120, 16)
     assert Point.parse("r=0").max_engine_running == 0
     assert Point.parse("m=0,s=0") == Point(running_min=0, vip_slowdown=0.0)
+    assert Point.parse("l=0") == Point(lane_nodes=0) and Point(lane_nodes=0).label == "l=0"
     assert Point.parse("s=1.5").vip_slowdown == 1.5
     for spec in ("default", "o=120", "r=16", "o=120,r=16", "m=0,s=0", "s=1.5,m=4"):
         assert Point.parse(spec).label == (spec if spec != "s=1.5,m=4" else "m=4,s=1.5")

@@ -248,6 +248,52 @@ async def test_vip_goes_to_the_quiet_node_with_the_shorter_decode_batch(
     assert await _admit(store, "vip-busy", Tier.VIP, 300) == ("released", "node-b")
 
 
+async def test_a_lane_takes_exactly_its_cap_of_normal_and_batch_and_vip_past_it(
+        redis_client: aioredis.Redis) -> None:
+    """node-a is a lane with a cap of 5 (node-b has no KV room): of 100 concurrent Normal
+    chats exactly 5 are released, all to the lane, and counted as its guests; VIP chats pass
+    the cap. A chat's end frees its place for the next one, and Batch is counted alike."""
+    store = await _store(redis_client)
+    k = store.keys
+    rooms = {"node-a": (100_000, 100_000, 0, 3, 5)}
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG, "node-b": 0}, prefill=rooms)
+    results = await asyncio.gather(*(_admit(store, f"n{i}", Tier.NORMAL, 100) for i in range(100)))
+    released = [f"n{i}" for i, r in enumerate(results) if r == ("released", "node-a")]
+    assert len(released) == 5
+    assert all(r == ("queued", None) for r in results if r[0] != "released")
+    assert await _count(redis_client, k.node_guests, "node-a") == 5
+    vips = await asyncio.gather(*(_admit(store, f"v{i}", Tier.VIP, 400) for i in range(10)))
+    assert vips == [("released", "node-a")] * 10
+    assert await _count(redis_client, k.node_guests, "node-a") == 5
+    await redis_client.delete(*k.queues)  # the queued chats would block the fast path
+    await store.finish(released[0], 20, cancelled=False)
+    assert await _count(redis_client, k.node_guests, "node-a") == 4
+    assert await _admit(store, "b1", Tier.BATCH, 100) == ("released", "node-a")
+    assert await _admit(store, "b2", Tier.BATCH, 100) == ("queued", None)
+    assert await _count(redis_client, k.node_guests, "node-a") == 5
+
+
+async def test_a_lane_takes_no_long_prompt_and_a_cap_of_minus_one_counts_nothing(
+        redis_client: aioredis.Redis) -> None:
+    """With no quiet node kept, a document larger than twice the window goes to the node that
+    is not a lane, and the next one queues rather than take the lane; a chat goes to the lane,
+    whose cap of -1 (not learned) bounds nothing. Without the lane the second document runs on
+    node-a (test_long_prompts_leave_a_quiet_node_for_vip)."""
+    store = await _store(redis_client)
+    rooms = {"node-a": (600, 1_000, 0, -1, -1), "node-b": (600, 1_000)}
+    await store.publish_state(1, Zone.GREEN, {"node-a": BIG, "node-b": BIG},
+                              {"prefill_quiet": 0}, prefill=rooms)
+    assert await _admit(store, "doc-1", Tier.BATCH, 8_000) == ("released", "node-b")
+    assert await _admit(store, "doc-2", Tier.BATCH, 8_000) == ("queued", None)
+    await redis_client.delete(*store.keys.queues)
+    chats = [await _admit(store, f"c{i}", Tier.NORMAL, 100) for i in range(3)]
+    assert chats == [("released", "node-a")] * 3
+    assert await _count(redis_client, store.keys.node_guests, "node-a") == 3
+    state_hash = {_s(f): _s(v) for f, v in
+                  (await redis_client.hgetall(store.keys.node_prefill)).items()}
+    assert state_hash["node-a:lane"] == "-1" and "node-b:lane" not in state_hash
+
+
 async def test_a_one_node_pool_runs_long_prompts_with_a_quiet_node_asked_for(
         redis_client: aioredis.Redis) -> None:
     store = await _store(redis_client)
@@ -532,3 +578,42 @@ async def test_the_leader_publishes_the_decode_step_time_and_resumes_the_calm_on
             assert published["decode_step_ms:n1"] == "25.00"
             assert published["calm_step_ms:n1"] == "12.50"  # one calm poll moves it by ~nothing
             assert ps.metrics.decode_step.labels("p", "n1")._value.get() == pytest.approx(0.025)
+
+
+async def test_the_leader_keeps_the_first_shared_node_as_a_lane_and_publishes_its_cap(
+        redis_client: aioredis.Redis, redis_url: str) -> None:
+    """Three nodes, n1 dedicated to VIP: the lane is n2, the first shared node by name (n3 is
+    not one: at most all but one shared node). Before any step time is read it may start one
+    task; once its engine reports a step within budget, the cap is the batch that step allows
+    less the sequences that are not the lane's Normal and Batch tasks. Published in the
+    scripts' hash, the state hash and the metrics; with lane_nodes 0 there is none."""
+    fakes = [FakeVllm(running=4, prompt_tokens=0.0, itl=(0.0, 0.0)) for _ in range(3)]
+    async with (serve_fake(fakes[0]) as u1, serve_fake(fakes[1]) as u2,
+                serve_fake(fakes[2]) as u3):
+        backends = [{"name": f"n{i + 1}", "url": u} for i, u in enumerate((u1, u2, u3))]
+        for lane_nodes, lanes in ((1, ["n2"]), (0, [])):
+            config = make_config(redis_url, backends, dedicated={"nodes": ["n1"],
+                                                                 "tiers": ["vip"]},
+                                 control={"vip_ttft_objective_ms": 300,
+                                          "lane_nodes": lane_nodes})
+            async with pool_scheduler(redis_client, config) as ps:
+                for fake in fakes:
+                    fake.itl = (0.0, 0.0)
+                await ps.tick(1, always)
+                published = await state(ps.store)
+                scripts = {_s(f): _s(v) for f, v in
+                           (await redis_client.hgetall(ps.store.keys.node_prefill)).items()}
+                if not lanes:
+                    assert not any(f.startswith("lane_cap:") for f in published)
+                    assert not any(f.endswith(":lane") for f in scripts)
+                    continue
+                assert published["lane_cap:n2"] == "1" and scripts["n2:lane"] == "1"
+                assert "lane_cap:n3" not in published and "n3:lane" not in scripts
+                # 10 tokens at 20 ms: the shortest step read stands in for the calm one, the
+                # objective (300 ms) for the calm P99: the step may reach 20 + 20 ms.
+                fakes[1].itl = (0.2, 10.0)
+                await ps.tick(1, always)
+                # 4 running, 0 of them the lane's tasks: 4 x 40 / 20 - 4 = 4.
+                assert (await state(ps.store))["lane_cap:n2"] == "4"
+                assert ps.metrics.lane_cap.labels("p", "n2")._value.get() == 4
+            await redis_client.flushdb()

@@ -185,6 +185,11 @@ async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis
     row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-0"))
     assert " ".join(row[6:18]) == ("300/1000 (queued 700, 8000/s, gain 0.900, running limit 24, "
                                    "step 21.50/15.00 ms)")
+    # A lane: its Normal and Batch tasks are its guests, up to the cap the leader publishes.
+    await w.store.publish_state(1, Zone.GREEN, CAPS, {"lane_cap:gpu-0": 3})
+    text = inspect.render(await inspect.snapshot(redis_client, [POOL]))
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-0"))
+    assert row[7:10] == ["lane,", "cap", "3"]
     # The leader closes the dedicated node to guests while it runs above its bound.
     await w.store.publish_state(1, Zone.GREEN, CAPS, {
         "dedicated_nodes": "gpu-1", "dedicated_tiers": 1, "dedicated_guests_closed": "gpu-1"})

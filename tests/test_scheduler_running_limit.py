@@ -71,6 +71,20 @@ class Engine:
     served: list[float] = field(default_factory=list)
     """When each Normal request ended."""
     log: list[dict[str, float]] = field(default_factory=list)
+    lane: bool = False
+    """The node is a lane (tests/test_scheduler_lanes.py): Normal joins it only while fewer
+    than the published cap are alive there, and the rest of the flood goes to other nodes
+    (`elsewhere`), as the scripts place it."""
+    lane_cap: int = -1
+    elsewhere: int = 0
+
+    def normal_alive(self) -> int:
+        return sum(1 for s in self.running + self.joining if not s.vip)
+
+    def takes_normal(self) -> bool:
+        """The room, the KV line and, on a lane, its cap let one more Normal request in."""
+        return (self.room > 0 and len(self.running) + len(self.joining) < MAX_SEQS
+                and (not self.lane or self.lane_cap < 0 or self.normal_alive() < self.lane_cap))
 
     def seq(self, left: int, arrived: float, vip: bool) -> Seq:
         self.keys += 1
@@ -89,15 +103,20 @@ class Engine:
                                    objective_ms=objective, settled=self.calm.settled(at),
                                    seq=self.polls,
                                    itl=(self.itl[0], self.itl[1]),
-                                   calm_p99_ms=self.calm.calm_ms())
+                                   calm_p99_ms=self.calm.calm_ms(), lane=self.lane,
+                                   guests=self.normal_alive())
         self.room = room.room
-        while (self.offered and self.room > 0
-               and len(self.running) + len(self.joining) < MAX_SEQS):
+        self.lane_cap = -1 if room.lane_cap is None else room.lane_cap
+        while self.offered and self.takes_normal():
             self.joining.append(self.seq(OUT, self.offered.popleft(), vip=False))
             self.room -= PROMPT
+        if self.lane:
+            self.elsewhere += len(self.offered)
+            self.offered.clear()
         self.log.append({"t": at, "running": len(self.running), "objective": objective,
                          "limit": math.nan if room.running_limit is None
-                         else room.running_limit, "queued": len(self.offered)})
+                         else room.running_limit, "queued": len(self.offered),
+                         "cap": self.lane_cap, "normal": self.normal_alive()})
 
     def events_until(self, end: float) -> None:
         """Arrivals and polls before `end`, in time order."""
@@ -113,10 +132,11 @@ class Engine:
                 self.next_poll += POLL_S
             else:
                 # The admit script's fast path: released at once while the room lasts.
-                if (not self.offered and self.room >= PROMPT
-                        and len(self.running) + len(self.joining) < MAX_SEQS):
+                if not self.offered and self.room >= PROMPT and self.takes_normal():
                     self.joining.append(self.seq(OUT, at, vip=False))
                     self.room -= PROMPT
+                elif self.lane:
+                    self.elsewhere += 1
                 else:
                     self.offered.append(at)
                 self.next_arrival += 1 / self.rate

@@ -93,6 +93,8 @@ class Settings:
     vip_slowdown: float | None = None
     """Arm (c): `control.vip_slowdown` of the pool (0: the absolute objective); None = the
     project's default."""
+    lane_nodes: int | None = None
+    """Arm (c): `control.lane_nodes` of the pool (0: no lane); None = the project's default."""
     batch_ceiling: float | None = None
     """Arm (c): `zones.batch_ceiling` of the pool; None = the project's default."""
     vip_ceiling: float | None = None
@@ -216,6 +218,8 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
         explored = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
     if settings.vip_slowdown is not None:
         explored.append(f"vip_slowdown = {settings.vip_slowdown!r}")
+    if settings.lane_nodes is not None:
+        explored.append(f"lane_nodes = {settings.lane_nodes}")
     objective = settings.vip_ttft_objective_ms
     speed = settings.time_scale
     running_min = d.running_min if settings.running_min is None else settings.running_min

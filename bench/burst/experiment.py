@@ -342,6 +342,8 @@ def _zone_overrides(settings: Settings) -> str:
                      "(real scale)")
     if settings.running_min is not None:
         named.append(f"`control.running_min = {settings.running_min}` (real scale)")
+    if settings.lane_nodes is not None:
+        named.append(f"`control.lane_nodes = {settings.lane_nodes}`")
     if settings.vip_slowdown is not None:
         named.append(f"`control.vip_slowdown = {settings.vip_slowdown:g}`")
     return " except " + ", ".join(named) if named else ""

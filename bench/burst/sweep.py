@@ -16,7 +16,8 @@ converted to the lab clock as the defaults are (bench.burst.expconfig):
   runs more sequences (0: no bound);
 * ``m=<n>``: ``control.running_min``, the floor of the running limit (0: no limit);
 * ``s=<x>``: ``control.vip_slowdown``, the objective as a multiple of the learned calm P99 (0:
-  the absolute ``vip_ttft_objective_ms``). ``m=0,s=0`` is the control without either.
+  the absolute ``vip_ttft_objective_ms``). ``m=0,s=0`` is the control without either;
+* ``l=<n>``: ``control.lane_nodes``, the nodes kept as VIP lanes (0: none).
 
 Writes ``<out>/sweep-<scale>-<mix>-n<size>-s<seed>.md`` (per point: the VIP criterion, its
 engine part, goodput as work and as tokens against their upper bounds, KV peak, preemptions,
@@ -48,7 +49,7 @@ from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
 
 _KEYS = {"o": "vip_ttft_objective_ms", "r": "max_engine_running", "m": "running_min",
-         "s": "vip_slowdown"}
+         "s": "vip_slowdown", "l": "lane_nodes"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,18 +60,19 @@ class Point:
     max_engine_running: int | None = None
     running_min: int | None = None
     vip_slowdown: float | None = None
+    lane_nodes: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Point:
-        """``default``, or ``o=120``, ``r=16``, ``o=120,r=16``, ``m=0,s=0``."""
+        """``default``, or ``o=120``, ``r=16``, ``o=120,r=16``, ``m=0,s=0``, ``l=0``."""
         if spec.strip() == "default":
             return cls()
         fields: dict[str, int | float] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = item.partition("=")
             if not sep or key not in _KEYS:
-                raise ValueError(f"{item!r}: expected o=<ms>, r=<sequences>, m=<sequences> "
-                                 "or s=<slowdown>")
+                raise ValueError(f"{item!r}: expected o=<ms>, r=<sequences>, m=<sequences>, "
+                                 "s=<slowdown> or l=<nodes>")
             number: int | float = float(value) if key == "s" else int(value)
             if number < (1 if key == "o" else 0) or (key == "s" and 0 < number < 1):
                 raise ValueError(f"{item!r}: out of range")

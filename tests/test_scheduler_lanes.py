@@ -1,0 +1,124 @@
+"""A lane's cap (scheduler.control, "Lanes") in the deterministic decode loop of
+tests/test_scheduler_running_limit.py, no Redis, no clock; and the pool's choice of lanes.
+
+The loop's node is a lane: VIP chats go there (in the pool, the quiet node running the fewest
+sequences), Normal joins it only while fewer than the published cap are alive there, and what
+the lane does not take goes to the pool's other nodes, which this loop does not model. The
+shipped settings: no running limit, the absolute objective, `lane_slowdown` 1.2.
+"""
+
+from __future__ import annotations
+
+import math
+
+from admission.controlconfig import ControlSettings
+from scheduler.calm import CalmBaseline
+from scheduler.control import STEP_SPAN, ReleaseControl
+from tests.test_scheduler_running_limit import (
+    CALM_RATE,
+    CALM_S,
+    FIXED_S,
+    FLOOD_RATE,
+    FLOOD_S,
+    PER_SEQ_S,
+    Engine,
+    p99,
+    ttft_between,
+)
+
+
+def lane(settings: ControlSettings | None = None) -> Engine:
+    settings = settings or ControlSettings()
+    e = Engine(ReleaseControl(settings),
+               CalmBaseline(settings.vip_slowdown, settings.vip_ttft_objective_ms,
+                            settings.signal_stale_ms / 1000))
+    e.lane = True
+    return e
+
+
+def test_the_shipped_defaults_keep_one_lane_with_no_running_limit() -> None:
+    settings = ControlSettings()
+    assert settings.lane_nodes == 1 and settings.lane_slowdown == 1.2
+    assert settings.running_min == 0 and settings.vip_slowdown == 0
+
+
+def test_a_flood_leaves_the_lane_within_its_step_budget_from_the_first_seconds() -> None:
+    """A sixfold step in Normal load. The lane takes of it only what keeps its decode step
+    within the calm step plus a third of 0.2x the calm VIP P99, so VIP's P99 there stays within
+    1.25x of calm through the flood and in every 2 s window, while the lane keeps serving
+    Normal (the rest of the flood goes to the other nodes)."""
+    e = lane()
+    e.run(CALM_S, CALM_RATE)
+    calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
+    assert e.calm.calm_ms() is not None
+    calm_running = max(x["running"] for x in e.log if 5.0 <= x["t"] < CALM_S)
+    e.run(CALM_S + FLOOD_S, FLOOD_RATE)
+    for start in range(int(CALM_S), int(CALM_S + FLOOD_S), 2):
+        assert p99(ttft_between(e, start, start + 2)) <= 1.5 * calm_p99, start
+    assert p99(ttft_between(e, CALM_S, CALM_S + FLOOD_S)) <= 1.25 * calm_p99
+    flood = [x for x in e.log if x["t"] >= CALM_S]
+    # The step budget in sequences: what (calm step + budget) / per-sequence cost allows.
+    budget_s = 0.2 * e.calm.calm_ms() / 1000 / STEP_SPAN  # type: ignore[operator]
+    bound = (FIXED_S + PER_SEQ_S * calm_running + budget_s - FIXED_S) / PER_SEQ_S
+    settled = [x for x in flood if x["t"] >= CALM_S + 1.0]
+    assert max(x["running"] for x in settled) <= bound + 2
+    assert all(x["normal"] <= max(x["cap"], 0) + 1 for x in settled)
+    assert e.elsewhere > 0  # the lane did not take the flood...
+    served = sum(1 for t in e.served if CALM_S <= t < CALM_S + FLOOD_S)
+    assert served / FLOOD_S > CALM_RATE / 2  # ...but kept serving Normal
+
+
+def test_without_a_lane_the_same_flood_slows_vip_several_times() -> None:
+    """The counterfactual: the same node, not a lane, takes the flood up to the KV line."""
+    e = lane()
+    e.lane = False
+    e.run(CALM_S, CALM_RATE)
+    calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
+    e.run(CALM_S + FLOOD_S, FLOOD_RATE)
+    assert p99(ttft_between(e, CALM_S, CALM_S + FLOOD_S)) > 3 * calm_p99
+
+
+def test_the_cap_follows_the_step_time_and_an_idle_lane_starts_from_one() -> None:
+    """Cap arithmetic at one node: a step at the calm step plus the budget keeps the batch; a
+    step twice as long takes the cap below the Normal tasks alive; an idle lane may start one;
+    an engine whose page has no inter-token histogram gets no cap (-1); a node that is not a
+    lane gets none (None)."""
+    c = ReleaseControl(ControlSettings())
+    calm_p99_ms, calm_step = 90.0, 0.020
+    budget = 0.2 * calm_p99_ms / 1000 / STEP_SPAN
+    c.node("n").calm_step_s = calm_step
+    histogram = [0.0, 0.0]
+
+    def poll(seq: int, running: int, guests: int, step: float,
+             lane_: bool = True) -> int | None:
+        """A reading after 10 more tokens decoded at `step` each."""
+        histogram[0] += 10 * step
+        histogram[1] += 10
+        return c.update("n", tasks=(), now=float(seq), seq=seq, running=running,
+                        itl=(histogram[0], histogram[1]), calm_p99_ms=calm_p99_ms,
+                        lane=lane_, guests=guests).lane_cap
+
+    at_budget = calm_step + budget
+    poll(1, running=30, guests=20, step=at_budget)  # the first reading starts the deltas
+    assert poll(2, running=30, guests=20, step=at_budget) == 20
+    assert poll(3, running=30, guests=20, step=2 * at_budget) == 5
+    assert poll(4, running=30, guests=5, step=3 * at_budget) == 0
+    assert poll(5, running=0, guests=0, step=at_budget) == 1
+    assert poll(6, running=30, guests=20, step=at_budget, lane_=False) is None
+    fresh = ReleaseControl(ControlSettings())
+    assert fresh.update("m", tasks=(), now=1.0, running=30, lane=True, guests=3).lane_cap == -1
+
+
+def test_before_calm_is_learned_the_shortest_step_and_the_objective_stand_in() -> None:
+    """No calm step and no calm P99 yet: the cap keeps the step within the shortest step read
+    plus a third of 0.2x the configured objective (250 ms): stricter than calm's, not open."""
+    c = ReleaseControl(ControlSettings())
+    shortest, later = 0.010, 0.040
+    budget = 0.2 * 250 / 1000 / STEP_SPAN
+    c.update("n", tasks=(), now=0.0, seq=1, running=4, itl=(0.0, 0.0), lane=True)
+    c.update("n", tasks=(), now=1.0, seq=2, running=4, itl=(shortest * 100, 100.0), lane=True)
+    room = c.update("n", tasks=(), now=2.0, seq=3, running=40,
+                    itl=(shortest * 100 + later * 100, 200.0), lane=True, guests=36)
+    expected = math.floor(40 * (shortest + budget) / later + 1e-9) - (40 - 36)
+    assert room.lane_cap == max(0, expected)
+    assert room.calm_step_s is None

@@ -54,9 +54,11 @@ Per node, every poll (all in prompt tokens and seconds):
         may hold alive, which the scripts count (lua/_place.lua lane_takes): the batch whose
         step would take tau_lane = tau0 + (`lane_slowdown` - 1) x P / `STEP_SPAN`, as L is
         computed, less the sequences the engine runs that are not such tasks (VIP), at least
-        0. Until tau0 and P are learned the node's shortest step read and the configured
-        objective stand in for them (a stricter cap); an idle node keeps its last cap, at
-        least 1, to grow from; -1 (no cap) while its engine reports no inter-token histogram.
+        0. tau0 is the median calm step of the pool's other nodes (a lane's own is learned
+        under its cap, and would confirm itself), the lane's own while none has one; until
+        any is learned the node's shortest step read stands in, and the configured objective
+        for P (a stricter cap); an idle node keeps its last cap, at least 1, to grow from; -1
+        (no cap) while its engine reports no inter-token histogram.
         Unlike L it holds without VIP reports: a lane must be short when VIP arrives, not
         a poll after, and the long generations it would otherwise take run for minutes
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
@@ -219,6 +221,8 @@ class _Node:
     """The shortest step time read: the calm one's stand-in until that is learned."""
     lane_cap: int = 1
     """The cap last computed for the node as a lane (an idle lane keeps it, at least 1)."""
+    lane: bool = False
+    """The node was a lane at its last poll."""
 
 
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
@@ -371,7 +375,12 @@ class ReleaseControl:
         its engine reports no step time."""
         if not itl_read:
             return -1
-        calm_step = s.calm_step_s if s.calm_step_s is not None else s.min_step_s
+        # A lane learns its calm step under its own cap, which would then confirm itself: the
+        # other nodes' calm steps say what a node of the pool runs at calm.
+        others = sorted(n.calm_step_s for n in self._nodes.values()
+                        if not n.lane and n.calm_step_s is not None)
+        calm_step = (others[len(others) // 2] if others
+                     else s.calm_step_s if s.calm_step_s is not None else s.min_step_s)
         if not running or s.step_s is None or calm_step is None:
             s.lane_cap = max(1, s.lane_cap)  # idle: what it may start from
             return s.lane_cap
@@ -482,6 +491,7 @@ class ReleaseControl:
             self._learn_calm_step(s, now)
         room -= take_overdraw(s, overdrawn, room)
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
+        s.lane = lane
         lane_cap = (self._lane_cap(s, running, guests, s.itl is not None, calm_p99_ms)
                     if lane else None)
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,

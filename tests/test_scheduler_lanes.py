@@ -122,3 +122,17 @@ def test_before_calm_is_learned_the_shortest_step_and_the_objective_stand_in() -
     expected = math.floor(40 * (shortest + budget) / later + 1e-9) - (40 - 36)
     assert room.lane_cap == max(0, expected)
     assert room.calm_step_s is None
+
+
+def test_the_lane_is_sized_by_the_other_nodes_calm_step_not_its_own() -> None:
+    """A lane's own calm step is learned under its cap (here 5 ms, a batch held small); the
+    other node's, 20 ms, is what a node of the pool runs at calm, and sizes the cap."""
+    c = ReleaseControl(ControlSettings())
+    c.node("other").calm_step_s = 0.020
+    c.node("lane").calm_step_s = 0.005
+    c.update("other", tasks=(), now=0.0, running=20)
+    budget = 0.2 * 100.0 / 1000 / STEP_SPAN
+    c.update("lane", tasks=(), now=0.0, seq=1, running=10, itl=(0.0, 0.0), lane=True)
+    room = c.update("lane", tasks=(), now=1.0, seq=2, running=10, itl=(0.1, 10.0), lane=True,
+                    calm_p99_ms=100.0, guests=6)
+    assert room.lane_cap == math.floor(10 * (0.020 + budget) / 0.010 + 1e-9) - 4

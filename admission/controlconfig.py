@@ -53,12 +53,14 @@ class ControlSettings:
     to a node only while this many others stay quiet (at most half a window queued for
     prefill); VIP chats are steered to the quiet ones. At most all but one node of a pool is
     kept (a one-node pool still runs long prompts); 0: none."""
-    lane_nodes: int = at_least(0, 1)
+    lane_nodes: int = at_least(0, 0)
     """Nodes kept as VIP lanes, the first of the pool's usable shared nodes by name: Normal
     and Batch go to a lane only with a prompt of at most twice its window and while fewer of
     them are alive there than the lane's cap, which the leader sizes from the lane's decode
     step time (`lane_slowdown`); VIP is steered to the quiet node running the fewest
-    sequences, which in a flood is a lane. At most all but one node of a pool; 0: none."""
+    sequences, which in a flood is a lane. At most all but one node of a pool; 0 (the
+    default): none. Off by default: it shortens VIP's tail where a long decode batch holds
+    it, and costs Normal and Batch throughput where VIP needed no help (docs/design.md)."""
     lane_slowdown: float = between(1.0, 100.0, 1.2)
     """A lane's cap keeps its decode step time within its calm step time plus a third of what
     this many times the pool's calm VIP P99 leaves over that P99 (the configured objective

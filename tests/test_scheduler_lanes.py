@@ -4,7 +4,8 @@ tests/test_scheduler_running_limit.py, no Redis, no clock; and the pool's choice
 The loop's node is a lane: VIP chats go there (in the pool, the quiet node running the fewest
 sequences), Normal joins it only while fewer than the published cap are alive there, and what
 the lane does not take goes to the pool's other nodes, which this loop does not model. The
-shipped settings: no running limit, the absolute objective, `lane_slowdown` 1.2.
+control's settings are the shipped ones otherwise: no running limit, the absolute objective,
+`lane_slowdown` 1.2 (lanes are off by default; the loop makes its node one).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ def lane(settings: ControlSettings | None = None) -> Engine:
     return e
 
 
-def test_the_shipped_defaults_keep_one_lane_with_no_running_limit() -> None:
+def test_lanes_are_off_by_default_and_sized_by_a_slowdown_of_1_2() -> None:
     settings = ControlSettings()
-    assert settings.lane_nodes == 1 and settings.lane_slowdown == 1.2
+    assert settings.lane_nodes == 0 and settings.lane_slowdown == 1.2
     assert settings.running_min == 0 and settings.vip_slowdown == 0
 
 

@@ -225,6 +225,13 @@ class _Node:
     """The node was a lane at its last poll."""
 
 
+def _batch_for(running: int, step_s: float, measured_s: float) -> int:
+    """The batch whose step would take `step_s`, were the step time proportional to the batch:
+    `running` sequences take `measured_s` now. Below the true batch (the step's fixed part does
+    not grow), so limits built on it converge from the safe side."""
+    return math.floor(running * step_s / measured_s + 1e-9)  # (float noise)
+
+
 def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
     """How much of `room` pays back light tenants' overdraws (lua/_place.lua prefill_fits): the
     room bounds the queue ahead of a VIP chat, and on a node that prefills faster than the
@@ -366,14 +373,13 @@ class ReleaseControl:
                 or now - self._vip_at > self.stale_s):
             return None
         budget_s = max(0.0, objective_ms - calm_p99_ms) / 1000 / STEP_SPAN
-        most = s.calm_step_s + budget_s
-        return max(floor, math.floor(running * most / s.step_s + 1e-9))  # (float noise)
+        return max(floor, _batch_for(running, s.calm_step_s + budget_s, s.step_s))
 
-    def _lane_cap(self, s: _Node, running: int | None, guests: int, itl_read: bool,
+    def _lane_cap(self, s: _Node, running: int | None, guests: int,
                   calm_p99_ms: float | None) -> int:
         """The Normal and Batch tasks a lane may hold alive (module docstring: C); -1 when
         its engine reports no step time."""
-        if not itl_read:
+        if s.itl is None:
             return -1
         # A lane learns its calm step under its own cap, which would then confirm itself: the
         # other nodes' calm steps say what a node of the pool runs at calm.
@@ -386,7 +392,7 @@ class ReleaseControl:
             return s.lane_cap
         p99 = self.settings.vip_ttft_objective_ms if calm_p99_ms is None else calm_p99_ms
         budget_s = (self.settings.lane_slowdown - 1.0) * p99 / 1000 / STEP_SPAN
-        total = math.floor(running * (calm_step + budget_s) / s.step_s + 1e-9)
+        total = _batch_for(running, calm_step + budget_s, s.step_s)
         s.lane_cap = max(0, total - max(0, running - guests))
         return s.lane_cap
 
@@ -492,8 +498,7 @@ class ReleaseControl:
         room -= take_overdraw(s, overdrawn, room)
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
         s.lane = lane
-        lane_cap = (self._lane_cap(s, running, guests, s.itl is not None, calm_p99_ms)
-                    if lane else None)
+        lane_cap = self._lane_cap(s, running, guests, calm_p99_ms) if lane else None
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
                         s.step_s, s.calm_step_s, lane_cap)
 

@@ -52,13 +52,18 @@ Per node, every poll (all in prompt tokens and seconds):
         node decodes nothing (no step to measure)
     C   lane cap (for the pool's lanes, `lane_nodes`): the Normal and Batch tasks the node
         may hold alive, which the scripts count (lua/_place.lua lane_takes): the batch whose
-        step would take tau_lane = tau0 + (`lane_slowdown` - 1) x P / `STEP_SPAN`, as L is
+        step would take tau_lane = tau_min + (`lane_slowdown` - 1) x P / `STEP_SPAN`, as L is
         computed, less the sequences the engine runs that are not such tasks (VIP), at least
-        0. tau0 is the median calm step of the pool's other nodes (a lane's own is learned
-        under its cap, and would confirm itself), the lane's own while none has one; until
-        any is learned the node's shortest step read stands in, and the configured objective
-        for P (a stricter cap); an idle node keeps its last cap, at least 1, to grow from; -1
-        (no cap) while its engine reports no inter-token histogram.
+        0. tau_min is the shortest step the lane was read at (a batch of a few sequences: the
+        step's fixed part), not a calm average: a flood that starts below the YELLOW line
+        looks calm to the pool (nothing waits), and a step averaged then grows with it (the
+        lab's nodes learned two to eight times their calm step that way), so a cap sized by
+        it would open as the flood grows. A lane so held runs shorter steps than calm, which
+        pays for the gateway's hop in the VIP first token. The configured objective stands
+        in for P until learned; an idle node keeps its last cap, at least 1, to grow from;
+        -1 (no cap) while its engine reports no inter-token histogram. A new leader starts
+        tau_min from the calm step the last one published (longer: a looser cap until a
+        shorter step is read).
         Unlike L it holds without VIP reports: a lane must be short when VIP arrives, not
         a poll after, and the long generations it would otherwise take run for minutes
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
@@ -218,11 +223,9 @@ class _Node:
     calm_polls: int = 0
     calm_at: float | None = None
     min_step_s: float | None = None
-    """The shortest step time read: the calm one's stand-in until that is learned."""
+    """The shortest step time read (tau_min of a lane)."""
     lane_cap: int = 1
     """The cap last computed for the node as a lane (an idle lane keeps it, at least 1)."""
-    lane: bool = False
-    """The node was a lane at its last poll."""
 
 
 def _batch_for(running: int, step_s: float, measured_s: float) -> int:
@@ -381,18 +384,12 @@ class ReleaseControl:
         its engine reports no step time."""
         if s.itl is None:
             return -1
-        # A lane learns its calm step under its own cap, which would then confirm itself: the
-        # other nodes' calm steps say what a node of the pool runs at calm.
-        others = sorted(n.calm_step_s for n in self._nodes.values()
-                        if not n.lane and n.calm_step_s is not None)
-        calm_step = (others[len(others) // 2] if others
-                     else s.calm_step_s if s.calm_step_s is not None else s.min_step_s)
-        if not running or s.step_s is None or calm_step is None:
+        if not running or s.step_s is None or s.min_step_s is None:
             s.lane_cap = max(1, s.lane_cap)  # idle: what it may start from
             return s.lane_cap
         p99 = self.settings.vip_ttft_objective_ms if calm_p99_ms is None else calm_p99_ms
         budget_s = (self.settings.lane_slowdown - 1.0) * p99 / 1000 / STEP_SPAN
-        total = _batch_for(running, calm_step + budget_s, s.step_s)
+        total = _batch_for(running, s.min_step_s + budget_s, s.step_s)
         s.lane_cap = max(0, total - max(0, running - guests))
         return s.lane_cap
 
@@ -497,7 +494,6 @@ class ReleaseControl:
             self._learn_calm_step(s, now)
         room -= take_overdraw(s, overdrawn, room)
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
-        s.lane = lane
         lane_cap = self._lane_cap(s, running, guests, calm_p99_ms) if lane else None
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
                         s.step_s, s.calm_step_s, lane_cap)
@@ -523,6 +519,7 @@ class ReleaseControl:
             if math.isfinite(calm_step) and calm_step > 0:
                 # Learned over many calm polls: the next one moves it by its time's share.
                 state.calm_step_s, state.calm_polls = calm_step, 1_000_000
+                state.min_step_s = calm_step
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of nodes no longer in the pool."""

@@ -45,28 +45,32 @@ def test_lanes_are_off_by_default_and_sized_by_a_slowdown_of_1_2() -> None:
 
 def test_a_flood_leaves_the_lane_within_its_step_budget_from_the_first_seconds() -> None:
     """A sixfold step in Normal load. The lane takes of it only what keeps its decode step
-    within the calm step plus a third of 0.2x the calm VIP P99, so VIP's P99 there stays within
-    1.25x of calm through the flood and in every 2 s window, while the lane keeps serving
-    Normal (the rest of the flood goes to the other nodes)."""
+    within its shortest step plus a third of 0.2x the calm VIP P99, so VIP's P99 there stays
+    within 1.25x of calm through the flood and in every 2 s window, while the lane keeps
+    serving Normal at a part of its calm rate (the rest of the flood goes to the other
+    nodes)."""
     e = lane()
     e.run(CALM_S, CALM_RATE)
     calm_p99 = p99(ttft_between(e, 5.0, CALM_S))
     assert e.calm.calm_ms() is not None
-    calm_running = max(x["running"] for x in e.log if 5.0 <= x["t"] < CALM_S)
     e.run(CALM_S + FLOOD_S, FLOOD_RATE)
     for start in range(int(CALM_S), int(CALM_S + FLOOD_S), 2):
         assert p99(ttft_between(e, start, start + 2)) <= 1.5 * calm_p99, start
     assert p99(ttft_between(e, CALM_S, CALM_S + FLOOD_S)) <= 1.25 * calm_p99
     flood = [x for x in e.log if x["t"] >= CALM_S]
-    # The step budget in sequences: what (calm step + budget) / per-sequence cost allows.
+    # The step budget in sequences: what (shortest step + budget) / per-sequence cost allows.
+    shortest = e.control.node("n").min_step_s
+    assert shortest is not None
     budget_s = 0.2 * e.calm.calm_ms() / 1000 / STEP_SPAN  # type: ignore[operator]
-    bound = (FIXED_S + PER_SEQ_S * calm_running + budget_s - FIXED_S) / PER_SEQ_S
+    bound = (shortest + budget_s - FIXED_S) / PER_SEQ_S
     settled = [x for x in flood if x["t"] >= CALM_S + 1.0]
     assert max(x["running"] for x in settled) <= bound + 2
     assert all(x["normal"] <= max(x["cap"], 0) + 1 for x in settled)
     assert e.elsewhere > 0  # the lane did not take the flood...
     served = sum(1 for t in e.served if CALM_S <= t < CALM_S + FLOOD_S)
-    assert served / FLOOD_S > CALM_RATE / 2  # ...but kept serving Normal
+    # ...but kept serving Normal: 4.25 a second in this loop, against 10 at calm (the lane is
+    # held below its calm batch; the price of its short steps).
+    assert served / FLOOD_S > CALM_RATE / 4
 
 
 def test_without_a_lane_the_same_flood_slows_vip_several_times() -> None:
@@ -80,14 +84,14 @@ def test_without_a_lane_the_same_flood_slows_vip_several_times() -> None:
 
 
 def test_the_cap_follows_the_step_time_and_an_idle_lane_starts_from_one() -> None:
-    """Cap arithmetic at one node: a step at the calm step plus the budget keeps the batch; a
+    """Cap arithmetic at one node: a step at the shortest step plus the budget keeps the batch; a
     step twice as long takes the cap below the Normal tasks alive; an idle lane may start one;
     an engine whose page has no inter-token histogram gets no cap (-1); a node that is not a
     lane gets none (None)."""
     c = ReleaseControl(ControlSettings())
-    calm_p99_ms, calm_step = 90.0, 0.020
+    calm_p99_ms, shortest = 90.0, 0.020
     budget = 0.2 * calm_p99_ms / 1000 / STEP_SPAN
-    c.node("n").calm_step_s = calm_step
+    c.node("n").min_step_s = shortest
     histogram = [0.0, 0.0]
 
     def poll(seq: int, running: int, guests: int, step: float,
@@ -99,7 +103,7 @@ def test_the_cap_follows_the_step_time_and_an_idle_lane_starts_from_one() -> Non
                         itl=(histogram[0], histogram[1]), calm_p99_ms=calm_p99_ms,
                         lane=lane_, guests=guests).lane_cap
 
-    at_budget = calm_step + budget
+    at_budget = shortest + budget
     poll(1, running=30, guests=20, step=at_budget)  # the first reading starts the deltas
     assert poll(2, running=30, guests=20, step=at_budget) == 20
     assert poll(3, running=30, guests=20, step=2 * at_budget) == 5
@@ -110,9 +114,9 @@ def test_the_cap_follows_the_step_time_and_an_idle_lane_starts_from_one() -> Non
     assert fresh.update("m", tasks=(), now=1.0, running=30, lane=True, guests=3).lane_cap == -1
 
 
-def test_before_calm_is_learned_the_shortest_step_and_the_objective_stand_in() -> None:
-    """No calm step and no calm P99 yet: the cap keeps the step within the shortest step read
-    plus a third of 0.2x the configured objective (250 ms): stricter than calm's, not open."""
+def test_before_the_calm_p99_is_learned_the_objective_stands_in() -> None:
+    """No calm P99 yet: the cap keeps the step within the shortest step read plus a third of
+    0.2x the configured objective (250 ms)."""
     c = ReleaseControl(ControlSettings())
     shortest, later = 0.010, 0.040
     budget = 0.2 * 250 / 1000 / STEP_SPAN
@@ -122,18 +126,34 @@ def test_before_calm_is_learned_the_shortest_step_and_the_objective_stand_in() -
                     itl=(shortest * 100 + later * 100, 200.0), lane=True, guests=36)
     expected = math.floor(40 * (shortest + budget) / later + 1e-9) - (40 - 36)
     assert room.lane_cap == max(0, expected)
-    assert room.calm_step_s is None
 
 
-def test_the_lane_is_sized_by_the_other_nodes_calm_step_not_its_own() -> None:
-    """A lane's own calm step is learned under its cap (here 5 ms, a batch held small); the
-    other node's, 20 ms, is what a node of the pool runs at calm, and sizes the cap."""
-    c = ReleaseControl(ControlSettings())
-    c.node("other").calm_step_s = 0.020
-    c.node("lane").calm_step_s = 0.005
-    c.update("other", tasks=(), now=0.0, running=20)
+def test_a_calm_step_learned_in_a_flood_does_not_open_the_lane() -> None:
+    """A flood below the YELLOW line looks calm to the pool, and the node's calm step, learned
+    then, grows with it (here 40 ms against a shortest step of 10 ms). The cap follows the
+    shortest step: the lane holds what it held before the flood's steps were averaged in."""
+    grown = ReleaseControl(ControlSettings())
+    plain = ReleaseControl(ControlSettings())
+    grown.node("lane").calm_step_s = 0.040
+    caps = []
+    for c in (grown, plain):
+        c.update("lane", tasks=(), now=0.0, seq=1, running=2, itl=(0.0, 0.0), lane=True)
+        c.update("lane", tasks=(), now=1.0, seq=2, running=2, itl=(0.1, 10.0), lane=True)
+        room = c.update("lane", tasks=(), now=2.0, seq=3, running=10, itl=(0.4, 20.0),
+                        lane=True, calm_p99_ms=100.0, guests=8)
+        caps.append(room.lane_cap)
     budget = 0.2 * 100.0 / 1000 / STEP_SPAN
-    c.update("lane", tasks=(), now=0.0, seq=1, running=10, itl=(0.0, 0.0), lane=True)
-    room = c.update("lane", tasks=(), now=1.0, seq=2, running=10, itl=(0.1, 10.0), lane=True,
-                    calm_p99_ms=100.0, guests=6)
-    assert room.lane_cap == math.floor(10 * (0.020 + budget) / 0.010 + 1e-9) - 4
+    assert caps[0] == caps[1] == math.floor(10 * (0.010 + budget) / 0.030 + 1e-9) - 2
+
+
+def test_a_new_leader_starts_the_shortest_step_from_the_published_calm_step() -> None:
+    """A leader taking over in a flood reads only long steps; the calm step the last leader
+    published (shorter) stands in for the shortest until a shorter one is read."""
+    c = ReleaseControl(ControlSettings())
+    c.resume({"lane": (20_000.0, 1.0, 0.015)})
+    assert c.node("lane").min_step_s == 0.015
+    c.update("lane", tasks=(), now=0.0, seq=1, running=30, itl=(0.0, 0.0), lane=True)
+    room = c.update("lane", tasks=(), now=1.0, seq=2, running=30, itl=(0.5, 10.0),
+                    lane=True, calm_p99_ms=90.0, guests=28)
+    budget = 0.2 * 90.0 / 1000 / STEP_SPAN
+    assert room.lane_cap == max(0, math.floor(30 * (0.015 + budget) / 0.050 + 1e-9) - 2)

@@ -62,10 +62,10 @@ class ControlSettings:
     default): none. Off by default: it shortens VIP's tail where a long decode batch holds
     it, and costs Normal and Batch throughput where VIP needed no help (docs/design.md)."""
     lane_slowdown: float = between(1.0, 100.0, 1.2)
-    """A lane's cap keeps its decode step time within its calm step time plus a third of what
-    this many times the pool's calm VIP P99 leaves over that P99 (the configured objective
-    stands in for the P99, and the lane's shortest step for its calm one, until they are
-    learned; scheduler/control.py, "Lanes")."""
+    """A lane's cap keeps its decode step time within the shortest step read on it plus a
+    third of what this many times the pool's calm VIP P99 leaves over that P99 (the
+    configured objective stands in for the P99 until learned; the lane cap C of
+    scheduler/control.py)."""
     vip_miss_target: float = between(0.0, 1.0, 0.01)
     """Share of VIP first tokens that may be later than the objective (0.01: the objective is
     a P99) before the window shrinks."""

@@ -109,7 +109,7 @@ class TickReading:
     (with `control`)."""
     guests: dict[str, int] = field(default_factory=dict)
     """node_guests: node -> tasks alive there as guests of a dedicated node or a lane (with
-    `control`)."""
+    `guests`)."""
     running: Sequence[tuple[Any, Any]] | None = None
     """The running index's (member, score) pairs as Redis returns them, for `running_member`
     to parse (the leader parses each member once and keeps it while its task runs, keyed by
@@ -119,10 +119,12 @@ class TickReading:
     clock (`admission.scripts.allow_frozen_clock`); None in every service."""
 
 
-async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool) -> TickReading:
+async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool,
+                    guests: bool = False) -> TickReading:
     """One pipelined read (no TIME: Redis Cluster refuses it in a pipeline). `control`: also
-    the prefill counts; `running`: also the whole running index, the largest reply of a tick
-    with thousands of tasks in flight, so it is read only when it is used."""
+    the prefill counts; `guests`: also the guests count per node (a lane's cap is sized from
+    it); `running`: also the whole running index, the largest reply of a tick with thousands
+    of tasks in flight, so it is read only when it is used."""
     async with client.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.node_reserved)
         pipe.hgetall(keys.stats)
@@ -133,6 +135,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
             # and in this count, so the room it took is not given back.
             pipe.hgetall(keys.node_prefill_released)
             pipe.hgetall(keys.node_vip_ttft)
+        if guests:
             pipe.hgetall(keys.node_guests)
         if running:
             # Raw: redis-py's own score conversion would double this read's cost.
@@ -146,7 +149,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
     overdrawn: dict[str, int] = {}
     reports: dict[str, tuple[int, int]] = {}
     histogram: dict[int, int] = {}
-    guests: dict[str, int] = {}
+    guest_counts: dict[str, int] = {}
     if control:
         for name, count in int_map(rest[0]).items():
             node, _, kind = name.partition(":")
@@ -154,14 +157,16 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
                 prefill_released[node] = count
             elif kind == "light":
                 overdrawn[node] = count
-        (reports, histogram), guests = vip_counts(int_map(rest[1])), int_map(rest[2])
-        rest = rest[3:]
+        reports, histogram = vip_counts(int_map(rest[1]))
+        rest = rest[2:]
+    if guests:
+        guest_counts, rest = int_map(rest[0]), rest[1:]
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                           overdrawn, reports, histogram, guests)
+                           overdrawn, reports, histogram, guest_counts)
     frozen = rest[1] if len(rest) > 1 else None
     return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                       overdrawn, reports, histogram, guests, rest[0], frozen)
+                       overdrawn, reports, histogram, guest_counts, rest[0], frozen)
 
 
 async def left_queue(client: Any, keys: PoolKeys, tier: Tier,

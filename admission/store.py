@@ -421,9 +421,11 @@ class PoolStore:
             return None
         return {_text(f): _text(v) for f, v in raw.items()}
 
-    async def read_tick(self, *, control: bool, running: bool) -> reads.TickReading:
+    async def read_tick(self, *, control: bool, running: bool,
+                        guests: bool = False) -> reads.TickReading:
         """What the leader plans a tick from (admission.reads.read_tick)."""
-        return await reads.read_tick(self.client, self.keys, control=control, running=running)
+        return await reads.read_tick(self.client, self.keys, control=control, running=running,
+                                     guests=guests)
 
     async def published_state(self) -> dict[str, str]:
         """The state hash as the last leader published it (admission.reads.published_state)."""

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from admission.config import EngineSettings, PoolSettings, SchedulerSettings
-from admission.reads import RunningMember, finite_number, running_member
+from admission.config import PoolSettings, SchedulerSettings
+from admission.reads import finite_number
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -32,6 +32,7 @@ from scheduler.calm import CalmBaseline
 from scheduler.control import REFILL_POLLS, NodeRoom, ReleaseControl
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.policy import DrainRates, ReleasePolicy
+from scheduler.running import Indexed, prefill_tasks, tasks_by_node
 from scheduler.scrape import NodeView, Poller
 from scheduler.zones import RedClearance, ZoneTracker
 
@@ -67,42 +68,6 @@ class Snapshot:
         return bool(self.depths[Tier.NORMAL] or self.depths[Tier.BATCH])
 
 
-def running_task(prompt_tokens: int, max_tokens: int, arrived_us: int, prefill_us_per_token: int
-                 ) -> RunningTask:
-    """A task `arrived_us` after it may have reached its engine: it decodes once its prompt is
-    prefilled, `prefill_us_per_token` for each prompt token (`[pools.engine]`)."""
-    return RunningTask(prompt_tokens, max_tokens,
-                       max(0, arrived_us - prompt_tokens * prefill_us_per_token), arrived_us)
-
-
-_Indexed = RunningMember | None
-"""A running-index member parsed (None: a format this version did not write)."""
-
-
-def _running(members: Sequence[tuple[Any, Any]], now_us: int, known: dict[Any, _Indexed],
-             engine: EngineSettings) -> tuple[dict[str, list[RunningTask]], dict[Any, _Indexed]]:
-    """Released tasks by node, from the running index's (member, released µs) pairs, and the
-    parsed members to pass as `known` next time: a member never changes while its task runs,
-    and the leader reads thousands of them on every tick."""
-    parsed: dict[Any, _Indexed] = {}
-    out: dict[str, list[RunningTask]] = {}
-    for raw, released_us in members:
-        entry = known[raw] if raw in known else running_member(raw, released_us)
-        parsed[raw] = entry
-        if entry is None:
-            continue  # counted at full size instead (plan_node's unindexed reservations)
-        node, prompt_tokens, max_tokens, released_at = entry
-        task = running_task(prompt_tokens, max_tokens,
-                            now_us - released_at - engine.dispatch_us,
-                            engine.prefill_us_per_token)
-        tasks = out.get(node)
-        if tasks is None:
-            out[node] = [task]
-        else:
-            tasks.append(task)
-    return out, parsed
-
-
 def _ms(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1000:.2f}"
 
@@ -118,16 +83,6 @@ def learned_control(state: Mapping[str, str]) -> dict[str, tuple[float, float, f
             continue
         out[node] = (finite_number(raw), finite_number(state.get(f"prefill_gain:{node}"), 1.0),
                      finite_number(state.get(f"calm_step_ms:{node}")) / 1000)
-    return out
-
-
-def _prefill_tasks(indexed: Mapping[Any, _Indexed], now_us: int
-                   ) -> dict[str, list[tuple[Any, int, float]]]:
-    out: dict[str, list[tuple[Any, int, float]]] = {}
-    for member, entry in indexed.items():
-        if entry is not None:
-            age_s = (now_us - entry.released_us) / 1_000_000
-            out.setdefault(entry.node, []).append((member, entry.prompt_tokens, age_s))
     return out
 
 
@@ -203,7 +158,7 @@ class PoolScheduler:
         self._first_poll = True
         self._resume_control = True
         """The release control starts from what the last leader published (`new_term`)."""
-        self._indexed: dict[Any, _Indexed] = {}
+        self._indexed: dict[Any, Indexed] = {}
         """The running index as parsed on the last tick."""
         self._redis_at: tuple[int, float] | None = None
         """A Redis time (µs) and the local clock then: what our last publish wrote, or TIME
@@ -252,15 +207,17 @@ class PoolScheduler:
         # The whole running index is read only when the projection or the release control
         # uses it: with thousands of tasks in flight it is the largest reply of the tick.
         indexed = self._peak_projection or control
-        reading = await self.store.read_tick(control=control, running=indexed)
+        reading = await self.store.read_tick(
+            control=control, running=indexed,
+            guests=control and self.pool.control.lane_nodes > 0)
         running: dict[str, list[RunningTask]] = {}
         prefill: dict[str, list[tuple[Any, int, float]]] = {}
         if reading.running is not None:
             now_us = await self._redis_now_us(reading.frozen_us)
-            running, self._indexed = _running(reading.running, now_us, self._indexed,
-                                              self.pool.engine)
+            running, self._indexed = tasks_by_node(reading.running, now_us, self._indexed,
+                                                   self.pool.engine)
             if control:
-                prefill = _prefill_tasks(self._indexed, now_us)
+                prefill = prefill_tasks(self._indexed, now_us)
         return Snapshot(reading.reserved, reading.stats, reading.depths, running,
                         reading.prefill_released, reading.prefill_overdrawn,
                         reading.vip_reports, reading.vip_histogram, prefill, reading.guests)
@@ -364,7 +321,7 @@ class PoolScheduler:
         return rooms, prefill
 
     def lanes(self, plans: Sequence[NodePlan]) -> list[str]:
-        """The pool's lanes (`[pools.control] lane_nodes`, scheduler.control "Lanes"): the
+        """The pool's lanes (`[pools.control] lane_nodes`, the lane cap C of scheduler.control): the
         first usable shared nodes by name, at most all but one. By name, so every leader picks
         the same ones and a lane stays one while it is usable (its Normal and Batch tasks are
         counted from when it became one)."""

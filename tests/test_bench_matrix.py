@@ -26,8 +26,9 @@ from bench.burst.criteria import CRITERIA, EXTRA, LABELS, judge_all
 from bench.burst.expconfig import ARM_TITLES, default_max_tokens
 from bench.burst.ideal import main as ideal_main
 from bench.burst.loadgen import ClientSettings, LoadGenerator
-from bench.burst.matrix import SCALES, Cell, cells, main, parse_seeds
+from bench.burst.matrix import RESULTS, SCALES, Cell, build_parser, cells, main, parse_seeds, render
 from bench.burst.mixes import MIXES, REALISTIC, with_mix
+from bench.burst.points import Point
 from bench.burst.report import ArmSummary
 from bench.burst.workload import EXACT_MAX_TOKENS, PlannedRequest, Schedule, plan, prompt_text
 
@@ -204,3 +205,20 @@ def test_the_engine_part_of_vip_ttft_is_judged_against_arm_a_calm_engine_p99() -
     # Without (a)'s traces there is no reference: not judged.
     alone = judge_all([_summary("c", 90.0, 115.0)], 96.0, 2.0)[0]
     assert next(v for v in alone if v.key == "vip_engine").ok is None
+
+
+def test_a_point_runs_arm_c_at_that_setting_and_the_table_says_it_is_not_the_defaults() -> None:
+    """``--point l=1`` applies the setting to the cell's settings (only arm (c) reads the
+    control), and a matrix of such records is titled with it, never as the shipped defaults."""
+    args = build_parser().parse_args(["--point", "l=1"])
+    assert args.point == Point(lane_nodes=1)
+    cell = Cell("reduced", "chat", 2, 3)
+    assert args.point.apply(cell.settings()) == dataclasses.replace(cell.settings(),
+                                                                     lane_nodes=1)
+    [path] = (RESULTS / "cells").glob("reduced-chat-n2-s3.json")
+    record = json.loads(path.read_text())
+    assert "kvgate on its shipped defaults" in render([record], "reduced")
+    record["point"] = Point(lane_nodes=1).label
+    text = render([record], "reduced")
+    assert "kvgate on its shipped defaults" not in text
+    assert "at l=1 (`--point`), not the shipped defaults" in text

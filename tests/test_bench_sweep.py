@@ -12,8 +12,9 @@ import pytest
 
 from admission.tiers import Tier
 from bench.burst.matrix import Cell
+from bench.burst.points import Point
 from bench.burst.report import ArmSummary
-from bench.burst.sweep import Point, best, judge_points, main, markdown
+from bench.burst.sweep import best, judge_points, main, markdown
 
 
 def _summary(arm: str, calm_p99: float, burst_p99: float, goodput: float,

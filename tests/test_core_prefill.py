@@ -271,6 +271,11 @@ async def test_a_lane_takes_exactly_its_cap_of_normal_and_batch_and_vip_past_it(
     assert await _admit(store, "b1", Tier.BATCH, 100) == ("released", "node-a")
     assert await _admit(store, "b2", Tier.BATCH, 100) == ("queued", None)
     assert await _count(redis_client, k.node_guests, "node-a") == 5
+    # The leader reads the count in its tick, only when the pool keeps lanes.
+    with_guests = await store.read_tick(control=True, running=True, guests=True)
+    assert with_guests.guests == {"node-a": 5} and with_guests.running is not None
+    without = await store.read_tick(control=True, running=True)
+    assert without.guests == {} and without.running == with_guests.running
 
 
 async def test_a_lane_takes_no_long_prompt_and_a_cap_of_minus_one_counts_nothing(

@@ -17,7 +17,7 @@ from scheduler.budget import (
     pool_usage,
 )
 from scheduler.policy import DrainRates, ReleasePolicy
-from scheduler.pool import running_task as pool_running_task
+from scheduler.running import running_task as pool_running_task
 from scheduler.scrape import NodeMetrics, NodeView
 from scheduler.zones import ZoneTracker
 

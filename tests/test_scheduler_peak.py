@@ -17,7 +17,7 @@ from scheduler.budget import (
     plan_node,
     unmeasured_count,
 )
-from scheduler.pool import _running, running_task
+from scheduler.running import running_task, tasks_by_node
 from scheduler.scrape import NodeMetrics, NodeView
 from tests.properties import PROPERTIES, examples
 
@@ -269,7 +269,7 @@ def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -
     now = 10_000_000
     members = [(b"n1 100 50 t1", 1_000_000.0), (b"n2 200 80 t2", 2_000_000.0),
                (b"garbage", 3_000_000.0)]
-    by_node, known = _running(members, now, {}, ENGINE)
+    by_node, known = tasks_by_node(members, now, {}, ENGINE)
     def arrived(released: int) -> int:
         return now - released - DISPATCH_US
 
@@ -279,7 +279,7 @@ def test_running_index_members_are_parsed_once_and_forgotten_when_they_leave() -
     # left the index leaves the cache too.
     known[b"n1 100 50 t1"] = RunningMember("n1", 100, 50,
                                            now - DISPATCH_US - 100 * PREFILL_US_PER_TOKEN - 5)
-    later, known = _running(members[:1] + members[2:], now + 10, known, ENGINE)
+    later, known = tasks_by_node(members[:1] + members[2:], now + 10, known, ENGINE)
     assert later == {"n1": [RunningTask(100, 50, 15, 100 * PREFILL_US_PER_TOKEN + 15)]}
     assert set(known) == {b"n1 100 50 t1", b"garbage"}
 
@@ -289,8 +289,8 @@ def test_the_pool_engine_timings_set_the_allowances() -> None:
     # 1 s ago reached its engine 960 ms ago and decodes after its 300-token prompt's 30 ms.
     engine = EngineSettings(dispatch_ms=40, prefill_us_per_token=100)
     now = 10_000_000
-    by_node, _ = _running([(b"n1 300 50 t1", float(now - 1_000_000))], now, {}, engine)
+    by_node, _ = tasks_by_node([(b"n1 300 50 t1", float(now - 1_000_000))], now, {}, engine)
     assert by_node == {"n1": [RunningTask(300, 50, 960_000 - 30_000, 960_000)]}
     # The shipped timings give the same task other ages.
-    shipped, _ = _running([(b"n1 300 50 t1", float(now - 1_000_000))], now, {}, ENGINE)
+    shipped, _ = tasks_by_node([(b"n1 300 50 t1", float(now - 1_000_000))], now, {}, ENGINE)
     assert shipped == {"n1": [RunningTask(300, 50, 750_000 - 300 * 66, 750_000)]}

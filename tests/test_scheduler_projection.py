@@ -20,7 +20,7 @@ from admission.config import EngineSettings
 from bench.sim.config import SimConfig
 from bench.sim.engine import Engine, RequestStatus, SimRequest
 from scheduler.budget import EngineReading, peak_usage
-from scheduler.pool import running_task
+from scheduler.running import running_task
 
 ENGINE = EngineSettings()
 """The shipped `[pools.engine]` timings."""

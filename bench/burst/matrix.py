@@ -64,6 +64,7 @@ from bench.burst.experiment import run_experiment
 from bench.burst.fallback import cell_key, frontier, load_ideal, slack, tally
 from bench.burst.matrixplot import load_records, ordered, plot_matrix
 from bench.burst.mixes import MIXES, with_mix
+from bench.burst.points import Point
 from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
 
@@ -123,11 +124,12 @@ def cells(scale: str, mixes: Sequence[str], sizes: Sequence[int], seeds: str | N
 
 
 def cell_record(cell: Cell, settings: Settings, summaries: Sequence[ArmSummary],
-                wall_s: float, revision: str) -> dict[str, Any]:
+                wall_s: float, revision: str, point: Point | None = None) -> dict[str, Any]:
     judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
     record: dict[str, Any] = jsonlines.safe({
         "cell": dataclasses.asdict(cell),
         "code": revision,
+        "point": (point or Point()).label,
         "wall_s": wall_s,
         "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "classes"},
         "arms": [{"arm": s.arm, "valid": not s.invalid, "validity": validity(s),
@@ -147,8 +149,12 @@ def render(records: Sequence[dict[str, Any]], scale: str,
            ideal: Sequence[dict[str, Any]] = ()) -> str:
     """The matrix's markdown: the aggregate, then one table per cell; with the ideal's records
     (bench.burst.ideal), the goodput criterion is also judged with its fallback."""
+    points = sorted({r.get("point", "default") for r in records})
+    kvgate = ("kvgate on its shipped defaults" if points == ["default"] else
+              f"kvgate with its release control at {', '.join(points)} (`--point`), not the "
+              "shipped defaults")
     parts = [f"# Burst matrix, {scale} scale", "",
-             f"{len(records)} cells; kvgate on its shipped defaults; every arm on the same "
+             f"{len(records)} cells; {kvgate}; every arm on the same "
              "engines. Criteria and method: bench/README.md; each cell's figures: "
              "cells/*.json.", ""]
     parts += aggregate(records, ideal)
@@ -242,7 +248,8 @@ def _fmt(key: str, x: float) -> str:
 
 
 async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_root: Path,
-                    say: Callable[[str], None], verbose: bool) -> None:
+                    say: Callable[[str], None], verbose: bool, point: Point | None = None
+                    ) -> None:
     revision = git_revision()
     (out / "cells").mkdir(parents=True, exist_ok=True)
     spent: list[float] = []
@@ -251,13 +258,13 @@ async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_ro
                if spent else "")
         say(f"=== cell {n}/{len(todo)}: {cell.mix} mix, {cell.size} nodes, seed {cell.seed} "
             f"({cell.scale} scale{eta}) ===")
-        settings = cell.settings()
+        settings = (point or Point()).apply(cell.settings())
         started = time.monotonic()
         _, _, summaries = await run_experiment(settings, arms, log_root / cell.name,
                                                progress=verbose)
         wall = time.monotonic() - started
         spent.append(wall)
-        record = cell_record(cell, settings, summaries, wall, revision)
+        record = cell_record(cell, settings, summaries, wall, revision, point)
         (out / "cells" / f"{cell.name}.json").write_text(json.dumps(record, indent=1))
         for a in record["arms"]:
             met = sum(1 for v in a["verdicts"] if v["key"] in CRITERIA and v["ok"])
@@ -286,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-done", action="store_true",
                    help="skip cells whose JSON is already in --out")
     p.add_argument("--quiet", action="store_true", help="one line per arm, not per second")
+    p.add_argument("--point", type=Point.parse, default=Point(),
+                   help="arm (c)'s release control at a setting other than the shipped one, "
+                        "as bench.burst.sweep takes it (l=1: one lane per pool); the table "
+                        "says so. Exploration: the matrix's record is the defaults")
     return p
 
 
@@ -303,7 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         todo = [c for c in todo if not (args.out / "cells" / f"{c.name}.json").exists()]
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-matrix-"))
     flush_print(f"{len(todo)} cells, arms {','.join(arms)}, logs {log_root}, out {args.out}")
-    coro = run_cells(todo, arms, args.out, log_root, flush_print, verbose=not args.quiet)
+    coro = run_cells(todo, arms, args.out, log_root, flush_print, verbose=not args.quiet,
+                     point=args.point)
     try:
         import uvloop
     except ImportError:

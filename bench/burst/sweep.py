@@ -45,51 +45,9 @@ from bench.burst.expconfig import Settings
 from bench.burst.experiment import run_experiment
 from bench.burst.matrix import RESULTS, SCALES, Cell
 from bench.burst.mixes import MIXES
+from bench.burst.points import Point
 from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
-
-_KEYS = {"o": "vip_ttft_objective_ms", "r": "max_engine_running", "m": "running_min",
-         "s": "vip_slowdown", "l": "lane_nodes"}
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Point:
-    """One setting of arm (c)'s control; None fields keep the shipped default."""
-
-    vip_ttft_objective_ms: int | None = None
-    max_engine_running: int | None = None
-    running_min: int | None = None
-    vip_slowdown: float | None = None
-    lane_nodes: int | None = None
-
-    @classmethod
-    def parse(cls, spec: str) -> Point:
-        """``default``, or ``o=120``, ``r=16``, ``o=120,r=16``, ``m=0,s=0``, ``l=0``."""
-        if spec.strip() == "default":
-            return cls()
-        fields: dict[str, int | float] = {}
-        for item in filter(None, (s.strip() for s in spec.split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or key not in _KEYS:
-                raise ValueError(f"{item!r}: expected o=<ms>, r=<sequences>, m=<sequences>, "
-                                 "s=<slowdown> or l=<nodes>")
-            number: int | float = float(value) if key == "s" else int(value)
-            if number < (1 if key == "o" else 0) or (key == "s" and 0 < number < 1):
-                raise ValueError(f"{item!r}: out of range")
-            fields[_KEYS[key]] = number
-        if not fields:
-            raise ValueError(f"{spec!r}: no setting")
-        return cls(**fields)  # type: ignore[arg-type]
-
-    @property
-    def label(self) -> str:
-        parts = [f"{k}={getattr(self, name):g}" for k, name in _KEYS.items()
-                 if getattr(self, name) is not None]
-        return ",".join(parts) or "default"
-
-    def apply(self, settings: Settings) -> Settings:
-        return dataclasses.replace(settings, **{k: v for k, v in dataclasses.asdict(self).items()
-                                                if v is not None})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -1,0 +1,119 @@
+"""The plain-text tables of ``python -m admission.inspect`` (``admission.inspect`` reads the
+snapshot they render): one block per pool, the nodes with their capacity, reservations, release
+control and lane or dedicated role, the queues, the gateways' leases and the tenants' buckets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from admission.inspect_fair import render_fair
+from admission.tiers import Tier
+
+if TYPE_CHECKING:  # (admission.inspect imports this module to render)
+    from admission.inspect import NodeView, PoolView, Snapshot
+
+
+def _duration(us: int | None) -> str:
+    if us is None:
+        return "-"
+    sign, us = ("-" if us < 0 else ""), abs(us)
+    if us < 1_000:
+        return f"{sign}{us} µs"
+    if us < 1_000_000:
+        return f"{sign}{us / 1_000:.1f} ms"
+    if us < 600_000_000:
+        return f"{sign}{us / 1_000_000:.1f} s"
+    return f"{sign}{us / 60_000_000:.1f} min"
+
+
+def _num(value: float | int | None, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "  ") -> list[str]:
+    """Left-aligned columns, two spaces apart; the first column's header starts the block."""
+    body = [list(headers), *[list(r) for r in rows]]
+    widths = [max(len(r[i]) for r in body) for i in range(len(headers))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in body]
+
+
+def _dedicated(n: NodeView) -> str:
+    """Whether the node is kept for VIP: dedicated (`[pools.dedicated]`), or a lane with the
+    cap its Normal and Batch tasks (its guests) have now."""
+    if n.dedicated:
+        return "closed to guests" if n.guests_closed else "yes"
+    cap = n.fields.get("lane_cap")
+    if cap:
+        return "lane" if cap == "-1" else f"lane, cap {cap}"
+    return "-"
+
+
+def _prefill(n: NodeView) -> str:
+    """The release control's room / window and backlog, in prompt tokens, with the prefill rate
+    and gain the window was sized by, the running limit ('-': not limited) and the decode step
+    time now / at calm (the limit's signal)."""
+    room, window = n.fields.get("prefill_room"), n.fields.get("prefill_window")
+    if room is None or window is None:
+        return "-"
+    sized = "".join(f", {label}{n.fields[key]}{unit}" for key, label, unit in (
+        ("prefill_rate", "", "/s"), ("prefill_gain", "gain ", ""),
+        ("running_limit", "running limit ", "")) if n.fields.get(key))
+    step, calm = n.fields.get("decode_step_ms"), n.fields.get("calm_step_ms")
+    if step:
+        sized += f", step {step}{f'/{calm}' if calm else ''} ms"
+    return f"{room}/{window} (queued {n.fields.get('prefill_backlog', '?')}{sized})"
+
+
+def render_pool(p: PoolView) -> list[str]:
+    drain = " ".join(f"{t.label} {_num(d, '{:g}')}/s" for t, d in zip(Tier, p.drain, strict=True))
+    clock = "" if p.clock == "redis" else "  (clock frozen)"
+    lines = [
+        f"pool {p.pool}  zone {p.zone or 'GREEN (no state published)'}  "
+        f"epoch {_num(p.epoch)}  state age {_duration(p.state_age_us)}{clock}",
+        f"  drain {drain}"
+        + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
+    ]
+    lines += table(
+        ["node", "capacity", "reserved", "headroom", "usage", "projected", "prefill room",
+         "dedicated", "guests", "out"],
+        ([n.node, str(n.capacity), str(n.reserved), str(n.headroom),
+          _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), _prefill(n), _dedicated(n),
+          str(n.guests), n.out or ""]
+         for n in p.nodes),
+    ) if p.nodes else ["  no nodes (no capacity published)"]
+    lines += table(["tier", "depth", "oldest wait", "oldest task"],
+                   ([q.tier, str(q.depth), _duration(q.oldest_wait_us), q.oldest_task or "-"]
+                    for q in p.queues))
+    lines.append(f"  in flight: {p.in_flight_tasks} tasks, {p.in_flight_tokens} tokens "
+                 f"reserved; queued: {p.queued}")
+    if "normal_credit" in p.stats:
+        lines.append(f"  light tenants' YELLOW credit: {p.stats['normal_credit']} Normal tasks "
+                     f"({p.stats.get('credit_used', 0)} taken on the fast path so far)")
+    if p.gateways:
+        lines += table(["gateway", "live tasks", "lease left"],
+                       ([g.gateway, str(g.live_tasks),
+                         _duration(g.lease_left_us) + (" EXPIRED" if g.lease_left_us < 0 else "")]
+                        for g in p.gateways))
+    else:
+        lines.append("  no gateway holds a lease (a gateway holds one only while it has requests)")
+    if p.tenants:
+        lines += table(["tenant", "tokens", "burst", "% of burst", "rate/s", "queued"],
+                       ([t.tenant, _num(t.tokens, "{:.1f}"), _num(t.burst), _num(t.percent),
+                         _num(t.rate), str(t.queued)] for t in p.tenants))
+    if p.fairness is not None:
+        lines += render_fair(p.fairness, table)
+    return lines
+
+
+def render(s: Snapshot, redis: str | None = None) -> str:
+    """The tables; `redis`: the address read, shown first (kept on screen by --watch)."""
+    left = s.scheduler.lease_left_ms
+    lease = "" if left is None else f"  lease left {left} ms"
+    lines = [] if redis is None else [f"redis {redis}"]
+    lines += [f"scheduler leader {s.scheduler.leader or 'NONE'}  epoch {s.scheduler.epoch}{lease}"]
+    for pool in s.pools:
+        lines += ["", *render_pool(pool)]
+    return "\n".join(lines) + "\n"

@@ -357,6 +357,19 @@ def test_an_explored_vip_objective_is_converted_to_the_lab_clock_as_the_default_
     assert objective(with_overrides(lab, vip_ttft_objective_ms=120)) == 15
 
 
+def test_explored_lane_settings_reach_arm_c_at_both_scales() -> None:
+    def control(settings: Settings) -> tuple[int, float]:
+        text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
+        c = parse_config(tomllib.loads(text), env={}).pools[POOL].control
+        return c.lane_nodes, c.lane_slowdown
+
+    shipped = ControlSettings()
+    for scale, speed in ((1.0, 1.0), (0.25, 8.0)):
+        base = with_overrides(PRESETS["smoke"], time_scale=speed, capacity_scale=scale)
+        assert control(base) == (shipped.lane_nodes, shipped.lane_slowdown)
+        assert control(with_overrides(base, lane_nodes=1, lane_slowdown=1.5)) == (1, 1.5)
+
+
 def test_arm_c_runs_the_shipped_engine_timings_converted_to_the_lab_clock() -> None:
     """The projection's prefill allowance is wall time per prompt token: a k-slice on a clock
     time_scale times faster takes 1 / (k x time_scale) of it; the dispatch hop is wall time."""

@@ -34,9 +34,10 @@ def test_points_parse_and_name_themselves() -> None:
     assert Point.parse("m=0,s=0") == Point(running_min=0, vip_slowdown=0.0)
     assert Point.parse("l=0") == Point(lane_nodes=0) and Point(lane_nodes=0).label == "l=0"
     assert Point.parse("s=1.5").vip_slowdown == 1.5
-    for spec in ("default", "o=120", "r=16", "o=120,r=16", "m=0,s=0", "s=1.5,m=4"):
+    assert Point.parse("l=1,ls=1.5") == Point(lane_nodes=1, lane_slowdown=1.5)
+    for spec in ("default", "o=120", "r=16", "o=120,r=16", "m=0,s=0", "s=1.5,m=4", "l=1,ls=2"):
         assert Point.parse(spec).label == (spec if spec != "s=1.5,m=4" else "m=4,s=1.5")
-    for bad in ("o=0", "x=3", "o", "", "r=-1", "o=fast", "s=0.5", "m=-1"):
+    for bad in ("o=0", "x=3", "o", "", "r=-1", "o=fast", "s=0.5", "m=-1", "ls=0.9", "ls=101"):
         with pytest.raises(ValueError):
             Point.parse(bad)
 

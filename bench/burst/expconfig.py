@@ -95,6 +95,8 @@ class Settings:
     project's default."""
     lane_nodes: int | None = None
     """Arm (c): `control.lane_nodes` of the pool (0: no lane); None = the project's default."""
+    lane_slowdown: float | None = None
+    """Arm (c): `control.lane_slowdown` of the pool; None = the project's default."""
     batch_ceiling: float | None = None
     """Arm (c): `zones.batch_ceiling` of the pool; None = the project's default."""
     vip_ceiling: float | None = None
@@ -220,6 +222,8 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
         explored.append(f"vip_slowdown = {settings.vip_slowdown!r}")
     if settings.lane_nodes is not None:
         explored.append(f"lane_nodes = {settings.lane_nodes}")
+    if settings.lane_slowdown is not None:
+        explored.append(f"lane_slowdown = {settings.lane_slowdown!r}")
     objective = settings.vip_ttft_objective_ms
     speed = settings.time_scale
     running_min = d.running_min if settings.running_min is None else settings.running_min

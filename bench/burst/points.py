@@ -1,6 +1,7 @@
 """A setting of arm (c)'s release control, as ``bench.burst.sweep`` and ``bench.burst.matrix
 --point`` take it: ``default`` (the shipped control) or comma-separated ``o=<ms>``, ``r=<n>``,
-``m=<n>``, ``s=<x>``, ``l=<n>`` at real scale (bench.burst.sweep lists what each sets)."""
+``m=<n>``, ``s=<x>``, ``l=<n>``, ``ls=<x>`` at real scale (bench.burst.sweep lists what each
+sets)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import dataclasses
 from bench.burst.expconfig import Settings
 
 _KEYS = {"o": "vip_ttft_objective_ms", "r": "max_engine_running", "m": "running_min",
-         "s": "vip_slowdown", "l": "lane_nodes"}
+         "s": "vip_slowdown", "l": "lane_nodes", "ls": "lane_slowdown"}
+_SLOWDOWNS = ("s", "ls")
+"""Keys whose value is a multiple (a float), not a count."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -21,10 +24,11 @@ class Point:
     running_min: int | None = None
     vip_slowdown: float | None = None
     lane_nodes: int | None = None
+    lane_slowdown: float | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Point:
-        """``default``, or ``o=120``, ``r=16``, ``o=120,r=16``, ``m=0,s=0``, ``l=0``."""
+        """``default``, or ``o=120``, ``r=16``, ``o=120,r=16``, ``m=0,s=0``, ``l=1,ls=1.5``."""
         if spec.strip() == "default":
             return cls()
         fields: dict[str, int | float] = {}
@@ -32,9 +36,11 @@ class Point:
             key, sep, value = item.partition("=")
             if not sep or key not in _KEYS:
                 raise ValueError(f"{item!r}: expected o=<ms>, r=<sequences>, m=<sequences>, "
-                                 "s=<slowdown> or l=<nodes>")
-            number: int | float = float(value) if key == "s" else int(value)
-            if number < (1 if key == "o" else 0) or (key == "s" and 0 < number < 1):
+                                 "s=<slowdown>, l=<nodes> or ls=<slowdown>")
+            number: int | float = float(value) if key in _SLOWDOWNS else int(value)
+            if (number < (1 if key in ("o", "ls") else 0)
+                    or (key == "s" and 0 < number < 1)
+                    or (key in _SLOWDOWNS and number > 100)):
                 raise ValueError(f"{item!r}: out of range")
             fields[_KEYS[key]] = number
         if not fields:

@@ -17,7 +17,8 @@ converted to the lab clock as the defaults are (bench.burst.expconfig):
 * ``m=<n>``: ``control.running_min``, the floor of the running limit (0: no limit);
 * ``s=<x>``: ``control.vip_slowdown``, the objective as a multiple of the learned calm P99 (0:
   the absolute ``vip_ttft_objective_ms``). ``m=0,s=0`` is the control without either;
-* ``l=<n>``: ``control.lane_nodes``, the nodes kept as VIP lanes (0: none).
+* ``l=<n>``: ``control.lane_nodes``, the nodes kept as VIP lanes (0: none);
+* ``ls=<x>``: ``control.lane_slowdown``, how far a lane's decode step may grow (from 1 to 100).
 
 Writes ``<out>/sweep-<scale>-<mix>-n<size>-s<seed>.md`` (per point: the VIP criterion, its
 engine part, goodput as work and as tokens against their upper bounds, KV peak, preemptions,
@@ -153,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.burst.sweep",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("points", nargs="+",
-                   help="default, or comma-separated o=<ms>, r=<n>, m=<n>, s=<x> (see above)")
+                   help="default, or comma-separated o=<ms>, r=<n>, m=<n>, s=<x>, l=<n>, "
+                        "ls=<x> (see above)")
     p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
     p.add_argument("--mix", choices=list(MIXES), required=True)
     p.add_argument("--size", type=int, required=True, help="nodes")

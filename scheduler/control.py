@@ -39,7 +39,8 @@ Per node, every poll (all in prompt tokens and seconds):
         VIP with no queue at all. From the node's mean step time over the last reading,
         tau (the rate of vLLM's inter-token latency histogram: sum over count), the step
         time it had at calm, tau0 (averaged, ~`CALM_STEP_TAU_SHARE`, over polls at which the
-        pool has been calm for `signal_stale_ms`), and the pool's calm VIP P99, P
+        pool has been calm for `signal_stale_ms`: a flood below the YELLOW line counts until
+        the limit holds, see C), and the pool's calm VIP P99, P
         (scheduler.calm): a flood may add O - P to a first token
         in the calm tail (the objective's slowdown of it; at least 0), and such a first
         token waits for about `STEP_SPAN` steps (the one it arrives in, a long prompt's
@@ -57,7 +58,7 @@ Per node, every poll (all in prompt tokens and seconds):
         0. tau_min is the shortest step the lane was read at (a batch of a few sequences: the
         step's fixed part), not a calm average: a flood that starts below the YELLOW line
         looks calm to the pool (nothing waits), and a step averaged then grows with it (the
-        lab's nodes learned two to eight times their calm step that way), so a cap sized by
+        lab's nodes learned four to ten times their calm step that way), so a cap sized by
         it would open as the flood grows. A lane so held runs shorter steps than calm, which
         pays for the gateway's hop in the VIP first token. The configured objective stands
         in for P until learned; an idle node keeps its last cap, at least 1, to grow from;

@@ -63,8 +63,9 @@ Per node, every poll (all in prompt tokens and seconds):
         pays for the gateway's hop in the VIP first token. The configured objective stands
         in for P until learned; an idle node keeps its last cap, at least 1, to grow from;
         -1 (no cap) while its engine reports no inter-token histogram. A new leader starts
-        tau_min from the calm step the last one published (longer: a looser cap until a
-        shorter step is read).
+        from the tau_min the last one published for the lane (`floor_step_ms`), else from its
+        calm step (longer: a looser cap until a shorter step is read): one that took over in
+        a flood would otherwise read only the flood's steps.
         Unlike L it holds without VIP reports: a lane must be short when VIP arrives, not
         a poll after, and the long generations it would otherwise take run for minutes
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
@@ -184,6 +185,8 @@ class NodeRoom:
     lane_cap: int | None = None
     """Normal and Batch tasks the node may hold alive as a lane (None: not a lane; -1: a lane
     without a cap, its engine reports no step time)."""
+    floor_step_s: float | None = None
+    """The shortest step time read on the node (tau_min; None: none read)."""
 
 
 @dataclass(slots=True)
@@ -497,20 +500,21 @@ class ReleaseControl:
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
         lane_cap = self._lane_cap(s, running, guests, calm_p99_ms) if lane else None
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
-                        s.step_s, s.calm_step_s, lane_cap)
+                        s.step_s, s.calm_step_s, lane_cap, s.min_step_s)
 
-    def resume(self, learned: Mapping[str, tuple[float, float, float]]) -> None:
-        """Start a new leadership from the (prefill rate, gain, calm step time) per node that
-        the last leader published, forgetting the rest. A standby's configured rate may be far
-        from what the nodes were measured to do (on the lab's nodes 30,000 tokens/s against
-        17,600 measured), and the windows built on it would release a burst of Normal and
-        Batch work until the rate is measured again; a leader taking over in a flood keeps
-        the running limit without waiting for calm to learn the step time again. Readings,
-        backlogs and VIP counts start afresh (a new leader's backlog is the recursion over the
-        running index). Values that are not finite and positive are ignored."""
+    def resume(self, learned: Mapping[str, tuple[float, float, float, float]]) -> None:
+        """Start a new leadership from the (prefill rate, gain, calm step time, shortest step
+        time) per node that the last leader published, forgetting the rest. A standby's
+        configured rate may be far from what the nodes were measured to do (on the lab's nodes
+        30,000 tokens/s against 17,600 measured), and the windows built on it would release a
+        burst of Normal and Batch work until the rate is measured again; a leader taking over
+        in a flood keeps the running limit, and a lane its cap, without waiting for calm to
+        learn the step times again. Readings, backlogs and VIP counts start afresh (a new
+        leader's backlog is the recursion over the running index). Values that are not finite
+        and positive are ignored."""
         self._nodes = {}
         self._vip_at = None
-        for name, (rate, gain, calm_step) in learned.items():
+        for name, (rate, gain, calm_step, floor_step) in learned.items():
             if not (math.isfinite(rate) and rate > 0):
                 continue
             state = self.node(name)
@@ -521,6 +525,8 @@ class ReleaseControl:
                 # Learned over many calm polls: the next one moves it by its time's share.
                 state.calm_step_s, state.calm_polls = calm_step, 1_000_000
                 state.min_step_s = calm_step
+            if math.isfinite(floor_step) and floor_step > 0:
+                state.min_step_s = floor_step
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of nodes no longer in the pool."""

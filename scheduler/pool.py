@@ -72,17 +72,20 @@ def _ms(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1000:.2f}"
 
 
-def learned_control(state: Mapping[str, str]) -> dict[str, tuple[float, float, float]]:
-    """node -> (prefill rate, gain, calm step in seconds) as a leader published them in the
-    state hash (`prefill_rate:<node>`, `prefill_gain:<node>`, `calm_step_ms:<node>`; a missing
-    or unreadable gain reads 1, a missing calm step 0: not learned)."""
-    out: dict[str, tuple[float, float, float]] = {}
+def learned_control(state: Mapping[str, str]
+                    ) -> dict[str, tuple[float, float, float, float]]:
+    """node -> (prefill rate, gain, calm step, shortest step; steps in seconds) as a leader
+    published them in the state hash (`prefill_rate:<node>`, `prefill_gain:<node>`,
+    `calm_step_ms:<node>`, `floor_step_ms:<node>` of a lane; a missing or unreadable gain
+    reads 1, a missing step 0: not learned)."""
+    out: dict[str, tuple[float, float, float, float]] = {}
     for field_name, raw in state.items():
         kind, _, node = field_name.partition(":")
         if kind != "prefill_rate" or not node:
             continue
         out[node] = (finite_number(raw), finite_number(state.get(f"prefill_gain:{node}"), 1.0),
-                     finite_number(state.get(f"calm_step_ms:{node}")) / 1000)
+                     finite_number(state.get(f"calm_step_ms:{node}")) / 1000,
+                     finite_number(state.get(f"floor_step_ms:{node}")) / 1000)
     return out
 
 
@@ -354,6 +357,7 @@ class PoolScheduler:
                                                   else room.running_limit)
                 if room.lane_cap is not None:
                     extra[f"lane_cap:{name}"] = room.lane_cap
+                    extra[f"floor_step_ms:{name}"] = _ms(room.floor_step_s)
                 extra[f"decode_step_ms:{name}"] = _ms(room.step_s)
                 extra[f"calm_step_ms:{name}"] = _ms(room.calm_step_s)
                 extra[f"vip_miss:{name}"] = f"{room.miss_share:.3f}"

@@ -614,11 +614,13 @@ async def test_the_leader_keeps_the_first_shared_node_as_a_lane_and_publishes_it
                     continue
                 assert published["lane_cap:n2"] == "1" and scripts["n2:lane"] == "1"
                 assert "lane_cap:n3" not in published and "n3:lane" not in scripts
-                # 10 tokens at 20 ms: the shortest step read stands in for the calm one, the
-                # objective (300 ms) for the calm P99: the step may reach 20 + 20 ms.
+                # 10 tokens at 20 ms, the shortest step read; the objective (300 ms) stands
+                # in for the calm P99: the step may reach 20 + 20 ms.
                 fakes[1].itl = (0.2, 10.0)
                 await ps.tick(1, always)
                 # 4 running, 0 of them the lane's tasks: 4 x 40 / 20 - 4 = 4.
-                assert (await state(ps.store))["lane_cap:n2"] == "4"
+                published = await state(ps.store)
+                assert (published["lane_cap:n2"], published["floor_step_ms:n2"]) == ("4", "20.00")
+                assert "floor_step_ms:n3" not in published
                 assert ps.metrics.lane_cap.labels("p", "n2")._value.get() == 4
             await redis_client.flushdb()

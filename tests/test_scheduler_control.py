@@ -373,8 +373,8 @@ def test_resume_seeds_rate_and_gain_and_forgets_the_rest() -> None:
     gain within its bounds), unreadable ones are not, and nothing else carries over."""
     control = ReleaseControl(ControlSettings(prefill_tokens_per_s=10_000))
     control.node("old").backlog = 5_000.0
-    control.resume({"a": (8_000.0, 9.0, 0.02), "b": (math.nan, 0.5, 0.02),
-                    "c": (4_000.0, math.inf, math.nan)})
+    control.resume({"a": (8_000.0, 9.0, 0.02, 0.0), "b": (math.nan, 0.5, 0.02, 0.01),
+                    "c": (4_000.0, math.inf, math.nan, math.nan)})
     assert (control.node("a").rate, control.node("a").gain) == (8_000.0, GAIN_MAX)
     assert control.node("a").calm_step_s == 0.02
     assert (control.node("b").rate, control.node("b").gain) == (10_000.0, 1.0)
@@ -387,8 +387,9 @@ def test_resume_seeds_rate_and_gain_and_forgets_the_rest() -> None:
 def test_learned_control_reads_the_published_fields() -> None:
     state = {"prefill_rate:n1": "8000", "prefill_gain:n1": "0.500", "prefill_rate:n2": "x",
              "prefill_window:n1": "100", "calm_step_ms:n1": "12.50", "calm_step_ms:n2": "",
-             "zone": "GREEN"}
-    assert learned_control(state) == {"n1": (8000.0, 0.5, 0.0125), "n2": (0.0, 1.0, 0.0)}
+             "floor_step_ms:n1": "7.25", "zone": "GREEN"}
+    assert learned_control(state) == {"n1": (8000.0, 0.5, 0.0125, 0.00725),
+                                      "n2": (0.0, 1.0, 0.0, 0.0)}
 
 
 class StepNode:

@@ -146,11 +146,14 @@ def test_a_calm_step_learned_in_a_flood_does_not_open_the_lane() -> None:
     assert caps[0] == caps[1] == math.floor(10 * (0.010 + budget) / 0.030 + 1e-9) - 2
 
 
-def test_a_new_leader_starts_the_shortest_step_from_the_published_calm_step() -> None:
-    """A leader taking over in a flood reads only long steps; the calm step the last leader
-    published (shorter) stands in for the shortest until a shorter one is read."""
+def test_a_new_leader_starts_from_the_published_shortest_step() -> None:
+    """A leader taking over in a flood reads only long steps: it starts from the shortest step
+    the last leader published for the lane, else from the calm step, until it reads a shorter
+    one."""
     c = ReleaseControl(ControlSettings())
-    c.resume({"lane": (20_000.0, 1.0, 0.015)})
+    c.resume({"lane": (20_000.0, 1.0, 0.030, 0.0), "other": (20_000.0, 1.0, 0.030, 0.008)})
+    assert c.node("lane").min_step_s == 0.030 and c.node("other").min_step_s == 0.008
+    c.resume({"lane": (20_000.0, 1.0, 0.030, 0.015)})
     assert c.node("lane").min_step_s == 0.015
     c.update("lane", tasks=(), now=0.0, seq=1, running=30, itl=(0.0, 0.0), lane=True)
     room = c.update("lane", tasks=(), now=1.0, seq=2, running=30, itl=(0.5, 10.0),

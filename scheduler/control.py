@@ -524,9 +524,8 @@ class ReleaseControl:
             if math.isfinite(calm_step) and calm_step > 0:
                 # Learned over many calm polls: the next one moves it by its time's share.
                 state.calm_step_s, state.calm_polls = calm_step, 1_000_000
-                state.min_step_s = calm_step
-            if math.isfinite(floor_step) and floor_step > 0:
-                state.min_step_s = floor_step
+            state.min_step_s = (floor_step if math.isfinite(floor_step) and floor_step > 0
+                                else state.calm_step_s)
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of nodes no longer in the pool."""

@@ -34,7 +34,8 @@ local function placement_of(st)
           guest_cap = tonumber(st.dedicated_guest_cap or '0') or 0,
           guest_rate = tonumber(st.dedicated_guest_rate or '0') or 0,
           guest_output = tonumber(st.dedicated_guest_output or '0') or 0,
-          quiet = tonumber(st.prefill_quiet or '0') or 0}
+          quiet = tonumber(st.prefill_quiet or '0') or 0,
+          vip_hold_us = (tonumber(st.vip_ttft_objective_ms or '0') or 0) * 1000}
 end
 
 -- Prefill room: how many prompt tokens of Normal and Batch work each node may still be given
@@ -59,7 +60,8 @@ end
 -- KEYS the caller passes for it: node_prefill HASH (<node> -> limit, tokens; <node>:window ->
 -- tokens; <node>:rate -> tokens/s; <node>:running -> sequences; :at, :until -> µs) and
 -- node_prefill_released HASH (<node> -> prompt tokens of Normal and Batch work released there
--- so far). `now`: µs, Redis TIME.
+-- so far; <node>:vip -> µs, the last VIP placement there while quiet nodes are kept, see
+-- quiet_others()). `now`: µs, Redis TIME.
 local function prefill_of(limits_key, released_key, now)
   local f = redis.call('HMGET', limits_key, ':at', ':until')
   local at, till = tonumber(f[1]), tonumber(f[2])
@@ -71,8 +73,8 @@ end
 
 -- {room = tokens left (may be negative), window = tokens, running = the engine's running
 -- sequences at the leader's last scrape (nil: not published), lane = the node's lane cap
--- (nil: not a lane; -1: a lane without a cap on its count; see lane_takes())} of a node, or
--- nil when unlimited.
+-- (nil: not a lane; -1: a lane without a cap on its count; see lane_takes()), vip_at = µs of
+-- the last VIP placement recorded there (nil: none)} of a node, or nil when unlimited.
 -- A refill beyond the window is prefill time the node spent idle, which cannot be banked:
 -- prefill_taken() lowers the limit by it (`prefill.idle`) when the node takes work, so that
 -- the room after the placement is the window less what was placed, at any later time.
@@ -81,7 +83,8 @@ local function prefill_room(prefill, node)
     node .. ':running', node .. ':lane')
   local limit = tonumber(f[1])
   if limit == nil then return nil end
-  local released = tonumber(redis.call('HGET', prefill.released_key, node) or '0') or 0
+  local r = redis.call('HMGET', prefill.released_key, node, node .. ':vip')
+  local released = tonumber(r[1] or '0') or 0
   local room, window = limit - released, tonumber(f[2]) or 0
   local refill = math.floor((tonumber(f[3]) or 0) * prefill.refill_s)
   prefill.idle[node] = nil
@@ -89,7 +92,8 @@ local function prefill_room(prefill, node)
     if room + refill > window then prefill.idle[node] = room + refill - window end
     room = math.min(window, room + refill)
   end
-  return {room = room, window = window, running = tonumber(f[4]), lane = tonumber(f[5])}
+  return {room = room, window = window, running = tonumber(f[4]), lane = tonumber(f[5]),
+          vip_at = tonumber(r[2])}
 end
 
 -- A prompt fits the room it takes; one larger than the room fits a room at least half the
@@ -133,6 +137,12 @@ end
 -- a GPU, and the engine computes the running prompt's chunks before a waiting chat's. One
 -- quiet node caps that wait at half a window while the others take the documents
 -- (takes_prompt() lets them queue a second one each, to prefill documents back to back).
+-- Nor does a long prefill go to a node where a VIP chat was placed less than the VIP
+-- objective ago (`vip_held`: the chat went there because the node was quiet, and may not
+-- have reached the engine or its first step yet): the engine packs a waiting prompt's chunk
+-- into the same step as the chat's own prefill, and the chat's first token then waits for a
+-- step carrying thousands of the document's tokens (on the lab's full-size nodes, 8.5% of
+-- VIP chats in a flood of documents did, at 350-370 ms a step).
 -- `computes`: node -> its room, or false when none is published.
 local function quiet_others(computes, node)
   local n = 0
@@ -143,15 +153,17 @@ local function quiet_others(computes, node)
 end
 
 -- Whether `node` (its room `compute`) takes a Normal or Batch prompt: prefill_fits(), and for
--- a long prefill while `need` quiet nodes are kept, only while that many others stay quiet,
--- and then also queued behind another long prefill (the node's queue beyond its window less
--- than this prompt): the nodes the documents go to prefill them back to back instead of
--- idling until the leader's next poll sees the last one done, and only Normal and Batch work
--- waits behind them.
-local function takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
+-- a long prefill while `need` quiet nodes are kept, only while that many others stay quiet
+-- and no VIP chat placed there is held (`vip_held`), and then also queued behind another long
+-- prefill (the node's queue beyond its window less than this prompt): the nodes the documents
+-- go to prefill them back to back instead of idling until the leader's next poll sees the
+-- last one done, and only Normal and Batch work waits behind them.
+local function takes_prompt(compute, computes, need, node, prompt_tokens, light, held,
+                            vip_held)
   local fits, long = prefill_fits(compute, prompt_tokens, light, held)
   if long and need > 0 then
-    return (fits or compute.room + prompt_tokens >= 0) and quiet_others(computes, node) >= need
+    return not vip_held and (fits or compute.room + prompt_tokens >= 0)
+      and quiet_others(computes, node) >= need
   end
   return fits
 end
@@ -171,6 +183,14 @@ local function lane_takes(compute, gst_key, node, prompt_tokens)
   if prompt_tokens > 2 * compute.window then return false end
   return compute.lane < 0
     or (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < compute.lane
+end
+
+-- A VIP chat placed on `node` while quiet nodes are kept (`placement.quiet`) and the objective
+-- is published holds the node's long prefills off for the objective (takes_prompt()).
+local function vip_taken(prefill, placement, tier, node, now)
+  if prefill and tier == 0 and placement.quiet > 0 and placement.vip_hold_us > 0 then
+    redis.call('HSET', prefill.released_key, node .. ':vip', fmt(now))
+  end
 end
 
 -- A placement of `prompt_tokens` on `node` takes its room; one that only the light rule let
@@ -326,11 +346,15 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       compute = room_of(node)
       if tier > 0 then
         local held = keep ~= nil and keep > 0
-        allowed = takes_prompt(compute, computes, need, node, prompt_tokens, light, held)
+        local vip_held = compute ~= nil and compute.vip_at ~= nil
+          and now - compute.vip_at < placement.vip_hold_us
+        allowed = takes_prompt(compute, computes, need, node, prompt_tokens, light, held,
+                               vip_held)
           and lane_takes(compute, gst_key, node, prompt_tokens)
         -- Only what the light rule alone let through is an overdraw (prefill_taken()).
         overdraw = light and allowed
-          and not takes_prompt(compute, computes, need, node, prompt_tokens, false, held)
+          and not takes_prompt(compute, computes, need, node, prompt_tokens, false, held,
+                               vip_held)
       end
     end
     if allowed then

@@ -5,7 +5,8 @@
 --                                dedicated_guest_rate, dedicated_guest_output,
 --                                dedicated_guests_closed (see place() in _place.lua),
 --                                prefill_quiet (quiet nodes kept, count; place()),
---                                red_clear_s (s), by the scheduler
+--                                vip_ttft_objective_ms (a VIP placement's hold on long
+--                                prefills, vip_taken()), red_clear_s (s), by the scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens this task's tier may reserve there (the
 --                                tier's own hash: node_capacity, node_capacity:normal or
@@ -31,7 +32,8 @@
 --                                KEYS[18..19] no room is applied; see prefill_of() in _place.lua)
 -- KEYS[19] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here on a fast-path release), <node>:light
---                                -> what light tenants took beyond the room (prefill_taken())
+--                                -> what light tenants took beyond the room (prefill_taken()),
+--                                <node>:vip -> µs of the last VIP placement (vip_taken())
 --
 -- ARGV[1]  task id          ARGV[2]  tenant         ARGV[3] tier (0 VIP, 1 Normal, 2 Batch)
 -- ARGV[4]  cost W = prompt + max output tokens (tokens)
@@ -225,6 +227,7 @@ if node then
       guest)
   end
   prefill_taken(prefill, tier, node, tonumber(ARGV[5]), pf_room)
+  vip_taken(prefill, placement, tier, node, now)
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)

@@ -4,7 +4,8 @@
 --                                dedicated_guest_prompt, dedicated_guest_cap,
 --                                dedicated_guest_rate, dedicated_guest_output,
 --                                dedicated_guests_closed, prefill_quiet (where each
---                                task may run, see place() in _place.lua)
+--                                task may run, see place() in _place.lua),
+--                                vip_ttft_objective_ms (vip_taken() in _place.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens VIP may reserve there
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -20,7 +21,8 @@
 --                                without KEYS[13..14] no room applies; prefill_of() in _place.lua)
 -- KEYS[14] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here by each such release), <node>:light
---                                -> what light tenants took beyond the room (prefill_taken())
+--                                -> what light tenants took beyond the room (prefill_taken()),
+--                                <node>:vip -> µs of the last VIP placement (vip_taken())
 --
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests,
 --          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
@@ -171,6 +173,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
             now, guest)
         end
         prefill_taken(prefill, t, node, prompt_tokens, pf_room)
+        vip_taken(prefill, placement, t, node, now)
         redis.call('ZADD', running_key(prefix), fmt(now),
           running_member(node, task.prompt_tokens, task.max_tokens, head))
         redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

@@ -41,11 +41,12 @@ def quiet(room: int | None, window: int) -> bool:
 
 
 def may_place(node: str, prompt: int, rooms: dict[str, int | None], windows: dict[str, int],
-              keep_quiet: int) -> bool:
+              keep_quiet: int, vip_held: frozenset[str] = frozenset()) -> bool:
     """The reference rule with quiet nodes kept: a prompt larger than the room and than twice
     the window (a long prefill) goes to `node` only while min(keep_quiet, nodes - 1) others
-    are quiet, and then by the half-window rule or behind at most a prompt's worth of queue
-    beyond the window (one long prefill queued behind another)."""
+    are quiet and no VIP chat placed there holds it (`vip_held`: placed less than the
+    objective ago), and then by the half-window rule or behind at most a prompt's worth of
+    queue beyond the window (one long prefill queued behind another)."""
     room = rooms[node]
     if room is None or prompt <= room:
         return True
@@ -53,6 +54,8 @@ def may_place(node: str, prompt: int, rooms: dict[str, int | None], windows: dic
     if prompt <= 2 * windows[node] or need == 0:
         return fits(prompt, room, windows[node])
     # A long prefill, with quiet nodes kept: also one more behind a long prefill.
+    if node in vip_held:
+        return False
     others = sum(quiet(r, windows.get(n, 0)) for n, r in rooms.items() if n != node)
     return (fits(prompt, room, windows[node]) or room + prompt >= 0) and others >= need
 
@@ -84,13 +87,16 @@ async def _admit(store: PoolStore, task_id: str, tier: Tier, prompt: int) -> tup
                                        st.integers(0, 10_000)), min_size=1),
        unlimited=st.sampled_from([(), ("node-c",)]),
        keep_quiet=st.integers(0, 3),
+       objective_ms=st.sampled_from([0, 250]),
        admits=st.lists(st.tuples(st.sampled_from(list(Tier)), st.integers(1, 2_500)),
                        min_size=1, max_size=12))
 def test_placements_follow_the_reference_room_rule(
         redis_url: str, rooms: dict[str, tuple[int, int, int]], unlimited: tuple[str, ...],
-        keep_quiet: int, admits: list[tuple[Tier, int]]) -> None:
+        keep_quiet: int, objective_ms: int, admits: list[tuple[Tier, int]]) -> None:
     """Each node: (room, window, released so far), published as limit = released + room, and
-    `keep_quiet` quiet nodes kept. A sequence of fast-path admits: a Normal or Batch task is
+    `keep_quiet` quiet nodes kept, the VIP objective published or not (the clock stands still:
+    a VIP placement, with quiet nodes kept and an objective, holds its node's long prefills off
+    for the rest of the run). A sequence of fast-path admits: a Normal or Batch task is
     released iff some node's room takes it by the reference rule, goes to such a node, and
     raises that node's count by its prompt; a VIP task is always released, to a node the
     reference calls least queued, and raises no count. A node without a published room takes
@@ -104,7 +110,9 @@ def test_placements_follow_the_reference_room_rule(
             await client.flushdb()
             store = await _store(client)
             k = store.keys
-            await store.publish_state(1, Zone.GREEN, caps, {"prefill_quiet": keep_quiet},
+            await client.hset(k.clock, "frozen_us", FROZEN_US)
+            extra = {"prefill_quiet": keep_quiet, "vip_ttft_objective_ms": objective_ms}
+            await store.publish_state(1, Zone.GREEN, caps, extra,
                                       prefill={n: (released + room, window)
                                                for n, (room, window, released) in nodes.items()})
             counts = {n: released for n, (_, _, released) in nodes.items()}
@@ -114,12 +122,14 @@ def test_placements_follow_the_reference_room_rule(
             counts.update({n: 0 for n in unlimited})
             limits = {n: released + room for n, (room, _, released) in nodes.items()}
             windows = {n: window for n, (_, window, _) in nodes.items()}
+            held: set[str] = set()
             for i, (tier, prompt) in enumerate(admits):
                 outcome, node = await _admit(store, f"t{i}", tier, prompt)
                 room = {n: limits[n] - counts[n] for n in nodes}
                 rooms_now = {n: room.get(n) for n in caps}
                 allowed = [n for n in caps
-                           if may_place(n, prompt, rooms_now, windows, keep_quiet)]
+                           if may_place(n, prompt, rooms_now, windows, keep_quiet,
+                                        frozenset(held))]
                 if tier is Tier.VIP:
                     assert outcome == "released"
                     light = [n for n in caps if n not in nodes or 2 * room[n] >= windows[n]]
@@ -127,6 +137,8 @@ def test_placements_follow_the_reference_room_rule(
                         most = max(room.values())
                         light = [n for n in nodes if room[n] == most]
                     assert node in light
+                    if keep_quiet and objective_ms:
+                        held.add(str(node))
                     continue
                 if not allowed:
                     assert outcome == "queued"
@@ -140,7 +152,10 @@ def test_placements_follow_the_reference_room_rule(
             stored = {_s(f): int(v) for f, v in
                       (await client.hgetall(k.node_prefill_released)).items()}
             assert {n: stored.get(n, 0) for n in counts} == counts
-            assert set(stored) <= set(counts)
+            # Each held node's VIP placement is recorded at the clock's time, and only those.
+            vip = {f: v for f, v in stored.items() if f.endswith(":vip")}
+            assert vip == {f"{n}:vip": FROZEN_US for n in held}
+            assert set(stored) - set(vip) <= set(counts)
         finally:
             await client.aclose()
 
@@ -195,6 +210,41 @@ async def test_long_prompts_leave_a_quiet_node_for_vip(redis_client: aioredis.Re
                               {"prefill_quiet": 0}, prefill=rooms)
     placed = {(await _admit(store, f"doc-{i}", Tier.BATCH, 8_000))[1] for i in (1, 2)}
     assert placed == {"node-a", "node-b"}
+
+
+async def test_a_vip_chat_holds_long_prefills_off_its_node_for_the_objective(
+        redis_client: aioredis.Redis) -> None:
+    """Three quiet nodes, one kept quiet, a 250 ms objective, the clock standing still;
+    node-a has the most KV headroom, so the VIP chat and, left alone, each document go there.
+    While the chat may still wait for its first step the document goes elsewhere; once the
+    objective has passed node-a takes the next one. Without quiet nodes kept nothing is held
+    and nothing is recorded."""
+    async def at_ms(store: PoolStore, ms: int) -> None:
+        await redis_client.hset(store.keys.clock, "frozen_us", FROZEN_US + ms * 1000)
+
+    rooms = {n: (1_000, 1_000) for n in NODES}
+    caps = {"node-a": 2 * BIG, "node-b": BIG, "node-c": BIG}
+    for quiet in (1, 0):
+        store = await _store(redis_client, f"hold{quiet}")
+        extra = {"prefill_quiet": quiet, "vip_ttft_objective_ms": 250}
+        await at_ms(store, 0)
+        await store.publish_state(1, Zone.GREEN, caps, extra, prefill=rooms)
+        assert await _admit(store, "vip", Tier.VIP, 300) == ("released", "node-a")
+        outcome, doc = await _admit(store, "doc-1", Tier.BATCH, 8_000)
+        recorded = await redis_client.hget(store.keys.node_prefill_released, "node-a:vip")
+        if not quiet:
+            assert (outcome, doc, recorded) == ("released", "node-a", None)
+            continue
+        assert outcome == "released" and doc in ("node-b", "node-c")
+        assert recorded is not None and int(recorded) == FROZEN_US
+        for ms, held in ((249, True), (250, False)):
+            # Every room whole again (the documents prefilled), the clock at `ms`.
+            await at_ms(store, ms)
+            released = await redis_client.hgetall(store.keys.node_prefill_released)
+            fresh = {n: (int(released.get(n.encode(), 0)) + 1_000, 1_000) for n in NODES}
+            await store.publish_state(1, Zone.GREEN, caps, extra, prefill=fresh)
+            outcome, doc = await _admit(store, f"doc-{ms}", Tier.BATCH, 8_000)
+            assert outcome == "released" and (doc != "node-a") is held
 
 
 async def test_rooms_refill_between_polls_at_the_published_rate_up_to_the_window(

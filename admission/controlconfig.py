@@ -51,8 +51,9 @@ class ControlSettings:
     """Nodes kept quiet for VIP: a Normal or Batch prompt larger than a node's room whose
     prefill alone takes the whole objective (more than twice the window: a long document) goes
     to a node only while this many others stay quiet (at most half a window queued for
-    prefill); VIP chats are steered to the quiet ones. At most all but one node of a pool is
-    kept (a one-node pool still runs long prompts); 0: none."""
+    prefill), and not to a node where a VIP chat was placed less than the VIP objective ago;
+    VIP chats are steered to the quiet ones. At most all but one node of a pool is kept (a
+    one-node pool still runs long prompts); 0: none."""
     lane_nodes: int = at_least(0, 0)
     """Nodes kept as VIP lanes, the first of the pool's usable shared nodes by name: Normal
     and Batch go to a lane only with a prompt of at most twice its window and while fewer of

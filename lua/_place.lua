@@ -185,22 +185,20 @@ local function lane_takes(compute, gst_key, node, prompt_tokens)
     or (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < compute.lane
 end
 
--- A VIP chat placed on `node` while quiet nodes are kept (`placement.quiet`) and the objective
--- is published holds the node's long prefills off for the objective (takes_prompt()).
-local function vip_taken(prefill, placement, tier, node, now)
-  if prefill and tier == 0 and placement.quiet > 0 and placement.vip_hold_us > 0 then
-    redis.call('HSET', prefill.released_key, node .. ':vip', fmt(now))
-  end
-end
-
 -- A placement of `prompt_tokens` on `node` takes its room; one that only the light rule let
 -- through also counts what it took beyond `light_room`, the room place() found there
 -- (<node>:light), which the leader takes out of the rooms it publishes next
 -- (scheduler.control.take_overdraw). `light_room` nil: not such a placement (place()'s third
--- result).
-local function prefill_taken(prefill, tier, node, prompt_tokens, light_room)
+-- result). A VIP chat takes no room, but while quiet nodes are kept (`placement.quiet`) and
+-- the objective is published its placement time (<node>:vip, `now`) holds the node's long
+-- prefills off for the objective (takes_prompt()).
+local function prefill_taken(prefill, placement, tier, node, prompt_tokens, light_room, now)
+  if prefill and tier == 0 then
+    if placement.quiet > 0 and placement.vip_hold_us > 0 then
+      redis.call('HSET', prefill.released_key, node .. ':vip', fmt(now))
+    end
   -- (A record without a prompt count, which only an older version could leave, adds none.)
-  if prefill and tier > 0 and prompt_tokens < math.huge then
+  elseif prefill and prompt_tokens < math.huge then
     if prefill.idle[node] then
       redis.call('HINCRBY', prefill.limits_key, node, -prefill.idle[node])
       prefill.idle[node] = nil

@@ -6,7 +6,7 @@
 --                                dedicated_guests_closed (see place() in _place.lua),
 --                                prefill_quiet (quiet nodes kept, count; place()),
 --                                vip_ttft_objective_ms (a VIP placement's hold on long
---                                prefills, vip_taken()), red_clear_s (s), by the scheduler
+--                                prefills, prefill_taken()), red_clear_s (s), by the scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens this task's tier may reserve there (the
 --                                tier's own hash: node_capacity, node_capacity:normal or
@@ -33,7 +33,7 @@
 -- KEYS[19] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here on a fast-path release), <node>:light
 --                                -> what light tenants took beyond the room (prefill_taken()),
---                                <node>:vip -> µs of the last VIP placement (vip_taken())
+--                                <node>:vip -> µs of the last VIP placement (prefill_taken())
 --
 -- ARGV[1]  task id          ARGV[2]  tenant         ARGV[3] tier (0 VIP, 1 Normal, 2 Batch)
 -- ARGV[4]  cost W = prompt + max output tokens (tokens)
@@ -226,8 +226,7 @@ if node then
     guest_joined(KEYS[16], KEYS[17], placement, KEYS[12], node, tonumber(ARGV[5]), now,
       guest)
   end
-  prefill_taken(prefill, tier, node, tonumber(ARGV[5]), pf_room)
-  vip_taken(prefill, placement, tier, node, now)
+  prefill_taken(prefill, placement, tier, node, tonumber(ARGV[5]), pf_room, now)
   redis.call('ZADD', KEYS[15], fmt(now), running_member(node, ARGV[5], ARGV[6], id))
   redis.call('HINCRBY', KEYS[11], 'released_' .. tier, 1)
   redis.call('HINCRBY', KEYS[11], 'fast_path', 1)

@@ -5,7 +5,7 @@
 --                                dedicated_guest_rate, dedicated_guest_output,
 --                                dedicated_guests_closed, prefill_quiet (where each
 --                                task may run, see place() in _place.lua),
---                                vip_ttft_objective_ms (vip_taken() in _place.lua)
+--                                vip_ttft_objective_ms (prefill_taken() in _place.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens VIP may reserve there
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -22,7 +22,7 @@
 -- KEYS[14] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here by each such release), <node>:light
 --                                -> what light tenants took beyond the room (prefill_taken()),
---                                <node>:vip -> µs of the last VIP placement (vip_taken())
+--                                <node>:vip -> µs of the last VIP placement (prefill_taken())
 --
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests,
 --          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
@@ -172,8 +172,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
           guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens,
             now, guest)
         end
-        prefill_taken(prefill, t, node, prompt_tokens, pf_room)
-        vip_taken(prefill, placement, t, node, now)
+        prefill_taken(prefill, placement, t, node, prompt_tokens, pf_room, now)
         redis.call('ZADD', running_key(prefix), fmt(now),
           running_member(node, task.prompt_tokens, task.max_tokens, head))
         redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)

@@ -74,6 +74,11 @@ async def _store(client: aioredis.Redis, pool: str = "pf") -> PoolStore:
     return PoolStore(client, register_scripts(client), pool, PoolPolicy())
 
 
+async def _at_ms(client: aioredis.Redis, store: PoolStore, ms: int) -> None:
+    """Stand the scripts' clock still at FROZEN_US + `ms`."""
+    await client.hset(store.keys.clock, "frozen_us", FROZEN_US + ms * 1000)
+
+
 async def _admit(store: PoolStore, task_id: str, tier: Tier, prompt: int) -> tuple[str, str | None]:
     got = await store.admit(task_id=task_id, tenant=TENANT, tier=tier, prompt_tokens=prompt,
                             max_tokens=10, gateway="gw", queue_timeout_ms=60_000)
@@ -110,7 +115,7 @@ def test_placements_follow_the_reference_room_rule(
             await client.flushdb()
             store = await _store(client)
             k = store.keys
-            await client.hset(k.clock, "frozen_us", FROZEN_US)
+            await _at_ms(client, store, 0)
             extra = {"prefill_quiet": keep_quiet, "vip_ttft_objective_ms": objective_ms}
             await store.publish_state(1, Zone.GREEN, caps, extra,
                                       prefill={n: (released + room, window)
@@ -219,15 +224,12 @@ async def test_a_vip_chat_holds_long_prefills_off_its_node_for_the_objective(
     While the chat may still wait for its first step the document goes elsewhere; once the
     objective has passed node-a takes the next one. Without quiet nodes kept nothing is held
     and nothing is recorded."""
-    async def at_ms(store: PoolStore, ms: int) -> None:
-        await redis_client.hset(store.keys.clock, "frozen_us", FROZEN_US + ms * 1000)
-
     rooms = {n: (1_000, 1_000) for n in NODES}
     caps = {"node-a": 2 * BIG, "node-b": BIG, "node-c": BIG}
     for quiet in (1, 0):
         store = await _store(redis_client, f"hold{quiet}")
         extra = {"prefill_quiet": quiet, "vip_ttft_objective_ms": 250}
-        await at_ms(store, 0)
+        await _at_ms(redis_client, store, 0)
         await store.publish_state(1, Zone.GREEN, caps, extra, prefill=rooms)
         assert await _admit(store, "vip", Tier.VIP, 300) == ("released", "node-a")
         outcome, doc = await _admit(store, "doc-1", Tier.BATCH, 8_000)
@@ -239,7 +241,7 @@ async def test_a_vip_chat_holds_long_prefills_off_its_node_for_the_objective(
         assert recorded is not None and int(recorded) == FROZEN_US
         for ms, held in ((249, True), (250, False)):
             # Every room whole again (the documents prefilled), the clock at `ms`.
-            await at_ms(store, ms)
+            await _at_ms(redis_client, store, ms)
             released = await redis_client.hgetall(store.keys.node_prefill_released)
             fresh = {n: (int(released.get(n.encode(), 0)) + 1_000, 1_000) for n in NODES}
             await store.publish_state(1, Zone.GREEN, caps, extra, prefill=fresh)
@@ -251,32 +253,29 @@ async def test_rooms_refill_between_polls_at_the_published_rate_up_to_the_window
         redis_client: aioredis.Redis) -> None:
     """A room published with a prefill rate of 10,000 tokens/s refills as the scripts' clock
     moves, never beyond the window, and only until the publish's horizon (100 ms here)."""
-    async def at_ms(store: PoolStore, ms: int) -> None:
-        await redis_client.hset(store.keys.clock, "frozen_us", FROZEN_US + ms * 1000)
-
     async def published(pool: str, room: int, rate: int) -> PoolStore:
         """A pool whose one node got `room` of a 1,000-token window at 0 ms."""
         store = await _store(redis_client, pool)
-        await at_ms(store, 0)
+        await _at_ms(redis_client, store, 0)
         await store.publish_state(1, Zone.GREEN, {"node-a": BIG},
                                   prefill={"node-a": (room, 1_000, rate)}, refill_ms=100)
         return store
 
     store = await published("refill", 1_000, 10_000)
     assert await _admit(store, "a", Tier.NORMAL, 1_000) == ("released", "node-a")
-    await at_ms(store, 20)  # 200 tokens prefilled since, by the rate
+    await _at_ms(redis_client, store, 20)  # 200 tokens prefilled since, by the rate
     assert await _admit(store, "b", Tier.NORMAL, 150) == ("released", "node-a")
-    await at_ms(store, 500)  # the refill stopped at 100 ms: -150 + 1,000
+    await _at_ms(redis_client, store, 500)  # the refill stopped at 100 ms: -150 + 1,000
     assert await _admit(store, "c", Tier.NORMAL, 850) == ("released", "node-a")
     assert await _admit(store, "d", Tier.NORMAL, 1) == ("queued", None)
 
     store = await published("capped", 400, 10_000)
-    await at_ms(store, 100)  # 400 + 1,000 refilled, but at most the window
+    await _at_ms(redis_client, store, 100)  # 400 + 1,000 refilled, but at most the window
     assert await _admit(store, "a", Tier.NORMAL, 1_000) == ("released", "node-a")
     assert await _admit(store, "b", Tier.NORMAL, 1) == ("queued", None)
 
     store = await published("still", 400, 0)
-    await at_ms(store, 100)  # rate 0 (the node must take nothing more): no refill
+    await _at_ms(redis_client, store, 100)  # rate 0 (the node must take nothing more): no refill
     assert await _admit(store, "a", Tier.NORMAL, 400) == ("released", "node-a")
     assert await _admit(store, "b", Tier.NORMAL, 1) == ("queued", None)
 
@@ -511,7 +510,7 @@ async def _one_node_control(redis_client: aioredis.Redis, redis_url: str
     async with serve_fake(fake) as url:
         config = _control_config(redis_url, url)
         async with pool_scheduler(redis_client, config) as ps:
-            await redis_client.hset(ps.store.keys.clock, "frozen_us", FROZEN_US)
+            await _at_ms(redis_client, ps.store, 0)
             yield fake, ps
 
 

@@ -23,10 +23,21 @@ from aiohttp.test_utils import TestServer
 
 from admission.tiers import Tier
 from bench.burst.criteria import CRITERIA, EXTRA, LABELS, judge_all
-from bench.burst.expconfig import ARM_TITLES, default_max_tokens
+from bench.burst.expconfig import ARM_TITLES, PRESETS, default_max_tokens
+from bench.burst.experiment import fallback_section
 from bench.burst.ideal import main as ideal_main
 from bench.burst.loadgen import ClientSettings, LoadGenerator
-from bench.burst.matrix import RESULTS, SCALES, Cell, build_parser, cells, main, parse_seeds, render
+from bench.burst.matrix import (
+    RESULTS,
+    SCALES,
+    Cell,
+    build_parser,
+    cells,
+    is_done,
+    main,
+    parse_seeds,
+    render,
+)
 from bench.burst.mixes import MIXES, REALISTIC, with_mix
 from bench.burst.points import Point
 from bench.burst.report import ArmSummary
@@ -222,3 +233,56 @@ def test_a_point_runs_arm_c_at_that_setting_and_the_table_says_it_is_not_the_def
     text = render([record], "reduced")
     assert "kvgate on its shipped defaults" not in text
     assert "at l=1 (`--point`), not the shipped defaults" in text
+
+
+def test_skip_done_skips_only_cells_recorded_with_these_arms_at_this_point(
+        tmp_path: Path) -> None:
+    """A record at another point, with fewer arms, or unreadable is rerun, so a matrix
+    continued at ``--point l=1`` never keeps a cell measured on the defaults."""
+    [source] = (RESULTS / "cells").glob("reduced-chat-n2-s3.json")
+    record = json.loads(source.read_text())
+    path = tmp_path / "cell.json"
+    path.write_text(json.dumps(record))
+    recorded = [a["arm"] for a in record["arms"]]
+    assert is_done(path, recorded, Point())
+    assert is_done(path, recorded[:1], Point())
+    assert not is_done(path, recorded, Point(lane_nodes=1))
+    assert not is_done(path, [*recorded, "x"], Point())
+    record["point"] = Point(lane_nodes=1).label
+    path.write_text(json.dumps(record))
+    assert is_done(path, recorded, Point(lane_nodes=1))
+    assert not is_done(path, recorded, Point())
+    del record["point"]  # records written before points existed are the defaults'
+    path.write_text(json.dumps(record))
+    assert is_done(path, recorded, Point())
+    path.write_text(json.dumps(record)[:50])
+    assert not is_done(path, recorded, Point())
+    assert not is_done(tmp_path / "missing.json", recorded, Point())
+
+
+def test_one_run_judges_goodput_with_the_fallback_against_its_own_ideal() -> None:
+    """The experiment's report (``make demo``) judges goodput as the matrix does: where the
+    ideal below the KV bar cannot reach 90% on the draw, the arm that keeps the VIP bar with the
+    most goodput passes; where it can, the bar stands."""
+    def summary(arm: str, goodput: float, burst_p99: float) -> ArmSummary:
+        return dataclasses.replace(_summary(arm, 100.0, 100.0), goodput_ratio=goodput,
+                                   vip_ttft_base=(100.0, 150.0),
+                                   vip_ttft_burst=(120.0, burst_p99))
+    settings = PRESETS["short"]
+    runs = [summary("a", 0.84, 900.0), summary("c", 0.82, 160.0)]
+    out_of_reach = "\n".join(fallback_section(settings, runs, {"goodput_ratio": 0.847}))
+    assert "reaches 84.7% of the goodput bound" in out_of_reach
+    assert "out of its reach on this draw" in out_of_reach
+    assert "| goodput (work done), with the fallback | 84.0% **FAIL** | 82.0% **PASS** |" in (
+        out_of_reach)
+    assert "| criteria met (of 7), goodput with the fallback | 5 | 7 |" in out_of_reach
+    within = "\n".join(fallback_section(settings, runs, {"goodput_ratio": 0.93}))
+    assert "within its reach, so the bar stands" in within
+    assert "| 84.0% **FAIL** | 82.0% **FAIL** |" in within
+    assert "| criteria met (of 7), goodput with the fallback | 5 | 6 |" in within
+    # An arm above the ideal widens the reach by that much (a greedy ideal is not a bound).
+    ahead = [summary("a", 0.95, 900.0), summary("c", 0.82, 160.0)]
+    widened = "\n".join(fallback_section(settings, ahead, {"goodput_ratio": 0.86}))
+    assert "no arm above it by more than 9.0% of the bound" in widened
+    assert "within its reach" in widened
+    assert fallback_section(settings, runs, None) == []

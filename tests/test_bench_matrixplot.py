@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,4 +52,15 @@ def test_a_figure_that_is_not_finite_has_no_point_and_counts_come_from_the_summa
 def test_the_plot_is_written_as_a_png(tmp_path: Path) -> None:
     path = tmp_path / "matrix-reduced.png"
     plot_matrix(RECORDS, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_run_invalid_still_plots_with_a_legend_and_no_warning(tmp_path: Path) -> None:
+    """The legend names the arms apart from the points, so a matrix whose every run is hollow
+    (invalid) renders without matplotlib's "no artists with labels" warning."""
+    records = [cell("chat", 2, 1, arm("a", False, 0.7, 1.0, 0), arm("c", False, 0.6, 1.0, 0))]
+    path = tmp_path / "matrix-reduced.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot_matrix(records, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -95,6 +95,18 @@ def frontier(ideal: dict[str, Any], matrix: dict[str, Any] | None, arm: str = "c
     return Frontier(False, all(goodput >= g for g in rivals))
 
 
+def one_draw(ideal_under_bar: dict[str, Any], arms: Sequence[dict[str, Any]]
+             ) -> dict[str, Frontier]:
+    """The goodput criterion with the fallback for each arm of a single run (one draw, outside
+    the matrix): ``ideal_under_bar`` is the ideal's point below the KV bar on the same schedule
+    (bench.burst.idealpoint.replay) and ``arms`` are as matrix.cell_record writes them (arm,
+    valid, verdicts). The margin is this draw's own ``slack``."""
+    ideal = {"cell": {}, "points": {"under_bar": ideal_under_bar}}
+    run = {"cell": {}, "arms": list(arms)}
+    margin = slack([ideal], [run])
+    return {a["arm"]: frontier(ideal, run, a["arm"], margin) for a in arms}
+
+
 def others_pass(arm: dict[str, Any] | None) -> bool:
     """The arm meets the six criteria other than goodput."""
     return arm is not None and all(v["ok"] for v in arm["verdicts"]

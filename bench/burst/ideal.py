@@ -49,8 +49,7 @@ from typing import Any
 
 from admission.tiers import Tier
 from bench.burst import jsonlines
-from bench.burst.capacity import CapacityResult, ideal_replay
-from bench.burst.criteria import GOODPUT_BAR, KV_BAR, VIP_RATIO_BAR
+from bench.burst.criteria import GOODPUT_BAR, VIP_RATIO_BAR
 from bench.burst.expconfig import Settings
 from bench.burst.experiment import planned
 from bench.burst.fallback import (
@@ -64,7 +63,7 @@ from bench.burst.fallback import (
     slack,
     tally,
 )
-from bench.burst.goodput import Offer, Work, check, upper_bound, work_value
+from bench.burst.idealpoint import POINTS, replay
 from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells
 from bench.burst.matrix import render as matrix_render
 from bench.burst.matrixplot import load_records, ordered
@@ -73,34 +72,10 @@ from bench.burst.workload import PlannedRequest, Schedule
 from bench.common.gitrev import revision as git_revision
 from bench.sim.config import SimConfig
 
-POINTS = {"whole": 1.0, "under_bar": KV_BAR - 1e-9}
-"""The ideal's KV ceilings: the whole cache, and just below the KV bar (a peak of exactly the
-bar would fail "below")."""
 RUNNING_CAPS = (64, 48, 32, 24, 16, 12, 8)
 """Normal and Batch sequences per node (on a whole node; scaled with the capacity) at which
 the VIP frontier replays the ideal below the KV bar: what a short decode batch, the one lever
 on VIP's first token once its prefill is first in line, costs in goodput."""
-
-
-def replay(settings: Settings, schedule: Schedule, kv_ceiling: float,
-           running_cap: int | None = None) -> dict[str, Any]:
-    """The ideal replay of a cell's schedule held to ``kv_ceiling`` (and ``running_cap``
-    Normal and Batch sequences per node), valued like an arm."""
-    lo, hi = settings.profile.window("burst")
-    result = ideal_replay(settings.sim_config(0), settings.nodes, schedule.requests,
-                          settings.time_scale, (lo, hi), kv_ceiling=kv_ceiling,
-                          drain_s=settings.drain_factor * settings.burst_sim_s,
-                          running_cap=running_cap)
-    configs = [settings.sim_config(i) for i in range(settings.nodes)]
-    worth = work_value(configs)
-    span = (hi - lo) * settings.time_scale
-    # Every request planned before the window's end, once: the ideal never turns one away.
-    offers = [Offer(r.prompt_tokens, r.output_tokens) for r in schedule.requests if r.at < hi]
-    bound = upper_bound(configs, [span] * settings.nodes, offers,
-                        Work(*result.counted_before), worth)
-    ratio = check(worth.of(Work(*result.counted)), bound)
-    return {**point_record(kv_ceiling, result, ratio, bound.as_dict()),
-            "running_cap": running_cap}
 
 
 def vip_frontier(settings: Settings, schedule: Schedule) -> list[dict[str, Any]]:
@@ -144,16 +119,6 @@ def deadline_load(settings: Settings, requests: Sequence[PlannedRequest]) -> flo
     due = sum(least_seconds(r.prompt_tokens, r.output_tokens, config) for r in requests
               if r.at * settings.time_scale < (end if r.tier is Tier.BATCH else deadline))
     return due / (settings.nodes * deadline)
-
-
-def point_record(kv_ceiling: float, result: CapacityResult, ratio: float,
-                 bound: dict[str, float | str]) -> dict[str, Any]:
-    base, burst = result.vip_ttft_base[1], result.vip_ttft_burst[1]
-    return {"kv_ceiling": kv_ceiling, "goodput_ratio": ratio, "goodput_bound": bound,
-            "kv_peak": result.kv_peak, "preemptions": result.preemptions,
-            "batch_left": result.batch_left, "last_batch_s": result.last_batch_s,
-            "vip_p99_base_ms": base, "vip_p99_burst_ms": burst,
-            "mean_running": result.mean_running}
 
 
 def cell_record(cell: Cell, revision: str = "") -> dict[str, Any]:

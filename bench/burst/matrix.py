@@ -123,6 +123,20 @@ def cells(scale: str, mixes: Sequence[str], sizes: Sequence[int], seeds: str | N
             for seed in parse_seeds(seeds or DEFAULT_SEEDS[mix])]
 
 
+def is_done(path: Path, arms: Sequence[str], point: Point) -> bool:
+    """Whether a cell's JSON records a run of every one of `arms` at `point`. A cell recorded
+    at another point, with fewer arms, or unreadable is not done: `--skip-done` reruns it, and
+    its new record replaces the old one."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict) or record.get("point", "default") != point.label:
+        return False
+    recorded = {a.get("arm") for a in record.get("arms", ()) if isinstance(a, dict)}
+    return set(arms) <= recorded
+
+
 def cell_record(cell: Cell, settings: Settings, summaries: Sequence[ArmSummary],
                 wall_s: float, revision: str, point: Point | None = None) -> dict[str, Any]:
     judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
@@ -291,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--log-dir", type=Path, help="service logs (default: a temporary directory)")
     p.add_argument("--skip-done", action="store_true",
-                   help="skip cells whose JSON is already in --out")
+                   help="skip cells whose JSON in --out already records these arms at this "
+                        "--point (any other is rerun and replaced)")
     p.add_argument("--quiet", action="store_true", help="one line per arm, not per second")
     p.add_argument("--point", type=Point.parse, default=Point(),
                    help="arm (c)'s release control at a setting other than the shipped one, "
@@ -311,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [int(s) for s in args.size.split(",") if s.strip()]
     todo = cells(args.scale, mixes, sizes, args.seed)
     if args.skip_done:
-        todo = [c for c in todo if not (args.out / "cells" / f"{c.name}.json").exists()]
+        todo = [c for c in todo
+                if not is_done(args.out / "cells" / f"{c.name}.json", arms, args.point)]
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-matrix-"))
     flush_print(f"{len(todo)} cells, arms {','.join(arms)}, logs {log_root}, out {args.out}")
     coro = run_cells(todo, arms, args.out, log_root, flush_print, verbose=not args.quiet,

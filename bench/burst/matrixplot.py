@@ -25,6 +25,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display: render straight to a file
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 
 from bench.burst.criteria import GOODPUT_BAR, KV_BAR, VIP_RATIO_BAR
 from bench.burst.expconfig import ARM_TITLES, ARMS
@@ -111,8 +112,7 @@ def plot_matrix(records: Sequence[dict[str, Any]], path: Path) -> None:
                 ax.scatter([p.x + offsets[arm] for p in pts], [p.y for p in pts],
                            s=18, marker=_MARKERS[arm], linewidths=0.9,
                            facecolors="none" if hollow else _COLORS[arm],
-                           edgecolors=_COLORS[arm],
-                           label=None if hollow else ARM_TITLES[arm])
+                           edgecolors=_COLORS[arm])
         if panel.bar is not None:
             ax.axhline(panel.bar, color="black", lw=0.8, ls="--")
         if panel.log:
@@ -120,7 +120,11 @@ def plot_matrix(records: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_title(panel.title, fontsize=9, loc="left")
         ax.grid(axis="y", alpha=0.3)
         _mark_mixes(ax, cells, named=ax is axes[0])
-    axes[0].legend(fontsize=7, ncol=len(arms), loc="lower left")
+    # One entry per arm in the records, drawn apart from the points: a panel may show no valid
+    # point of an arm, or none at all (every run invalid), and the legend still names them.
+    axes[0].legend(handles=[Line2D([], [], ls="none", marker=_MARKERS[a], color=_COLORS[a],
+                                   markersize=5, label=ARM_TITLES[a]) for a in arms],
+                   fontsize=7, ncol=max(1, len(arms)), loc="lower left")
     axes[-1].set_xticks(range(len(cells)))
     axes[-1].set_xticklabels([f"n{r['cell']['size']} s{r['cell']['seed']}" for r in cells],
                              rotation=90, fontsize=6)

@@ -15,7 +15,6 @@ from bench.burst.capacity import ideal_replay
 from bench.burst.criteria import CRITERIA, GOODPUT_BAR
 from bench.burst.fallback import frontier, slack, tally
 from bench.burst.ideal import (
-    POINTS,
     RUNNING_CAPS,
     best_keeping_vip,
     cell_record,
@@ -25,6 +24,7 @@ from bench.burst.ideal import (
     merge,
     render,
 )
+from bench.burst.idealpoint import POINTS
 from bench.burst.matrix import Cell
 from bench.burst.workload import PlannedRequest
 from bench.sim.config import SimConfig

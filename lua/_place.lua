@@ -188,7 +188,7 @@ end
 -- A placement of `prompt_tokens` on `node` takes its room; one that only the light rule let
 -- through also counts what it took beyond `light_room`, the room place() found there
 -- (<node>:light), which the leader takes out of the rooms it publishes next
--- (scheduler.control.take_overdraw). `light_room` nil: not such a placement (place()'s third
+-- (scheduler.nodestate.take_overdraw). `light_room` nil: not such a placement (place()'s third
 -- result). A VIP chat takes no room, but while quiet nodes are kept (`placement.quiet`) and
 -- the objective is published its placement time (<node>:vip, `now`) holds the node's long
 -- prefills off for the objective (takes_prompt()).

@@ -109,9 +109,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Iterable, Mapping
-from dataclasses import dataclass, field
 
 from admission.controlconfig import ControlSettings
+from scheduler.nodestate import NodeRoom, NodeState, take_overdraw
 
 MODEL_SHARE = 0.5
 """Share of the objective the queue ahead of a VIP chat may take; the rest is for the chat's
@@ -163,75 +163,6 @@ def backlog(tasks: Iterable[tuple[int, float]], rate: float) -> float:
     return work
 
 
-@dataclass(frozen=True, slots=True)
-class NodeRoom:
-    window: int
-    backlog: int
-    room: int
-    gain: float
-    rate: float
-    reason: str
-    """Why the room is 0 beside the backlog ('' when it is not): max_engine_running or
-    running_limit."""
-    running_limit: int | None = None
-    """The running limit in sequences (None: none holds)."""
-    miss_share: float = 0.0
-    """The share of the node's recent VIP first tokens (~signal_stale_ms) later than the
-    objective."""
-    step_s: float | None = None
-    """The node's mean decode step time at its last reading (None: not measured)."""
-    calm_step_s: float | None = None
-    """...and at calm (None: not learned)."""
-    lane_cap: int | None = None
-    """Normal and Batch tasks the node may hold alive as a lane (None: not a lane; -1: a lane
-    without a cap, its engine reports no step time)."""
-    floor_step_s: float | None = None
-    """The shortest step time read on the node (tau_min; None: none read)."""
-
-
-@dataclass(slots=True)
-class _Node:
-    rate: float
-    gain: float = 1.0
-    counter: tuple[float, float] | None = None
-    """(prompt tokens total, reading time) of the last reading used."""
-    seq: int = -1
-    observed: float = 0.0
-    """Average rate of the prompt counter, whatever the load."""
-    waiting: int = 0
-    """The engine's waiting count at the last reading used."""
-    backlog: float = 0.0
-    reports: tuple[int, int] | None = None
-    n_recent: float = 0.0
-    over_recent: float = 0.0
-    reported_at: float | None = None
-    hold_until: float = -math.inf
-    at: float | None = None
-    window: int = 0
-    at_poll: float | None = None
-    seen: set[Hashable] = field(default_factory=set)
-    """The running index's members at the last poll: the others were released since."""
-    overdrawn: int | None = None
-    """The node's count of light tenants' overdraws at the last poll (None: not read yet)."""
-    owed: int = 0
-    """Overdraws not yet taken out of a room."""
-    queued: float = 0.0
-    """Backlog / window, averaged over polls (time constant `queue_tau_s`)."""
-    itl: tuple[float, float] | None = None
-    """(sum, count) of the engine's inter-token latency histogram at the last reading."""
-    itl_seq: int = -1
-    step_s: float | None = None
-    """Mean step time over the last reading that counted decoded tokens (tau)."""
-    calm_step_s: float | None = None
-    """The step time at calm, averaged (tau0; None: not seen calm yet)."""
-    calm_polls: int = 0
-    calm_at: float | None = None
-    min_step_s: float | None = None
-    """The shortest step time read (tau_min of a lane)."""
-    lane_cap: int = 1
-    """The cap last computed for the node as a lane (an idle lane keeps it, at least 1)."""
-
-
 def _batch_for(running: int, step_s: float, measured_s: float) -> int:
     """The batch whose step would take `step_s`, were the step time proportional to the batch:
     `running` sequences take `measured_s` now. Below the true batch (the step's fixed part does
@@ -239,27 +170,12 @@ def _batch_for(running: int, step_s: float, measured_s: float) -> int:
     return math.floor(running * step_s / measured_s + 1e-9)  # (float noise)
 
 
-def take_overdraw(s: _Node, overdrawn: int | None, room: int) -> int:
-    """How much of `room` pays back light tenants' overdraws (lua/_place.lua prefill_fits): the
-    room bounds the queue ahead of a VIP chat, and on a node that prefills faster than the
-    leader polls, an overdraw prefilled before the next poll would otherwise come on top of
-    the next room, a rate the window never allowed. What one room cannot pay is owed to the
-    next. A new leader owes nothing for overdraws it did not see."""
-    if overdrawn is not None:
-        if s.overdrawn is not None and overdrawn > s.overdrawn:
-            s.owed += overdrawn - s.overdrawn
-        s.overdrawn = overdrawn
-    take = min(s.owed, max(0, room))
-    s.owed -= take
-    return take
-
-
 class ReleaseControl:
     """The control law's state for one pool's nodes (see the module docstring)."""
 
     def __init__(self, settings: ControlSettings) -> None:
         self.settings = settings
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, NodeState] = {}
         # The law's time constants, in seconds: shares of signal_stale_ms (10 s by default).
         clock = self.stale_s = settings.signal_stale_ms / 1000
         self.hold_s = HOLD_SHARE * clock
@@ -270,13 +186,13 @@ class ReleaseControl:
         self._vip_at: float | None = None
         """When a VIP first token was last reported on any node of the pool."""
 
-    def node(self, name: str) -> _Node:
+    def node(self, name: str) -> NodeState:
         state = self._nodes.get(name)
         if state is None:
-            state = self._nodes[name] = _Node(float(self.settings.prefill_tokens_per_s))
+            state = self._nodes[name] = NodeState(float(self.settings.prefill_tokens_per_s))
         return state
 
-    def _observe_rate(self, s: _Node, prompt_total: float | None, read_at: float, seq: int,
+    def _observe_rate(self, s: NodeState, prompt_total: float | None, read_at: float, seq: int,
                       waiting: int) -> bool:
         """Learn from a new reading of the prompt counter; False when there is none."""
         if prompt_total is None or seq == s.seq:
@@ -304,7 +220,7 @@ class ReleaseControl:
         s.rate = max(s.rate, s.observed)
         return True
 
-    def _observe_reports(self, s: _Node, reports: tuple[int, int] | None, now: float,
+    def _observe_reports(self, s: NodeState, reports: tuple[int, int] | None, now: float,
                          used: bool) -> None:
         if s.at is not None:
             decay = math.exp(-max(0.0, now - s.at) / self.signal_tau_s)
@@ -340,11 +256,11 @@ class ReleaseControl:
         elif not self._fresh(s, now):
             s.gain = 1.0
 
-    def _fresh(self, s: _Node, now: float) -> bool:
+    def _fresh(self, s: NodeState, now: float) -> bool:
         """A VIP first token was reported on the node within `signal_stale_ms`."""
         return s.reported_at is not None and now - s.reported_at <= self.stale_s
 
-    def _observe_step(self, s: _Node, itl: tuple[float, float] | None, seq: int) -> bool:
+    def _observe_step(self, s: NodeState, itl: tuple[float, float] | None, seq: int) -> bool:
         """The step time from a new reading of the inter-token histogram: a mean over every
         token decoded since the last one. False when there is no new one."""
         if itl is None or seq == s.itl_seq:
@@ -360,7 +276,7 @@ class ReleaseControl:
         s.min_step_s = s.step_s if s.min_step_s is None else min(s.min_step_s, s.step_s)
         return True
 
-    def _learn_calm_step(self, s: _Node, now: float) -> None:
+    def _learn_calm_step(self, s: NodeState, now: float) -> None:
         """Average the step time over calm polls, from the first ones while they are few."""
         assert s.step_s is not None
         dt = 0.0 if s.calm_at is None else max(0.0, now - s.calm_at)
@@ -370,7 +286,7 @@ class ReleaseControl:
         base = s.step_s if s.calm_step_s is None else s.calm_step_s
         s.calm_step_s = base + weight * (s.step_s - base)
 
-    def _running_limit(self, s: _Node, running: int | None, objective_ms: float,
+    def _running_limit(self, s: NodeState, running: int | None, objective_ms: float,
                       calm_p99_ms: float | None, now: float) -> int | None:
         """The sequences the node may run before Normal and Batch wait (module docstring:
         L); None when no limit holds."""
@@ -382,7 +298,7 @@ class ReleaseControl:
         budget_s = max(0.0, objective_ms - calm_p99_ms) / 1000 / STEP_SPAN
         return max(floor, _batch_for(running, s.calm_step_s + budget_s, s.step_s))
 
-    def _lane_cap(self, s: _Node, running: int | None, guests: int,
+    def _lane_cap(self, s: NodeState, running: int | None, guests: int,
                   calm_p99_ms: float | None) -> int:
         """The Normal and Batch tasks a lane may hold alive (module docstring: C); -1 when
         its engine reports no step time."""

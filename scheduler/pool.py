@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from admission.config import PoolSettings, SchedulerSettings
-from admission.reads import finite_number
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -29,8 +28,9 @@ from scheduler.budget import (
     pool_usage,
 )
 from scheduler.calm import CalmBaseline
-from scheduler.control import REFILL_POLLS, NodeRoom, ReleaseControl
+from scheduler.control import REFILL_POLLS, ReleaseControl
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
+from scheduler.nodestate import NodeRoom, learned_control
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.running import Indexed, prefill_tasks, tasks_by_node
 from scheduler.scrape import NodeView, Poller
@@ -51,7 +51,7 @@ class Snapshot:
     running index (scheduler.control: the published room is a limit on this count)."""
     prefill_overdrawn: Mapping[str, int] = field(default_factory=dict)
     """Prompt tokens light tenants released per node beyond the room so far (the rooms that
-    follow pay them back: scheduler.control.take_overdraw)."""
+    follow pay them back: scheduler.nodestate.take_overdraw)."""
     vip_reports: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """VIP first tokens per node and those later than the objective (monotonic counts)."""
     vip_histogram: Mapping[int, int] = field(default_factory=dict)
@@ -70,23 +70,6 @@ class Snapshot:
 
 def _ms(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1000:.2f}"
-
-
-def learned_control(state: Mapping[str, str]
-                    ) -> dict[str, tuple[float, float, float, float]]:
-    """node -> (prefill rate, gain, calm step, shortest step; steps in seconds) as a leader
-    published them in the state hash (`prefill_rate:<node>`, `prefill_gain:<node>`,
-    `calm_step_ms:<node>`, `floor_step_ms:<node>` of a lane; a missing or unreadable gain
-    reads 1, a missing step 0: not learned)."""
-    out: dict[str, tuple[float, float, float, float]] = {}
-    for field_name, raw in state.items():
-        kind, _, node = field_name.partition(":")
-        if kind != "prefill_rate" or not node:
-            continue
-        out[node] = (finite_number(raw), finite_number(state.get(f"prefill_gain:{node}"), 1.0),
-                     finite_number(state.get(f"calm_step_ms:{node}")) / 1000,
-                     finite_number(state.get(f"floor_step_ms:{node}")) / 1000)
-    return out
 
 
 @dataclass(slots=True)

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from admission.config import ConfigError, parse_config
 from admission.controlconfig import ControlSettings
 from scheduler.calm import CalmBaseline
-from scheduler.control import GAIN_MAX, ReleaseControl, _Node, backlog, take_overdraw
-from scheduler.pool import learned_control
+from scheduler.control import GAIN_MAX, ReleaseControl, backlog
+from scheduler.nodestate import NodeState, learned_control, take_overdraw
 
 POLL_S = 0.05
 TICK_S = 0.005
@@ -354,7 +354,7 @@ def test_overdraws_are_paid_back_from_the_rooms_that_follow(
     the room before paying. A poll takes the least of what is owed and its room; what is owed
     is everything overdrawn since the first reading less what was taken; nothing is taken
     from a room of 0 and nothing before the first reading is owed."""
-    node = _Node(rate=1.0)
+    node = NodeState(rate=1.0)
     total, owed, paid = first, 0, 0
     assert take_overdraw(node, total, 1_000) == 0
     for overdrawn, room in polls:

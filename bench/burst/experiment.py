@@ -280,8 +280,8 @@ def fallback_section(settings: Settings, summaries: Sequence[ArmSummary],
     verdicts = one_draw(ideal, arms)
     margin = slack([{"cell": {}, "points": {"under_bar": ideal}}], [{"cell": {}, "arms": arms}])
     reach = float(ideal["goodput_ratio"])
-    above = (f" (and no arm above it by more than {margin:.1%} of the bound, the margin a "
-             "greedy ideal is given)" if margin > 0 else "")
+    above = (f" (an arm did {margin:.1%} of the bound more, and a greedy ideal is not a bound: "
+             "it is counted that much higher)" if margin > 0 else "")
     reachable = next(iter(verdicts.values())).reachable if verdicts else True
     rule = (f"{GOODPUT_BAR:.0%} is within its reach, so the bar stands." if reachable else
             f"{GOODPUT_BAR:.0%} is out of its reach on this draw, so an arm passes the goodput "

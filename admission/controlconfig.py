@@ -67,6 +67,17 @@ class ControlSettings:
     third of what this many times the pool's calm VIP P99 leaves over that P99 (the
     configured objective stands in for the P99 until learned; the lane cap C of
     scheduler/control.py)."""
+    lane_output: int = at_least(0, 0)
+    """A lane takes a Normal or Batch task only if the output it declares (its `max_tokens`,
+    or the pool's `default_max_tokens` when it sends none) is at most this many tokens (0, the
+    default: any). A long generation holds the lane's batch for minutes, so a lane whose cap
+    closes in a flood would stay long until those already there end."""
+    lane_on_miss: bool = False
+    """The lane's cap holds only from a poll at which more than `vip_miss_target` of the
+    pool's recent VIP first tokens were later than the objective, until the pool is calm again
+    (for `signal_stale_ms`) with no such poll for `signal_stale_ms`; until then a lane takes
+    Normal and Batch work as any node does (but long prompts and, with `lane_output`, long
+    outputs). Off (the default): the cap always holds."""
     vip_miss_target: float = between(0.0, 1.0, 0.01)
     """Share of VIP first tokens that may be later than the objective (0.01: the objective is
     a P99) before the window shrinks."""

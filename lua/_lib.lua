@@ -52,7 +52,7 @@ end
 -- The state hash's fields that say where a task may run (placement_of()).
 local PLACEMENT_FIELDS = {'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt',
   'dedicated_guest_cap', 'dedicated_guest_rate', 'dedicated_guest_output',
-  'dedicated_guests_closed', 'prefill_quiet', 'vip_ttft_objective_ms'}
+  'dedicated_guests_closed', 'prefill_quiet', 'vip_ttft_objective_ms', 'lane_output'}
 -- The state hash's fields a capacity 429's hint is computed from (hint_facts()).
 local HINT_FIELDS = {'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2', 'red_clear_s'}
 -- What admit.lua reads of the state hash: both of the above.

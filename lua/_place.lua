@@ -35,7 +35,8 @@ local function placement_of(st)
           guest_rate = tonumber(st.dedicated_guest_rate or '0') or 0,
           guest_output = tonumber(st.dedicated_guest_output or '0') or 0,
           quiet = tonumber(st.prefill_quiet or '0') or 0,
-          vip_hold_us = (tonumber(st.vip_ttft_objective_ms or '0') or 0) * 1000}
+          vip_hold_us = (tonumber(st.vip_ttft_objective_ms or '0') or 0) * 1000,
+          lane_output = tonumber(st.lane_output or '0') or 0}
 end
 
 -- Prefill room: how many prompt tokens of Normal and Batch work each node may still be given
@@ -174,13 +175,16 @@ end
 -- flood. VIP is placed there by the usual rules (least_queued() steers it to the quiet node
 -- running the fewest sequences, which in a flood is the lane); a Normal or Batch task goes to
 -- a lane only with a prompt of at most twice its window (a long document's prefill would hold
--- every VIP chat there for its whole length) and while fewer than the lane's cap of such
+-- every VIP chat there for its whole length), with a declared output (`output`: its KV cost
+-- less its prompt) of at most `placement.lane_output` when that is set (a long generation
+-- would hold the lane's batch for minutes), and while fewer than the lane's cap of such
 -- tasks are alive on it (`gst_key`, the guests count: the placement joins it, the task's end
 -- leaves it; a cap of -1 counts nothing, the leader has not learned one yet). Exact across
 -- gateways: the count moves in the same script as the placement.
-local function lane_takes(compute, gst_key, node, prompt_tokens)
+local function lane_takes(compute, gst_key, node, prompt_tokens, output, lane_output)
   if compute == nil or compute.lane == nil then return true end
   if prompt_tokens > 2 * compute.window then return false end
+  if lane_output > 0 and output > lane_output then return false end
   return compute.lane < 0
     or (tonumber(redis.call('HGET', gst_key, node) or '0') or 0) < compute.lane
 end
@@ -348,7 +352,8 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
           and now - compute.vip_at < placement.vip_hold_us
         allowed = takes_prompt(compute, computes, need, node, prompt_tokens, light, held,
                                vip_held)
-          and lane_takes(compute, gst_key, node, prompt_tokens)
+          and lane_takes(compute, gst_key, node, prompt_tokens, cost - prompt_tokens,
+                         placement.lane_output)
         -- Only what the light rule alone let through is an overdraw (prefill_taken()).
         overdraw = light and allowed
           and not takes_prompt(compute, computes, need, node, prompt_tokens, false, held,

@@ -6,7 +6,9 @@
 --                                dedicated_guests_closed (see place() in _place.lua),
 --                                prefill_quiet (quiet nodes kept, count; place()),
 --                                vip_ttft_objective_ms (a VIP placement's hold on long
---                                prefills, prefill_taken()), red_clear_s (s), by the scheduler
+--                                prefills, prefill_taken()), lane_output (tokens, a
+--                                lane's bound on declared outputs, lane_takes()),
+--                                red_clear_s (s), by the scheduler
 -- KEYS[2]  clock            HASH  last_us, frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens this task's tier may reserve there (the
 --                                tier's own hash: node_capacity, node_capacity:normal or

@@ -5,7 +5,8 @@
 --                                dedicated_guest_rate, dedicated_guest_output,
 --                                dedicated_guests_closed, prefill_quiet (where each
 --                                task may run, see place() in _place.lua),
---                                vip_ttft_objective_ms (prefill_taken() in _place.lua)
+--                                vip_ttft_objective_ms (prefill_taken() in _place.lua),
+--                                lane_output (tokens, lane_takes() in _place.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens VIP may reserve there
 -- KEYS[4]  node_reserved    HASH  node -> tokens

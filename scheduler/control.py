@@ -67,7 +67,14 @@ Per node, every poll (all in prompt tokens and seconds):
         calm step (longer: a looser cap until a shorter step is read): one that took over in
         a flood would otherwise read only the flood's steps.
         Unlike L it holds without VIP reports: a lane must be short when VIP arrives, not
-        a poll after, and the long generations it would otherwise take run for minutes
+        a poll after, and the long generations it would otherwise take run for minutes.
+        With `lane_on_miss` it holds only once the pool's VIP first tokens have missed the
+        objective (more than `vip_miss_target` of the recent ones), and from then on until
+        the pool is calm again with no such miss for `signal_stale_ms`; before, -1 (no cap). A lane then
+        costs nothing where VIP keeps its objective without it, and `lane_output` (the
+        scripts refuse a lane any task declaring a longer output) keeps the minutes-long
+        generations off it, so that a cap that closes in a flood holds within the short
+        tasks' lifetimes
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
         `max_engine_running` sequences or L, else at most the places L leaves (L - running -
         waiting - released since the reading) x the node's mean prompt, less
@@ -185,6 +192,15 @@ class ReleaseControl:
         self.calm_step_tau_s = CALM_STEP_TAU_SHARE * clock
         self._vip_at: float | None = None
         """When a VIP first token was last reported on any node of the pool."""
+        self._pool_recent = (0.0, 0.0, -math.inf)
+        """The pool's recent VIP first tokens and those later than the objective (decayed
+        as each node's are), and when they were last decayed."""
+        self._excess = 0
+        """Reports so far that took the pool's recent miss share past `vip_miss_target`."""
+        self._excess_seen = 0
+        self._engaged_at: float | None = None
+        """With `lane_on_miss`, while the lanes' caps hold: when such a report was last seen
+        (`lanes_engaged`)."""
 
     def node(self, name: str) -> NodeState:
         state = self._nodes.get(name)
@@ -240,6 +256,12 @@ class ReleaseControl:
             self._vip_at = now if self._vip_at is None else max(self._vip_at, now)
             s.n_recent += n
             s.over_recent += over
+            pool_n, pool_over, at = self._pool_recent
+            decay = math.exp(-max(0.0, now - at) / self.signal_tau_s) if at > -math.inf else 0.0
+            pool_n, pool_over = pool_n * decay + n, pool_over * decay + over
+            self._pool_recent = (pool_n, pool_over, now)
+            if over > 0 and pool_over > self.settings.vip_miss_target * pool_n:
+                self._excess += 1  # (lanes_engaged)
             miss = s.over_recent / s.n_recent
             if over > 0 and miss > self.settings.vip_miss_target:
                 # A window the node did not keep half full did not make these chats late: the
@@ -312,6 +334,23 @@ class ReleaseControl:
         total = _batch_for(running, s.min_step_s + budget_s, s.step_s)
         s.lane_cap = max(0, total - max(0, running - guests))
         return s.lane_cap
+
+    def lanes_engaged(self, now: float, settled: bool) -> bool:
+        """Whether the lanes' caps hold now (module docstring: C). Always, unless
+        `lane_on_miss`: then from a report that took the pool's recent share of VIP first
+        tokens later than the objective past `vip_miss_target`, until the pool is calm
+        (`settled`: calm for `signal_stale_ms`) with no such report for `signal_stale_ms`. A
+        flood therefore keeps the caps once VIP has missed in it: a lane that opened each
+        time VIP recovered would take the flood's work again and make the next chats late
+        before the next miss closed it."""
+        if not self.settings.lane_on_miss:
+            return True
+        if self._excess != self._excess_seen:
+            self._excess_seen, self._engaged_at = self._excess, now
+        elif (self._engaged_at is not None and settled
+              and now - self._engaged_at >= self.stale_s):
+            self._engaged_at = None
+        return self._engaged_at is not None
 
     def update(
         self,
@@ -414,7 +453,10 @@ class ReleaseControl:
             self._learn_calm_step(s, now)
         room -= take_overdraw(s, overdrawn, room)
         miss = s.over_recent / s.n_recent if s.n_recent > 0 else 0.0
-        lane_cap = self._lane_cap(s, running, guests, calm_p99_ms) if lane else None
+        lane_cap = None
+        if lane:
+            lane_cap = (self._lane_cap(s, running, guests, calm_p99_ms)
+                        if self.lanes_engaged(now, settled) else -1)
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
                         s.step_s, s.calm_step_s, lane_cap, s.min_step_s)
 
@@ -430,6 +472,9 @@ class ReleaseControl:
         and positive are ignored."""
         self._nodes = {}
         self._vip_at = None
+        self._pool_recent = (0.0, 0.0, -math.inf)
+        self._excess = self._excess_seen = 0
+        self._engaged_at = None
         for name, (rate, gain, calm_step, floor_step) in learned.items():
             if not (math.isfinite(rate) and rate > 0):
                 continue

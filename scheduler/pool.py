@@ -330,6 +330,7 @@ class PoolScheduler:
             calm = result.calm_p99_ms
             extra["vip_calm_p99_ms"] = "" if calm is None else f"{calm:.1f}"
             extra["prefill_quiet"] = self.pool.control.quiet_nodes
+            extra["lane_output"] = self.pool.control.lane_output
             for name, room in result.rooms.items():
                 extra[f"prefill_window:{name}"] = room.window
                 extra[f"prefill_backlog:{name}"] = room.backlog

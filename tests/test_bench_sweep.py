@@ -35,9 +35,14 @@ def test_points_parse_and_name_themselves() -> None:
     assert Point.parse("l=0") == Point(lane_nodes=0) and Point(lane_nodes=0).label == "l=0"
     assert Point.parse("s=1.5").vip_slowdown == 1.5
     assert Point.parse("l=1,ls=1.5") == Point(lane_nodes=1, lane_slowdown=1.5)
-    for spec in ("default", "o=120", "r=16", "o=120,r=16", "m=0,s=0", "s=1.5,m=4", "l=1,ls=2"):
+    assert Point.parse("l=1,lo=1024,le=1") == Point(lane_nodes=1, lane_output=1024,
+                                                    lane_on_miss=True)
+    assert Point.parse("le=0").lane_on_miss is False
+    for spec in ("default", "o=120", "r=16", "o=120,r=16", "m=0,s=0", "s=1.5,m=4", "l=1,ls=2",
+                 "l=1,ls=2,lo=1024,le=1", "le=0"):
         assert Point.parse(spec).label == (spec if spec != "s=1.5,m=4" else "m=4,s=1.5")
-    for bad in ("o=0", "x=3", "o", "", "r=-1", "o=fast", "s=0.5", "m=-1", "ls=0.9", "ls=101"):
+    for bad in ("o=0", "x=3", "o", "", "r=-1", "o=fast", "s=0.5", "m=-1", "ls=0.9", "ls=101",
+                "le=2", "lo=-1"):
         with pytest.raises(ValueError):
             Point.parse(bad)
 

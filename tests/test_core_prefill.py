@@ -348,6 +348,32 @@ async def test_a_lane_takes_no_long_prompt_and_a_cap_of_minus_one_counts_nothing
     assert state_hash["node-a:lane"] == "-1" and "node-b:lane" not in state_hash
 
 
+async def test_a_lane_takes_no_normal_or_batch_task_declaring_a_longer_output_than_its_bound(
+        redis_client: aioredis.Redis) -> None:
+    """`lane_output` 500 published: Normal and Batch chats declaring at most 500 output tokens
+    go to the lane (node-a; node-b has no KV room), longer ones queue, and VIP passes whatever it
+    declares. Not published (0), the lane takes any output."""
+    async def admit(store: PoolStore, task_id: str, tier: Tier, max_tokens: int) -> str | None:
+        got = await store.admit(task_id=task_id, tenant=TENANT, tier=tier, prompt_tokens=100,
+                                max_tokens=max_tokens, gateway="gw", queue_timeout_ms=60_000)
+        return got.node if got.outcome.value == "released" else got.outcome.value
+
+    rooms = {"node-a": (100_000, 100_000, 0, 3, -1)}
+    caps = {"node-a": BIG, "node-b": 0}
+    bounded = await _store(redis_client, "bounded")
+    await bounded.publish_state(1, Zone.GREEN, caps, {"lane_output": 500}, prefill=rooms)
+    assert await admit(bounded, "n-short", Tier.NORMAL, 500) == "node-a"
+    assert await admit(bounded, "b-short", Tier.BATCH, 20) == "node-a"
+    assert await admit(bounded, "v-long", Tier.VIP, 4_000) == "node-a"
+    assert await admit(bounded, "n-long", Tier.NORMAL, 501) == "queued"
+    await redis_client.delete(*bounded.keys.queues)
+    assert await admit(bounded, "b-long", Tier.BATCH, 4_000) == "queued"
+    assert await _count(redis_client, bounded.keys.node_guests, "node-a") == 2
+    unbounded = await _store(redis_client, "unbounded")
+    await unbounded.publish_state(1, Zone.GREEN, caps, prefill=rooms)
+    assert await admit(unbounded, "n-long", Tier.NORMAL, 4_000) == "node-a"
+
+
 async def test_a_one_node_pool_runs_long_prompts_with_a_quiet_node_asked_for(
         redis_client: aioredis.Redis) -> None:
     store = await _store(redis_client)
@@ -640,7 +666,8 @@ async def test_the_leader_keeps_the_first_shared_node_as_a_lane_and_publishes_it
     not one: at most all but one shared node). Before any step time is read it may start one
     task; once its engine reports a step within budget, the cap is the batch that step allows
     less the sequences that are not the lane's Normal and Batch tasks. Published in the
-    scripts' hash, the state hash and the metrics; with lane_nodes 0 there is none."""
+    scripts' hash, the state hash and the metrics, with the lane's bound on declared outputs;
+    with lane_nodes 0 there is none."""
     fakes = [FakeVllm(running=4, prompt_tokens=0.0, itl=(0.0, 0.0)) for _ in range(3)]
     async with (serve_fake(fakes[0]) as u1, serve_fake(fakes[1]) as u2,
                 serve_fake(fakes[2]) as u3):
@@ -649,7 +676,8 @@ async def test_the_leader_keeps_the_first_shared_node_as_a_lane_and_publishes_it
             config = make_config(redis_url, backends, dedicated={"nodes": ["n1"],
                                                                  "tiers": ["vip"]},
                                  control={"vip_ttft_objective_ms": 300,
-                                          "lane_nodes": lane_nodes})
+                                          "lane_nodes": lane_nodes,
+                                          "lane_output": 600 * lane_nodes})
             async with pool_scheduler(redis_client, config) as ps:
                 for fake in fakes:
                     fake.itl = (0.0, 0.0)
@@ -662,6 +690,7 @@ async def test_the_leader_keeps_the_first_shared_node_as_a_lane_and_publishes_it
                     assert not any(f.endswith(":lane") for f in scripts)
                     continue
                 assert published["lane_cap:n2"] == "1" and scripts["n2:lane"] == "1"
+                assert published["lane_output"] == "600"  # what the scripts bound outputs by
                 assert "lane_cap:n3" not in published and "n3:lane" not in scripts
                 # 10 tokens at 20 ms, the shortest step read; the objective (300 ms) stands
                 # in for the calm P99: the step may reach 20 + 20 ms.

@@ -160,3 +160,52 @@ def test_a_new_leader_starts_from_the_published_shortest_step() -> None:
                     lane=True, calm_p99_ms=90.0, guests=28)
     budget = 0.2 * 90.0 / 1000 / STEP_SPAN
     assert room.lane_cap == max(0, math.floor(30 * (0.015 + budget) / 0.050 + 1e-9) - 2)
+
+
+def test_on_miss_the_cap_holds_from_a_pool_miss_until_the_pool_has_been_calm() -> None:
+    """`lane_on_miss`: no cap (-1) while the pool's VIP first tokens keep the objective; a
+    report whose misses take the pool's recent share past `vip_miss_target`, on any node, closes
+    the lane at its next poll; a flood (not settled) keeps it closed without further misses;
+    calm with no such report for `signal_stale_ms` opens it again. Off, the cap holds
+    throughout."""
+    settings = ControlSettings(lane_on_miss=True)
+    stale = settings.signal_stale_ms / 1000
+    itl = [0.0, 0.0]
+    reports = {"lane": (0, 0), "other": (0, 0)}
+    budget = 0.2 * 90.0 / 1000 / STEP_SPAN
+    capped = max(0, math.floor(30 * (0.010 + budget) / 0.050 + 1e-9) - (30 - 28))
+
+    def poll(c: ReleaseControl, t: float, settled: bool, report: tuple[int, int] | None = None,
+             step: float = 0.050) -> int | None:
+        if report is not None:
+            n, over = reports["other"]
+            reports["other"] = (n + report[0], over + report[1])
+        c.update("other", tasks=(), now=t, seq=int(t * 10), running=10,
+                 reports=reports["other"], settled=settled)
+        itl[0] += 10 * step
+        itl[1] += 10
+        return c.update("lane", tasks=(), now=t, seq=int(t * 10), running=30,
+                        itl=(itl[0], itl[1]), lane=True, guests=28, calm_p99_ms=90.0,
+                        reports=reports["lane"], settled=settled).lane_cap
+
+    c = ReleaseControl(settings)
+    poll(c, 0.0, settled=True, step=0.010)
+    assert poll(c, 1.0, settled=True, report=(200, 1), step=0.010) == -1  # 0.5%: within
+    assert poll(c, 2.0, settled=False, report=(100, 0)) == -1  # a flood alone does not close it
+    assert 0 < capped < 28
+    assert poll(c, 3.0, settled=False, report=(50, 5)) == capped  # 6 of 350 recent: closed
+    for t in (4.0, 3.0 + stale, 3.0 + 3 * stale):
+        assert poll(c, t, settled=False, report=(100, 0)) == capped, t  # the flood keeps it
+    # Calm (settled: for `signal_stale_ms` already) with no miss for as long: open again.
+    assert poll(c, 3.0 + 3 * stale, settled=True) == -1
+    # A miss at calm closes it for `signal_stale_ms`, calm or not.
+    t = 4.0 + 3 * stale
+    assert poll(c, t, settled=True, report=(10, 5)) == capped
+    assert poll(c, t + 0.5 * stale, settled=True, report=(100, 0)) == capped
+    assert poll(c, t + stale, settled=True) == -1
+    always = ReleaseControl(ControlSettings())
+    itl[:] = [0.0, 0.0]
+    poll(always, 0.0, settled=True, step=0.010)
+    short = math.floor(30 * (0.010 + budget) / 0.010 + 1e-9) - (30 - 28)
+    assert poll(always, 1.0, settled=True, step=0.010) == short  # a cap, if a loose one
+    assert poll(always, 2.0, settled=True) == capped

@@ -97,6 +97,11 @@ class Settings:
     """Arm (c): `control.lane_nodes` of the pool (0: no lane); None = the project's default."""
     lane_slowdown: float | None = None
     """Arm (c): `control.lane_slowdown` of the pool; None = the project's default."""
+    lane_output: int | None = None
+    """Arm (c): `control.lane_output` of the pool (tokens, 0: any); None = the project's
+    default."""
+    lane_on_miss: bool | None = None
+    """Arm (c): `control.lane_on_miss` of the pool; None = the project's default."""
     batch_ceiling: float | None = None
     """Arm (c): `zones.batch_ceiling` of the pool; None = the project's default."""
     vip_ceiling: float | None = None
@@ -224,6 +229,10 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
         explored.append(f"lane_nodes = {settings.lane_nodes}")
     if settings.lane_slowdown is not None:
         explored.append(f"lane_slowdown = {settings.lane_slowdown!r}")
+    if settings.lane_output is not None:
+        explored.append(f"lane_output = {settings.lane_output}")
+    if settings.lane_on_miss is not None:
+        explored.append(f"lane_on_miss = {'true' if settings.lane_on_miss else 'false'}")
     objective = settings.vip_ttft_objective_ms
     speed = settings.time_scale
     running_min = d.running_min if settings.running_min is None else settings.running_min

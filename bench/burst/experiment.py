@@ -394,6 +394,12 @@ def _zone_overrides(settings: Settings) -> str:
         named.append(f"`control.lane_nodes = {settings.lane_nodes}`")
     if settings.vip_slowdown is not None:
         named.append(f"`control.vip_slowdown = {settings.vip_slowdown:g}`")
+    if settings.lane_slowdown is not None:
+        named.append(f"`control.lane_slowdown = {settings.lane_slowdown:g}`")
+    if settings.lane_output is not None:
+        named.append(f"`control.lane_output = {settings.lane_output}`")
+    if settings.lane_on_miss is not None:
+        named.append(f"`control.lane_on_miss = {str(settings.lane_on_miss).lower()}`")
     return " except " + ", ".join(named) if named else ""
 
 

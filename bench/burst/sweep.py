@@ -18,7 +18,10 @@ converted to the lab clock as the defaults are (bench.burst.expconfig):
 * ``s=<x>``: ``control.vip_slowdown``, the objective as a multiple of the learned calm P99 (0:
   the absolute ``vip_ttft_objective_ms``). ``m=0,s=0`` is the control without either;
 * ``l=<n>``: ``control.lane_nodes``, the nodes kept as VIP lanes (0: none);
-* ``ls=<x>``: ``control.lane_slowdown``, how far a lane's decode step may grow (from 1 to 100).
+* ``ls=<x>``: ``control.lane_slowdown``, how far a lane's decode step may grow (from 1 to 100);
+* ``lo=<tokens>``: ``control.lane_output``, the longest output a lane's Normal and Batch tasks
+  may declare (0: any);
+* ``le=<0|1>``: ``control.lane_on_miss``, a lane's cap only once VIP has missed in a flood.
 
 Writes ``<out>/sweep-<scale>-<mix>-n<size>-s<seed>.md`` (per point: the VIP criterion, its
 engine part, goodput as work and as tokens against their upper bounds, KV peak, preemptions,
@@ -155,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("points", nargs="+",
                    help="default, or comma-separated o=<ms>, r=<n>, m=<n>, s=<x>, l=<n>, "
-                        "ls=<x> (see above)")
+                        "ls=<x>, lo=<tokens>, le=<0|1> (see above)")
     p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
     p.add_argument("--mix", choices=list(MIXES), required=True)
     p.add_argument("--size", type=int, required=True, help="nodes")

@@ -70,11 +70,11 @@ Per node, every poll (all in prompt tokens and seconds):
         a poll after, and the long generations it would otherwise take run for minutes.
         With `lane_on_miss` it holds only once the pool's VIP first tokens have missed the
         objective (more than `vip_miss_target` of the recent ones), and from then on until
-        the pool is calm again with no such miss for `signal_stale_ms`; before, -1 (no cap). A lane then
-        costs nothing where VIP keeps its objective without it, and `lane_output` (the
-        scripts refuse a lane any task declaring a longer output) keeps the minutes-long
-        generations off it, so that a cap that closes in a flood holds within the short
-        tasks' lifetimes
+        the pool is calm again with no such miss for `signal_stale_ms`; before, -1 (no
+        cap; so also for a new leader until VIP misses again). A lane then costs nothing
+        where VIP keeps its objective without it, and `lane_output` (the scripts refuse a
+        lane any task declaring a longer output) keeps the minutes-long generations off it,
+        so that a cap that closes in a flood holds within the short tasks' lifetimes
     room = X - B (negative: B beyond the window), at most 0 while the engine runs more than
         `max_engine_running` sequences or L, else at most the places L leaves (L - running -
         waiting - released since the reading) x the node's mean prompt, less

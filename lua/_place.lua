@@ -241,7 +241,12 @@ local function least_queued(candidates, best, cost)
     return any and out, top
   end
   local function running(c) return c[4] and c[4].running end
-  local out, top = pick(function(c) return is_quiet(c[4]) end)
+  -- A lane whose cap holds (lane_takes()) counts as quiet here: what queues there is a few
+  -- short prompts at most, and its short batch is what VIP is steered by; a chat sent to a
+  -- node with four times its batch because the lane had a chat or two to prefill waits there
+  -- for a long step or two.
+  local function for_vip(c) return is_quiet(c[4]) or (c[4] and (c[4].lane or -1) >= 0) end
+  local out, top = pick(for_vip)
   if out then
     local least = nil
     for group = 1, 2 do
@@ -253,7 +258,7 @@ local function least_queued(candidates, best, cost)
     if least then
       local most = least + math.max(RUNNING_SLACK_MIN, math.ceil(least * RUNNING_SLACK))
       local idle, idle_top = pick(function(c)
-        return is_quiet(c[4]) and (running(c) or 0) <= most end)
+        return for_vip(c) and (running(c) or 0) <= most end)
       if idle then return idle, idle_top end
     end
     return out, top

@@ -348,6 +348,21 @@ async def test_a_lane_takes_no_long_prompt_and_a_cap_of_minus_one_counts_nothing
     assert state_hash["node-a:lane"] == "-1" and "node-b:lane" not in state_hash
 
 
+async def test_vip_goes_to_a_lane_with_a_cap_even_when_its_prefill_room_is_short(
+        redis_client: aioredis.Redis) -> None:
+    """node-a is a lane whose cap holds (2) and whose room is spent (not quiet), running 5
+    sequences; node-b is quiet and runs 50: a VIP chat goes to the lane, for its short batch.
+    A lane without a cap (-1: open) and a node that is no lane are steered by quietness as
+    before: the chat goes to node-b."""
+    caps = {"node-a": BIG, "node-b": BIG}
+    for lane, expect in ((2, "node-a"), (0, "node-a"), (-1, "node-b"), (None, "node-b")):
+        store = await _store(redis_client, f"lane{lane}")
+        a: tuple[int, ...] = (0, 1_000, 0, 5) if lane is None else (0, 1_000, 0, 5, lane)
+        await store.publish_state(1, Zone.GREEN, caps,
+                                  prefill={"node-a": a, "node-b": (1_000, 1_000, 0, 50)})
+        assert await _admit(store, "vip", Tier.VIP, 300) == ("released", expect), lane
+
+
 async def test_a_lane_takes_no_normal_or_batch_task_declaring_a_longer_output_than_its_bound(
         redis_client: aioredis.Redis) -> None:
     """`lane_output` 500 published: Normal and Batch chats declaring at most 500 output tokens

@@ -206,6 +206,16 @@ def default_max_tokens(settings: Settings) -> int:
     return max(room, max(c.output.hi for c in settings.classes))
 
 
+def unscaled_control(settings: Settings) -> list[str]:
+    """Arm (c)'s `[pools.control]` lines, explored away from the defaults, whose values need
+    no change of units on the lab clock (multiples, counts of nodes and tokens, switches)."""
+    values = (("vip_slowdown", settings.vip_slowdown), ("lane_nodes", settings.lane_nodes),
+              ("lane_slowdown", settings.lane_slowdown), ("lane_output", settings.lane_output),
+              ("lane_on_miss", settings.lane_on_miss))
+    return [f"{name} = {str(value).lower() if isinstance(value, bool) else repr(value)}"
+            for name, value in values if value is not None]
+
+
 def control_on_the_lab_clock(settings: Settings) -> list[str]:
     """Arm (c)'s `[pools.control]` and `[pools.engine]`: the shipped defaults, converted to the
     simulation's units.
@@ -223,16 +233,7 @@ def control_on_the_lab_clock(settings: Settings) -> list[str]:
     if settings.max_engine_running is not None:
         running = max(1, round(settings.max_engine_running * settings.capacity_scale))
         explored = [f"max_engine_running = {running if settings.max_engine_running else 0}"]
-    if settings.vip_slowdown is not None:
-        explored.append(f"vip_slowdown = {settings.vip_slowdown!r}")
-    if settings.lane_nodes is not None:
-        explored.append(f"lane_nodes = {settings.lane_nodes}")
-    if settings.lane_slowdown is not None:
-        explored.append(f"lane_slowdown = {settings.lane_slowdown!r}")
-    if settings.lane_output is not None:
-        explored.append(f"lane_output = {settings.lane_output}")
-    if settings.lane_on_miss is not None:
-        explored.append(f"lane_on_miss = {'true' if settings.lane_on_miss else 'false'}")
+    explored += unscaled_control(settings)
     objective = settings.vip_ttft_objective_ms
     speed = settings.time_scale
     running_min = d.running_min if settings.running_min is None else settings.running_min

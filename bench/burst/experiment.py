@@ -40,6 +40,7 @@ from bench.burst.expconfig import (
     ARMS,
     PRESETS,
     Settings,
+    unscaled_control,
     with_overrides,
     zone_overrides,
 )
@@ -390,16 +391,7 @@ def _zone_overrides(settings: Settings) -> str:
                      "(real scale)")
     if settings.running_min is not None:
         named.append(f"`control.running_min = {settings.running_min}` (real scale)")
-    if settings.lane_nodes is not None:
-        named.append(f"`control.lane_nodes = {settings.lane_nodes}`")
-    if settings.vip_slowdown is not None:
-        named.append(f"`control.vip_slowdown = {settings.vip_slowdown:g}`")
-    if settings.lane_slowdown is not None:
-        named.append(f"`control.lane_slowdown = {settings.lane_slowdown:g}`")
-    if settings.lane_output is not None:
-        named.append(f"`control.lane_output = {settings.lane_output}`")
-    if settings.lane_on_miss is not None:
-        named.append(f"`control.lane_on_miss = {str(settings.lane_on_miss).lower()}`")
+    named += [f"`control.{line}`" for line in unscaled_control(settings)]
     return " except " + ", ".join(named) if named else ""
 
 

@@ -192,15 +192,9 @@ class ReleaseControl:
         self.calm_step_tau_s = CALM_STEP_TAU_SHARE * clock
         self._vip_at: float | None = None
         """When a VIP first token was last reported on any node of the pool."""
-        self._pool_recent = (0.0, 0.0, -math.inf)
-        """The pool's recent VIP first tokens and those later than the objective (decayed
-        as each node's are), and when they were last decayed."""
-        self._excess = 0
-        """Reports so far that took the pool's recent miss share past `vip_miss_target`."""
-        self._excess_seen = 0
-        self._engaged_at: float | None = None
-        """With `lane_on_miss`, while the lanes' caps hold: when such a report was last seen
-        (`lanes_engaged`)."""
+        self._missed_at: float | None = None
+        """When a report last took the pool's recent share of VIP first tokens later than the
+        objective past `vip_miss_target`; None once the lanes open again (`_lanes_engaged`)."""
 
     def node(self, name: str) -> NodeState:
         state = self._nodes.get(name)
@@ -256,12 +250,8 @@ class ReleaseControl:
             self._vip_at = now if self._vip_at is None else max(self._vip_at, now)
             s.n_recent += n
             s.over_recent += over
-            pool_n, pool_over, at = self._pool_recent
-            decay = math.exp(-max(0.0, now - at) / self.signal_tau_s) if at > -math.inf else 0.0
-            pool_n, pool_over = pool_n * decay + n, pool_over * decay + over
-            self._pool_recent = (pool_n, pool_over, now)
-            if over > 0 and pool_over > self.settings.vip_miss_target * pool_n:
-                self._excess += 1  # (lanes_engaged)
+            if over > 0 and self._pool_miss_share(now) > self.settings.vip_miss_target:
+                self._missed_at = now
             miss = s.over_recent / s.n_recent
             if over > 0 and miss > self.settings.vip_miss_target:
                 # A window the node did not keep half full did not make these chats late: the
@@ -335,7 +325,17 @@ class ReleaseControl:
         s.lane_cap = max(0, total - max(0, running - guests))
         return s.lane_cap
 
-    def lanes_engaged(self, now: float, settled: bool) -> bool:
+    def _pool_miss_share(self, now: float) -> float:
+        """The share of the pool's recent VIP first tokens later than the objective: every
+        node's recent counts, decayed to `now` as each node's are."""
+        n = over = 0.0
+        for s in self._nodes.values():
+            if s.at is not None:
+                decay = math.exp(-max(0.0, now - s.at) / self.signal_tau_s)
+                n, over = n + s.n_recent * decay, over + s.over_recent * decay
+        return over / n if n > 0 else 0.0
+
+    def _lanes_engaged(self, now: float, settled: bool) -> bool:
         """Whether the lanes' caps hold now (module docstring: C). Always, unless
         `lane_on_miss`: then from a report that took the pool's recent share of VIP first
         tokens later than the objective past `vip_miss_target`, until the pool is calm
@@ -345,12 +345,10 @@ class ReleaseControl:
         before the next miss closed it."""
         if not self.settings.lane_on_miss:
             return True
-        if self._excess != self._excess_seen:
-            self._excess_seen, self._engaged_at = self._excess, now
-        elif (self._engaged_at is not None and settled
-              and now - self._engaged_at >= self.stale_s):
-            self._engaged_at = None
-        return self._engaged_at is not None
+        if (self._missed_at is not None and settled
+                and now - self._missed_at >= self.stale_s):
+            self._missed_at = None
+        return self._missed_at is not None
 
     def update(
         self,
@@ -456,7 +454,7 @@ class ReleaseControl:
         lane_cap = None
         if lane:
             lane_cap = (self._lane_cap(s, running, guests, calm_p99_ms)
-                        if self.lanes_engaged(now, settled) else -1)
+                        if self._lanes_engaged(now, settled) else -1)
         return NodeRoom(window, math.ceil(s.backlog), room, s.gain, s.rate, reason, limit, miss,
                         s.step_s, s.calm_step_s, lane_cap, s.min_step_s)
 
@@ -472,9 +470,7 @@ class ReleaseControl:
         and positive are ignored."""
         self._nodes = {}
         self._vip_at = None
-        self._pool_recent = (0.0, 0.0, -math.inf)
-        self._excess = self._excess_seen = 0
-        self._engaged_at = None
+        self._missed_at = None
         for name, (rate, gain, calm_step, floor_step) in learned.items():
             if not (math.isfinite(rate) and rate > 0):
                 continue

@@ -269,20 +269,25 @@ def test_one_run_judges_goodput_with_the_fallback_against_its_own_ideal() -> Non
                                    vip_ttft_base=(100.0, 150.0),
                                    vip_ttft_burst=(120.0, burst_p99))
     settings = PRESETS["short"]
+
+    def section(runs: list[ArmSummary], ideal: dict[str, Any] | None) -> str:
+        judged = judge_all(runs, settings.burst_sim_s, settings.drain_factor)
+        return "\n".join(fallback_section(runs, judged, ideal))
+
     runs = [summary("a", 0.84, 900.0), summary("c", 0.82, 160.0)]
-    out_of_reach = "\n".join(fallback_section(settings, runs, {"goodput_ratio": 0.847}))
+    out_of_reach = section(runs, {"goodput_ratio": 0.847})
     assert "reaches 84.7% of the goodput bound" in out_of_reach
     assert "out of its reach on this draw" in out_of_reach
     assert "| goodput (work done), with the fallback | 84.0% **FAIL** | 82.0% **PASS** |" in (
         out_of_reach)
     assert "| criteria met (of 7), goodput with the fallback | 5 | 7 |" in out_of_reach
-    within = "\n".join(fallback_section(settings, runs, {"goodput_ratio": 0.93}))
+    within = section(runs, {"goodput_ratio": 0.93})
     assert "within its reach, so the bar stands" in within
     assert "| 84.0% **FAIL** | 82.0% **FAIL** |" in within
     assert "| criteria met (of 7), goodput with the fallback | 5 | 6 |" in within
     # An arm above the ideal widens the reach by that much (a greedy ideal is not a bound).
     ahead = [summary("a", 0.95, 900.0), summary("c", 0.82, 160.0)]
-    widened = "\n".join(fallback_section(settings, ahead, {"goodput_ratio": 0.86}))
+    widened = section(ahead, {"goodput_ratio": 0.86})
     assert "an arm did 9.0% of the bound more" in widened
     assert "within its reach" in widened
-    assert fallback_section(settings, runs, None) == []
+    assert section(runs, None) == ""

@@ -197,9 +197,3 @@ def cell_table(arms: Sequence[str], judged: Sequence[Sequence[Verdict]],
     lines.append("| criteria met (of 7) | " + " | ".join(str(passed(v)) for v in judged) + " |")
     lines.append("| valid run | " + " | ".join(valid) + " |")
     return "\n".join(lines)
-
-
-def summaries_table(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
-                    ) -> str:
-    return cell_table([s.arm for s in summaries], judge_all(summaries, burst_sim_s, drain_factor),
-                      [validity(s) for s in summaries])

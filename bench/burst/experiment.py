@@ -34,7 +34,7 @@ from typing import Any
 from bench.burst import jsonlines
 from bench.burst.arm import ArmResult, flush_print, run_arm
 from bench.burst.capacity import CapacityResult, ideal_replay
-from bench.burst.criteria import GOODPUT_BAR, judge_all, passed, summaries_table
+from bench.burst.criteria import GOODPUT_BAR, Verdict, cell_table, judge_all, passed, validity
 from bench.burst.expconfig import (
     ARM_TITLES,
     ARMS,
@@ -44,7 +44,7 @@ from bench.burst.expconfig import (
     with_overrides,
     zone_overrides,
 )
-from bench.burst.fallback import one_draw, slack
+from bench.burst.fallback import one_draw
 from bench.burst.idealpoint import POINTS
 from bench.burst.idealpoint import replay as ideal_replay_valued
 from bench.burst.mixes import MIXES, with_mix
@@ -253,9 +253,11 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
         markdown_table(summaries, cap, settings.burst_sim_s),
         "",
     ]
+    judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
     parts += ["## The seven criteria, every arm", "",
-              summaries_table(summaries, settings.burst_sim_s, settings.drain_factor), ""]
-    parts += fallback_section(settings, summaries, ideal)
+              cell_table([s.arm for s in summaries], judged, [validity(s) for s in summaries]),
+              ""]
+    parts += fallback_section(summaries, judged, ideal)
     for s in summaries:
         if s.errors:
             parts.append(f"{ARM_TITLES[s.arm]}, why requests did not succeed: " + "; ".join(
@@ -268,18 +270,17 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
     return "\n".join(parts)
 
 
-def fallback_section(settings: Settings, summaries: Sequence[ArmSummary],
+def fallback_section(summaries: Sequence[ArmSummary], judged: Sequence[Sequence[Verdict]],
                      ideal: dict[str, Any] | None) -> list[str]:
     """The goodput criterion judged with its fallback on this draw (bench.burst.fallback): the
-    ideal admission below the KV bar on the same schedule is the frontier's top."""
+    ideal admission below the KV bar on the same schedule is the frontier's top. `judged`:
+    the arms' verdicts (criteria.judge_all)."""
     if ideal is None:
         return []
-    judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
     arms = [{"arm": s.arm, "valid": not s.invalid,
              "verdicts": [dataclasses.asdict(v) for v in verdicts]}
             for s, verdicts in zip(summaries, judged, strict=True)]
-    verdicts = one_draw(ideal, arms)
-    margin = slack([{"cell": {}, "points": {"under_bar": ideal}}], [{"cell": {}, "arms": arms}])
+    margin, verdicts = one_draw(ideal, arms)
     reach = float(ideal["goodput_ratio"])
     above = (f" (an arm did {margin:.1%} of the bound more, and a greedy ideal is not a bound: "
              "it is counted that much higher)" if margin > 0 else "")

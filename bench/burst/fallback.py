@@ -96,15 +96,15 @@ def frontier(ideal: dict[str, Any], matrix: dict[str, Any] | None, arm: str = "c
 
 
 def one_draw(ideal_under_bar: dict[str, Any], arms: Sequence[dict[str, Any]]
-             ) -> dict[str, Frontier]:
+             ) -> tuple[float, dict[str, Frontier]]:
     """The goodput criterion with the fallback for each arm of a single run (one draw, outside
     the matrix): ``ideal_under_bar`` is the ideal's point below the KV bar on the same schedule
     (bench.burst.idealpoint.replay) and ``arms`` are as matrix.cell_record writes them (arm,
-    valid, verdicts). The margin is this draw's own ``slack``."""
+    valid, verdicts). Returns the margin (this draw's own ``slack``) and each arm's verdict."""
     ideal = {"cell": {}, "points": {"under_bar": ideal_under_bar}}
     run = {"cell": {}, "arms": list(arms)}
     margin = slack([ideal], [run])
-    return {a["arm"]: frontier(ideal, run, a["arm"], margin) for a in arms}
+    return margin, {a["arm"]: frontier(ideal, run, a["arm"], margin) for a in arms}
 
 
 def others_pass(arm: dict[str, Any] | None) -> bool:

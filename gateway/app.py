@@ -84,6 +84,7 @@ def create_app(
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model}", handlers.model)
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/readyz", handlers.readyz)
     app.router.add_get("/metrics", handlers.metrics_endpoint)
@@ -96,6 +97,14 @@ async def _counters(config: Config) -> dict[str, TokenCounter]:
     loop = asyncio.get_running_loop()
     counters: dict[str, TokenCounter] = {}
     for name, pool in config.pools.items():
+        if pool.tokenizer is None:
+            # Admission decides on these counts (does the prompt fit the context, what to
+            # reserve), so a pool serving another model must not get them silently.
+            log.warning(
+                "pool %s has no tokenizer: its prompt tokens are counted with the bundled "
+                "Qwen2 tokenizer and a ChatML template, which can differ from the served "
+                "model's; set the pool's `tokenizer` to the served model's tokenizer.json "
+                "for exact counts", name)
         make = functools.partial(
             TokenCounter.from_path, pool.tokenizer,
             chat_format=ChatFormat(default_system_prompt=pool.default_system_prompt),

@@ -55,8 +55,16 @@ _TYPES = {
     405: "invalid_request_error",
     408: "timeout",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
 }
+OPENAI_ERROR_TYPES = frozenset({*_TYPES.values(), "server_error"})
+"""The error types the gateway answers with, all of them OpenAI's."""
+
+
+def client_error_type(status: int) -> str:
+    """OpenAI's error type for a 4xx status; one the table lacks is still the request's fault."""
+    return _TYPES.get(status, "invalid_request_error")
 
 
 class ApiError(Exception):

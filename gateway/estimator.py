@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 from gateway.bpetwin import TwinEncoder, tiktoken_twin
 
 __all__ = [
+    "CHAT_ROLES",
     "DEFAULT_TOKENIZER_ASSET",
     "ChatFormat",
     "CostEstimate",
@@ -53,6 +54,8 @@ __all__ = [
 ]
 
 DEFAULT_TOKENIZER_ASSET = "qwen2-tokenizer.json.gz"
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""Roles a chat message may have (OpenAI's); any other is refused before it reaches a node."""
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -370,8 +373,9 @@ class TokenCounter:
         if not isinstance(message, dict):
             raise InvalidRequestError("each message must be an object", param=param)
         role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequestError("role must be a non-empty string", param=f"{param}.role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"role must be one of {', '.join(CHAT_ROLES)}", param=f"{param}.role")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise InvalidRequestError("name must be a string", param=f"{param}.name")

@@ -1,5 +1,6 @@
 """HTTP handlers: the two generation endpoints (auth, estimate, admit, proxy, settle) and the
-operational ones (/v1/models, /healthz, /readyz, /metrics, /openapi.json)."""
+operational ones (/v1/models, /v1/models/{model}, /healthz, /readyz, /metrics,
+/openapi.json)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from gateway import metrics as m
 from gateway.admit import STORE_ERRORS
 from gateway.auth import PRIORITY_HEADER, effective_tier
 from gateway.errors import ApiError, bad_request
-from gateway.parse import Kind, parse_inbound
+from gateway.parse import Kind, parse_inbound, pool_of
+from gateway.pools import PoolRuntime
 from gateway.proxy import Meter, Phase
 from gateway.state import GATEWAY, METRICS, OPENAPI
 
@@ -124,16 +126,27 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         metrics.child(metrics.requests, *labels, outcome).inc()
 
 
+def _model_card(name: str, pool: PoolRuntime, now: int) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": now, "owned_by": "kvgate",
+            "max_model_len": pool.settings.context_length}
+
+
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     gw.tenants.authenticate(request.headers.get("Authorization"))
     now = int(time.time())
-    data = [
-        {"id": name, "object": "model", "created": now, "owned_by": "kvgate",
-         "max_model_len": pool.settings.context_length}
-        for name, pool in sorted(gw.pools.items())
-    ]
+    data = [_model_card(name, pool, now) for name, pool in sorted(gw.pools.items())]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}),
+                        content_type="application/json")
+
+
+async def model(request: web.Request) -> web.Response:
+    """One pool as `/v1/models` lists it (the OpenAI SDKs' `models.retrieve`)."""
+    gw = request.app[GATEWAY]
+    gw.tenants.authenticate(request.headers.get("Authorization"))
+    name = request.match_info["model"]
+    pool = pool_of({"model": name}, gw.pools)  # the generation endpoints' 404 for a name
+    return web.Response(body=orjson.dumps(_model_card(name, pool, int(time.time()))),
                         content_type="application/json")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from admission.config import Config
+from gateway.estimator import CHAT_ROLES
 
 _ERROR = {"$ref": "#/components/schemas/ErrorResponse"}
 _JSON_ERROR = {"application/json": {"schema": _ERROR}}
@@ -92,7 +93,7 @@ _SCHEMAS: dict[str, Any] = {
         "type": "object",
         "required": ["role"],
         "properties": {
-            "role": {"type": "string", "minLength": 1},
+            "role": {"type": "string", "enum": list(CHAT_ROLES)},
             "content": {"nullable": True, "oneOf": [
                 {"type": "string"},
                 {"type": "array", "items": {"type": "object"}},
@@ -161,22 +162,23 @@ _SCHEMAS: dict[str, Any] = {
             "usage": {"$ref": "#/components/schemas/Usage"},
         },
     },
+    "Model": {
+        "type": "object",
+        "required": ["id", "object"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"type": "string", "enum": ["model"]},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "max_model_len": {"type": "integer"},
+        },
+    },
     "ModelList": {
         "type": "object",
         "required": ["object", "data"],
         "properties": {
             "object": {"type": "string", "enum": ["list"]},
-            "data": {"type": "array", "items": {
-                "type": "object",
-                "required": ["id", "object"],
-                "properties": {
-                    "id": {"type": "string"},
-                    "object": {"type": "string", "enum": ["model"]},
-                    "created": {"type": "integer"},
-                    "owned_by": {"type": "string"},
-                    "max_model_len": {"type": "integer"},
-                },
-            }},
+            "data": {"type": "array", "items": {"$ref": "#/components/schemas/Model"}},
         },
     },
     "Status": {
@@ -253,6 +255,18 @@ def openapi_document(config: Config) -> dict[str, Any]:
                     "200": {"description": "Model list", "content": {"application/json": {
                         "schema": {"$ref": "#/components/schemas/ModelList"}}}},
                     "401": _error("Missing or unknown API key."),
+                },
+            }},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model pool, as /v1/models lists it",
+                "security": [{"bearer": []}],
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string", "enum": sorted(config.pools)}}],
+                "responses": {
+                    "200": {"description": "The model", "content": {"application/json": {
+                        "schema": {"$ref": "#/components/schemas/Model"}}}},
+                    "401": _error("Missing or unknown API key."),
+                    "404": _error("No such model pool (model_not_found)."),
                 },
             }},
             "/healthz": _status("Liveness", "The process serves requests."),

@@ -106,10 +106,16 @@ async def parse_inbound(
                               param="stream_options")
 
     n = _int(body, "n") or 1
-    best_of = _int(body, "best_of") if kind == "completion" else None
-    sequences_per_prompt = max(n, best_of or 0)
-    if sequences_per_prompt > MAX_SEQUENCES:
+    if n > MAX_SEQUENCES:
         raise bad_request(f"'n' must be at most {MAX_SEQUENCES}.", param="n")
+    best_of = _int(body, "best_of") if kind == "completion" else None
+    if best_of is not None and best_of > MAX_SEQUENCES:
+        raise bad_request(f"'best_of' must be at most {MAX_SEQUENCES}.", param="best_of")
+    if best_of is not None and best_of < n:
+        # The node generates best_of candidates and returns the n best: fewer cannot be.
+        raise bad_request(f"'best_of' must be at least 'n' (got best_of={best_of}, n={n}).",
+                          param="best_of")
+    sequences_per_prompt = n if best_of is None else best_of
 
     if kind == "chat":
         requested = body.get("max_completion_tokens")

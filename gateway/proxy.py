@@ -14,8 +14,9 @@ its event is complete, so echoing the name holds nothing back either.
 
 Failures before a response: 503 (node unreachable) or 502 (node error, timeout, broken
 connection), both with Retry-After, and the reservation refunded. A node's own 4xx (e.g. its
-context-length check) is relayed as is. A failure mid-stream ends the stream with an error
-event, as vLLM itself does.
+context-length check) keeps its status, message and param, in OpenAI's error shape
+(`node_client_error`). A failure mid-stream ends the stream with an error event, as vLLM itself
+does.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import orjson
 from aiohttp import web
 
 from gateway.admit import Ticket
-from gateway.errors import ApiError, jittered, unavailable
+from gateway.errors import OPENAI_ERROR_TYPES, ApiError, client_error_type, jittered, unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.nodeclient import NodeClient, NodeError, NodeResponse, NodeUnreachable
 from gateway.parse import Inbound
@@ -39,11 +40,15 @@ from gateway.parse import Inbound
 log = logging.getLogger("kvgate.gateway")
 
 _ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-# Client headers never forwarded: hop-by-hop, credentials, framing, and the gateway's own.
+# Client headers never forwarded: hop-by-hop, credentials, framing, and the gateway's own. Those
+# describing the client's body go too: aiohttp has already undone its Content-Encoding and the
+# gateway sends JSON of its own, so a forwarded `Content-Encoding: gzip` (or a digest of the
+# client's bytes) would make the node reject a body that is plain and rewritten.
 _DROP_HEADERS = frozenset({
     "host", "authorization", "content-length", "content-type", "connection", "keep-alive",
     "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
     "cookie", "accept-encoding", "expect", "x-priority", "x-request-timeout", "x-request-id",
+    "content-encoding", "content-md5", "digest", "content-digest", "repr-digest",
 })
 _DONE = b"data: [DONE]\n\n"
 
@@ -264,11 +269,9 @@ class Upstream:
             message = _error_message(body) or f"HTTP {upstream.status}"
             raise self._failed(ticket, "error", 502,
                                f"The inference node failed: {message}. Please retry.")
-        return web.Response(
-            status=upstream.status, body=body,
-            headers={"Content-Type": upstream.headers.get("content-type", "application/json"),
-                     "X-Request-Id": ticket.task_id},
-        )
+        error = node_client_error(upstream.status, body)
+        error.headers["X-Request-Id"] = ticket.task_id
+        return error.response()
 
     async def _whole(
         self, request: web.Request, upstream: NodeResponse, inbound: Inbound, ticket: Ticket,
@@ -341,6 +344,54 @@ class Upstream:
         if not broken:
             meter.phase = Phase.DONE
         return response
+
+
+NODE_TEXT_LIMIT = 1000
+"""Characters of a node's error body kept as the message when it is not a JSON error (an HTML
+page from a proxy in front of the node, say)."""
+
+
+def node_client_error(status: int, body: bytes) -> ApiError:
+    """A node's 4xx answer in OpenAI's error shape, its status, message and param kept.
+
+    vLLM (and bench.sim) answer e.g. ``{"error": {"message": ..., "type": "BadRequestError",
+    "param": "n", "code": 400}}``: an exception class as the type and the HTTP status as an
+    integer code, neither of which OpenAI clients expect. The type becomes OpenAI's for the
+    status (`invalid_request_error` for 400 and 422) unless the node's is one of OpenAI's
+    already; the code is kept when it is a string, else null. A body that is not a JSON error
+    becomes the message, cut to `NODE_TEXT_LIMIT` characters.
+    """
+    fields = _node_error_fields(body)
+    if fields is None:
+        text = body.decode("utf-8", "replace").strip()[:NODE_TEXT_LIMIT]
+        return ApiError(status, text or f"The inference node answered HTTP {status}.",
+                        type_=client_error_type(status))
+    node_type, param, code = fields.get("type"), fields.get("param"), fields.get("code")
+    if not (isinstance(node_type, str) and node_type in OPENAI_ERROR_TYPES):
+        node_type = client_error_type(status)
+    return ApiError(
+        status, fields["message"], type_=node_type,
+        param=param if isinstance(param, str) else None,
+        code=code if isinstance(code, str) and code else None,
+    )
+
+
+def _node_error_fields(body: bytes) -> dict[str, Any] | None:
+    """The error object of a node's JSON error body: the one under `error`, the body itself
+    (older vLLM: ``{"object": "error", "message": ...}``), or a bare string under `error` or
+    `detail` (FastAPI) as its message. None when no message is found."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    error = parsed.get("error")
+    for fields in (error, parsed, {"message": error}, {"message": parsed.get("detail")}):
+        if isinstance(fields, dict) and isinstance(fields.get("message"), str) and (
+                fields["message"]):
+            return fields
+    return None
 
 
 def _error_message(body: bytes) -> str | None:

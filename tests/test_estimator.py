@@ -25,6 +25,7 @@ from tokenizers import Encoding, Tokenizer
 
 from gateway.assets.build_qwen_tokenizer import SAMPLE_TEXT, load_ranks
 from gateway.estimator import (
+    CHAT_ROLES,
     ChatFormat,
     InvalidRequestError,
     TokenCounter,
@@ -300,6 +301,9 @@ async def test_async_runs_concurrently(tokenizer: Tokenizer) -> None:
         ([1], "messages[0]"),
         ([{"content": "x"}], "messages[0].role"),
         ([{"role": 3, "content": "x"}], "messages[0].role"),
+        ([{"role": "user", "content": "x"}, {"role": "wizard", "content": "x"}],
+         "messages[1].role"),
+        ([{"role": "", "content": "x"}], "messages[0].role"),
         ([{"role": "user", "content": 5}], "messages[0].content"),
         ([{"role": "user", "content": {"text": "x"}}], "messages[0].content"),
         ([{"role": "user", "content": [{"text": "x"}]}], "messages[0].content[0]"),
@@ -320,6 +324,15 @@ def test_bad_messages(counter: TokenCounter, messages: object, param: str) -> No
     error = caught.value.to_openai()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert caught.value.status == 400
+
+
+def test_every_openai_role_is_counted_and_the_refusal_names_them(counter: TokenCounter) -> None:
+    assert CHAT_ROLES == ("system", "developer", "user", "assistant", "tool", "function")
+    for role in CHAT_ROLES:
+        assert counter.count_chat([{"role": role, "content": "hello"}]) > 8
+    with pytest.raises(InvalidRequestError) as caught:
+        counter.count_chat([{"role": "wizard", "content": "hello"}])
+    assert all(role in caught.value.message for role in CHAT_ROLES)
 
 
 async def test_bad_input_async(counter: TokenCounter) -> None:

@@ -193,6 +193,27 @@ async def test_models_lists_the_pools(gw: Harness) -> None:
     assert [m.id for m in models.data] == ["demo"]
 
 
+async def test_models_retrieve_answers_one_pool_as_listed(gw: Harness) -> None:
+    client = gw.openai("batch")
+    listed = (await client.models.with_raw_response.list()).http_response.json()["data"][0]
+    raw = await client.models.with_raw_response.retrieve("demo")
+    assert raw.parse().id == "demo"
+    model = raw.http_response.json()
+    assert abs(model.pop("created") - listed.pop("created")) <= 2  # both: time of the answer
+    assert model == listed == {
+        "id": "demo", "object": "model", "owned_by": "kvgate", "max_model_len": 4096}
+    # Unknown names, one with a slash as served model names have (sent as %2F): OpenAI's 404.
+    for name in ("gpt-9", "meta-llama/Llama-3.1-8B"):
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve(name)
+        error = info.value.response.json()["error"]
+        assert error == {"message": f"The model `{name}` does not exist.",
+                         "type": "invalid_request_error", "param": "model",
+                         "code": "model_not_found"}
+    with pytest.raises(openai.AuthenticationError):
+        await gw.openai("sk-not-a-key").models.retrieve("demo")
+
+
 async def test_tenant_label_only_when_configured(redis_url: str,
                                                  redis_client: aioredis.Redis) -> None:
     async with running_gateway(redis_url, tenant_metrics=True) as gw:

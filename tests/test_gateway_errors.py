@@ -51,6 +51,8 @@ def _openai_shape(payload: dict[str, Any]) -> dict[str, Any]:
     (b"[1, 2]", None, "invalid_json"),
     ({"model": "demo"}, "messages", None),
     ({"model": "demo", "messages": [{"content": "no role"}]}, "messages[0].role", None),
+    ({"model": "demo", "messages": [*MESSAGES, {"role": "wizard", "content": "x"}]},
+     "messages[1].role", None),
     ({"model": "demo", "messages": MESSAGES, "max_tokens": 0}, "max_tokens", None),
     ({"model": "demo", "messages": MESSAGES, "stream": "yes"}, "stream", None),
     ({"model": "demo", "messages": MESSAGES, "stream_options": {"include_usage": True}},
@@ -65,6 +67,51 @@ async def test_malformed_requests_are_400(gw: Harness, body: Any, param: str | N
     assert error["param"] == param and error["code"] == code
     assert error["type"] == "invalid_request_error"
     assert gw.backends[0].received == []
+
+
+async def test_unknown_role_is_refused_naming_the_allowed_ones(gw: Harness) -> None:
+    wizard: list[Any] = [{"role": "wizard", "content": "Cast a spell."}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await gw.openai("vip").chat.completions.create(model="demo", messages=wizard)
+    error = _openai_shape(info.value.response.json())
+    assert error["param"] == "messages[0].role" and error["type"] == "invalid_request_error"
+    for role in ("system", "developer", "user", "assistant", "tool", "function"):
+        assert role in error["message"]
+    assert gw.backends[0].received == []
+    # OpenAI's newer name for the system turn is one of them.
+    done = await gw.openai("vip").chat.completions.create(
+        model="demo", max_tokens=2,
+        messages=[{"role": "developer", "content": "Be terse."}, *MESSAGES])
+    assert done.choices and gw.backends[0].received[-1].body["messages"][0]["role"] == "developer"
+
+
+@pytest.mark.parametrize(("counts", "param", "message"), [
+    ({"best_of": 200}, "best_of", "'best_of' must be at most 128."),
+    ({"n": 200}, "n", "'n' must be at most 128."),
+    ({"n": 200, "best_of": 200}, "n", "'n' must be at most 128."),
+    ({"n": 3, "best_of": 2}, "best_of", "'best_of' must be at least 'n' (got best_of=2, n=3)."),
+    ({"best_of": 0}, "best_of", "'best_of' must be an integer >= 1."),
+])
+async def test_sequence_counts_are_refused_naming_their_own_field(
+    gw: Harness, counts: dict[str, int], param: str, message: str
+) -> None:
+    status, payload, _ = await _post(
+        gw, {"model": "demo", "prompt": "hi", "max_tokens": 2, **counts}, path="/v1/completions")
+    assert status == 400
+    error = _openai_shape(payload)
+    assert (error["param"], error["message"]) == (param, message)
+    assert error["type"] == "invalid_request_error"
+    assert gw.backends[0].received == []
+
+
+async def test_best_of_reserves_a_sequence_per_candidate(gw: Harness) -> None:
+    status, _, headers = await _post(
+        gw, {"model": "demo", "prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 3},
+        path="/v1/completions")
+    assert status == 200
+    prompt = gw.gateway.pools["demo"].counter.count_prompt("hi")
+    record = await gw.task(headers["X-Request-Id"])
+    assert int(record["cost"]) == prompt + 2 * 3
 
 
 async def test_unknown_model_is_404(gw: Harness) -> None:
@@ -194,8 +241,8 @@ async def test_operational_endpoints(gw: Harness) -> None:
     assert "kvgate_gateway_tokens_reserved_total" in text
     assert "vip\"" in text and "tenant=" not in text  # no tenant label unless configured
     assert document["openapi"].startswith("3.")
-    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/healthz", "/readyz",
-            "/metrics"} <= set(document["paths"])
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
+            "/healthz", "/readyz", "/metrics"} <= set(document["paths"])
     refs = _refs(document)
     assert refs and all(ref.startswith("#/components/schemas/") for ref in refs)
     assert {ref.rsplit("/", 1)[1] for ref in refs} <= set(document["components"]["schemas"])

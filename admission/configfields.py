@@ -2,7 +2,7 @@
 
 A settings dataclass (admission.configschema, admission.controlconfig) declares each key as a
 field whose annotation is the key's type and whose default is the key's default; `at_least`,
-`between`, `optional_between` and `one_of` add the bounds a value must keep. The loader
+`between`, `optional_between`, `tcp_port` and `one_of` add the bounds a value must keep. The loader
 (admission.config) reads every field from the file by those declarations alone, so a default
 or a bound is written once, next to the setting it belongs to.
 
@@ -41,7 +41,7 @@ class Bounds:
     lo: float | None = None
     """The least value (an integer setting's minimum, a number setting's lower end)."""
     hi: float | None = None
-    """A number setting's upper end (None: only `lo` bounds the value)."""
+    """The upper end (None: only `lo` bounds the value)."""
     choices: tuple[str, ...] = ()
     """A string must be one of these (empty: any string)."""
 
@@ -74,6 +74,15 @@ def between(lo: float, hi: float, default: float) -> float:
     """A number setting in [lo, hi] (both finite, so NaN and infinities are refused)."""
     assert math.isfinite(lo) and math.isfinite(hi)
     return field(default=default, metadata={BOUNDS: Bounds(lo=float(lo), hi=float(hi))})
+
+
+PORT_MAX = 65535
+"""The highest TCP port: a larger number would wrap modulo 65536 when bound."""
+
+
+def tcp_port(default: int) -> int:
+    """A TCP port setting: 0..`PORT_MAX` (0: the system picks a free port)."""
+    return field(default=default, metadata={BOUNDS: Bounds(lo=0, hi=PORT_MAX)})
 
 
 def optional_between(lo: float, hi: float) -> float | None:

@@ -23,6 +23,7 @@ from admission.configfields import (
     one_of,
     optional_between,
     required_at_least,
+    tcp_port,
 )
 from admission.controlconfig import ControlSettings
 from admission.fairconfig import FairnessSettings, cap_field, check_tenant_caps, weight_field
@@ -303,6 +304,12 @@ class PoolSettings:
             raise ConfigError(f"{key('backends')}: backend names must be unique")
         if self.default_max_tokens > self.max_max_tokens:
             raise ConfigError(f"{key('default_max_tokens')}: above max_max_tokens")
+        if self.max_max_tokens > self.context_length:
+            # Prompt and output share the context: above it, a max_tokens the pool allows
+            # would still be refused, as context_length_exceeded.
+            raise ConfigError(f"{key('max_max_tokens')}: must be at most "
+                              f"{key('context_length')} ({self.context_length}), got "
+                              f"{self.max_max_tokens}")
         names = {b.name for b in self.backends}
         nodes = self.dedicated.nodes
         for i, node in enumerate(nodes):
@@ -359,7 +366,7 @@ class TenantSettings:
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
     host: str = "127.0.0.1"
-    port: int = at_least(0, 8000)
+    port: int = tcp_port(8000)
     id: str | None = None
     max_body_bytes: int = at_least(1024, 4 * 1024 * 1024)
     lease_ttl_ms: int = at_least(100, 10_000)
@@ -396,7 +403,7 @@ class GatewaySettings:
 @dataclass(frozen=True, slots=True)
 class SchedulerSettings:
     host: str = "127.0.0.1"
-    port: int = at_least(0, 9100)
+    port: int = tcp_port(9100)
     id: str | None = None
     poll_interval_ms: int = at_least(5, 50)
     scrape_timeout_ms: int = at_least(5, 200)

@@ -4,6 +4,10 @@ Prints one line ``kvgate gateway <id> listening on http://HOST:PORT`` on stdout 
 (``--port 0`` picks a free port), logs to stderr, and stops on SIGTERM or SIGINT: it stops
 accepting, lets requests in flight finish for up to ``--shutdown-timeout`` seconds, cancels
 the rest, settles and exits, at most `gateway.shutdown.SETTLE_MARGIN_S` after the timeout.
+
+The listening sockets are bound before the app starts (tokenizers, Redis): a port already in
+use, or an address the host does not have, ends the process at once with one line on stderr
+and exit status 1.
 """
 
 from __future__ import annotations
@@ -14,24 +18,45 @@ import contextlib
 import gc
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
 from aiohttp import web
 
-from admission.config import ConfigError, load_config
+from admission.config import (
+    ENVIRONMENT_HELP,
+    LOG_LEVELS,
+    ConfigError,
+    listen_error,
+    load_config,
+    port_argument,
+    program_name,
+    startup_warnings,
+)
 from gateway.app import create_app
 from gateway.shutdown import CANCEL_GRACE_S, SETTLE_MARGIN_S, stop_serving
 from gateway.state import GATEWAY_ID, IN_FLIGHT
 
+log = logging.getLogger("kvgate.gateway")
+
+BACKLOG = 2048
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog=program_name("gateway"),
+        description="Run one kvgate gateway: the OpenAI-compatible front of the vLLM pools "
+                    "the configuration file describes.",
+        epilog=ENVIRONMENT_HELP)
     p.add_argument("--config", required=True, help="TOML configuration file")
     p.add_argument("--host", help="override gateway.host")
-    p.add_argument("--port", type=int, help="override gateway.port (0: a free port)")
+    p.add_argument("--port", type=port_argument,
+                   help="override gateway.port (0 to 65535; 0: a free port)")
     p.add_argument("--id", help="override gateway.id (unique per process)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                   metavar="LEVEL", help="least severity logged to stderr: "
+                   f"{', '.join(LOG_LEVELS)}, in any case (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="after SIGTERM, how long requests in flight may run before they are "
                         f"cancelled; the process exits at most {SETTLE_MARGIN_S:g} s later "
@@ -39,8 +64,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(app: web.Application, host: str, port: int, *, access_log: bool,
-                shutdown_timeout: float) -> None:
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to `port` on every address `host` resolves to, as the event loop's own
+    `create_server` would bind them (SO_REUSEADDR; IPv6 sockets IPv6 only, so that they do not
+    collide with the IPv4 ones; an address family the host cannot open skipped); OSError if
+    one cannot be bound, after closing the others."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:
+                continue  # e.g. IPv6 disabled in the kernel while the resolver offers it
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    if not bound:
+        raise OSError(f"no address of {host!r} can be opened")
+    return bound
+
+
+async def serve(app: web.Application, host: str, sockets: list[socket.socket], *,
+                access_log: bool, shutdown_timeout: float) -> None:
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that hangs up cancels its queued request
@@ -49,16 +102,21 @@ async def serve(app: web.Application, host: str, port: int, *, access_log: bool,
         # only for one that ignored its cancellation.
         shutdown_timeout=CANCEL_GRACE_S,
     )
-    await runner.setup()
+    try:
+        await runner.setup()
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
     try:
-        site = web.TCPSite(runner, host, port, backlog=2048, reuse_address=True)
-        await site.start()
-        bound = runner.addresses[0][1] if runner.addresses else port
+        for sock in sockets:
+            await web.SockSite(runner, sock, backlog=BACKLOG).start()
+        bound = runner.addresses[0][1]
         # Everything built at start lives as long as the process: keep it out of the
         # collector's way, or each full collection walks it (tens of ms, in the tail).
         gc.collect()
@@ -68,12 +126,14 @@ async def serve(app: web.Application, host: str, port: int, *, access_log: bool,
         await stop.wait()
     finally:
         await stop_serving(runner, app[IN_FLIGHT], shutdown_timeout)
+        for sock in sockets:  # closed with its site, unless that site never started
+            sock.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
+        level=args.log_level, stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
     try:
@@ -89,12 +149,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
     try:
+        sockets = listen(host, port)
+    except OSError as exc:
+        print(listen_error("gateway", host, port, exc), file=sys.stderr)
+        return 1
+    for warning in startup_warnings(config):
+        log.warning("%s", warning)
+    try:
         import uvloop
     except ImportError:
         runner = asyncio.run
     else:
         runner = uvloop.run
-    runner(serve(app, host, port, access_log=config.gateway.access_log,
+    runner(serve(app, host, sockets, access_log=config.gateway.access_log,
                  shutdown_timeout=args.shutdown_timeout))
     return 0
 

@@ -1,7 +1,9 @@
 """``python -m scheduler --config FILE``: one scheduler replica (run as many as you like).
 
-SIGTERM and SIGINT stop the loops and resign leadership before anything else, so a standby
-takes over at once; the HTTP server closes after that.
+The HTTP port is bound first: a port already in use, or an address the host does not have,
+ends the process with one line on stderr and exit status 1 before the replica joins the leader
+election. SIGTERM and SIGINT stop the loops and resign leadership before anything else, so a
+standby takes over at once; the HTTP server closes after that.
 """
 
 from __future__ import annotations
@@ -16,45 +18,75 @@ import sys
 
 from aiohttp import web
 
-from admission.config import Config, ConfigError, load_config
+from admission.config import (
+    ENVIRONMENT_HELP,
+    LOG_LEVELS,
+    Config,
+    ConfigError,
+    listen_error,
+    load_config,
+    port_argument,
+    program_name,
+)
 from scheduler.app import SERVICE, create_app
 
+log = logging.getLogger("kvgate.scheduler")
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scheduler", description=__doc__)
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=program_name("scheduler"),
+        description="Run one kvgate scheduler replica: every replica stands for election, the "
+                    "leader polls the vLLM nodes and releases queued work. Run as many as you "
+                    "like; SIGTERM resigns leadership at once so that a standby takes over.",
+        epilog=ENVIRONMENT_HELP)
     parser.add_argument("--config", required=True, help="TOML configuration file")
     parser.add_argument("--id", help="replica id (default: scheduler.id, else host-pid)")
     parser.add_argument("--host", help="listen address (default: scheduler.host)")
-    parser.add_argument("--port", type=int,
-                        help="listen port (default: scheduler.port; 0: a free port)")
-    parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args(argv)
+    parser.add_argument("--port", type=port_argument,
+                        help="listen port (default: scheduler.port; 0 to 65535, 0: a free port)")
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                        metavar="LEVEL", help="least severity logged to stderr: "
+                        f"{', '.join(LOG_LEVELS)}, in any case (default: %(default)s)")
+    return parser
 
 
-async def serve(config: Config, me: str | None) -> None:
-    app = create_app(config, me=me)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+async def serve(config: Config, me: str | None) -> int:
+    """Serve until SIGTERM or SIGINT (0), or 1 when the port cannot be bound."""
+    host, port = config.scheduler.host, config.scheduler.port
+    app = create_app(config, me=me, manage_service=False)
+    service = app[SERVICE]
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, config.scheduler.host, config.scheduler.port)
-    await site.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    # With port 0 the system picked one: name the port really bound.
-    bound = runner.addresses[0][1] if runner.addresses else config.scheduler.port
-    logging.getLogger("kvgate.scheduler").info("listening on %s:%d", config.scheduler.host, bound)
     try:
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            print(listen_error("scheduler", host, port, exc), file=sys.stderr)
+            return 1
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        # With port 0 the system picked one: name the port really bound.
+        bound = runner.addresses[0][1] if runner.addresses else port
+        log.info("listening on %s:%d", host, bound)
+        await service.start()
         await stop.wait()
+        return 0
     finally:
         # Resign first: the HTTP server's shutdown must not delay the handover.
-        await app[SERVICE].stop()
+        await service.stop()
         await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
@@ -71,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvloop
 
         runner = uvloop.run
-    runner(serve(config, args.id))
-    return 0
+    return runner(serve(config, args.id))
 
 
 if __name__ == "__main__":

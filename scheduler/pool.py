@@ -34,6 +34,7 @@ from scheduler.nodestate import NodeRoom, learned_control
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.running import Indexed, prefill_tasks, tasks_by_node
 from scheduler.scrape import NodeView, Poller
+from scheduler.transitions import TransitionLog
 from scheduler.zones import RedClearance, ZoneTracker
 
 log = logging.getLogger("kvgate.scheduler.pool")
@@ -127,6 +128,7 @@ class PoolScheduler:
         self.tracker = ZoneTracker(zones)
         self.ceilings = zones.ceilings()
         self.clearance = RedClearance(zones.red - zones.hysteresis)
+        self.transitions = TransitionLog(pool.name, settings.eject_after_failures, zones.red)
         self.learner = UsageLearner(settings.usage_halflife_s, zones.usage_margin,
                                     zones.max_overcommit)
         self.policy = ReleasePolicy(zones, settings.release_batch, clock(), self._dedicated_guests,
@@ -179,11 +181,13 @@ class PoolScheduler:
 
     def new_term(self) -> None:
         """A new leadership starts: rates start empty, the learned ratio is kept, the release
-        control resumes from the prefill rates and gains the last leader published, and the
-        first poll waits for the whole scrape timeout (connections are cold)."""
+        control resumes from the prefill rates and gains the last leader published, the
+        transition log starts afresh (scheduler.transitions), and the first poll waits for the
+        whole scrape timeout (connections are cold)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
                                     self._dedicated_guests, self._holds_room)
         self.clearance.reset()
+        self.transitions.reset()
         self._first_poll = True
         self._resume_control = True
         self.calm.restart()
@@ -389,6 +393,7 @@ class PoolScheduler:
         usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes,
                            projection_cap=self.pool.zones.kv_target)
         zone = self.tracker.update(usage)
+        self.transitions.observe(views, zone, usage)
         # Calm: nothing above VIP's line held back (scheduler.calm).
         calm = zone is Zone.GREEN and not snap.held
         if self.control is not None:

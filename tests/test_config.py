@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from admission.config import ConfigError, load_config, parse_config
+from admission.config import ConfigError, load_config, parse_config, startup_warnings
 from admission.tiers import Tier
 
 KEY_HASH = hashlib.sha256(b"sk-test").hexdigest()
@@ -59,6 +59,12 @@ def test_redis_url_from_environment_wins() -> None:
         (minimal(gateway={"lease_ttl_ms": 1000, "renew_interval_ms": 800}),
          "gateway.renew_interval_ms: must be at most half"),
         (minimal(gateway={"port": True}), "gateway.port: expected an integer, got a boolean"),
+        (minimal(gateway={"port": 99999}), "gateway.port: must be between 0 and 65535, got 99999"),
+        (minimal(gateway={"port": -1}), "gateway.port: must be between 0 and 65535, got -1"),
+        (minimal(scheduler={"port": 65536}),
+         "scheduler.port: must be between 0 and 65535, got 65536"),
+        (minimal(pools=[{"name": "p", "context_length": 4096}]),
+         "pools[0].max_max_tokens: must be at most pools[0].context_length (4096), got 8192"),
         (minimal(scheduler={"stale_policy": "hope"}), "scheduler.stale_policy: must be"),
         (minimal(redis={"url": "http://x"}), "redis.url: must start with"),
         (minimal(tiers={"vip": {"max_queued": -5}}), "tiers.vip.max_queued: must be >= 0"),
@@ -214,3 +220,32 @@ def test_batch_min_share_is_off_by_default_and_at_most_one_half() -> None:
             zones(batch_min_share=bad)
     with pytest.raises(ConfigError, match=r"pools\[0\]\.zones\.batch_min_share"):
         zones(batch_min_share="a tenth")
+
+
+def test_ports_take_the_whole_range() -> None:
+    config = parse_config(minimal(gateway={"port": 65535}, scheduler={"port": 0}), env={})
+    assert (config.gateway.port, config.scheduler.port) == (65535, 0)
+
+
+def test_max_max_tokens_may_be_the_whole_context() -> None:
+    pool = parse_config(minimal(pools=[{"name": "p", "context_length": 4096,
+                                        "max_max_tokens": 4096}]), env={}).pools["p"]
+    assert (pool.context_length, pool.max_max_tokens) == (4096, 4096)
+
+
+@pytest.mark.parametrize(("tenants", "expected"), [
+    ([], ["no [[tenants]]: every request will get 401 (no API key can match)"]),
+    ([{"name": "t", "tier": "vip"}],
+     ["no tenant has a key_sha256: every request will get 401 (no API key can match)"]),
+    ([{"name": "acme", "tier": "vip", "key_sha256": [KEY_HASH]},
+      {"name": "tiny", "tier": "normal", "rate": 10_000, "burst": 99}],
+     ["tenants[1] ('tiny'): burst 99 is below 1% of its rate (10000 tokens/s): every request "
+      "of more than 99 tokens (prompt + max_tokens) gets 400 exceeds_burst"]),
+    # A burst of exactly 1% of the rate, and a rate of 0: nothing to warn about.
+    ([{"name": "acme", "tier": "vip", "key_sha256": [KEY_HASH], "rate": 10_000, "burst": 100},
+      {"name": "frozen", "tier": "batch", "rate": 0, "burst": 1}], []),
+])
+def test_startup_warnings_name_what_turns_requests_away(
+    tenants: list[dict[str, Any]], expected: list[str]
+) -> None:
+    assert startup_warnings(parse_config(minimal(tenants=tenants), env={})) == expected

@@ -1,0 +1,56 @@
+"""The leader's log of what changes in a pool, one line per change and never one per poll:
+a node ejected (its scrapes failed `eject_after_failures` times in a row) and back, and the
+pool entering and leaving RED.
+
+The gauges (`kvgate_scheduler_node_ejected`, `kvgate_scheduler_zone`) say the same at every
+scrape; these lines say when, and why, for whoever reads the leader's log. A new leadership
+starts afresh (`reset`): the new leader logs the ejected nodes and the RED zone it finds, so
+its log is complete without its predecessor's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from admission.tiers import Zone
+from scheduler.scrape import NodeView
+
+log = logging.getLogger("kvgate.scheduler.pool")
+
+
+class TransitionLog:
+    def __init__(self, pool: str, eject_after: int, red: float) -> None:
+        self.pool = pool
+        self.eject_after = eject_after
+        self.red = red
+        self.ejected: set[str] = set()
+        self.in_red = False
+
+    def reset(self) -> None:
+        self.ejected.clear()
+        self.in_red = False
+
+    def observe(self, views: Iterable[NodeView], zone: Zone, usage: float | None) -> None:
+        """Log what changed since the last call: a WARNING for each node newly ejected and for
+        the pool entering RED, an INFO for each node back and for the pool leaving RED."""
+        for view in views:
+            if view.ejected and view.name not in self.ejected:
+                self.ejected.add(view.name)
+                log.warning("pool %s: node %s ejected after %d failed scrapes in a row "
+                            "(last: %s); no work goes to it until it answers", self.pool,
+                            view.name, self.eject_after, view.error or "unknown")
+            elif not view.ejected and view.name in self.ejected:
+                self.ejected.discard(view.name)
+                log.info("pool %s: node %s answers again and rejoins the pool", self.pool,
+                         view.name)
+        red = zone is Zone.RED
+        if red and not self.in_red:
+            why = ("no usable node" if usage is None
+                   else f"usage {usage:.3f} at or above red {self.red:g}")
+            log.warning("pool %s entered RED (%s): Normal and Batch requests get 429",
+                        self.pool, why)
+        elif self.in_red and not red:
+            figure = "" if usage is None else f", usage {usage:.3f}"
+            log.info("pool %s left RED for %s%s", self.pool, zone.value, figure)
+        self.in_red = red

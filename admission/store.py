@@ -39,6 +39,8 @@ class RejectReason(enum.StrEnum):
     EXCEEDS_BURST = "exceeds_burst"
     QUOTA = "quota"
     ZONE_RED = "zone_red"
+    NO_NODE = "no_node"
+    """RED because no node of the pool is usable (every one ejected or stale): an outage."""
     QUEUE_FULL = "queue_full"
     TENANT_QUEUE_FULL = "tenant_queue_full"
     TENANT_QUEUED_TOKENS = "tenant_queued_tokens"

@@ -91,6 +91,7 @@ take before the answer is sent without them (the cancel then finishes in the bac
 
 _CAPACITY_MESSAGES = {
     RejectReason.ZONE_RED: "Cluster KV-Cache is currently saturated. Please backoff.",
+    RejectReason.NO_NODE: "No inference node of this model is reachable. Please backoff.",
     RejectReason.QUEUE_FULL: "The queue of this priority tier is full. Please backoff.",
     RejectReason.TENANT_QUEUE_FULL: "This API key has too many requests queued. Please backoff.",
 }

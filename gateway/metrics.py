@@ -42,7 +42,8 @@ class GatewayMetrics:
             [*by_tier, "outcome"], registry=r)
         self.rejections = Counter(
             "kvgate_gateway_rejections", "Requests refused by admission, by reason "
-            "(quota, zone_red, queue_full, tenant_queue_full, tenant_queued_tokens, "
+            "(quota, zone_red, no_node, queue_full, tenant_queue_full, "
+            "tenant_queued_tokens, "
             "exceeds_burst, queue_timeout).",
             [*by_tier, "reason"], registry=r)
         self.quota_rejections = Counter(

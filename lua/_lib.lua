@@ -55,9 +55,11 @@ local PLACEMENT_FIELDS = {'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest
   'dedicated_guests_closed', 'prefill_quiet', 'vip_ttft_objective_ms', 'lane_output'}
 -- The state hash's fields a capacity 429's hint is computed from (hint_facts()).
 local HINT_FIELDS = {'zone', 'updated_us', 'drain_0', 'drain_1', 'drain_2', 'red_clear_s'}
--- What admit.lua reads of the state hash: both of the above.
+-- What admit.lua reads of the state hash: both of the above, and pool_usage ('' while the
+-- pool has no usable node: its RED is an outage, not a full cache).
 local ADMIT_STATE_FIELDS = {unpack(HINT_FIELDS)}
 for _, name in ipairs(PLACEMENT_FIELDS) do table.insert(ADMIT_STATE_FIELDS, name) end
+table.insert(ADMIT_STATE_FIELDS, 'pool_usage')
 -- A task record's fields the scripts act on (load_task()).
 local TASK_FIELDS = {'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'deadline_us',
   'prompt_tokens', 'max_tokens', 'guest', 'charge', 'levels', 'quota_day'}

@@ -89,7 +89,9 @@
 --   {'rejected', 'quota', retry_after_ms, depth, zone, scope, kind}   scope: 'key' or
 --        'team:<name>', the binding level; kind: 'bucket', 'daily' or 'monthly'
 --   {'rejected', reason, 0, depth, zone, drain, red_clear_s, state_age_ms}
---        reason: zone_red, queue_full, tenant_queue_full; the caller computes the hint from
+--        reason: zone_red, no_node (the pool is RED because none of its nodes is usable:
+--        the leader published pool_usage ''), queue_full, tenant_queue_full; the caller
+--        computes the hint from
 --        these (admission/hints.py): drain = tasks/s leaving the queues at this tier or above
 --        ('' when no leader measured it), red_clear_s = the leader's estimate of the seconds
 --        until the pool leaves RED ('' when none), state_age_ms = now - updated_us (ms; -1
@@ -128,7 +130,9 @@ local function capacity_rejected(reason)
 end
 
 if cost > burst then return {'rejected', 'exceeds_burst', -1, ahead, zone} end
-if zone == 'RED' and tier > 0 then return capacity_rejected('zone_red') end
+if zone == 'RED' and tier > 0 then
+  return capacity_rejected(st.pool_usage == '' and 'no_node' or 'zone_red')
+end
 
 -- The quota levels: the key's own bucket and allowances, then every enclosing level's
 -- (innermost first). The binding level is the one that can pay last (never, first of all).

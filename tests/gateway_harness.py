@@ -115,16 +115,27 @@ async def start_gateway_process(config: Path, redis_url: str, *args: str
 
 
 @asynccontextmanager
-async def serve_backend(backend: InstantBackend) -> AsyncIterator[str]:
-    runner = web.AppRunner(backend.app(), handler_cancellation=True, access_log=None)
+async def serve_app(app: web.Application, *, before_cleanup: Callable[[], None] | None = None,
+                    ) -> AsyncIterator[str]:
+    """`app` on a free loopback port; yields its base URL. `before_cleanup` runs before the
+    runner stops (to release what would hold a handler open)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
-        backend.gate.set()  # let any held stream finish so the runner can stop
+        if before_cleanup is not None:
+            before_cleanup()
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def serve_backend(backend: InstantBackend) -> AsyncIterator[str]:
+    # The gate: let any held stream finish so the runner can stop.
+    async with serve_app(backend.app(), before_cleanup=backend.gate.set) as url:
+        yield url
 
 
 @dataclass

@@ -34,7 +34,7 @@ from gateway.state import Gateway as GatewayRuntime
 from scheduler.app import SERVICE
 from scheduler.app import create_app as create_scheduler
 from scheduler.service import SchedulerService
-from tests.gateway_harness import KEYS, sha
+from tests.gateway_harness import KEYS, serve_app, sha
 from tests.scheduler_stub import FakeVllm
 
 # Hash tags on slots owned by different primaries of a 3-way split (tests/test_core_cluster.py).
@@ -84,14 +84,8 @@ async def serve_node(backend: InstantBackend, fake: FakeVllm) -> AsyncIterator[s
 
     app = backend.app()
     app.middlewares.append(fake_metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url
 
 
 @dataclass

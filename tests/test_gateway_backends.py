@@ -23,7 +23,7 @@ from aiohttp import web
 from admission.tiers import Zone
 from bench.sim.cluster import serve_node
 from bench.sim.config import SimConfig
-from tests.gateway_harness import BIG, POOL, ROOT, Harness, running_gateway
+from tests.gateway_harness import BIG, POOL, ROOT, Harness, running_gateway, serve_app
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say hi."}]
 # 1000 simulated seconds per wall second: answers come at once.
@@ -127,14 +127,8 @@ async def _scripted_node(status: int, content_type: str, body: bytes) -> AsyncIt
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url
 
 
 @pytest.mark.parametrize(("status", "content_type", "node_body", "expected"), NODE_ANSWERS)

@@ -66,4 +66,4 @@ bench-performance: $(VENV)/.installed redis-server
 # scheduler with a standby, two gateways; progress on the terminal, the table at the end.
 # Its files go to the untracked bench/results/tmp/, so a demo leaves the checkout clean.
 demo: $(VENV)/.installed redis-server
-	$(PY) -m bench.burst.experiment --short --out bench/results/tmp
+	$(PY) -m bench.burst.experiment --short --mix article --out bench/results/tmp

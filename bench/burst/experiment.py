@@ -2,7 +2,7 @@
 priority scheduling with clients sending their tier.
 
     python -m bench.burst.experiment            # the reference run (about an hour)
-    python -m bench.burst.experiment --short    # `make demo`: the same experiment in a few minutes
+    python -m bench.burst.experiment --short --mix article   # `make demo`: the same, minutes
     python -m bench.burst.experiment --arms a,c --burst 120 --mix chat
 
 N simulated vLLM nodes (bench.sim), the same engine configuration in every arm, take the same

@@ -12,20 +12,15 @@ field, the bounds from the field's metadata. It holds no default of its own, so 
 changed in one place. The settings are re-exported here: services import them from
 admission.config.
 
-The services' command lines share what they say about the file and the flags overriding its
-settings: `program_name`, `port_argument`, `LOG_LEVELS`, `ENVIRONMENT_HELP`, `listen_error`,
-and the warnings about a valid configuration that still turns requests away
-(`startup_warnings`).
+`startup_warnings`: what a gateway warns about at start, for a configuration that is valid but
+still turns requests away. The services' command lines are admission.cli.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import errno
 import functools
 import os
-import sys
 import tomllib
 import types
 import typing
@@ -33,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from admission.configfields import PORT_MAX, ConfigError, bounds_of
+from admission.configfields import ConfigError, bounds_of
 from admission.configschema import (
     DEFAULT_TIERS,
     Backend,
@@ -54,11 +49,10 @@ from admission.quotaconfig import TeamSettings, check_members, check_teams
 from admission.tiers import Tier
 
 __all__ = [
-    "DEFAULT_TIERS", "ENVIRONMENT_HELP", "LOG_LEVELS", "Backend", "Config", "ConfigError",
-    "ControlSettings", "DedicatedNodes", "EngineSettings", "GatewaySettings", "PoolSettings",
-    "RedisSettings", "SchedulerSettings", "TeamSettings", "TenantSettings", "TierSettings",
-    "ZoneSettings", "listen_error", "load_config", "parse_config", "port_argument",
-    "program_name", "split_address", "startup_warnings",
+    "DEFAULT_TIERS", "Backend", "Config", "ConfigError", "ControlSettings", "DedicatedNodes",
+    "EngineSettings", "GatewaySettings", "PoolSettings", "RedisSettings", "SchedulerSettings",
+    "TeamSettings", "TenantSettings", "TierSettings", "ZoneSettings", "load_config",
+    "parse_config", "split_address", "startup_warnings",
 ]
 
 T = TypeVar("T")
@@ -277,48 +271,6 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
     config = parse_config(data, env)
     config.backend_ssl_context()  # a CA file that cannot be loaded is an error of the file
     return config
-
-
-# --- What the services' command lines share --------------------------------------------------
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-"""`--log-level`'s choices, taken in any case (the flag's argparse type is `str.upper`)."""
-
-ENVIRONMENT_HELP = ("environment: REDIS_URL, when set and not empty, overrides redis.url "
-                    "of the configuration file")
-
-
-def port_argument(text: str) -> int:
-    """`--port`'s argparse type: a port within the bounds of the settings it overrides, else a
-    usage error (exit 2), rather than a port that wraps modulo 65536 or a resolver error when
-    the service binds it."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= PORT_MAX:
-        raise argparse.ArgumentTypeError(f"must be a port number from 0 to {PORT_MAX} "
-                                         f"(0: a free port), got {text!r}")
-    return value
-
-
-def listen_error(service: str, host: str, port: int, exc: OSError) -> str:
-    """The one line a service prints when it cannot bind its port: why, and what to do."""
-    if exc.errno == errno.EADDRINUSE:
-        reason = (f"address already in use (by another {service}, or another program): "
-                  f"choose another port with --port or {service}.port")
-    else:
-        reason = exc.strerror or str(exc)
-    return f"cannot listen on {host}:{port}: {reason}"
-
-
-def program_name(module: str) -> str:
-    """The command as it was run, for `--help` and usage errors: the console script's name
-    (``kvgate-gateway``), or ``python -m <module>`` when run as a module."""
-    name = os.path.basename(sys.argv[0]) if sys.argv else ""
-    if not name or name == "__main__.py" or name.startswith("-"):
-        return f"python -m {module}"
-    return name
 
 
 def startup_warnings(config: Config) -> list[str]:

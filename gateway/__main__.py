@@ -24,16 +24,8 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from admission.config import (
-    ENVIRONMENT_HELP,
-    LOG_LEVELS,
-    ConfigError,
-    listen_error,
-    load_config,
-    port_argument,
-    program_name,
-    startup_warnings,
-)
+from admission.cli import ENVIRONMENT_HELP, add_service_flags, listen_error, program_name
+from admission.config import ConfigError, load_config, startup_warnings
 from gateway.app import create_app
 from gateway.shutdown import CANCEL_GRACE_S, SETTLE_MARGIN_S, stop_serving
 from gateway.state import GATEWAY_ID, IN_FLIGHT
@@ -51,12 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=ENVIRONMENT_HELP)
     p.add_argument("--config", required=True, help="TOML configuration file")
     p.add_argument("--host", help="override gateway.host")
-    p.add_argument("--port", type=port_argument,
-                   help="override gateway.port (0 to 65535; 0: a free port)")
+    add_service_flags(p, "override gateway.port (0 to 65535; 0: a free port)")
     p.add_argument("--id", help="override gateway.id (unique per process)")
-    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
-                   metavar="LEVEL", help="least severity logged to stderr: "
-                   f"{', '.join(LOG_LEVELS)}, in any case (default: %(default)s)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="after SIGTERM, how long requests in flight may run before they are "
                         f"cancelled; the process exits at most {SETTLE_MARGIN_S:g} s later "

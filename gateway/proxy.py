@@ -395,14 +395,6 @@ def _node_error_fields(body: bytes) -> dict[str, Any] | None:
 
 
 def _error_message(body: bytes) -> str | None:
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return str(error["message"])[:200]
-        if isinstance(parsed.get("message"), str):
-            return str(parsed["message"])[:200]
-    return None
+    """A node's error message, cut short for a 502's own message (None: none found)."""
+    fields = _node_error_fields(body)
+    return None if fields is None else str(fields["message"])[:200]

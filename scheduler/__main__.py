@@ -18,16 +18,8 @@ import sys
 
 from aiohttp import web
 
-from admission.config import (
-    ENVIRONMENT_HELP,
-    LOG_LEVELS,
-    Config,
-    ConfigError,
-    listen_error,
-    load_config,
-    port_argument,
-    program_name,
-)
+from admission.cli import ENVIRONMENT_HELP, add_service_flags, listen_error, program_name
+from admission.config import Config, ConfigError, load_config
 from scheduler.app import SERVICE, create_app
 
 log = logging.getLogger("kvgate.scheduler")
@@ -43,11 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="TOML configuration file")
     parser.add_argument("--id", help="replica id (default: scheduler.id, else host-pid)")
     parser.add_argument("--host", help="listen address (default: scheduler.host)")
-    parser.add_argument("--port", type=port_argument,
-                        help="listen port (default: scheduler.port; 0 to 65535, 0: a free port)")
-    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
-                        metavar="LEVEL", help="least severity logged to stderr: "
-                        f"{', '.join(LOG_LEVELS)}, in any case (default: %(default)s)")
+    add_service_flags(parser, "listen port (default: scheduler.port; 0 to 65535, 0: a free port)")
     return parser
 
 

@@ -1,12 +1,14 @@
 """What the services' command lines share: the command's name as it was run, the flags that
 override the configuration file (`--port`, `--log-level`: `add_service_flags`), what the
-environment overrides, and the one line a service prints when it cannot bind its port."""
+environment overrides, and their port: bound before anything else starts (`listen`), or the
+one line a service prints when it cannot be (`listen_error`)."""
 
 from __future__ import annotations
 
 import argparse
 import errno
 import os
+import socket
 import sys
 
 from admission.configfields import PORT_MAX
@@ -57,3 +59,31 @@ def program_name(module: str) -> str:
     if not name or name == "__main__.py" or name.startswith("-"):
         return f"python -m {module}"
     return name
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to `port` on every address `host` resolves to, as the event loop's own
+    `create_server` would bind them (SO_REUSEADDR; IPv6 sockets IPv6 only, so that they do not
+    collide with the IPv4 ones; an address family the host cannot open skipped); OSError if
+    one cannot be bound, after closing the others."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    bound: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                sock = socket.socket(family, kind, proto)
+            except OSError:
+                continue  # e.g. IPv6 disabled in the kernel while the resolver offers it
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except BaseException:
+        for sock in bound:
+            sock.close()
+        raise
+    if not bound:
+        raise OSError(f"no address of {host!r} can be opened")
+    return bound

@@ -24,7 +24,13 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from admission.cli import ENVIRONMENT_HELP, add_service_flags, listen_error, program_name
+from admission.cli import (
+    ENVIRONMENT_HELP,
+    add_service_flags,
+    listen,
+    listen_error,
+    program_name,
+)
 from admission.config import ConfigError, load_config, startup_warnings
 from gateway.app import create_app
 from gateway.shutdown import CANCEL_GRACE_S, SETTLE_MARGIN_S, stop_serving
@@ -52,34 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def listen(host: str, port: int) -> list[socket.socket]:
-    """Sockets bound to `port` on every address `host` resolves to, as the event loop's own
-    `create_server` would bind them (SO_REUSEADDR; IPv6 sockets IPv6 only, so that they do not
-    collide with the IPv4 ones; an address family the host cannot open skipped); OSError if
-    one cannot be bound, after closing the others."""
-    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                               flags=socket.AI_PASSIVE)
-    bound: list[socket.socket] = []
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            try:
-                sock = socket.socket(family, kind, proto)
-            except OSError:
-                continue  # e.g. IPv6 disabled in the kernel while the resolver offers it
-            bound.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-    except BaseException:
-        for sock in bound:
-            sock.close()
-        raise
-    if not bound:
-        raise OSError(f"no address of {host!r} can be opened")
-    return bound
-
-
 async def serve(app: web.Application, host: str, sockets: list[socket.socket], *,
                 access_log: bool, shutdown_timeout: float) -> None:
     runner = web.AppRunner(
@@ -90,12 +68,7 @@ async def serve(app: web.Application, host: str, sockets: list[socket.socket], *
         # only for one that ignored its cancellation.
         shutdown_timeout=CANCEL_GRACE_S,
     )
-    try:
-        await runner.setup()
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
+    await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -114,8 +87,6 @@ async def serve(app: web.Application, host: str, sockets: list[socket.socket], *
         await stop.wait()
     finally:
         await stop_serving(runner, app[IN_FLIGHT], shutdown_timeout)
-        for sock in sockets:  # closed with its site, unless that site never started
-            sock.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,8 +120,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         runner = asyncio.run
     else:
         runner = uvloop.run
-    runner(serve(app, host, sockets, access_log=config.gateway.access_log,
-                 shutdown_timeout=args.shutdown_timeout))
+    try:
+        runner(serve(app, host, sockets, access_log=config.gateway.access_log,
+                     shutdown_timeout=args.shutdown_timeout))
+    finally:
+        for sock in sockets:  # closed with their sites, unless the app failed before them
+            sock.close()
     return 0
 
 

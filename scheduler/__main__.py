@@ -14,11 +14,18 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 
 from aiohttp import web
 
-from admission.cli import ENVIRONMENT_HELP, add_service_flags, listen_error, program_name
+from admission.cli import (
+    ENVIRONMENT_HELP,
+    add_service_flags,
+    listen,
+    listen_error,
+    program_name,
+)
 from admission.config import Config, ConfigError, load_config
 from scheduler.app import SERVICE, create_app
 
@@ -43,32 +50,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-async def serve(config: Config, me: str | None) -> int:
-    """Serve until SIGTERM or SIGINT (0), or 1 when the port cannot be bound."""
-    host, port = config.scheduler.host, config.scheduler.port
-    app = create_app(config, me=me, manage_service=False)
-    service = app[SERVICE]
+async def serve(config: Config, me: str | None, sockets: list[socket.socket]) -> None:
+    """Serve on `sockets` (bound by `listen`) until SIGTERM or SIGINT."""
+    app = create_app(config, me=me)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        try:
-            await web.TCPSite(runner, host, port).start()
-        except OSError as exc:
-            print(listen_error("scheduler", host, port, exc), file=sys.stderr)
-            return 1
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         # With port 0 the system picked one: name the port really bound.
-        bound = runner.addresses[0][1] if runner.addresses else port
-        log.info("listening on %s:%d", host, bound)
-        await service.start()
+        log.info("listening on %s:%d", config.scheduler.host, runner.addresses[0][1])
         await stop.wait()
-        return 0
     finally:
         # Resign first: the HTTP server's shutdown must not delay the handover.
-        await service.stop()
+        await app[SERVICE].stop()
         await runner.cleanup()
 
 
@@ -86,12 +85,23 @@ def main(argv: list[str] | None = None) -> int:
         config = dataclasses.replace(
             config, scheduler=dataclasses.replace(config.scheduler, **overrides)
         )
+    host, port = config.scheduler.host, config.scheduler.port
+    try:
+        sockets = listen(host, port)
+    except OSError as exc:
+        print(listen_error("scheduler", host, port, exc), file=sys.stderr)
+        return 1
     runner = asyncio.run
     with contextlib.suppress(ImportError):
         import uvloop
 
         runner = uvloop.run
-    return runner(serve(config, args.id))
+    try:
+        runner(serve(config, args.id, sockets))
+    finally:
+        for sock in sockets:  # closed with their sites, unless the app failed before them
+            sock.close()
+    return 0
 
 
 if __name__ == "__main__":

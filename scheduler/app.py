@@ -1,8 +1,7 @@
 """The scheduler's HTTP face: ``/healthz`` (JSON, 200 while the loops run) and ``/metrics``.
 
 `create_app` builds the application without I/O; the service starts with the app and stops
-(resigning leadership) when the app is cleaned up, unless its caller starts and stops it
-(``python -m scheduler`` binds its port before the service joins the leader election).
+(resigning leadership) when the app is cleaned up.
 """
 
 from __future__ import annotations
@@ -30,16 +29,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_app(config: Config, *, me: str | None = None,
-               manage_service: bool = True) -> web.Application:
-    """The app, its `SERVICE` built; `manage_service` False leaves starting and stopping the
-    service to the caller."""
+def create_app(config: Config, *, me: str | None = None) -> web.Application:
     app = web.Application()
     app[SERVICE] = SchedulerService(config, me=me)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
-    if not manage_service:
-        return app
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await app[SERVICE].start()

@@ -2,9 +2,9 @@
 
 A settings dataclass (admission.configschema, admission.controlconfig) declares each key as a
 field whose annotation is the key's type and whose default is the key's default; `at_least`,
-`between`, `optional_between`, `tcp_port` and `one_of` add the bounds a value must keep. The loader
-(admission.config) reads every field from the file by those declarations alone, so a default
-or a bound is written once, next to the setting it belongs to.
+`between`, `optional_between`, `tcp_port` and `one_of` add the bounds a value must keep. The
+loader (admission.config) reads every field from the file by those declarations alone, so a
+default or a bound is written once, next to the setting it belongs to.
 
 A class may also declare
 

@@ -52,7 +52,9 @@ def connect(settings: RedisSettings) -> Any:
         health_check_interval=30,
         **ssl,
     )
-    return aioredis.Redis(connection_pool=pool)
+    # The client owns its pool, so closing the client closes the pool's connections (a client
+    # handed a pool leaves them open, to be found unclosed at exit).
+    return aioredis.Redis.from_pool(pool)
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):

@@ -390,7 +390,7 @@ async def measure(
             config = workdir / "bench.toml"
             write_config(config, server.url, stub, poll_ms, projection)
             pool = aioredis.BlockingConnectionPool.from_url(server.url, max_connections=64)
-            client = aioredis.Redis(connection_pool=pool)
+            client = aioredis.Redis.from_pool(pool)
             try:
                 with scheduler_process(config):
                     async def leading() -> bool:

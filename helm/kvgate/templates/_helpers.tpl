@@ -41,11 +41,15 @@ app.kubernetes.io/part-of: kvgate
 {{- end }}
 
 {{- define "kvgate.image" -}}
-{{- $tag := default .Chart.AppVersion .Values.image.tag }}
-{{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- include "kvgate.imageRef" (dict "image" .Values.image "defaultTag" .Chart.AppVersion) }}
+{{- end }}
+
+{{/* Call with (dict "image" $values.image "defaultTag" "..."): a digest wins over the tag. */}}
+{{- define "kvgate.imageRef" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- printf "%s:%s" .image.repository (default .defaultTag .image.tag) }}
 {{- end }}
 {{- end }}
 
@@ -92,6 +96,59 @@ value to change (the schema checks each value alone; these need two).
 {{- end }}
 {{- if and .Values.tenants.existingSecret .Values.tenants.items }}
 {{- fail "tenants: use either tenants.items or tenants.existingSecret, not both" }}
+{{- end }}
+{{- $a := .Values.gateway.autoscaling }}
+{{- if $a.enabled }}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
+{{- fail (printf "gateway.autoscaling: minReplicas (%d) is above maxReplicas (%d)" (int $a.minReplicas) (int $a.maxReplicas)) }}
+{{- end }}
+{{- /* Utilization is a share of the request: without one the HPA never scales. */}}
+{{- $requests := default (dict) .Values.gateway.resources.requests }}
+{{- if not $requests.cpu }}
+{{- fail "gateway.autoscaling scales on CPU utilization: set gateway.resources.requests.cpu" }}
+{{- end }}
+{{- if and $a.targetMemoryUtilizationPercentage (not $requests.memory) }}
+{{- fail "gateway.autoscaling.targetMemoryUtilizationPercentage: set gateway.resources.requests.memory" }}
+{{- end }}
+{{- end }}
+{{- range $component := list "gateway" "scheduler" }}
+{{- include "kvgate.validatePdb" (dict "root" $ "component" $component) }}
+{{- end }}
+{{- end }}
+
+{{/*
+A PodDisruptionBudget needs exactly one of its two fields, and one that allows no eviction at
+all (minAvailable up to the replica count, maxUnavailable 0) makes every node drain hang.
+*/}}
+{{- define "kvgate.validatePdb" -}}
+{{- $v := index .root.Values .component }}
+{{- $pdb := $v.podDisruptionBudget }}
+{{- $where := printf "%s.podDisruptionBudget" .component }}
+{{- if $pdb.enabled }}
+{{- $min := $pdb.minAvailable }}
+{{- $max := $pdb.maxUnavailable }}
+{{- if eq (kindIs "invalid" $min) (kindIs "invalid" $max) }}
+{{- fail (printf "%s: set exactly one of maxUnavailable and minAvailable (the other to null)" $where) }}
+{{- end }}
+{{- $count := int $v.replicas }}
+{{- $counted := "replicas" }}
+{{- if and (eq .component "gateway") $v.autoscaling.enabled }}
+{{- $count = int $v.autoscaling.minReplicas }}
+{{- $counted = "autoscaling.minReplicas" }}
+{{- end }}
+{{- $noEviction := false }}
+{{- if not (kindIs "invalid" $min) }}
+{{- if kindIs "string" $min }}
+{{- $noEviction = eq (int (trimSuffix "%" $min)) 100 }}
+{{- else }}
+{{- $noEviction = ge (int $min) $count }}
+{{- end }}
+{{- else }}
+{{- $noEviction = eq (int (trimSuffix "%" (toString $max))) 0 }}
+{{- end }}
+{{- if $noEviction }}
+{{- fail (printf "%s allows no pod to be evicted with %s.%s=%d, so node drains would never finish: lower minAvailable or raise maxUnavailable" $where .component $counted $count) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -252,6 +309,19 @@ checks that they agree). The pod's grace period is preStop sleep + shutdown time
 */}}
 {{- define "kvgate.gatewaySettleMarginSeconds" -}}
 5
+{{- end }}
+
+{{/*
+The gateway's readiness path. /readyz answers 503 while Redis is unreachable; with
+config.gateway.fail_open_tiers set, the gateways must keep receiving traffic then, so
+readiness follows /healthz (the process serves) instead.
+*/}}
+{{- define "kvgate.gateway.readinessPath" -}}
+{{- if (default (dict) .Values.config.gateway).fail_open_tiers -}}
+/healthz
+{{- else -}}
+/readyz
+{{- end }}
 {{- end }}
 
 {{/* preStop: let endpoint removal reach every load balancer before the server stops. */}}

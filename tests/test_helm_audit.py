@@ -1,0 +1,272 @@
+"""The chart under the overrides platform teams make: fail-open tiers, a private registry,
+disruption budgets and autoscaling, probe settings the API server refuses, tokenizer volumes,
+and the README's table of values.
+
+Rendering, validation and the config check are those of tests/test_helm_chart.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+
+from admission import config as cfg
+from gateway.app import create_app as gateway_app
+from scheduler.app import create_app as scheduler_app
+from tests.test_helm_chart import (
+    CHART,
+    K8S_VERSIONS,
+    NAMESPACE,
+    RELEASE,
+    VARIANTS,
+    _toml,
+    chart,
+    configmap,
+    one,
+    production_values,
+    render,
+)
+
+
+def pod_of(docs: list[dict[str, Any]], suffix: str) -> dict[str, Any]:
+    spec: dict[str, Any] = one(docs, "Deployment", suffix)["spec"]["template"]["spec"]
+    return spec
+
+
+def container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [c for c in pod["containers"] if c["name"] == name]
+    assert len(found) == 1, name
+    return found[0]
+
+
+def get_routes(app: Any) -> set[str]:
+    return {r.resource.canonical for r in app.router.routes()
+            if r.method == "GET" and r.resource is not None}
+
+
+def validate_all(docs: list[dict[str, Any]]) -> None:
+    for doc in docs:
+        if doc["kind"] != "ServiceMonitor":
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(doc, version, strict=True)
+
+
+def notes(values: dict[str, Any] | None) -> str:
+    text: str = chart().render(values, name=RELEASE, namespace=NAMESPACE)[
+        "kvgate/templates/NOTES.txt"]
+    return text
+
+
+# --- probes ---------------------------------------------------------------------------
+
+
+FAIL_OPEN: dict[str, Any] = {"config": {"gateway": {"fail_open_tiers": ["vip"]}}}
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "fail-open"])
+def test_every_probe_hits_a_route_of_its_service_on_its_port(variant: str) -> None:
+    docs = render(FAIL_OPEN if variant == "fail-open" else VARIANTS[variant]())
+    config = cfg.parse_config(_toml(configmap(docs)), env={})
+    for suffix, name, app in (("-gateway", "gateway", gateway_app(config)),
+                              ("-scheduler", "scheduler", scheduler_app(config))):
+        c = container(pod_of(docs, suffix), name)
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        listens = config.gateway.port if name == "gateway" else config.scheduler.port
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            if probe in c:
+                get = c[probe]["httpGet"]
+                assert get["path"] in get_routes(app), (name, probe)
+                assert ports[get["port"]] == listens, (name, probe)
+
+
+def test_gateways_that_fail_open_stay_in_the_service_while_redis_is_down() -> None:
+    """/readyz answers 503 on every gateway while Redis is unreachable: with it as readiness
+    the Service loses every endpoint, and the requests fail_open_tiers should let through
+    never reach a gateway."""
+    probe = container(pod_of(render(FAIL_OPEN), "-gateway"), "gateway")["readinessProbe"]
+    assert probe["httpGet"]["path"] == "/healthz"
+    # Failing closed, an unready gateway (its own Redis path broken) still leaves the Service.
+    probe = container(pod_of(render(), "-gateway"), "gateway")["readinessProbe"]
+    assert probe["httpGet"]["path"] == "/readyz"
+
+
+# --- images from a private registry ----------------------------------------------------
+
+
+def test_bundled_redis_pulls_like_the_rest_from_a_private_registry() -> None:
+    digest = "sha256:" + "b" * 64
+    docs = render({
+        "imagePullSecrets": [{"name": "regcred"}],
+        "image": {"repository": "registry.corp/kvgate", "digest": "sha256:" + "a" * 64},
+        "redis": {"bundled": {"image": {"repository": "registry.corp/redis", "digest": digest}}},
+    })
+    validate_all(docs)
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in (
+        "Deployment", "StatefulSet")]
+    assert len(pods) == 3
+    for pod in pods:
+        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    (redis,) = one(docs, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"]
+    assert redis["image"] == f"registry.corp/redis@{digest}"
+    (redis,) = one(render(), "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"]
+    assert redis["image"] == "redis:7.4-alpine"
+    assert "imagePullSecrets" not in one(render(), "StatefulSet", "-redis")["spec"]["template"][
+        "spec"]
+
+
+# --- disruption budgets and autoscaling ------------------------------------------------
+
+
+def pdb(component: str, **fields: Any) -> dict[str, Any]:
+    return {component: {"podDisruptionBudget": {"maxUnavailable": None, "minAvailable": None,
+                                                **fields}}}
+
+
+HPA_ON: dict[str, Any] = {"enabled": True, "minReplicas": 3, "maxReplicas": 6}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    (pdb("gateway"), "gateway.podDisruptionBudget: set exactly one of"),
+    (pdb("scheduler", maxUnavailable=1, minAvailable=1),
+     "scheduler.podDisruptionBudget: set exactly one of"),
+    (pdb("gateway", minAvailable=2), "allows no pod to be evicted with gateway.replicas=2"),
+    (pdb("gateway", minAvailable="100%"), "allows no pod to be evicted"),
+    (pdb("gateway", maxUnavailable=0), "allows no pod to be evicted"),
+    (pdb("scheduler", minAvailable=2), "allows no pod to be evicted with scheduler.replicas=2"),
+    ({"gateway": {"autoscaling": HPA_ON, **pdb("gateway", minAvailable=3)["gateway"]}},
+     "with gateway.autoscaling.minReplicas=3"),
+    ({"gateway": {"autoscaling": {**HPA_ON, "minReplicas": 8}}},
+     "minReplicas (8) is above maxReplicas (6)"),
+    ({"gateway": {"autoscaling": HPA_ON, "resources": {"requests": {"cpu": None}}}},
+     "set gateway.resources.requests.cpu"),
+    ({"gateway": {"autoscaling": {**HPA_ON, "targetMemoryUtilizationPercentage": 80},
+                  "resources": {"requests": {"memory": None}}}},
+     "set gateway.resources.requests.memory"),
+])
+def test_budgets_and_autoscalers_that_cannot_work_fail_with_a_message(
+    values: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        render(values)
+
+
+@pytest.mark.parametrize("values", [
+    pdb("gateway", minAvailable="50%"),
+    pdb("gateway", maxUnavailable="25%"),
+    pdb("scheduler", minAvailable=1),
+    {"gateway": {"replicas": 1}, "scheduler": {"replicas": 1}},
+    {"gateway": {"autoscaling": {**HPA_ON, "targetMemoryUtilizationPercentage": 80}}},
+    {"gateway": {"podDisruptionBudget": {"enabled": False, "maxUnavailable": None}}},
+])
+def test_budgets_and_autoscalers_that_work_render_and_validate(values: dict[str, Any]) -> None:
+    docs = render(values)
+    validate_all(docs)
+    budgets = [d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert all(len(b) == 2 for b in budgets)  # one of the two fields, and the selector
+
+
+# --- probe settings the API server refuses ---------------------------------------------
+
+
+@pytest.mark.parametrize(("values", "where"), [
+    ({"gateway": {"readinessProbe": {"terminationGracePeriodSeconds": 5}}},
+     "/gateway/readinessProbe"),
+    ({"scheduler": {"readinessProbe": {"terminationGracePeriodSeconds": 5}}},
+     "/scheduler/readinessProbe"),
+    ({"gateway": {"livenessProbe": {"successThreshold": 2}}},
+     "/gateway/livenessProbe/successThreshold"),
+    ({"gateway": {"startupProbe": {"successThreshold": 2}}},
+     "/gateway/startupProbe/successThreshold"),
+])
+def test_schema_rejects_probe_settings_kubernetes_refuses(
+    values: dict[str, Any], where: str
+) -> None:
+    with pytest.raises(helm.HelmValuesError, match=re.escape(where)):
+        chart().validate_schema(chart().merge_values(values))
+
+
+def test_probe_settings_kubernetes_accepts_pass_the_schema() -> None:
+    values = {"gateway": {"readinessProbe": {"successThreshold": 2},
+                          "livenessProbe": {"terminationGracePeriodSeconds": 10}}}
+    chart().validate_schema(chart().merge_values(values))
+    c = container(pod_of(render(values), "-gateway"), "gateway")
+    assert c["readinessProbe"]["successThreshold"] == 2
+    assert c["livenessProbe"]["terminationGracePeriodSeconds"] == 10
+
+
+# --- tokenizers on a volume ------------------------------------------------------------
+
+
+def test_a_pools_tokenizer_can_be_mounted_into_the_gateway() -> None:
+    """A pool's `tokenizer` is a path the gateway reads at start; the served model's
+    tokenizer.json (megabytes, over a ConfigMap's limit) must come from a volume."""
+    path = "/models/llama-3.1-8b/tokenizer.json"
+    values = {
+        "config": {"pools": [{"name": "llama-8b", "tokenizer": path,
+                              "backends": ["http://vllm-0:8000"]}]},
+        "gateway": {"extraVolumes": [{"name": "models", "persistentVolumeClaim": {
+                        "claimName": "tokenizers", "readOnly": True}}],
+                    "extraVolumeMounts": [{"name": "models", "mountPath": "/models",
+                                           "readOnly": True}]},
+        "scheduler": {"extraVolumes": [{"name": "extra", "emptyDir": {}}],
+                      "extraVolumeMounts": [{"name": "extra", "mountPath": "/extra"}]},
+    }
+    docs = render(values)
+    validate_all(docs)
+    config = cfg.parse_config(_toml(configmap(docs)), env={})
+    assert config.pools["llama-8b"].tokenizer == path
+    pod = pod_of(docs, "-gateway")
+    mounts = container(pod, "gateway")["volumeMounts"]
+    (mount,) = [m for m in mounts if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == "tokenizers"
+    pod = pod_of(docs, "-scheduler")
+    assert {"name": "extra", "mountPath": "/extra"} in container(pod, "scheduler")["volumeMounts"]
+    assert {"name": "extra", "emptyDir": {}} in pod["volumes"]
+    assert "without a `tokenizer`" not in notes(values)
+
+
+def test_notes_name_the_pools_counted_with_the_bundled_tokenizer() -> None:
+    text = notes(production_values())
+    assert "pools without a `tokenizer` (llama-8b, qwen-72b)" in text
+    assert "gateway.extraVolumes" in text
+
+
+# --- the README's table of values -------------------------------------------------------
+
+
+WHOLE = {"config", "resources", "podSecurityContext", "containerSecurityContext",
+         "livenessProbe", "readinessProbe", "startupProbe"}
+
+
+def leaves(values: Any, prefix: str = "") -> set[str]:
+    """Dotted paths of values.yaml's settings. A list or an empty map is one setting, and so
+    are Kubernetes objects passed through (resources, probes, security contexts) and `config`
+    (its keys are documented in docs/configuration.md)."""
+    if not isinstance(values, dict) or not values or prefix.rsplit(".", 1)[-1] in WHOLE:
+        return {prefix}
+    found: set[str] = set()
+    for key, value in values.items():
+        found |= leaves(value, f"{prefix}.{key}" if prefix else key)
+    return found
+
+
+def test_readme_values_table_lists_every_value_with_its_default() -> None:
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text()
+    rows = re.findall(r"^\| `([A-Za-z0-9_.]+)` \| `([^`]*)` \|", readme, re.MULTILINE)
+    assert len(rows) == len({key for key, _ in rows}), "a key listed twice"
+    table = dict(rows)
+    assert set(table) == leaves(defaults)
+    for key, shown in table.items():
+        if key == "config":
+            continue
+        value: Any = defaults
+        for part in key.split("."):
+            value = value[part]
+        assert yaml.safe_load(shown) == value, key

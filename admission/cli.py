@@ -18,6 +18,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 ENVIRONMENT_HELP = ("environment: REDIS_URL, when set and not empty, overrides redis.url "
                     "of the configuration file")
+GATEWAY_ENVIRONMENT_HELP = (ENVIRONMENT_HELP + "; KVGATE_ADMIN_TOKEN_SHA256, when set and not "
+                            "empty, overrides gateway.admin_token_sha256")
 
 
 def port_argument(text: str) -> int:

@@ -42,6 +42,7 @@ from admission.configschema import (
     TenantSettings,
     TierSettings,
     ZoneSettings,
+    is_sha256,
     split_address,
 )
 from admission.controlconfig import ControlSettings
@@ -223,6 +224,21 @@ def _tiers(r: _Reader) -> dict[Tier, TierSettings]:
     return tiers
 
 
+ADMIN_TOKEN_ENV = "KVGATE_ADMIN_TOKEN_SHA256"
+"""Overrides `gateway.admin_token_sha256` when set and not empty: a deployment keeps the admin
+token's hash in a secret store, beside the tenants' key hashes, rather than in the file."""
+
+
+def _admin_token(env: Mapping[str, str]) -> str | None:
+    value = env.get(ADMIN_TOKEN_ENV, "").strip()
+    if not value:
+        return None
+    if not is_sha256(value):
+        raise ConfigError(f"{ADMIN_TOKEN_ENV}: must be a lowercase hex SHA-256 (of the admin "
+                          "token, never the token itself)")
+    return value
+
+
 def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
     root = _Reader(dict(data), "")
     env = os.environ if env is None else env
@@ -247,9 +263,12 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     check_members(((f"tenants[{i}]", t.team, t.burst) for i, t in enumerate(tenants)), teams)
     redis = root.sub("redis")
     file_url = _field(redis, RedisSettings, "url")
+    gateway = root.sub("gateway")
+    file_admin_token = _field(gateway, GatewaySettings, "admin_token_sha256")
     config = Config(
         redis=_section(redis, RedisSettings, url=env.get("REDIS_URL") or file_url),
-        gateway=_section(root.sub("gateway"), GatewaySettings),
+        gateway=_section(gateway, GatewaySettings,
+                         admin_token_sha256=_admin_token(env) or file_admin_token),
         scheduler=_section(root.sub("scheduler"), SchedulerSettings),
         tiers=_tiers(root.sub("tiers")),
         pools={p.name: p for p in pools},

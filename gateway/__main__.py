@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from admission.cli import (
-    ENVIRONMENT_HELP,
+    GATEWAY_ENVIRONMENT_HELP,
     add_service_flags,
     listen,
     listen_error,
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=program_name("gateway"),
         description="Run one kvgate gateway: the OpenAI-compatible front of the vLLM pools "
                     "the configuration file describes.",
-        epilog=ENVIRONMENT_HELP)
+        epilog=GATEWAY_ENVIRONMENT_HELP)
     p.add_argument("--config", required=True, help="TOML configuration file")
     p.add_argument("--host", help="override gateway.host")
     add_service_flags(p, "override gateway.port (0 to 65535; 0: a free port)")

@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 
 from admission import config as cfg
-from admission.config import Config, ConfigError, parse_config
+from admission.config import ADMIN_TOKEN_ENV, Config, ConfigError, parse_config
 from admission.configfields import bounds_of
 from admission.tiers import Tier
 
@@ -152,7 +152,7 @@ def document_rows() -> list[Row]:
 def environment_variables() -> list[str]:
     text = DOC.read_text(encoding="utf-8")
     part = text.split("## Environment", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^\| `([A-Z_]+)` \|", part, flags=re.MULTILINE)
+    return re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", part, flags=re.MULTILINE)
 
 
 ROWS = document_rows()
@@ -278,7 +278,7 @@ def test_unknown_keys_are_rejected(section: str) -> None:
 
 
 def test_environment_is_documented_and_redis_url_overrides_the_file() -> None:
-    assert environment_variables() == ["REDIS_URL"]
+    assert environment_variables() == ["REDIS_URL", "KVGATE_ADMIN_TOKEN_SHA256"]
     data = base()
     data["redis"]["url"] = "redis://from-file:6379/0"
     assert parse_config(data, env={}).redis.url == "redis://from-file:6379/0"
@@ -287,6 +287,21 @@ def test_environment_is_documented_and_redis_url_overrides_the_file() -> None:
     )
     # Empty counts as not set, as documented.
     assert parse_config(data, env={"REDIS_URL": ""}).redis.url == "redis://from-file:6379/0"
+
+
+def test_the_admin_tokens_hash_may_come_from_the_environment() -> None:
+    data = base()
+    in_file, in_env = "a" * 64, "b" * 64
+    data.setdefault("gateway", {})["admin_token_sha256"] = in_file
+    assert parse_config(data, env={}).gateway.admin_token_sha256 == in_file
+    assert parse_config(data, env={ADMIN_TOKEN_ENV: in_env}).gateway.admin_token_sha256 == in_env
+    assert parse_config(data, env={ADMIN_TOKEN_ENV: ""}).gateway.admin_token_sha256 == in_file
+    del data["gateway"]["admin_token_sha256"]
+    assert parse_config(data, env={ADMIN_TOKEN_ENV: in_env}).gateway.admin_token_sha256 == in_env
+    # The token itself (not its hash) is refused, naming the variable, never echoing it.
+    with pytest.raises(ConfigError, match=ADMIN_TOKEN_ENV) as refused:
+        parse_config(data, env={ADMIN_TOKEN_ENV: "my-admin-token"})
+    assert "my-admin-token" not in str(refused.value)
 
 
 def test_the_example_config_uses_only_documented_keys() -> None:

@@ -1,6 +1,6 @@
 """The chart under the overrides platform teams make: fail-open tiers, a private registry,
 disruption budgets and autoscaling, probe settings the API server refuses, tokenizer volumes,
-and the README's table of values.
+the admin token's Secret, and the README's table of values.
 
 Rendering, validation and the config check are those of tests/test_helm_chart.py.
 """
@@ -229,6 +229,26 @@ def test_a_pools_tokenizer_can_be_mounted_into_the_gateway() -> None:
     assert {"name": "extra", "mountPath": "/extra"} in container(pod, "scheduler")["volumeMounts"]
     assert {"name": "extra", "emptyDir": {}} in pod["volumes"]
     assert "without a `tokenizer`" not in notes(values)
+
+
+# --- the admin API -------------------------------------------------------------------------
+
+
+def test_the_admin_tokens_hash_comes_from_a_secret_and_turns_the_admin_api_on() -> None:
+    """Off by default (no variable, so the gateway answers 403 admin_disabled); with a Secret
+    named, the gateway gets the hash from it under the name the config loader reads."""
+    assert not [e for e in container(pod_of(render(None), "-gateway"), "gateway")["env"]
+                if e["name"] == cfg.ADMIN_TOKEN_ENV]
+    docs = render({"gateway": {"adminToken": {"existingSecret": "kvgate-admin",
+                                              "key": "sha"}}})
+    validate_all(docs)
+    (env,) = [e for e in container(pod_of(docs, "-gateway"), "gateway")["env"]
+              if e["name"] == cfg.ADMIN_TOKEN_ENV]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "kvgate-admin", "key": "sha"}
+    assert all(e["name"] != cfg.ADMIN_TOKEN_ENV
+               for e in container(pod_of(docs, "-scheduler"), "scheduler").get("env", []))
+    # The hash is never written into the ConfigMap.
+    assert "admin_token_sha256" not in _toml(configmap(docs)).get("gateway", {})
 
 
 def test_notes_name_the_pools_counted_with_the_bundled_tokenizer() -> None:

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from admission.config import ConfigError, TenantSettings
 from admission.connection import connect
@@ -404,8 +404,10 @@ async def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     client = connect(target.settings)
     try:
         return await _show(client, target, args)
-    except (RedisError, OSError) as exc:
-        # redis-py's messages name host and port, never the password in the URL.
+    except (RedisError, RedisClusterException, OSError) as exc:
+        # redis-py's messages name host and port, never the password in the URL. A cluster
+        # seed that is unreachable or not in cluster mode raises RedisClusterException,
+        # which does not derive from RedisError.
         raise Unreadable(f"cannot read Redis at {target.address}: "
                          f"{exc or type(exc).__name__}") from None
     finally:

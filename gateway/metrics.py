@@ -25,7 +25,17 @@ FAIL_OPEN = "fail_open"
 INTERNAL_ERROR = "internal_error"
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# TTFT counts from arrival, so it includes the queue wait: the buckets reach as far as the
+# waits' (the default queue timeouts are 30 s, 60 s and 600 s), or histogram_quantile would
+# report every slower first token as the highest bound.
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                 60, 120, 300, 600)
+
+REDIS_OPS = ("admit", "settle", "abandon", "renew", "poll", "subscribe", "drain_hint", "admin")
+"""The `op` values of kvgate_gateway_redis_errors_total."""
+SETTLE_OPS = ("settle", "cancel")
+GIVE_UP_REASONS = ("permanent", "deadline")
+"""The `op` and `reason` values of kvgate_gateway_settles_abandoned_total."""
 
 
 M = TypeVar("M", Counter, Gauge, Histogram)
@@ -97,6 +107,14 @@ class GatewayMetrics:
             ["pool", "node", "kind"], registry=r)
 
         self._children: dict[tuple[Any, ...], Any] = {}
+        # Exported at 0 from the start: Prometheus sees a series born at 1 as no increase, so
+        # rate() and increase() (and alerts on them) would miss a gateway's first Redis error
+        # or first settle given up. Labels with a pool are created on first use.
+        for op in REDIS_OPS:
+            self.child(self.redis_errors, op)
+        for op in SETTLE_OPS:
+            for reason in GIVE_UP_REASONS:
+                self.child(self.settles_abandoned, op, reason)
 
     def child(self, metric: M, *labels: str) -> M:
         """`metric.labels(*labels)`, cached: the hot path skips prometheus-client's lookup."""

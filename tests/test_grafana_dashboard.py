@@ -437,3 +437,62 @@ def test_expressions_parse_with_promtool(tmp_path: Path) -> None:
                             text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
+
+
+def _panel(title: str) -> dict[str, Any]:
+    (panel,) = [p for p in all_panels(DASH) if p["title"] == title]
+    return panel
+
+
+def _promtool_eval(tmp_path: Path, series: dict[str, str], expr: str,
+                   expected: list[dict[str, Any]]) -> None:
+    """`expr` evaluated by Prometheus itself (promtool's rule unit tests) one minute after
+    `series` (promtool's expanding notation, one value a minute) start: `expected` samples."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (`make promtool` installs Debian's 'prometheus')")
+    last = max(len(v.split()) for v in series.values()) - 1
+    test = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in series.items()],
+        # Every pool selected (the variable's allValue), then the range variables.
+        "promql_expr_test": [{"expr": for_promql(expr.replace("$pool", ".*")),
+                              "eval_time": f"{last}m",
+                              "exp_samples": expected}],
+    }]}
+    path = tmp_path / "test.json"
+    path.write_text(json.dumps(test), encoding="utf-8")
+    result = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_zone_stat_says_no_leader_when_no_replica_leads(tmp_path: Path) -> None:
+    panel = _panel("Zone now")
+    (target,) = panel["targets"]
+    leading = {'kvgate_scheduler_leader{instance="s1"}': "1 1",
+               'kvgate_scheduler_zone{instance="s1",pool="demo"}': "2 2"}
+    _promtool_eval(tmp_path, leading, target["expr"], [{"labels": '{pool="demo"}', "value": 2}])
+    # The leader died: its replica (or a standby) exports leader 0 and drops its pool gauges.
+    # The query then returns no series at all, which Grafana shows as the panel's noValue: a
+    # mapping of null never applies, and "No data" reads like a broken dashboard.
+    gone = {'kvgate_scheduler_leader{instance="s1"}': "1 0",
+            'kvgate_scheduler_zone{instance="s1",pool="demo"}': "2 stale"}
+    _promtool_eval(tmp_path, gone, target["expr"], [])
+    assert panel["fieldConfig"]["defaults"].get("noValue") == "no leader"
+
+
+def test_the_leader_stat_colours_the_count_only_and_shows_the_epoch_whole() -> None:
+    panel = _panel("Scheduler leaders")
+    legends = {t["legendFormat"] for t in panel["targets"]}
+    assert legends == {"leaders", "epoch"}
+    steps = panel["fieldConfig"]["defaults"]["thresholds"]["steps"]
+    # An epoch starts from Redis TIME in µs: the thresholds meant for the leader count (red
+    # from 2 replicas up) would paint it red, and "short" would show it as "2 Quadr".
+    epoch = 1_796_574_936_306_695
+    assert epoch >= max(s["value"] for s in steps if s["value"] is not None)
+    (override,) = [o for o in panel["fieldConfig"]["overrides"]
+                   if o["matcher"] == {"id": "byName", "options": "epoch"}]
+    props = {p["id"]: p["value"] for p in override["properties"]}
+    assert props["unit"] == "none" and props["decimals"] == 0
+    assert props["color"]["mode"] == "fixed"

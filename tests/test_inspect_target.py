@@ -185,3 +185,25 @@ async def test_a_pool_in_redis_is_shown_with_where_it_was_read(
     assert code == 0, err
     assert "pool gone: no key matches kvg:{gone}:* (shown empty)" in err
     assert '"pool": "gone"' in out and f'"pool": "{POOL}"' in out
+
+
+async def test_a_cluster_that_cannot_be_reached_or_is_no_cluster_is_one_line(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    # redis-py reports both through RedisClusterException, which is no RedisError: the CLI
+    # must still say which server it could not read instead of dumping a traceback.
+    closed = free_port()
+    code, out, err, took = await _cli(
+        "--redis-url", f"redis://:hunter2@127.0.0.1:{closed}", "--cluster", env=_env())
+    assert (code, out) == (1, ""), err
+    assert "Traceback" not in err and "hunter2" not in err
+    assert len(err.strip().splitlines()) == 2, err  # what it reads, then why it cannot
+    assert f"cannot read Redis at Redis Cluster via redis://127.0.0.1:{closed}:" in err
+    assert took < UNREACHABLE_BOUND_S
+
+    standalone = redis_factory()
+    code, out, err, _ = await _cli("--redis-url", standalone.url, "--cluster", env=_env())
+    assert (code, out) == (1, ""), err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 2, err
+    assert "Cluster mode is not enabled" in err

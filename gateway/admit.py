@@ -245,10 +245,10 @@ class Admitter:
                 400,
                 f"This request needs {inbound.cost} tokens ({inbound.prompt_tokens} prompt + "
                 f"{inbound.max_tokens} max output), more than this API key's burst of "
-                f"{tenant.burst} tokens, so it can never be admitted. Lower max_tokens or "
-                "shorten the prompt.",
+                f"{tenant.burst} tokens, so it can never be admitted. Lower "
+                f"{inbound.max_tokens_param} or shorten the prompt.",
                 code="exceeds_burst",
-                param="max_tokens",
+                param=inbound.max_tokens_param,
             )
         if reason is RejectReason.QUOTA:
             scope = result.scope or KEY_SCOPE

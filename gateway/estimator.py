@@ -364,8 +364,10 @@ class TokenCounter:
             plan.fixed[0] += extra
             self._lookup(plan, b"turn", turn, f"messages[{i}]")
         if tools is not None:
-            plan.fixed[0] += fmt.tools_overhead_tokens
-            self._lookup(plan, b"tools", _render_tools(tools), "tools")
+            rendered = _render_tools(tools)
+            if tools:  # the template tests `if tools`: an empty list adds nothing, like none
+                plan.fixed[0] += fmt.tools_overhead_tokens
+                self._lookup(plan, b"tools", rendered, "tools")
         return plan
 
     def _render_message(self, message: object, param: str) -> tuple[str, int]:

@@ -51,6 +51,9 @@ class Inbound:
     reply_model: str | None = None
     """The `model` to write into the answer (the name the client sent), or None to relay the
     node's own (the pool's `echo_requested_model` is off)."""
+    max_tokens_param: str = "max_tokens"
+    """The field that sets T_out in the client's body (`max_completion_tokens` when a chat
+    request used OpenAI's newer name), for the errors that ask to lower it."""
 
     @property
     def cost(self) -> int:
@@ -193,4 +196,5 @@ async def parse_inbound(
         prompt_tokens=estimate.t_in,
         max_tokens=estimate.t_out,
         reply_model=requested_model if settings.echo_requested_model else None,
+        max_tokens_param=param,
     )

@@ -16,7 +16,11 @@ Failures before a response: 503 (node unreachable) or 502 (node error, timeout, 
 connection), both with Retry-After, and the reservation refunded. A node's own 4xx (e.g. its
 context-length check) keeps its status, message and param, in OpenAI's error shape
 (`node_client_error`). A failure mid-stream ends the stream with an error event, as vLLM itself
-does.
+does; a node's own error event is relayed in OpenAI's shape too (`node_stream_error`), so that
+the SDKs raise it whatever vLLM version sent it, and the task ends cancelled, charged what
+was generated. Once the request is written to the node, a client that leaves is charged what
+the node did so far (at least the prompt), even before the node's answer has begun: a whole
+answer's headers come only with its last token.
 """
 
 from __future__ import annotations
@@ -105,13 +109,15 @@ class SseRelay:
     """Splits an SSE byte stream into events, counts output, drops the usage-only chunk, and
     writes the client's model name into each chunk (`reply_model`, None: left as sent)."""
 
-    __slots__ = ("_buf", "_reply_model", "_strip_usage", "meter")
+    __slots__ = ("_buf", "_reply_model", "_strip_usage", "failed", "meter")
 
     def __init__(self, meter: Meter, *, strip_usage: bool, reply_model: str | None = None) -> None:
         self._buf = b""
         self._strip_usage = strip_usage
         self._reply_model = reply_model
         self.meter = meter
+        self.failed: ApiError | None = None
+        """The node's error event, when it sent one: the generation ended on it."""
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to send now: every complete event received so far, minus dropped ones."""
@@ -149,6 +155,11 @@ class SseRelay:
             return event
         if not isinstance(chunk, dict):
             return event
+        if "error" in chunk or chunk.get("object") == "error":
+            error = node_stream_error(chunk)
+            if error is not None:
+                self.failed = error
+                return b"data: " + orjson.dumps(error.body())
         meter = self.meter
         choices = chunk.get("choices")
         usage = chunk.get("usage")
@@ -232,19 +243,26 @@ class Upstream:
             # A streamed answer is never quiet for long on a live node; a whole one is quiet
             # until the last token, so a long generation must not read as a dead node.
             read_timeout_s += inbound.max_tokens * self.whole_answer_s_per_token
+        # From here the node may be working on it: a client that leaves while the node has
+        # not answered yet (a whole answer's headers come with its last token) is charged.
+        meter.phase = Phase.SENT
         try:
             upstream = await self.client.post(
                 ticket.url, _ROUTES[inbound.kind], orjson.dumps(inbound.body),
                 forwarded_headers(request, ticket.task_id), read_timeout_s=read_timeout_s,
             )
         except NodeUnreachable:
+            meter.phase = Phase.PENDING
             raise self._failed(ticket, "unreachable", 503,
                                "The inference node is unreachable. Please retry.") from None
         except NodeError as exc:
+            meter.phase = Phase.PENDING
             raise self._failed(ticket, "error", 502,
                                f"The inference node failed ({type(exc).__name__}). "
                                "Please retry.") from None
-        meter.phase = Phase.SENT
+        except Exception:
+            meter.phase = Phase.PENDING  # the gateway's own failure: the client pays nothing
+            raise
         try:
             if upstream.status != 200:
                 return await self._relay_error(upstream, ticket, meter)
@@ -341,7 +359,10 @@ class Upstream:
             # The client left (without handler cancellation): abort the node's work.
             upstream.close()
             return response
-        if not broken:
+        if relay.failed is not None:
+            log.warning("task %s: node %s ended the stream with an error (%s)", ticket.task_id,
+                        ticket.node, relay.failed.code or relay.failed.status)
+        elif not broken:
             meter.phase = Phase.DONE
         return response
 
@@ -366,11 +387,42 @@ def node_client_error(status: int, body: bytes) -> ApiError:
         text = body.decode("utf-8", "replace").strip()[:NODE_TEXT_LIMIT]
         return ApiError(status, text or f"The inference node answered HTTP {status}.",
                         type_=client_error_type(status))
+    return _openai_error(status, fields["message"], fields)
+
+
+def node_stream_error(chunk: dict[str, Any]) -> ApiError | None:
+    """A node's error event in a stream, in OpenAI's error shape; None when `chunk` is none.
+
+    vLLM ends a failed stream with one: ``{"error": {"message", "type": "BadRequestError",
+    "param", "code": 400}}``, or before 0.10 the same fields at the top level with
+    ``"object": "error"``, which the OpenAI SDKs do not recognise as an error at all. The
+    status is the node's integer code (500 when it has none); type and code follow
+    `node_client_error`'s rules, a 5xx's type being `server_error`.
+    """
+    error = chunk.get("error")
+    if isinstance(error, dict):
+        fields: dict[str, Any] = error
+    elif isinstance(error, str):
+        fields = {"message": error}
+    elif chunk.get("object") == "error":
+        fields = chunk
+    else:
+        return None
+    status = fields.get("code")
+    if type(status) is not int or not 400 <= status <= 599:
+        status = 500
+    message = fields.get("message")
+    if not (isinstance(message, str) and message):
+        message = "The inference node failed during the stream."
+    return _openai_error(status, message[:NODE_TEXT_LIMIT], fields)
+
+
+def _openai_error(status: int, message: str, fields: dict[str, Any]) -> ApiError:
     node_type, param, code = fields.get("type"), fields.get("param"), fields.get("code")
     if not (isinstance(node_type, str) and node_type in OPENAI_ERROR_TYPES):
-        node_type = client_error_type(status)
+        node_type = client_error_type(status) if status < 500 else "server_error"
     return ApiError(
-        status, fields["message"], type_=node_type,
+        status, message, type_=node_type,
         param=param if isinstance(param, str) else None,
         code=code if isinstance(code, str) and code else None,
     )

@@ -170,11 +170,12 @@ def _chunk(i: int, model: str = SERVED) -> bytes:
 
 
 # Events a node may send that are not well-formed chunks: they must reach the client as sent.
+# (A node's error event is rewritten into OpenAI's shape: tests/test_openai_sdk_audit.py.)
 UNTOUCHED = [
     b": keep-alive comment\n\n",
     b"data: not json at all\n\n",
     b'data: {"model": "' + SERVED.encode() + b'", "choices": [\n\n',  # broken JSON
-    b'data: {"error": {"message": "overloaded", "type": "server_error", "code": 503}}\n\n',
+    b'data: {"object": "vendor.heartbeat", "seq": 3}\n\n',
 ]
 SPLIT_STREAM = [_chunk(0), _chunk(1), *UNTOUCHED, _chunk(2), _chunk(3), b"data: [DONE]\n\n"]
 

@@ -155,6 +155,11 @@ def test_budgets_and_autoscalers_that_cannot_work_fail_with_a_message(
         render(values)
 
 
+def test_a_ca_for_redis_without_tls_is_refused_not_ignored() -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape("redis.tls.caSecret is set but")):
+        render({"redis": {"tls": {"caSecret": "redis-ca"}}})
+
+
 @pytest.mark.parametrize("values", [
     pdb("gateway", minAvailable="50%"),
     pdb("gateway", maxUnavailable="25%"),

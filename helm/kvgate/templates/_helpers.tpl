@@ -73,6 +73,9 @@ value to change (the schema checks each value alone; these need two).
 */}}
 {{- define "kvgate.validate" -}}
 {{- $r := .Values.redis }}
+{{- if and $r.tls.caSecret (not $r.tls.enabled) }}
+{{- fail "redis.tls.caSecret is set but redis.tls.enabled is false: the CA would be ignored (enable TLS with a rediss:// redis.external.url, or unset caSecret)" }}
+{{- end }}
 {{- if eq $r.mode "external" }}
 {{- if not $r.external.url }}
 {{- fail "redis.external.url is required when redis.mode is external" }}

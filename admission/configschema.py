@@ -10,6 +10,7 @@ holds the two together.
 from __future__ import annotations
 
 import dataclasses
+import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ def split_address(address: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{address!r} is not host:port")
     return host, int(port)
+
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def is_sha256(value: str) -> bool:
@@ -289,6 +293,10 @@ class PoolSettings:
     backend_ca_file: str | None = None
     """PEM bundle of the CA that signed the backends' https certificates (a private CA);
     trusted beside the system's CAs. None: the system's CAs only."""
+    backend_api_key_env: str | None = None
+    """Name of the environment variable holding the API key the backends require (vLLM
+    --api-key): the gateway sends it to them as a bearer token, never the client's own key.
+    None: no credentials (a client's Authorization header is never forwarded either)."""
     zones: ZoneSettings = field(default_factory=ZoneSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     """`[pools.engine]`: the timings the projection assumes for the way to the engines."""
@@ -310,6 +318,10 @@ class PoolSettings:
             raise ConfigError(f"{key('max_max_tokens')}: must be at most "
                               f"{key('context_length')} ({self.context_length}), got "
                               f"{self.max_max_tokens}")
+        env = self.backend_api_key_env
+        if env is not None and not _ENV_NAME.fullmatch(env):
+            raise ConfigError(f"{key('backend_api_key_env')}: must be the name of an "
+                              "environment variable (letters, digits, _), not the key itself")
         names = {b.name for b in self.backends}
         nodes = self.dedicated.nodes
         for i, node in enumerate(nodes):

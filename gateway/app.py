@@ -36,13 +36,14 @@ from gateway.estimator import ChatFormat, TokenCounter
 from gateway.metrics import GatewayMetrics
 from gateway.nodeclient import NodeClient
 from gateway.openapi import openapi_document
-from gateway.pools import PoolRuntime
+from gateway.pools import PoolRuntime, backend_credentials
 from gateway.proxy import Upstream
 from gateway.redismux import RedisMux
 from gateway.settle import LiveTasks, Settler, renew_leases
 from gateway.shutdown import BACKGROUND_STOP_S, SETTLE_DRAIN_S, InFlight
 from gateway.state import (
     ADMIN,
+    BACKEND_HEADERS,
     CONFIG,
     GATEWAY,
     GATEWAY_ID,
@@ -80,6 +81,7 @@ def create_app(
     app[OPENAPI] = orjson.dumps(openapi_document(config))
     app[SETTLE_DRAIN] = settle_drain_s
     app[ADMIN] = AdminToken(config.gateway.admin_token_sha256)
+    app[BACKEND_HEADERS] = backend_credentials(config, os.environ)
     app.cleanup_ctx.append(_runtime)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
@@ -136,7 +138,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     hot = scripts if mux is None else scripts.via_connection(mux)
     pools = {
         name: PoolRuntime(settings, PoolStore(client, hot, name, config.pool_policy(name)),
-                          counters[name])
+                          counters[name], backend_headers=app[BACKEND_HEADERS][name])
         for name, settings in config.pools.items()
     }
     stores = [pool.store for pool in pools.values()]

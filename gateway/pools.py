@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from admission.config import PoolSettings
+from admission.config import Config, ConfigError, PoolSettings
 from admission.store import PoolStore
 from gateway.estimator import TokenCounter
 
@@ -17,6 +18,8 @@ class PoolRuntime:
     counter: TokenCounter
     urls: dict[str, str] = field(default_factory=dict)
     """Backend name (the node name the scripts and the scheduler use) -> base URL."""
+    backend_headers: dict[str, str] = field(default_factory=dict)
+    """Sent to every backend of the pool with each request: its credentials, if any."""
     _round_robin: itertools.cycle[str] | None = None
 
     def __post_init__(self) -> None:
@@ -38,3 +41,24 @@ class PoolRuntime:
     def any_node(self) -> str | None:
         """A backend chosen without Redis (fail-open): round robin over the pool."""
         return next(self._round_robin) if self._round_robin is not None else None
+
+
+def backend_credentials(config: Config, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Pool name -> the headers that carry its backends' API key, read from the environment
+    variable each pool names (`backend_api_key_env`). A variable that is unset or empty is a
+    configuration error at start: every request would otherwise reach the nodes without it
+    and be refused there."""
+    headers: dict[str, dict[str, str]] = {}
+    for name, pool in config.pools.items():
+        variable = pool.backend_api_key_env
+        if variable is None:
+            headers[name] = {}
+            continue
+        key = env.get(variable, "").strip()
+        if not key:
+            raise ConfigError(f"pools {name}: backend_api_key_env names {variable}, which is "
+                              "not set (or empty) in the gateway's environment")
+        if any(c in key for c in "\r\n"):
+            raise ConfigError(f"pools {name}: {variable} holds a line break")
+        headers[name] = {"Authorization": f"Bearer {key}"}
+    return headers

@@ -15,12 +15,14 @@ its event is complete, so echoing the name holds nothing back either.
 Failures before a response: 503 (node unreachable) or 502 (node error, timeout, broken
 connection), both with Retry-After, and the reservation refunded. A node's own 4xx (e.g. its
 context-length check) keeps its status, message and param, in OpenAI's error shape
-(`node_client_error`). A failure mid-stream ends the stream with an error event, as vLLM itself
-does; a node's own error event is relayed in OpenAI's shape too (`node_stream_error`), so that
-the SDKs raise it whatever vLLM version sent it, and the task ends cancelled, charged what
-was generated. Once the request is written to the node, a client that leaves is charged what
-the node did so far (at least the prompt), even before the node's answer has begun: a whole
-answer's headers come only with its last token.
+(`node_client_error`), except 401, 403 and 404: the client's key and model were valid for
+kvgate, so those refuse the gateway (its `backend_api_key_env`, its `served_model_name`) and
+become 502 `upstream_rejected`. A failure mid-stream ends the stream with an error event, as
+vLLM itself does; a node's own error event is relayed in OpenAI's shape too
+(`node_stream_error`), so that the SDKs raise it whatever vLLM version sent it, and the task
+ends cancelled, charged what was generated. Once the request is written to the node, a client
+that leaves is charged what the node did so far (at least the prompt), even before the node's
+answer has begun: a whole answer's headers come only with its last token.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import asyncio
 import enum
 import logging
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +58,9 @@ _DROP_HEADERS = frozenset({
     "content-encoding", "content-md5", "digest", "content-digest", "repr-digest",
 })
 _DONE = b"data: [DONE]\n\n"
+NODE_REJECTIONS = frozenset({401, 403, 404})
+"""A node's statuses that mean the gateway, not the client, is refused: its credentials, or the
+model name it writes into the request."""
 
 
 class Phase(enum.Enum):
@@ -202,12 +208,17 @@ def _carries_output(choice: Any) -> bool:
     )
 
 
-def forwarded_headers(request: web.Request, task_id: str) -> dict[str, str]:
+def forwarded_headers(request: web.Request, task_id: str,
+                      backend: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The client's headers a node may see (never its Authorization: that is kvgate's key),
+    then `backend`'s (the pool's credentials for its nodes)."""
     headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",
                "X-Request-Id": task_id}
     for name, value in request.headers.items():
         if name.lower() not in _DROP_HEADERS and not name.lower().startswith("proxy-"):
             headers[name] = value
+    if backend:
+        headers.update(backend)
     return headers
 
 
@@ -226,12 +237,31 @@ class Upstream:
         self.jitter = jitter
         self.whole_answer_s_per_token = whole_answer_s_per_token
         self.rng = rng or random.Random()
+        self._rejections_logged: set[tuple[str, int]] = set()
 
     def _failed(self, ticket: Ticket, kind: str, status: int, message: str) -> ApiError:
         self.metrics.child(self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
         log.warning("task %s: node %s failed: %s", ticket.task_id, ticket.node, kind)
         return unavailable(message, code=f"upstream_{kind}",
                            retry_ms=jittered(1000, self.jitter, self.rng), status=status)
+
+    def _rejected(self, ticket: Ticket, status: int, message: str | None) -> ApiError:
+        """A node that refuses the gateway's request as unauthorized or unknown: the client's
+        key and model were valid for kvgate, so the node's status would blame the client.
+        The pool's credentials (`backend_api_key_env`) or its `served_model_name` disagree
+        with the node's; logged once per node and status, counted each time."""
+        self.metrics.child(self.metrics.upstream_errors, ticket.pool.name, ticket.node,
+                           "rejected").inc()
+        if (ticket.node, status) not in self._rejections_logged:
+            self._rejections_logged.add((ticket.node, status))
+            log.error("pool %s: node %s refused the gateway's request with HTTP %d (%s): check "
+                      "the pool's backend_api_key_env and served_model_name against the node's "
+                      "--api-key and --served-model-name", ticket.pool.name, ticket.node, status,
+                      message or "no message")
+        return unavailable(
+            f"The inference node refused the gateway's request (HTTP {status}): a server-side "
+            "configuration problem, not your API key or model. Please retry later.",
+            code="upstream_rejected", retry_ms=jittered(1000, self.jitter, self.rng), status=502)
 
     async def forward(
         self, request: web.Request, inbound: Inbound, ticket: Ticket, meter: Meter,
@@ -249,7 +279,8 @@ class Upstream:
         try:
             upstream = await self.client.post(
                 ticket.url, _ROUTES[inbound.kind], orjson.dumps(inbound.body),
-                forwarded_headers(request, ticket.task_id), read_timeout_s=read_timeout_s,
+                forwarded_headers(request, ticket.task_id, ticket.pool.backend_headers),
+                read_timeout_s=read_timeout_s,
             )
         except NodeUnreachable:
             meter.phase = Phase.PENDING
@@ -283,6 +314,8 @@ class Upstream:
         except NodeError:
             body = b""
         meter.phase = Phase.PENDING  # nothing generated: refund in full
+        if upstream.status in NODE_REJECTIONS:
+            raise self._rejected(ticket, upstream.status, _error_message(body))
         if upstream.status >= 500 or upstream.status == 429:
             message = _error_message(body) or f"HTTP {upstream.status}"
             raise self._failed(ticket, "error", 502,

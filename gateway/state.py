@@ -45,3 +45,5 @@ OPENAPI: Final = web.AppKey("kvgate_openapi", bytes)
 ADMIN: Final = web.AppKey("kvgate_admin", AdminToken)
 SETTLE_DRAIN: Final = web.AppKey("kvgate_settle_drain_s", float)
 IN_FLIGHT: Final = web.AppKey("kvgate_in_flight", InFlight)
+BACKEND_HEADERS: Final = web.AppKey("kvgate_backend_headers", dict[str, dict[str, str]])
+"""Pool name -> headers carrying its backends' credentials (gateway.pools.backend_credentials)."""

@@ -1,5 +1,6 @@
 """The gateway facing its nodes, on real sockets: what it forwards of a client's request, how a
-node's own 4xx reaches the client (OpenAI's error shape, the node's status, message and param),
+node's own 4xx reaches the client (OpenAI's error shape, the node's status, message and param;
+401, 403 and 404 refuse the gateway itself: tests/test_gateway_node_credentials.py),
 and the warning at start for a pool whose prompts are counted with the bundled tokenizer.
 
 Nodes are bench.sim's simulated vLLM (its validation answers like vLLM's: an exception class
@@ -103,11 +104,11 @@ NODE_ANSWERS: list[tuple[int, str, bytes, dict[str, Any]]] = [
                              "param": "messages", "code": "context_length_exceeded"}}),
      {"message": "too long", "type": "invalid_request_error", "param": "messages",
       "code": "context_length_exceeded"}),
-    (404, "application/json",
-     orjson.dumps({"error": {"message": "The model `x` does not exist.",
-                             "type": "NotFoundError", "param": "model", "code": 404}}),
-     {"message": "The model `x` does not exist.", "type": "invalid_request_error",
-      "param": "model", "code": None}),
+    (422, "application/json",
+     orjson.dumps({"error": {"message": "The prompt is empty.",
+                             "type": "BadRequestError", "param": "prompt", "code": 422}}),
+     {"message": "The prompt is empty.", "type": "invalid_request_error",
+      "param": "prompt", "code": None}),
     (409, "application/json", orjson.dumps({"detail": "Conflict"}),
      {"message": "Conflict", "type": "invalid_request_error", "param": None, "code": None}),
     (413, "text/html", b"<html><body>413 Request Entity Too Large</body></html>\n",

@@ -438,7 +438,8 @@ def test_schema_covers_every_config_key() -> None:
     props = schema["properties"]
     set_by_chart = {"redis": {"url", "ssl_ca_file"}, "gateway": {"host", "port", "id"},
                     "scheduler": {"host", "port", "id"}}
-    # admin_token_sha256 is not exposed: it would have to sit in the ConfigMap.
+    # admin_token_sha256 is not written into the ConfigMap: gateway.adminToken sets it from a
+    # Secret, through the environment.
     not_exposed = {"gateway": {"admin_token_sha256"}}
     for section, settings in (("redis", cfg.RedisSettings), ("gateway", cfg.GatewaySettings),
                               ("scheduler", cfg.SchedulerSettings)):

@@ -13,6 +13,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from admission.config import TenantSettings
 from admission.scripts import ensure_ready
 from gateway import metrics as m
 from gateway.admit import STORE_ERRORS
@@ -21,7 +22,7 @@ from gateway.errors import ApiError, bad_request
 from gateway.parse import Kind, parse_inbound, pool_of
 from gateway.pools import PoolRuntime
 from gateway.proxy import Meter, Phase
-from gateway.state import GATEWAY, METRICS, OPENAPI
+from gateway.state import GATEWAY, METRICS, OPENAPI, Gateway
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -68,7 +69,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     metrics = gw.metrics
     loop = asyncio.get_running_loop()
     started = loop.time()
-    tenant = gw.tenants.authenticate(request.headers.get("Authorization"))
+    tenant = _tenant(gw, request)
     tier = effective_tier(tenant, request.headers.get(PRIORITY_HEADER))
     client_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
     raw = await request.read()
@@ -126,16 +127,29 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         metrics.child(metrics.requests, *labels, outcome).inc()
 
 
-def _model_card(name: str, pool: PoolRuntime, now: int) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": now, "owned_by": "kvgate",
+def _tenant(gw: Gateway, request: web.Request) -> TenantSettings:
+    """The request's tenant; a refused key is counted (by reason, never by key) first."""
+    try:
+        return gw.tenants.authenticate(request.headers.get("Authorization"))
+    except ApiError as exc:
+        gw.metrics.child(gw.metrics.auth_failures, exc.code or "invalid_api_key").inc()
+        raise
+
+
+_STARTED = int(time.time())
+"""`created` of the model cards: when this gateway started serving its pools, the same on every
+call (the pools have no creation date of their own)."""
+
+
+def _model_card(name: str, pool: PoolRuntime, created: int) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "kvgate",
             "max_model_len": pool.settings.context_length}
 
 
 async def models(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
-    gw.tenants.authenticate(request.headers.get("Authorization"))
-    now = int(time.time())
-    data = [_model_card(name, pool, now) for name, pool in sorted(gw.pools.items())]
+    _tenant(gw, request)
+    data = [_model_card(name, pool, _STARTED) for name, pool in sorted(gw.pools.items())]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}),
                         content_type="application/json")
 
@@ -143,10 +157,10 @@ async def models(request: web.Request) -> web.Response:
 async def model(request: web.Request) -> web.Response:
     """One pool as `/v1/models` lists it (the OpenAI SDKs' `models.retrieve`)."""
     gw = request.app[GATEWAY]
-    gw.tenants.authenticate(request.headers.get("Authorization"))
+    _tenant(gw, request)
     name = request.match_info["model"]
     pool = pool_of({"model": name}, gw.pools)  # the generation endpoints' 404 for a name
-    return web.Response(body=orjson.dumps(_model_card(name, pool, int(time.time()))),
+    return web.Response(body=orjson.dumps(_model_card(name, pool, _STARTED)),
                         content_type="application/json")
 
 

@@ -31,6 +31,8 @@ _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                  60, 120, 300, 600)
 
+AUTH_FAILURES = ("missing_api_key", "invalid_api_key")
+"""The `reason` values of kvgate_gateway_auth_failures_total (the 401s' error codes)."""
 REDIS_OPS = ("admit", "settle", "abandon", "renew", "poll", "subscribe", "drain_hint", "admin")
 """The `op` values of kvgate_gateway_redis_errors_total."""
 SETTLE_OPS = ("settle", "cancel")
@@ -56,6 +58,10 @@ class GatewayMetrics:
             "tenant_queued_tokens, "
             "exceeds_burst, queue_timeout).",
             [*by_tier, "reason"], registry=r)
+        self.auth_failures = Counter(
+            "kvgate_gateway_auth_failures", "Requests refused for their API key, by reason "
+            "(missing_api_key, invalid_api_key): a client misconfigured, or keys being guessed.",
+            ["reason"], registry=r)
         self.quota_rejections = Counter(
             "kvgate_gateway_quota_rejections", "Requests refused by a quota level, by the "
             "binding level (scope: key, or team:<name> of a configured team).",
@@ -110,6 +116,8 @@ class GatewayMetrics:
         # Exported at 0 from the start: Prometheus sees a series born at 1 as no increase, so
         # rate() and increase() (and alerts on them) would miss a gateway's first Redis error
         # or first settle given up. Labels with a pool are created on first use.
+        for reason in AUTH_FAILURES:
+            self.child(self.auth_failures, reason)
         for op in REDIS_OPS:
             self.child(self.redis_errors, op)
         for op in SETTLE_OPS:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import generate_latest
 
 from admission.tiers import Zone
+from gateway.state import METRICS
 from tests.gateway_harness import BIG, Harness, running_gateway
 
 MESSAGES: list[Any] = [
@@ -134,6 +137,22 @@ async def test_unknown_key_raises_authentication_error(gw: Harness) -> None:
     assert info.value.code == "invalid_api_key"
     assert "sk-not-a-key" not in info.value.response.text
     assert gw.backends[0].received == []
+
+
+async def test_refused_keys_are_counted_by_reason_never_by_key(gw: Harness) -> None:
+    def refused(reason: str) -> float | None:
+        return gw.app[METRICS].registry.get_sample_value(
+            "kvgate_gateway_auth_failures_total", {"reason": reason})
+
+    assert refused("invalid_api_key") == 0 and refused("missing_api_key") == 0
+    for _ in range(3):
+        with pytest.raises(openai.AuthenticationError):
+            await gw.openai("sk-guessed-key").models.list()
+    async with aiohttp.ClientSession() as http, http.post(
+            gw.url + "/v1/chat/completions", json={"model": "demo"}) as response:
+        assert response.status == 401
+    assert refused("invalid_api_key") == 3 and refused("missing_api_key") == 1
+    assert b"sk-guessed-key" not in generate_latest(gw.app[METRICS].registry)
 
 
 async def test_quota_429_is_a_rate_limit_error_with_the_exact_refill_time(gw: Harness) -> None:

@@ -174,6 +174,7 @@ async def test_quota_429_is_a_rate_limit_error_with_the_exact_refill_time(gw: Ha
     assert int(headers["x-queue-depth"]) == 0
     body = info.value.response.json()["error"]
     assert body["code"] == "rate_limit_exceeded" and body["retry_after_ms"] == retry_ms
+    assert "this API key's bucket" in body["message"]
     assert set(body) >= {"message", "type", "param", "code"}
     assert await gw.bucket("small") == level  # a rejection charges nothing
 

@@ -265,9 +265,10 @@ class Admitter:
                         f"{inbound.cost} tokens; the allowance resets in "
                         f"{result.retry_after_ms} ms.")
             else:
-                what = (f"Token rate limit exceeded at {scope}: {whose[0].lower()}{whose[1:]} bucket cannot "
-                        f"pay the {inbound.cost} tokens this request needs; it refills enough "
-                        f"in {result.retry_after_ms} ms.")
+                what = (f"Token rate limit exceeded at {scope}: "
+                        f"{whose[0].lower()}{whose[1:]} bucket cannot pay the {inbound.cost} "
+                        f"tokens this request needs; it refills enough in "
+                        f"{result.retry_after_ms} ms.")
             return too_many_requests(
                 RATE_LIMIT_EXCEEDED,
                 what,

@@ -30,7 +30,6 @@ import importlib.resources
 import json
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from gateway.bpetwin import TwinEncoder, tiktoken_twin
+from gateway.countcache import CountCache
 
 __all__ = [
     "CHAT_ROLES",
@@ -165,40 +165,6 @@ def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Tokenizer:
     return _load_tokenizer_cached(None if path is None else os.fspath(Path(path).resolve()))
 
 
-class _Lru:
-    """Bounded map digest -> token count. Entries are fixed-size (16-byte key, small int, ~0.2 KB
-    with the dict's overhead), so a bound on entries is a bound on bytes."""
-
-    def __init__(self, max_entries: int) -> None:
-        self._data: OrderedDict[bytes, int] = OrderedDict()
-        self._max = max_entries
-        self._lock = threading.Lock()
-
-    def get(self, key: bytes) -> int | None:
-        with self._lock:
-            value = self._data.get(key)
-            if value is not None:
-                self._data.move_to_end(key)
-            return value
-
-    def put_many(self, items: Sequence[tuple[bytes, int]]) -> None:
-        if self._max <= 0:
-            return
-        with self._lock:
-            for key, value in items:
-                self._data[key] = value
-                self._data.move_to_end(key)
-            while len(self._data) > self._max:
-                self._data.popitem(last=False)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-
-
 @dataclass(slots=True)
 class _Plan:
     """What a count still needs after validation and cache look-ups.
@@ -253,7 +219,7 @@ class TokenCounter:
         self.offload_bytes = offload_bytes
         self.stats = CounterStats()
         self._executor = executor
-        self._cache = _Lru(cache_entries)
+        self._cache = CountCache(cache_entries)
         self._stats_lock = threading.Lock()
         # tokenizers >= 0.20 can skip computing offsets, which counting never needs (~25% faster).
         self._encode_batch = getattr(

@@ -336,14 +336,14 @@ func (s *Stream[T]) Recv() (T, error) {
 	}
 	var probe map[string]json.RawMessage
 	if json.Unmarshal([]byte(data), &probe) != nil {
-		return zero, &StreamError{Payload: json.RawMessage(data)}
+		return zero, newStreamError(json.RawMessage(data), s.resp.Header)
 	}
 	if e, ok := probe["error"]; ok {
-		return zero, &StreamError{Payload: e}
+		return zero, newStreamError(e, s.resp.Header)
 	}
 	var out T
 	if err := json.Unmarshal([]byte(data), &out); err != nil {
-		return zero, &StreamError{Payload: json.RawMessage(data)}
+		return zero, newStreamError(json.RawMessage(data), s.resp.Header)
 	}
 	return out, nil
 }

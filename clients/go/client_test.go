@@ -315,3 +315,44 @@ func TestDefaultsFromTheEnvironment(t *testing.T) {
 		t.Fatal(c.baseURL, c.apiKey)
 	}
 }
+
+// The gateway's answers name their task in X-Request-Id, and a stream that breaks off ends
+// with an OpenAI-shaped error event: both reach the caller as fields, not only as raw bytes.
+func TestErrorsCarryTheRequestIDAndTheErrorEventsFields(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("X-Request-Id", fmt.Sprintf("task-%d", n))
+		if body["stream"] != true {
+			w.Header().Set("Retry-After-Ms", "1042")
+			w.WriteHeader(502)
+			fmt.Fprint(w, `{"error": {"message": "The inference node failed.", "type": "server_error", "param": null, "code": "upstream_error", "retry_after_ms": 1042}}`)
+			return
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"t0\"}}]}\n\n")
+		fmt.Fprint(w, "data: {\"error\": {\"message\": \"The inference node broke off the stream.\", \"type\": \"server_error\", \"param\": null, \"code\": \"upstream_broken_stream\"}}\n\ndata: [DONE]\n\n")
+	})
+	c := newTestClient(t, g, newFakeClock())
+	_, err := c.ChatCompletion(context.Background(), ChatCompletionRequest{Model: "demo"})
+	var api *APIError
+	if !errors.As(err, &api) || api.StatusCode != 502 || api.Code != "upstream_error" || api.RequestID != "task-1" {
+		t.Fatalf("%T %+v", err, err)
+	}
+	stream, err := c.ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "demo"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	if chunk, err := stream.Recv(); err != nil || chunk.Choices[0].Delta.Content != "t0" {
+		t.Fatal(chunk, err)
+	}
+	_, err = stream.Recv()
+	var se *StreamError
+	if !errors.As(err, &se) || se.Code != "upstream_broken_stream" || se.Type != "server_error" ||
+		se.Message != "The inference node broke off the stream." || se.Param != "" || se.RequestID != "task-2" ||
+		!strings.Contains(se.Error(), "task-2") {
+		t.Fatalf("%T %+v", err, err)
+	}
+	if _, err := stream.Recv(); err != io.EOF {
+		t.Fatal(err)
+	}
+}

@@ -38,6 +38,9 @@ type APIError struct {
 	// RetryAfter is the wait the server asked for (headers first, then the body's
 	// retry_after_ms), 0 when it asked for none.
 	RetryAfter time.Duration
+	// RequestID is the gateway's X-Request-Id, the task's name in its logs; "" for a
+	// request refused before admission (a malformed or impossible one, a 429 on arrival).
+	RequestID string
 	// Header holds the response's headers.
 	Header http.Header
 	// Body holds the response's body (at most 1 MiB of it).
@@ -83,23 +86,57 @@ func (e *ConnectionError) Unwrap() error { return e.Err }
 
 // StreamError is an error the server reported inside an already started stream (an event
 // whose payload has an "error" member, or is not a JSON object). It is never retried: part
-// of the answer has been delivered.
+// of the answer has been delivered. The gateway ends a stream whose node broke off with Code
+// "upstream_broken_stream".
 type StreamError struct {
 	// Payload is the "error" member, or the whole event when it is not an object.
 	Payload json.RawMessage
+	// Code is the error's machine-readable code ("" when the payload has none).
+	Code string
+	// Type is OpenAI's error type, e.g. "server_error".
+	Type string
+	// Param names the offending request field, when the server says.
+	Param string
+	// Message is the server's message ("" when the payload has none).
+	Message string
+	// RequestID is the stream's X-Request-Id, the task's name in the gateway's logs.
+	RequestID string
 }
 
-// Error describes the error with its payload.
-func (e *StreamError) Error() string { return "kvgate: error in stream: " + string(e.Payload) }
+// Error describes the error with its request id and payload.
+func (e *StreamError) Error() string {
+	if e.RequestID != "" {
+		return "kvgate: error in stream (request " + e.RequestID + "): " + string(e.Payload)
+	}
+	return "kvgate: error in stream: " + string(e.Payload)
+}
+
+// errorFields is the OpenAI error object: {"message", "type", "param", "code"}.
+type errorFields struct {
+	Message      *string         `json:"message"`
+	Type         *string         `json:"type"`
+	Param        *string         `json:"param"`
+	Code         json.RawMessage `json:"code"`
+	RetryAfterMs *float64        `json:"retry_after_ms"`
+}
+
+func newStreamError(payload json.RawMessage, h http.Header) *StreamError {
+	e := &StreamError{Payload: payload, RequestID: requestID(h)}
+	var f errorFields
+	if json.Unmarshal(payload, &f) == nil {
+		e.Code, e.Type, e.Param, e.Message = rawString(f.Code), deref(f.Type), deref(f.Param), deref(f.Message)
+	}
+	return e
+}
+
+// requestID is the X-Request-Id of h, "" when absent.
+func requestID(h http.Header) string {
+	v, _ := headerValue(h, HeaderRequestID)
+	return strings.TrimSpace(v)
+}
 
 type errorBody struct {
-	Error *struct {
-		Message      *string         `json:"message"`
-		Type         *string         `json:"type"`
-		Param        *string         `json:"param"`
-		Code         json.RawMessage `json:"code"`
-		RetryAfterMs *float64        `json:"retry_after_ms"`
-	} `json:"error"`
+	Error *errorFields `json:"error"`
 }
 
 // decodeError reads (a bounded part of) resp's body, closes it, and returns the typed error.
@@ -110,7 +147,8 @@ func decodeError(resp *http.Response) error {
 }
 
 func newAPIError(status int, h http.Header, body []byte, now time.Time) error {
-	e := APIError{StatusCode: status, Header: h, Body: body, Message: fmt.Sprintf("HTTP %d", status)}
+	e := APIError{StatusCode: status, Header: h, Body: body, Message: fmt.Sprintf("HTTP %d", status),
+		RequestID: requestID(h)}
 	var parsed errorBody
 	if json.Unmarshal(body, &parsed) == nil && parsed.Error != nil {
 		pe := parsed.Error

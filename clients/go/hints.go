@@ -22,6 +22,9 @@ const (
 	HeaderBackpressureLevel = "X-RateLimit-Backpressure-Level"
 	// HeaderQueueDepth is the number of tasks queued at the request's tier or above.
 	HeaderQueueDepth = "X-Queue-Depth"
+	// HeaderRequestID names a request's task in the gateway's logs; read into
+	// APIError.RequestID and StreamError.RequestID.
+	HeaderRequestID = "X-Request-Id"
 	// HeaderRetryCount is sent on every retry (1 on the first retry) so the gateway and its
 	// metrics can tell retries from first attempts.
 	HeaderRetryCount = "x-kvgate-retry-count"

@@ -1,10 +1,56 @@
-"""Minimal server-sent-events reader for OpenAI-style streams (`data: {...}` ... `data: [DONE]`)."""
+"""Minimal server-sent-events reader for OpenAI-style streams (`data: {...}` ... `data: [DONE]`).
+
+Lines are split on the body's bytes, on CR, LF or CRLF only, as the SSE grammar says. A text
+splitter such as httpx's `iter_lines` (str.splitlines) also breaks on U+2028, U+2029, U+0085
+and a few control characters; JSON may carry the first three unescaped inside a string, and
+neither vLLM's serializer nor orjson escapes them, so a token holding one would cut its event
+in two.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import re
+from collections.abc import AsyncIterator, Iterable, Iterator
 
 DONE = "[DONE]"
+_EOL = re.compile(rb"\r\n|\r|\n")
+_BOM = "\ufeff"
+
+
+class LineSplitter:
+    """Bytes in any pieces to lines; a line ends at CR, LF or CRLF (CRLF split across two
+    pieces included). A line ended by a CR is returned at once, not when more bytes come."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+        self._skip_lf = False
+        self._first = True
+
+    def feed(self, data: bytes) -> list[str]:
+        if self._skip_lf and data[:1] == b"\n":
+            data = data[1:]
+        self._skip_lf = data[-1:] == b"\r"
+        lines: list[str] = []
+        start = 0
+        # Only the new bytes are searched: what is pending holds no line end.
+        for match in _EOL.finditer(data):
+            self._pending += data[start:match.start()]
+            lines.append(self._line())
+            start = match.end()
+        self._pending += data[start:]
+        return lines
+
+    def flush(self) -> list[str]:
+        return [self._line()] if self._pending else []
+
+    def _line(self) -> str:
+        # CR and LF never occur inside a multi-byte UTF-8 sequence, so each line decodes alone.
+        line = self._pending.decode("utf-8", "replace")
+        self._pending.clear()
+        if self._first:
+            self._first = False
+            line = line.removeprefix(_BOM)
+        return line
 
 
 class SSEDecoder:
@@ -31,27 +77,36 @@ class SSEDecoder:
         return self.feed("")
 
 
-def iter_events(lines: Iterator[str]) -> Iterator[str]:
-    decoder = SSEDecoder()
+def _events(decoder: SSEDecoder, lines: Iterable[str]) -> Iterator[str | None]:
+    """Each event's data; None once the stream said [DONE]."""
     for line in lines:
         data = decoder.feed(line)
         if data is not None:
-            if data == DONE:
+            yield None if data == DONE else data
+
+
+def iter_events(chunks: Iterator[bytes]) -> Iterator[str]:
+    """The data of each event of a body read in byte chunks, up to `[DONE]`."""
+    splitter, decoder = LineSplitter(), SSEDecoder()
+    for piece in chunks:
+        for data in _events(decoder, splitter.feed(piece)):
+            if data is None:
                 return
             yield data
-    data = decoder.flush()
-    if data is not None and data != DONE:
+    for data in _events(decoder, [*splitter.flush(), ""]):
+        if data is None:
+            return
         yield data
 
 
-async def aiter_events(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    decoder = SSEDecoder()
-    async for line in lines:
-        data = decoder.feed(line)
-        if data is not None:
-            if data == DONE:
+async def aiter_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    splitter, decoder = LineSplitter(), SSEDecoder()
+    async for piece in chunks:
+        for data in _events(decoder, splitter.feed(piece)):
+            if data is None:
                 return
             yield data
-    data = decoder.flush()
-    if data is not None and data != DONE:
+    for data in _events(decoder, [*splitter.flush(), ""]):
+        if data is None:
+            return
         yield data

@@ -17,7 +17,13 @@ import httpx
 
 from ._sse import aiter_events, iter_events
 from .budget import RetryBudget
-from .errors import APIConnectionError, APIStatusError, StreamError, status_error
+from .errors import (
+    REQUEST_ID_HEADER,
+    APIConnectionError,
+    APIStatusError,
+    StreamError,
+    status_error,
+)
 from .policy import RetryPolicy
 from .retrying import RetryStats
 from .transport import AsyncRetryTransport, RetryTransport
@@ -50,12 +56,17 @@ def _error(response: httpx.Response) -> APIStatusError:
     return status_error(response.status_code, body, response.headers)
 
 
-def _chunk(data: str) -> Chunk:
-    chunk = json.loads(data)
+def _chunk(data: str, response: httpx.Response) -> Chunk:
+    request_id = response.headers.get(REQUEST_ID_HEADER)
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        # Not the server's JSON (a proxy's page, a cut event): a KvgateError like the rest.
+        raise StreamError(data, request_id=request_id) from None
     if not isinstance(chunk, dict):
-        raise StreamError(chunk)
+        raise StreamError(chunk, request_id=request_id)
     if "error" in chunk:
-        raise StreamError(chunk["error"])
+        raise StreamError(chunk["error"], request_id=request_id)
     return chunk
 
 
@@ -75,8 +86,8 @@ class Stream:
 
     def __iter__(self) -> Iterator[Chunk]:
         try:
-            for data in iter_events(self.response.iter_lines()):
-                yield _chunk(data)
+            for data in iter_events(self.response.iter_bytes()):
+                yield _chunk(data, self.response)
         except httpx.TransportError as exc:
             raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
         finally:
@@ -100,8 +111,8 @@ class AsyncStream:
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
         try:
-            async for data in aiter_events(self.response.aiter_lines()):
-                yield _chunk(data)
+            async for data in aiter_events(self.response.aiter_bytes()):
+                yield _chunk(data, self.response)
         except httpx.TransportError as exc:
             raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
         finally:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .hints import header
+
+REQUEST_ID_HEADER = "x-request-id"
+
 
 class KvgateError(Exception):
     """Base class of everything the standalone client raises."""
@@ -15,16 +19,22 @@ class APIConnectionError(KvgateError):
 
 
 class APIStatusError(KvgateError):
-    """An error response, with the OpenAI-shaped body's fields pulled out."""
+    """An error response, with the OpenAI-shaped body's fields pulled out.
+
+    `code`, `type` and `param` are the body's (None when absent); `request_id` is the
+    gateway's `X-Request-Id`, which names the task in its logs (None when the request was
+    refused before admission, as a 4xx for a malformed or impossible request is).
+    """
 
     def __init__(self, status_code: int, body: Any, headers: Mapping[str, str]) -> None:
-        error = body.get("error") if isinstance(body, dict) else None
-        err: dict[str, Any] = error if isinstance(error, dict) else {}
+        err = _error_fields(body)
         self.status_code = status_code
         self.body = body
         self.headers = dict(headers)
         self.code: str | None = _str_or_none(err.get("code"))
         self.type: str | None = _str_or_none(err.get("type"))
+        self.param: str | None = _str_or_none(err.get("param"))
+        self.request_id: str | None = header(headers, REQUEST_ID_HEADER)
         message = err.get("message")
         self.message = str(message) if message is not None else f"HTTP {status_code}"
         retry_ms = err.get("retry_after_ms")
@@ -39,11 +49,32 @@ class RateLimitError(APIStatusError):
 
 
 class StreamError(KvgateError):
-    """The server reported an error inside an already started stream (never retried)."""
+    """The server reported an error inside an already started stream (never retried: part
+    of the answer has been delivered).
 
-    def __init__(self, payload: Any) -> None:
+    `payload` is the event's `error` member (OpenAI's shape: message, type, param, code), or
+    the event's whole data when it is not a JSON object with one; `code`, `type`, `param`
+    and `message` are pulled out of it (None when absent). The gateway ends a stream whose
+    node broke off with `code` "upstream_broken_stream". `request_id` is the stream's
+    `X-Request-Id`.
+    """
+
+    def __init__(self, payload: Any, *, request_id: str | None = None) -> None:
+        err = payload if isinstance(payload, dict) else {}
         self.payload = payload
-        super().__init__(f"error in stream: {payload!r}")
+        self.code: str | None = _str_or_none(err.get("code"))
+        self.type: str | None = _str_or_none(err.get("type"))
+        self.param: str | None = _str_or_none(err.get("param"))
+        message = err.get("message")
+        self.message: str | None = None if message is None else str(message)
+        self.request_id = request_id
+        about = f" (request {request_id})" if request_id else ""
+        super().__init__(f"error in stream{about}: {payload!r}")
+
+
+def _error_fields(body: Any) -> dict[str, Any]:
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
 
 
 def _str_or_none(value: Any) -> str | None:

@@ -29,7 +29,8 @@ HINT_TOO_LONG = "hint_too_long"  # Retry-After above the policy's maximum
 MAX_ATTEMPTS = "max_attempts"
 DEADLINE = "deadline"  # the next attempt would start after the deadline
 BUDGET = "budget"  # the retry budget was empty
-ERROR = "error"  # an exception that is not a connection error
+ERROR = "error"  # an exception that is not a connection error (a timeout, a cancellation)
+CANCELED = "canceled"  # cancelled (or interrupted) during a backoff sleep
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,11 @@ class RetryState:
         if not retryable:
             return self._stop(ERROR)
         return self._retry_or_stop(None, type(exc).__name__)
+
+    def stop(self, reason: str) -> Decision:
+        """End the request for `reason` (an outcome above) without asking the policy: for a
+        caller whose backoff sleep was cancelled."""
+        return self._stop(reason)
 
     def _retry_or_stop(self, hint_s: float | None, why: str) -> Decision:
         policy = self._r.policy

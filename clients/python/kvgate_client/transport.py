@@ -17,7 +17,7 @@ import httpx
 
 from .budget import RetryBudget
 from .policy import RetryPolicy
-from .retrying import Retrier, RetryStats
+from .retrying import CANCELED, Retrier, RetryStats
 
 # Sent on every retry so the gateway (and its metrics) can tell retries from first attempts.
 RETRY_COUNT_HEADER = "x-kvgate-retry-count"
@@ -86,7 +86,7 @@ class RetryTransport(httpx.BaseTransport):
                 decision = state.after_error(exc, retryable=True)
                 if not decision.retry:
                     raise
-            except Exception as exc:
+            except BaseException as exc:  # a KeyboardInterrupt too: every request ends counted
                 state.after_error(exc, retryable=False)
                 raise
             else:
@@ -94,7 +94,11 @@ class RetryTransport(httpx.BaseTransport):
                 if not decision.retry:
                     return response
                 _discard(response)
-            self._sleep(decision.delay_s)
+            try:
+                self._sleep(decision.delay_s)
+            except BaseException:
+                state.stop(CANCELED)
+                raise
             request.headers[RETRY_COUNT_HEADER] = str(state.attempts - 1)
 
     def close(self) -> None:
@@ -137,7 +141,7 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
                 decision = state.after_error(exc, retryable=True)
                 if not decision.retry:
                     raise
-            except Exception as exc:
+            except BaseException as exc:  # asyncio.CancelledError too
                 state.after_error(exc, retryable=False)
                 raise
             else:
@@ -145,7 +149,11 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
                 if not decision.retry:
                     return response
                 await _adiscard(response)
-            await self._sleep(decision.delay_s)
+            try:
+                await self._sleep(decision.delay_s)
+            except BaseException:
+                state.stop(CANCELED)
+                raise
             request.headers[RETRY_COUNT_HEADER] = str(state.attempts - 1)
 
     async def aclose(self) -> None:

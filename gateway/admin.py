@@ -9,6 +9,8 @@ token.
 
 - ``gateway.admin_token_sha256`` unset: 403 ``admin_disabled`` (the admin API is off).
 - no bearer token: 401 ``missing_admin_token``; a wrong one: 401 ``invalid_admin_token``.
+  Both are counted in ``kvgate_gateway_auth_failures_total`` under those reasons (never the
+  token), so that guessing shows without the access log.
 
 Both in OpenAI's error shape. ``/metrics``, ``/healthz``, ``/readyz`` and ``/openapi.json`` stay
 open (probes and Prometheus scrape them; they hold no keys, prompts or tenant data unless
@@ -21,15 +23,22 @@ from aiohttp import web
 
 from admission.inspect import snapshot
 from gateway.admit import STORE_ERRORS
-from gateway.errors import unavailable
-from gateway.state import ADMIN, GATEWAY
+from gateway.errors import ApiError, unavailable
+from gateway.state import ADMIN, GATEWAY, METRICS
 
 ADMIN_POOLS_PATH = "/admin/pools"
 
 
 async def admin_pools(request: web.Request) -> web.Response:
     """Every pool's inspection snapshot (the JSON of `kvgate-inspect --json`)."""
-    request.app[ADMIN].check(request.headers.get("Authorization"))
+    try:
+        request.app[ADMIN].check(request.headers.get("Authorization"))
+    except ApiError as exc:
+        # Counted with the tenants' refused keys: a token being guessed must show somewhere
+        # other than the access log, which may be off.
+        if exc.status == 401 and exc.code is not None:
+            request.app[METRICS].child(request.app[METRICS].auth_failures, exc.code).inc()
+        raise
     gw = request.app[GATEWAY]
     try:
         snap = await snapshot(gw.redis, sorted(gw.pools), gw.config.tenants)

@@ -74,7 +74,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     client_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
     raw = await request.read()
     try:
-        inbound = await parse_inbound(kind, raw, gw.pools, tier)
+        inbound = await parse_inbound(kind, raw, gw.pools, tier, tenant.name)
     except ApiError:
         labels = metrics.tier_labels("none", tier, tenant.name)
         metrics.child(metrics.requests, *labels, m.INVALID).inc()
@@ -88,7 +88,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         ticket = await gw.admitter.admit(inbound, tenant, tier, client_timeout_ms,
                                          arrived=started)
         task_id = ticket.task_id
-        meter = Meter(inbound.prompt_tokens)
+        meter = Meter(inbound.prompt_tokens, ceiling=inbound.usage_ceiling)
         outcome = m.CLIENT_GONE
         try:
             response = await gw.upstream.forward(request, inbound, ticket, meter, started)

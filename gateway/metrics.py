@@ -31,7 +31,8 @@ _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
                  60, 120, 300, 600)
 
-AUTH_FAILURES = ("missing_api_key", "invalid_api_key")
+AUTH_FAILURES = ("missing_api_key", "invalid_api_key", "missing_admin_token",
+                 "invalid_admin_token")
 """The `reason` values of kvgate_gateway_auth_failures_total (the 401s' error codes)."""
 REDIS_OPS = ("admit", "settle", "abandon", "renew", "poll", "subscribe", "drain_hint", "admin")
 """The `op` values of kvgate_gateway_redis_errors_total."""
@@ -59,8 +60,9 @@ class GatewayMetrics:
             "exceeds_burst, queue_timeout).",
             [*by_tier, "reason"], registry=r)
         self.auth_failures = Counter(
-            "kvgate_gateway_auth_failures", "Requests refused for their API key, by reason "
-            "(missing_api_key, invalid_api_key): a client misconfigured, or keys being guessed.",
+            "kvgate_gateway_auth_failures", "Requests refused for their API key or admin token, "
+            "by reason (missing_api_key, invalid_api_key, missing_admin_token, "
+            "invalid_admin_token): a client misconfigured, or keys being guessed.",
             ["reason"], registry=r)
         self.quota_rejections = Counter(
             "kvgate_gateway_quota_rejections", "Requests refused by a quota level, by the "

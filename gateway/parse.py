@@ -7,10 +7,14 @@ true bound. Prompts that cannot fit the context get vLLM's own 400 messages; the
 `max_tokens` over the pool's `max_max_tokens`, can never succeed as sent and say so with
 `x-should-retry: false` (a malformed request is a plain 400: no client retries one).
 
-The forwarded body differs from the client's in four places only: `model` (the served name),
+The forwarded body differs from the client's in these places only: `model` (the served name),
 `max_tokens` (when defaulted), `stream_options.include_usage` (always on when streaming, so
-the gateway learns exact usage) and `priority` (the tier, when the pool passes it; a client's
-own `priority` is never forwarded, or it could raise itself inside the engine).
+the gateway learns exact usage), `priority` (the tier, when the pool passes it; a client's
+own `priority` is never forwarded, or it could raise itself inside the engine), and the
+engine's fields that belong to the operator, not to one tenant among many (`ENGINE_ONLY`):
+the client's `request_id` and `kv_transfer_params` are dropped, and its `cache_salt` is
+replaced by a digest of the tenant's name and the salt, so that no tenant can name another's
+prefix-cache partition (and time its hits).
 
 The answer goes back with the client's own `model` (`Inbound.reply_model`) unless the pool
 sets `echo_requested_model = false`: the client asked for the pool's name and compares the
@@ -19,6 +23,7 @@ answer with it; the served name is the deployment's business.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -31,6 +36,11 @@ from gateway.estimator import InvalidRequestError, estimate_cost
 from gateway.pools import PoolRuntime
 
 Kind = Literal["chat", "completion"]
+ENGINE_ONLY = ("request_id", "kv_transfer_params")
+"""Body fields vLLM acts on that a client must not set through a shared gateway: the engine's
+request id (ids shared between tenants let one abort or collide with another's request; the
+gateway's task id goes in X-Request-Id) and the disaggregated-prefill transfer instructions
+(which peer to pull KV blocks from, which blocks), set by a router the operator runs."""
 MAX_SEQUENCES = 128
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's code for a prompt (or prompt + max_tokens) over the model's context."""
@@ -54,6 +64,9 @@ class Inbound:
     max_tokens_param: str = "max_tokens"
     """The field that sets T_out in the client's body (`max_completion_tokens` when a chat
     request used OpenAI's newer name), for the errors that ask to lower it."""
+    usage_ceiling: int = 0
+    """The most a node can truthfully report for this request: each prompt at the context
+    length, plus T_out. A node's usage is charged up to this and no further (0: no bound)."""
 
     @property
     def cost(self) -> int:
@@ -90,11 +103,23 @@ def pool_of(body: Mapping[str, Any], pools: Mapping[str, PoolRuntime]) -> PoolRu
     return pool
 
 
+def tenant_salt(tenant: str, salt: object) -> str:
+    """The `cache_salt` the node gets for a tenant's own: only the same tenant sending the
+    same salt reaches the same partition of the prefix cache."""
+    if not isinstance(salt, str) or not salt:
+        raise bad_request("'cache_salt' must be a non-empty string.", param="cache_salt")
+    return hashlib.sha256(f"{tenant}\0{salt}".encode("utf-8", "surrogatepass")).hexdigest()
+
+
 async def parse_inbound(
-    kind: Kind, raw: bytes, pools: Mapping[str, PoolRuntime], tier: Tier
+    kind: Kind, raw: bytes, pools: Mapping[str, PoolRuntime], tier: Tier,
+    tenant: str = "",
 ) -> Inbound:
+    """`tenant`: the sender's name, which scopes its `cache_salt`."""
     body = decode(raw)
     pool = pool_of(body, pools)
+    if body.get("cache_salt") is not None:
+        body["cache_salt"] = tenant_salt(tenant, body["cache_salt"])
     settings = pool.settings
 
     stream = body.get("stream")
@@ -185,6 +210,8 @@ async def parse_inbound(
         client_wants_usage = bool(options and options.get("include_usage"))
         body["stream_options"] = {**(options or {}), "include_usage": True}
     body.pop("priority", None)
+    for field in ENGINE_ONLY:
+        body.pop(field, None)
     if settings.pass_priority:
         body["priority"] = int(tier)
     return Inbound(
@@ -197,4 +224,5 @@ async def parse_inbound(
         max_tokens=estimate.t_out,
         reply_model=requested_model if settings.echo_requested_model else None,
         max_tokens_param=param,
+        usage_ceiling=len(prompts) * limit + estimate.t_out,
     )

@@ -23,6 +23,11 @@ vLLM itself does; a node's own error event is relayed in OpenAI's shape too
 ends cancelled, charged what was generated. Once the request is written to the node, a client
 that leaves is charged what the node did so far (at least the prompt), even before the node's
 answer has begun: a whole answer's headers come only with its last token.
+
+The node is trusted no further than it must be: its usage is charged up to what the request
+could have used (`Meter.ceiling`), one SSE event is held up to `MAX_EVENT_BYTES` (then the
+stream ends as broken), and a client that reads nothing for `upstream_timeout_ms` is dropped
+like one that left (`gateway.clientio`).
 """
 
 from __future__ import annotations
@@ -39,15 +44,18 @@ import orjson
 from aiohttp import web
 
 from gateway.admit import Ticket
-from gateway.errors import OPENAI_ERROR_TYPES, ApiError, client_error_type, jittered, unavailable
+from gateway.clientio import ClientStalled, StallGuard, end_within
+from gateway.errors import ApiError, jittered, unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.nodeclient import NodeClient, NodeError, NodeResponse, NodeUnreachable
+from gateway.nodeerrors import error_message, node_client_error, node_stream_error
 from gateway.parse import Inbound
 
 log = logging.getLogger("kvgate.gateway")
 
 _ROUTES = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-# Client headers never forwarded: hop-by-hop, credentials, framing, and the gateway's own. Those
+# Client headers never forwarded: hop-by-hop, credentials, framing, the gateway's own, and
+# vLLM's X-data-parallel-rank (the operator's routing inside a data-parallel engine). Those
 # describing the client's body go too: aiohttp has already undone its Content-Encoding and the
 # gateway sends JSON of its own, so a forwarded `Content-Encoding: gzip` (or a digest of the
 # client's bytes) would make the node reject a body that is plain and rewritten.
@@ -56,6 +64,7 @@ _DROP_HEADERS = frozenset({
     "proxy-authorization", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
     "cookie", "accept-encoding", "expect", "x-priority", "x-request-timeout", "x-request-id",
     "content-encoding", "content-md5", "digest", "content-digest", "repr-digest",
+    "x-data-parallel-rank",
 })
 _DONE = b"data: [DONE]\n\n"
 NODE_REJECTIONS = frozenset({401, 403, 404})
@@ -83,6 +92,10 @@ class Meter:
     first_byte_s: float | None = None
     sent_s: float | None = None
     """When the request was sent to its node, seconds after its arrival."""
+    ceiling: int = 0
+    """The most the usage can be (`Inbound.usage_ceiling`; 0: no bound). The node's figures
+    are its word: unbounded, one absurd report drains the tenant's bucket, pushes its fair
+    order out of reach, or overflows the finish script's integer arithmetic halfway."""
 
     def node_ttft_ms(self) -> int | None:
         """ms from the dispatch to the node until the first token (None: no first token): the
@@ -98,6 +111,9 @@ class Meter:
         used = self.exact_total
         if used is None:
             used = self.prompt_tokens + self.completion_tokens
+        used = max(0, used)
+        if self.ceiling > 0:
+            used = min(used, self.ceiling)
         return used, self.phase is not Phase.DONE
 
     def take_usage(self, usage: Any) -> None:
@@ -111,14 +127,27 @@ class Meter:
             self.exact_total = total if isinstance(total, int) else prompt + completion
 
 
+MAX_EVENT_BYTES = 4 << 20
+"""The longest SSE event the relay holds while it waits for the event's end. vLLM's events
+are one token's chunk (kilobytes even with logprobs); a node that sends more without a blank
+line is broken, and holding its bytes would let it grow the gateway without bound."""
+
+
+class EventTooLarge(NodeError):
+    """The node sent more than `MAX_EVENT_BYTES` without ending an event."""
+
+
 class SseRelay:
     """Splits an SSE byte stream into events, counts output, drops the usage-only chunk, and
     writes the client's model name into each chunk (`reply_model`, None: left as sent)."""
 
-    __slots__ = ("_buf", "_reply_model", "_strip_usage", "failed", "meter")
+    __slots__ = ("_held", "_parts", "_reply_model", "_strip_usage", "failed", "meter")
 
     def __init__(self, meter: Meter, *, strip_usage: bool, reply_model: str | None = None) -> None:
-        self._buf = b""
+        self._parts: list[bytes] = []
+        """The incomplete event's bytes, in the pieces they came in: joined once, when the
+        event ends (joining on every piece would cost the square of the event's length)."""
+        self._held = 0
         self._strip_usage = strip_usage
         self._reply_model = reply_model
         self.meter = meter
@@ -126,15 +155,25 @@ class SseRelay:
         """The node's error event, when it sent one: the generation ended on it."""
 
     def feed(self, data: bytes) -> bytes:
-        """Bytes to send now: every complete event received so far, minus dropped ones."""
-        if self._buf:
-            data = self._buf + data
+        """Bytes to send now: every complete event received so far, minus dropped ones.
+        Raises `EventTooLarge` when an event grows past `MAX_EVENT_BYTES` unfinished."""
+        if self._parts:
+            if b"\n\n" not in data and not (
+                    data[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):
+                self._hold(data)
+                return b""
+            data = b"".join(self._parts) + data
+            self._parts.clear()
+            self._held = 0
         end = data.rfind(b"\n\n")
         if end < 0:
-            self._buf = data
+            self._hold(data)
             return b""
         cut = end + 2
-        complete, self._buf = data[:cut], data[cut:]
+        complete = data[:cut]
+        if cut < len(data):
+            self._parts.append(data[cut:])
+            self._held = len(data) - cut
         events = complete.split(b"\n\n")
         events.pop()  # the empty string after the last separator
         sent = [self._relay(event) for event in events]
@@ -142,9 +181,19 @@ class SseRelay:
             return complete  # nothing dropped or rewritten: the bytes as they came
         return b"".join(out + b"\n\n" for out in sent if out is not None)
 
+    def _hold(self, data: bytes) -> None:
+        self._held += len(data)
+        if self._held > MAX_EVENT_BYTES:
+            self._parts.clear()
+            self._held = 0
+            raise EventTooLarge(f"the node sent over {MAX_EVENT_BYTES} bytes in one event")
+        self._parts.append(data)
+
     def flush(self) -> bytes:
         """Whatever trails the last complete event (a well-formed stream leaves nothing)."""
-        tail, self._buf = self._buf, b""
+        tail = b"".join(self._parts)
+        self._parts.clear()
+        self._held = 0
         return tail
 
     def _relay(self, event: bytes) -> bytes | None:
@@ -315,9 +364,9 @@ class Upstream:
             body = b""
         meter.phase = Phase.PENDING  # nothing generated: refund in full
         if upstream.status in NODE_REJECTIONS:
-            raise self._rejected(ticket, upstream.status, _error_message(body))
+            raise self._rejected(ticket, upstream.status, error_message(body))
         if upstream.status >= 500 or upstream.status == 429:
-            message = _error_message(body) or f"HTTP {upstream.status}"
+            message = error_message(body) or f"HTTP {upstream.status}"
             raise self._failed(ticket, "error", 502,
                                f"The inference node failed: {message}. Please retry.")
         error = node_client_error(upstream.status, body)
@@ -346,8 +395,11 @@ class Upstream:
             headers={"Content-Type": upstream.headers.get("content-type", "application/json"),
                      "X-Request-Id": ticket.task_id},
         )
-        await response.prepare(request)
-        await response.write_eof()
+        try:
+            await end_within(request, response, self.client.read_timeout_s)
+        except ClientStalled as exc:
+            log.info("task %s: %s; dropped", ticket.task_id, exc)
+            return response  # charged as a client gone: the answer never reached it
         meter.phase = Phase.DONE
         return response
 
@@ -363,6 +415,8 @@ class Upstream:
         relay = SseRelay(meter, strip_usage=not inbound.client_wants_usage,
                          reply_model=inbound.reply_model)
         loop = asyncio.get_running_loop()
+        patience_s = self.client.read_timeout_s
+        guard = StallGuard(request, patience_s)
         try:
             await response.prepare(request)
             broken = False
@@ -372,10 +426,11 @@ class Upstream:
                     if out:
                         if meter.first_byte_s is None:
                             meter.first_byte_s = loop.time() - started
-                        await response.write(out)
+                        await guard.write(response, out)
             except NodeError as exc:
                 broken = True
-                kind = "timeout" if isinstance(exc, TimeoutError) else "broken_stream"
+                kind = "timeout" if isinstance(exc, TimeoutError) else (
+                    "oversized_event" if isinstance(exc, EventTooLarge) else "broken_stream")
                 self.metrics.child(
                     self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
                 log.warning("task %s: stream from node %s broke off (%s)", ticket.task_id,
@@ -386,100 +441,20 @@ class Upstream:
                                  type_="server_error", code="upstream_broken_stream")
                 tail += b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
             if tail:
-                await response.write(tail)
-            await response.write_eof()
-        except ConnectionResetError:
-            # The client left (without handler cancellation): abort the node's work.
+                await guard.write(response, tail)
+            await end_within(request, response, patience_s)
+        except ConnectionResetError as exc:
+            # The client left (without handler cancellation) or stopped reading
+            # (`ClientStalled`): abort the node's work.
+            if isinstance(exc, ClientStalled):
+                log.info("task %s: %s; dropped", ticket.task_id, exc)
             upstream.close()
             return response
+        finally:
+            guard.close()
         if relay.failed is not None:
             log.warning("task %s: node %s ended the stream with an error (%s)", ticket.task_id,
                         ticket.node, relay.failed.code or relay.failed.status)
         elif not broken:
             meter.phase = Phase.DONE
         return response
-
-
-NODE_TEXT_LIMIT = 1000
-"""Characters of a node's error body kept as the message when it is not a JSON error (an HTML
-page from a proxy in front of the node, say)."""
-
-
-def node_client_error(status: int, body: bytes) -> ApiError:
-    """A node's 4xx answer in OpenAI's error shape, its status, message and param kept.
-
-    vLLM (and bench.sim) answer e.g. ``{"error": {"message": ..., "type": "BadRequestError",
-    "param": "n", "code": 400}}``: an exception class as the type and the HTTP status as an
-    integer code, neither of which OpenAI clients expect. The type becomes OpenAI's for the
-    status (`invalid_request_error` for 400 and 422) unless the node's is one of OpenAI's
-    already; the code is kept when it is a string, else null. A body that is not a JSON error
-    becomes the message, cut to `NODE_TEXT_LIMIT` characters.
-    """
-    fields = _node_error_fields(body)
-    if fields is None:
-        text = body.decode("utf-8", "replace").strip()[:NODE_TEXT_LIMIT]
-        return ApiError(status, text or f"The inference node answered HTTP {status}.",
-                        type_=client_error_type(status))
-    return _openai_error(status, fields["message"], fields)
-
-
-def node_stream_error(chunk: dict[str, Any]) -> ApiError | None:
-    """A node's error event in a stream, in OpenAI's error shape; None when `chunk` is none.
-
-    vLLM ends a failed stream with one: ``{"error": {"message", "type": "BadRequestError",
-    "param", "code": 400}}``, or before 0.10 the same fields at the top level with
-    ``"object": "error"``, which the OpenAI SDKs do not recognise as an error at all. The
-    status is the node's integer code (500 when it has none); type and code follow
-    `node_client_error`'s rules, a 5xx's type being `server_error`.
-    """
-    error = chunk.get("error")
-    if isinstance(error, dict):
-        fields: dict[str, Any] = error
-    elif isinstance(error, str):
-        fields = {"message": error}
-    elif chunk.get("object") == "error":
-        fields = chunk
-    else:
-        return None
-    status = fields.get("code")
-    if type(status) is not int or not 400 <= status <= 599:
-        status = 500
-    message = fields.get("message")
-    if not (isinstance(message, str) and message):
-        message = "The inference node failed during the stream."
-    return _openai_error(status, message[:NODE_TEXT_LIMIT], fields)
-
-
-def _openai_error(status: int, message: str, fields: dict[str, Any]) -> ApiError:
-    node_type, param, code = fields.get("type"), fields.get("param"), fields.get("code")
-    if not (isinstance(node_type, str) and node_type in OPENAI_ERROR_TYPES):
-        node_type = client_error_type(status) if status < 500 else "server_error"
-    return ApiError(
-        status, message, type_=node_type,
-        param=param if isinstance(param, str) else None,
-        code=code if isinstance(code, str) and code else None,
-    )
-
-
-def _node_error_fields(body: bytes) -> dict[str, Any] | None:
-    """The error object of a node's JSON error body: the one under `error`, the body itself
-    (older vLLM: ``{"object": "error", "message": ...}``), or a bare string under `error` or
-    `detail` (FastAPI) as its message. None when no message is found."""
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(parsed, dict):
-        return None
-    error = parsed.get("error")
-    for fields in (error, parsed, {"message": error}, {"message": parsed.get("detail")}):
-        if isinstance(fields, dict) and isinstance(fields.get("message"), str) and (
-                fields["message"]):
-            return fields
-    return None
-
-
-def _error_message(body: bytes) -> str | None:
-    """A node's error message, cut short for a 502's own message (None: none found)."""
-    fields = _node_error_fields(body)
-    return None if fields is None else str(fields["message"])[:200]

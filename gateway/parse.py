@@ -42,6 +42,9 @@ request id (ids shared between tenants let one abort or collide with another's r
 gateway's task id goes in X-Request-Id) and the disaggregated-prefill transfer instructions
 (which peer to pull KV blocks from, which blocks), set by a router the operator runs."""
 MAX_SEQUENCES = 128
+MIN_TURN_TOKENS = 2
+"""Tokens every chat message adds to the prompt at least, whatever its content: the markers
+that open and close its turn in the chat template."""
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's code for a prompt (or prompt + max_tokens) over the model's context."""
 
@@ -163,9 +166,23 @@ async def parse_inbound(
             code="max_tokens_too_large",
         )
 
+    messages = body.get("messages")
+    if (kind == "chat" and isinstance(messages, list)
+            and len(messages) * MIN_TURN_TOKENS >= settings.context_length):
+        # Refused before counting: planning a count walks every message on the event loop
+        # (a 4 MB body of empty messages held it for about half a second).
+        raise never_retry(
+            400,
+            f"This model's maximum context length is {settings.context_length} tokens. "
+            f"However, your request has {len(messages)} messages, at least "
+            f"{len(messages) * MIN_TURN_TOKENS} input tokens. Please reduce the number of "
+            "messages.",
+            param="messages",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
     try:
         if kind == "chat":
-            prompts = [await pool.counter.count_chat_async(body.get("messages"),
+            prompts = [await pool.counter.count_chat_async(messages,
                                                            body.get("tools"))]
         else:
             prompts = await pool.counter.count_prompts_async(body.get("prompt"))

@@ -18,6 +18,8 @@ from aiohttp import web
 from admission.config import parse_config
 from admission.tiers import Zone
 from gateway.app import create_app
+from gateway.estimator import CHAT_ROLES
+from gateway.parse import MIN_TURN_TOKENS
 from gateway.state import GATEWAY
 from tests.gateway_harness import (
     BIG,
@@ -292,3 +294,36 @@ async def test_admin_token_guesses_are_counted(redis_url: str, redis_client: Any
             assert registry.get_sample_value("kvgate_gateway_auth_failures_total",
                                              {"reason": reason}) == count
         assert "guess-1" not in text and token not in text
+
+
+# --- a body of many empty messages -------------------------------------------------------
+
+
+async def test_more_messages_than_the_context_holds_are_refused_before_any_counting(
+    redis_url: str, redis_client: Any,
+) -> None:
+    """Counting walks every message on the event loop; a body of more messages than the
+    context could hold (each adds its turn's markers at least) is refused on its length."""
+    async def never(request: web.Request) -> web.StreamResponse:
+        raise AssertionError("nothing must reach the node")
+
+    async with hostile_gateway(redis_url, never) as (url, app):
+        counter = app[GATEWAY].pools[POOL].counter
+        limit = app[GATEWAY].pools[POOL].settings.context_length
+        before = (counter.stats.hits, counter.stats.misses)
+        many = [{"role": "user", "content": ""}] * (limit // 2)
+        status, answer, headers = await _post(url, chat(messages=many))
+        error = orjson.loads(answer)["error"]
+        assert status == 400 and error["code"] == "context_length_exceeded"
+        assert error["param"] == "messages" and headers["x-should-retry"] == "false"
+        assert (counter.stats.hits, counter.stats.misses) == before
+        # One message fewer than that is counted, and refused on its count like any other.
+        status, answer, _ = await _post(url, chat(messages=many[:-1]))
+        assert status == 400
+        assert orjson.loads(answer)["error"]["code"] == "context_length_exceeded"
+        assert (counter.stats.hits, counter.stats.misses) != before
+        # The bound the refusal rests on: every empty turn, of every role, adds that much.
+        for role in CHAT_ROLES:
+            turn = {"role": role, "content": ""}
+            added = counter.count_chat([turn, turn]) - counter.count_chat([turn])
+            assert added >= MIN_TURN_TOKENS, role

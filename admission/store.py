@@ -28,6 +28,12 @@ per 10 tokens and the counters exact (below 2**53 units) for 9e10 tokens served 
 smallest weight."""
 
 
+MAX_USAGE = 2**40
+"""The most usage `finish` passes on, far above any request's: the script's counters (HINCRBY)
+would fail past 2^63 after it has already returned the reservation, leaving a half-settled
+task; the gateway bounds a node's report by the request itself before this."""
+
+
 class AdmitOutcome(enum.StrEnum):
     RELEASED = "released"
     QUEUED = "queued"
@@ -285,13 +291,14 @@ class PoolStore:
 
     async def finish(self, task_id: str, usage: int | None, *, cancelled: bool,
                      ttft_ms: int | None = None) -> FinishResult:
-        """Settle (response done) or cancel (client gone) a task; `usage` None = unknown.
+        """Settle (response done) or cancel (client gone) a task; `usage` None = unknown,
+        bounded to `MAX_USAGE`.
         `ttft_ms`: ms from the dispatch to the node to the first token, counted for VIP tasks
         as the leader's release control signal (None: no first token)."""
         reply = await self.scripts.finish(
             keys=self._finish_keys(task_id),
             args=[
-                self._prefix, task_id, -1 if usage is None else max(0, usage),
+                self._prefix, task_id, -1 if usage is None else min(max(0, usage), MAX_USAGE),
                 self.policy.retention_s, "cancelled" if cancelled else "settled",
                 -1 if ttft_ms is None else max(0, ttft_ms),
             ],

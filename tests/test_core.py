@@ -18,6 +18,7 @@ from admission.keys import PoolKeys, SchedulerKeys
 from admission.reads import RunningMember, running_member
 from admission.scripts import load_scripts, register_scripts, script_source
 from admission.store import (
+    MAX_USAGE,
     AdmitOutcome,
     PoolPolicy,
     PoolStore,
@@ -114,6 +115,25 @@ async def test_cancel_returns_every_balance_to_its_start(store: PoolStore) -> No
     assert await redis_client.hgetall(keys.tenant_queued) == {}
     assert all([await redis_client.zcard(q) == 0 for q in keys.queues])
     assert await redis_client.zcard(keys.deadlines) == 0
+
+
+@pytest.mark.parametrize("usage", [2**62, 2**63 + 5])
+async def test_an_absurd_usage_settles_whole_never_half(store: PoolStore, usage: int) -> None:
+    """The script's counters would overflow past 2^63 after the reservation was returned:
+    the store bounds what it passes, so the task ends settled, its tokens all charged."""
+    tenant = TenantQuota("acme", rate=0, burst=10_000, max_queued=10)
+    await _give_capacity(store, {"n1": 10_000})
+    outcome = (await store.admit(task_id="big", tenant=tenant, tier=Tier.NORMAL,
+                                 prompt_tokens=100, max_tokens=900, gateway="gw",
+                                 queue_timeout_ms=60_000)).outcome
+    assert outcome is AdmitOutcome.RELEASED
+    result = await store.settle("big", usage)
+    assert (result.outcome, result.refunded) == ("settled", 1000 - MAX_USAGE)
+    assert (await store.task("big") or {}).get("state") == TaskState.SETTLED
+    keys = store.keys
+    assert await store.client.hgetall(keys.node_reserved) == {}
+    assert _int(await store.client.hget(keys.bucket_key("acme"), "micro_tokens")) == 0
+    assert _int(await store.client.hget(keys.stats, "settled_usage")) == MAX_USAGE
 
 
 async def test_only_tasks_that_ran_to_their_end_are_learned_from(

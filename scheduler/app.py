@@ -1,4 +1,9 @@
-"""The scheduler's HTTP face: ``/healthz`` (JSON, 200 while the loops run) and ``/metrics``.
+"""The scheduler's HTTP face: ``/healthz`` and ``/metrics``.
+
+``/healthz`` answers JSON, 200 while every loop of the service runs, leader or standby, with
+Redis reachable or not (a restart fixes neither: a standby is healthy, and one cut off from
+Redis keeps retrying); 503 once one of its loops ended (`ended_loops`), which only a restart
+repairs, so that a liveness probe restarts the replica (which resigns the lease it may hold).
 
 `create_app` builds the application without I/O; the service starts with the app and stops
 (resigning leadership) when the app is cleaned up.
@@ -20,7 +25,9 @@ SERVICE = web.AppKey("service", SchedulerService)
 
 async def healthz(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    return web.Response(body=orjson.dumps(service.health()), content_type="application/json")
+    health = service.health()
+    return web.Response(body=orjson.dumps(health), content_type="application/json",
+                        status=503 if health["ended_loops"] else 200)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -232,18 +232,24 @@ class PoolScheduler:
         """The pool's learned factor, or 1 (no overcommit) while the node cools down from a
         preemption it reported."""
         m = view.metrics
+        until = self._cooldown_until.get(view.name)
+        if until is not None and now >= until:
+            del self._cooldown_until[view.name]
+            until = None
+            log.info("pool %s node %s: no preemption for %d ms, overcommit resumes", self.name,
+                     view.name, self.settings.preemption_cooldown_ms)
+        cooldown_ms = self.settings.preemption_cooldown_ms
         if m is not None and m.preemptions is not None:
             before = self._preemptions.get(view.name)
-            if before is not None and m.preemptions > before:
-                log.warning("pool %s node %s preempted: no overcommit for %d ms", self.name,
-                            view.name, self.settings.preemption_cooldown_ms)
-                self._cooldown_until[view.name] = (
-                    now + self.settings.preemption_cooldown_ms / 1000
-                )
+            if before is not None and m.preemptions > before and cooldown_ms:
+                # Logged as the cool-down starts; further preemptions only extend it (an
+                # overloaded node preempts at every poll, and a line each time is a flood).
+                if until is None:
+                    log.warning("pool %s node %s preempted: no overcommit for %d ms",
+                                self.name, view.name, cooldown_ms)
+                until = self._cooldown_until[view.name] = now + cooldown_ms / 1000
             self._preemptions[view.name] = m.preemptions
-        if now < self._cooldown_until.get(view.name, 0.0):
-            return 1.0
-        return self.learner.factor
+        return self.learner.factor if until is None else 1.0
 
     def plan(self, views: list[NodeView], snap: Snapshot, now: float) -> list[NodePlan]:
         self.learner.observe(snap.stats.get("settled_cost", 0),
@@ -417,7 +423,7 @@ class PoolScheduler:
         result.published = True
         if not leading() or not any(snap.depths):
             self.policy.share_observe(zone, (), False)  # nothing waits: Batch is owed nothing
-            self._observe(result)
+            self._observe(result, started)
             return result
         owed = self.policy.share_limit(zone, snap.depths)
         if owed:
@@ -443,12 +449,14 @@ class PoolScheduler:
         self.policy.share_observe(zone, ((t.tier, t.cost) for t in result.released if t.node),
                                   snap.depths[Tier.BATCH] > 0)
         await self.store.notify(result.released, sharded=self.sharded)
-        self._observe(result)
-        self.metrics.tick_duration.labels(self.name).observe(self.clock() - started)
+        self._observe(result, started)
         return result
 
-    def _observe(self, result: TickResult) -> None:
+    def _observe(self, result: TickResult, started: float) -> None:
         m, pool = self.metrics, self.name
+        # Every published tick, not only those that release: an idle pool's ticks are what
+        # shows a slow Redis before the queues fill.
+        m.tick_duration.labels(pool).observe(self.clock() - started)
         m.zone.labels(pool).set(ZONE_LEVEL[result.zone])
         m.pool_usage.labels(pool).set(math.nan if result.usage is None else result.usage)
         m.usage_ratio.labels(pool).set(self.learner.ratio)

@@ -14,11 +14,18 @@ decode step time comes from `vllm:inter_token_latency_seconds` (vLLM >= 0.11), o
 
 A server running several engines (data parallel) exposes one sample per `engine` label:
 usage is the highest engine's (conservative), counts and capacities are summed.
+
+A usage, running or waiting figure that is not a finite number (NaN before an engine reports)
+makes the page unusable, a failed scrape like an unparsable one (reason `parse`); a counter
+that is not finite (preemptions, prompt tokens, the inter-token histogram) is read as absent.
+A scrape never raises: whatever fails counts as a failed scrape of the node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +45,8 @@ PROMPT_TOKENS = "vllm:prompt_tokens"
 ITL_V1 = "vllm:inter_token_latency_seconds"
 ITL_V0 = "vllm:time_per_output_token_seconds"
 DEFAULT_BLOCK_SIZE = 16
+
+log = logging.getLogger("kvgate.scheduler.scrape")
 
 _NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO, PROMPT_TOKENS,
           *(name + part for name in (ITL_V1, ITL_V0) for part in ("_sum", "_count")))
@@ -125,19 +134,31 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     if not usage[metric]:
         raise MetricsError(f"neither {USAGE_V1} nor {USAGE_V0} on the page")
     kv = max(usage[metric])
-    if kv != kv:  # NaN: an engine that has not reported yet
-        raise MetricsError(f"{metric} is NaN")
+    # NaN: an engine that has not reported yet. The counts size the projection's padding:
+    # a reading without them is no reading (int() of NaN raised out of the scrape, which then
+    # never counted as failed and the node was never ejected).
+    for name, value in ((metric, kv), (RUNNING, running), (WAITING, waiting)):
+        if not math.isfinite(value):
+            raise MetricsError(f"{name} is {value}")
+    step = next(((itl[n][0], itl[n][1]) for n in (ITL_V1, ITL_V0) if n in seen_itl), None)
     return NodeMetrics(
         kv_usage=min(1.0, max(0.0, kv)),
         usage_metric=metric,
-        running=int(running),
-        waiting=int(waiting),
-        preemptions=preemptions,
+        running=max(0, int(running)),
+        waiting=max(0, int(waiting)),
+        # A counter that is not a finite number is left out, as if the page lacked it: NaN
+        # compares false with everything, so a NaN preemption count once stored hid every
+        # later preemption of the node.
+        preemptions=_finite(preemptions),
         capacity_tokens=capacity or None,
         block_size=block_size or DEFAULT_BLOCK_SIZE,
-        prompt_tokens=prompt_tokens,
-        itl=next(((itl[n][0], itl[n][1]) for n in (ITL_V1, ITL_V0) if n in seen_itl), None),
+        prompt_tokens=_finite(prompt_tokens),
+        itl=step if step is not None and all(map(math.isfinite, step)) else None,
     )
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 @dataclass(slots=True)
@@ -205,7 +226,10 @@ class Poller:
         eject_after: int,
         on_scrape: ScrapeHook | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pool: str = "",
     ) -> None:
+        self.pool = pool
+        """The pool's name, for log lines (a replica polls several pools' nodes)."""
         self.nodes = [NodeState(b) for b in backends]
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -229,8 +253,14 @@ class Poller:
             error = "timeout"
         except aiohttp.ClientError:
             error = "connect"
-        except MetricsError:
+        except ValueError:  # MetricsError, or a body that is not text in its charset
             error = "parse"
+        except Exception as exc:
+            # Whatever else fails is still a failed scrape: raised out of this task it was
+            # never counted (the node never ejected) and asyncio logged it on every poll.
+            error = "error"
+            if node.last_error != error:
+                log.warning("pool %s: node %s: scrape failed: %r", self.pool, node.name, exc)
         if error is None:
             node.failures, node.ok_at, node.last_error = 0, self.clock(), ""
             node.seq += 1

@@ -1,9 +1,12 @@
 """The scheduler service: leadership, the poll loop of every pool, and the reaper.
 
-Every replica runs the elector; only the leader ticks and reaps. Ticks follow a fixed cadence
-(`poll_interval_ms`, from a monotonic clock, skipping missed beats rather than bunching them)
-and all pools tick concurrently. A Redis error costs that pool that tick and is counted; an
-epoch refusal (`FencedError`) makes the replica step down at once.
+Every replica runs the elector; only the leader ticks and reaps. Each pool ticks in a loop of
+its own at a fixed cadence (`poll_interval_ms`, from a monotonic clock, skipping missed beats
+rather than bunching them): a pool whose ticks are slow (hung nodes on the first poll of a
+term, its Redis shard slow) does not hold back the others' releases. A Redis error costs that
+pool that tick and is counted; an epoch refusal (`FencedError`) makes the replica step down at
+once. A failure that repeats is logged when it starts, then every `FAILURE_LOG_EVERY_S`, and
+once when it ends (`FailureLog`), per pool: never once per tick.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from admission.connection import connect, eviction_warning, redis_address
 from admission.errors import FencedError
 from admission.scripts import Scripts, register_scripts
 from admission.store import PoolStore
-from scheduler.leader import Elector
+from scheduler.leader import FAILURE_LOG_EVERY_S, Elector
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import PoolScheduler, TickResult
 from scheduler.scrape import Poller
@@ -59,6 +62,35 @@ REAP_CALLS = 10
 """At most this many reap calls per pool per round, so a backlog cannot stall the loop."""
 
 
+class FailureLog:
+    """One pool's repeated failures of one kind (ticks, reaps, fairness reads), logged when they
+    start, then one line per FAILURE_LOG_EVERY_S with the count, and once when they end: a pool
+    whose Redis shard is down fails every tick, 20 times a second."""
+
+    def __init__(self, what: str, clock: Callable[[], float]) -> None:
+        self.what = what
+        self.clock = clock
+        self.failures = 0
+        self._since = self._logged_at = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = self.clock()
+        self.failures += 1
+        if self.failures == 1:
+            self._since = self._logged_at = now
+            log.warning("%s failed: %s", self.what, exc)
+        elif now - self._logged_at >= FAILURE_LOG_EVERY_S:
+            self._logged_at = now
+            log.warning("%s failed %d times in a row in %.0f s, the latest: %s", self.what,
+                        self.failures, now - self._since, exc)
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.info("%s succeeds again after %d failed in %.1f s", self.what, self.failures,
+                     self.clock() - self._since)
+            self.failures = 0
+
+
 def default_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
@@ -86,10 +118,13 @@ class SchedulerService:
         self.pools: list[PoolScheduler] = []
         self.last: dict[str, TickResult] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._term: int | None = None
         self._changes_seen = 0
         self.ticks = 0
-        self._redis_failed_at: float | None = None
+        """Pool ticks completed, every pool's together."""
+        self.pool_ticks: dict[str, int] = {}
+        self._redis_failed_at: dict[str, float] = {}
+        """pool -> when one of its Redis calls last failed (this replica's clock)."""
+        self._failure_logs: dict[tuple[str, str], FailureLog] = {}
 
     async def start(self) -> None:
         self.client = self._client if self._client is not None else connect(self.config.redis)
@@ -109,6 +144,7 @@ class SchedulerService:
                 eject_after=s.eject_after_failures,
                 on_scrape=self._scrape_hook(pool.name),
                 clock=self.clock,
+                pool=pool.name,
             )
             store = PoolStore(self.client, self.scripts, pool.name,
                               self.config.pool_policy(pool.name))
@@ -120,14 +156,31 @@ class SchedulerService:
                                clock=self.clock, on_failure=self.metrics.leadership_errors.inc)
         self._tasks = [
             asyncio.create_task(self.elector.run(), name="elector"),
-            asyncio.create_task(self._tick_loop(), name="ticks"),
+            *(asyncio.create_task(self._tick_loop(pool), name=f"ticks:{pool.name}")
+              for pool in self.pools),
             asyncio.create_task(self._reap_loop(), name="reaper"),
             asyncio.create_task(self._fair_metrics_loop(), name="fair-metrics"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._loop_ended)
         log.info("scheduler %s started: %d pool(s), poll %d ms, Redis %s", self.me,
                  len(self.pools), s.poll_interval_ms, redis_address(self.config.redis))
         if warning := await eviction_warning(self.client):
             log.warning("%s", warning)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task not in self._tasks:
+            return  # stopped on purpose
+        why = "cancelled" if task.cancelled() else repr(task.exception())
+        log.error("scheduler loop %s ended (%s): /healthz answers 503 until the replica is "
+                  "restarted", task.get_name(), why)
+
+    @property
+    def ended_loops(self) -> list[str]:
+        """Loops that ended while the service runs: the replica no longer does its work (a
+        pool's ticks or the reaper stopped, or the elector renews nothing), and only a restart
+        brings them back."""
+        return [task.get_name() for task in self._tasks if task.done()]
 
     def _scrape_hook(self, pool: str) -> Callable[[str, float, str | None], None]:
         def hook(node: str, seconds: float, error: str | None) -> None:
@@ -169,23 +222,36 @@ class SchedulerService:
             self.metrics.leadership_changes.inc(delta)
             self._changes_seen = self.elector.changes
 
-    async def _tick_loop(self) -> None:
+    async def _tick_loop(self, pool: PoolScheduler) -> None:
         assert self.elector is not None
         interval = self.settings.poll_interval_ms / 1000
+        term: int | None = None
         while True:
             self._sync_leader_metrics()
             epoch = await self.elector.wait_leading()
-            if epoch != self._term:
-                self._term = epoch
-                for pool in self.pools:
-                    pool.new_term()
+            if epoch != term:
+                term = epoch
+                pool.new_term()
             self._sync_leader_metrics()
             start = self.clock()
-            await asyncio.gather(*(self._tick_pool(pool, epoch) for pool in self.pools))
+            await self._tick_pool(pool, epoch)
             self.ticks += 1
+            self.pool_ticks[pool.name] = self.pool_ticks.get(pool.name, 0) + 1
             # Fixed cadence: sleep to the next beat; if the tick overran, skip to the next one.
             elapsed = self.clock() - start
             await asyncio.sleep(interval - (elapsed % interval))
+
+    def _failure_log(self, pool: str, what: str) -> FailureLog:
+        key = (pool, what)
+        found = self._failure_logs.get(key)
+        if found is None:
+            found = self._failure_logs[key] = FailureLog(f"pool {pool} {what}", self.clock)
+        return found
+
+    def _redis_failed(self, pool: str, what: str, exc: BaseException) -> None:
+        self._redis_failed_at[pool] = self.clock()
+        self.metrics.redis_errors.labels(pool).inc()
+        self._failure_log(pool, what).failed(exc)
 
     async def _tick_pool(self, pool: PoolScheduler, epoch: int) -> None:
         assert self.elector is not None
@@ -198,21 +264,25 @@ class SchedulerService:
             self.metrics.fenced.labels(pool.name).inc()
             elector.step_down(str(exc))
         except (RedisError, OSError) as exc:
-            self._redis_failed_at = self.clock()
-            self.metrics.redis_errors.labels(pool.name).inc()
-            log.warning("pool %s tick failed: %s", pool.name, exc)
+            self._redis_failed(pool.name, "tick", exc)
+        else:
+            self._failure_log(pool.name, "tick").succeeded()
 
-    def reaping_allowed(self) -> bool:
+    def reaping_allowed(self, pool: str | None = None) -> bool:
         """After Redis was unreachable, wait one gateway lease TTL before reaping: the leases
         expired in Redis time while nobody could renew them, and live gateways must get the
         chance to renew before their requests are taken for dead.
 
         Failed leadership calls count too: a leader loses its lease during an outage longer
         than the lease, its ticks and reaps stop (so they record no failure), and without them
-        it would reap the live gateways' tasks the moment it leads again."""
-        failures = [t for t in (self._redis_failed_at,
-                                self.elector.failed_at if self.elector else None)
-                    if t is not None]
+        it would reap the live gateways' tasks the moment it leads again. A pool's own failed
+        calls hold back only its own reaping (`pool`; None: every pool's count): another
+        pool's keys may live on another shard, or fail for a reason of their own, and one pool
+        failing every tick must not leave every other pool's dead gateways unreaped."""
+        failed: list[float | None] = (list(self._redis_failed_at.values()) if pool is None
+                                      else [self._redis_failed_at.get(pool)])
+        failed.append(self.elector.failed_at if self.elector else None)
+        failures = [t for t in failed if t is not None]
         if not failures:
             return True
         grace = self.config.gateway.lease_ttl_ms / 1000
@@ -223,15 +293,15 @@ class SchedulerService:
         interval = self.settings.reap_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
-            if not self.elector.leading or not self.reaping_allowed():
-                continue
             for pool in self.pools:
+                if not self.elector.leading or not self.reaping_allowed(pool.name):
+                    continue
                 try:
                     await self.reap(pool)
                 except (RedisError, OSError) as exc:
-                    self._redis_failed_at = self.clock()
-                    self.metrics.redis_errors.labels(pool.name).inc()
-                    log.warning("pool %s reap failed: %s", pool.name, exc)
+                    self._redis_failed(pool.name, "reap", exc)
+                else:
+                    self._failure_log(pool.name, "reap").succeeded()
 
     async def _fair_metrics_loop(self) -> None:
         assert self.elector is not None
@@ -241,12 +311,14 @@ class SchedulerService:
             if not self.elector.leading:
                 continue
             for pool in self.pools:
+                failures = self._failure_log(pool.name, "fairness read")
                 try:
                     reading = await pool.store.read_fairness(teams)
                 except (RedisError, OSError) as exc:
                     self.metrics.redis_errors.labels(pool.name).inc()
-                    log.warning("pool %s fairness read failed: %s", pool.name, exc)
+                    failures.failed(exc)
                     continue
+                failures.succeeded()
                 self.metrics.fair.observe(pool.name, reading)
 
     async def reap(self, pool: PoolScheduler) -> None:
@@ -267,7 +339,10 @@ class SchedulerService:
             "epoch": elector.epoch if elector is not None and self.leading else None,
             "holder": elector.holder if elector is not None else None,
             "ticks": self.ticks,
+            "ended_loops": self.ended_loops,
             "pools": {
-                name: {"zone": r.zone.value, "usage": r.usage} for name, r in self.last.items()
+                name: {"zone": r.zone.value, "usage": r.usage,
+                       "ticks": self.pool_ticks.get(name, 0)}
+                for name, r in self.last.items()
             },
         }

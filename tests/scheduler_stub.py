@@ -44,6 +44,8 @@ class FakeVllm:
     """vllm:prompt_tokens_total; None: not on the page."""
     itl: tuple[float, float] | None = None
     """(sum, count) of vllm:inter_token_latency_seconds; None: not on the page."""
+    body: bytes | None = None
+    """Served as the page instead of `render()` (malformed or odd pages), as UTF-8 text."""
 
     def render(self) -> str:
         labels = f'model_name="{MODEL}"' if self.v0 else f'engine="0",model_name="{MODEL}"'
@@ -104,6 +106,8 @@ async def serve_fake(fake: FakeVllm, tls: ssl.SSLContext | None = None) -> Async
             await asyncio.sleep(fake.delay_s)
         if fake.status != 200:
             return web.Response(status=fake.status, text="engine dead")
+        if fake.body is not None:
+            return web.Response(body=fake.body, content_type="text/plain", charset="utf-8")
         return web.Response(text=fake.render(), content_type="text/plain")
 
     app = web.Application()

@@ -129,12 +129,12 @@ def test_reaper_waits_one_lease_after_redis_failed() -> None:
     now = [100.0]
     config = make_config("redis://127.0.0.1:1/0", [{"name": "n1", "url": "http://x"}])
     service = SchedulerService(config, me="s1", clock=lambda: now[0])
-    assert service.reaping_allowed()
-    service._redis_failed_at = now[0]
+    assert service.reaping_allowed("p")
+    service._redis_failed_at["p"] = now[0]
     now[0] += config.gateway.lease_ttl_ms / 1000 - 0.001
-    assert not service.reaping_allowed()
+    assert not service.reaping_allowed("p")
     now[0] += 0.002
-    assert service.reaping_allowed()
+    assert service.reaping_allowed("p")
 
 
 async def test_stopping_survives_a_lost_cancel() -> None:

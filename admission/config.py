@@ -239,6 +239,26 @@ def _admin_token(env: Mapping[str, str]) -> str | None:
     return value
 
 
+def _check_unique_tenants(tenants: tuple[TenantSettings, ...]) -> None:
+    """Tenant names and API keys are each one tenant's: the error names both entries (in a
+    file of hundreds of tenants, "must be unique" alone sends the reader searching)."""
+    names: dict[str, int] = {}
+    keys: dict[str, int] = {}
+    for i, tenant in enumerate(tenants):
+        first = names.setdefault(tenant.name, i)
+        if first != i:
+            raise ConfigError(f"tenants[{i}].name: tenant {tenant.name!r} is already defined "
+                              f"by tenants[{first}]; tenant names must be unique")
+        for j, key in enumerate(tenant.key_sha256):
+            owner = keys.setdefault(key, i)
+            if owner != i:
+                raise ConfigError(f"tenants[{i}].key_sha256[{j}]: also listed for tenant "
+                                  f"{tenants[owner].name!r} (tenants[{owner}]); a key may "
+                                  "belong to one tenant only")
+            if tenant.key_sha256.index(key) != j:
+                raise ConfigError(f"tenants[{i}].key_sha256[{j}]: listed twice")
+
+
 def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
     root = _Reader(dict(data), "")
     env = os.environ if env is None else env
@@ -253,11 +273,7 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         _section(_Reader(t, f"tenants[{i}]"), TenantSettings)
         for i, t in enumerate(root.get("tenants", list) or [])
     )
-    if len({t.name for t in tenants}) != len(tenants):
-        raise ConfigError("tenants: tenant names must be unique")
-    all_keys = [k for t in tenants for k in t.key_sha256]
-    if len(set(all_keys)) != len(all_keys):
-        raise ConfigError("tenants: the same key_sha256 is listed for two tenants")
+    _check_unique_tenants(tenants)
     teams = check_teams(_section(_Reader(t, f"teams[{i}]"), TeamSettings)
                         for i, t in enumerate(root.get("teams", list) or []))
     check_members(((f"tenants[{i}]", t.team, t.burst) for i, t in enumerate(tenants)), teams)

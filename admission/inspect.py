@@ -34,7 +34,13 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from admission.config import ConfigError, TenantSettings
 from admission.connection import connect
-from admission.inspect_fair import FairView, month_index, read_fair, scan_hashes
+from admission.inspect_fair import (
+    FairView,
+    allowance_used,
+    month_index,
+    read_fair,
+    scan_hashes,
+)
 from admission.inspect_render import render as render  # public here too
 from admission.inspect_target import SCAN_COUNT as SCAN_COUNT  # public here too
 from admission.inspect_target import (
@@ -108,6 +114,10 @@ class TenantView:
     percent: float | None
     """Level as a percentage of the burst, two decimals."""
     queued: int
+    day_used: int | None = None
+    """Tokens of its own daily allowance used today (None: no allowance counted in the pool):
+    a tenant refused by its allowance may have a full bucket."""
+    month_used: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,12 +204,13 @@ def bucket_level(raw: Mapping[str, str], now_us: int) -> tuple[int, int, int] | 
 
 
 def _tenant_view(name: str, level: tuple[int, int, int] | None, queued: int,
-                 bucket: bool) -> TenantView:
+                 bucket: bool, used: tuple[int | None, int | None] = (None, None)
+                 ) -> TenantView:
     if level is None:
-        return TenantView(name, bucket, None, None, None, None, None, queued)
+        return TenantView(name, bucket, None, None, None, None, None, queued, *used)
     micro, rate, burst = level
     percent = round(100 * micro / (burst * MICRO), 2) if burst else None
-    return TenantView(name, bucket, micro, micro / MICRO, burst, rate, percent, queued)
+    return TenantView(name, bucket, micro, micro / MICRO, burst, rate, percent, queued, *used)
 
 
 async def read_scheduler(client: Any) -> SchedulerView:
@@ -304,7 +315,8 @@ async def read_pool(client: Any, pool: str,
     for name in sorted(set(buckets) | set(configured) | set(queued_by_tenant)):
         queued_n = queued_by_tenant.get(name, 0)
         if name in buckets:
-            views.append(_tenant_view(name, bucket_level(buckets[name], now), queued_n, True))
+            views.append(_tenant_view(name, bucket_level(buckets[name], now), queued_n, True,
+                                      allowance_used(buckets[name], now, month_index(now))))
         elif name in configured:
             t = configured[name]
             views.append(_tenant_view(name, (t.burst * MICRO, t.rate, t.burst), queued_n, False))

@@ -100,6 +100,13 @@ def _period(h: Mapping[str, str], kind: str, index: int) -> int | None:
     return int(_num(h.get(kind + "_used"))) if int(_num(h.get(kind), -1)) == index else 0
 
 
+def allowance_used(h: Mapping[str, str], now_us: int, month: int
+                   ) -> tuple[int | None, int | None]:
+    """Tokens of a bucket's daily and monthly allowances used in the current day and month
+    (None: none was ever counted there), as the scripts count them (lua/_quota.lua)."""
+    return _period(h, "day", now_us // DAY_US), _period(h, "month", month)
+
+
 def level_view(name: str, h: Mapping[str, str], now_us: int, month: int) -> LevelView:
     level, at = _num(h.get("micro_tokens")), _num(h.get("updated_us"), now_us)
     rate, burst = int(_num(h.get("rate"))), int(_num(h.get("burst")))
@@ -108,7 +115,7 @@ def level_view(name: str, h: Mapping[str, str], now_us: int, month: int) -> Leve
     tokens = min(level, burst * 1e6) / 1e6
     return LevelView(name, tokens, burst, rate,
                      round(100 * tokens / burst, 2) if burst else 0.0,
-                     _period(h, "day", now_us // DAY_US), _period(h, "month", month))
+                     *allowance_used(h, now_us, month))
 
 
 def tenant_view(name: str, h: Mapping[str, str], flows: Sequence[Mapping[str, int]],

@@ -100,9 +100,11 @@ def render_pool(p: PoolView) -> list[str]:
     else:
         lines.append("  no gateway holds a lease (a gateway holds one only while it has requests)")
     if p.tenants:
-        lines += table(["tenant", "tokens", "burst", "% of burst", "rate/s", "queued"],
+        lines += table(["tenant", "tokens", "burst", "% of burst", "rate/s", "queued",
+                        "used today", "used this month"],
                        ([t.tenant, _num(t.tokens, "{:.1f}"), _num(t.burst), _num(t.percent),
-                         _num(t.rate), str(t.queued)] for t in p.tenants))
+                         _num(t.rate), str(t.queued), _num(t.day_used), _num(t.month_used)]
+                        for t in p.tenants))
     if p.fairness is not None:
         lines += render_fair(p.fairness, table)
     return lines

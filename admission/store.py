@@ -170,7 +170,12 @@ class AdmitResult:
     scope: str | None = None
     """For QUOTA: the level that cannot pay ('key', or 'team:<name>')."""
     limit: str | None = None
-    """For QUOTA: what ran out there: 'bucket', 'daily' or 'monthly'."""
+    """For QUOTA: what ran out there: 'bucket', 'daily', 'monthly', or 'held' (a bucket that
+    never refills, short now but not once the level's live tasks give back what they did not
+    use: `retry_after_ms` is then the floor, as for any wait nobody can measure)."""
+    queued_tokens: int | None = None
+    """For TENANT_QUEUED_TOKENS: the tokens of the tenant's requests queued in the pool when it
+    was refused (this request not counted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -500,6 +505,7 @@ def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
         zone = Zone(_text(reply[4]))
         view = _view(zone, depth, reply[5:8]) if len(reply) >= 8 else None
         scope, limit = (_text(reply[5]), _text(reply[6])) if len(reply) == 7 else (None, None)
+        queued_tokens = int(reply[5]) if len(reply) == 6 else None
     except (ValueError, IndexError) as exc:
         raise ScriptReplyError(f"unexpected admit reply {reply!r}") from exc
     if outcome is AdmitOutcome.RELEASED:
@@ -509,9 +515,11 @@ def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
             retry = retry_hint_ms(view, tier, floor_ms)
         elif detail == RejectReason.TENANT_QUEUED_TOKENS:
             retry = tenant_drain_hint_ms(retry, floor_ms)
+        elif limit == "held":
+            retry = max(1, floor_ms)
         return AdmitResult(outcome, zone, depth, reason=RejectReason(detail),
                            retry_after_ms=None if retry < 0 else retry, view=view,
-                           scope=scope, limit=limit)
+                           scope=scope, limit=limit, queued_tokens=queued_tokens)
     if outcome is AdmitOutcome.DUPLICATE:
         return AdmitResult(outcome, zone, depth, state=TaskState(detail))
     return AdmitResult(outcome, zone, depth)

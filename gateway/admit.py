@@ -252,22 +252,28 @@ class Admitter:
             )
         if reason is RejectReason.QUOTA:
             scope = result.scope or KEY_SCOPE
-            whose = "This API key's" if scope == KEY_SCOPE else (
-                f"The quota of {scope.replace(':', ' ', 1)} (shared with other keys)")
+            # Possessive, so that it reads before "bucket", "allowance" and "quota" alike.
+            team = scope.partition(":")[2]
+            whose = "This API key's" if scope == KEY_SCOPE else f"Team {team}'s"
+            shared = "" if scope == KEY_SCOPE else f" (shared by every key of team {team})"
             if result.retry_after_ms is None:
                 error = never_retry(
-                    403, f"{whose} token quota is exhausted and does not refill.",
+                    403, f"{whose} token quota{shared} is exhausted and does not refill.",
                     code="insufficient_quota")
                 error.headers[SCOPE_HEADER] = scope
                 return error
             if result.limit in ("daily", "monthly"):
-                what = (f"{whose} {result.limit} token allowance is used up: this request needs "
-                        f"{inbound.cost} tokens; the allowance resets in "
+                what = (f"{whose} {result.limit} token allowance{shared} is used up: this "
+                        f"request needs {inbound.cost} tokens; the allowance resets in "
                         f"{result.retry_after_ms} ms.")
+            elif result.limit == "held":
+                what = (f"{whose} token quota{shared} does not refill and cannot pay the "
+                        f"{inbound.cost} tokens this request needs now; requests still queued "
+                        "or running under it give back what they do not use when they end.")
             else:
                 what = (f"Token rate limit exceeded at {scope}: "
-                        f"{whose[0].lower()}{whose[1:]} bucket cannot pay the {inbound.cost} "
-                        f"tokens this request needs; it refills enough in "
+                        f"{whose[0].lower()}{whose[1:]} bucket{shared} cannot pay the "
+                        f"{inbound.cost} tokens this request needs; it refills enough in "
                         f"{result.retry_after_ms} ms.")
             return too_many_requests(
                 RATE_LIMIT_EXCEEDED,
@@ -279,10 +285,12 @@ class Admitter:
             )
         if reason is RejectReason.TENANT_QUEUED_TOKENS:
             drain_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms
+            queued = ("" if result.queued_tokens is None
+                      else f"{result.queued_tokens} tokens of requests queued and ")
             return too_many_requests(
                 QUEUED_TOKENS_EXCEEDED,
-                f"This API key has {tenant.max_queued_tokens} tokens of requests queued, its "
-                f"cap; this request needs {inbound.cost} more. Its queue drains enough in about "
+                f"This API key has {queued}a cap of {tenant.max_queued_tokens} queued tokens; "
+                f"this request needs {inbound.cost} more. Its queue drains enough in about "
                 f"{drain_ms} ms.",
                 retry_ms=self._hint(drain_ms),
                 zone=result.zone.value,

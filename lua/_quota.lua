@@ -8,7 +8,11 @@
 -- monthly allowance of tokens (UTC days and months of Redis TIME), kept in its bucket's hash:
 -- day (days since 1970-01-01) and day_used, month (year x 12 + month - 1) and month_used. A
 -- task records the day it was admitted (quota_day) when an allowance applies, so that its
--- refund at the end goes back to that period only if it is still the current one.
+-- refund at the end goes back to that period only if it is still the current one. Each
+-- level's hash also counts `held`: the tokens its live tasks (queued or released) reserved
+-- there, whose unused part comes back when they end. A bucket that never refills (rate 0)
+-- is only out for good once what it holds and `held` together cannot pay: until then its
+-- tenant is told to come back, not that the quota is spent.
 local DAY_US = 86400000000
 
 -- Year and month (1..12) of a day counted from 1970-01-01 (the proleptic Gregorian calendar,
@@ -51,15 +55,22 @@ local function period_used(f, kind, index)
   return 0
 end
 
--- Why a level cannot pay `cost` now, as the ms until it can (-1: never, the bucket does not
--- refill) and the kind ('bucket', 'daily', 'monthly'), or nil when it can. `lvl`: {key, rate,
--- burst, daily, monthly}; sets lvl.level (micro-tokens at `now`).
+-- Why a level cannot pay `cost` now, as the ms until it can and the kind ('bucket', 'daily',
+-- 'monthly', 'held'), or nil when it can. -1: never (a bucket that does not refill, with too
+-- little held by live tasks to make up the difference); 0 with 'held': a bucket that does not
+-- refill but could pay once live tasks give back their unused tokens, at a time unknown here.
+-- `lvl`: {key, rate, burst, daily, monthly}; sets lvl.level (micro-tokens at `now`).
 local function level_short(lvl, now, cost)
   lvl.level = bucket_level(lvl.key, now, lvl.rate, lvl.burst)
   local need, wait, kind = cost * 1000000, nil, nil
   if lvl.level < need then
     wait, kind = -1, 'bucket'
-    if lvl.rate > 0 then wait = math.ceil((need - lvl.level) / lvl.rate / 1000) end
+    if lvl.rate > 0 then
+      wait = math.ceil((need - lvl.level) / lvl.rate / 1000)
+    else
+      local held = tonumber(redis.call('HGET', lvl.key, 'held') or '0') or 0
+      if lvl.level + held * 1000000 >= need then wait, kind = 0, 'held' end
+    end
   end
   if lvl.daily > 0 or lvl.monthly > 0 then
     local f = redis.call('HMGET', lvl.key, 'day', 'day_used', 'month', 'month_used')
@@ -80,9 +91,11 @@ local function level_short(lvl, now, cost)
   return wait, kind
 end
 
--- A level pays `cost`: its bucket is debited and its allowances count it.
+-- A level pays `cost`: its bucket is debited, the task's reservation is held there until it
+-- ends (task_credit()), and its allowances count it.
 local function level_debit(lvl, now, cost)
   bucket_store(lvl.key, lvl.level - cost * 1000000, now, lvl.rate, lvl.burst)
+  redis.call('HINCRBY', lvl.key, 'held', cost)
   if lvl.daily > 0 or lvl.monthly > 0 then
     local f = redis.call('HMGET', lvl.key, 'day', 'day_used', 'month', 'month_used')
     local day = math.floor(now / DAY_US)
@@ -109,14 +122,25 @@ local function level_credit(key, now, tokens, task_day)
   end
 end
 
--- A task's tenant and enclosing levels get `tokens` back (its record's levels: names,
--- space-separated).
+-- A level no longer holds a task of `cost` (it ended). A task admitted before levels counted
+-- `held` takes nothing below zero.
+local function level_unhold(key, cost)
+  if redis.call('HINCRBY', key, 'held', -cost) <= 0 then redis.call('HDEL', key, 'held') end
+end
+
+-- A task ended: its tenant and enclosing levels (its record's levels: names, space-separated)
+-- get `tokens` back and no longer hold its reservation.
 local function task_credit(prefix, task, now, tokens)
   local task_day = tonumber(task.quota_day)
-  level_credit(bucket_key(prefix, task.tenant), now, tokens, task_day)
+  local cost = tonumber(task.cost) or 0
+  local keys = {bucket_key(prefix, task.tenant)}
   if task.levels then
     for name in string.gmatch(task.levels, '%S+') do
-      level_credit(quota_key(prefix, name), now, tokens, task_day)
+      table.insert(keys, quota_key(prefix, name))
     end
+  end
+  for _, key in ipairs(keys) do
+    level_credit(key, now, tokens, task_day)
+    level_unhold(key, cost)
   end
 end

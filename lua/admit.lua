@@ -83,11 +83,16 @@
 --   {'rejected', reason, retry_after_ms, depth, zone}
 --        reason: exceeds_burst (retry_after_ms -1: never fits), quota (ms until the binding
 --                level can pay: its refill time, or the start of its next day or month;
---                -1: a bucket that never refills), tenant_queued_tokens (the tenant's queued
---                tokens and this request's are above its cap: ms until the excess drains from
---                its queue at its own drain rate, drain_wait_ms() in _tenant.lua; -1 unknown)
+--                -1: a bucket that never refills and whose live tasks hold too little to
+--                make up the difference; 0: one that never refills but could pay once its live
+--                tasks give back their unused tokens, kind 'held'), tenant_queued_tokens (the
+--                tenant's queued tokens and this request's are above its cap: ms until the
+--                excess drains from its queue at its own drain rate, drain_wait_ms() in
+--                _tenant.lua; -1 unknown)
+--   {'rejected', 'tenant_queued_tokens', retry_after_ms, depth, zone, queued}   queued: the
+--        tokens of the tenant's requests queued in the pool now (without this one)
 --   {'rejected', 'quota', retry_after_ms, depth, zone, scope, kind}   scope: 'key' or
---        'team:<name>', the binding level; kind: 'bucket', 'daily' or 'monthly'
+--        'team:<name>', the binding level; kind: 'bucket', 'daily', 'monthly' or 'held'
 --   {'rejected', reason, 0, depth, zone, drain, red_clear_s, state_age_ms}
 --        reason: zone_red, no_node (the pool is RED because none of its nodes is usable:
 --        the leader published pool_usage ''), queue_full, tenant_queue_full; the caller
@@ -200,10 +205,11 @@ if node == nil then
     return capacity_rejected('tenant_queue_full')
   end
   if queued_cap > 0 then
-    local excess = (tonumber(redis.call('HGET', tkey, 'queued_tokens') or '0') or 0) + cost
-      - queued_cap
+    local queued = tonumber(redis.call('HGET', tkey, 'queued_tokens') or '0') or 0
+    local excess = queued + cost - queued_cap
     if excess > 0 then
-      return {'rejected', 'tenant_queued_tokens', drain_wait_ms(tkey, now, excess), ahead, zone}
+      return {'rejected', 'tenant_queued_tokens', drain_wait_ms(tkey, now, excess), ahead, zone,
+        queued}
     end
   end
 end

@@ -158,6 +158,15 @@ class Model:
             self.guest_paced_until[node] = start + prompt * 1_000_000 // self.guest_rate
 
     # --- bucket helpers --------------------------------------------------------------------
+    def held(self) -> dict[str, int]:
+        """Level key (tenant, or 'team:<name>') -> tokens reserved there by live tasks."""
+        out: dict[str, int] = {}
+        for t in self.tasks.values():
+            if t.state in (TaskState.QUEUED, TaskState.RELEASED):
+                for key in (t.tenant, *t.levels):
+                    out[key] = out.get(key, 0) + t.cost
+        return out
+
     def credit(self, task: ModelTask, tokens: int) -> None:
         for key in (task.tenant, *task.levels):
             quotamodel.credit(self.buckets, key, self.now, tokens, task.quota_day)
@@ -216,9 +225,12 @@ class Model:
         if self.zone == "RED" and tier > 0:
             return ("rejected", "zone_red", drain_hint(), ahead)
         levels = quotamodel.levels_of(tenant, rate, burst, daily, monthly, enclosing)
-        binding, wait, kind, current = quotamodel.binding(self.buckets, levels, self.now, cost)
+        binding, wait, kind, current = quotamodel.binding(self.buckets, levels, self.now, cost,
+                                                          self.held())
         if binding is not None:
             self.last_scope = ("key" if binding.key == tenant else binding.key, kind)
+            if kind == "held":  # no one knows when the live tasks end: the floor
+                wait = self.default_retry_ms
             return ("rejected", "quota", wait, ahead)
         fresh = self.stale_after_ms == 0 or (
             self.state_updated_us is not None

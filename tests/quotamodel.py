@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from admission.store import QuotaLevel
@@ -66,10 +66,12 @@ def levels_of(tenant: str, rate: int, burst: int, daily: int, monthly: int,
         for lvl in enclosing]
 
 
-def short(buckets: dict[str, Bucket], lvl: Level, now: int, cost: int
+def short(buckets: dict[str, Bucket], lvl: Level, now: int, cost: int, held: int = 0
           ) -> tuple[int | None, str | None, int]:
     """(ms until it can pay or -1 never, what ran out, its level in micro-tokens) of one
-    level; (None, None, level) when it can pay now."""
+    level; (None, None, level) when it can pay now. `held`: the tokens the level's live tasks
+    reserved there; a bucket that never refills but would pay with them back is short by
+    0 ms, 'held' (the wait is theirs, unknown)."""
     bucket = buckets.get(lvl.key)
     level = lvl.burst * MICRO if bucket is None else min(
         bucket.level + lvl.rate * max(0, now - bucket.updated_us), lvl.burst * MICRO)
@@ -80,6 +82,8 @@ def short(buckets: dict[str, Bucket], lvl: Level, now: int, cost: int
         wait, kind = -1, "bucket"
         if lvl.rate > 0:
             wait = math.ceil((need - level) / lvl.rate / 1000)
+        elif level + held * MICRO >= need:
+            wait, kind = 0, "held"
     day = now // DAY_US
     if lvl.daily > 0:
         used = bucket.day_used if bucket is not None and bucket.day == day else 0
@@ -97,15 +101,17 @@ def short(buckets: dict[str, Bucket], lvl: Level, now: int, cost: int
     return wait, kind, level
 
 
-def binding(buckets: dict[str, Bucket], levels: Sequence[Level], now: int, cost: int
+def binding(buckets: dict[str, Bucket], levels: Sequence[Level], now: int, cost: int,
+            held: Mapping[str, int] | None = None
             ) -> tuple[Level | None, int, str, list[int]]:
     """The level that can pay last (innermost among equals; never first of all), its wait
-    and kind, and every level's current level."""
+    and kind, and every level's current level. `held`: level key -> tokens reserved there by
+    its live tasks."""
     found: Level | None = None
     found_wait, found_kind = 0, ""
     current = []
     for lvl in levels:
-        wait, kind, level = short(buckets, lvl, now, cost)
+        wait, kind, level = short(buckets, lvl, now, cost, (held or {}).get(lvl.key, 0))
         current.append(level)
         if wait is not None and (found is None or (
                 found_wait >= 0 and (wait < 0 or wait > found_wait))):

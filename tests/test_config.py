@@ -89,7 +89,7 @@ def test_duplicate_keys_across_tenants_are_refused() -> None:
         {"name": "a", "tier": "vip", "key_sha256": [KEY_HASH]},
         {"name": "b", "tier": "batch", "key_sha256": [KEY_HASH]},
     ]
-    with pytest.raises(ConfigError, match="same key_sha256"):
+    with pytest.raises(ConfigError, match="also listed for tenant 'a'"):
         parse_config(minimal(tenants=tenants), env={})
 
 

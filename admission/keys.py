@@ -2,7 +2,7 @@
 
 Only admission/ uses this schema: the gateway and the scheduler reach the keys through
 `admission.store.PoolStore` (script calls and named reads), `admission.pubsub` and
-`admission.store.leadership`, and name none themselves (tests/test_layering.py).
+`admission.leadership`, and name none themselves (tests/test_layering.py).
 
 All keys of one model pool share the hash tag ``{pool}`` so that each script touches one slot
 and the code runs unchanged on Redis Cluster; the scheduler's leadership keys share ``{sched}``.

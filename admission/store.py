@@ -16,7 +16,7 @@ from typing import Any
 from admission import reads
 from admission.errors import FencedError, ScriptReplyError
 from admission.hints import QueueView, parse_rate, retry_hint_ms, tenant_drain_hint_ms
-from admission.keys import PoolKeys, SchedulerKeys, abandoned_lease, check_name
+from admission.keys import PoolKeys, abandoned_lease, check_name
 from admission.scripts import Scripts
 from admission.tiers import Tier, Zone
 
@@ -212,14 +212,6 @@ class ReapResult:
     expired: int
     returned_tokens: int
     more: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Leadership:
-    leading: bool
-    epoch: int
-    holder: str | None
-    lease_left_ms: int
 
 
 def _text(value: Any) -> str:
@@ -474,17 +466,6 @@ def parse_wake(data: bytes | str) -> tuple[str, str | None]:
     text = data.decode() if isinstance(data, bytes) else data
     task_id, _, node = text.partition(" ")
     return task_id, node.strip() or None
-
-
-async def leadership(
-    client: Any, scripts: Scripts, me: str, ttl_ms: int, *, resign: bool = False
-) -> Leadership:
-    keys = SchedulerKeys()
-    reply = await scripts.leader(
-        keys=[keys.leader, keys.epoch], args=[me, ttl_ms, "resign" if resign else "acquire"]
-    )
-    holder = _text(reply[2])
-    return Leadership(bool(int(reply[0])), int(reply[1]), holder or None, int(reply[3]))
 
 
 def _view(zone: Zone, ahead: int, facts: Sequence[Any]) -> QueueView:

@@ -23,9 +23,9 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from admission.leadership import leadership
 from admission.pubsub import MESSAGE_KINDS, announce_handover, handover_subscription
 from admission.scripts import Scripts
-from admission.store import leadership
 
 SAFETY = 0.1
 """Part of the lease given up to clock drift between this host and Redis."""

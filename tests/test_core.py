@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 
 from admission.errors import FencedError
 from admission.keys import PoolKeys, SchedulerKeys
+from admission.leadership import leadership
 from admission.reads import RunningMember, running_member
 from admission.scripts import load_scripts, register_scripts, script_source
 from admission.store import (
@@ -25,7 +26,6 @@ from admission.store import (
     RejectReason,
     TaskState,
     TenantQuota,
-    leadership,
 )
 from admission.tiers import Tier, Zone
 from tests.conftest import PoolRedis

@@ -9,6 +9,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 from admission.keys import PoolKeys, SchedulerKeys
+from admission.leadership import leadership
 from admission.scripts import register_scripts
 from admission.store import (
     AdmitOutcome,
@@ -16,7 +17,6 @@ from admission.store import (
     PoolStore,
     ReleasedTask,
     TenantQuota,
-    leadership,
 )
 from admission.tiers import Tier, Zone
 

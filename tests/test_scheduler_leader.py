@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 
 from admission.errors import FencedError
 from admission.keys import SchedulerKeys
+from admission.leadership import leadership
 from admission.scripts import register_scripts
-from admission.store import leadership
 from admission.tiers import Tier, Zone
 from bench.common.localredis import LocalRedis
 from scheduler.leader import FAILURE_LOG_EVERY_S, SAFETY, Elector

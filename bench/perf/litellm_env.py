@@ -1,6 +1,6 @@
 """A LiteLLM proxy for the performance suite's comparison, in a virtualenv of its own.
 
-    python -m bench.perf.litellm_env [--install-only]
+    python -m bench.perf.litellm_env [--version V] [--verbose]    # install (or check) only
 
 LiteLLM pins versions of aiohttp, pydantic, openai and others that conflict with the project's,
 so it lives in `<repo>/.bench-venvs/litellm`, made with the base interpreter (never the

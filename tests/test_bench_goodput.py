@@ -95,6 +95,27 @@ def test_tokens_counted_between_two_scrapes_never_exceed_the_bound(
         assert 0 <= check(value.of(done), bound) <= 1
 
 
+@settings(max_examples=60, deadline=None)
+@given(arrivals, st.randoms(use_true_random=False))
+def test_windows_opening_as_a_step_ends_never_exceed_the_bound(
+        reqs: list[Arrival], rng: random.Random) -> None:
+    # Random windows rarely open just before a step ends, where the window counts a whole
+    # step (and a prompt whose earlier chunks ran before it) in almost no node time: the
+    # bound's edges are for exactly these windows, so they are the ones to try.
+    trace = _replay(reqs, 40)
+    for _ in range(40):
+        i = rng.randrange(1, len(trace)) if len(trace) > 1 else 0
+        j = min(len(trace) - 1, i + rng.choice((0, 1, 2, 5, 20, 100)))
+        t0, t1 = trace[i][0] - 1e-9, trace[j][0]
+        (_, p0, g0), (_, p1, g1) = trace[max(0, i - 1)], trace[j]
+        offers = [Offer(a.prompt, a.output) for a in reqs if a.at < t1]
+        done = Work(p1 - p0, g1 - g0)
+        for value in (TOKENS, work_value([CONFIG])):
+            bound = upper_bound([CONFIG], [max(0.0, t1 - t0)], offers, Work(p0, g0), value)
+            assert value.of(done) <= bound.capacity * (1 + 1e-9), (i, j, bound)
+            assert value.of(done) <= bound.offered * (1 + 1e-9), (i, j, bound)
+
+
 def test_a_busy_engine_comes_within_reach_of_the_capacity_ceiling() -> None:
     # Long prompts, short answers, far more than the engine can do: the capacity term binds
     # and the engine, prefilling nearly all the time, reaches a large share of it (the bound

@@ -223,3 +223,15 @@ def test_the_tally_counts_each_arm_with_the_fallback_and_the_six_others() -> Non
     # (a): misses the VIP bar out of reach; passes the bar in reach, with the six others; leads
     # out of reach on 3 (c's run is invalid there) but fails another criterion.
     assert counts["a"].judged == 3 and counts["a"].goodput == 2 and counts["a"].all_seven == 1
+
+
+def test_no_figure_is_a_pass_and_no_ideal_figure_opens_the_fallback() -> None:
+    """An arm whose goodput was not measured leads no one, even with no rival keeping the VIP
+    bar; an ideal whose figure is missing shows no shortfall, so the bar stands."""
+    nan = float("nan")
+    alone = frontier(_ideal(1, 0.86), _matrix(1, _arm("a", 0.88, False),
+                                              _arm("c", nan, True)))
+    assert not alone.reachable and alone.passed is False
+    unknown = frontier(_ideal(1, nan), _matrix(1, _arm("c", 0.84, True)))
+    assert unknown.reachable and unknown.passed is False
+    assert frontier(_ideal(1, nan), _matrix(1, _arm("c", 0.91, False))).passed

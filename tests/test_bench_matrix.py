@@ -22,15 +22,17 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from admission.tiers import Tier
-from bench.burst.criteria import CRITERIA, EXTRA, LABELS, judge_all
-from bench.burst.expconfig import ARM_TITLES, PRESETS, default_max_tokens
+from bench.burst.arm import ArmResult, client_settings
+from bench.burst.criteria import CRITERIA, EXTRA, LABELS, REFERENCED, judge_all
+from bench.burst.expconfig import ARM_TITLES, PRESETS, Settings, default_max_tokens, kvgate_toml
 from bench.burst.experiment import fallback_section
 from bench.burst.ideal import main as ideal_main
-from bench.burst.loadgen import ClientSettings, LoadGenerator
+from bench.burst.loadgen import OK, ClientSettings, LoadGenerator, Outcome
 from bench.burst.matrix import (
     RESULTS,
     SCALES,
     Cell,
+    aggregate,
     build_parser,
     cells,
     is_done,
@@ -38,9 +40,11 @@ from bench.burst.matrix import (
     parse_seeds,
     render,
 )
+from bench.burst.matrixplot import load_records
 from bench.burst.mixes import MIXES, REALISTIC, with_mix
+from bench.burst.monitor import NodeSample, Sample
 from bench.burst.points import Point
-from bench.burst.report import ArmSummary
+from bench.burst.report import ArmSummary, summarize
 from bench.burst.workload import EXACT_MAX_TOKENS, PlannedRequest, Schedule, plan, prompt_text
 
 
@@ -107,6 +111,21 @@ def test_nothing_in_a_cell_but_the_schedule_depends_on_the_seed() -> None:
             b = Cell(scale, mix, 4, 987_654).settings()
             assert a.seed != b.seed
             assert dataclasses.replace(a, seed=0) == dataclasses.replace(b, seed=0)
+            # What the arms are built from, not only the settings: the matrix runs each cell
+            # at Point() (the defaults), and arm (c)'s configuration, the clients' and the
+            # engines' are the same whatever the seed...
+            assert Point().apply(a) == a
+            assert kvgate_toml(a, "redis://r", ["http://n"], 9, 5.0) == kvgate_toml(
+                b, "redis://r", ["http://n"], 9, 5.0)
+            assert client_settings(a) == client_settings(b)
+            assert [dataclasses.replace(a.sim_config(i), seed=0) for i in range(a.nodes)] == [
+                dataclasses.replace(b.sim_config(i), seed=0) for i in range(b.nodes)]
+            # ...and the engines' own seed draws nothing: an output length is drawn only when
+            # no output is forced and output_fraction < 1, and the load generator forces every
+            # one (X-Sim-Output-Tokens).
+            assert a.sim_config(0).output_fraction == 1.0
+            assert plan(a.profile, a.classes, a.scale, a.seed) != plan(
+                b.profile, b.classes, b.scale, b.seed)
             # kvgate's shipped defaults: no dedicated node, no guests, no zone overrides.
             assert (a.vip_nodes, a.guest_prompt, a.kv_target, a.yellow, a.batch_ceiling,
                     a.vip_ceiling, a.projection, a.max_engine_waiting,
@@ -291,3 +310,66 @@ def test_one_run_judges_goodput_with_the_fallback_against_its_own_ideal() -> Non
     assert "an arm did 9.0% of the bound more" in widened
     assert "within its reach" in widened
     assert section(runs, None) == ""
+
+
+def test_an_invalid_arm_a_is_no_reference_for_the_others() -> None:
+    """Arm (a)'s calm is the reference for "slower"; a run of (a) left out for lag cannot be
+    what another arm passes against, so the verdicts judged against it read n/a."""
+    def verdicts(a_invalid: bool) -> dict[str, bool | None]:
+        a = _summary("a", 100.0, 300.0)
+        if a_invalid:
+            a.invalid.append("simulator loop lag above 25 ms 6.1% of the time")
+        judged = judge_all([a, _summary("c", 90.0, 115.0)], 96.0, 2.0)[1]
+        return {v.key: v.ok for v in judged if v.key in REFERENCED}
+
+    assert verdicts(False) == {"vip_p99": False, "calm": True, "vip_engine": True}
+    assert verdicts(True) == {"vip_p99": None, "calm": None, "vip_engine": None}
+
+
+def test_records_judged_against_an_invalid_arm_a_are_read_without_those_verdicts(
+        tmp_path: Path) -> None:
+    """Cells recorded before the rule hold (c)'s VIP verdict judged against an invalid (a):
+    the tables read it as n/a, never as a pass in the aggregate."""
+    source = RESULTS / "vip-hold" / "reduced" / "cells" / "reduced-chat-n2-s1.json"
+    record = json.loads(source.read_text())
+    a, c = (next(x for x in record["arms"] if x["arm"] == arm) for arm in ("a", "c"))
+    assert not a["valid"] and c["valid"]
+    assert next(v for v in c["verdicts"] if v["key"] == "vip_p99")["ok"] is True
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "cells" / source.name).write_text(source.read_text())
+    [loaded] = load_records(tmp_path, "reduced")
+    for arm in loaded["arms"]:
+        for v in arm["verdicts"]:
+            if v["key"] in REFERENCED:
+                assert v["ok"] is None and v["value"] == "n/a: (a) invalid"
+    row = next(line for line in aggregate([loaded]) if line.startswith("| VIP P99 burst"))
+    assert row.endswith("| n/a | n/a |")
+    # A cell whose arm (a) is valid is read as recorded.
+    [valid] = (RESULTS / "cells").glob("reduced-chat-n2-s3.json")
+    (tmp_path / "cells" / source.name).unlink()
+    (tmp_path / "cells" / valid.name).write_text(valid.read_text())
+    assert load_records(tmp_path, "reduced") == [json.loads(valid.read_text())]
+
+
+def test_the_simulators_lag_is_judged_up_to_the_loads_end_not_while_the_arm_cancels() -> None:
+    """The arm cancels what is left once the load ends (thousands of aborts at once) and
+    samples the nodes once more: that lag is not the measured load's, and must not void it."""
+    settings: Settings = PRESETS["smoke"]
+    b0, _ = settings.profile.window("burst")
+    outcomes = [Outcome(PlannedRequest(i, "vip-chat", Tier.VIP, b0 + 0.1 * i, 50, 7, True),
+                        status=OK, ttft=0.01, finished=True, done_at=b0 + 0.1 * i + 1,
+                        sent_at=b0 + 0.1 * i) for i in range(50)]
+    stopped_at = 20.0
+    during = [Sample(0.25 * i, [NodeSample(kv_peak=0.5, loop_lag=0.002)])
+              for i in range(int(stopped_at / 0.25) + 1)]
+    after = [Sample(stopped_at + 0.25 * i, [NodeSample(kv_peak=0.5, loop_lag=0.2)])
+             for i in range(1, 6)]
+    result = ArmResult(arm="a", settings=settings, outcomes=outcomes, samples=during + after,
+                       admitted=[], rejected=[], crashed_nodes=0, max_loop_lag_s=0.2,
+                       send_lag_max_s=0.0, stopped_at=stopped_at, client_lag=[0.001] * 20)
+    summary = summarize(result, None)
+    assert not summary.invalid, summary.invalid
+    assert summary.lag_ms[0] == 0.0 and summary.lag_ms[1] == pytest.approx(2.0)
+    # The same lag while the load ran voids the run.
+    result.samples = during[:-6] + [Sample(s.t, after[0].nodes) for s in during[-6:]]
+    assert "simulator loop lag" in summarize(result, None).invalid[0]

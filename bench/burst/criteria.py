@@ -3,8 +3,8 @@
 The VIP latency criterion compares each arm's VIP P99 TTFT during the burst with arm (a)'s
 VIP P99 at calm: the system without any gateway, on the same draw, is the reference for
 "slower" (an arm's own calm would hide a VIP that is slower at all times). Each arm's ratio to
-its own calm is reported beside it. Without arm (a) in the run, the reference is missing and
-the criterion reads n/a (not a pass).
+its own calm is reported beside it. Without arm (a) in the run, or with arm (a) invalid (left
+out for lag or for stalls), the reference is missing and the criterion reads n/a (not a pass).
 
 Goodput is judged as work done (bench.burst.goodput: each token at the least node time its
 kind costs); the same counters with every token counting one are shown, not judged.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from admission.tiers import Tier
 from bench.burst.expconfig import ARM_TITLES
@@ -80,16 +81,35 @@ def _x(r: float) -> str:
 
 
 def reference(summaries: Sequence[ArmSummary]) -> tuple[float, float] | None:
-    """Arm (a)'s calm VIP P50 and P99 (ms), or None without arm (a)."""
+    """Arm (a)'s calm VIP P50 and P99 (ms), or None without a valid arm (a): a figure from a
+    run left out for lag cannot be what another arm passes against."""
     for s in summaries:
         if s.arm == "a":
-            return s.vip_ttft_base
+            return None if s.invalid else s.vip_ttft_base
     return None
 
 
 def engine_reference(summaries: Sequence[ArmSummary]) -> float:
-    """Arm (a)'s calm VIP P99 in the engine (ms); nan without arm (a) or its traces."""
-    return next((s.vip_engine_base[1] for s in summaries if s.arm == "a"), math.nan)
+    """Arm (a)'s calm VIP P99 in the engine (ms); nan without a valid arm (a) or its traces."""
+    return next((s.vip_engine_base[1] for s in summaries if s.arm == "a" and not s.invalid),
+                math.nan)
+
+
+REFERENCED = ("vip_p99", "calm", "vip_engine")
+"""The verdicts judged against arm (a)'s calm figures."""
+
+
+def void_invalid_reference(record: dict[str, Any]) -> dict[str, Any]:
+    """A matrix cell record (bench.burst.matrix.cell_record) with the verdicts judged against
+    an invalid arm (a) read n/a, as ``judge_all`` judges them: a record may hold marks judged
+    against such an arm, and the tables are written from the records."""
+    if all(a["valid"] for a in record["arms"] if a["arm"] == "a"):
+        return record
+    for arm in record["arms"]:
+        arm["verdicts"] = [
+            {**v, "value": "n/a: (a) invalid", "ok": None} if v["key"] in REFERENCED else v
+            for v in arm["verdicts"]]
+    return record
 
 
 def judge(s: ArmSummary, ref: tuple[float, float] | None, burst_sim_s: float,
@@ -144,12 +164,13 @@ def passed(verdicts: Sequence[Verdict]) -> int:
 def judge_all(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor: float
               ) -> list[list[Verdict]]:
     """Every arm's verdicts. An arm whose VIP verdict turns on its load generator's own
-    stalls (see ``stall_dependence``) is marked invalid here, once."""
-    ref, engine_ref = reference(summaries), engine_reference(summaries)
-    for s in summaries:
+    stalls (see ``stall_dependence``) is marked invalid here, once; the reference is taken
+    after that, so an arm (a) marked so is no reference either."""
+    for s in sorted(summaries, key=lambda s: s.arm != "a"):
         reason = stall_dependence(s, summaries)
         if reason is not None and reason not in s.invalid:
             s.invalid.append(reason)
+    ref, engine_ref = reference(summaries), engine_reference(summaries)
     return [judge(s, ref, burst_sim_s, drain_factor, engine_ref) for s in summaries]
 
 

@@ -81,14 +81,17 @@ def frontier(ideal: dict[str, Any], matrix: dict[str, Any] | None, arm: str = "c
              margin: float = 0.0) -> Frontier:
     """``arm``'s goodput criterion in one cell, counting the bar out of reach where the ideal
     below the KV bar, plus ``margin``, falls short of it."""
-    reachable = float(ideal["points"]["under_bar"]["goodput_ratio"]) + margin >= GOODPUT_BAR
+    reach = float(ideal["points"]["under_bar"]["goodput_ratio"])
+    # Only a measured shortfall opens the fallback: without the ideal's figure the bar stands.
+    reachable = math.isnan(reach) or reach + margin >= GOODPUT_BAR
     mine = arm_of(matrix, arm)
     if mine is None or not mine["valid"] or matrix is None:
         return Frontier(reachable, None)
     goodput = number(mine, "goodput")
     if reachable:
         return Frontier(True, goodput >= GOODPUT_BAR)
-    if not ok(mine, "vip_p99"):
+    # An arm with no goodput figure is ahead of no one (all() over no rivals would pass it).
+    if math.isnan(goodput) or not ok(mine, "vip_p99"):
         return Frontier(False, False)
     rivals = [number(a, "goodput") for a in matrix["arms"]
               if a["arm"] != arm and a["valid"] and ok(a, "vip_p99")]

@@ -201,8 +201,7 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
     # shared machine does not void a long run while lag that lasts (an overloaded simulator)
     # does. The nodes' lag gauge is a maximum over the last second or two, so one spike shows
     # in several consecutive samples.
-    loop_lags = [max((n.loop_lag for n in smp.nodes if n.up), default=0.0) * 1000
-                 for smp in samples]
+    loop_lags = sim_loop_lags(samples, result.stopped_at)
     send_lags = [(o.sent_at - o.req.at) * 1000 for o in outcomes if o.sent_at is not None]
     lag = (_share_above(loop_lags, s.max_loop_lag_ms), max(loop_lags, default=math.nan),
            _share_above(send_lags, s.max_send_lag_ms), max(send_lags, default=math.nan))
@@ -273,6 +272,14 @@ def window_bounds(settings: Settings, outcomes: Sequence[Outcome], first: Sample
     worth = work_value(configs)
     return (worth, upper_bound(configs, spans, offers, before, worth),
             upper_bound(configs, spans, offers, before, TOKENS))
+
+
+def sim_loop_lags(samples: Sequence[Sample], stopped_at: float) -> list[float]:
+    """The simulators' worst loop lag (wall ms) in each sample taken up to the load's end:
+    after it the arm cancels what is left, thousands of requests at once, and that burst of
+    aborts is not the load the run measured (the final sample, taken after it, included)."""
+    return [max((n.loop_lag for n in smp.nodes if n.up), default=0.0) * 1000
+            for smp in samples if smp.t <= stopped_at]
 
 
 MAX_LAGGING_SHARE = 0.05

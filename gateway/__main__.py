@@ -34,7 +34,7 @@ from admission.cli import (
 from admission.config import ConfigError, load_config, startup_warnings
 from gateway.app import create_app
 from gateway.shutdown import CANCEL_GRACE_S, SETTLE_MARGIN_S, stop_serving
-from gateway.state import GATEWAY_ID, IN_FLIGHT
+from gateway.state import GATEWAY, GATEWAY_ID, IN_FLIGHT
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -86,7 +86,13 @@ async def serve(app: web.Application, host: str, sockets: list[socket.socket], *
               flush=True)
         await stop.wait()
     finally:
-        await stop_serving(runner, app[IN_FLIGHT], shutdown_timeout)
+        await stop_serving(runner, app[IN_FLIGHT], shutdown_timeout, lambda: _answer_queued(app))
+
+
+def _answer_queued(app: web.Application) -> int:
+    """The queued requests' 503 at shutdown (none when the gateway never finished starting)."""
+    gateway = app.get(GATEWAY)
+    return 0 if gateway is None else gateway.admitter.answer_queued()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -110,6 +110,12 @@ class Ticket:
     queued_s: float = 0.0
 
 
+SHUTTING_DOWN = "shutting_down"
+"""The state a queued request's wait ends with when its gateway stops (`answer_queued`)."""
+SHUTDOWN_RETRY_MS = 1000
+"""Retry hint of that 503: the other gateways are up, the request only needs a new one."""
+
+
 class Admitter:
     def __init__(
         self,
@@ -129,6 +135,17 @@ class Admitter:
         self.jitter = config.gateway.retry_jitter
         # Each tenant's limits with its enclosing quota levels, built once (not per request).
         self.quotas = {t.name: config.quota_of(t) for t in config.tenants}
+        self._queued: dict[str, asyncio.Future[Woken]] = {}
+        """The requests waiting in a queue now: what `answer_queued` ends at shutdown."""
+
+    def answer_queued(self) -> int:
+        """At shutdown, end every request still queued here with a 503 the client can retry on
+        another gateway (their tasks leave the queue), rather than cut its connection without
+        an answer. Returns how many."""
+        pending = [f for f in self._queued.values() if not f.done()]
+        for future in pending:
+            future.set_result(Woken(None, SHUTTING_DOWN, False))
+        return len(pending)
 
     def _hint(self, retry_ms: int) -> int:
         return jittered(retry_ms, self.jitter, self.rng)
@@ -323,6 +340,7 @@ class Admitter:
         started = loop.time()
         queued = self.metrics.child(self.metrics.queued, pool.name)
         queued.inc()
+        self._queued[task_id] = woken
         try:
             outcome = await wait_for_release(woken, timeout_s=deadline - started)
         except BaseException:
@@ -331,6 +349,7 @@ class Admitter:
             raise
         finally:
             queued.dec()
+            del self._queued[task_id]
         waited = loop.time() - started
         # The deadline is the client's: the cancel and the hint below get a short grace, then
         # the answer goes out whatever Redis does (a hanging Redis would hold it for a socket
@@ -339,13 +358,20 @@ class Admitter:
         if outcome is not None and outcome.node is not None:
             self.metrics.child(self.metrics.queue_wait, pool.name, tier.label).observe(waited)
             return self._ticket(task_id, pool, outcome.node, tier, labels, waited)
-        if outcome is None:
-            # Our deadline came first: take the task out of the queue ourselves (before the
-            # hint is read, so that the depth reported no longer counts it).
+        if outcome is None or outcome.state == SHUTTING_DOWN:
+            # Our deadline (or this gateway's end) came first: take the task out of the queue
+            # ourselves (before the hint is read, so that the depth reported no longer counts
+            # it).
             leaving = self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
             await asyncio.wait((leaving,), timeout=answer_at - loop.time())
         else:
             self.settler.live.discard(task_id)  # already ended in Redis
+        if outcome is not None and outcome.state == SHUTTING_DOWN:
+            raise unavailable(
+                "This gateway is shutting down and had not scheduled the request yet. Please "
+                "retry: another gateway takes it.",
+                code="gateway_shutting_down", retry_ms=self._hint(SHUTDOWN_RETRY_MS),
+            )
         if outcome is not None and outcome.state != "expired":
             # Reaped (this gateway's lease lapsed) or ended by someone else.
             raise unavailable(

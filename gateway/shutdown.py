@@ -5,14 +5,17 @@ On SIGTERM the gateway
 1. stops accepting: its listening sockets close, idle keep-alive connections close, and a
    connection with a request in flight closes once that request is answered;
 2. waits for the requests in flight, up to the timeout;
-3. cancels those still running (streams longer than the timeout). The client's stream ends
+3. answers the requests still queued (never scheduled) with 503 ``gateway_shutting_down`` and
+   a retry hint, their tasks leaving the queue: the client retries on another gateway instead
+   of seeing its connection cut; they get `QUEUED_ANSWER_S` to go out;
+4. cancels those still running (streams longer than the timeout). The client's stream ends
    there, without ``[DONE]``: a truncated answer, which the client can tell from a whole one.
    The node's generation is aborted, and the task's finish charges what was generated and
    returns the rest of the reservation;
-4. settles what is left and closes (the app's cleanup): finishes still failing against Redis
+5. settles what is left and closes (the app's cleanup): finishes still failing against Redis
    get `SETTLE_DRAIN_S`, then are left to the lease reaper;
 
-and exits. Steps 3 and 4 fit in `SETTLE_MARGIN_S`, enforced as a deadline, so the process is
+and exits. Steps 3 to 5 fit in `SETTLE_MARGIN_S`, enforced as a deadline, so the process is
 gone ``timeout + SETTLE_MARGIN_S`` seconds after the signal at the latest; with Redis healthy the
 settles take milliseconds and it exits right after the timeout (or as soon as the last request
 ends). A Kubernetes pod's ``terminationGracePeriodSeconds`` must cover the preStop sleep, the
@@ -41,14 +44,17 @@ settles drain, background tasks stop, connections close. Size the pod's grace pe
 CANCEL_GRACE_S = 1.0
 """How long cancelled requests get to run their cleanup (abort the node's generation, start the
 task's finish). Longer would only mean one of them ignores cancellation."""
-SETTLE_DRAIN_S = 2.5
+QUEUED_ANSWER_S = 0.5
+"""How long the 503s of the requests still queued at the timeout get to go out (a cancel and a
+short answer each) before whatever still runs is cancelled."""
+SETTLE_DRAIN_S = 2.0
 """How long finishes still failing against Redis are retried at shutdown before being left to
 the lease reaper (the lease expires and the scheduler returns the reservations)."""
 BACKGROUND_STOP_S = 1.0
 """How long the wake listener, its fallback poll and the lease renewer get to stop."""
 EXIT_RESERVE_S = 0.5
 """Part of the margin kept for the event loop's teardown and the interpreter's exit, after
-`stop_serving` returns. The parts add up: 1 + 2.5 + 1 + 0.5 = `SETTLE_MARGIN_S`."""
+`stop_serving` returns. The parts add up: 0.5 + 1 + 2 + 1 + 0.5 = `SETTLE_MARGIN_S`."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -91,9 +97,11 @@ class InFlight:
         return sum(not t.done() for t in tasks)
 
 
-async def stop_serving(runner: web.AppRunner, requests: InFlight, timeout_s: float) -> None:
-    """Steps 1 to 4 of the module's docstring; returns within `timeout_s` + `SETTLE_MARGIN_S`
-    - `EXIT_RESERVE_S` of being called."""
+async def stop_serving(runner: web.AppRunner, requests: InFlight, timeout_s: float,
+                       answer_queued: Callable[[], int] | None = None) -> None:
+    """Steps 1 to 5 of the module's docstring; returns within `timeout_s` + `SETTLE_MARGIN_S`
+    - `EXIT_RESERVE_S` of being called. `answer_queued` ends the queued requests (step 3) and
+    says how many."""
     loop = asyncio.get_running_loop()
     began = loop.time()
     for site in list(runner.sites):
@@ -105,6 +113,12 @@ async def stop_serving(runner: web.AppRunner, requests: InFlight, timeout_s: flo
         close_idle()
     running = len(requests)
     left = await requests.wait(timeout_s)
+    if left and answer_queued is not None:
+        queued = answer_queued()
+        if queued:
+            log.warning("shutdown: %d queued requests answered 503 after %.1f s", queued,
+                        timeout_s)
+            left = await requests.wait(QUEUED_ANSWER_S)
     if left:
         log.warning("shutdown: %d of %d requests still running after %.1f s: cancelling them",
                     left, running, timeout_s)

@@ -21,13 +21,14 @@ import redis.asyncio as aioredis
 from admission.config import load_config
 from admission.scripts import register_scripts
 from admission.store import PoolStore
-from admission.tiers import Zone
+from admission.tiers import Tier, Zone
 from bench.common.instant_backend import InstantBackend
 from bench.common.localredis import LocalRedis
 from gateway.shutdown import (
     BACKGROUND_STOP_S,
     CANCEL_GRACE_S,
     EXIT_RESERVE_S,
+    QUEUED_ANSWER_S,
     SETTLE_DRAIN_S,
     SETTLE_MARGIN_S,
 )
@@ -197,5 +198,48 @@ async def test_with_redis_down_the_settle_margin_still_bounds_the_exit(
 def test_the_margin_covers_its_parts() -> None:
     """Each step after the timeout has its own bound; the deadline over them is the margin,
     so a step that takes its whole bound is never the one cut short."""
-    assert CANCEL_GRACE_S + SETTLE_DRAIN_S + BACKGROUND_STOP_S + EXIT_RESERVE_S <= (
-        SETTLE_MARGIN_S)
+    assert (QUEUED_ANSWER_S + CANCEL_GRACE_S + SETTLE_DRAIN_S + BACKGROUND_STOP_S
+            + EXIT_RESERVE_S) <= SETTLE_MARGIN_S
+
+
+async def test_a_request_still_queued_at_the_timeout_gets_a_503_it_can_retry(
+    redis_url: str, redis_client: aioredis.Redis, tmp_path: Path
+) -> None:
+    """The pool has no room, so the request waits in the queue past the shutdown timeout: it is
+    answered 503 with a retry hint (another gateway can take it) and leaves the queue, instead
+    of having its connection cut."""
+    backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS)
+    async with serve_backend(backend) as backend_url:
+        config = tmp_path / "gateway.toml"
+        config.write_text(_toml(backend_url))
+        store = PoolStore(redis_client, register_scripts(redis_client), "demo",
+                          load_config(config, env={}).pool_policy("demo"))
+        await store.publish_state(EPOCH, Zone.GREEN, {"node-0": 0})
+        async with gateway_process(config, redis_url) as (process, url), \
+                aiohttp.ClientSession(headers=AUTH) as http:
+            answer = asyncio.create_task(http.post(url + "/v1/completions", json={
+                "model": "demo", "prompt": "hello", "max_tokens": 4}))
+
+            async def waiting() -> bool:
+                return bool(await redis_client.zcard(store.keys.queue(Tier.VIP)))
+
+            await eventually(waiting)
+            sent_at = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            response = await answer
+            answered_at = time.monotonic() - sent_at
+            body = await response.json()
+            code = await asyncio.wait_for(process.wait(), TIMEOUT_S + SETTLE_MARGIN_S + 5)
+            stderr = await _stderr(process)
+        assert code == 0, stderr
+        assert response.status == 503, body
+        assert body["error"]["code"] == "gateway_shutting_down"
+        assert int(response.headers["Retry-After"]) >= 1
+        assert response.headers.get("x-should-retry") != "false"
+        assert TIMEOUT_S - 0.2 <= answered_at < TIMEOUT_S + HEALTHY_EXIT_S, answered_at
+        assert "1 queued requests answered 503" in stderr
+    assert await redis_client.zcard(store.keys.queue(Tier.VIP)) == 0
+    task = await store.task(response.headers["X-Request-Id"]) if (
+        "X-Request-Id" in response.headers) else None
+    assert task is None or task["state"] == "cancelled"
+    assert await redis_client.hgetall(store.keys.tenant_queued) == {}

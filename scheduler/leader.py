@@ -26,14 +26,10 @@ from redis.exceptions import RedisError
 from admission.leadership import leadership
 from admission.pubsub import MESSAGE_KINDS, announce_handover, handover_subscription
 from admission.scripts import Scripts
+from scheduler.failurelog import FailureLog
 
 SAFETY = 0.1
 """Part of the lease given up to clock drift between this host and Redis."""
-FAILURE_LOG_EVERY_S = 30.0
-"""While leadership calls keep failing (Redis down, wrong password), the first failure is
-logged at once, then one line per this many seconds with the count, and the first success
-after them once: a retry every ttl/10 would otherwise log several lines a second for as long
-as the outage lasts."""
 
 log = logging.getLogger("kvgate.scheduler.leader")
 
@@ -52,7 +48,7 @@ class Elector:
         self.client = client
         self.on_failure = on_failure
         """Called once per leadership call that failed on a Redis error (the metric's counter:
-        the log says it once, then every FAILURE_LOG_EVERY_S)."""
+        the log says it once per streak, scheduler.failurelog)."""
         self.scripts = scripts
         self.me = me
         self.ttl_s = ttl_ms / 1000
@@ -64,12 +60,16 @@ class Elector:
         """Leadership gained or lost, for metrics."""
         self.failed_at: float | None = None
         """When a leadership call last failed on a Redis error (this replica's clock)."""
-        self.failures = 0
-        """Leadership calls failed in a row since the last one that succeeded."""
-        self._failing_since = 0.0
-        self._failure_logged_at = 0.0
+        # Redis down or a wrong password: logged once per streak, not at every ttl/10 retry.
+        self._failure_log = FailureLog("leadership call", clock, log,
+                                       recovered="leadership calls succeed again")
         self._leading_event = asyncio.Event()
         self._wake = asyncio.Event()
+
+    @property
+    def failures(self) -> int:
+        """Leadership calls failed in a row since the last one that succeeded."""
+        return self._failure_log.failures
 
     @property
     def leading(self) -> bool:
@@ -85,10 +85,7 @@ class Elector:
             self._failed(exc)
             # Keep trying often: the lease may still be ours for a while.
             return self.ttl_s / 10
-        if self.failures:
-            log.info("leadership calls succeed again after %d failed in %.1f s",
-                     self.failures, self.clock() - self._failing_since)
-            self.failures = 0
+        self._failure_log.succeeded()
         self.holder = result.holder
         if result.leading:
             if self.epoch != result.epoch:
@@ -104,16 +101,9 @@ class Elector:
         return max(0.005, min(self.ttl_s / 3, left + 0.005))
 
     def _failed(self, exc: BaseException) -> None:
-        now = self.failed_at = self.clock()
-        self.failures += 1
+        self.failed_at = self.clock()
         self.on_failure()
-        if self.failures == 1:
-            self._failing_since = self._failure_logged_at = now
-            log.warning("leadership call failed: %s", exc)
-        elif now - self._failure_logged_at >= FAILURE_LOG_EVERY_S:
-            self._failure_logged_at = now
-            log.warning("leadership call failed %d times in a row in %.0f s, the latest: %s",
-                        self.failures, now - self._failing_since, exc)
+        self._failure_log.failed(exc)
 
     def step_down(self, why: str) -> None:
         if self.epoch is not None:

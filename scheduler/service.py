@@ -5,8 +5,8 @@ its own at a fixed cadence (`poll_interval_ms`, from a monotonic clock, skipping
 rather than bunching them): a pool whose ticks are slow (hung nodes on the first poll of a
 term, its Redis shard slow) does not hold back the others' releases. A Redis error costs that
 pool that tick and is counted; an epoch refusal (`FencedError`) makes the replica step down at
-once. A failure that repeats is logged when it starts, then every `FAILURE_LOG_EVERY_S`, and
-once when it ends (`FailureLog`), per pool: never once per tick.
+once. A failure that repeats is logged once per streak (scheduler.failurelog), per pool: never once
+per tick.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from admission.connection import connect, eviction_warning, redis_address
 from admission.errors import FencedError
 from admission.scripts import Scripts, register_scripts
 from admission.store import PoolStore
-from scheduler.leader import FAILURE_LOG_EVERY_S, Elector
+from scheduler.failurelog import FailureLog
+from scheduler.leader import Elector
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import PoolScheduler, TickResult
 from scheduler.scrape import Poller
@@ -60,35 +61,6 @@ FAIR_METRICS_INTERVAL_S = 1.0
 REAP_BATCH = 1000
 REAP_CALLS = 10
 """At most this many reap calls per pool per round, so a backlog cannot stall the loop."""
-
-
-class FailureLog:
-    """One pool's repeated failures of one kind (ticks, reaps, fairness reads), logged when they
-    start, then one line per FAILURE_LOG_EVERY_S with the count, and once when they end: a pool
-    whose Redis shard is down fails every tick, 20 times a second."""
-
-    def __init__(self, what: str, clock: Callable[[], float]) -> None:
-        self.what = what
-        self.clock = clock
-        self.failures = 0
-        self._since = self._logged_at = 0.0
-
-    def failed(self, exc: BaseException) -> None:
-        now = self.clock()
-        self.failures += 1
-        if self.failures == 1:
-            self._since = self._logged_at = now
-            log.warning("%s failed: %s", self.what, exc)
-        elif now - self._logged_at >= FAILURE_LOG_EVERY_S:
-            self._logged_at = now
-            log.warning("%s failed %d times in a row in %.0f s, the latest: %s", self.what,
-                        self.failures, now - self._since, exc)
-
-    def succeeded(self) -> None:
-        if self.failures:
-            log.info("%s succeeds again after %d failed in %.1f s", self.what, self.failures,
-                     self.clock() - self._since)
-            self.failures = 0
 
 
 def default_id() -> str:
@@ -245,7 +217,7 @@ class SchedulerService:
         key = (pool, what)
         found = self._failure_logs.get(key)
         if found is None:
-            found = self._failure_logs[key] = FailureLog(f"pool {pool} {what}", self.clock)
+            found = self._failure_logs[key] = FailureLog(f"pool {pool} {what}", self.clock, log)
         return found
 
     def _redis_failed(self, pool: str, what: str, exc: BaseException) -> None:

@@ -288,9 +288,12 @@ class Upstream:
         self.rng = rng or random.Random()
         self._rejections_logged: set[tuple[str, int]] = set()
 
-    def _failed(self, ticket: Ticket, kind: str, status: int, message: str) -> ApiError:
+    def _failed(self, ticket: Ticket, kind: str, status: int, message: str, *,
+                logged: bool = True) -> ApiError:
+        """Counted each time; logged per task unless the caller logs it its own way."""
         self.metrics.child(self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
-        log.warning("task %s: node %s failed: %s", ticket.task_id, ticket.node, kind)
+        if logged:
+            log.warning("task %s: node %s failed: %s", ticket.task_id, ticket.node, kind)
         return unavailable(message, code=f"upstream_{kind}",
                            retry_ms=jittered(1000, self.jitter, self.rng), status=status)
 
@@ -299,18 +302,17 @@ class Upstream:
         key and model were valid for kvgate, so the node's status would blame the client.
         The pool's credentials (`backend_api_key_env`) or its `served_model_name` disagree
         with the node's; logged once per node and status, counted each time."""
-        self.metrics.child(self.metrics.upstream_errors, ticket.pool.name, ticket.node,
-                           "rejected").inc()
         if (ticket.node, status) not in self._rejections_logged:
             self._rejections_logged.add((ticket.node, status))
             log.error("pool %s: node %s refused the gateway's request with HTTP %d (%s): check "
                       "the pool's backend_api_key_env and served_model_name against the node's "
                       "--api-key and --served-model-name", ticket.pool.name, ticket.node, status,
                       message or "no message")
-        return unavailable(
+        return self._failed(
+            ticket, "rejected", 502,
             f"The inference node refused the gateway's request (HTTP {status}): a server-side "
             "configuration problem, not your API key or model. Please retry later.",
-            code="upstream_rejected", retry_ms=jittered(1000, self.jitter, self.rng), status=502)
+            logged=False)
 
     async def forward(
         self, request: web.Request, inbound: Inbound, ticket: Ticket, meter: Meter,

@@ -61,6 +61,18 @@ async def gateway_process(config: Path, redis_url: str) -> AsyncIterator[
             await process.wait()
 
 
+async def _pool(tmp_path: Path, backend_url: str, client: aioredis.Redis, *, room: int
+                ) -> tuple[Path, PoolStore]:
+    """The gateway's config file for `backend_url`, and its pool's store with `room` tokens
+    published on the one node (0: every request queues)."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(_toml(backend_url))
+    store = PoolStore(client, register_scripts(client), "demo",
+                      load_config(config, env={}).pool_policy("demo"))
+    await store.publish_state(EPOCH, Zone.GREEN, {"node-0": room})
+    return config, store
+
+
 async def _stderr(process: asyncio.subprocess.Process) -> str:
     assert process.stderr is not None
     return (await process.stderr.read()).decode()
@@ -100,11 +112,7 @@ async def test_sigterm_cuts_streams_at_the_timeout_settles_and_exits(
 ) -> None:
     backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS)
     async with serve_backend(backend) as backend_url:
-        config = tmp_path / "gateway.toml"
-        config.write_text(_toml(backend_url))
-        store = PoolStore(redis_client, register_scripts(redis_client), "demo",
-                          load_config(config, env={}).pool_policy("demo"))
-        await store.publish_state(EPOCH, Zone.GREEN, {"node-0": 1_000_000})
+        config, store = await _pool(tmp_path, backend_url, redis_client, room=1_000_000)
         async with gateway_process(config, redis_url) as (process, url), \
                 aiohttp.ClientSession(headers=AUTH) as http:
             long = Stream(http, url, LONG_TOKENS)
@@ -169,11 +177,7 @@ async def test_with_redis_down_the_settle_margin_still_bounds_the_exit(
     backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS)
     try:
         async with serve_backend(backend) as backend_url:
-            config = tmp_path / "gateway.toml"
-            config.write_text(_toml(backend_url))
-            store = PoolStore(client, register_scripts(client), "demo",
-                              load_config(config, env={}).pool_policy("demo"))
-            await store.publish_state(EPOCH, Zone.GREEN, {"node-0": 1_000_000})
+            config, _ = await _pool(tmp_path, backend_url, client, room=1_000_000)
             async with gateway_process(config, server.url) as (process, url), \
                     aiohttp.ClientSession(headers=AUTH) as http:
                 long = Stream(http, url, LONG_TOKENS)
@@ -210,11 +214,7 @@ async def test_a_request_still_queued_at_the_timeout_gets_a_503_it_can_retry(
     of having its connection cut."""
     backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS)
     async with serve_backend(backend) as backend_url:
-        config = tmp_path / "gateway.toml"
-        config.write_text(_toml(backend_url))
-        store = PoolStore(redis_client, register_scripts(redis_client), "demo",
-                          load_config(config, env={}).pool_policy("demo"))
-        await store.publish_state(EPOCH, Zone.GREEN, {"node-0": 0})
+        config, store = await _pool(tmp_path, backend_url, redis_client, room=0)
         async with gateway_process(config, redis_url) as (process, url), \
                 aiohttp.ClientSession(headers=AUTH) as http:
             answer = asyncio.create_task(http.post(url + "/v1/completions", json={

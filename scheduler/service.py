@@ -5,8 +5,8 @@ its own at a fixed cadence (`poll_interval_ms`, from a monotonic clock, skipping
 rather than bunching them): a pool whose ticks are slow (hung nodes on the first poll of a
 term, its Redis shard slow) does not hold back the others' releases. A Redis error costs that
 pool that tick and is counted; an epoch refusal (`FencedError`) makes the replica step down at
-once. A failure that repeats is logged once per streak (scheduler.failurelog), per pool: never once
-per tick.
+once. A failure that repeats is logged once per streak (scheduler.failurelog), per pool: never
+once per tick.
 """
 
 from __future__ import annotations

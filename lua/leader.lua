@@ -1,17 +1,23 @@
 -- leader.lua: scheduler leadership as a lease with a fencing epoch.
 --
 -- KEYS[1]  leader           STRING the holder's id, expiring after the lease TTL
--- KEYS[2]  epoch            STRING counter, raised once per new leadership; when it is missing
---                          (first start, or a Redis that lost its data) it starts from Redis
---                          TIME in µs, so epochs never go backwards and a paused leader from
---                          before the loss cannot fence out the new one
+-- KEYS[2]  epoch            STRING raised at every new leadership to max(stored + 1, Redis TIME
+--                          in µs): never below the clock, so a Redis that lost the key or only
+--                          its last increments (a failover to a replica that had not received
+--                          them) cannot hand out an epoch a deposed leader still holds
 --
 -- ARGV[1]  caller's id      ARGV[2] lease TTL (ms)
 -- ARGV[3]  'acquire' (take the lease if free, or renew it if held) or 'resign' (free it now
 --          if held, so a standby takes over without waiting for the TTL)
 --
--- Only the holder can renew or free the lease; the epoch is raised by INCR each time the lease
--- changes hands, so every leadership has its own number, higher than all before it.
+-- Only the holder can renew or free the lease; the epoch is raised each time the lease changes
+-- hands, so every leadership has its own number, higher than all before it. Why the clock: an
+-- INCR alone restarts from what the server still has. After an asynchronous failover that lost
+-- the last increment, the next leader would get the number of the leader before it, and the
+-- scripts, which refuse only older epochs, would take the writes of both. An epoch at least the
+-- server's time in µs is above every epoch handed out before, as long as the clocks of the
+-- servers that held the key agree to better than the failover takes (seconds; NTP keeps them
+-- within milliseconds).
 -- Returns {1 if the caller leads after the call else 0, epoch, holder id or '', lease left ms}.
 
 local me, ttl, op = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -29,12 +35,8 @@ end
 if holder then
   return {0, epoch, holder, redis.call('PTTL', KEYS[1])}
 end
-if not stored then
-  local t = redis.call('TIME')
-  epoch = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  redis.call('SET', KEYS[2], string.format('%.0f', epoch))
-else
-  epoch = redis.call('INCR', KEYS[2])
-end
+local t = redis.call('TIME')
+epoch = math.max(epoch + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
+redis.call('SET', KEYS[2], string.format('%.0f', epoch))
 redis.call('SET', KEYS[1], me, 'PX', ttl)
 return {1, epoch, me, ttl}

@@ -59,11 +59,16 @@ class World:
         return result.outcome
 
 
+EPOCH = 4_000_000_000_000_000
+"""The leader's epoch in `populate` (exact in a Lua number: below 2^53)."""
+
+
 async def populate(client: Client) -> World:
     """A pool in YELLOW at T0+5 s: one task in flight on gpu-0, two Batch tasks queued."""
     w = World(client)
-    # Epochs start from Redis TIME on an empty Redis; a known start keeps the figures exact.
-    await client.set(SchedulerKeys().epoch, 0)
+    # A new leadership's epoch is at least Redis TIME in µs; a stored epoch above that (until
+    # the year 2096) makes it EPOCH, so the figures stay exact.
+    await client.set(SchedulerKeys().epoch, EPOCH - 1)
     lead = await leadership(client, w.store.scripts, "sched-a", 60_000)
     w.epoch = lead.epoch
     await w.at(T0)
@@ -90,10 +95,10 @@ async def populate(client: Client) -> World:
 def check_populated(snap: inspect.Snapshot) -> None:
     """The numbers `populate` leads to, computed by hand."""
     assert snap.scheduler.leader == "sched-a"
-    assert snap.scheduler.epoch == 1
+    assert snap.scheduler.epoch == EPOCH
     assert snap.scheduler.lease_left_ms is not None and 0 < snap.scheduler.lease_left_ms <= 60_000
     (p,) = snap.pools
-    assert (p.now_us, p.clock, p.zone, p.epoch) == (T0 + 5 * S, "frozen", "YELLOW", 1)
+    assert (p.now_us, p.clock, p.zone, p.epoch) == (T0 + 5 * S, "frozen", "YELLOW", EPOCH)
     assert (p.updated_us, p.state_age_us) == (T0, 5 * S)
     assert p.drain == [2.0, 1.0, 0.0]
     assert p.state == {"pool_usage": "0.5000", "leader": "sched-a"}
@@ -242,8 +247,8 @@ async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None
     await populate(redis_client)
     text = inspect.render(await inspect.snapshot(redis_client, [POOL], [IDLE]))
     lines = text.splitlines()
-    assert lines[0].startswith("scheduler leader sched-a  epoch 1  lease left ")
-    assert any(line.startswith("pool insp  zone YELLOW  epoch 1  state age 5.0 s")
+    assert lines[0].startswith(f"scheduler leader sched-a  epoch {EPOCH}  lease left ")
+    assert any(line.startswith(f"pool insp  zone YELLOW  epoch {EPOCH}  state age 5.0 s")
                for line in lines)
 
     def row(first: str) -> list[str]:

@@ -49,7 +49,9 @@ async def test_app_serves_health_and_metrics_and_releases(
         # Queued before any scheduler ran: no budget was published, the fast path cannot fire.
         store = PoolStore(redis_client, register_scripts(redis_client), "p", PoolPolicy())
         await queue_tasks(store, [("q1", Tier.NORMAL, 1_000)])
-        await redis_client.set(SchedulerKeys().epoch, 0)  # a known epoch: the next one is 1
+        # A known epoch: a new leadership takes max(stored + 1, Redis TIME in µs), and this one
+        # is above the clock until the year 2096.
+        await redis_client.set(SchedulerKeys().epoch, 4_000_000_000_000_000)
         pubsub = redis_client.pubsub()
         await pubsub.subscribe(store.keys.wake_channel("gw"))
         app = create_app(config, me="s1")
@@ -63,14 +65,14 @@ async def test_app_serves_health_and_metrics_and_releases(
 
             health = await (await client.get("/healthz")).json()
             assert health["id"] == "s1" and health["leading"] is True
-            assert health["epoch"] == 1
+            assert health["epoch"] == 4_000_000_000_000_001
             assert health["pools"]["p"]["zone"] == "GREEN"
             text = await (await client.get("/metrics")).text()
             for line in ('kvgate_scheduler_leader 1.0', 'kvgate_scheduler_zone{pool="p"} 0.0',
                          'kvgate_scheduler_kv_usage{node="n1",pool="p"} 0.25',
                          'kvgate_scheduler_released_total{pool="p",tier="normal"} 1.0',
                          'kvgate_scheduler_node_preemptions{node="n1",pool="p"} 2.0',
-                         'kvgate_scheduler_epoch 1.0'):
+                         'kvgate_scheduler_epoch 4.000000000000001e+15'):
                 assert line in text, line
             assert 'kvgate_scheduler_scrape_duration_seconds_count{node="n1",pool="p"}' in text
             assert 'kvgate_scheduler_queue_depth{pool="p",tier="vip"} 0.0' in text

@@ -63,7 +63,7 @@ async def test_resignation_hands_over_at_once(redis_client: Any) -> None:
         await a.resign()
         took = await eventually(lambda: b.leading)
         assert took < 0.5
-        assert b.epoch > first and not a.leading
+        assert b.epoch is not None and b.epoch > first and not a.leading
     finally:
         runner.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -4,8 +4,9 @@ for the byte-level cases the gateway never produces on purpose.
 
 Covered here: events whose text holds Unicode line separators (legal unescaped in JSON, and
 neither vLLM's serializer nor the gateway's orjson escapes them), SSE framing by bare CR, the
-fields that error types carry (param, request id, a stream's error event), cancelled
-requests in the counters, and the README's examples run as written.
+fields that error types carry (param, request id, a stream's error event; an `"error": null`
+that is none), cancelled requests in the counters (a retry cut short in its backoff sleep
+neither counted nor charged), and the README's examples run as written.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from kvgate_client import (
     AsyncRetryTransport,
     KvgateClient,
     KvgateError,
+    RetryStats,
     RetryTransport,
     StreamError,
 )
+from kvgate_client.budget import MAX_TOKENS
 from tests.gateway_harness import KEYS, POOL, Harness, running_gateway, serve_app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,6 +159,35 @@ async def test_an_event_that_is_not_json_is_a_stream_error() -> None:
     assert info.value.request_id == "req-direct"
 
 
+async def test_an_error_member_that_is_null_is_no_error() -> None:
+    """OpenAI-compatible servers may put `"error": null` in every normal chunk; only a value
+    there ends the stream."""
+    def with_null_error(content: str) -> bytes:
+        return chunk(content).replace(b'{"id"', b'{"error":null,"id"', 1)
+
+    async def nulls_then_error(request: web.Request, response: web.StreamResponse) -> None:
+        await response.write(with_null_error("a") + with_null_error("b")
+                             + b'data: {"error": {"message": "engine died", "code": "x"}}\n\n')
+
+    def sync_read(url: str) -> list[dict[str, Any]]:
+        got: list[dict[str, Any]] = []
+        with KvgateClient(url + "/v1", api_key="k") as client, \
+                client.stream_chat(POOL, MESSAGES) as stream, pytest.raises(StreamError):
+            got.extend(stream)
+        return got
+
+    async with serve_app(node_app(nulls_then_error)) as url, \
+            AsyncKvgateClient(url + "/v1", api_key="k") as aclient:
+        stream = await aclient.stream_chat(POOL, MESSAGES)
+        got: list[dict[str, Any]] = []
+        with pytest.raises(StreamError) as info:
+            async for c in stream:
+                got.append(c)
+        assert text_of(got) == "ab"
+        assert (info.value.code, info.value.message) == ("x", "engine died")
+        assert text_of(await asyncio.to_thread(sync_read, url)) == "ab"
+
+
 # --- what the errors carry ---------------------------------------------------------------------
 
 
@@ -226,8 +258,10 @@ class Rejecting:
 async def test_a_cancelled_async_request_is_counted(hold: bool, outcome: str) -> None:
     server = Rejecting(hold)
     sleeping = asyncio.Event()
+    during_sleep: list[RetryStats] = []
 
     async def sleep(seconds: float) -> None:
+        during_sleep.append(transport.stats())
         sleeping.set()
         await asyncio.Event().wait()
 
@@ -241,13 +275,27 @@ async def test_a_cancelled_async_request_is_counted(hold: bool, outcome: str) ->
     stats = transport.stats()
     assert (stats.requests, dict(stats.outcomes)) == (1, {outcome: 1})
     assert server.attempts == 1
+    assert_only_the_first_attempt_counted(stats, *during_sleep)
+
+
+def assert_only_the_first_attempt_counted(final: RetryStats, *during_sleep: RetryStats) -> None:
+    """A retry that was decided but never sent (its backoff sleep cut short) is neither an
+    attempt nor a retry, during the sleep or after, and its token is back in the budget once
+    the request has ended (it is held during the sleep)."""
+    for stats in (final, *during_sleep):
+        assert (stats.requests, stats.attempts, stats.retries) == (1, 1, 0)
+    assert final.budget is not None
+    assert (final.budget.retries, final.budget.tokens) == (0, MAX_TOKENS)
 
 
 def test_an_interrupted_sync_backoff_is_counted() -> None:
     class Interrupt(BaseException):
         pass
 
+    during_sleep: list[RetryStats] = []
+
     def sleep(seconds: float) -> None:
+        during_sleep.append(transport.stats())
         raise Interrupt  # what KeyboardInterrupt or a thread's shutdown does mid-sleep
 
     server = Rejecting(hold=False)
@@ -256,6 +304,8 @@ def test_an_interrupted_sync_backoff_is_counted() -> None:
         with httpx.Client(transport=transport) as http, pytest.raises(Interrupt):
             http.post(url + "/", json={})
     assert dict(transport.stats().outcomes) == {"canceled": 1}
+    assert server.attempts == 1
+    assert_only_the_first_attempt_counted(transport.stats(), *during_sleep)
 
 
 class ThreadServer:

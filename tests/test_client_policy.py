@@ -19,7 +19,7 @@ from kvgate_client import (
     backoff_delay,
     backoff_window,
 )
-from kvgate_client.retrying import DEADLINE, HINT_TOO_LONG
+from kvgate_client.retrying import CANCELED, DEADLINE, HINT_TOO_LONG
 from kvgate_client.retrying import MAX_ATTEMPTS as R_MAX_ATTEMPTS
 
 SAMPLES = 2000
@@ -140,6 +140,40 @@ def test_deadline_counts_elapsed_time_and_the_next_sleep() -> None:
     clock.now = 9.0
     decision = state.after_response(429, {"retry-after-ms": "1500"})  # 9 + 1.5 > 10
     assert not decision.retry and decision.reason == DEADLINE
+
+
+def test_a_retry_is_counted_when_it_is_sent_and_refunded_when_it_never_is() -> None:
+    budget = RetryBudget(max_tokens=2.0)
+    retrier = Retrier(budget=budget, clock=Clock(), rand=lambda: 0.0)
+    state = retrier.begin()
+    assert state.after_response(429, {}).retry
+    # Decided, not sent: the caller is sleeping before it, and may never send it.
+    assert (retrier.stats().attempts, retrier.stats().retries, state.attempts) == (1, 0, 1)
+    assert (budget.tokens, budget.retries) == (1.0, 1)  # its token is held meanwhile
+    state.stop(CANCELED)
+    stats = retrier.stats()
+    assert (stats.requests, stats.attempts, stats.retries, stats.outcomes) == (
+        1, 1, 0, {CANCELED: 1})
+    assert (budget.tokens, budget.retries) == (2.0, 0)
+
+    state = retrier.begin()
+    assert state.after_response(503, {}).retry
+    assert state.start_retry() == 1  # the retry's number, for x-kvgate-retry-count
+    assert not state.after_response(200, {}).retry
+    stats = retrier.stats()
+    assert (stats.requests, stats.attempts, stats.retries, state.attempts) == (2, 3, 1, 2)
+    assert (budget.tokens, budget.retries) == (1.0, 1)
+
+
+def test_reporting_an_outcome_means_the_retry_was_sent() -> None:
+    """A caller that drives the engine without start_retry: the next outcome it reports is
+    the retry's, so the retry was sent."""
+    retrier = Retrier(RetryPolicy(max_attempts=2), clock=Clock(), rand=lambda: 0.0)
+    state = retrier.begin()
+    assert state.after_response(429, {}).retry
+    assert state.after_error(OSError("reset"), retryable=True).reason == R_MAX_ATTEMPTS
+    stats = retrier.stats()
+    assert (stats.attempts, stats.retries, state.attempts) == (2, 1, 2)
 
 
 def test_budget_is_spent_only_on_real_retries() -> None:

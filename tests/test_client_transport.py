@@ -81,7 +81,7 @@ def make_client(
     return httpx.Client(transport=transport, base_url="http://gw"), transport
 
 
-@pytest.mark.parametrize("status", [429, 503, 504])
+@pytest.mark.parametrize("status", [429, 503])
 def test_retryable_statuses_are_retried(status: int) -> None:
     t = FakeTime()
     handler, seen = rejecting([status, status])
@@ -96,7 +96,8 @@ def test_retryable_statuses_are_retried(status: int) -> None:
     assert (stats.requests, stats.attempts, stats.retries) == (1, 3, 2)
 
 
-@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 422, 500, 501, 502])
+# 504 is a proxy's timeout (the gateway never sends one): the generation may still be running.
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 409, 422, 500, 501, 502, 504])
 def test_other_statuses_are_not_retried(status: int) -> None:
     t = FakeTime()
     handler, seen = rejecting([status])

@@ -123,6 +123,20 @@ func (b *Budget) TrySpend() bool {
 	return false
 }
 
+// Refund gives back what TrySpend took for a retry that was then never sent (its backoff
+// sleep was canceled); it no longer counts among Retries either.
+func (b *Budget) Refund() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.tokens += b.opts.RetryCost
+	if b.tokens > b.opts.MaxTokens {
+		b.tokens = b.opts.MaxTokens
+	}
+	if b.retries > 0 {
+		b.retries--
+	}
+}
+
 // Stats returns a snapshot of the counters.
 func (b *Budget) Stats() BudgetStats {
 	b.mu.Lock()

@@ -338,7 +338,8 @@ func (s *Stream[T]) Recv() (T, error) {
 	if json.Unmarshal([]byte(data), &probe) != nil {
 		return zero, newStreamError(json.RawMessage(data), s.resp.Header)
 	}
-	if e, ok := probe["error"]; ok {
+	// OpenAI-compatible servers may send "error": null in a normal chunk: only a value is one.
+	if e, ok := probe["error"]; ok && !bytes.Equal(bytes.TrimSpace(e), []byte("null")) {
 		return zero, newStreamError(e, s.resp.Header)
 	}
 	var out T

@@ -251,6 +251,32 @@ func TestCompletionStreamAndErrorEvent(t *testing.T) {
 	}
 }
 
+// OpenAI-compatible servers may put "error": null in every normal chunk; only a value there
+// ends the stream.
+func TestAnErrorMemberThatIsNullIsNoError(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"error\": null, \"choices\": [{\"index\": 0, \"delta\": {\"content\": \"a\"}}]}\n\n")
+		fmt.Fprint(w, "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"b\"}}], \"error\" :  null }\n\n")
+		fmt.Fprint(w, "data: {\"error\": {\"message\": \"engine died\", \"code\": \"x\"}}\n\n")
+	})
+	stream, err := newTestClient(t, g, newFakeClock()).ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	for _, want := range []string{"a", "b"} {
+		if chunk, err := stream.Recv(); err != nil || chunk.Choices[0].Delta.Content != want {
+			t.Fatalf("want %q: %+v %v", want, chunk, err)
+		}
+	}
+	_, err = stream.Recv()
+	var se *StreamError
+	if !errors.As(err, &se) || se.Code != "x" || se.Message != "engine died" {
+		t.Fatalf("%T %v", err, err)
+	}
+}
+
 func TestABodyThatIsNotJSONIsNotAConnectionError(t *testing.T) {
 	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
 		fmt.Fprint(w, "<html>a proxy's page</html>")

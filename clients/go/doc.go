@@ -7,9 +7,10 @@
 //   - never sooner than the server's hint: after a hint h the wait is uniform on
 //     [h, h + min(8 s, max(1 s * 2^n, h))], so clients rejected together, who all get the same
 //     hint, do not all come back the instant it expires; a hint above 120 s means give up now;
-//   - retries only on 429, 503, 504 and connection errors, x-should-retry obeyed both ways,
-//     at most 3 attempts per request, within a deadline (60 s, or the request context's own
-//     deadline when it is sooner);
+//   - retries only on 429, 503 and connection errors, x-should-retry obeyed both ways, at
+//     most 3 attempts per request, within a deadline (60 s, or the request context's own
+//     deadline when it is sooner); not 504, which only a proxy in front of the gateway sends
+//     while the generation may still be running (see RetryableStatuses);
 //   - a retry budget shared by all requests of a client: each request earns 0.1 token, each
 //     retry spends one, so under sustained 429s a client adds at most about 10% more attempts.
 //

@@ -85,7 +85,8 @@ func (e *ConnectionError) Error() string { return "kvgate: connection error: " +
 func (e *ConnectionError) Unwrap() error { return e.Err }
 
 // StreamError is an error the server reported inside an already started stream (an event
-// whose payload has an "error" member, or is not a JSON object). It is never retried: part
+// whose payload has an "error" member other than null, or is not a JSON object; OpenAI-
+// compatible servers may send "error": null in every chunk). It is never retried: part
 // of the answer has been delivered. The gateway ends a stream whose node broke off with Code
 // "upstream_broken_stream".
 type StreamError struct {

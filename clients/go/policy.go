@@ -33,9 +33,19 @@ const MaxRetryAfter = 120 * time.Second
 const HintSpread = 1.0
 
 // RetryableStatuses returns the statuses worth another attempt: the gateway's backpressure
-// (429) and an overloaded or timed out upstream (503, 504). A 500 is a bug or a bad request in
+// (429) and an unavailable gateway or node (503: Redis unreachable, a node unreachable, a
+// gateway shutting down), which did not run the request. A 500 is a bug or a bad request in
 // disguise; retrying it only adds load. Each call returns a new slice.
-func RetryableStatuses() []int { return []int{429, 503, 504} }
+//
+// Not 504, although the official OpenAI SDKs retry it (they retry every status >= 500, and 408
+// and 409). kvgate's gateway never sends 504: one comes from a proxy in front of it that gave
+// up waiting, and the gateway sends a whole answer's status line only with its last token, so
+// the generation may still be running on a GPU. A retry runs it a second time and takes as
+// long, into the same proxy timeout: up to MaxAttempts times the GPU work, and no answer. That
+// is the reason read timeouts are not retried either (IsConnectionError); a 504 is a read
+// timeout one hop further out. Where a 504 is known to mean the request never reached the
+// gateway, add it to Policy.RetryableStatuses, or have the proxy send x-should-retry: true.
+func RetryableStatuses() []int { return []int{429, 503} }
 
 // Policy holds the knobs of the retry loop. Start from DefaultPolicy and change fields; the
 // zero Policy is not valid (MaxAttempts must be at least 1).

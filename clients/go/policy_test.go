@@ -2,6 +2,7 @@ package kvgate
 
 import (
 	"context"
+	"errors"
 	"math"
 	"math/rand"
 	"net/http"
@@ -127,6 +128,59 @@ func TestTransportSleepsAreUniformOverTheWindow(t *testing.T) {
 	}
 	if d := ksStatistic(xs, uniformCDF(0, BaseDelay.Seconds())); d >= ksCritical {
 		t.Fatalf("KS %v >= %v", d, ksCritical)
+	}
+}
+
+func TestARetryIsCountedWhenSentAndRefundedWhenNever(t *testing.T) {
+	opts := DefaultBudgetOptions()
+	opts.MaxTokens, opts.InitialTokens = 2, 2
+	budget, _ := NewBudget(opts)
+	r := mustRetrier(t, RetrierOptions{Budget: budget, Clock: newFakeClock(), Rand: constRand(0)})
+	s := r.Begin(context.Background())
+	if !s.AfterResponse(429, http.Header{}).Retry {
+		t.Fatal("429 not retried")
+	}
+	// Decided, not sent: the caller sleeps before it and may never send it; its token is held.
+	if st := r.Stats(); st.Attempts != 1 || st.Retries != 0 || s.Attempts() != 1 || st.Budget.Tokens != 1 || st.Budget.Retries != 1 {
+		t.Fatalf("%+v, %d", st, s.Attempts())
+	}
+	s.Stop(OutcomeCanceled)
+	if st := r.Stats(); st.Requests != 1 || st.Attempts != 1 || st.Retries != 0 || st.Outcomes[OutcomeCanceled] != 1 ||
+		st.Budget.Tokens != 2 || st.Budget.Retries != 0 {
+		t.Fatalf("%+v", st)
+	}
+
+	s = r.Begin(context.Background())
+	if !s.AfterResponse(503, http.Header{}).Retry {
+		t.Fatal("503 not retried")
+	}
+	if n := s.StartRetry(); n != 1 {
+		t.Fatalf("retry number %d", n)
+	}
+	if s.AfterResponse(200, http.Header{}).Retry {
+		t.Fatal("200 retried")
+	}
+	if st := r.Stats(); st.Requests != 2 || st.Attempts != 3 || st.Retries != 1 || s.Attempts() != 2 ||
+		st.Budget.Tokens != 1 || st.Budget.Retries != 1 {
+		t.Fatalf("%+v, %d", st, s.Attempts())
+	}
+}
+
+// A caller that drives the engine without StartRetry: the next outcome it reports is the
+// retry's, so the retry was sent.
+func TestReportingAnOutcomeMeansTheRetryWasSent(t *testing.T) {
+	p := DefaultPolicy()
+	p.MaxAttempts = 2
+	r := mustRetrier(t, RetrierOptions{Policy: &p, Clock: newFakeClock(), Rand: constRand(0)})
+	s := r.Begin(context.Background())
+	if !s.AfterResponse(429, http.Header{}).Retry {
+		t.Fatal("429 not retried")
+	}
+	if d := s.AfterError(errors.New("reset"), true); d.Reason != OutcomeMaxAttempts {
+		t.Fatal(d)
+	}
+	if st := r.Stats(); st.Attempts != 2 || st.Retries != 1 || s.Attempts() != 2 {
+		t.Fatalf("%+v, %d", st, s.Attempts())
 	}
 }
 

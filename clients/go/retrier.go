@@ -130,13 +130,15 @@ type Retrier struct {
 }
 
 // Stats are the counters of one Retrier: logical requests, attempts (first ones included),
-// retries, how the requests ended, and the budget's counters.
+// retries, how the requests ended, and the budget's counters. A retry counts once it is sent
+// (RetryState.StartRetry), not when it is decided: one whose backoff sleep is cut short was
+// never sent, so it is in neither Attempts nor Retries.
 type Stats struct {
 	// Requests counts logical requests (first attempts).
 	Requests int64 `json:"requests"`
 	// Attempts counts every attempt sent, first ones included.
 	Attempts int64 `json:"attempts"`
-	// Retries counts the attempts after a first one (Attempts - Requests, once all ended).
+	// Retries counts the attempts sent after a first one (Attempts - Requests, once all ended).
 	Retries int64 `json:"retries"`
 	// Outcomes counts the ended requests by reason (the Outcome constants).
 	Outcomes map[string]int64 `json:"outcomes"`
@@ -219,27 +221,56 @@ func (r *Retrier) Begin(ctx context.Context) *RetryState {
 	return s
 }
 
-func (r *Retrier) count(d Decision) {
+func (r *Retrier) countRetry() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if d.Retry {
-		r.attempts++
-		r.retries++
-	} else {
-		r.outcomes[d.Reason]++
-	}
+	r.attempts++
+	r.retries++
+}
+
+func (r *Retrier) countOutcome(reason string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.outcomes[reason]++
 }
 
 // RetryState is one logical request's progress through the policy. It is used by one
 // goroutine at a time (the one running the request).
+//
+// A decision to retry takes its token from the budget at once (so that no one sleeps for a
+// retry the budget would refuse), but counts the retry only when the caller sends it: call
+// StartRetry after the backoff sleep, or Stop if the retry is not sent, which gives the token
+// back. Reporting the next outcome (AfterResponse, AfterError) without calling StartRetry
+// first counts the retry as sent.
 type RetryState struct {
 	r        *Retrier
 	deadline time.Time // zero: none
 	attempts int
+	// retryPending: a retry was decided (its token taken) and neither sent nor given up.
+	retryPending bool
 }
 
 // Attempts returns the attempts sent so far, the first one included.
 func (s *RetryState) Attempts() int { return s.attempts }
+
+// StartRetry counts the retry decided last as sent and returns its number (the attempts sent
+// before it), the value of the x-kvgate-retry-count header. It panics if no retry is pending.
+func (s *RetryState) StartRetry() int {
+	if !s.retryPending {
+		panic("kvgate: StartRetry without a decision to retry")
+	}
+	s.retryPending = false
+	s.attempts++
+	s.r.countRetry()
+	return s.attempts - 1
+}
+
+// outcomeReported: an outcome can only be the pending retry's, so it was sent.
+func (s *RetryState) outcomeReported() {
+	if s.retryPending {
+		s.StartRetry()
+	}
+}
 
 // Deadline returns the time after which no attempt starts, and false if there is none.
 func (s *RetryState) Deadline() (time.Time, bool) { return s.deadline, !s.deadline.IsZero() }
@@ -249,6 +280,7 @@ func (s *RetryState) Deadline() (time.Time, bool) { return s.deadline, !s.deadli
 // status, "true" retries any error status; without it only the policy's RetryableStatuses are
 // retried, never sooner than the response's Retry-After hint.
 func (s *RetryState) AfterResponse(status int, h http.Header) Decision {
+	s.outcomeReported()
 	reason, hint := s.classify(status, h)
 	if reason != "" {
 		return s.stop(reason)
@@ -259,6 +291,7 @@ func (s *RetryState) AfterResponse(status int, h http.Header) Decision {
 // afterUnreplayable is AfterResponse for a request whose body cannot be sent again: a
 // response the policy would retry ends with OutcomeNotReplayable, and no token is spent.
 func (s *RetryState) afterUnreplayable(status int, h http.Header) Decision {
+	s.outcomeReported()
 	if reason, _ := s.classify(status, h); reason != "" {
 		return s.stop(reason)
 	}
@@ -287,6 +320,7 @@ func (s *RetryState) classify(status int, h http.Header) (string, time.Duration)
 // AfterError decides on an attempt that failed without a status line. Only a connection error
 // (retryable, see IsConnectionError) can be retried.
 func (s *RetryState) AfterError(err error, retryable bool) Decision {
+	s.outcomeReported()
 	if !retryable {
 		return s.stop(OutcomeError)
 	}
@@ -294,12 +328,14 @@ func (s *RetryState) AfterError(err error, retryable bool) Decision {
 }
 
 // Stop ends the request for reason (an Outcome constant) and counts it; for a caller that
-// stops without asking the policy (a canceled sleep, a body that cannot be replayed).
+// stops without asking the policy (a canceled sleep, a body that cannot be replayed). A retry
+// decided but not started is given up: it is not counted, and its token goes back to the
+// budget.
 func (s *RetryState) Stop(reason string) Decision { return s.stop(reason) }
 
 // retryOrStop applies the checks in the Python SDK's order: hint too long, attempts, deadline,
-// then the budget last, so that a token is spent only on a retry that will really happen.
-// hint < 0 means no hint.
+// then the budget last, so that a token is taken only for a retry every other rule allows
+// (stop gives it back if the retry is then never sent). hint < 0 means no hint.
 func (s *RetryState) retryOrStop(hint time.Duration, why string) Decision {
 	p := &s.r.policy
 	if hint > p.MaxRetryAfter {
@@ -315,18 +351,20 @@ func (s *RetryState) retryOrStop(hint time.Duration, why string) Decision {
 	if !s.r.budget.TrySpend() {
 		return s.stop(OutcomeBudget)
 	}
-	s.attempts++
-	d := Decision{Retry: true, Delay: delay, Reason: why}
-	s.r.count(d)
+	s.retryPending = true
 	if s.r.logf != nil {
-		s.r.logf("kvgate: %s, retry %d in %v", why, s.attempts-1, delay)
+		s.r.logf("kvgate: %s, retry %d in %v", why, s.attempts, delay)
 	}
-	return d
+	return Decision{Retry: true, Delay: delay, Reason: why}
 }
 
 func (s *RetryState) stop(reason string) Decision {
+	if s.retryPending {
+		s.retryPending = false
+		s.r.budget.Refund()
+	}
 	d := Decision{Reason: reason}
-	s.r.count(d)
+	s.r.countOutcome(reason)
 	if s.r.logf != nil && reason != OutcomeOK {
 		s.r.logf("kvgate: not retrying (%s) after %d attempt(s)", reason, s.attempts)
 	}

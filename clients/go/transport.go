@@ -104,16 +104,18 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 			state.Stop(OutcomeCanceled)
 			return nil, err
 		}
-		next, err := retryRequest(ctx, req, state.Attempts()-1)
+		next, err := retryRequest(ctx, req, state.Attempts())
 		if err != nil {
 			state.Stop(OutcomeError)
 			return nil, err
 		}
+		state.StartRetry()
 		attempt = next
 	}
 }
 
-// retryRequest clones req with a fresh body and the retry-count header.
+// retryRequest clones req with a fresh body and the retry-count header (retry: the attempts
+// sent before it).
 func retryRequest(ctx context.Context, req *http.Request, retry int) (*http.Request, error) {
 	next := req.Clone(ctx)
 	if req.GetBody != nil {

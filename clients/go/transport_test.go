@@ -78,7 +78,7 @@ func post(t *testing.T, tr http.RoundTripper, url, body string) *http.Response {
 }
 
 func TestRetryableStatusesAreRetried(t *testing.T) {
-	for _, status := range []int{429, 503, 504} {
+	for _, status := range []int{429, 503} {
 		clock := newFakeClock()
 		srv := newScripted(t, []int{status, status}, nil)
 		tr := newTestTransport(t, clock, nil, nil)
@@ -101,7 +101,8 @@ func TestRetryableStatusesAreRetried(t *testing.T) {
 }
 
 func TestOtherStatusesAreNotRetried(t *testing.T) {
-	for _, status := range []int{400, 401, 403, 404, 409, 422, 500, 501, 502} {
+	// 504 is a proxy's timeout (the gateway never sends one): the generation may still be running.
+	for _, status := range []int{400, 401, 403, 404, 409, 422, 500, 501, 502, 504} {
 		clock := newFakeClock()
 		srv := newScripted(t, []int{status}, nil)
 		tr := newTestTransport(t, clock, nil, nil)
@@ -249,6 +250,60 @@ func TestContextCancellationInterruptsTheSleep(t *testing.T) {
 	}
 	if o := tr.Stats().Outcomes; o[OutcomeCanceled] != 1 || len(srv.attempts()) != 1 {
 		t.Fatal(o, len(srv.attempts()))
+	}
+}
+
+// A retry whose backoff sleep is cut short was never sent: it is neither an attempt nor a
+// retry in the counters, during the sleep or after, and its token goes back to the budget.
+func TestARetryCanceledDuringItsSleepIsNotCounted(t *testing.T) {
+	clock := newFakeClock()
+	srv := newScripted(t, make429s(10), nil)
+	tr := newTestTransport(t, clock, nil, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var during Stats
+	clock.onSleep = func(time.Duration) {
+		during = tr.Stats()
+		cancel()
+	}
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+	if resp, err := tr.RoundTrip(req); !errors.Is(err, context.Canceled) || resp != nil {
+		t.Fatal(resp, err)
+	}
+	checkOnlyTheFirstAttemptCounted(t, srv, OutcomeCanceled, during, tr.Stats())
+}
+
+// The same for a retry whose body cannot be built again.
+func TestARetryWhoseBodyCannotBeRebuiltIsNotCounted(t *testing.T) {
+	srv := newScripted(t, make429s(10), nil)
+	tr := newTestTransport(t, newFakeClock(), nil, nil)
+	req, _ := http.NewRequest(http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+	gone := errors.New("body gone")
+	req.GetBody = func() (io.ReadCloser, error) { return nil, gone }
+	if resp, err := tr.RoundTrip(req); !errors.Is(err, gone) || resp != nil {
+		t.Fatal(resp, err)
+	}
+	checkOnlyTheFirstAttemptCounted(t, srv, OutcomeError, tr.Stats())
+}
+
+// checkOnlyTheFirstAttemptCounted checks the snapshots, the last one taken after the request
+// ended (the token of a decided retry is held until then).
+func checkOnlyTheFirstAttemptCounted(t *testing.T, srv *scripted, outcome string, snapshots ...Stats) {
+	t.Helper()
+	if n := len(srv.attempts()); n != 1 {
+		t.Fatalf("%d attempts reached the server", n)
+	}
+	for _, st := range snapshots {
+		if st.Requests != 1 || st.Attempts != 1 || st.Retries != 0 {
+			t.Fatalf("%+v", st)
+		}
+	}
+	last := snapshots[len(snapshots)-1]
+	if last.Budget.Retries != 0 || last.Budget.Tokens != MaxTokens {
+		t.Fatalf("%+v", last.Budget)
+	}
+	if o := last.Outcomes; o[outcome] != 1 || len(o) != 1 {
+		t.Fatal(o)
 	}
 }
 

@@ -76,6 +76,13 @@ class RetryBudget:
             self._retries_denied += 1
             return False
 
+    def refund(self) -> None:
+        """Give back what `try_spend` took for a retry that was then never sent (its backoff
+        sleep was cancelled); it no longer counts among `retries` either."""
+        with self._lock:
+            self._tokens = min(self.max_tokens, self._tokens + self.retry_cost)
+            self._retries = max(0, self._retries - 1)
+
     @property
     def tokens(self) -> float:
         with self._lock:

@@ -65,7 +65,8 @@ def _chunk(data: str, response: httpx.Response) -> Chunk:
         raise StreamError(data, request_id=request_id) from None
     if not isinstance(chunk, dict):
         raise StreamError(chunk, request_id=request_id)
-    if "error" in chunk:
+    # OpenAI-compatible servers may send "error": null in a normal chunk: only a value is one.
+    if chunk.get("error") is not None:
         raise StreamError(chunk["error"], request_id=request_id)
     return chunk
 

@@ -53,7 +53,8 @@ class StreamError(KvgateError):
     of the answer has been delivered).
 
     `payload` is the event's `error` member (OpenAI's shape: message, type, param, code), or
-    the event's whole data when it is not a JSON object with one; `code`, `type`, `param`
+    the event's whole data when it is not a JSON object; an `error` member that is null is
+    no error (OpenAI-compatible servers may send one in every chunk); `code`, `type`, `param`
     and `message` are pulled out of it (None when absent). The gateway ends a stream whose
     node broke off with `code` "upstream_broken_stream". `request_id` is the stream's
     `X-Request-Id`.

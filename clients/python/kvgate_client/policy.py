@@ -37,9 +37,20 @@ MAX_RETRY_AFTER_S = 120.0
 # already flat (bench/results/retry_storm.md), and the mean wait is (1 + HINT_SPREAD / 2) x h.
 HINT_SPREAD = 1.0
 
-# Statuses worth another attempt: the gateway's backpressure (429) and an overloaded or timed
-# out upstream (503, 504). A 500 is a bug or a bad request in disguise; retrying it only adds load.
-RETRYABLE_STATUSES: frozenset[int] = frozenset({429, 503, 504})
+# Statuses worth another attempt: the gateway's backpressure (429) and an unavailable gateway
+# or node (503: Redis unreachable, a node unreachable, a gateway shutting down), which did not
+# run the request. A 500 is a bug or a bad request in disguise; retrying it only adds load.
+#
+# Not 504, although the official OpenAI SDK retries it (it retries every status >= 500, and
+# 408 and 409). kvgate's gateway never sends 504: one comes from a proxy in front of it that
+# gave up waiting, and the gateway sends a whole answer's status line only with its last
+# token, so the generation may still be running on a GPU. A retry runs it a second time and
+# takes as long, into the same proxy timeout: up to MAX_ATTEMPTS times the GPU work, and no
+# answer. That is the reason read timeouts are not retried either (transport.py); a 504 is
+# a read timeout one hop further out. Where a 504 is known to mean the request never reached
+# the gateway, add it to RetryPolicy.retryable_statuses, or have the proxy send
+# x-should-retry: true.
+RETRYABLE_STATUSES: frozenset[int] = frozenset({429, 503})
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,12 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class RetryStats:
-    """Counters of one Retrier (transport): logical requests, attempts, and how they ended."""
+    """Counters of one Retrier (transport): logical requests, attempts, and how they ended.
+
+    `attempts` counts the attempts sent, first ones included, and `retries` those after a first
+    one. A retry counts once it is sent (RetryState.start_retry), not when it is decided: one
+    whose backoff sleep is cut short was never sent, so it is in neither count.
+    """
 
     requests: int
     attempts: int
@@ -82,13 +87,14 @@ class Retrier:
             self._attempts += 1
         return RetryState(self)
 
-    def _count(self, decision: Decision) -> None:
+    def _count_retry(self) -> None:
         with self._lock:
-            if decision.retry:
-                self._attempts += 1
-                self._retries += 1
-            else:
-                self._outcomes[decision.reason] += 1
+            self._attempts += 1
+            self._retries += 1
+
+    def _count_outcome(self, reason: str) -> None:
+        with self._lock:
+            self._outcomes[reason] += 1
 
     def stats(self) -> RetryStats:
         with self._lock:
@@ -102,15 +108,35 @@ class Retrier:
 
 
 class RetryState:
-    """One logical request's progress through the policy."""
+    """One logical request's progress through the policy.
+
+    A decision to retry takes its token from the budget at once (so that no one sleeps for a
+    retry the budget would refuse), but counts the retry only when the caller sends it: call
+    `start_retry()` after the backoff sleep, or `stop()` if it was cut short, which gives the
+    token back. Reporting the next outcome (`after_response`, `after_error`) without calling
+    `start_retry()` first counts the retry as sent.
+    """
 
     def __init__(self, retrier: Retrier) -> None:
         self._r = retrier
         self.started_at = retrier.clock()
         # Attempts sent so far, the first one included.
         self.attempts = 1
+        # A retry was decided (its token taken) and has been neither sent nor given up.
+        self._retry_pending = False
+
+    def start_retry(self) -> int:
+        """The retry decided last is being sent: count it. Returns its number (the attempts
+        sent before it), the value of the x-kvgate-retry-count header."""
+        if not self._retry_pending:
+            raise RuntimeError("start_retry() without a decision to retry")
+        self._retry_pending = False
+        self.attempts += 1
+        self._r._count_retry()
+        return self.attempts - 1
 
     def after_response(self, status: int, headers: Mapping[str, str]) -> Decision:
+        self._outcome_reported()
         policy = self._r.policy
         if status < 400:
             return self._stop(OK)
@@ -123,14 +149,21 @@ class RetryState:
         return self._retry_or_stop(hints.retry_after_s, f"status {status}")
 
     def after_error(self, exc: BaseException, *, retryable: bool) -> Decision:
+        self._outcome_reported()
         if not retryable:
             return self._stop(ERROR)
         return self._retry_or_stop(None, type(exc).__name__)
 
     def stop(self, reason: str) -> Decision:
         """End the request for `reason` (an outcome above) without asking the policy: for a
-        caller whose backoff sleep was cancelled."""
+        caller whose backoff sleep was cancelled. A retry decided but not started is given up:
+        it is not counted, and its token goes back to the budget."""
         return self._stop(reason)
+
+    def _outcome_reported(self) -> None:
+        # An outcome can only be the pending retry's: it was sent.
+        if self._retry_pending:
+            self.start_retry()
 
     def _retry_or_stop(self, hint_s: float | None, why: str) -> Decision:
         policy = self._r.policy
@@ -143,18 +176,20 @@ class RetryState:
             elapsed = self._r.clock() - self.started_at
             if elapsed + delay > policy.deadline_s:
                 return self._stop(DEADLINE)
-        # Last, so a token is spent only on a retry that will really happen.
+        # Last, so a token is taken only for a retry every other rule allows; stop() gives it
+        # back if the retry is then never sent.
         if not self._r.budget.try_spend():
             return self._stop(BUDGET)
-        self.attempts += 1
-        decision = Decision(retry=True, delay_s=delay, reason=why)
-        self._r._count(decision)
-        log.debug("kvgate_client: %s, retry %d in %.3f s", why, self.attempts - 1, delay)
-        return decision
+        self._retry_pending = True
+        log.debug("kvgate_client: %s, retry %d in %.3f s", why, self.attempts, delay)
+        return Decision(retry=True, delay_s=delay, reason=why)
 
     def _stop(self, reason: str) -> Decision:
+        if self._retry_pending:
+            self._retry_pending = False
+            self._r.budget.refund()
         decision = Decision(retry=False, delay_s=0.0, reason=reason)
-        self._r._count(decision)
+        self._r._count_outcome(reason)
         if reason != OK:
             log.debug("kvgate_client: not retrying (%s) after %d attempt(s)", reason, self.attempts)
         return decision

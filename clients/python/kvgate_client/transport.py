@@ -99,7 +99,7 @@ class RetryTransport(httpx.BaseTransport):
             except BaseException:
                 state.stop(CANCELED)
                 raise
-            request.headers[RETRY_COUNT_HEADER] = str(state.attempts - 1)
+            request.headers[RETRY_COUNT_HEADER] = str(state.start_retry())
 
     def close(self) -> None:
         self.inner.close()
@@ -154,7 +154,7 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
             except BaseException:
                 state.stop(CANCELED)
                 raise
-            request.headers[RETRY_COUNT_HEADER] = str(state.attempts - 1)
+            request.headers[RETRY_COUNT_HEADER] = str(state.start_retry())
 
     async def aclose(self) -> None:
         await self.inner.aclose()

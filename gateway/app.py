@@ -77,7 +77,7 @@ def create_app(
     app[IN_FLIGHT] = in_flight
     app[CONFIG] = config
     app[GATEWAY_ID] = gid
-    app[METRICS] = GatewayMetrics(tenant_labels=config.gateway.tenant_metrics)
+    app[METRICS] = GatewayMetrics.of(config)
     app[OPENAPI] = orjson.dumps(openapi_document(config))
     app[SETTLE_DRAIN] = settle_drain_s
     app[ADMIN] = AdminToken(config.gateway.admin_token_sha256)

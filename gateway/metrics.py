@@ -2,16 +2,26 @@
 
 Labels are bounded: pool (configured), tier (3), outcome and reason (fixed vocabularies). Tenant
 names appear only when `gateway.tenant_metrics` is set; raw keys and prompts never do.
+
+Every counter series whose labels are known from the configuration (pools, their backends,
+teams, fail-open tiers) and the fixed vocabularies below is exported at 0 from the start:
+Prometheus sees a series that appears at 1 as no increase, so `rate()` and `increase()`, and
+the alerts on them, would miss its first event. Series with a tenant label are not: tenants are
+many, and a tenant's series exists once it has sent something.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from admission.config import Config
+from admission.store import RejectReason
 from admission.tiers import Tier
+from gateway.errors import KEY_SCOPE
 
 # Request outcomes (label values of kvgate_gateway_requests_total).
 OK = "ok"
@@ -23,6 +33,18 @@ UPSTREAM_ERROR = "upstream_error"
 UNAVAILABLE = "unavailable"  # Redis unreachable, failed closed
 FAIL_OPEN = "fail_open"
 INTERNAL_ERROR = "internal_error"
+REQUEST_OUTCOMES = (OK, REJECTED, INVALID, QUEUE_TIMEOUT, CLIENT_GONE, UPSTREAM_ERROR,
+                    UNAVAILABLE, FAIL_OPEN, INTERNAL_ERROR)
+"""The `outcome` values of kvgate_gateway_requests_total."""
+UNPARSED_POOL = "none"
+"""The `pool` of a request refused before its pool was known (a body that does not parse):
+its requests_total series exist for outcome `invalid` only."""
+REJECTION_REASONS = (*(reason.value for reason in RejectReason), QUEUE_TIMEOUT)
+"""The `reason` values of kvgate_gateway_rejections_total: admission's, and the queue's
+deadline."""
+UPSTREAM_ERROR_KINDS = ("unreachable", "error", "rejected", "timeout", "broken_stream",
+                        "oversized_event", "oversized_answer")
+"""The `kind` values of kvgate_gateway_upstream_errors_total (gateway.proxy)."""
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # TTFT counts from arrival, so it includes the queue wait: the buckets reach as far as the
@@ -45,7 +67,15 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 
 
 class GatewayMetrics:
-    def __init__(self, *, tenant_labels: bool = False) -> None:
+    """`pools`: pool name -> its backends' names; `quota_scopes`: the scopes a quota rejection
+    can name (`key`, `team:<name>` per configured team); `fail_open_tiers`: the tiers that can
+    fail open. Their counter series are exported at 0 from the start; without them every
+    labelled series appears with its first use. An app builds it with `of(config)`."""
+
+    def __init__(self, *, tenant_labels: bool = False,
+                 pools: Mapping[str, Sequence[str]] | None = None,
+                 quota_scopes: Iterable[str] = (),
+                 fail_open_tiers: Iterable[Tier] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tenant_labels = tenant_labels
         r = self.registry
@@ -115,9 +145,6 @@ class GatewayMetrics:
             ["pool", "node", "kind"], registry=r)
 
         self._children: dict[tuple[Any, ...], Any] = {}
-        # Exported at 0 from the start: Prometheus sees a series born at 1 as no increase, so
-        # rate() and increase() (and alerts on them) would miss a gateway's first Redis error
-        # or first settle given up. Labels with a pool are created on first use.
         for reason in AUTH_FAILURES:
             self.child(self.auth_failures, reason)
         for op in REDIS_OPS:
@@ -125,6 +152,44 @@ class GatewayMetrics:
         for op in SETTLE_OPS:
             for reason in GIVE_UP_REASONS:
                 self.child(self.settles_abandoned, op, reason)
+        scopes, fail_open = tuple(quota_scopes), tuple(fail_open_tiers)
+        for pool, nodes in (pools or {}).items():
+            self._zero(pool, nodes, scopes, fail_open)
+        if pools and not tenant_labels:
+            for tier in Tier:
+                self.child(self.requests, UNPARSED_POOL, tier.label, INVALID)
+
+    @classmethod
+    def of(cls, config: Config) -> GatewayMetrics:
+        """The metrics of a gateway serving `config`, its counters at 0."""
+        return cls(
+            tenant_labels=config.gateway.tenant_metrics,
+            pools={name: [b.name for b in pool.backends] for name, pool in config.pools.items()},
+            quota_scopes=(KEY_SCOPE, *(team.level.scope for team in config.teams.values())),
+            fail_open_tiers=config.gateway.fail_open_tiers,
+        )
+
+    def _zero(self, pool: str, nodes: Sequence[str], scopes: Sequence[str],
+              fail_open: Sequence[Tier]) -> None:
+        """Create one pool's counter series (a child starts at 0)."""
+        for counter in (self.wake_fallbacks, self.orphans):
+            self.child(counter, pool)
+        for scope in scopes:
+            self.child(self.quota_rejections, pool, scope)
+        for tier in fail_open:
+            self.child(self.fail_open, pool, tier.label)
+        for node in nodes:
+            for kind in UPSTREAM_ERROR_KINDS:
+                self.child(self.upstream_errors, pool, node, kind)
+        if self.tenant_labels:
+            return
+        for tier in Tier:
+            for outcome in REQUEST_OUTCOMES:
+                self.child(self.requests, pool, tier.label, outcome)
+            for reason in REJECTION_REASONS:
+                self.child(self.rejections, pool, tier.label, reason)
+            self.child(self.tokens_reserved, pool, tier.label)
+            self.child(self.tokens_settled, pool, tier.label)
 
     def child(self, metric: M, *labels: str) -> M:
         """`metric.labels(*labels)`, cached: the hot path skips prometheus-client's lookup."""

@@ -1,20 +1,38 @@
 """The scheduler's own Prometheus metrics, in a registry per service instance (tests run several
 in one process). Names start with ``kvgate_scheduler_``; zones are exported as a number
-(0 GREEN, 1 YELLOW, 2 RED) so a graph shows the level and an alert can compare it."""
+(0 GREEN, 1 YELLOW, 2 RED) so a graph shows the level and an alert can compare it.
+
+Every counter series whose labels are known from the configuration (pools, their backends, the
+stale policy) and the code's fixed vocabularies (tiers, reap kinds, scrape failure reasons) is
+exported at 0 from the start, on standbys too: Prometheus sees a series that appears at 1 as no
+increase, so `rate()` and `increase()`, and the alerts on them, would miss its first event.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from admission.tiers import Zone
+from admission.config import Config
+from admission.tiers import Tier, Zone
 from scheduler.fairmetrics import FairMetrics
+from scheduler.scrape import SCRAPE_FAILURES
 
 ZONE_LEVEL = {Zone.GREEN: 0, Zone.YELLOW: 1, Zone.RED: 2}
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
+REAP_KINDS = ("reaped", "expired")
+"""The `kind` values of kvgate_scheduler_reaped_total (SchedulerService.reap)."""
+
 
 class SchedulerMetrics:
-    def __init__(self) -> None:
+    """`pools`: pool name -> its backends' names, whose counters are exported at 0 from the
+    start (with `stale_policy`, the policy label of the stale scrapes counted); none: every
+    series appears with its first use. A service builds it with `of(config)`."""
+
+    def __init__(self, pools: Mapping[str, Sequence[str]] | None = None, *,
+                 stale_policy: str | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "kvgate_scheduler_"
         self.leader = Gauge(p + "leader", "1 while this replica leads, else 0.", registry=r)
@@ -113,10 +131,34 @@ class SchedulerMetrics:
                                     ["pool"], registry=r)
         self.fair = FairMetrics(r)
         """Per tenant and team (scheduler.fairmetrics)."""
+        for pool, nodes in (pools or {}).items():
+            self._zero(pool, nodes, stale_policy)
+
+    @classmethod
+    def of(cls, config: Config) -> SchedulerMetrics:
+        """The metrics of a scheduler running `config`, its counters at 0."""
+        return cls({name: [b.name for b in pool.backends] for name, pool in config.pools.items()},
+                   stale_policy=config.scheduler.stale_policy)
+
+    def _zero(self, pool: str, nodes: Sequence[str], stale_policy: str | None) -> None:
+        """Create one pool's counter series (a child starts at 0)."""
+        for counter in (self.fenced, self.expired, self.redis_errors):
+            counter.labels(pool)
+        for tier in Tier:
+            self.released.labels(pool, tier.label)
+        for kind in REAP_KINDS:
+            self.reaped.labels(pool, kind)
+        for node in nodes:
+            for reason in SCRAPE_FAILURES:
+                self.scrape_errors.labels(pool, node, reason)
+            if stale_policy is not None:
+                self.stale.labels(pool, node, stale_policy)
 
     def forget_pools(self) -> None:
         """Drop every per-pool gauge: a replica that stopped leading must not go on exporting
-        the last figures it saw, or sums over replicas count them twice."""
+        the last figures it saw, or sums over replicas count them twice. Counters stay: a
+        standby's do not move, so they add nothing to a sum of rates, and dropping them would
+        read as a reset."""
         self.fair.forget()
         for gauge in (self.zone, self.pool_usage, self.usage_ratio, self.kv_usage,
                       self.projected, self.budget, self.reserved, self.ejected,

@@ -18,12 +18,15 @@ usage is the highest engine's (conservative), counts and capacities are summed.
 A usage, running or waiting figure that is not a finite number (NaN before an engine reports)
 makes the page unusable, a failed scrape like an unparsable one (reason `parse`); a counter
 that is not finite (preemptions, prompt tokens, the inter-token histogram) is read as absent.
+A page larger than `MAX_PAGE_BYTES` is not read to its end (reason `oversized`).
 A scrape never raises: whatever fails counts as a failed scrape of the node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import codecs
+import contextlib
 import logging
 import math
 import time
@@ -34,6 +37,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from admission.config import Backend
+from scheduler.failurelog import FailureLog
 
 USAGE_V1 = "vllm:kv_cache_usage_perc"
 USAGE_V0 = "vllm:gpu_cache_usage_perc"
@@ -46,6 +50,19 @@ ITL_V1 = "vllm:inter_token_latency_seconds"
 ITL_V0 = "vllm:time_per_output_token_seconds"
 DEFAULT_BLOCK_SIZE = 16
 
+MAX_PAGE_BYTES = 8 * 1024 * 1024
+"""Largest /metrics page read from a node, in bytes as received after any content decoding
+(gzip). vLLM's page is tens of kilobytes, a few hundred with many LoRA adapters or one set of
+histograms per engine; 8 MiB leaves it more than an order of magnitude of room while bounding
+what a broken or hostile node can make the leader buffer (one page per node being scraped),
+which the scrape timeout alone does not: a fast network carries hundreds of megabytes within
+the default 200 ms."""
+
+SCRAPE_FAILURES = ("timeout", "connect", "parse", "oversized", "error")
+"""The `reason` values of a failed scrape (kvgate_scheduler_scrape_errors_total), exported at 0
+for every node from the start. The one other reason, `http_<status>` (the node answered with
+that status), is an open set and appears with its first occurrence."""
+
 log = logging.getLogger("kvgate.scheduler.scrape")
 
 _NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO, PROMPT_TOKENS,
@@ -57,6 +74,41 @@ _WANTED = tuple(
 
 class MetricsError(ValueError):
     """The page answered but lacks what the scheduler needs (no KV usage gauge)."""
+
+
+class PageTooLarge(Exception):
+    """The page is larger than the cap (`MAX_PAGE_BYTES`): declared so, or found so while
+    reading it."""
+
+
+def _charset(response: aiohttp.ClientResponse) -> str:
+    # As aiohttp's `text()` decodes: the declared charset, UTF-8 when none or an unknown one.
+    with contextlib.suppress(LookupError, ValueError):
+        if response.charset:
+            return codecs.lookup(response.charset).name
+    return "utf-8"
+
+
+async def read_page(response: aiohttp.ClientResponse, limit: int = MAX_PAGE_BYTES) -> str:
+    """The response's body as text, read as it arrives; PageTooLarge (and the connection
+    closed) as soon as it passes `limit` bytes, or at once when its Content-Length does.
+
+    What is held is never much more than `limit` (one network read beyond it), however much
+    the node sends before the scrape's timeout. A body that is not text in its charset raises
+    ValueError (UnicodeDecodeError), as for `ClientResponse.text()`."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        response.close()
+        raise PageTooLarge(f"/metrics page of {declared} bytes (Content-Length) is over the "
+                           f"{limit}-byte cap")
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            # Closed rather than drained: the rest could take as long as the node likes.
+            response.close()
+            raise PageTooLarge(f"/metrics page is over the {limit}-byte cap")
+    return body.decode(_charset(response))
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,10 +279,17 @@ class Poller:
         on_scrape: ScrapeHook | None = None,
         clock: Callable[[], float] = time.monotonic,
         pool: str = "",
+        max_page_bytes: int = MAX_PAGE_BYTES,
     ) -> None:
         self.pool = pool
         """The pool's name, for log lines (a replica polls several pools' nodes)."""
         self.nodes = [NodeState(b) for b in backends]
+        self.max_page_bytes = max_page_bytes
+        # An oversized page fails every scrape (20 a second by default): one line per streak.
+        self._oversized = {
+            b.name: FailureLog(f"pool {pool}: node {b.name} scrape", clock, log,
+                               recovered=f"pool {pool}: node {b.name} /metrics page fits again")
+            for b in backends}
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.stale_after_s = stale_after_s
@@ -248,11 +307,15 @@ class Poller:
                 if response.status != 200:
                     error = f"http_{response.status}"
                 else:
-                    node.metrics = parse_vllm_metrics(await response.text())
+                    page = await read_page(response, self.max_page_bytes)
+                    node.metrics = parse_vllm_metrics(page)
         except TimeoutError:
             error = "timeout"
         except aiohttp.ClientError:
             error = "connect"
+        except PageTooLarge as exc:
+            error = "oversized"
+            self._oversized[node.name].failed(exc)
         except ValueError:  # MetricsError, or a body that is not text in its charset
             error = "parse"
         except Exception as exc:
@@ -264,6 +327,7 @@ class Poller:
         if error is None:
             node.failures, node.ok_at, node.last_error = 0, self.clock(), ""
             node.seq += 1
+            self._oversized[node.name].succeeded()
         else:
             node.failures += 1
             node.last_error = error

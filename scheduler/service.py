@@ -80,7 +80,7 @@ class SchedulerService:
         self.settings = config.scheduler
         self.me = me or config.scheduler.id or default_id()
         self.clock = clock
-        self.metrics = SchedulerMetrics()
+        self.metrics = SchedulerMetrics.of(config)
         self._client = client
         self._own_client = client is None
         self.client: Any = None

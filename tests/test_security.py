@@ -343,7 +343,7 @@ async def test_batch_key_cannot_escalate_through_headers_or_body(
         assert status == 200 and (await gw.task(headers["X-Request-Id"]))["tier"] == "2"
         registry = gw.gateway.metrics.registry
         assert registry.get_sample_value("kvgate_gateway_requests_total", {
-            "pool": POOL, "tier": "vip", "outcome": "ok"}) is None
+            "pool": POOL, "tier": "vip", "outcome": "ok"}) == 0
         await gw.settled()
         # Nothing secret at rest in Redis: no key, no digest, no prompt.
         dump = await _redis_dump(gw.redis)

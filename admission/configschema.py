@@ -381,6 +381,16 @@ class GatewaySettings:
     port: int = tcp_port(8000)
     id: str | None = None
     max_body_bytes: int = at_least(1024, 4 * 1024 * 1024)
+    request_read_timeout_ms: int = at_least(1, 30_000)
+    """Longest a client may take to send a generation request's body, counted from the end of
+    its headers; then 408 `request_timeout`. Until then a client trickling its body holds a
+    connection and a handler."""
+    keepalive_timeout_ms: int = at_least(1, 75_000)
+    """Longest a client connection stays open without a complete request head: idle between
+    requests, or sending a request line and headers (aiohttp's keep-alive timer, the only
+    bound it has on a head). Above the 60 s idle timeouts of AWS ALB and nginx's upstream
+    keep-alive, so that such a load balancer never reuses a connection the gateway is
+    closing."""
     lease_ttl_ms: int = at_least(100, 10_000)
     renew_interval_ms: int = at_least(10, 3_000)
     wake_fallback_ms: int = at_least(10, 250)

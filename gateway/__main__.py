@@ -34,7 +34,7 @@ from admission.cli import (
 from admission.config import ConfigError, load_config, startup_warnings
 from gateway.app import create_app
 from gateway.shutdown import CANCEL_GRACE_S, SETTLE_MARGIN_S, stop_serving
-from gateway.state import GATEWAY, GATEWAY_ID, IN_FLIGHT
+from gateway.state import CONFIG, GATEWAY, GATEWAY_ID, IN_FLIGHT
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -58,16 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(app: web.Application, host: str, sockets: list[socket.socket], *,
-                access_log: bool, shutdown_timeout: float) -> None:
-    runner = web.AppRunner(
+def make_runner(app: web.Application, *, access_log: bool) -> web.AppRunner:
+    """The runner of a gateway app made by `create_app` (its `CONFIG` is read), not set up.
+
+    A connection without a complete request head is closed after `gateway.keepalive_timeout_ms`
+    (the body's own deadline, `request_read_timeout_ms`, is the handler's). aiohttp has no
+    timeout for a head: its keep-alive timer is the one bound, armed when a connection opens
+    and when an answer ends, not moved by bytes that come in, and on firing it closes the
+    connection if no complete head has arrived (idle or sent byte by byte alike)."""
+    return web.AppRunner(
         app,
         handler_cancellation=True,  # a client that hangs up cancels its queued request
         access_log=logging.getLogger("aiohttp.access") if access_log else None,
         # stop_serving waits for and cancels the requests itself; aiohttp's own wait is left
         # only for one that ignored its cancellation.
         shutdown_timeout=CANCEL_GRACE_S,
+        keepalive_timeout=app[CONFIG].gateway.keepalive_timeout_ms / 1000,
     )
+
+
+async def serve(app: web.Application, host: str, sockets: list[socket.socket], *,
+                access_log: bool, shutdown_timeout: float) -> None:
+    runner = make_runner(app, access_log=access_log)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

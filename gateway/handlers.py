@@ -46,6 +46,19 @@ def _client_timeout_ms(value: str | None) -> int | None:
     return max(1, math.ceil(min(seconds, MAX_CLIENT_TIMEOUT_S) * 1000))
 
 
+async def _read_body(request: web.Request, timeout_ms: int) -> bytes:
+    """The request's body, or 408 `request_timeout` once reading it has taken `timeout_ms`:
+    a client that sends its body byte by byte would otherwise hold its connection and this
+    handler for as long as it likes."""
+    try:
+        async with asyncio.timeout(timeout_ms / 1000):
+            return await request.read()
+    except TimeoutError:
+        # The rest of the body is still on its way: the connection cannot carry another request.
+        raise ApiError(408, f"The request body did not arrive within {timeout_ms / 1000:g} s.",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+
+
 def _outcome_of(error: ApiError) -> str:
     if error.code == "admission_unavailable":
         return m.UNAVAILABLE
@@ -72,8 +85,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     tenant = _tenant(gw, request)
     tier = effective_tier(tenant, request.headers.get(PRIORITY_HEADER))
     client_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
-    raw = await request.read()
     try:
+        raw = await _read_body(request, gw.config.gateway.request_read_timeout_ms)
         inbound = await parse_inbound(kind, raw, gw.pools, tier, tenant.name)
     except ApiError:
         labels = metrics.tier_labels("none", tier, tenant.name)

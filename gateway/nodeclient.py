@@ -9,10 +9,11 @@ and a read timeout that fires when the node has sent nothing for that long (as a
 `sock_read`).
 
 Errors: `NodeUnreachable` when no connection could be made (nothing was sent), `NodeTimeout`
-when the node went quiet, `NodeError` for any other failure (connection lost, malformed
-answer). A request that finds its reused connection closed by the node before any byte of an
-answer is sent again once on a new connection: servers close idle keep-alive connections on
-their own schedule (vLLM's uvicorn after 5 s), and such a connection never reached the app.
+when the node went quiet, `AnswerTooLarge` when a body read whole outgrows the reader's limit,
+`NodeError` for any other failure (connection lost, malformed answer). A request that finds
+its reused connection closed by the node before any byte of an answer is sent again once on a
+new connection: servers close idle keep-alive connections on their own schedule (vLLM's
+uvicorn after 5 s), and such a connection never reached the app.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["NodeClient", "NodeError", "NodeResponse", "NodeTimeout", "NodeUnreachable"]
+__all__ = ["AnswerTooLarge", "NodeClient", "NodeError", "NodeResponse", "NodeTimeout",
+           "NodeUnreachable"]
 
 PAUSE_READING_BYTES = 256 * 1024
 """A stream whose reader (the gateway's client) lags this far behind stops reading the node
@@ -45,6 +47,15 @@ class NodeUnreachable(NodeError):
 
 class NodeTimeout(NodeError, TimeoutError):
     """The node sent nothing for the read timeout."""
+
+
+class AnswerTooLarge(NodeError):
+    """The body is longer than `NodeResponse.read`'s limit: the rest was not read, and the
+    connection was closed (which also stops the node's generation)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the node's answer is over {limit} bytes")
+        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +77,14 @@ def _origin(base_url: str) -> _Origin:
     host = parts.hostname
     shown = f"[{host}]" if ":" in host else host
     return _Origin(host, port, tls, parts.path.rstrip("/"), f"{shown}:{port}".encode("idna"))
+
+
+def _declared_length(headers: Mapping[str, str]) -> int:
+    """The body length a `Content-Length` header declares; -1 when there is none."""
+    try:
+        return int(headers.get("content-length", "-1"))
+    except ValueError:  # llhttp refuses a malformed one before the headers are complete
+        return -1
 
 
 class _Connection(asyncio.Protocol):
@@ -239,16 +258,47 @@ class NodeResponse:
         self.headers: Mapping[str, str] = conn.headers
         """Lower-case names."""
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body. A body over `limit` bytes (None: no limit) raises `AnswerTooLarge`
+        as soon as that shows (a `Content-Length` over it: before any byte is taken), with
+        the connection closed: a node's answer is otherwise held whole, however large."""
+        conn = self._conn
+        if limit is not None and _declared_length(self.headers) > limit:
+            raise self._too_large(limit)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            if conn.chunks:
+                data = conn.take()  # may resume reading: a large body must not stall
+                size += len(data)
+                if limit is not None and size > limit:
+                    raise self._too_large(limit)
+                parts.append(data)
+            elif conn.complete:
+                return b"".join(parts)
+            else:
+                await conn.wait()
+
+    async def read_prefix(self, limit: int) -> bytes:
+        """The body's first `limit` bytes (all of it when shorter); a longer rest is left
+        unread, so that `release()` then closes the connection."""
         conn = self._conn
         parts: list[bytes] = []
-        while not conn.complete:
+        size = 0
+        while size < limit:
             if conn.chunks:
-                parts.append(conn.take())  # may resume reading: a large body must not stall
-                continue
-            await conn.wait()
-        parts.append(conn.take())
-        return b"".join(parts)
+                data = conn.take()
+                size += len(data)
+                parts.append(data)
+            elif conn.complete:
+                break
+            else:
+                await conn.wait()
+        return b"".join(parts)[:limit]
+
+    def _too_large(self, limit: int) -> AnswerTooLarge:
+        self._conn.abort()
+        return AnswerTooLarge(limit)
 
     async def iter_any(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive, in pieces of whatever size came."""

@@ -16,6 +16,11 @@ from gateway.errors import OPENAI_ERROR_TYPES, ApiError, client_error_type
 NODE_TEXT_LIMIT = 1000
 """Characters of a node's error body kept as the message when it is not a JSON error (an HTML
 page from a proxy in front of the node, say)."""
+ERROR_BODY_BYTES = 64 << 10
+"""The most of a node's error answer (a status other than 200) the gateway reads; the rest is
+dropped with the connection. vLLM's JSON errors are well under a kilobyte, so no real one is
+cut; a body cut here is no longer JSON and its first `NODE_TEXT_LIMIT` characters become the
+message. Unbounded, a node could make the gateway hold any amount for one error."""
 
 
 def node_client_error(status: int, body: bytes) -> ApiError:

@@ -51,6 +51,8 @@ _GENERATION_ERRORS = {
     "403": _error("The key's quota is exhausted and never refills (insufficient_quota).",
                   _NO_RETRY),
     "404": _error("Unknown model (pool)."),
+    "408": _error("The request body did not arrive within gateway.request_read_timeout_ms "
+                  "(request_timeout); the connection is closed."),
     "413": _error("Request body larger than the configured limit."),
     "429": _error("Backpressure: capacity_exceeded (pool saturated, queue full, queue "
                   "timeout) or the rate_limit_exceeded family (the key's token bucket; "

@@ -26,8 +26,10 @@ answer has begun: a whole answer's headers come only with its last token.
 
 The node is trusted no further than it must be: its usage is charged up to what the request
 could have used (`Meter.ceiling`), one SSE event is held up to `MAX_EVENT_BYTES` (then the
-stream ends as broken), and a client that reads nothing for `upstream_timeout_ms` is dropped
-like one that left (`gateway.clientio`).
+stream ends as broken), a whole answer up to what the request can produce
+(`gateway.answersize`; then 502 `upstream_oversized_answer`), an error answer up to
+`ERROR_BODY_BYTES` (the rest is dropped), and a client that reads nothing for
+`upstream_timeout_ms` is dropped like one that left (`gateway.clientio`).
 """
 
 from __future__ import annotations
@@ -44,11 +46,12 @@ import orjson
 from aiohttp import web
 
 from gateway.admit import Ticket
+from gateway.answersize import whole_answer_limit
 from gateway.clientio import ClientStalled, StallGuard, end_within
 from gateway.errors import ApiError, jittered, unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.nodeclient import NodeClient, NodeError, NodeResponse, NodeUnreachable
-from gateway.nodeerrors import error_message, node_client_error, node_stream_error
+from gateway.nodeclient import AnswerTooLarge, NodeClient, NodeError, NodeResponse, NodeUnreachable
+from gateway.nodeerrors import ERROR_BODY_BYTES, error_message, node_client_error, node_stream_error
 from gateway.parse import Inbound
 
 log = logging.getLogger("kvgate.gateway")
@@ -361,7 +364,7 @@ class Upstream:
         self, upstream: NodeResponse, ticket: Ticket, meter: Meter
     ) -> web.StreamResponse:
         try:
-            body = await upstream.read()
+            body = await upstream.read_prefix(ERROR_BODY_BYTES)
         except NodeError:
             body = b""
         meter.phase = Phase.PENDING  # nothing generated: refund in full
@@ -379,8 +382,15 @@ class Upstream:
         self, request: web.Request, upstream: NodeResponse, inbound: Inbound, ticket: Ticket,
         meter: Meter,
     ) -> web.StreamResponse:
+        limit = whole_answer_limit(inbound.body, prompt_tokens=inbound.prompt_tokens,
+                                   output_tokens=inbound.max_tokens)
         try:
-            body = await upstream.read()
+            body = await upstream.read(limit)
+        except AnswerTooLarge:
+            # Charged as any broken answer (the phase stays SENT): the node did work.
+            raise self._failed(ticket, "oversized_answer", 502,
+                               f"The inference node's answer exceeded {limit} bytes, more than "
+                               "this request can produce. Please retry.") from None
         except NodeError:
             raise self._failed(ticket, "error", 502,
                                "The inference node broke off its answer. Please retry.") from None

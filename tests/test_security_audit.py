@@ -136,7 +136,8 @@ async def test_a_node_reporting_absurd_usage_charges_at_most_what_the_request_co
 
 async def _endless_stream(request: web.Request) -> web.StreamResponse:
     """A generation that never ends, in 64 KB events, as fast as the gateway takes them; or,
-    not streamed, a 32 MB answer (more than the kernel's socket buffers hold)."""
+    not streamed, a 32 MB answer (more than the kernel's socket buffers hold, and within what
+    1,000 tokens with logprobs may take: `gateway.answersize.whole_answer_limit`)."""
     body = orjson.loads(await request.read())
     if not body.get("stream"):
         content = "x" * (32 << 20)
@@ -179,7 +180,8 @@ async def test_a_client_that_never_reads_its_answer_does_not_hold_its_reservatio
     async with hostile_gateway(redis_url, _endless_stream, upstream_timeout_ms=300) as (url, app):
         gw = app[GATEWAY]
         store = gw.pools[POOL].store
-        sock = await _send_and_never_read(url, chat(max_tokens=1000, stream=stream))
+        sock = await _send_and_never_read(url, chat(max_tokens=1000, stream=stream,
+                                                    logprobs=True, top_logprobs=20))
         try:
             gateway_set = store.keys.gateway_tasks_key("gw-audit")
 

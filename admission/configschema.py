@@ -283,6 +283,10 @@ class PoolSettings:
     default_system_prompt: str | None = None
     pass_priority: bool = False
     """Forward the tier as vLLM's `priority` (needs --scheduling-policy priority)."""
+    isolate_prefix_cache: bool = False
+    """Give each tenant its own partition of the nodes' prefix cache: a request without a
+    `cache_salt` is sent with one derived from its tenant (vLLM V1 engines; V0 refuses the
+    field). Off: unsalted requests of all tenants share the cache."""
     served_model_name: str | None = None
     """The model name the backends serve (vLLM --served-model-name); None = the pool name.
     The gateway writes it into the forwarded request's `model`."""

@@ -23,6 +23,7 @@ answer with it; the served name is the deployment's business.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -114,6 +115,16 @@ def tenant_salt(tenant: str, salt: object) -> str:
     return hashlib.sha256(f"{tenant}\0{salt}".encode("utf-8", "surrogatepass")).hexdigest()
 
 
+@functools.lru_cache(maxsize=4096)
+def tenant_default_salt(tenant: str) -> str:
+    """The `cache_salt` of a tenant's requests that carry none, with the pool's
+    `isolate_prefix_cache`: its own partition of the prefix cache, apart from every other
+    tenant's and from each of its own salts (`tenant_salt` hashes a non-empty salt after the
+    separator, this nothing). Without it, one tenant could learn from the time to its first
+    token whether another had sent the same prefix."""
+    return hashlib.sha256(f"{tenant}\0".encode("utf-8", "surrogatepass")).hexdigest()
+
+
 async def parse_inbound(
     kind: Kind, raw: bytes, pools: Mapping[str, PoolRuntime], tier: Tier,
     tenant: str = "",
@@ -121,9 +132,11 @@ async def parse_inbound(
     """`tenant`: the sender's name, which scopes its `cache_salt`."""
     body = decode(raw)
     pool = pool_of(body, pools)
+    settings = pool.settings
     if body.get("cache_salt") is not None:
         body["cache_salt"] = tenant_salt(tenant, body["cache_salt"])
-    settings = pool.settings
+    elif settings.isolate_prefix_cache:
+        body["cache_salt"] = tenant_default_salt(tenant)
 
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):

@@ -276,6 +276,28 @@ async def test_engine_fields_of_the_body_stay_the_operators(
         assert len(backend.received) == before
 
 
+async def test_an_isolated_prefix_cache_salts_every_tenants_unsalted_requests(
+    redis_url: str, redis_client: Any,
+) -> None:
+    """With the pool's `isolate_prefix_cache`, a request without a salt still lands in its
+    tenant's own partition: the same for the tenant's requests, another for each other tenant,
+    and apart from the partitions of the tenant's own salts."""
+    def isolate(data: dict[str, Any]) -> None:
+        data["pools"][0]["isolate_prefix_cache"] = True
+
+    async with running_gateway(redis_url, adjust=isolate) as gw:
+        await gw.publish(Zone.GREEN, BIG)
+        backend = gw.backends[0]
+        for who, body in (("normal", chat()), ("batch", chat()), ("normal", chat(cache_salt=None)),
+                          ("normal", chat(cache_salt="mine"))):
+            status, payload, _ = await _post(gw.url, body, who)
+            assert status == 200, payload
+        salts = [r.body.get("cache_salt") for r in backend.received]
+        assert all(isinstance(salt, str) and len(salt) == 64 for salt in salts), salts
+        assert salts[0] == salts[2]  # one tenant's unsalted requests share a partition
+        assert len({salts[0], salts[1], salts[3]}) == 3
+
+
 # --- the admin token being guessed ---------------------------------------------------------
 
 

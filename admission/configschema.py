@@ -283,6 +283,10 @@ class PoolSettings:
     default_system_prompt: str | None = None
     pass_priority: bool = False
     """Forward the tier as vLLM's `priority` (needs --scheduling-policy priority)."""
+    accept_chat_template: bool = False
+    """Forward a chat request's own `chat_template` (nodes started with vLLM's
+    --trust-request-chat-template). Off: such a request is refused with a 400, since the
+    gateway counts the prompt with the pool's template and the client's could be far longer."""
     isolate_prefix_cache: bool = False
     """Give each tenant its own partition of the nodes' prefix cache: a request without a
     `cache_salt` is sent with one derived from its tenant (vLLM V1 engines; V0 refuses the

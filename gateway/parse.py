@@ -16,6 +16,10 @@ the client's `request_id` and `kv_transfer_params` are dropped, and its `cache_s
 replaced by a digest of the tenant's name and the salt, so that no tenant can name another's
 prefix-cache partition (and time its hits).
 
+A chat request's own `chat_template` is refused unless the pool sets `accept_chat_template`
+(for nodes that trust request templates): the prompt is counted with the pool's template, and
+a client's could be far longer than counted.
+
 The answer goes back with the client's own `model` (`Inbound.reply_model`) unless the pool
 sets `echo_requested_model = false`: the client asked for the pool's name and compares the
 answer with it; the served name is the deployment's business.
@@ -179,6 +183,13 @@ async def parse_inbound(
             code="max_tokens_too_large",
         )
 
+    if (kind == "chat" and body.get("chat_template") is not None
+            and not settings.accept_chat_template):
+        # The prompt is counted with the pool's template; the client's own could render the
+        # same messages many times over and reserve a fraction of the KV it takes.
+        raise never_retry(400, "This deployment does not accept a request's own "
+                          "'chat_template'; the model's template applies.",
+                          param="chat_template", code="chat_template_not_accepted")
     messages = body.get("messages")
     if (kind == "chat" and isinstance(messages, list)
             and len(messages) * MIN_TURN_TOKENS >= settings.context_length):

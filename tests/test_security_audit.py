@@ -298,6 +298,33 @@ async def test_an_isolated_prefix_cache_salts_every_tenants_unsalted_requests(
         assert len({salts[0], salts[1], salts[3]}) == 3
 
 
+async def test_a_requests_own_chat_template_is_refused_unless_the_pool_accepts_it(
+    redis_url: str, redis_client: Any,
+) -> None:
+    """The prompt is counted with the pool's template: a client's own, on a node that trusts
+    request templates, could render the messages a hundred times and reserve a hundredth."""
+    template = "{% for i in range(100) %}{% for m in messages %}{{ m.content }}{% endfor %}" \
+               "{% endfor %}"
+    async with running_gateway(redis_url) as gw:
+        await gw.publish(Zone.GREEN, BIG)
+        status, payload, headers = await _post(gw.url, chat(chat_template=template))
+        assert status == 400
+        error = orjson.loads(payload)["error"]
+        assert (error["param"], error["code"]) == ("chat_template", "chat_template_not_accepted")
+        assert headers.get("x-should-retry") == "false"
+        assert gw.backends[0].received == []
+        assert (await _post(gw.url, chat(chat_template=None)))[0] == 200
+
+    def accept(data: dict[str, Any]) -> None:
+        data["pools"][0]["accept_chat_template"] = True
+
+    async with running_gateway(redis_url, adjust=accept) as gw:
+        await gw.publish(Zone.GREEN, BIG)
+        status, payload, _ = await _post(gw.url, chat(chat_template=template))
+        assert status == 200, payload
+        assert gw.backends[0].received[-1].body["chat_template"] == template
+
+
 # --- the admin token being guessed ---------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from admission.config import Config
 from admission.connection import connect, eviction_warning, primary_locator, redis_address
 from admission.errors import describe
 from admission.keys import check_name
+from admission.looplag import probe as probe_loop_lag
 from admission.scripts import load_scripts, register_scripts
 from admission.store import PoolStore
 from gateway import handlers
@@ -167,6 +168,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     stop_renewing = asyncio.Event()
     background = [
         asyncio.create_task(hub.run(), name="kvgate-wake"),
+        asyncio.create_task(probe_loop_lag(metrics.loop_lag.observe), name="kvgate-loop-lag"),
         asyncio.create_task(hub.poll_forever(), name="kvgate-wake-fallback"),
         asyncio.create_task(
             renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, settler,

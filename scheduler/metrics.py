@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from admission.config import Config
+from admission.looplag import lag_histogram
 from admission.tiers import Tier, Zone
 from scheduler.fairmetrics import FairMetrics
 from scheduler.scrape import SCRAPE_FAILURES
@@ -36,6 +37,7 @@ class SchedulerMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "kvgate_scheduler_"
         self.leader = Gauge(p + "leader", "1 while this replica leads, else 0.", registry=r)
+        self.loop_lag = lag_histogram(p, r)
         self.epoch = Gauge(p + "epoch", "Fencing epoch of this replica's leadership (0: none).",
                            registry=r)
         self.leadership_changes = Counter(p + "leadership_changes",

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from admission.config import Config
 from admission.connection import connect, eviction_warning, redis_address
 from admission.errors import FencedError
+from admission.looplag import probe as probe_loop_lag
 from admission.scripts import Scripts, register_scripts
 from admission.store import PoolStore
 from scheduler.failurelog import FailureLog
@@ -132,6 +133,7 @@ class SchedulerService:
               for pool in self.pools),
             asyncio.create_task(self._reap_loop(), name="reaper"),
             asyncio.create_task(self._fair_metrics_loop(), name="fair-metrics"),
+            asyncio.create_task(probe_loop_lag(self.metrics.loop_lag.observe), name="loop-lag"),
         ]
         for task in self._tasks:
             task.add_done_callback(self._loop_ended)

@@ -1,0 +1,49 @@
+"""How late a service's event loop runs its timers: the one figure that tells a starved process
+(too little CPU, or one callback that holds the loop) from a slow dependency.
+
+Every request a gateway serves waits, at each of its steps (the body read, the admit round trip
+to Redis, the forward, each relayed chunk), for the loop to come back to it. When the process
+cannot get a core (a node shared with busier processes, a CPU limit below what the traffic
+needs) or one callback runs long, every one of those waits grows at once, and a fast path's
+first token is late although Redis and the nodes answered in time. Neither the request
+histograms nor Redis's SLOWLOG show that cause; the loop's own lateness does.
+
+`probe` sleeps `LAG_PROBE_INTERVAL_S` at a time and records how much later than asked each
+sleep returned. Probes land at moments unrelated to the work, so the share of probes later
+than some x estimates the share of time the loop is that far behind; a stall of d seconds
+shows in about d / `LAG_PROBE_INTERVAL_S` probes, with its remaining length at each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Histogram
+
+LAG_PROBE_INTERVAL_S = 0.1
+"""Ten wake-ups a second: negligible work, and enough probes for a P99 within minutes."""
+LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""A healthy loop is late by well under a millisecond; past 10 ms every request in the process
+waits that long at each step."""
+
+
+def lag_histogram(prefix: str, registry: CollectorRegistry) -> Histogram:
+    """`<prefix>event_loop_lag_seconds` in `registry`."""
+    return Histogram(
+        prefix + "event_loop_lag_seconds",
+        "How much later than asked the event loop woke a sleeping task, sampled every "
+        f"{LAG_PROBE_INTERVAL_S:g} s: a process short of CPU, or a long callback, delays "
+        "every request it serves by this much at each step.",
+        buckets=LAG_BUCKETS, registry=registry)
+
+
+async def probe(observe: Callable[[float], None],
+                interval_s: float = LAG_PROBE_INTERVAL_S) -> None:
+    """Pass the loop's lateness, in seconds, to `observe` (a histogram's) until cancelled."""
+    clock = time.perf_counter
+    while True:
+        asked = clock()
+        await asyncio.sleep(interval_s)
+        observe(max(0.0, clock() - asked - interval_s))

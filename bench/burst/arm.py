@@ -32,6 +32,7 @@ from admission.tiers import Tier
 from bench.burst.expconfig import POOL, Settings, api_key, kvgate_toml
 from bench.burst.loadgen import ClientSettings, LoadGenerator, Outcome
 from bench.burst.monitor import Monitor, QueueSource, Sample, proxy_queues, redis_queues
+from bench.burst.phaseload import PhaseClock
 from bench.burst.workload import Schedule
 from bench.common.localredis import LocalRedis, free_port, start_redis
 from bench.common.openloop import LoopLag, quiet_collector
@@ -62,6 +63,9 @@ class ArmResult:
     """Cores used on average while the load ran, by kind of process (sims, gateways, ...)."""
     client_lag: list[float] = field(default_factory=list)
     """The load generator's own worst event-loop lag (wall s) in each second of the arm."""
+    phase_load: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per phase (calm, burst): cores used by kind of process and, in arm (c), how late the
+    gateways' event loops ran (bench.burst.phaseload)."""
 
 
 def cpu_seconds(pid: int) -> float:
@@ -245,12 +249,15 @@ async def _drive(
 
     pids = services.pids()
     cpu_start = _cpu_by_kind(pids)
+    phases = PhaseClock(session, targets if arm == "c" else [], lambda: _cpu_by_kind(pids),
+                        {"calm": profile.window("baseline"), "burst": profile.window("burst")})
     with quiet_collector():
         t0 = time.perf_counter() + 0.2
         stop_monitor, stop_probe = asyncio.Event(), asyncio.Event()
         client_lag = LoopLag()
         lag_task = asyncio.create_task(client_lag.run(t0, stop_probe))
         monitor_task = asyncio.create_task(monitor.run(t0, stop_monitor))
+        phase_task = asyncio.create_task(phases.run(t0, time.perf_counter))
         sender = asyncio.create_task(gen.run(session, t0))
         stopped_at = window_end
         try:
@@ -269,12 +276,15 @@ async def _drive(
         finally:
             # Cancelling thousands of requests holds the loop: the load is over, not measured.
             stop_probe.set()
+            phase_task.cancel()
             sender.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sender
             await gen.cancel()
             stop_monitor.set()
             await asyncio.gather(monitor_task, lag_task)
+            with contextlib.suppress(asyncio.CancelledError):
+                await phase_task
     elapsed = max(1e-9, time.perf_counter() - t0)
     # A process that died (a crashed node) reads 0 at the end; clamp rather than go negative.
     cpu = {kind: max(0.0, used - cpu_start.get(kind, 0.0)) / elapsed
@@ -286,6 +296,7 @@ async def _drive(
         admitted=gen.stats.admitted, rejected=gen.stats.rejected, crashed_nodes=crashed,
         max_loop_lag_s=monitor.max_lag, send_lag_max_s=gen.stats.send_lag_max,
         stopped_at=stopped_at, cpu=cpu, client_lag=client_lag.per_second,
+        phase_load=phases.loads(),
     )
 
 

@@ -48,6 +48,7 @@ from bench.burst.fallback import one_draw
 from bench.burst.idealpoint import POINTS
 from bench.burst.idealpoint import replay as ideal_replay_valued
 from bench.burst.mixes import MIXES, with_mix
+from bench.burst.phaseload import describe as describe_load
 from bench.burst.plot import plot
 from bench.burst.report import ArmSummary, markdown_table, summarize
 from bench.burst.ttft import load_traces
@@ -236,6 +237,8 @@ async def run_experiment(
             f"{summary.preemptions} preemptions, {summary.crashed_nodes} crashed, goodput "
             f"{summary.goodput_ratio or 0:.1%} of its bound; cores used: "
             + ", ".join(f"{k} {v:.2f}" for k, v in sorted(result.cpu.items())))
+        for line in describe_load(result.phase_load):
+            say(f"    {line}")
     return cap, results, summaries
 
 

@@ -104,6 +104,9 @@ class ArmSummary:
     """P50, P99 (simulated ms) of the rest of each burst VIP TTFT: the way to the node and the
     first token's way back (the gateway's hop; at a reduced scale a wall millisecond there is
     `time_scale` simulated ones)."""
+    phase_load: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per phase (calm, burst): cores used by kind of process and, in arm (c), how late the
+    gateways' event loops ran (bench.burst.phaseload): the lab's share of the hop's time."""
 
 
 def _censored(o: Outcome, burst_end: float) -> bool:
@@ -252,6 +255,7 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
         vip_engine_base=_p50_p99(engine_base),
         vip_engine_burst=_p50_p99(engine_burst),
         vip_front_burst=_p50_p99(front_burst),
+        phase_load=result.phase_load,
     )
 
 

@@ -1,0 +1,73 @@
+"""bench.burst.phaseload: the gateways' loop-lag histogram read off their /metrics pages (two
+real servers over loopback), and each phase's cores and lateness from two snapshots."""
+
+from __future__ import annotations
+
+import math
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from prometheus_client.exposition import generate_latest
+
+from bench.burst.phaseload import Snapshot, describe, lag_buckets, phase_load, read_lag
+from gateway.metrics import GatewayMetrics
+
+PAGE = web.AppKey("page", bytes)
+
+
+def _page(*lags: float) -> bytes:
+    metrics = GatewayMetrics()
+    for lag in lags:
+        metrics.loop_lag.observe(lag)
+    return generate_latest(metrics.registry)
+
+
+def test_the_buckets_are_read_cumulative_from_a_gateways_page() -> None:
+    buckets = lag_buckets(_page(0.0005, 0.003, 0.02).decode())
+    assert (buckets[0.001], buckets[0.005], buckets[0.05], buckets[math.inf]) == (1, 2, 3, 3)
+
+
+def test_a_phase_counts_only_what_happened_between_its_snapshots() -> None:
+    start = Snapshot(10.0, {"sims": 4.0, "gateways": 1.0},
+                     {0.001: 50, 0.005: 60, 0.02: 60, math.inf: 60})
+    # 100 probes in the phase: 80 within 1 ms, 10 more within 5 ms, 9 within 20 ms, 1 past it.
+    end = Snapshot(20.0, {"sims": 9.0, "gateways": 4.0, "redis": 0.5},
+                   {0.001: 130, 0.005: 150, 0.02: 159, math.inf: 160})
+    load = phase_load(start, end)
+    assert load["cores:sims"] == 0.5 and load["cores:gateways"] == 0.3
+    assert load["cores:redis"] == 0.05  # started after the first snapshot: from 0
+    assert load["gateway_probes"] == 100
+    assert load["gateway_late_share"] == 0.1
+    assert load["gateway_lag_p99_ms"] == 20.0
+    assert end.lag is not None
+    end_slow = Snapshot(20.0, end.cpu, {**end.lag, math.inf: 170})
+    assert phase_load(start, end_slow)["gateway_lag_p99_ms"] == math.inf
+    assert "gateway_probes" not in phase_load(start, Snapshot(20.0, end.cpu, None))
+    (line,) = describe({"burst": load})
+    assert line.startswith("burst: cores gateways 0.30, redis 0.05, sims 0.50; gateways' loops")
+
+
+async def test_the_gateways_are_summed_and_one_that_does_not_answer_voids_the_reading() -> None:
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=request.app[PAGE])
+
+    servers = []
+    for page in (_page(0.0005, 0.003), _page(0.02)):
+        app = web.Application()
+        app[PAGE] = page
+        app.router.add_get("/metrics", metrics)
+        servers.append(TestServer(app, host="127.0.0.1"))
+    for server in servers:
+        await server.start_server()
+    try:
+        urls = [str(s.make_url("")).rstrip("/") for s in servers]
+        async with aiohttp.ClientSession() as session:
+            lag = await read_lag(session, urls)
+            assert lag is not None and (lag[0.001], lag[0.005], lag[math.inf]) == (1, 2, 3)
+            assert await read_lag(session, []) is None
+            await servers[1].close()
+            assert await read_lag(session, urls) is None
+    finally:
+        for server in servers:
+            await server.close()

@@ -292,13 +292,25 @@ class Upstream:
         self._rejections_logged: set[tuple[str, int]] = set()
 
     def _failed(self, ticket: Ticket, kind: str, status: int, message: str, *,
-                logged: bool = True) -> ApiError:
-        """Counted each time; logged per task unless the caller logs it its own way."""
+                logged: bool = True, retry: bool | None = None) -> ApiError:
+        """Counted each time; logged per task unless the caller logs it its own way.
+
+        `retry` tells clients whether to send the request again (`x-should-retry`, which the
+        OpenAI SDKs and kvgate's obey over their status rules): True where the node did no
+        work and another attempt can pass (the OpenAI SDKs would retry a 502 anyway, kvgate's
+        only when told), False where no retry can pass (no retry hint then); None leaves it
+        to the status, for failures after which the node may still be generating."""
         self.metrics.child(self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
         if logged:
             log.warning("task %s: node %s failed: %s", ticket.task_id, ticket.node, kind)
-        return unavailable(message, code=f"upstream_{kind}",
-                           retry_ms=jittered(1000, self.jitter, self.rng), status=status)
+        if retry is False:
+            return ApiError(status, message, type_="server_error", code=f"upstream_{kind}",
+                            headers={"x-should-retry": "false"})
+        error = unavailable(message, code=f"upstream_{kind}",
+                            retry_ms=jittered(1000, self.jitter, self.rng), status=status)
+        if retry:
+            error.headers["x-should-retry"] = "true"
+        return error
 
     def _rejected(self, ticket: Ticket, status: int, message: str | None) -> ApiError:
         """A node that refuses the gateway's request as unauthorized or unknown: the client's
@@ -314,8 +326,9 @@ class Upstream:
         return self._failed(
             ticket, "rejected", 502,
             f"The inference node refused the gateway's request (HTTP {status}): a server-side "
-            "configuration problem, not your API key or model. Please retry later.",
-            logged=False)
+            "configuration problem, not your API key or model. A retry cannot pass until the "
+            "deployment is fixed.",
+            logged=False, retry=False)
 
     async def forward(
         self, request: web.Request, inbound: Inbound, ticket: Ticket, meter: Meter,
@@ -373,7 +386,8 @@ class Upstream:
         if upstream.status >= 500 or upstream.status == 429:
             message = error_message(body) or f"HTTP {upstream.status}"
             raise self._failed(ticket, "error", 502,
-                               f"The inference node failed: {message}. Please retry.")
+                               f"The inference node failed: {message}. Please retry.",
+                               retry=True)
         error = node_client_error(upstream.status, body)
         error.headers["X-Request-Id"] = ticket.task_id
         return error.response()

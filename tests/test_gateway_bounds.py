@@ -220,9 +220,12 @@ async def test_a_nodes_error_answer_is_read_only_up_to_its_cap(
     `ERROR_BODY_BYTES` and drops the node's connection."""
     node = Node(lambda request: _endless(request, node_status))
     async with gateway_over(redis_url, node) as front:
-        got, raw, _ = await asyncio.wait_for(_chat(front), WAIT_S)
+        got, raw, headers = await asyncio.wait_for(_chat(front), WAIT_S)
         error = _error(raw)
         assert (got, error["code"]) == (status, code)
+        # A node's 5xx came before any work: another attempt can pass, and the SDKs are told
+        # (kvgate's retries no 502 of its own accord); the node's 4xx is the request's fault.
+        assert headers.get("x-should-retry") == ("true" if node_status == 500 else None)
         assert len(error["message"]) <= NODE_TEXT_LIMIT
         await asyncio.wait_for(node.closed.wait(), WAIT_S)
         assert _upstream_errors(front, "error") == (1 if node_status == 500 else 0)

@@ -263,6 +263,9 @@ async def test_a_whole_answer_may_be_quiet_longer_the_more_tokens_it_may_generat
         assert info.value.status_code == 502
         assert info.value.code == "upstream_error"
         assert "NodeTimeout" in info.value.message
+        # The node may still be generating: the status decides, not a promise that a retry
+        # is cheap.
+        assert "x-should-retry" not in info.value.response.headers
 
 
 async def test_a_stream_gets_no_allowance_for_its_length(

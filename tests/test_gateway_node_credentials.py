@@ -101,7 +101,9 @@ async def test_without_a_pool_key_the_client_key_is_not_forwarded_and_the_refusa
             assert refused.value.status_code == 502
             assert refused.value.code == "upstream_rejected"
             assert "not your API key" in refused.value.message
-            assert refused.value.response.headers["Retry-After"]
+            # No retry can pass until the operator fixes the deployment: the SDKs are told so.
+            assert refused.value.response.headers["x-should-retry"] == "false"
+            assert "Retry-After" not in refused.value.response.headers
         counted = gw.app[METRICS].registry.get_sample_value(
             "kvgate_gateway_upstream_errors_total",
             {"pool": POOL, "node": "node-0", "kind": "rejected"})

@@ -248,3 +248,22 @@ async def running_gateway(
 async def _backends(instants: list[InstantBackend]) -> AsyncIterator[list[str]]:
     async with AsyncExitStack() as stack:
         yield [await stack.enter_async_context(serve_backend(b)) for b in instants]
+
+
+@asynccontextmanager
+async def hostile_gateway(
+    redis_url: str, node: Callable[[web.Request], Awaitable[web.StreamResponse]], **gateway: Any
+) -> AsyncIterator[tuple[str, Any]]:
+    """A gateway whose one node answers every generation with `node`; yields (URL, harness
+    pieces: the app) with the pool GREEN and room everywhere."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", node)
+    async with serve_app(app) as node_url:
+        config = parse_config(config_data(redis_url, [node_url], **gateway), env={})
+        gw_app = create_app(config, gateway_id="gw-audit", settle_drain_s=0.5)
+        async with serve_app(gw_app) as url:
+            gw = gw_app[GATEWAY]
+            await gw.hub.subscribed.wait()
+            store = gw.pools[POOL].store
+            await store.publish_state(1, Zone.GREEN, {"node-0": BIG})
+            yield url, gw_app

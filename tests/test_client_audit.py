@@ -15,7 +15,7 @@ import asyncio
 import re
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -94,6 +94,16 @@ async def broken_stream(request: web.Request, response: web.StreamResponse) -> N
     request.transport.abort()  # the node dies mid-answer
 
 
+async def until_error(stream: AsyncIterable[dict[str, Any]]
+                      ) -> tuple[list[dict[str, Any]], StreamError]:
+    """The chunks a stream yields before it raises `StreamError`, and the error."""
+    got: list[dict[str, Any]] = []
+    with pytest.raises(StreamError) as info:
+        async for c in stream:
+            got.append(c)
+    return got, info.value
+
+
 def text_of(chunks: list[dict[str, Any]]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
 
@@ -148,15 +158,11 @@ async def test_an_event_that_is_not_json_is_a_stream_error() -> None:
 
     async with serve_app(node_app(garbage)) as url, \
             AsyncKvgateClient(url + "/v1", api_key="k") as aclient:
-        stream = await aclient.stream_chat(POOL, MESSAGES)
-        got: list[dict[str, Any]] = []
-        with pytest.raises(StreamError) as info:
-            async for c in stream:
-                got.append(c)
+        got, error = await until_error(await aclient.stream_chat(POOL, MESSAGES))
     assert text_of(got) == "ok"
-    assert isinstance(info.value, KvgateError)
-    assert info.value.payload == "<html>proxy error</html>"
-    assert info.value.request_id == "req-direct"
+    assert isinstance(error, KvgateError)
+    assert error.payload == "<html>proxy error</html>"
+    assert error.request_id == "req-direct"
 
 
 async def test_an_error_member_that_is_null_is_no_error() -> None:
@@ -178,13 +184,9 @@ async def test_an_error_member_that_is_null_is_no_error() -> None:
 
     async with serve_app(node_app(nulls_then_error)) as url, \
             AsyncKvgateClient(url + "/v1", api_key="k") as aclient:
-        stream = await aclient.stream_chat(POOL, MESSAGES)
-        got: list[dict[str, Any]] = []
-        with pytest.raises(StreamError) as info:
-            async for c in stream:
-                got.append(c)
+        got, error = await until_error(await aclient.stream_chat(POOL, MESSAGES))
         assert text_of(got) == "ab"
-        assert (info.value.code, info.value.message) == ("x", "engine died")
+        assert (error.code, error.message) == ("x", "engine died")
         assert text_of(await asyncio.to_thread(sync_read, url)) == "ab"
 
 
@@ -203,12 +205,8 @@ async def test_errors_carry_param_and_request_id_from_the_gateway(
             assert refused.value.request_id is None  # refused before admission: no task
 
             stream = await aclient.stream_chat(POOL, MESSAGES, max_tokens=8)
-            got: list[dict[str, Any]] = []
-            with pytest.raises(StreamError) as broke:
-                async for c in stream:
-                    got.append(c)
+            got, error = await until_error(stream)
         assert text_of(got) == "t0"
-        error = broke.value
         assert error.code == "upstream_broken_stream"
         assert error.type == "server_error"
         assert error.message == "The inference node broke off the stream."

@@ -25,7 +25,6 @@ import pytest
 from aiohttp import web
 
 from admission.config import parse_config
-from admission.tiers import Zone
 from gateway.__main__ import make_runner
 from gateway.answersize import (
     ANSWER_BASE_BYTES,
@@ -37,7 +36,7 @@ from gateway.answersize import (
 from gateway.app import create_app
 from gateway.nodeerrors import NODE_TEXT_LIMIT
 from gateway.state import GATEWAY
-from tests.gateway_harness import BIG, KEYS, POOL, config_data, serve_app
+from tests.gateway_harness import KEYS, POOL, config_data, hostile_gateway
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 WAIT_S = 5.0
@@ -74,16 +73,8 @@ class Front:
 async def gateway_over(redis_url: str, node: Node, **gateway: Any) -> AsyncIterator[Front]:
     """A gateway (test runner) whose one node is `node`, its pool GREEN with room;
     `gateway`: settings of its `[gateway]` table."""
-    node_app = web.Application()
-    node_app.router.add_post("/v1/chat/completions", node.handle)
-    async with serve_app(node_app) as node_url:
-        config = parse_config(config_data(redis_url, [node_url], **gateway), env={})
-        app = create_app(config, gateway_id="gw-bounds", settle_drain_s=0.5)
-        async with serve_app(app) as url:
-            gw = app[GATEWAY]
-            await gw.hub.subscribed.wait()
-            await gw.pools[POOL].store.publish_state(1, Zone.GREEN, {"node-0": BIG})
-            yield Front(url, app)
+    async with hostile_gateway(redis_url, node.handle, **gateway) as (url, app):
+        yield Front(url, app)
 
 
 def _auth(who: str = "normal") -> dict[str, str]:

@@ -22,6 +22,7 @@ from aiohttp import web
 from scheduler.app import SERVICE
 from scheduler.app import create_app as scheduler_app
 from scheduler.scrape import MAX_PAGE_BYTES, Poller
+from tests.gateway_harness import serve_app
 from tests.scheduler_stub import FakeVllm, make_config, serve_fake
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -33,14 +34,8 @@ PATIENT_S = 30.0
 async def serve(handler: Handler) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/metrics", handler)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url
 
 
 def poller(url: str, session: aiohttp.ClientSession, errors: list[str | None]) -> Poller:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -15,9 +14,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from admission.config import parse_config
 from admission.tiers import Zone
-from gateway.app import create_app
 from gateway.estimator import CHAT_ROLES
 from gateway.parse import MIN_TURN_TOKENS
 from gateway.state import GATEWAY
@@ -25,10 +22,9 @@ from tests.gateway_harness import (
     BIG,
     KEYS,
     POOL,
-    config_data,
     eventually,
+    hostile_gateway,
     running_gateway,
-    serve_app,
     sha,
 )
 
@@ -44,24 +40,6 @@ def _chunk(content: str) -> bytes:
     return b"data: " + orjson.dumps({
         "id": "c", "object": "chat.completion.chunk", "model": POOL,
         "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}]}) + b"\n\n"
-
-
-@asynccontextmanager
-async def hostile_gateway(redis_url: str, node: Handler, **gateway: Any
-                          ) -> AsyncIterator[tuple[str, Any]]:
-    """A gateway whose one node answers every generation with `node`; yields (URL, harness
-    pieces: the app) with the pool GREEN and room everywhere."""
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", node)
-    async with serve_app(app) as node_url:
-        config = parse_config(config_data(redis_url, [node_url], **gateway), env={})
-        gw_app = create_app(config, gateway_id="gw-audit", settle_drain_s=0.5)
-        async with serve_app(gw_app) as url:
-            gw = gw_app[GATEWAY]
-            await gw.hub.subscribed.wait()
-            store = gw.pools[POOL].store
-            await store.publish_state(1, Zone.GREEN, {"node-0": BIG})
-            yield url, gw_app
 
 
 def _auth(who: str = "normal") -> dict[str, str]:

@@ -66,6 +66,18 @@ func mustRetrier(t interface{ Fatal(...interface{}) }, o RetrierOptions) *Retrie
 	return r
 }
 
+// budgetedRetrier is a retrier on a fake clock, with no jitter, whose budget starts full at
+// tokens tokens.
+func budgetedRetrier(t interface{ Fatal(...interface{}) }, tokens float64) (*Retrier, *Budget) {
+	opts := DefaultBudgetOptions()
+	opts.MaxTokens, opts.InitialTokens = tokens, tokens
+	budget, err := NewBudget(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return mustRetrier(t, RetrierOptions{Budget: budget, Clock: newFakeClock(), Rand: constRand(0)}), budget
+}
+
 // roundTripFunc is an in-memory http.RoundTripper for tests that need no socket.
 type roundTripFunc func(*http.Request) (*http.Response, error)
 

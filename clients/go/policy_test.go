@@ -132,10 +132,7 @@ func TestTransportSleepsAreUniformOverTheWindow(t *testing.T) {
 }
 
 func TestARetryIsCountedWhenSentAndRefundedWhenNever(t *testing.T) {
-	opts := DefaultBudgetOptions()
-	opts.MaxTokens, opts.InitialTokens = 2, 2
-	budget, _ := NewBudget(opts)
-	r := mustRetrier(t, RetrierOptions{Budget: budget, Clock: newFakeClock(), Rand: constRand(0)})
+	r, _ := budgetedRetrier(t, 2)
 	s := r.Begin(context.Background())
 	if !s.AfterResponse(429, http.Header{}).Retry {
 		t.Fatal("429 not retried")
@@ -305,10 +302,7 @@ func TestContextDeadlineWhenSoonerThanThePolicys(t *testing.T) {
 }
 
 func TestBudgetIsSpentOnlyOnRealRetries(t *testing.T) {
-	opts := DefaultBudgetOptions()
-	opts.MaxTokens, opts.InitialTokens = 1, 1
-	budget, _ := NewBudget(opts)
-	r := mustRetrier(t, RetrierOptions{Budget: budget, Clock: newFakeClock(), Rand: constRand(0)})
+	r, budget := budgetedRetrier(t, 1)
 	s := r.Begin(context.Background())
 	if s.AfterResponse(404, nil).Retry || budget.Stats().Tokens != 1 {
 		t.Fatal("a 404 spent a token")

@@ -3,6 +3,7 @@ real servers over loopback), and each phase's cores and lateness from two snapsh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import aiohttp
@@ -10,7 +11,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client.exposition import generate_latest
 
+from admission.tiers import Tier
+from bench.burst.criteria import validity
 from bench.burst.phaseload import Snapshot, describe, lag_buckets, phase_load, read_lag
+from bench.burst.report import ArmSummary
 from gateway.metrics import GatewayMetrics
 
 PAGE = web.AppKey("page", bytes)
@@ -71,3 +75,17 @@ async def test_the_gateways_are_summed_and_one_that_does_not_answer_voids_the_re
     finally:
         for server in servers:
             await server.close()
+
+
+def test_the_validity_line_says_how_busy_the_machine_was_when_it_was_recorded() -> None:
+    base = ArmSummary(arm="c", kv_peak=0.5, preemptions=0, crashed_nodes=0,
+                      success={t: 1.0 for t in Tier}, counted={t: 10 for t in Tier},
+                      vip_ttft_base=(100.0, 150.0), vip_ttft_burst=(120.0, 200.0),
+                      last_batch_s=0.0, batch_unfinished=0, goodput=1.0, goodput_ratio=0.9)
+    assert "cores busy" not in validity(base)  # older records: the line they were made with
+    loaded = dataclasses.replace(base, phase_load={
+        "calm": {"cores:sims": 0.2},
+        "burst": {"cores:sims": 0.5, "cores:gateways": 0.25, "gateway_late_share": 0.038}})
+    assert validity(loaded).endswith(
+        "; 0.75 cores busy in the burst, gateways' loops late by over 5 ms in 3.8% of their "
+        "probes)")

@@ -27,6 +27,7 @@ from typing import Any
 
 from admission.tiers import Tier
 from bench.burst.expconfig import ARM_TITLES
+from bench.burst.phaseload import LATE_S
 from bench.burst.report import ArmSummary
 
 KV_BAR = 0.80
@@ -195,13 +196,28 @@ def stall_dependence(s: ArmSummary, summaries: Sequence[ArmSummary]) -> str | No
             f"calm, {_x(without)} without the VIP requests waiting across one")
 
 
+def _burst_load(s: ArmSummary) -> str:
+    """How busy the machine was in the burst, when the run recorded it (bench.burst.phaseload):
+    the lab's share of the time outside the engine."""
+    load = s.phase_load.get("burst")
+    if not load:
+        return ""
+    cores = sum(v for k, v in load.items() if k.startswith("cores:"))
+    text = f"; {cores:.2f} cores busy in the burst"
+    if "gateway_late_share" in load:
+        text += (f", gateways' loops late by over {LATE_S * 1000:.0f} ms in "
+                 f"{load['gateway_late_share']:.1%} of their probes")
+    return text
+
+
 def validity(s: ArmSummary) -> str:
     """The run's validity with the lag figures it rests on (share of samples over the
     threshold, worst simulator loop lag; share of requests sent late, latest send; the load
     generator's worst loop lag and the VIP requests that waited across one of its stalls)."""
     lag = (f"sims over the lag bound {s.lag_ms[0]:.1%} of the time, worst {s.lag_ms[1]:.0f} "
            f"ms; {s.lag_ms[2]:.1%} sent late, latest {s.lag_ms[3]:.0f} ms; client loop worst "
-           f"{s.client_lag_ms[1]:.0f} ms, {s.client_lag_ms[2]} VIP across a stall")
+           f"{s.client_lag_ms[1]:.0f} ms, {s.client_lag_ms[2]} VIP across a stall"
+           + _burst_load(s))
     return (f"yes ({lag})" if not s.invalid
             else "**INVALID**: " + "; ".join(s.invalid) + f" ({lag})")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import ssl
 import tomllib
 import types
 import typing
@@ -28,7 +29,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from admission.configfields import ConfigError, bounds_of
+from admission.configfields import (
+    ConfigError,
+    bounds_of,
+    ceiling_error,
+    is_sha256,
+    split_address,
+)
 from admission.configschema import (
     DEFAULT_TIERS,
     Backend,
@@ -42,8 +49,6 @@ from admission.configschema import (
     TenantSettings,
     TierSettings,
     ZoneSettings,
-    is_sha256,
-    split_address,
 )
 from admission.controlconfig import ControlSettings
 from admission.quotaconfig import TeamSettings, check_members, check_teams
@@ -52,8 +57,8 @@ from admission.tiers import Tier
 __all__ = [
     "DEFAULT_TIERS", "Backend", "Config", "ConfigError", "ControlSettings", "DedicatedNodes",
     "EngineSettings", "GatewaySettings", "PoolSettings", "RedisSettings", "SchedulerSettings",
-    "TeamSettings", "TenantSettings", "TierSettings", "ZoneSettings", "load_config",
-    "parse_config", "split_address", "startup_warnings",
+    "TeamSettings", "TenantSettings", "TierSettings", "ZoneSettings", "check_redis_ca",
+    "load_config", "parse_config", "split_address", "startup_warnings",
 ]
 
 T = TypeVar("T")
@@ -95,6 +100,20 @@ class _Reader:
         unknown = sorted(set(self.table) - self.used)
         if unknown:
             raise ConfigError(f"{self.key(unknown[0])}: unknown key")
+
+
+class _Overridden(_Reader):
+    """A table whose setting `name` the environment's `variable` overrides: errors about that
+    setting name the variable, since the file's value is not the one at fault."""
+
+    def __init__(self, r: _Reader, name: str, variable: str) -> None:
+        super().__init__(r.table, r.where)
+        self.used = r.used
+        self.name, self.variable = name, variable
+
+    def key(self, name: str) -> str:
+        full = super().key(name)
+        return f"{self.variable} (which overrides {full})" if name == self.name else full
 
 
 def _kind_name(kinds: tuple[type, ...]) -> str:
@@ -173,6 +192,8 @@ def _field(r: _Reader, cls: type, name: str, defaults: Any = None) -> Any:
         return default  # an empty string leaves a string setting at its default
     bounds = bounds_of(f)
     problem = None if bounds is None else bounds.error(value)
+    if problem is None and kind is int:
+        problem = ceiling_error(name, value)
     if problem is not None:
         raise ConfigError(f"{where}: {problem}")
     return value
@@ -259,6 +280,24 @@ def _check_unique_tenants(tenants: tuple[TenantSettings, ...]) -> None:
                 raise ConfigError(f"tenants[{i}].key_sha256[{j}]: listed twice")
 
 
+def _check_unique_pools(pools: list[PoolSettings]) -> None:
+    """Pool names are unique, and so is each backend's URL within its pool: two entries of
+    one server would each be given its whole KV cache. (Pools may share a server: vLLM
+    serves several models, LoRA adapters, from one.)"""
+    names: dict[str, int] = {}
+    for i, pool in enumerate(pools):
+        first = names.setdefault(pool.name, i)
+        if first != i:
+            raise ConfigError(f"pools[{i}].name: pool {pool.name!r} is already defined by "
+                              f"pools[{first}]; pool names must be unique")
+        urls: dict[str, int] = {}
+        for j, backend in enumerate(pool.backends):
+            same = urls.setdefault(backend.url.lower(), j)
+            if same != j:
+                raise ConfigError(f"pools[{i}].backends[{j}].url: {backend.url!r} is also "
+                                  f"pools[{i}].backends[{same}]'s; one server is one backend")
+
+
 def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
     root = _Reader(dict(data), "")
     env = os.environ if env is None else env
@@ -266,9 +305,7 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     pools = [_pool(_Reader(p, f"pools[{i}]")) for i, p in enumerate(pools_raw)]
     if not pools:
         raise ConfigError("pools: at least one [[pools]] table is required")
-    names = [p.name for p in pools]
-    if len(set(names)) != len(names):
-        raise ConfigError("pools: pool names must be unique")
+    _check_unique_pools(pools)
     tenants = tuple(
         _section(_Reader(t, f"tenants[{i}]"), TenantSettings)
         for i, t in enumerate(root.get("tenants", list) or [])
@@ -279,6 +316,8 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     check_members(((f"tenants[{i}]", t.team, t.burst) for i, t in enumerate(tenants)), teams)
     redis = root.sub("redis")
     file_url = _field(redis, RedisSettings, "url")
+    if env.get("REDIS_URL"):
+        redis = _Overridden(redis, "url", "REDIS_URL")
     gateway = root.sub("gateway")
     file_admin_token = _field(gateway, GatewaySettings, "admin_token_sha256")
     config = Config(
@@ -301,11 +340,27 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as exc:  # a directory, no permission
+        raise ConfigError(f"config file {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     config = parse_config(data, env)
     config.backend_ssl_context()  # a CA file that cannot be loaded is an error of the file
     return config
+
+
+def check_redis_ca(config: Config) -> None:
+    """ConfigError if `redis.ssl_ca_file` cannot be loaded. The services call it at start:
+    otherwise every connection fails on it, and is retried for ever, with the file's error
+    alone. Not part of `load_config`, which checks files a process may not have mounted."""
+    path = config.redis.ssl_ca_file
+    if path is not None:
+        try:
+            ssl.create_default_context(cafile=path)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"redis.ssl_ca_file {path!r}: cannot load it ({exc})") from None
 
 
 def startup_warnings(config: Config) -> list[str]:

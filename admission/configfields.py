@@ -4,7 +4,9 @@ A settings dataclass (admission.configschema, admission.controlconfig) declares 
 field whose annotation is the key's type and whose default is the key's default; `at_least`,
 `between`, `optional_between`, `tcp_port` and `one_of` add the bounds a value must keep. The
 loader (admission.config) reads every field from the file by those declarations alone, so a
-default or a bound is written once, next to the setting it belongs to.
+default or a bound is written once, next to the setting it belongs to. Every integer setting
+also has a ceiling its declaration need not repeat (`ceiling_error`), and the checks of values
+that several settings share (URLs, addresses, hashes) are here too.
 
 A class may also declare
 
@@ -19,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl, urlsplit
 
 KeyName = Callable[[str], str]
 """The full name of a setting of the table being read, e.g. "yellow" -> "pools[0].zones.yellow"."""
@@ -85,6 +89,11 @@ def tcp_port(default: int) -> int:
     return field(default=default, metadata={BOUNDS: Bounds(lo=0, hi=PORT_MAX)})
 
 
+def optional_at_least(minimum: int) -> int | None:
+    """An integer setting of at least `minimum`, unset (None) by default."""
+    return field(default=None, metadata={BOUNDS: Bounds(lo=minimum)})
+
+
 def optional_between(lo: float, hi: float) -> float | None:
     """A number setting in [lo, hi], unset (None) by default."""
     return field(default=None, metadata={BOUNDS: Bounds(lo=float(lo), hi=float(hi))})
@@ -99,3 +108,95 @@ def required_at_least(minimum: int) -> Any:
     """An integer setting of at least `minimum` with no default of its own (the caller
     supplies the defaults, as `admission.configschema.DEFAULT_TIERS` does per tier)."""
     return field(metadata={BOUNDS: Bounds(lo=minimum)})
+
+
+MAX_INTEGER = 2**53 - 1
+"""The largest integer setting: the Lua scripts hold numbers as doubles, exact up to here."""
+MAX_DURATION = {"_ms": 31_536_000_000, "_s": 31_536_000}
+"""The longest duration setting, one year, by the unit its name ends with: the scripts turn
+durations into microseconds and add them to the clock, and far above a year the sum leaves
+Redis' integer range (a lease of 1e20 ms is refused by every call that sets it)."""
+
+
+def ceiling_error(name: str, value: int) -> str | None:
+    """Why integer setting `name` is too large (the text after the key), or None."""
+    for suffix, most in MAX_DURATION.items():
+        if name.endswith(suffix) and value > most:
+            return f"must be at most {most} (one year), got {value}"
+    if value > MAX_INTEGER:
+        return f"must be at most {MAX_INTEGER} (2^53 - 1), got {value}"
+    return None
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """("host", port) of "host:port" ("[v6::addr]:port" for IPv6); ValueError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not host:port")
+    return host, int(port)
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_sha256(value: str) -> bool:
+    """A lowercase hex SHA-256, as tenants' keys and the admin token are given."""
+    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _port_error(url: str) -> str | None:
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        return "has a port that is not a number from 1 to 65535"
+    return "has port 0, which nothing listens on" if port == 0 else None
+
+
+def backend_url_error(url: str) -> str | None:
+    """Why `url` cannot be a backend's address (the text after the key), or None.
+
+    The services append the API paths to it (`/v1/chat/completions`, `/metrics`), so it is a
+    server's root: a path is allowed only as a reverse proxy's prefix, never ending in `/v1`,
+    and a query or fragment would end up before the appended path."""
+    if not url.startswith(("http://", "https://")):
+        return "must be an http:// or https:// URL"
+    parts = urlsplit(url)
+    if any(c.isspace() for c in url):
+        return f"{url!r} contains a space"
+    if not parts.hostname:
+        return f"{url!r} names no host (expected http://HOST:PORT)"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return f"{url!r}: a query or fragment is not allowed (expected http://HOST:PORT)"
+    if parts.path.rstrip("/").endswith("/v1"):
+        return (f"{url!r}: leave out the /v1 (the gateway appends /v1/chat/completions and "
+                "the scheduler /metrics to the server's root)")
+    return _port_error(url)
+
+
+def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
+    """Why `url` cannot be a Redis URL (the text after the key), or None. `needs_host`:
+    False when the host is found elsewhere (Sentinel), so the URL may leave it out.
+
+    What the Redis client would otherwise do silently is refused: a database that is not a
+    number (read as database 0), a URL without a host (read as localhost)."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return "must start with redis://, rediss:// or unix://"
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    if url.startswith("unix://"):
+        if not parts.path:
+            return f"{url!r} names no socket path (expected unix:///path/to/redis.sock)"
+        db = query.get("db", "0")
+    else:
+        if needs_host and not parts.hostname:
+            return f"{url!r} names no host (expected redis://HOST:PORT/DB)"
+        problem = _port_error(url)
+        if problem is not None:
+            return problem
+        db = query.get("db", parts.path.strip("/") or "0")
+    if not db.isdigit():
+        return (f"database {db!r} is not a database number (the path is the database: "
+                "redis://HOST:PORT/0)")
+    return None

@@ -10,20 +10,27 @@ holds the two together.
 from __future__ import annotations
 
 import dataclasses
-import re
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from redis.asyncio.connection import parse_url
+
 from admission.configfields import (
+    ENV_NAME,
     ConfigError,
     KeyName,
     at_least,
+    backend_url_error,
     between,
+    is_sha256,
     one_of,
+    optional_at_least,
     optional_between,
+    redis_url_error,
     required_at_least,
+    split_address,
     tcp_port,
 )
 from admission.controlconfig import ControlSettings
@@ -32,24 +39,6 @@ from admission.keys import check_name
 from admission.quotaconfig import TeamSettings, levels_of
 from admission.store import PoolPolicy, TenantQuota
 from admission.tiers import Tier
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" ("[v6::addr]:port" for IPv6); ValueError if malformed."""
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{address!r} is not host:port")
-    return host, int(port)
-
-
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-def is_sha256(value: str) -> bool:
-    """A lowercase hex SHA-256, as tenants' keys and the admin token are given."""
-    return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _check_name(key: KeyName, name: str, kind: str, value: str) -> None:
@@ -79,8 +68,16 @@ class RedisSettings:
         return [split_address(a) for a in self.sentinels]
 
     def check(self, key: KeyName) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError(f"{key('url')}: must start with redis://, rediss:// or unix://")
+        problem = redis_url_error(self.url, needs_host=self.sentinel_master is None)
+        try:
+            parse_url(self.url)  # the client's own checks: its query parameters
+        except ValueError as exc:
+            problem = problem or str(exc)
+        if problem is not None:
+            raise ConfigError(f"{key('url')}: {problem}")
+        if self.ssl_ca_file is not None and not self.url.startswith("rediss://"):
+            raise ConfigError(f"{key('ssl_ca_file')}: needs a rediss:// {key('url')} (TLS); "
+                              "the CA is not used without TLS")
         for i, address in enumerate(self.sentinels):
             try:
                 split_address(address)
@@ -215,13 +212,14 @@ class EngineSettings:
 class Backend:
     name: str
     url: str
-    capacity_tokens: int | None = None
+    capacity_tokens: int | None = optional_at_least(1)
     """KV capacity in tokens; None = read from vllm:cache_config_info."""
 
     def check(self, key: KeyName) -> None:
         _check_name(key, "name", "backend", self.name)
-        if not self.url.startswith(("http://", "https://")):
-            raise ConfigError(f"{key('url')}: must be an http:// or https:// URL")
+        problem = backend_url_error(self.url)
+        if problem is not None:
+            raise ConfigError(f"{key('url')}: {problem}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,8 +314,11 @@ class PoolSettings:
 
     def check(self, key: KeyName) -> None:
         _check_name(key, "name", "pool", self.name)
-        if len({b.name for b in self.backends}) != len(self.backends):
-            raise ConfigError(f"{key('backends')}: backend names must be unique")
+        names: dict[str, int] = {}
+        for i, b in enumerate(self.backends):
+            if names.setdefault(b.name, i) != i:
+                raise ConfigError(f"{key('backends')}[{i}].name: backend {b.name!r} is already "
+                                  f"{key('backends')}[{names[b.name]}]; names must be unique")
         if self.default_max_tokens > self.max_max_tokens:
             raise ConfigError(f"{key('default_max_tokens')}: above max_max_tokens")
         if self.max_max_tokens > self.context_length:
@@ -327,16 +328,15 @@ class PoolSettings:
                               f"{key('context_length')} ({self.context_length}), got "
                               f"{self.max_max_tokens}")
         env = self.backend_api_key_env
-        if env is not None and not _ENV_NAME.fullmatch(env):
+        if env is not None and not ENV_NAME.fullmatch(env):
             raise ConfigError(f"{key('backend_api_key_env')}: must be the name of an "
                               "environment variable (letters, digits, _), not the key itself")
-        names = {b.name for b in self.backends}
         nodes = self.dedicated.nodes
         for i, node in enumerate(nodes):
             if node not in names:
                 raise ConfigError(f"{key('dedicated.nodes')}[{i}]: {node!r} is not a backend "
                                   "of this pool")
-        if nodes and set(nodes) == names and len(set(self.dedicated.tiers)) < len(Tier):
+        if nodes and set(nodes) == set(names) and len(set(self.dedicated.tiers)) < len(Tier):
             raise ConfigError(f"{key('dedicated.nodes')}: leaves no backend for the other tiers")
 
 
@@ -486,13 +486,15 @@ class Config:
         """What https backends are verified against: the system's CAs plus every pool's
         `backend_ca_file` (one context serves all pools: gateway and scheduler each keep one
         client for every backend). None when no pool names a file: the clients' default."""
-        files = sorted({p.backend_ca_file for p in self.pools.values() if p.backend_ca_file})
+        files = {p.backend_ca_file: i for i, p in enumerate(self.pools.values())
+                 if p.backend_ca_file}
         if not files:
             return None
         context = ssl.create_default_context()
-        for path in files:
+        for path, i in sorted(files.items()):
             try:
                 context.load_verify_locations(cafile=path)
             except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"backend_ca_file {path!r}: cannot load it ({exc})") from None
+                raise ConfigError(f"pools[{i}].backend_ca_file {path!r}: cannot load it "
+                                  f"({exc})") from None
         return context

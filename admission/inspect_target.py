@@ -27,6 +27,7 @@ from typing import Any
 from redis.asyncio.connection import parse_url
 
 from admission.config import ConfigError, RedisSettings, TenantSettings, load_config
+from admission.configfields import redis_url_error
 from admission.connection import redis_address
 from admission.keys import ROOT, PoolKeys
 
@@ -62,10 +63,14 @@ class Target:
 
 
 def _check_url(url: str, where: str) -> str:
+    """`url`, checked as the services check `redis.url`: ConfigError naming `where`."""
+    problem = redis_url_error(url)
     try:
         parse_url(url)
-    except ValueError:
-        raise ConfigError(f"{where}: must start with redis://, rediss:// or unix://") from None
+    except ValueError as exc:
+        problem = problem or str(exc)
+    if problem is not None:
+        raise ConfigError(f"{where}: {problem}")
     return url
 
 
@@ -80,7 +85,7 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
                    env: Mapping[str, str]) -> Target:
     """The Redis and pools to read; no I/O but reading the config file.
 
-    ConfigError: the file is invalid, or a URL has no redis://, rediss:// or unix:// scheme.
+    ConfigError: the file is invalid, or a URL is not one the services would accept.
     """
     named = tuple(pools)
     if config is not None:

@@ -7,7 +7,8 @@ the rest, settles and exits, at most `gateway.shutdown.SETTLE_MARGIN_S` after th
 
 The listening sockets are bound before the app starts (tokenizers, Redis): a port already in
 use, or an address the host does not have, ends the process at once with one line on stderr
-and exit status 1.
+and exit status 1. An invalid configuration, a pool's tokenizer that cannot be loaded
+included, ends it with one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ from admission.cli import (
     listen_error,
     program_name,
 )
-from admission.config import ConfigError, load_config, startup_warnings
+from admission.config import (
+    Config,
+    ConfigError,
+    check_redis_ca,
+    load_config,
+    startup_warnings,
+)
 from gateway.app import create_app
+from gateway.estimator import load_tokenizer
 from gateway.shutdown import CANCEL_GRACE_S, SETTLE_MARGIN_S, stop_serving
 from gateway.state import CONFIG, GATEWAY, GATEWAY_ID, IN_FLIGHT
 
@@ -107,6 +115,24 @@ def _answer_queued(app: web.Application) -> int:
     return 0 if gateway is None else gateway.admitter.answer_queued()
 
 
+def tokenizer_error(config: Config) -> str | None:
+    """Why a pool's `tokenizer` cannot be loaded (naming the key), or None. Loaded here, not
+    only when the app starts, so that a wrong path is one line and exit status 2 rather than
+    a traceback; the app then finds it loaded (`load_tokenizer` keeps it per path)."""
+    for i, pool in enumerate(config.pools.values()):
+        if pool.tokenizer is None:
+            continue
+        try:
+            load_tokenizer(pool.tokenizer)
+        except OSError as exc:  # missing, a directory without tokenizer.json, unreadable
+            return (f"pools[{i}].tokenizer: cannot read {exc.filename or pool.tokenizer!r} "
+                    f"({exc.strerror or exc})")
+        except Exception as exc:  # the tokenizers library raises bare Exception on bad JSON
+            return (f"pools[{i}].tokenizer: {pool.tokenizer!r} is not a tokenizer.json "
+                    f"(plain or gzip) or a directory holding one: {exc}")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -115,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         config = load_config(args.config)
+        check_redis_ca(config)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
@@ -130,6 +157,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(listen_error("gateway", host, port, exc), file=sys.stderr)
         return 1
+    problem = tokenizer_error(config)
+    if problem is not None:
+        for sock in sockets:
+            sock.close()
+        print(f"configuration error: {problem}", file=sys.stderr)
+        return 2
     for warning in startup_warnings(config):
         log.warning("%s", warning)
     try:

@@ -1,0 +1,190 @@
+"""Mistakes made when deploying for the first time: each is refused at start with one line
+naming the setting (or the file, or the variable) at fault, never a traceback or a value the
+services would silently read as something else."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from admission.config import ConfigError, check_redis_ca, load_config, parse_config
+from admission.inspect_target import resolve_target
+from gateway.__main__ import tokenizer_error
+
+KEY = "5d6bf7b999239eddfd0a32aede86c79e58e1b3a03a2685fbe53c5980581bdc1d"
+BASE: dict[str, Any] = {
+    "pools": [{"name": "demo", "backends": [{"name": "node-0", "url": "http://127.0.0.1:8001"}]}],
+    "tenants": [{"name": "vip", "tier": "vip", "key_sha256": [KEY]}],
+}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def with_(path: str, value: Any) -> dict[str, Any]:
+    """BASE with the setting at dotted `path` (list indexes as numbers) set to `value`."""
+    data = copy.deepcopy(BASE)
+    cur: Any = data
+    *parents, last = path.split(".")
+    for part in parents:
+        cur = cur[int(part)] if part.isdigit() else cur.setdefault(part, {})
+    cur[last] = value
+    return data
+
+
+def refused(data: dict[str, Any], env: dict[str, str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, env={} if env is None else env)
+    return str(info.value)
+
+
+def test_a_config_path_that_is_a_directory_or_not_text_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cannot read it \(Is a directory\)"):
+        load_config(tmp_path, env={})
+    binary = tmp_path / "kvgate.toml"
+    binary.write_bytes(b"\xff\xfe[redis]\n")
+    with pytest.raises(ConfigError, match="not valid TOML: not UTF-8"):
+        load_config(binary, env={})
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("redis://", "names no host"),
+    ("redis://host:99999/0", "port that is not a number from 1 to 65535"),
+    ("redis://host:port/0", "port that is not a number from 1 to 65535"),
+    ("redis://host:6379/abc", "database 'abc' is not a database number"),
+    ("redis://host:6379/-1", "database '-1'"),
+    ("unix://", "names no socket path"),
+    ("unix:///run/redis.sock?db=x", "database 'x'"),
+    ("redis://host:6379/0?socket_timeout=abc", "socket_timeout"),
+])
+def test_a_redis_url_the_client_would_misread_is_refused(url: str, message: str) -> None:
+    assert refused(with_("redis.url", url)).startswith("redis.url: ")
+    assert message in refused(with_("redis.url", url))
+
+
+def test_good_redis_urls_pass() -> None:
+    for url in ("redis://:pw@redis.internal:6380/3", "rediss://r:6379", "unix:///r.sock?db=2",
+                "redis://[::1]:6379/0"):
+        assert parse_config(with_("redis.url", url), env={}).redis.url == url
+
+
+def test_a_malformed_redis_url_variable_is_named_not_the_files_key() -> None:
+    message = refused(BASE, env={"REDIS_URL": "redis://h:6379/x"})
+    assert message.startswith("REDIS_URL (which overrides redis.url): database 'x'")
+    message = refused(BASE, env={"REDIS_URL": "localhost:6379"})
+    assert message.startswith("REDIS_URL (which overrides redis.url): must start with")
+
+
+def test_redis_tls_options_must_agree(tmp_path: Path) -> None:
+    assert refused(with_("redis.ssl_ca_file", "/ca.pem")).startswith(
+        "redis.ssl_ca_file: needs a rediss:// redis.url")
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[redis]\nurl = "rediss://r:6379/0"\nssl_ca_file = "/no/such/ca.pem"\n'
+                      '[[pools]]\nname = "demo"\n')
+    with pytest.raises(ConfigError, match=r"^redis.ssl_ca_file '/no/such/ca.pem': cannot load"):
+        check_redis_ca(load_config(config, env={}))
+
+
+def test_a_backend_ca_file_error_names_the_pools_key(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[[pools]]\nname = "a"\n[[pools]]\nname = "b"\n'
+                      'backend_ca_file = "/no/such/ca.pem"\n')
+    with pytest.raises(ConfigError,
+                       match=r"^pools\[1\].backend_ca_file '/no/such/ca.pem': cannot"):
+        load_config(config, env={})
+
+
+@pytest.mark.parametrize(("url", "message"), [
+    ("http://127.0.0.1:8001/v1", "leave out the /v1"),
+    ("http://127.0.0.1:8001/v1/", "leave out the /v1"),
+    ("http://", "names no host"),
+    ("http://host:99999", "port that is not a number"),
+    ("http://host:0", "port 0"),
+    ("http://host:8000?x=1", "query or fragment"),
+    ("http://ho st:8000", "contains a space"),
+])
+def test_a_backend_url_that_cannot_be_a_servers_root_is_refused(url: str, message: str) -> None:
+    text = refused(with_("pools.0.backends", [{"name": "n", "url": url}]))
+    assert text.startswith("pools[0].backends[0].url: ") and message in text
+
+
+def test_a_backend_url_behind_a_proxy_prefix_passes() -> None:
+    data = with_("pools.0.backends", [{"name": "n", "url": "https://proxy:8443/llama/"}])
+    assert parse_config(data, env={}).pools["demo"].backends[0].url == "https://proxy:8443/llama"
+
+
+def test_duplicates_are_named_with_both_places() -> None:
+    two = [{"name": "n", "url": "http://a:1"}, {"name": "n", "url": "http://a:2"}]
+    assert refused(with_("pools.0.backends", two)) == (
+        "pools[0].backends[1].name: backend 'n' is already pools[0].backends[0]; names must "
+        "be unique")
+    same = [{"name": "n", "url": "http://a:1"}, {"name": "m", "url": "http://A:1/"}]
+    assert refused(with_("pools.0.backends", same)).startswith(
+        "pools[0].backends[1].url: 'http://A:1' is also pools[0].backends[0]'s")
+    assert refused(with_("pools", [{"name": "x"}, {"name": "x"}])).startswith(
+        "pools[1].name: pool 'x' is already defined by pools[0]")
+    # The short form names backends node-0, node-1... in every pool; pools may share a server.
+    shared = with_("pools", [{"name": "a", "backends": ["http://a:1"]},
+                             {"name": "b", "backends": ["http://a:1"]}])
+    assert len(parse_config(shared, env={}).pools) == 2
+
+
+def test_a_backend_capacity_must_be_positive() -> None:
+    backend = {"name": "n", "url": "http://a:1", "capacity_tokens": 0}
+    assert refused(with_("pools.0.backends", [backend])) == (
+        "pools[0].backends[0].capacity_tokens: must be >= 1, got 0")
+
+
+@pytest.mark.parametrize(("path", "value", "message"), [
+    ("gateway.lease_ttl_ms", 10**20, "must be at most 31536000000 (one year)"),
+    ("scheduler.leader_ttl_ms", 31_536_000_001, "must be at most 31536000000 (one year)"),
+    ("gateway.retention_s", 10**9, "must be at most 31536000 (one year)"),
+    ("tiers.vip.queue_timeout_ms", 10**30, "must be at most 31536000000 (one year)"),
+    ("redis.max_connections", 2**53, "must be at most 9007199254740991 (2^53 - 1)"),
+    ("tenants.0.monthly_tokens", 10**17, "must be at most 9007199254740991 (2^53 - 1)"),
+])
+def test_huge_integers_are_refused(path: str, value: int, message: str) -> None:
+    key = path.replace(".0.", "[0].")
+    assert refused(with_(path, value)) == f"{key}: {message}, got {value}"
+
+
+def test_a_year_is_still_accepted() -> None:
+    data = with_("tiers.batch.queue_timeout_ms", 31_536_000_000)
+    assert parse_config(data, env={}).tiers  # a week-long batch queue is a real setting
+
+
+def test_inspect_checks_a_redis_url_flag_as_the_services_do() -> None:
+    with pytest.raises(ConfigError, match=r"^--redis-url: has a port that is not a number"):
+        resolve_target(config=None, redis_url="redis://h:99999/0", cluster=False,
+                       ssl_ca_file=None, pools=(), env={})
+    with pytest.raises(ConfigError, match=r"^REDIS_URL: database 'abc'"):
+        resolve_target(config=None, redis_url=None, cluster=False, ssl_ca_file=None,
+                       pools=(), env={"REDIS_URL": "redis://h:6379/abc"})
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_named(tmp_path: Path) -> None:
+    missing = parse_config(with_("pools.0.tokenizer", str(tmp_path / "nope.json")), env={})
+    assert (tokenizer_error(missing) or "").startswith("pools[0].tokenizer: cannot read")
+    empty_dir = parse_config(with_("pools.0.tokenizer", str(tmp_path)), env={})
+    assert "tokenizer.json" in (tokenizer_error(empty_dir) or "")
+    junk = tmp_path / "junk.json"
+    junk.write_text("not json")
+    text = tokenizer_error(parse_config(with_("pools.0.tokenizer", str(junk)), env={}))
+    assert (text or "").startswith(f"pools[0].tokenizer: {str(junk)!r} is not a tokenizer.json")
+    assert tokenizer_error(parse_config(BASE, env={})) is None
+
+
+def test_the_gateway_process_exits_2_with_one_line_on_a_bad_tokenizer(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[redis]\nurl = "redis://127.0.0.1:1/0"\n[[pools]]\nname = "demo"\n'
+                      f'tokenizer = "{tmp_path / "nope.json"}"\n')
+    done = subprocess.run([sys.executable, "-m", "gateway", "--config", str(config), "--port",
+                           "0"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"configuration error: pools[0].tokenizer: cannot read '{tmp_path / 'nope.json'}' "
+        "(No such file or directory)"]

@@ -193,8 +193,10 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[METRICS].render(),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    # Rendered in a thread: a page of many pools and nodes takes hundreds of milliseconds of
+    # Python, which on the event loop would hold every request the gateway serves.
+    body = await asyncio.to_thread(request.app[METRICS].render)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -11,6 +11,7 @@ repairs, so that a liveness probe restarts the replica (which resigns the lease 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import orjson
@@ -32,7 +33,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     service = request.app[SERVICE]
-    body = generate_latest(service.metrics.registry)
+    # Rendered in a thread: a leader's page of many pools and nodes takes up to a second or
+    # more of Python, which on the event loop would delay its ticks and its lease renewals.
+    body = await asyncio.to_thread(generate_latest, service.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -3,8 +3,8 @@
 The metric registries are built the way the services build them: `gateway.app.create_app`
 and `scheduler.app.create_app` (both do no I/O until started) from a parsed configuration,
 then every labelled metric gets one child so that `registry.collect()` lists the sample names
-Prometheus will store (`_total` for counters, `_bucket`/`_sum`/`_count` for histograms,
-`_created` too) with their label names.
+Prometheus will store (`_total` for counters, `_bucket`/`_sum`/`_count` for histograms)
+with their label names.
 
 Every PromQL expression of the dashboard (panel targets, annotations, the `pool` variable's
 `label_values(...)`) is tokenised: string literals, `[...]` ranges, `{...}` matchers and

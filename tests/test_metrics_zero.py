@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from admission.config import Config, parse_config
@@ -293,7 +293,7 @@ def config(**gateway: Any) -> Config:
         "scheduler": {"stale_policy": "last"},
         "pools": [
             {"name": "llama", "backends": [{"name": "n1", "url": "http://127.0.0.1:9"},
-                                           {"name": "n2", "url": "http://127.0.0.1:9"}]},
+                                           {"name": "n2", "url": "http://127.0.0.1:10"}]},
             {"name": "qwen", "backends": [{"name": "q1", "url": "http://127.0.0.1:9"}]},
         ],
         "teams": [{"name": "crew"}, {"name": "ops", "parent": "crew"}],
@@ -398,3 +398,13 @@ def test_the_scheduler_exports_its_counters_at_zero_and_keeps_them_on_stepping_d
     assert not any(isinstance(m, Gauge) and m._labelnames and has_series(m)
                    for m in vars(metrics).values())
     assert series(metrics) == found
+
+
+def test_the_pages_carry_no_created_series() -> None:
+    """A `_created` series per counter series doubled the pages (a gateway of 10 pools of 256
+    nodes served 3.7 MB); nothing reads them."""
+    gateway = GatewayMetrics.of(config()).render()
+    assert b"kvgate_gateway_upstream_errors_total{" in gateway
+    scheduler = generate_latest(SchedulerMetrics.of(config()).registry)
+    assert b"kvgate_scheduler_scrape_errors_total{" in scheduler
+    assert b"_created" not in gateway and b"_created" not in scheduler

@@ -1,9 +1,12 @@
 """Tenants: `Authorization: Bearer <key>` -> tenant -> tier, and per-request priority lowering.
 
-Only SHA-256 digests of keys are configured. A presented key is hashed and compared with every
-configured digest by `hmac.compare_digest`, all of them, with no early exit: how long the check
-takes says nothing about which digest (or how much of one) matched. Keys never reach a log line
-or an error message.
+Only SHA-256 digests of keys are configured. A presented key is hashed, its digest looked up in
+a table of the configured ones, and the entry found (or, for an unknown key, a digest of no
+key) compared with it once by `hmac.compare_digest`: the same work for a known key and an
+unknown one, whatever the number of keys. The lookup's time depends only on the presented
+key's digest, which its sender chose: learning a configured key from it would take a SHA-256
+preimage. (Comparing every configured digest on every request cost 0.5 ms a request at 10,000
+keys.) Keys never reach a log line or an error message.
 """
 
 from __future__ import annotations
@@ -20,22 +23,25 @@ PRIORITY_HEADER = "X-Priority"
 """Lowers a request's tier below its tenant's (`normal`, `batch`, or 0..2); never raises it."""
 
 
+_NO_KEY = hashlib.sha256(b"no key: the comparison of an unknown key's digest").digest()
+"""What an unknown key's digest is compared with, so that it costs a known key's work."""
+
+
 class TenantDirectory:
     def __init__(self, tenants: Iterable[TenantSettings]) -> None:
-        self._entries: list[tuple[bytes, TenantSettings]] = [
-            (bytes.fromhex(digest), tenant) for tenant in tenants for digest in tenant.key_sha256
-        ]
+        self._by_digest: dict[bytes, tuple[bytes, TenantSettings]] = {
+            d: (d, tenant) for tenant in tenants
+            for d in (bytes.fromhex(digest) for digest in tenant.key_sha256)
+        }
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._by_digest)
 
     def authenticate(self, authorization: str | None) -> TenantSettings:
         key = _bearer(authorization)
         digest = hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
-        found: TenantSettings | None = None
-        for expected, tenant in self._entries:
-            if hmac.compare_digest(expected, digest):
-                found = tenant
+        expected, tenant = self._by_digest.get(digest, (_NO_KEY, None))
+        found = tenant if hmac.compare_digest(expected, digest) else None
         if found is None:
             raise ApiError(
                 401,

@@ -274,7 +274,7 @@ class CountingCompare:
         return self.real(a, b)
 
 
-async def test_every_digest_is_compared_in_constant_time(
+async def test_a_key_costs_one_constant_time_comparison_at_any_number_of_keys(
     redis_url: str, redis_client: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     counter = CountingCompare()
@@ -283,14 +283,15 @@ async def test_every_digest_is_compared_in_constant_time(
         await gw.publish(Zone.GREEN, BIG)
         digests = sum(len(t.key_sha256) for t in gw.config.tenants)
         assert digests == len(KEYS) == len(gw.gateway.tenants)
-        # The first tenant's key, the last one's and an unknown key: every digest compared,
-        # whichever matches (no early exit), through hmac.compare_digest.
+        # The first tenant's key, the last one's and an unknown key: the same work for each,
+        # one hmac.compare_digest against the digest looked up (or a digest of no key), however
+        # many keys are configured.
         for key, expected in ((KEYS["vip"], 200), (KEYS["frozen"], 200), ("sk-unknown", 401)):
             counter.calls = 0
             status, _, _ = await request(gw.url + "/v1/models", method="GET",
                                          headers={"Authorization": f"Bearer {key}"})
             assert status == expected
-            assert counter.calls == digests, (key, counter.calls)
+            assert counter.calls == 1, (key, counter.calls)
         counter.calls = 0
         status, _, _ = await request(gw.url + "/admin/pools", method="GET",
                                      headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
@@ -298,7 +299,7 @@ async def test_every_digest_is_compared_in_constant_time(
     directory = TenantDirectory(gw.config.tenants)
     counter.calls = 0
     assert directory.authenticate(f"Bearer {KEYS['batch']}").name == "batch"
-    assert counter.calls == digests
+    assert counter.calls == 1
 
 
 # --- no tier escalation ----------------------------------------------------------------------

@@ -370,6 +370,12 @@ def startup_warnings(config: Config) -> list[str]:
     - A tenant whose `burst` is below 1% of a second of its `rate`: its bucket refuses every
       request costing more than the burst (prompt + max_tokens; 400 `exceeds_burst`), however
       little of the rate it uses, which is rarely what such a rate was meant for.
+    - A pool whose `stale_after_ms` is below the scheduler's poll interval: the state the
+      leader publishes at each poll is older than that for part of every interval, and a
+      request then queues for the next release instead of taking the fast path.
+    - One server URL in two pools: each pool's budget counts the server's whole KV cache, so
+      together they can place twice what it holds (one vLLM server serving several models is
+      legitimate; its pools then need `capacity_tokens` that share the cache).
     """
     warnings = []
     if not any(t.key_sha256 for t in config.tenants):
@@ -381,4 +387,20 @@ def startup_warnings(config: Config) -> list[str]:
                 f"tenants[{i}] ({tenant.name!r}): burst {tenant.burst} is below 1% of its rate "
                 f"({tenant.rate} tokens/s): every request of more than {tenant.burst} tokens "
                 "(prompt + max_tokens) gets 400 exceeds_burst")
+    poll_ms = config.scheduler.poll_interval_ms
+    seen: dict[str, str] = {}
+    for i, pool in enumerate(config.pools.values()):
+        if 0 < pool.stale_after_ms < poll_ms:
+            warnings.append(
+                f"pools[{i}].stale_after_ms {pool.stale_after_ms} is below "
+                f"scheduler.poll_interval_ms {poll_ms}: between the leader's polls its state is "
+                "older than that, and requests then queue instead of taking the fast path")
+        for j, backend in enumerate(pool.backends):
+            where = f"pools[{i}].backends[{j}]"
+            other = seen.setdefault(backend.url, where)
+            if other != where and not other.startswith(f"pools[{i}]."):
+                warnings.append(
+                    f"{where}.url {backend.url!r} is also {other}'s: each pool counts that "
+                    "server's whole KV cache, so together they can place more than it holds "
+                    "(give the pools capacity_tokens that share it)")
     return warnings

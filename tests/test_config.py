@@ -233,6 +233,22 @@ def test_max_max_tokens_may_be_the_whole_context() -> None:
     assert (pool.context_length, pool.max_max_tokens) == (4096, 4096)
 
 
+def test_startup_warnings_name_a_stale_bound_below_the_poll_and_a_server_in_two_pools() -> None:
+    pools = [{"name": "a", "stale_after_ms": 20, "backends": ["http://127.0.0.1:9001"]},
+             {"name": "b", "backends": ["http://127.0.0.1:9002", "http://127.0.0.1:9001"]}]
+    assert startup_warnings(parse_config(minimal(pools=pools), env={})) == [
+        "pools[0].stale_after_ms 20 is below scheduler.poll_interval_ms 50: between the "
+        "leader's polls its state is older than that, and requests then queue instead of "
+        "taking the fast path",
+        "pools[1].backends[1].url 'http://127.0.0.1:9001' is also pools[0].backends[0]'s: "
+        "each pool counts that server's whole KV cache, so together they can place more than "
+        "it holds (give the pools capacity_tokens that share it)"]
+    # 0 turns the check off; at the poll interval the state is never older between polls.
+    pools = [{"name": "a", "stale_after_ms": 0, "backends": ["http://127.0.0.1:9001"]},
+             {"name": "b", "stale_after_ms": 50, "backends": ["http://127.0.0.1:9002"]}]
+    assert startup_warnings(parse_config(minimal(pools=pools), env={})) == []
+
+
 @pytest.mark.parametrize(("tenants", "expected"), [
     ([], ["no [[tenants]]: every request will get 401 (no API key can match)"]),
     ([{"name": "t", "tier": "vip"}],

@@ -336,6 +336,8 @@ class PoolSettings:
             if node not in names:
                 raise ConfigError(f"{key('dedicated.nodes')}[{i}]: {node!r} is not a backend "
                                   "of this pool")
+            if node in nodes[:i]:
+                raise ConfigError(f"{key('dedicated.nodes')}[{i}]: {node!r} is listed twice")
         if nodes and set(nodes) == set(names) and len(set(self.dedicated.tiers)) < len(Tier):
             raise ConfigError(f"{key('dedicated.nodes')}: leaves no backend for the other tiers")
 

@@ -132,6 +132,13 @@ def test_duplicates_are_named_with_both_places() -> None:
     assert len(parse_config(shared, env={}).pools) == 2
 
 
+def test_a_dedicated_node_listed_twice_is_named() -> None:
+    two = [{"name": "a", "url": "http://a:1"}, {"name": "b", "url": "http://a:2"}]
+    data = with_("pools.0.backends", two)
+    data["pools"][0]["dedicated"] = {"nodes": ["a", "a"], "tiers": ["vip"]}
+    assert refused(data).endswith("dedicated.nodes[1]: 'a' is listed twice")
+
+
 def test_a_backend_capacity_must_be_positive() -> None:
     backend = {"name": "n", "url": "http://a:1", "capacity_tokens": 0}
     assert refused(with_("pools.0.backends", [backend])) == (

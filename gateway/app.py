@@ -25,8 +25,8 @@ from admission.config import Config
 from admission.connection import connect, eviction_warning, primary_locator, redis_address
 from admission.errors import describe
 from admission.keys import check_name
-from admission.looplag import probe as probe_loop_lag
 from admission.scripts import load_scripts, register_scripts
+from admission.servicemetrics import probe as probe_loop_lag
 from admission.store import PoolStore
 from gateway import handlers
 from gateway.admin import ADMIN_POOLS_PATH, admin_pools

@@ -15,24 +15,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from admission.config import Config
-from admission.looplag import lag_histogram
+from admission.servicemetrics import lag_histogram, no_created_series
 from admission.store import RejectReason
 from admission.tiers import Tier
 from gateway.errors import KEY_SCOPE
 
-# No `_created` series: they double every counter's series on the page (a pool of 256 nodes
-# made a gateway's page 3.7 MB), and dashboards and alerts use `rate()`, not creation times.
-disable_created_metrics()  # type: ignore[no-untyped-call]
+no_created_series()
 
 # Request outcomes (label values of kvgate_gateway_requests_total).
 OK = "ok"

@@ -12,23 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    disable_created_metrics,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from admission.config import Config
-from admission.looplag import lag_histogram
+from admission.servicemetrics import lag_histogram, no_created_series
 from admission.tiers import Tier, Zone
 from scheduler.fairmetrics import FairMetrics
 from scheduler.scrape import SCRAPE_FAILURES
 
-# No `_created` series: they double every counter's series on the page (a pool of 256 nodes
-# made a gateway's page 3.7 MB), and dashboards and alerts use `rate()`, not creation times.
-disable_created_metrics()  # type: ignore[no-untyped-call]
+no_created_series()
 
 ZONE_LEVEL = {Zone.GREEN: 0, Zone.YELLOW: 1, Zone.RED: 2}
 _FAST = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)

@@ -25,8 +25,8 @@ from redis.exceptions import RedisError
 from admission.config import Config
 from admission.connection import connect, eviction_warning, redis_address
 from admission.errors import FencedError
-from admission.looplag import probe as probe_loop_lag
 from admission.scripts import Scripts, register_scripts
+from admission.servicemetrics import probe as probe_loop_lag
 from admission.store import PoolStore
 from scheduler.failurelog import FailureLog
 from scheduler.leader import Elector

@@ -7,7 +7,7 @@ each request it serves at every step, which at a reduced scale counts `time_scal
 the simulated TTFT. A deployment runs its gateways on cores of their own, so this part of a
 VIP's time outside the engine belongs to the lab, not to kvgate; these figures show how much of
 it there was. The gateways' own histogram (`kvgate_gateway_event_loop_lag_seconds`, a probe
-every 100 ms, `admission.looplag`) is read at each phase's start and end; the share of probes
+every 100 ms, `admission.servicemetrics`) is read at each phase's start and end; the share of probes
 late by more than `LATE_S` estimates the share of the phase the gateways' loops were that far
 behind.
 """

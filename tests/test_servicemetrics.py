@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 
-from admission.looplag import probe
+from admission.servicemetrics import probe
 from gateway.metrics import GatewayMetrics
 from scheduler.metrics import SchedulerMetrics
 

@@ -71,7 +71,8 @@ def vip_counts(counts: Mapping[str, int]) -> tuple[dict[str, tuple[int, int]], d
     """The fields the finish script counts in node_vip_ttft, in one pass: node -> (VIP first
     tokens, those over the objective), from the `<node>:n` and `<node>:over` fields; and
     bucket k -> VIP first tokens of the whole pool whose ms lie in [1.1^k, 1.1^(k+1)), from
-    the `<node>:h<k>` fields (monotonic)."""
+    the `h<k>` fields, plus the per-node `<node>:h<k>` fields that earlier versions of the
+    script wrote (a pool upgraded while running keeps them; all are monotonic)."""
     reports: dict[str, tuple[int, int]] = {}
     histogram: dict[int, int] = {}
     for field_name, value in counts.items():

@@ -10,9 +10,11 @@
 -- KEYS[9]  task             HASH
 -- KEYS[10] state            HASH  vip_ttft_objective_ms (the leader's; optional, with KEYS[11])
 -- KEYS[11] node_vip_ttft    HASH  <node>:n, <node>:over: VIP first tokens seen on each node and
---                                those later than the objective; <node>:h<k>: those whose ms
---                                lie in [1.1^k, 1.1^(k+1)) (k from 0 to 120; below 1 ms counts
---                                in h0): monotonic counters the leader's release control reads
+--                                those later than the objective; h<k>: the pool's whose ms lie
+--                                in [1.1^k, 1.1^(k+1)) (k from 0 to 120; below 1 ms counts in
+--                                h0; one histogram for the pool, which is all the leader uses,
+--                                not one per node for it to read every poll): monotonic
+--                                counters the leader's release control reads
 --                                (scheduler/control.py, scheduler/calm.py)
 --
 -- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index and node_guests keys)
@@ -46,7 +48,7 @@ if task.state == 'released' then
       -- Log buckets 10% wide: the leader learns the calm distribution from them.
       local bucket = 0
       if ttft_ms >= 1 then bucket = math.min(120, math.floor(math.log(ttft_ms) / math.log(1.1))) end
-      redis.call('HINCRBY', KEYS[11], task.node .. ':h' .. bucket, 1)
+      redis.call('HINCRBY', KEYS[11], 'h' .. bucket, 1)
     end
   end
   local refund = drop_released(prefix, KEYS[2], KEYS[8], id, task, final, usage, now, retention_s)

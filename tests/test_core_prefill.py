@@ -509,15 +509,19 @@ async def test_the_finish_script_counts_vip_first_tokens_against_the_objective(
         await store.finish(task_id, 20, cancelled=False, ttft_ms=ttft)
     counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}
     # ...and each in its 10% bucket: 100 ms in [1.1^48, 1.1^49), 251 in [1.1^57, 1.1^58).
-    assert counts == {"node-a:n": 2, "node-a:over": 1, "node-a:h48": 1, "node-a:h57": 1}
-    # The leader reads them per node, the field format parsed in admission.reads.
+    # The histogram is the pool's, one field a bucket however many nodes.
+    assert counts == {"node-a:n": 2, "node-a:over": 1, "h48": 1, "h57": 1}
+    # The leader reads them per node, the field format parsed in admission.reads; per-node
+    # buckets that an earlier version of the script wrote still count.
+    await redis_client.hset(k.node_vip_ttft, "node-old:h48", 2)
     reading = await store.read_tick(control=True, running=False)
     assert reading.vip_reports == {"node-a": (2, 1)}
-    assert reading.vip_histogram == {48: 1, 57: 1}
+    assert reading.vip_histogram == {48: 3, 57: 1}
+    await redis_client.hdel(k.node_vip_ttft, "node-old:h48")
     # A repeated settle is a no-op: counted once.
     await store.finish("v2", 20, cancelled=False, ttft_ms=251)
     counts = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_vip_ttft)).items()}
-    assert counts == {"node-a:n": 2, "node-a:over": 1, "node-a:h48": 1, "node-a:h57": 1}
+    assert counts == {"node-a:n": 2, "node-a:over": 1, "h48": 1, "h57": 1}
 
 
 @pytest.mark.parametrize("ttft_ms", [0, 1, 2, 10, 11, 12, 99, 1_000, 45_000, 10**7])

@@ -260,24 +260,34 @@ def _admin_token(env: Mapping[str, str]) -> str | None:
     return value
 
 
+def _earlier(seen: dict[str, int], key: str, i: int) -> int | None:
+    """The index that had `key` before `i`, or None (and `key` is recorded as `i`'s)."""
+    first = seen.setdefault(key, i)
+    return None if first == i else first
+
+
 def _check_unique_tenants(tenants: tuple[TenantSettings, ...]) -> None:
     """Tenant names and API keys are each one tenant's: the error names both entries (in a
     file of hundreds of tenants, "must be unique" alone sends the reader searching)."""
     names: dict[str, int] = {}
     keys: dict[str, int] = {}
     for i, tenant in enumerate(tenants):
-        first = names.setdefault(tenant.name, i)
-        if first != i:
+        if (first := _earlier(names, tenant.name, i)) is not None:
             raise ConfigError(f"tenants[{i}].name: tenant {tenant.name!r} is already defined "
                               f"by tenants[{first}]; tenant names must be unique")
         for j, key in enumerate(tenant.key_sha256):
-            owner = keys.setdefault(key, i)
-            if owner != i:
+            if (owner := _earlier(keys, key, i)) is not None:
                 raise ConfigError(f"tenants[{i}].key_sha256[{j}]: also listed for tenant "
                                   f"{tenants[owner].name!r} (tenants[{owner}]); a key may "
                                   "belong to one tenant only")
             if tenant.key_sha256.index(key) != j:
                 raise ConfigError(f"tenants[{i}].key_sha256[{j}]: listed twice")
+
+
+def _server(url: str) -> str:
+    """What makes two backend URLs one server (scheme and host are case-insensitive; the
+    parser has already dropped a trailing slash)."""
+    return url.lower()
 
 
 def _check_unique_pools(pools: list[PoolSettings]) -> None:
@@ -286,14 +296,12 @@ def _check_unique_pools(pools: list[PoolSettings]) -> None:
     serves several models, LoRA adapters, from one.)"""
     names: dict[str, int] = {}
     for i, pool in enumerate(pools):
-        first = names.setdefault(pool.name, i)
-        if first != i:
+        if (first := _earlier(names, pool.name, i)) is not None:
             raise ConfigError(f"pools[{i}].name: pool {pool.name!r} is already defined by "
                               f"pools[{first}]; pool names must be unique")
         urls: dict[str, int] = {}
         for j, backend in enumerate(pool.backends):
-            same = urls.setdefault(backend.url.lower(), j)
-            if same != j:
+            if (same := _earlier(urls, _server(backend.url), j)) is not None:
                 raise ConfigError(f"pools[{i}].backends[{j}].url: {backend.url!r} is also "
                                   f"pools[{i}].backends[{same}]'s; one server is one backend")
 
@@ -396,9 +404,10 @@ def startup_warnings(config: Config) -> list[str]:
                 f"scheduler.poll_interval_ms {poll_ms}: between the leader's polls its state is "
                 "older than that, and requests then queue instead of taking the fast path")
         for j, backend in enumerate(pool.backends):
+            # One pool never names a server twice (_check_unique_pools): a match is another's.
             where = f"pools[{i}].backends[{j}]"
-            other = seen.setdefault(backend.url, where)
-            if other != where and not other.startswith(f"pools[{i}]."):
+            other = seen.setdefault(_server(backend.url), where)
+            if other != where:
                 warnings.append(
                     f"{where}.url {backend.url!r} is also {other}'s: each pool counts that "
                     "server's whole KV cache, so together they can place more than it holds "

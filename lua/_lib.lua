@@ -49,6 +49,16 @@ local function hash_fields(key, names)
   return out
 end
 
+-- Every field of a hash as a table, in one HGETALL: for a hash read whole, such as a field
+-- per node that a placement weighs (a call per node cost 2 µs each, a pool of 256 nodes 1.5
+-- ms of every admit).
+local function all_fields(key)
+  local flat = redis.call('HGETALL', key)
+  local fields = {}
+  for i = 1, #flat, 2 do fields[flat[i]] = flat[i + 1] end
+  return fields
+end
+
 -- The state hash's fields that say where a task may run (placement_of()).
 local PLACEMENT_FIELDS = {'dedicated_nodes', 'dedicated_tiers', 'dedicated_guest_prompt',
   'dedicated_guest_cap', 'dedicated_guest_rate', 'dedicated_guest_output',

@@ -79,7 +79,8 @@ end
 -- A refill beyond the window is prefill time the node spent idle, which cannot be banked:
 -- prefill_taken() lowers the limit by it (`prefill.idle`) when the node takes work, so that
 -- the room after the placement is the window less what was placed, at any later time.
--- `limits` and `released`: the two hashes' fields, read once per placement (all_fields()).
+-- `limits` and `released`: the two hashes' fields, read once per placement (all_fields() in
+-- _lib.lua).
 local function prefill_room(prefill, node, limits, released)
   local limit = tonumber(limits[node])
   if limit == nil then return nil end
@@ -95,14 +96,6 @@ local function prefill_room(prefill, node, limits, released)
           lane = tonumber(limits[node .. ':lane']), vip_at = tonumber(released[node .. ':vip'])}
 end
 
--- A hash's fields as a Lua table, in one HGETALL: a placement reads its pool's nodes together
--- (one call per node cost 2 µs each, a pool of 256 nodes 1.5 ms of every admit).
-local function all_fields(key)
-  local flat = redis.call('HGETALL', key)
-  local fields = {}
-  for i = 1, #flat, 2 do fields[flat[i]] = flat[i + 1] end
-  return fields
-end
 
 -- A prompt fits the room it takes; one larger than the room fits a room at least half the
 -- window (at most half a window queued for prefill on the node), or long documents would

@@ -139,6 +139,23 @@ class FakeClock:
         self.now += seconds
 
 
+@asynccontextmanager
+async def one_node_poller(fake: FakeVllm, *, timeout_s: float, eject_after: int
+                          ) -> AsyncIterator[tuple[Poller, list[str | None]]]:
+    """A Poller over one fake node (`n1` of pool `p`, stale after 5 s), and the list its
+    scrapes append their error to (None: a good scrape); closed on exit."""
+    errors: list[str | None] = []
+    async with serve_fake(fake) as url, aiohttp.ClientSession() as session:
+        config = make_config("redis://x", [{"name": "n1", "url": url}])
+        poller = Poller(config.pools["p"].backends, session, timeout_s=timeout_s,
+                        stale_after_s=5.0, eject_after=eject_after,
+                        on_scrape=lambda node, seconds, error: errors.append(error))
+        try:
+            yield poller, errors
+        finally:
+            await poller.close()
+
+
 def make_config(
     redis_url: str,
     backends: Sequence[Mapping[str, Any]],

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -22,7 +21,7 @@ from admission.config import Config, parse_config
 from admission.store import AdmitOutcome
 from admission.tiers import Tier
 from scheduler.app import SERVICE, create_app
-from scheduler.scrape import MetricsError, Poller, parse_vllm_metrics
+from scheduler.scrape import MetricsError, parse_vllm_metrics
 from scheduler.service import SchedulerService
 from tests.scheduler_stub import (
     FakeClock,
@@ -31,6 +30,7 @@ from tests.scheduler_stub import (
     always,
     eventually,
     make_config,
+    one_node_poller,
     pool_scheduler,
     reserved,
     serve_fake,
@@ -72,11 +72,7 @@ async def test_a_page_that_cannot_be_read_is_a_failed_scrape_and_the_node_is_eje
     """Both pages raised out of the scrape task: the node kept its last reading, was never
     counted as failed nor ejected, and asyncio logged the lost exception at every poll."""
     fake = FakeVllm(usage=0.3)
-    errors: list[str | None] = []
-    async with serve_fake(fake) as url, aiohttp.ClientSession() as session:
-        config = make_config("redis://x", [{"name": "n1", "url": url}])
-        poller = Poller(config.pools["p"].backends, session, timeout_s=2.0, stale_after_s=5.0,
-                        eject_after=2, on_scrape=lambda n, s, e: errors.append(e))
+    async with one_node_poller(fake, timeout_s=2.0, eject_after=2) as (poller, errors):
         assert not (await poller.poll(2.0))[0].stale
         fake.body = body
         for ejected in (False, True):
@@ -86,7 +82,6 @@ async def test_a_page_that_cannot_be_read_is_a_failed_scrape_and_the_node_is_eje
         fake.body = None
         view = (await poller.poll(2.0))[0]
         assert (view.stale, view.ejected) == (False, False)
-        await poller.close()
     assert not [r for r in caplog.records if r.name == "asyncio"]
 
 

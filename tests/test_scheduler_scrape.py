@@ -16,6 +16,7 @@ from tests.scheduler_stub import (
     FakeVllm,
     always,
     make_config,
+    one_node_poller,
     pool_scheduler,
     queue_tasks,
     serve_fake,
@@ -92,11 +93,7 @@ def test_page_without_usable_usage_is_an_error(page: str) -> None:
 
 async def test_poller_ejects_after_failures_in_a_row_and_readmits() -> None:
     fake = FakeVllm(usage=0.3)
-    errors: list[str | None] = []
-    async with serve_fake(fake) as url, aiohttp.ClientSession() as session:
-        config = make_config("redis://x", [{"name": "n1", "url": url}])
-        poller = Poller(config.pools["p"].backends, session, timeout_s=1.0, stale_after_s=5.0,
-                        eject_after=3, on_scrape=lambda n, s, e: errors.append(e))
+    async with one_node_poller(fake, timeout_s=1.0, eject_after=3) as (poller, errors):
         view = (await poller.poll(1.0))[0]
         assert (view.stale, view.ejected, view.metrics is not None) == (False, False, True)
         fake.status = 503
@@ -108,7 +105,6 @@ async def test_poller_ejects_after_failures_in_a_row_and_readmits() -> None:
         fake.status = 200
         view = (await poller.poll(1.0))[0]
         assert (view.stale, view.ejected) == (False, False)
-        await poller.close()
 
 
 async def test_slow_node_is_stale_for_the_tick_but_does_not_delay_it() -> None:

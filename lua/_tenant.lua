@@ -159,31 +159,77 @@ local function flow_settle(prefix, task, usage)
   if back ~= 0 then vt_add(prefix, tonumber(task.tier), task.tenant, -back) end
 end
 
--- The next flow of `tier` to serve, skipping the tenants in `skip` (`nskip` of them): tenant,
--- head task id and its enqueue score (string), or nil when no flow is left. A listed flow found
--- empty (only a bug or a manual edit leaves one) is dropped from the list.
-local function next_flow(prefix, tier, skip, nskip)
+-- The tenants a release call passes over in one tier: `set` of them, `n` in all, and `rows`,
+-- the score and name of each one's row in the tier's flows ZSET. A passed-over flow leaves the
+-- ZSET for the rest of the tier's turn (pass_over()) and is put back with its counter at the
+-- end of it (passed_back()), so next_flow() reads only the flows it may still serve: a call
+-- passing over every tenant of a tier (each at its in-flight cap) reads a few rows per tenant,
+-- not the whole passed-over prefix again after each one. Nothing else reads the ZSET during
+-- the turn but what charges the tenants served (vt_add()), none of them passed over.
+-- It also keeps the flows' heads read during the turn (`heads`, tenant -> {id, score}, false
+-- for an empty flow): a flow changes only when its head is taken (released, expired or
+-- dropped), and head_of() in release.lua forgets the head of the tenant it picks.
+local function new_passed()
+  return {set = {}, n = 0, rows = {}, heads = {}}
+end
+
+-- The head of `tenant`'s flow of `tier`: {id, score (string)}, or false when it is empty.
+local function flow_head(prefix, tier, passed, tenant)
+  local head = passed.heads[tenant]
+  if head == nil then
+    local r = redis.call('ZRANGE', flow_key(prefix, tier, tenant), 0, 0, 'WITHSCORES')
+    head = r[1] and {r[1], r[2]} or false
+    passed.heads[tenant] = head
+  end
+  return head
+end
+
+local function pass_over(prefix, tier, passed, tenant)
+  passed.set[tenant] = true
+  passed.n = passed.n + 1
+  local list = flows_key(prefix, tier)
+  local score = redis.call('ZSCORE', list, tenant)
+  if score then
+    table.insert(passed.rows, score)
+    table.insert(passed.rows, tenant)
+    redis.call('ZREM', list, tenant)
+  end
+end
+
+-- Lua's unpack() takes a bounded number of values: the rows go back in chunks of pairs.
+local PASSED_CHUNK = 1000
+
+local function passed_back(prefix, tier, passed)
+  local rows = passed.rows
+  for i = 1, #rows, PASSED_CHUNK do
+    redis.call('ZADD', flows_key(prefix, tier), unpack(rows, i, math.min(i + PASSED_CHUNK - 1,
+                                                                         #rows)))
+  end
+  passed.rows = {}
+end
+
+-- The next flow of `tier` to serve: tenant, head task id and its enqueue score (string), or nil
+-- when no flow is left. A listed flow found empty (only a bug or a manual edit leaves one) is
+-- dropped from the list.
+local function next_flow(prefix, tier, passed)
   local list = flows_key(prefix, tier)
   while true do
-    local rows = redis.call('ZRANGE', list, 0, nskip + TIE_SCAN - 1, 'WITHSCORES')
-    local best, best_id, best_at, best_score, least, ties, stale = nil, nil, nil, nil, nil, 0, false
+    local rows = redis.call('ZRANGE', list, 0, TIE_SCAN - 1, 'WITHSCORES')
+    local best, best_id, best_at, best_score, least, stale = nil, nil, nil, nil, nil, false
     for i = 1, #rows, 2 do
       local tenant = rows[i]
-      if not skip[tenant] then
-        local score = tonumber(rows[i + 1])
-        if least == nil then least = score elseif score > least then break end
-        local head = redis.call('ZRANGE', flow_key(prefix, tier, tenant), 0, 0, 'WITHSCORES')
-        if not head[1] then
-          redis.call('ZREM', list, tenant)
-          stale = true
-          break
-        end
-        local at = tonumber(head[2])
-        if best == nil or at < best_at then
-          best, best_id, best_at, best_score = tenant, head[1], at, head[2]
-        end
-        ties = ties + 1
-        if ties >= TIE_SCAN then break end
+      local score = tonumber(rows[i + 1])
+      if least == nil then least = score elseif score > least then break end
+      local head = flow_head(prefix, tier, passed, tenant)
+      if not head then
+        redis.call('ZREM', list, tenant)
+        passed.heads[tenant] = nil
+        stale = true
+        break
+      end
+      local at = tonumber(head[2])
+      if best == nil or at < best_at then
+        best, best_id, best_at, best_score = tenant, head[1], at, head[2]
       end
     end
     if not stale then return best, best_id, best_score end
@@ -257,14 +303,15 @@ local function fair_keep(prefix, view, tenant, keep)
 end
 
 -- The light tenant a release call serves first in `tier`: among the view's light tenants with
--- work queued there, not in `skip`, and holding no more than their weighted share of the view's
+-- work queued there, not passed over in this call (`passed`), and holding no more than their weighted share of the view's
 -- in-flight tokens, the one whose oldest task is oldest: tenant, head id and its score, or nil.
-local function light_flow(prefix, tier, view, skip)
+local function light_flow(prefix, tier, view, passed)
+  local skip = passed.set
   local best, best_id, best_at, best_score = nil, nil, nil, nil
   for _, tenant in ipairs(view.order) do
     if not skip[tenant] then
-      local head = redis.call('ZRANGE', flow_key(prefix, tier, tenant), 0, 0, 'WITHSCORES')
-      if head[1] then
+      local head = flow_head(prefix, tier, passed, tenant)
+      if head then
         local at = tonumber(head[2])
         if within_share(view, fair_member(prefix, view, tenant))
             and (best == nil or at < best_at) then

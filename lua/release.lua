@@ -93,18 +93,19 @@ local out = {'ok', epoch, 0, 0}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
 
--- The head of tier `t` in its release order, passing over the tenants in `skip` (`nskip` of
--- them): id, enqueue score, record (nil record: a stray entry, already dropped) and whether it
--- is a light tenant's (light_flow(): it may overdraw the prefill room, as its fast path may), or
--- nil when nothing is left to release. Fair: the head of the next flow; a tier with no backlogged
+-- The head of tier `t` in its release order, passing over the tenants in `passed`
+-- (new_passed() in _tenant.lua): id, enqueue score, record (nil record: a stray entry, already
+-- dropped) and whether it is a light tenant's (light_flow(): it may overdraw the prefill room,
+-- as its fast path may), or nil when nothing is left to release. Fair: the head of the next flow; a tier with no backlogged
 -- flow at all but a queue (tasks queued by a version without flows) falls back to FIFO.
-local function head_of(t, skip, nskip, view)
+local function head_of(t, passed, view)
   if fair then
     local tenant, id, score, light = nil, nil, nil, false
-    if view and view.nlight > 0 then tenant, id, score = light_flow(prefix, t, view, skip) end
-    if tenant then light = true else tenant, id, score = next_flow(prefix, t, skip, nskip) end
-    if not tenant and nskip > 0 then return nil end
+    if view and view.nlight > 0 then tenant, id, score = light_flow(prefix, t, view, passed) end
+    if tenant then light = true else tenant, id, score = next_flow(prefix, t, passed) end
+    if not tenant and passed.n > 0 then return nil end
     if tenant then
+      passed.heads[tenant] = nil
       local task = load_task(task_key(prefix, id))
       if task == nil or task.state ~= 'queued' then
         local fkey = flow_key(prefix, t, tenant)
@@ -123,12 +124,12 @@ end
 for t = 0, TIER_QUEUE_COUNT - 1 do
   local released = 0
   local blocked = false
-  local skip, nskip = {}, 0
+  local passed = new_passed()
   local view = nil
   if fair and headroom > 0 then view = fair_view(prefix, t, now, window_us) end
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
-    local head, queued_us, task, light = head_of(t, skip, nskip, view)
+    local head, queued_us, task, light = head_of(t, passed, view)
     if not head then break end
     if task == nil then
       -- a stray entry, dropped by queue_head
@@ -151,8 +152,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
           light)
       end
       if fair and (capped or (node == nil and keep > 0)) then
-        skip[task.tenant] = true
-        nskip = nskip + 1
+        pass_over(prefix, t, passed, task.tenant)
       elseif node == nil then
         blocked = true
         break
@@ -183,6 +183,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       end
     end
   end
+  passed_back(prefix, t, passed)
   if blocked or budget <= 0 then break end
 end
 if ARGV[11] and ARGV[11] ~= '' then

@@ -446,7 +446,11 @@ class SchedulerSettings:
     """What a node whose metrics are stale counts as: 'full' (no releases to it) or 'last'."""
     reap_interval_ms: int = at_least(10, 1_000)
     release_batch: int = at_least(1, 2_000)
-    """Most tasks one release script call may pop (bounds the script's run time)."""
+    """Most tasks a tick's release may pop per tier."""
+    release_call_ms: int = at_least(0, 20)
+    """Redis time one release script call may run before it stops after its next release
+    (0: no bound); the tick's release goes on in further calls. Redis runs one script at a
+    time, so this bounds how long a release holds every gateway's admits."""
     usage_halflife_s: float = between(0.1, 86_400.0, 60.0)
     """Half-life of the learned usage/reservation ratio (older settles weigh less)."""
     preemption_cooldown_ms: int = at_least(0, 10_000)

@@ -196,6 +196,11 @@ class Released(list[ReleasedTask]):
 
     credit_before: int = 0
     credit_after: int = 0
+    calls: int = 1
+    """Script calls it took (more than one when each was bounded in Redis time)."""
+    more: bool = False
+    """The last call stopped on a bound (its Redis time, or the heads it may look at) with
+    work perhaps left for the next tick."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,15 +345,42 @@ class PoolStore:
 
     async def release(self, epoch: int, limits: tuple[int, int, int],
                       guests_only: Iterable[Tier] = (),
-                      credit: tuple[int, int] | None = None) -> Released:
+                      credit: tuple[int, int] | None = None, call_ms: int = 0) -> Released:
         """Pop up to `limits` tasks per tier (VIP, Normal, Batch); tasks of a tier in
         `guests_only` may go only to dedicated nodes, as guests. `credit`: (the Normal tasks
         light tenants' fast path may release in YELLOW until the next call, the credit the
         last call left): the credit is set to the first less what was taken of the second
         (`Released` says what the call found and set); None leaves the credit alone.
-        Raises FencedError."""
+
+        `call_ms` > 0: in script calls of at most about that much Redis time each (Redis runs
+        one script at a time: a call placing thousands of tasks on hundreds of nodes would hold
+        every gateway's admits for seconds). A call that stopped on its bound is followed by
+        another for what is left of `limits`, while each releases something; the credit goes
+        with the first. A later call fenced ends the release with what the earlier ones
+        released (they must still be announced); only the first raises FencedError."""
+        out = last = await self._release_call(epoch, limits, guests_only, credit, call_ms)
+        left = list(limits)
+        while last.more and last:
+            for task in last:
+                if task.node is not None:
+                    left[task.tier] -= 1
+            if not any(n > 0 for n in left):
+                break
+            try:
+                last = await self._release_call(epoch, (left[0], left[1], left[2]),
+                                                guests_only, None, call_ms)
+            except FencedError:
+                break
+            out += last
+            out.calls += 1
+        out.more = last.more
+        return out
+
+    async def _release_call(self, epoch: int, limits: tuple[int, int, int],
+                            guests_only: Iterable[Tier], credit: tuple[int, int] | None,
+                            call_ms: int) -> Released:
         k = self.keys
-        extra = [] if credit is None else [int(credit[0]), int(credit[1])]
+        extra = ["", ""] if credit is None else [int(credit[0]), int(credit[1])]
         reply = await self.scripts.release(
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
@@ -356,11 +388,12 @@ class PoolStore:
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
                   sum(1 << int(t) for t in set(guests_only)), "1" if self.policy.fair else "0",
                   repr(float(self.policy.fair_headroom)), self.policy.fair_light_window_ms,
-                  *extra],
+                  *extra, max(0, int(call_ms)) * 1000],
         )
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         out = Released()
+        out.more = _text(reply[0]) == "more"
         out.credit_before, out.credit_after = int(reply[2]), int(reply[3])
         for i in range(4, len(reply), 5):
             node = _text(reply[i + 2])

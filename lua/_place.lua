@@ -39,6 +39,54 @@ local function placement_of(st)
           lane_output = tonumber(st.lane_output or '0') or 0}
 end
 
+-- A release call places many tasks against the same node hashes; a placement reads each of
+-- them whole (a pool of 256 nodes is thousands of fields), and walks the nodes' prefill rooms.
+-- `memo` (new_memo(); nil for a lone placement, as an admit's) keeps, for one call, the hashes
+-- as read (`arrays`: HGETALL as returned, `fields`: by name) and the rooms as computed
+-- (`rooms`: node -> prefill_room() or false). The call's own writes to those hashes go
+-- through memo_incr() and memo_set(), which write to Redis and to the copy alike, and a
+-- placement forgets its node's room (memo_placed()), the only one its writes change: every
+-- placement of the call then decides on what Redis holds at that moment, as a lone one would.
+local function new_memo()
+  return {arrays = {}, fields = {}, rooms = {}}
+end
+
+local function memo_array(memo, key)
+  if memo == nil then return redis.call('HGETALL', key) end
+  local flat = memo.arrays[key]
+  if flat == nil then
+    flat = redis.call('HGETALL', key)
+    memo.arrays[key] = flat
+  end
+  return flat
+end
+
+local function memo_fields(memo, key)
+  if memo == nil then return all_fields(key) end
+  local fields = memo.fields[key]
+  if fields == nil then
+    fields = all_fields(key)
+    memo.fields[key] = fields
+  end
+  return fields
+end
+
+-- HINCRBY, and the same in the copy (a hash read by name only: memo_fields()).
+local function memo_incr(memo, key, field, by)
+  local after = redis.call('HINCRBY', key, field, by)
+  if memo and memo.fields[key] then memo.fields[key][field] = after end
+  return after
+end
+
+local function memo_set(memo, key, field, value)
+  redis.call('HSET', key, field, value)
+  if memo and memo.fields[key] then memo.fields[key][field] = value end
+end
+
+local function memo_placed(memo, node)
+  if memo then memo.rooms[node] = nil end
+end
+
 -- Prefill room: how many prompt tokens of Normal and Batch work each node may still be given
 -- before a VIP chat's first token would wait behind too much prefill (scheduler/control.py).
 -- The leader publishes, per node, an absolute limit on the node's count of such prompt tokens
@@ -196,22 +244,24 @@ end
 -- result). A VIP chat takes no room, but while quiet nodes are kept (`placement.quiet`) and
 -- the objective is published its placement time (<node>:vip, `now`) holds the node's long
 -- prefills off for the objective (takes_prompt()).
-local function prefill_taken(prefill, placement, tier, node, prompt_tokens, light_room, now)
+local function prefill_taken(prefill, placement, tier, node, prompt_tokens, light_room, now,
+                             memo)
+  memo_placed(memo, node)
   if prefill and tier == 0 then
     if placement.quiet > 0 and placement.vip_hold_us > 0 then
-      redis.call('HSET', prefill.released_key, node .. ':vip', fmt(now))
+      memo_set(memo, prefill.released_key, node .. ':vip', fmt(now))
     end
   -- (A record without a prompt count, which only an older version could leave, adds none.)
   elseif prefill and prompt_tokens < math.huge then
     if prefill.idle[node] then
-      redis.call('HINCRBY', prefill.limits_key, node, -prefill.idle[node])
+      memo_incr(memo, prefill.limits_key, node, -prefill.idle[node])
       prefill.idle[node] = nil
     end
     if light_room and prompt_tokens > light_room then
-      redis.call('HINCRBY', prefill.released_key, node .. ':light',
+      memo_incr(memo, prefill.released_key, node .. ':light',
         prompt_tokens - math.max(light_room, 0))
     end
-    redis.call('HINCRBY', prefill.released_key, node, prompt_tokens)
+    memo_incr(memo, prefill.released_key, node, prompt_tokens)
   end
 end
 
@@ -310,8 +360,8 @@ end
 -- placement when only the light rule let the prompt through (an overdraw; nil otherwise, and
 -- when no room is published), for prefill_taken().
 local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
-                     prompt_tokens, now, guests_only, prefill, keep, light)
-  local caps = redis.call('HGETALL', cap_key)
+                     prompt_tokens, now, guests_only, prefill, keep, light, memo)
+  local caps = memo_array(memo, cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
     and prompt_tokens <= placement.guest_prompt
@@ -320,10 +370,11 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
   local best = {}
   local pf_rooms = {}
   -- Each node's prefill room, read once (false: none published).
-  local rooms = {}
+  local rooms = memo and memo.rooms or {}
   local limits, released = nil, nil
   if prefill then
-    limits, released = all_fields(prefill.limits_key), all_fields(prefill.released_key)
+    limits = memo_fields(memo, prefill.limits_key)
+    released = memo_fields(memo, prefill.released_key)
   end
   local function room_of(node)
     if rooms[node] == nil then
@@ -331,7 +382,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     end
     return rooms[node] or nil
   end
-  local reserved_of = all_fields(resv_key)
+  local reserved_of = memo_fields(memo, resv_key)
   -- Rooms of the nodes with capacity for the tier, when long prefills must leave quiet nodes.
   local computes, need, quiet = nil, 0, 0
   if prefill and tier > 0 and placement.quiet > 0 then
@@ -427,8 +478,8 @@ local function guest_joined(gst_key, pc_key, placement, tkey, node, prompt_token
   end
 end
 
-local function reserve_node(resv_key, node, cost)
-  redis.call('HINCRBY', resv_key, node, cost)
+local function reserve_node(resv_key, node, cost, memo)
+  memo_incr(memo, resv_key, node, cost)
 end
 
 local function unreserve_node(resv_key, node, cost)

@@ -47,6 +47,13 @@
 --          of its rate's next refills), less what they took of the last credit, ARGV[12] (the
 --          credit the leader's last call left): the credit and what is owed for it stay within
 --          ARGV[11]. Absent or '': the credit is left as it is
+-- ARGV[13] optional: the Redis time (µs) this call may run before it stops after its next
+--          release (0, '' or absent: no bound). Redis runs one script at a time, and a pool of
+--          hundreds of nodes spends about a millisecond on each task's placement, so a call
+--          releasing thousands would hold every gateway's admits for seconds. Measured with
+--          Redis TIME, not the pool's clock (which tests may freeze). Passing over tenants at
+--          their cap is not release: a call never stops during a run of them, or a tenant
+--          queued behind many would never be reached
 --
 -- Order: tiers strictly by priority; within a tier FIFO, or with ARGV[8] the head of the
 -- backlogged flow with the least virtual counter (weighted fair across tenants, FIFO within a
@@ -65,7 +72,9 @@
 -- refunded). Either order charges each released task to its tenant's counter (flow_charge()),
 -- so the order can be switched without losing the tenants' service history.
 --
--- Returns {'ok', epoch, credit_before, credit_after, task, gateway, node, tier, cost, ...}:
+-- Returns {'ok' or 'more', epoch, credit_before, credit_after, task, gateway, node, tier, cost,
+-- ...} ('more': the call stopped on its time bound, ARGV[13], or on its bound on the heads it
+-- looks at, with work perhaps left that a further call may release):
 -- the Normal credit this call found and left (ARGV[11]; both 0 without it), then one 5-tuple
 -- per task released
 -- or expired (node '' = expired: its gateway must answer the client), or {'fenced', epoch} when
@@ -89,9 +98,19 @@ local capacities = {KEYS[3], KEYS[11], KEYS[12]}
 local gst_key, pc_key = guests_key(prefix), pace_key(prefix)
 local prefill = nil
 if KEYS[14] then prefill = prefill_of(KEYS[13], KEYS[14], now) end
+-- The node hashes as this call reads and writes them (new_memo() in _place.lua).
+local memo = new_memo()
 local out = {'ok', epoch, 0, 0}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
+local call_us = tonumber(ARGV[13] or '0') or 0
+local function redis_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local started_us = 0
+if call_us > 0 then started_us = redis_us() end
+local stopped = false
 
 -- The head of tier `t` in its release order, passing over the tenants in `passed`
 -- (new_passed() in _tenant.lua): id, enqueue score, record (nil record: a stray entry, already
@@ -149,7 +168,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         node, guest, pf_room = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
           placement, t, cost,
           prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
-          light)
+          light, memo)
       end
       if fair and (capped or (node == nil and keep > 0)) then
         pass_over(prefix, t, passed, task.tenant)
@@ -165,7 +184,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         inflight_add(prefix, task.tenant, cost)
         if view then fair_served(view, task.tenant, cost) end
         drain_add(tenant_key(prefix, task.tenant), now, cost)
-        reserve_node(KEYS[4], node, cost)
+        reserve_node(KEYS[4], node, cost, memo)
         redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
           'queued_us', queued_us, 'released_us', fmt(now), 'charge', fmt(charge))
         redis.call('HDEL', task_key(prefix, head), 'deadline_us')
@@ -173,19 +192,25 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
           guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens,
             now, guest)
         end
-        prefill_taken(prefill, placement, t, node, prompt_tokens, pf_room, now)
+        prefill_taken(prefill, placement, t, node, prompt_tokens, pf_room, now, memo)
         redis.call('ZADD', running_key(prefix), fmt(now),
           running_member(node, task.prompt_tokens, task.max_tokens, head))
         redis.call('HINCRBY', KEYS[10], 'released_' .. t, 1)
         released = released + 1
         table.insert(out, head); table.insert(out, task.gateway)
         table.insert(out, node); table.insert(out, t); table.insert(out, cost)
+        if call_us > 0 and redis_us() - started_us >= call_us then
+          stopped = true
+          break
+        end
       end
     end
   end
   passed_back(prefix, t, passed)
-  if blocked or budget <= 0 then break end
+  if budget <= 0 then stopped = true end
+  if blocked or stopped then break end
 end
+if stopped then out[1] = 'more' end
 if ARGV[11] and ARGV[11] ~= '' then
   local before = math.max(0, tonumber(redis.call('HGET', KEYS[10], 'normal_credit') or '0') or 0)
   local taken = math.max(0, (tonumber(ARGV[12] or '0') or 0) - before)

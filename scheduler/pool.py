@@ -428,12 +428,13 @@ class PoolScheduler:
         owed = self.policy.share_limit(zone, snap.depths)
         if owed:
             # Batch's share goes first: after the higher tiers, it would find the room taken.
-            result.released = await self.store.release(epoch, (0, 0, owed))
+            result.released = await self.store.release(epoch, (0, 0, owed),
+                                                        call_ms=self.settings.release_call_ms)
             result.shared = len(result.released)
         credit = ((self.policy.light_credit(zone, limits[Tier.NORMAL]), self.policy.credit_out)
                   if self.policy.credit_for_light else None)
         main = await self.store.release(epoch, limits, self.policy.guests_only(zone),
-                                        credit=credit)
+                                        credit=credit, call_ms=self.settings.release_call_ms)
         result.released += main
         per_tier = [result.count(t) for t in Tier]
         self.policy.released(zone, per_tier, credit=(main.credit_before, main.credit_after))
@@ -443,7 +444,8 @@ class PoolScheduler:
         batch_waiting = snap.depths[Tier.BATCH] > per_tier[Tier.BATCH]
         if trickle and higher_waiting and batch_waiting and leading():
             # Anti-starvation: a second call that skips the waiting higher tiers.
-            more = await self.store.release(epoch, (0, 0, trickle))
+            more = await self.store.release(epoch, (0, 0, trickle),
+                                            call_ms=self.settings.release_call_ms)
             self.policy.released(zone, [0, 0, sum(1 for t in more if t.node)], trickle=True)
             result.released += more
         self.policy.share_observe(zone, ((t.tier, t.cost) for t in result.released if t.node),

@@ -18,6 +18,8 @@ Sections (medians of `--samples` calls, µs):
 - admit vs queue: a Normal admit that queues (YELLOW) and a VIP fast path, with that many tasks
   queued over that many tenants;
 - release vs nodes: one leader call releasing `--batch` Normal tasks, per call and per task;
+- release, bounded: a release of `--bounded` tasks at the largest node count in calls of
+  `--call-ms` (the leader's `release_call_ms`): how many calls, the longest one, their sum;
 - release, capped tenants: every backlogged tenant at its cap on in-flight tokens, so that one
   call passes over each of them (fair order's skip list);
 - memory: Redis bytes per queued task and per tenant (used_memory deltas).
@@ -203,6 +205,21 @@ async def release_vs_nodes(client: aioredis.Redis, scripts: Any, log: Slowlog,
     return rows
 
 
+async def release_bounded(client: aioredis.Redis, scripts: Any, log: Slowlog, n: int,
+                          tasks: int, call_ms: int) -> tuple[int, int, float, float]:
+    """One release of `tasks` Normal tasks on `n` nodes with rooms, in calls bounded to
+    `call_ms` (the leader's release_call_ms): tasks released, calls, longest and total µs."""
+    store = await fresh_pool(client, scripts, f"rb{n}", n, zone=Zone.YELLOW, rooms=True,
+                             window=10**9)
+    await log.client.config_set("slowlog-log-slower-than", -1)
+    await fill(store, tasks, 100)
+    await log.client.config_set("slowlog-log-slower-than", 0)
+    await log.client.slowlog_reset()
+    got = await store.release(1, (0, tasks, 0), call_ms=call_ms)
+    samples = await log.script_us()
+    return len(got), got.calls, float(max(samples)), float(sum(samples))
+
+
 async def release_capped(client: aioredis.Redis, scripts: Any, log: Slowlog,
                          tenants: Sequence[int]) -> list[tuple[int, float]]:
     """Every tenant at its in-flight cap with one task queued: a release passes over all."""
@@ -271,6 +288,13 @@ async def run(args: argparse.Namespace) -> str:
                                                         args.calls, args.batch):
             out.append(f"| release {args.batch}: {label} | {n} nodes | {us:.0f} "
                        f"({per:.0f} per task) |")
+        if args.call_ms > 0:
+            n = nodes[-1]
+            got, calls, longest, total = await release_bounded(client, scripts, log, n,
+                                                               args.bounded, args.call_ms)
+            out.append(f"| release {args.bounded} in calls of {args.call_ms} ms: {got} released "
+                       f"in {calls} calls, total {total / 1000:.0f} ms | {n} nodes | "
+                       f"{longest:.0f} (longest call) |")
         for t, us in await release_capped(client, scripts, log, args.capped):
             out.append(f"| release, all tenants capped | {t} tenants | {us:.0f} |")
         await client.config_set("slowlog-log-slower-than", 10_000)
@@ -292,6 +316,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=64,
                         help="tasks one release call pops (the leader's release_batch: 2000)")
     parser.add_argument("--calls", type=int, default=10, help="release calls timed per size")
+    parser.add_argument("--bounded", type=int, default=2000,
+                        help="tasks of the bounded release (at the largest --nodes)")
+    parser.add_argument("--call-ms", type=int, default=20,
+                        help="its bound per call (the leader's release_call_ms; 0: skip it)")
     print(asyncio.run(run(parser.parse_args(argv))))
 
 

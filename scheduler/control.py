@@ -195,6 +195,12 @@ class ReleaseControl:
         self._missed_at: float | None = None
         """When a report last took the pool's recent share of VIP first tokens later than the
         objective past `vip_miss_target`; None once the lanes open again (`_lanes_engaged`)."""
+        self._pool_recent = [0.0, 0.0]
+        """The pool's recent VIP first tokens and those later than the objective: every node's
+        recent counts, decayed to `_pool_at` as each node's are. Kept as the nodes' counts
+        change rather than summed over the nodes at each report, which cost a pass over the
+        pool per node, every poll: quadratic in the nodes."""
+        self._pool_at: float | None = None
 
     def node(self, name: str) -> NodeState:
         state = self._nodes.get(name)
@@ -250,6 +256,7 @@ class ReleaseControl:
             self._vip_at = now if self._vip_at is None else max(self._vip_at, now)
             s.n_recent += n
             s.over_recent += over
+            self._pool_add(now, n, over)
             if over > 0 and self._pool_miss_share(now) > self.settings.vip_miss_target:
                 self._missed_at = now
             miss = s.over_recent / s.n_recent
@@ -325,14 +332,22 @@ class ReleaseControl:
         s.lane_cap = max(0, total - max(0, running - guests))
         return s.lane_cap
 
+    def _pool_decay(self, now: float) -> None:
+        if self._pool_at is not None and now > self._pool_at:
+            decay = math.exp(-(now - self._pool_at) / self.signal_tau_s)
+            self._pool_recent = [v * decay for v in self._pool_recent]
+        if self._pool_at is None or now > self._pool_at:
+            self._pool_at = now
+
+    def _pool_add(self, now: float, n: float, over: float) -> None:
+        self._pool_decay(now)
+        self._pool_recent = [self._pool_recent[0] + n, self._pool_recent[1] + over]
+
     def _pool_miss_share(self, now: float) -> float:
         """The share of the pool's recent VIP first tokens later than the objective: every
         node's recent counts, decayed to `now` as each node's are."""
-        n = over = 0.0
-        for s in self._nodes.values():
-            if s.at is not None:
-                decay = math.exp(-max(0.0, now - s.at) / self.signal_tau_s)
-                n, over = n + s.n_recent * decay, over + s.over_recent * decay
+        self._pool_decay(now)
+        n, over = self._pool_recent
         return over / n if n > 0 else 0.0
 
     def _lanes_engaged(self, now: float, settled: bool) -> bool:
@@ -471,6 +486,7 @@ class ReleaseControl:
         self._nodes = {}
         self._vip_at = None
         self._missed_at = None
+        self._pool_recent, self._pool_at = [0.0, 0.0], None
         for name, (rate, gain, calm_step, floor_step) in learned.items():
             if not (math.isfinite(rate) and rate > 0):
                 continue
@@ -487,5 +503,15 @@ class ReleaseControl:
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the state of nodes no longer in the pool."""
         names = set(keep)
-        for name in [n for n in self._nodes if n not in names]:
+        gone = [n for n in self._nodes if n not in names]
+        for name in gone:
             del self._nodes[name]
+        if gone and self._pool_at is not None:
+            # What they counted in the pool's recent first tokens leaves with them: summed
+            # again (a subtraction would leave rounding behind, a share of nothing).
+            n = over = 0.0
+            for s in self._nodes.values():
+                if s.at is not None:
+                    decay = math.exp(-max(0.0, self._pool_at - s.at) / self.signal_tau_s)
+                    n, over = n + s.n_recent * decay, over + s.over_recent * decay
+            self._pool_recent = [n, over]

@@ -485,3 +485,39 @@ def test_the_calm_step_is_learned_only_once_calm_has_lasted() -> None:
         node.poll(30, 0.030, calm=True)  # held by the limit from the first poll on
     learned = node.control.node("n").calm_step_s
     assert learned is not None and learned < 0.0101
+
+
+def _pool_share_reference(control: ReleaseControl, now: float) -> float:
+    """The pool's recent miss share summed over its nodes, each decayed to `now`."""
+    n = over = 0.0
+    for s in control._nodes.values():
+        if s.at is not None:
+            decay = math.exp(-max(0.0, now - s.at) / control.signal_tau_s)
+            n, over = n + s.n_recent * decay, over + s.over_recent * decay
+    return over / n if n > 0 else 0.0
+
+
+POOL_STEP = st.tuples(st.integers(0, 5), st.floats(0.0, 3.0), st.integers(0, 6),
+                      st.integers(0, 6), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(POOL_STEP, max_size=60))
+def test_the_pools_miss_share_is_the_sum_over_its_nodes(steps: list[Any]) -> None:
+    """Kept as the nodes' counts change (one pass over the pool per node per poll was
+    quadratic): equal to the sum over the nodes at every poll, nodes leaving included."""
+    control = controller()
+    now = 0.0
+    reports: dict[str, tuple[int, int]] = {}
+    for node, dt, n, late, leave in steps:
+        now += dt
+        name = f"node-{node}"
+        if leave:
+            control.forget(k for k in control._nodes if k != name)
+            reports.pop(name, None)
+            continue
+        first, late_total = reports.get(name, (0, 0))
+        reports[name] = (first + n, late_total + min(n, late))
+        control.update(name, tasks=(), now=now, reports=reports[name])
+        assert math.isclose(control._pool_miss_share(now), _pool_share_reference(control, now),
+                            rel_tol=1e-9, abs_tol=1e-9)

@@ -145,7 +145,12 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
   local blocked = false
   local passed = new_passed()
   local view = nil
-  if fair and headroom > 0 then view = fair_view(prefix, t, now, window_us) end
+  if fair and headroom > 0 then
+    view = fair_view(prefix, t, now, window_us)
+  elseif fair then
+    -- Admits mark light tenants whatever the headroom: without a view the marks still expire.
+    redis.call('ZREMRANGEBYSCORE', light_key(prefix, t), '-inf', '(' .. fmt(now - window_us))
+  end
   while released < limits[t + 1] and budget > 0 do
     budget = budget - 1
     local head, queued_us, task, light = head_of(t, passed, view)

@@ -231,6 +231,13 @@ async def test_without_headroom_the_backlog_takes_every_freed_token(
                             prompt_tokens=50, max_tokens=50, gateway="gw",
                             queue_timeout_ms=600_000)
     assert got.outcome.value == "queued"
+    # The marks no release reads still expire: once b has been away for longer than the
+    # window, a release drops it.
+    light = store.keys.light(Tier.NORMAL)
+    assert await redis_client.zscore(light, "b") is not None
+    await redis_client.hincrby(store.keys.clock, "frozen_us", 5_000_001)
+    await store.release(1, (0, 10, 10))
+    assert await redis_client.zcard(light) == 0
 
 
 @pytest.mark.parametrize("headroom", [0.1, 0.0])

@@ -21,7 +21,7 @@ Sections (medians of `--samples` calls, µs):
 - release, bounded: a release of `--bounded` tasks at the largest node count in calls of
   `--call-ms` (the leader's `release_call_ms`): how many calls, the longest one, their sum;
 - release, capped tenants: every backlogged tenant at its cap on in-flight tokens, so that one
-  call passes over each of them (fair order's skip list);
+  call passes over each of them (fair order reads each once per call);
 - memory: Redis bytes per queued task and per tenant (used_memory deltas).
 
 Prints a markdown table; writes nothing. The figures are only comparable within one run on a

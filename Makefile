@@ -48,9 +48,12 @@ typecheck: $(VENV)/.installed
 
 # -ra prints the reason of every skip, xfail and failure at the end. Everything the suite needs is
 # installed by the prerequisites, so KVGATE_TEST_NO_SKIP=1 turns any skip into a failure: a test
-# that cannot run here is a broken install step, not something to hide.
+# that cannot run here is a broken install step, not something to hide. Two workers
+# (pytest-xdist): most tests wait on servers and timers, so the suite takes about half the wall
+# time; the slow ones share one worker (tests/conftest.py), and each worker takes its servers'
+# ports from a block of its own (bench/common/localredis.py).
 unit: $(VENV)/.installed redis-server promtool go
-	KVGATE_TEST_NO_SKIP=1 $(PY) -m pytest -q -ra
+	KVGATE_TEST_NO_SKIP=1 $(PY) -m pytest -q -ra -n 2 --dist loadgroup
 
 test: lint typecheck gotest unit
 

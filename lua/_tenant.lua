@@ -303,8 +303,9 @@ local function fair_keep(prefix, view, tenant, keep)
 end
 
 -- The light tenant a release call serves first in `tier`: among the view's light tenants with
--- work queued there, not passed over in this call (`passed`), and holding no more than their weighted share of the view's
--- in-flight tokens, the one whose oldest task is oldest: tenant, head id and its score, or nil.
+-- work queued there, not passed over in this call (`passed`), and holding no more than their
+-- weighted share of the view's in-flight tokens, the one whose oldest task is oldest: tenant,
+-- head id and its score, or nil.
 local function light_flow(prefix, tier, view, passed)
   local skip = passed.set
   local best, best_id, best_at, best_score = nil, nil, nil, nil

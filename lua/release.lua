@@ -115,8 +115,9 @@ local stopped = false
 -- The head of tier `t` in its release order, passing over the tenants in `passed`
 -- (new_passed() in _tenant.lua): id, enqueue score, record (nil record: a stray entry, already
 -- dropped) and whether it is a light tenant's (light_flow(): it may overdraw the prefill room,
--- as its fast path may), or nil when nothing is left to release. Fair: the head of the next flow; a tier with no backlogged
--- flow at all but a queue (tasks queued by a version without flows) falls back to FIFO.
+-- as its fast path may), or nil when nothing is left to release. Fair: the head of the next
+-- flow; a tier with no backlogged flow at all but a queue (tasks queued by a version without
+-- flows) falls back to FIFO.
 local function head_of(t, passed, view)
   if fair then
     local tenant, id, score, light = nil, nil, nil, false

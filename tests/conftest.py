@@ -56,6 +56,16 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.pop("REDIS_URL", None)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # `make test` runs the suite on two workers (pytest-xdist, --dist loadgroup). The slow
+    # tests each run a whole stack of processes (simulated nodes, gateways, schedulers) against
+    # wall-clock bounds: they go to one worker, one after another, so that no two of them share
+    # the machine's cores while the other worker takes the quick tests.
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.xdist_group("slow"))
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]

@@ -9,6 +9,7 @@ is configured with and never starts one.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import socket
@@ -26,7 +27,36 @@ class RedisBinaryMissing(RuntimeError):
     pass
 
 
+# Test processes running side by side (pytest-xdist's workers, gw0, gw1, ...) each take ports
+# from blocks of their own, below Linux's ephemeral range (32768 and up, what port 0 and
+# outgoing connections get): a port one process found free and closed cannot become another's
+# before its server binds it, or the first would wait for, and talk to, the other's server.
+# Servers: 24000-29999; Redis Cluster nodes: 10000-12999, their bus ports 10000 above.
+PORT_BLOCK_BASE, PORT_BLOCK, PORT_BLOCKS = 24_000, 1_000, 6
+CLUSTER_BLOCK_BASE, CLUSTER_BLOCK = 10_000, 500
+_block_next: dict[int, int] = {}
+
+
+def _worker_block() -> int | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        return int(worker[2:]) % PORT_BLOCKS
+    return None
+
+
 def free_port() -> int:
+    """A loopback TCP port nothing listens on now, for a server about to start on it."""
+    block = _worker_block()
+    if block is not None:
+        base = PORT_BLOCK_BASE + block * PORT_BLOCK
+        # In turn through the block (from a random start): two picks before either server
+        # binds must not be the same port.
+        at = _block_next.get(block, random.randrange(PORT_BLOCK))
+        for step in range(PORT_BLOCK):
+            candidate = base + (at + step) % PORT_BLOCK
+            if _bindable(candidate):
+                _block_next[block] = (at + step + 1) % PORT_BLOCK
+                return candidate
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -45,8 +75,13 @@ def _bindable(port: int) -> bool:
 def free_cluster_port() -> int:
     """A free port whose cluster bus port (+10000) is free too; Redis caps it at 55535."""
     rng = random.Random()
+    block = _worker_block()
+    lo, hi = 20_000, 45_000
+    if block is not None:
+        lo = CLUSTER_BLOCK_BASE + block * CLUSTER_BLOCK
+        hi = lo + CLUSTER_BLOCK
     for _ in range(1000):
-        port = rng.randrange(20_000, 45_000)
+        port = rng.randrange(lo, hi)
         if _bindable(port) and _bindable(port + 10_000):
             return port
     raise RuntimeError("no free port pair for a Redis Cluster node")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission import reads
-from admission.errors import FencedError, ScriptReplyError
+from admission.errors import FencedError, ScriptReplyError, is_transient
 from admission.hints import QueueView, parse_rate, retry_hint_ms, tenant_drain_hint_ms
 from admission.keys import PoolKeys, abandoned_lease, check_name
 from admission.scripts import Scripts
@@ -356,8 +356,10 @@ class PoolStore:
         one script at a time: a call placing thousands of tasks on hundreds of nodes would hold
         every gateway's admits for seconds). A call that stopped on its bound is followed by
         another for what is left of `limits`, while each releases something; the credit goes
-        with the first. A later call fenced ends the release with what the earlier ones
-        released (they must still be announced); only the first raises FencedError."""
+        with the first. A later call fenced, or failing on an error a retry can pass
+        (`admission.errors.is_transient`), ends the release with what the earlier ones
+        released, which must still be announced (a permanent error is raised). Raises
+        FencedError."""
         out = last = await self._release_call(epoch, limits, guests_only, credit, call_ms)
         left = list(limits)
         while last.more and last:
@@ -369,8 +371,12 @@ class PoolStore:
             try:
                 last = await self._release_call(epoch, (left[0], left[1], left[2]),
                                                 guests_only, None, call_ms)
-            except FencedError:
-                break
+            except Exception as exc:
+                # What the earlier calls released must still be announced; the next tick
+                # goes on where this one stopped.
+                if isinstance(exc, FencedError) or is_transient(exc):
+                    break
+                raise
             out += last
             out.calls += 1
         out.more = last.more

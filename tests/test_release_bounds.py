@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore, TenantQuota
@@ -159,3 +161,47 @@ async def test_one_call_fills_each_node_exactly_to_its_capacity(
                               prefill={"node-a": (before + 250, 1_000)})
     got = await store.release(1, (0, 100, 0))
     assert len(got) == 2, got  # prompts of 100: two fit the 250, a third not the 50 left
+
+
+class DropsLaterCalls:
+    """Carries script calls to a real Redis, but a release call after the first finds the link
+    gone (what a failover or a network blip does between two calls of one tick)."""
+
+    def __init__(self, client: aioredis.Redis, release_sha: str, error: Exception) -> None:
+        self.client, self.release_sha, self.error = client, release_sha, error
+        self.releases = 0
+        self.failed = 0
+
+    async def evalsha(self, sha: str, numkeys: int, *keys_and_args: Any) -> Any:
+        if sha == self.release_sha and self.releases >= 1:
+            self.failed += 1
+            raise self.error
+        reply = await self.client.evalsha(sha, numkeys, *keys_and_args)
+        if sha == self.release_sha:
+            self.releases += 1
+        return reply
+
+    def script_load(self, script: str) -> Any:
+        return self.client.script_load(script)
+
+
+async def test_a_later_call_lost_ends_the_release_with_what_the_first_released(
+        redis_client: aioredis.Redis) -> None:
+    [store] = await twin_pools(redis_client, ("lost",), 64)
+    link = DropsLaterCalls(redis_client, store.scripts.release.sha,
+                           redis.exceptions.ConnectionError("Connection reset by peer"))
+    lossy = PoolStore(redis_client, store.scripts.via(link), "lost", store.policy)
+    got = await lossy.release(1, (100, 100, 100), call_ms=1)
+    assert (link.releases, link.failed, got.calls) == (1, 1, 1) and len(got) > 0
+    # Exactly those tasks left the queues; the rest wait for the next tick.
+    records = [await redis_client.hget(store.keys.task_key(t.task_id), "state")
+               for t in got]
+    assert records == [b"released"] * len(got)
+    queued = sum([await redis_client.zcard(q) for q in store.keys.queues])
+    assert queued == 120 - len(got)
+    # A permanent error is not swallowed.
+    link = DropsLaterCalls(redis_client, store.scripts.release.sha,
+                           redis.exceptions.ResponseError("ERR a script failed at run time"))
+    lossy = PoolStore(redis_client, store.scripts.via(link), "lost", store.policy)
+    with pytest.raises(redis.exceptions.ResponseError):
+        await lossy.release(1, (100, 100, 100), call_ms=1)

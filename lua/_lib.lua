@@ -18,13 +18,18 @@ local function fmt(n)
   return string.format('%.0f', n)
 end
 
+-- Redis TIME in µs: the server's own clock, which no test freezes.
+local function time_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
 local function now_us(clock_key)
   if TEST_CLOCK then
     local frozen = redis.call('HGET', clock_key, 'frozen_us')
     if frozen then return tonumber(frozen) end
   end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return time_us()
 end
 
 -- Queue scores must be strictly increasing even if the server clock steps back or two

@@ -159,7 +159,7 @@ local function flow_settle(prefix, task, usage)
   if back ~= 0 then vt_add(prefix, tonumber(task.tier), task.tenant, -back) end
 end
 
--- The tenants a release call passes over in one tier: `set` of them, `n` in all, and `rows`,
+-- The tenants a release call passes over in one tier: `set` of them, and `rows`,
 -- the score and name of each one's row in the tier's flows ZSET. A passed-over flow leaves the
 -- ZSET for the rest of the tier's turn (pass_over()) and is put back with its counter at the
 -- end of it (passed_back()), so next_flow() reads only the flows it may still serve: a call
@@ -170,7 +170,7 @@ end
 -- for an empty flow): a flow changes only when its head is taken (released, expired or
 -- dropped), and head_of() in release.lua forgets the head of the tenant it picks.
 local function new_passed()
-  return {set = {}, n = 0, rows = {}, heads = {}}
+  return {set = {}, rows = {}, heads = {}}
 end
 
 -- The head of `tenant`'s flow of `tier`: {id, score (string)}, or false when it is empty.
@@ -186,7 +186,6 @@ end
 
 local function pass_over(prefix, tier, passed, tenant)
   passed.set[tenant] = true
-  passed.n = passed.n + 1
   local list = flows_key(prefix, tier)
   local score = redis.call('ZSCORE', list, tenant)
   if score then

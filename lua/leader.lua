@@ -35,8 +35,7 @@ end
 if holder then
   return {0, epoch, holder, redis.call('PTTL', KEYS[1])}
 end
-local t = redis.call('TIME')
-epoch = math.max(epoch + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
-redis.call('SET', KEYS[2], string.format('%.0f', epoch))
+epoch = math.max(epoch + 1, time_us())
+redis.call('SET', KEYS[2], fmt(epoch))
 redis.call('SET', KEYS[1], me, 'PX', ttl)
 return {1, epoch, me, ttl}

@@ -104,12 +104,8 @@ local out = {'ok', epoch, 0, 0}
 -- Bounds the work of one call even if a queue holds many expired tasks.
 local budget = 2000
 local call_us = tonumber(ARGV[13] or '0') or 0
-local function redis_us()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
-end
 local started_us = 0
-if call_us > 0 then started_us = redis_us() end
+if call_us > 0 then started_us = time_us() end
 local stopped = false
 
 -- The head of tier `t` in its release order, passing over the tenants in `passed`
@@ -123,7 +119,7 @@ local function head_of(t, passed, view)
     local tenant, id, score, light = nil, nil, nil, false
     if view and view.nlight > 0 then tenant, id, score = light_flow(prefix, t, view, passed) end
     if tenant then light = true else tenant, id, score = next_flow(prefix, t, passed) end
-    if not tenant and passed.n > 0 then return nil end
+    if not tenant and next(passed.set) ~= nil then return nil end
     if tenant then
       passed.heads[tenant] = nil
       local task = load_task(task_key(prefix, id))
@@ -205,7 +201,7 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         released = released + 1
         table.insert(out, head); table.insert(out, task.gateway)
         table.insert(out, node); table.insert(out, t); table.insert(out, cost)
-        if call_us > 0 and redis_us() - started_us >= call_us then
+        if call_us > 0 and time_us() - started_us >= call_us then
           stopped = true
           break
         end

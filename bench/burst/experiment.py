@@ -48,6 +48,7 @@ from bench.burst.fallback import one_draw
 from bench.burst.idealpoint import POINTS
 from bench.burst.idealpoint import replay as ideal_replay_valued
 from bench.burst.mixes import MIXES, with_mix
+from bench.burst.mixfile import MixFileError, use_mix_file
 from bench.burst.phaseload import describe as describe_load
 from bench.burst.plot import plot
 from bench.burst.report import ArmSummary, markdown_table, summarize
@@ -65,9 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--short", action="store_const", const="short", dest="preset",
                    help="the <3 minute demo (same as --preset short)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of a,b,c,d")
-    p.add_argument("--mix", choices=sorted(MIXES),
-                   help="a traffic mix of bench.burst.mixes, with its max_tokens mix (default: the "
-                        "article's classes, clients sending exact max_tokens)")
+    p.add_argument("--mix",
+                   help=f"a traffic mix ({', '.join(MIXES)}, or one of --mix-file), with its "
+                        "max_tokens mix (default: the article's classes, clients sending exact "
+                        "max_tokens)")
+    p.add_argument("--mix-file", type=Path,
+                   help="a TOML file of more mixes (bench.burst.mixfile)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "tmp",
                    help="results directory (default: bench/results/tmp, untracked)")
     p.add_argument("--name", help="file name stem (default: burst, or burst-<preset>)")
@@ -412,6 +416,15 @@ def _summary_json(settings: Settings, cap: CapacityResult | None,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        use_mix_file(args.mix_file)
+    except MixFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.mix is not None and args.mix not in MIXES:
+        print(f"error: unknown mix {args.mix!r}; choose from {', '.join(MIXES)}",
+              file=sys.stderr)
+        return 2
     settings = settings_from_args(args)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = [a for a in arms if a not in ARMS]

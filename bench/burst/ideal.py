@@ -4,6 +4,7 @@ Batch deadline, an admission controller could reach on the same engines and traf
     python -m bench.burst.ideal                              # every reduced cell, ~4 min
     python -m bench.burst.ideal --mix article --size 4 --seed 3
     python -m bench.burst.ideal --scale full --mix article --size 4 --seed 1   # ~5 min
+    python -m bench.burst.ideal --mix-file mine.toml --seed 1-5   # the matrix's --mix-file cells
 
 Each cell's schedule (the one its arms replay, drawn from its seed) is replayed offline by
 ``bench.burst.capacity.ideal_replay``: the simulator's own engine, in simulated time, behind an
@@ -64,10 +65,11 @@ from bench.burst.fallback import (
     tally,
 )
 from bench.burst.idealpoint import POINTS, replay
-from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells
+from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells, chosen_mixes
 from bench.burst.matrix import render as matrix_render
 from bench.burst.matrixplot import load_records, ordered
 from bench.burst.mixes import MIXES
+from bench.burst.mixfile import MixFileError, definition
 from bench.burst.workload import PlannedRequest, Schedule
 from bench.common.gitrev import revision as git_revision
 from bench.sim.config import SimConfig
@@ -273,7 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
     p.add_argument("--seed", help='as the matrix: "3", "1-10", "1,4,7-9" (default: its seeds)')
-    p.add_argument("--mix", default=",".join(MIXES))
+    p.add_argument("--mix", help="comma-separated, as the matrix (default: the --mix-file's "
+                                 "mixes, else the repository's)")
+    p.add_argument("--mix-file", type=Path,
+                   help="a TOML file of more mixes (bench.burst.mixfile), as the matrix ran")
     p.add_argument("--size", default=",".join(map(str, DEFAULT_SIZES)))
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="where ideal-<scale>.* go and the matrix's cells/ are read")
@@ -284,13 +289,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    mixes = [m.strip() for m in args.mix.split(",") if m.strip()]
+    try:
+        mixes = chosen_mixes(args.mix, args.mix_file)
+    except MixFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     unknown = [m for m in mixes if m not in MIXES]
     if unknown:
         print(f"error: unknown mix {unknown}", file=sys.stderr)
         return 2
     todo = [] if args.tables_only else cells(
         args.scale, mixes, [int(s) for s in args.size.split(",") if s.strip()], args.seed)
+    ran = {cell_key(r): r.get("traffic") for r in load_records(args.out, args.scale)}
+    for cell in todo:
+        recorded = ran.get(cell_key({"cell": dataclasses.asdict(cell)}))
+        if recorded is not None and recorded != jsonlines.safe(definition(MIXES[cell.mix])):
+            print(f"error: the matrix ran {cell.name} on another definition of mix "
+                  f"{cell.mix!r} than the one given (its record's \"traffic\")", file=sys.stderr)
+            return 2
     new, revision = [], git_revision()
     for n, cell in enumerate(todo, 1):
         print(f"cell {n}/{len(todo)}: {cell.name}", flush=True)

@@ -3,13 +3,16 @@
     python -m bench.burst.matrix                                  # the reduced matrix (see below)
     python -m bench.burst.matrix --seed 3 --mix chat --size 2     # one cell again
     python -m bench.burst.matrix --seed 101-110 --mix article     # seeds not in the repository
+    python -m bench.burst.matrix --mix-file mine.toml --seed 1-5  # mixes not in the repository
     python -m bench.burst.matrix --scale full --seed 1 --size 4   # a headline cell at full scale
 
 Every cell runs the arms (default a, b, c, d) of bench.burst.experiment on one draw: the schedule is
 drawn from the seed and nothing else depends on it (scale, mixes, the ``max_tokens`` mix and
 every arm's settings are fixed before any draw; arm (c) runs kvgate's shipped defaults, no CLI
 overrides exist here). Default cells: seeds 1-10 of the ``article`` mix and 1-5 of ``chat`` and
-``generation`` (bench.burst.mixes), each on 2 and 4 nodes: 40 cells.
+``generation`` (bench.burst.mixes), each on 2 and 4 nodes: 40 cells. ``--mix-file`` adds mixes
+defined in a TOML file (bench.burst.mixfile says how), which then run instead of the
+repository's unless ``--mix`` names some; their default seeds are 1-5.
 
 Each cell writes ``<out>/cells/<scale>-<mix>-n<size>-s<seed>.json`` (every arm's figures, its
 verdicts on the seven criteria, the lag the run measured, its wall time), and after every cell
@@ -64,6 +67,7 @@ from bench.burst.experiment import run_experiment
 from bench.burst.fallback import cell_key, frontier, load_ideal, slack, tally
 from bench.burst.matrixplot import load_records, ordered, plot_matrix
 from bench.burst.mixes import MIXES, with_mix
+from bench.burst.mixfile import BUILTIN, MixFileError, definition, use_mix_file
 from bench.burst.points import Point
 from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
@@ -80,6 +84,8 @@ SCALES: dict[str, Settings] = {
                    gateways=1, schedulers=1, max_loop_lag_ms=25.0, max_send_lag_ms=25.0),
 }
 DEFAULT_SEEDS = {"article": "1-10", "chat": "1-5", "generation": "1-5"}
+FILE_SEEDS = "1-5"
+"""Default seeds of a mix from a mix file."""
 DEFAULT_SIZES = (2, 4)
 
 
@@ -120,7 +126,7 @@ def parse_seeds(spec: str) -> list[int]:
 def cells(scale: str, mixes: Sequence[str], sizes: Sequence[int], seeds: str | None
           ) -> list[Cell]:
     return [Cell(scale, mix, size, seed) for mix in mixes for size in sizes
-            for seed in parse_seeds(seeds or DEFAULT_SEEDS[mix])]
+            for seed in parse_seeds(seeds or DEFAULT_SEEDS.get(mix, FILE_SEEDS))]
 
 
 def is_done(path: Path, arms: Sequence[str], point: Point) -> bool:
@@ -146,6 +152,7 @@ def cell_record(cell: Cell, settings: Settings, summaries: Sequence[ArmSummary],
         "point": (point or Point()).label,
         "wall_s": wall_s,
         "settings": {k: v for k, v in dataclasses.asdict(settings).items() if k != "classes"},
+        "traffic": definition(MIXES[cell.mix]),
         "arms": [{"arm": s.arm, "valid": not s.invalid, "validity": validity(s),
                   "verdicts": [dataclasses.asdict(v) for v in verdicts],
                   "summary": dataclasses.asdict(s)}
@@ -291,14 +298,25 @@ async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_ro
         plot_matrix(records, out / f"matrix-{cell.scale}.png")
 
 
+def chosen_mixes(spec: str | None, mix_file: Path | None) -> list[str]:
+    """The mixes a run names (`spec`, comma-separated), after registering those of `mix_file`;
+    without `spec`, the file's mixes, or else the repository's. MixFileError: the file."""
+    from_file = use_mix_file(mix_file)
+    if spec is None:
+        return from_file or [m for m in MIXES if m in BUILTIN]
+    return [m.strip() for m in spec.split(",") if m.strip()]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.burst.matrix",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
     p.add_argument("--seed", help='seeds for every chosen mix: "3", "1-10", "1,4,7-9" '
                                   "(default: 1-10 for article, 1-5 for the others)")
-    p.add_argument("--mix", default=",".join(MIXES),
-                   help=f"comma-separated mixes of {', '.join(MIXES)}")
+    p.add_argument("--mix", help=f"comma-separated mixes: of {', '.join(MIXES)}, or of "
+                                 "--mix-file (default: the file's mixes, else the three)")
+    p.add_argument("--mix-file", type=Path,
+                   help="a TOML file of more mixes (bench.burst.mixfile)")
     p.add_argument("--size", default=",".join(map(str, DEFAULT_SIZES)),
                    help="comma-separated node counts")
     p.add_argument("--arms", default=",".join(ARMS))
@@ -317,7 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    mixes = [m.strip() for m in args.mix.split(",") if m.strip()]
+    try:
+        mixes = chosen_mixes(args.mix, args.mix_file)
+    except MixFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [m for m in mixes if m not in MIXES] + [a for a in arms if a not in ARMS]
     if bad:

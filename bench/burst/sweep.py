@@ -49,6 +49,7 @@ from bench.burst.expconfig import Settings
 from bench.burst.experiment import run_experiment
 from bench.burst.matrix import RESULTS, SCALES, Cell
 from bench.burst.mixes import MIXES
+from bench.burst.mixfile import MixFileError, use_mix_file
 from bench.burst.points import Point
 from bench.burst.report import ArmSummary
 from bench.common.gitrev import revision as git_revision
@@ -160,7 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default, or comma-separated o=<ms>, r=<n>, m=<n>, s=<x>, l=<n>, "
                         "ls=<x>, lo=<tokens>, le=<0|1> (see above)")
     p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
-    p.add_argument("--mix", choices=list(MIXES), required=True)
+    p.add_argument("--mix", required=True,
+                   help=f"one of {', '.join(MIXES)}, or of --mix-file")
+    p.add_argument("--mix-file", type=Path,
+                   help="a TOML file of more mixes (bench.burst.mixfile)")
     p.add_argument("--size", type=int, required=True, help="nodes")
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -176,6 +180,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:
+        use_mix_file(args.mix_file)
+    except MixFileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.mix not in MIXES:
+        print(f"error: unknown mix {args.mix!r}", file=sys.stderr)
+        return 2
     cell = Cell(args.scale, args.mix, args.size, args.seed)
     log_root = args.log_dir or Path(tempfile.mkdtemp(prefix="kvgate-sweep-"))
     flush_print(f"{cell.name}: (a) once, then (c) at {', '.join(p.label for p in points)}; "
@@ -185,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.monotonic() - started
     revision = git_revision()
     command = "python -m bench.burst.sweep " + " ".join(
-        [*(["--scale", args.scale] if args.scale != "reduced" else []), "--mix", args.mix,
+        [*(["--scale", args.scale] if args.scale != "reduced" else []),
+         *(["--mix-file", str(args.mix_file)] if args.mix_file else []), "--mix", args.mix,
          "--size", str(args.size), "--seed", str(args.seed), *(p.label for p in points)])
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"sweep-{cell.name}"

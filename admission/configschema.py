@@ -169,6 +169,13 @@ class ZoneSettings:
     def check(self, key: KeyName) -> None:
         if not self.yellow < self.red:
             raise ConfigError(f"{key('yellow')}: must be below {key('red')}")
+        if not self.hysteresis < self.yellow:
+            # A pool leaves YELLOW below `yellow - hysteresis`: at or under 0, never.
+            raise ConfigError(f"{key('hysteresis')}: must be below {key('yellow')}, or a pool "
+                              "that turned YELLOW would never be GREEN again")
+        if not self.kv_target > 0:
+            raise ConfigError(f"{key('kv_target')}: must be above 0, or no Normal or Batch "
+                              "work would ever be placed")
         # Each tier's ceiling is at most the next higher tier's: a setting that let Batch or
         # Normal fill the room VIP is placed in would break strict tiers.
         vip, normal, batch = self.ceilings()

@@ -194,6 +194,8 @@ def test_tier_ceilings_default_to_the_zone_lines_and_keep_their_order() -> None:
     assert zones(yellow=0.6, red=0.8, kv_target=0.75).ceilings() == (0.8, 0.75, 0.6)
     assert zones(yellow=0.8, kv_target=0.78).ceilings() == (0.85, 0.78, 0.78)
     assert zones(vip_ceiling=0.82, batch_ceiling=0.5).ceilings() == (0.82, 0.78, 0.5)
+    # The edges that stay valid: a hysteresis just under YELLOW, a small Normal ceiling.
+    assert zones(yellow=0.3, hysteresis=0.29, kv_target=0.01).ceilings() == (0.85, 0.01, 0.01)
     for bad, message in [
         ({"batch_ceiling": 0.8}, r"zones\.batch_ceiling: must be at most pools\[0\]\.zones\.kv_"),
         ({"vip_ceiling": 0.75}, r"zones\.vip_ceiling: must be at least pools\[0\]\.zones\.kv_"),
@@ -201,6 +203,10 @@ def test_tier_ceilings_default_to_the_zone_lines_and_keep_their_order() -> None:
         ({"red": 0.75, "yellow": 0.7}, r"vip_ceiling: must be at least .*kv_target \(unset, it"),
         ({"vip_ceiling": 1.5}, r"zones\.vip_ceiling: must be between 0.0 and 1.0"),
         ({"batch_headroom": 0.03}, r"zones\.batch_headroom: replaced by .*batch_ceiling"),
+        ({"yellow": 0.3, "hysteresis": 0.3}, r"zones\.hysteresis: must be below pools\[0\]\."
+                                             r"zones\.yellow, or a pool that turned YELLOW"),
+        ({"yellow": 0.0, "hysteresis": 0.0}, r"zones\.hysteresis: must be below"),
+        ({"kv_target": 0.0, "batch_ceiling": 0.0}, r"zones\.kv_target: must be above 0"),
     ]:
         with pytest.raises(ConfigError, match=message):
             zones(**bad)

@@ -385,8 +385,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                      help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
     parser.add_argument("--pool", action="append", default=[],
                         help="pool to show (repeatable; default: all configured or found)")
-    parser.add_argument("--cluster", action="store_true", help="--redis-url is a Redis Cluster")
-    parser.add_argument("--ssl-ca-file", help="CA bundle for a rediss:// URL")
+    parser.add_argument("--cluster", action="store_true",
+                        help="--redis-url or REDIS_URL is a Redis Cluster (with --config, the "
+                             "file's redis.cluster decides)")
+    parser.add_argument("--ssl-ca-file",
+                        help="CA bundle for a rediss:// URL (with --config, instead of the "
+                             "file's redis.ssl_ca_file)")
     parser.add_argument("--json", action="store_true", help="one JSON document per refresh")
     parser.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until interrupted")

@@ -3,7 +3,8 @@
 The CLI finds its Redis the way the services do, first match wins:
 
 1. ``--config FILE``: the file's ``[redis]`` settings, ``REDIS_URL`` (when set and not empty)
-   overriding ``redis.url`` exactly as in the gateway and the scheduler;
+   overriding ``redis.url`` exactly as in the gateway and the scheduler, and ``--ssl-ca-file``
+   its ``redis.ssl_ca_file`` (``--cluster`` is refused: the file says whether it is one);
 2. ``--redis-url URL``;
 3. ``REDIS_URL``;
 4. the services' default, ``redis://127.0.0.1:6379/0``.
@@ -19,6 +20,7 @@ it looked for, never an empty table.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -89,14 +91,25 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
     """
     named = tuple(pools)
     if config is not None:
+        if cluster:
+            # The file says whether its Redis is a cluster; a flag that disagreed would read
+            # another server than the services do.
+            raise ConfigError(f"--cluster: with --config, redis.cluster of {config} decides")
         loaded = load_config(config, env)
+        settings = loaded.redis
+        if ssl_ca_file:
+            # The file's CA path is the services' (a pod's mount); one run elsewhere names its
+            # own copy.
+            settings = dataclasses.replace(settings, ssl_ca_file=ssl_ca_file)
         if env.get("REDIS_URL"):
             source = f"REDIS_URL, which overrides redis.url of {config}"
         elif _file_sets_url(config):
             source = f"redis.url of {config}"
         else:
             source = f"the default: {config} sets no redis.url and REDIS_URL is not set"
-        return Target(loaded.redis, source, named or tuple(loaded.pools),
+        if ssl_ca_file:
+            source += ", with the CA of --ssl-ca-file"
+        return Target(settings, source, named or tuple(loaded.pools),
                       "--pool" if named else f"the pools of {config}", loaded.tenants)
     if redis_url:
         url, source = _check_url(redis_url, "--redis-url"), "--redis-url"

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -101,6 +103,27 @@ def test_sources_in_the_services_order_and_no_credentials(tmp_path: Path) -> Non
         "Sentinel master mymaster via s1:26379, s2:26379 (redis, db 1)")
     with pytest.raises(ConfigError, match="REDIS_URL: must start with redis://"):
         resolve(env={"REDIS_URL": "localhost:6379"})
+
+
+def test_with_a_config_file_the_ca_flag_overrides_it_and_the_cluster_flag_is_refused(
+        tmp_path: Path) -> None:
+    path = _config(tmp_path, "rediss://file-host:6380/0")
+    path.write_text(path.read_text().replace(
+        '[[pools]]', f'ssl_ca_file = "{tmp_path / "pod-ca.pem"}"\n\n[[pools]]', 1))
+
+    def resolve(**flags: Any) -> Any:
+        args: dict[str, Any] = {"redis_url": None, "cluster": False, "ssl_ca_file": None,
+                                "pools": [], "env": {}, **flags}
+        return resolve_target(config=str(path), **args)
+
+    assert resolve().settings.ssl_ca_file == str(tmp_path / "pod-ca.pem")
+    mine = resolve(ssl_ca_file="/home/me/ca.pem")
+    assert mine.settings.ssl_ca_file == "/home/me/ca.pem"
+    assert mine.settings.url == "rediss://file-host:6380/0"
+    assert mine.source == f"redis.url of {path}, with the CA of --ssl-ca-file"
+    with pytest.raises(ConfigError, match=rf"^--cluster: with --config, redis.cluster of "
+                                          rf"{re.escape(str(path))} decides"):
+        resolve(cluster=True)
 
 
 # --- The command against real servers -----------------------------------------------------

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.burst import ideal, matrix, sweep
+from bench.burst import experiment, ideal, matrix, sweep
 from bench.burst.matrix import SCALES, Cell, cell_record, cells, chosen_mixes
 from bench.burst.mixes import MIXES, REALISTIC, Mix
 from bench.burst.mixfile import MixFileError, load_mixes, register
@@ -195,12 +195,16 @@ def test_the_runners_refuse_a_bad_file_and_an_unknown_mix(
     out = str(tmp_path / "out")
     for main, args in ((matrix.main, ["--out", out]), (ideal.main, ["--out", out]),
                        (sweep.main, ["--mix", "m", "--size", "2", "--seed", "1", "default",
-                                     "--out", out])):
+                                     "--out", out]),
+                       (experiment.main, ["--mix", "m", "--out", out])):
         assert main(["--mix-file", str(bad), *args]) == 2
         assert "needs a class with burst = true" in capsys.readouterr().err
     assert matrix.main(["--mix", "nope", "--out", out]) == 2
     assert sweep.main(["--mix", "nope", "--size", "2", "--seed", "1", "default",
                        "--out", out]) == 2
+    assert experiment.main(["--mix", "nope", "--out", out]) == 2
+    assert "unknown mix 'nope'; choose from article, chat, generation" in (
+        capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
 

@@ -1,5 +1,5 @@
 """What the gateway's and the scheduler's metrics share: how late the event loop runs its
-timers, and the exposition's defaults.
+timers, how long the garbage collector holds the process, and the exposition's defaults.
 
 How late the loop runs is the one figure that tells a starved process (too little CPU, or one
 callback that holds the loop) from a slow dependency.
@@ -15,13 +15,21 @@ histograms nor Redis's SLOWLOG show that cause; the loop's own lateness does.
 sleep returned. Probes land at moments unrelated to the work, so the share of probes later
 than some x estimates the share of time the loop is that far behind; a stall of d seconds
 shows in about d / `LAG_PROBE_INTERVAL_S` probes, with its remaining length at each.
+
+One cause of such a stall is the process's own garbage collector: a full collection walks
+every object the process tracks, and a gateway holding a deep queue's requests holds many.
+`watch_gc` times each collection (`gc.callbacks`), so a lag histogram's tail can be told apart
+as the collector's or not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import time
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
 
@@ -50,6 +58,44 @@ async def probe(observe: Callable[[float], None],
         asked = clock()
         await asyncio.sleep(interval_s)
         observe(max(0.0, clock() - asked - interval_s))
+
+
+GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+"""A young collection takes well under a millisecond; a full one walks every object the
+process tracks, tens of milliseconds with a deep queue's requests in memory."""
+
+
+def gc_pause_histogram(prefix: str, registry: CollectorRegistry) -> Histogram:
+    """`<prefix>gc_pause_seconds{generation}` in `registry`."""
+    return Histogram(
+        prefix + "gc_pause_seconds",
+        "How long each of the Python garbage collector's collections held the process, by the "
+        "oldest generation collected (2: a full collection, which walks every tracked object): "
+        "every request in flight through the process waits that long.",
+        ["generation"], buckets=GC_BUCKETS, registry=registry)
+
+
+def watch_gc(histogram: Histogram) -> Callable[[], None]:
+    """Observe every collection of this process into `histogram` (gc_pause_histogram) until
+    the returned function is called. The collector runs with the GIL held, so one collection
+    ends before the next starts: one start time is enough."""
+    children = [histogram.labels(str(generation)) for generation in range(3)]
+    clock = time.perf_counter
+    started = [0.0]
+
+    def on_collection(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = clock()
+        else:
+            children[min(int(info["generation"]), 2)].observe(clock() - started[0])
+
+    gc.callbacks.append(on_collection)
+
+    def stop() -> None:
+        with contextlib.suppress(ValueError):
+            gc.callbacks.remove(on_collection)
+
+    return stop
 
 
 def no_created_series() -> None:

@@ -27,6 +27,7 @@ from admission.errors import describe
 from admission.keys import check_name
 from admission.scripts import load_scripts, register_scripts
 from admission.servicemetrics import probe as probe_loop_lag
+from admission.servicemetrics import watch_gc
 from admission.store import PoolStore
 from gateway import handlers
 from gateway.admin import ADMIN_POOLS_PATH, admin_pools
@@ -176,6 +177,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
             name="kvgate-renew",
         ),
     ]
+    stop_watching_gc = watch_gc(metrics.gc_pause)
     log.info("gateway %s serving pools %s, Redis %s", gid, ", ".join(sorted(pools)),
              redis_address(config.redis))
     if warning := await eviction_warning(client):
@@ -183,6 +185,7 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        stop_watching_gc()
         await settler.drain(app[SETTLE_DRAIN])
         hub.stop.set()
         stop_renewing.set()

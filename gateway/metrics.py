@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from admission.config import Config
-from admission.servicemetrics import lag_histogram, no_created_series
+from admission.servicemetrics import gc_pause_histogram, lag_histogram, no_created_series
 from admission.store import RejectReason
 from admission.tiers import Tier
 from gateway.errors import KEY_SCOPE
@@ -105,6 +105,7 @@ class GatewayMetrics:
             "kvgate_gateway_queue_wait_seconds", "Time queued before release.",
             ["pool", "tier"], buckets=_WAIT_BUCKETS, registry=r)
         self.loop_lag = lag_histogram("kvgate_gateway_", r)
+        self.gc_pause = gc_pause_histogram("kvgate_gateway_", r)
         self.ttft = Histogram(
             "kvgate_gateway_ttft_seconds",
             "Arrival to first byte of the streamed answer sent to the client.",

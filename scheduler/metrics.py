@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from admission.config import Config
-from admission.servicemetrics import lag_histogram, no_created_series
+from admission.servicemetrics import gc_pause_histogram, lag_histogram, no_created_series
 from admission.tiers import Tier, Zone
 from scheduler.fairmetrics import FairMetrics
 from scheduler.scrape import SCRAPE_FAILURES
@@ -40,6 +40,7 @@ class SchedulerMetrics:
         p = "kvgate_scheduler_"
         self.leader = Gauge(p + "leader", "1 while this replica leads, else 0.", registry=r)
         self.loop_lag = lag_histogram(p, r)
+        self.gc_pause = gc_pause_histogram(p, r)
         self.epoch = Gauge(p + "epoch", "Fencing epoch of this replica's leadership (0: none).",
                            registry=r)
         self.leadership_changes = Counter(p + "leadership_changes",

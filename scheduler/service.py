@@ -27,6 +27,7 @@ from admission.connection import connect, eviction_warning, redis_address
 from admission.errors import FencedError
 from admission.scripts import Scripts, register_scripts
 from admission.servicemetrics import probe as probe_loop_lag
+from admission.servicemetrics import watch_gc
 from admission.store import PoolStore
 from scheduler.failurelog import FailureLog
 from scheduler.leader import Elector
@@ -91,6 +92,7 @@ class SchedulerService:
         self.pools: list[PoolScheduler] = []
         self.last: dict[str, TickResult] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._stop_watching_gc: Callable[[], None] = lambda: None
         self._changes_seen = 0
         self.ticks = 0
         """Pool ticks completed, every pool's together."""
@@ -137,6 +139,7 @@ class SchedulerService:
         ]
         for task in self._tasks:
             task.add_done_callback(self._loop_ended)
+        self._stop_watching_gc = watch_gc(self.metrics.gc_pause)
         log.info("scheduler %s started: %d pool(s), poll %d ms, Redis %s", self.me,
                  len(self.pools), s.poll_interval_ms, redis_address(self.config.redis))
         if warning := await eviction_warning(self.client):
@@ -170,6 +173,7 @@ class SchedulerService:
     async def stop(self) -> None:
         """Stop ticking, resign (standbys take over at once), close connections. Idempotent."""
         tasks, self._tasks = self._tasks, []
+        self._stop_watching_gc()
         await cancel_until_done(tasks)
         if self.elector is not None:
             await self.elector.resign()

@@ -3,7 +3,9 @@ open for the configured tiers, counted); operational endpoints; nothing secret i
 
 from __future__ import annotations
 
+import gc
 import logging
+import re
 from typing import Any
 
 import aiohttp
@@ -233,12 +235,16 @@ async def test_operational_endpoints(gw: Harness) -> None:
             assert response.status == 200
         async with http.get(gw.url + "/readyz") as response:
             assert response.status == 200 and (await response.json())["status"] == "ready"
+        gc.collect(2)  # the gateway's app times every collection of its process
         async with http.get(gw.url + "/metrics") as response:
             text = await response.text()
         async with http.get(gw.url + "/openapi.json") as response:
             document = await response.json()
     assert 'kvgate_gateway_requests_total{outcome="ok",pool="demo",tier="vip"} 1.0' in text
     assert "kvgate_gateway_tokens_reserved_total" in text
+    full = re.search(r'^kvgate_gateway_gc_pause_seconds_count\{generation="2"\} (\S+)$', text,
+                     re.MULTILINE)
+    assert full is not None and float(full.group(1)) >= 1, text
     assert "vip\"" in text and "tenant=" not in text  # no tenant label unless configured
     assert document["openapi"].startswith("3.")
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",

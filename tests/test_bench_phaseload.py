@@ -7,13 +7,22 @@ import dataclasses
 import math
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client.exposition import generate_latest
 
 from admission.tiers import Tier
 from bench.burst.criteria import validity
-from bench.burst.phaseload import Snapshot, describe, lag_buckets, phase_load, read_lag
+from bench.burst.phaseload import (
+    Snapshot,
+    describe,
+    full_gcs,
+    lag_buckets,
+    phase_load,
+    read_lag,
+    summed_full_gcs,
+)
 from bench.burst.report import ArmSummary
 from gateway.metrics import GatewayMetrics
 
@@ -50,6 +59,27 @@ def test_a_phase_counts_only_what_happened_between_its_snapshots() -> None:
     assert "gateway_probes" not in phase_load(start, Snapshot(20.0, end.cpu, None))
     (line,) = describe({"burst": load})
     assert line.startswith("burst: cores gateways 0.30, redis 0.05, sims 0.50; gateways' loops")
+    assert "garbage" not in line and "gateway_full_gcs" not in load  # not read: not reported
+    # The full collections of the phase, when both snapshots read them.
+    collected = phase_load(dataclasses.replace(start, full_gc=(3.0, 0.25)),
+                           dataclasses.replace(end, full_gc=(5.0, 0.4)))
+    assert collected["gateway_full_gcs"] == 2
+    assert collected["gateway_full_gc_ms"] == pytest.approx(150.0)
+    (line,) = describe({"burst": collected})
+    assert line.endswith("; 2 full garbage collections in the gateways, 150 ms in all")
+
+
+def test_full_collections_are_read_from_a_gateways_page_and_summed() -> None:
+    metrics = GatewayMetrics()
+    full = metrics.gc_pause.labels("2")
+    for pause in (0.02, 0.08):
+        full.observe(pause)
+    metrics.gc_pause.labels("0").observe(0.5)  # young collections are not counted
+    page = generate_latest(metrics.registry).decode()
+    assert full_gcs(page) == pytest.approx((2.0, 0.1))
+    assert summed_full_gcs([page, page]) == pytest.approx((4.0, 0.2))
+    assert summed_full_gcs([page, "no histogram"]) is None
+    assert summed_full_gcs(None) is None and summed_full_gcs([]) is None
 
 
 async def test_the_gateways_are_summed_and_one_that_does_not_answer_voids_the_reading() -> None:

@@ -9,7 +9,8 @@ VIP's time outside the engine belongs to the lab, not to kvgate; these figures s
 it there was. The gateways' own histogram (`kvgate_gateway_event_loop_lag_seconds`, a probe
 every 100 ms, `admission.servicemetrics`) is read at each phase's start and end; the share of probes
 late by more than `LATE_S` estimates the share of the phase the gateways' loops were that far
-behind.
+behind. So are their full garbage collections (`kvgate_gateway_gc_pause_seconds`, generation
+2): how many, and how long they held the gateways in all.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import aiohttp
 
 LAG_BUCKET = "kvgate_gateway_event_loop_lag_seconds_bucket"
+FULL_GC = "kvgate_gateway_gc_pause_seconds"
+"""Read for generation 2 only: the full collections, the ones long enough to matter."""
 LATE_S = 0.005
 """A probe this late (one of the histogram's bucket bounds) means the loop was behind by more
 than a fast-path admission takes on a quiet machine, several times over."""
@@ -36,6 +39,9 @@ class Snapshot:
     lag: Mapping[float, float] | None
     """The gateways' lag probes so far, cumulative by bucket bound (s; inf last), summed over
     the gateways; None when there are none or one did not answer."""
+    full_gc: tuple[float, float] | None = None
+    """The gateways' full garbage collections so far: (how many, seconds they took), summed
+    over the gateways; None when not read."""
 
 
 def lag_buckets(text: str) -> dict[float, float]:
@@ -49,28 +55,63 @@ def lag_buckets(text: str) -> dict[float, float]:
     return out
 
 
-async def read_lag(session: aiohttp.ClientSession, gateways: Sequence[str]
-                   ) -> dict[float, float] | None:
+def full_gcs(text: str) -> tuple[float, float] | None:
+    """(full collections, seconds they took) in a gateway's Prometheus text page; None when
+    the page has no such histogram."""
+    count = total = None
+    for line in text.splitlines():
+        if line.startswith(FULL_GC + '_count{generation="2"} '):
+            count = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(FULL_GC + '_sum{generation="2"} '):
+            total = float(line.rsplit(" ", 1)[1])
+    return None if count is None or total is None else (count, total)
+
+
+async def read_pages(session: aiohttp.ClientSession, gateways: Sequence[str]
+                     ) -> list[str] | None:
+    """Each gateway's metrics page; None when there are none or one did not answer."""
     if not gateways:
         return None
-    total: dict[float, float] = {}
+    pages = []
     for url in gateways:
         try:
             async with session.get(url + "/metrics",
                                    timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                buckets = lag_buckets(await resp.text())
+                pages.append(await resp.text())
         except (aiohttp.ClientError, TimeoutError):
             return None
+    return pages
+
+
+def summed_lag(pages: Sequence[str] | None) -> dict[float, float] | None:
+    """The lag histograms of `pages`, summed; None when a page has none."""
+    total: dict[float, float] = {}
+    for page in pages or ():
+        buckets = lag_buckets(page)
         if not buckets:
             return None
         for le, count in buckets.items():
             total[le] = total.get(le, 0.0) + count
-    return total
+    return total or None
+
+
+def summed_full_gcs(pages: Sequence[str] | None) -> tuple[float, float] | None:
+    """The full collections of `pages`, summed; None when a page has none."""
+    found = [full_gcs(page) for page in pages or ()]
+    if not found or any(f is None for f in found):
+        return None
+    return (sum(f[0] for f in found if f), sum(f[1] for f in found if f))
+
+
+async def read_lag(session: aiohttp.ClientSession, gateways: Sequence[str]
+                   ) -> dict[float, float] | None:
+    return summed_lag(await read_pages(session, gateways))
 
 
 async def take(session: aiohttp.ClientSession, gateways: Sequence[str],
                cpu: Callable[[], Mapping[str, float]], t: float) -> Snapshot:
-    return Snapshot(t, dict(cpu()), await read_lag(session, gateways))
+    pages = await read_pages(session, gateways)
+    return Snapshot(t, dict(cpu()), summed_lag(pages), summed_full_gcs(pages))
 
 
 def phase_load(start: Snapshot, end: Snapshot) -> dict[str, float]:
@@ -81,6 +122,9 @@ def phase_load(start: Snapshot, end: Snapshot) -> dict[str, float]:
     span = max(1e-9, end.t - start.t)
     out = {f"cores:{kind}": max(0.0, used - start.cpu.get(kind, 0.0)) / span
            for kind, used in sorted(end.cpu.items())}
+    if start.full_gc is not None and end.full_gc is not None:
+        out.update(gateway_full_gcs=end.full_gc[0] - start.full_gc[0],
+                   gateway_full_gc_ms=(end.full_gc[1] - start.full_gc[1]) * 1000)
     if start.lag is None or end.lag is None:
         return out
     bounds = sorted(end.lag)
@@ -130,5 +174,8 @@ def describe(loads: Mapping[str, Mapping[str, float]]) -> list[str]:
             line += (f"; gateways' loops late by more than {LATE_S * 1000:.0f} ms in "
                      f"{load['gateway_late_share']:.1%} of their probes, P99 up to "
                      f"{load['gateway_lag_p99_ms']:.0f} ms")
+        if load.get("gateway_full_gcs"):
+            line += (f"; {load['gateway_full_gcs']:.0f} full garbage collections in the "
+                     f"gateways, {load['gateway_full_gc_ms']:.0f} ms in all")
         lines.append(line)
     return lines

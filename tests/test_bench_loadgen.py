@@ -359,19 +359,19 @@ def test_an_explored_vip_objective_is_converted_to_the_lab_clock_as_the_default_
 
 
 def test_explored_lane_settings_reach_arm_c_at_both_scales() -> None:
-    def control(settings: Settings) -> tuple[int, float, int, bool]:
+    def control(settings: Settings) -> tuple[int, float, int, bool, int]:
         text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
         c = parse_config(tomllib.loads(text), env={}).pools[POOL].control
-        return c.lane_nodes, c.lane_slowdown, c.lane_output, c.lane_on_miss
+        return c.lane_nodes, c.lane_slowdown, c.lane_output, c.lane_on_miss, c.quiet_nodes
 
     shipped = ControlSettings()
     for scale, speed in ((1.0, 1.0), (0.25, 8.0)):
         base = with_overrides(PRESETS["smoke"], time_scale=speed, capacity_scale=scale)
         assert control(base) == (shipped.lane_nodes, shipped.lane_slowdown,
-                                 shipped.lane_output, shipped.lane_on_miss)
+                                 shipped.lane_output, shipped.lane_on_miss, shipped.quiet_nodes)
         explored = dataclasses.replace(base, lane_nodes=1, lane_slowdown=1.5, lane_output=1024,
-                                       lane_on_miss=True)
-        assert control(explored) == (1, 1.5, 1024, True)
+                                       lane_on_miss=True, quiet_nodes=0)
+        assert control(explored) == (1, 1.5, 1024, True, 0)
 
 
 def test_arm_c_runs_the_shipped_engine_timings_converted_to_the_lab_clock() -> None:

@@ -33,6 +33,7 @@ def test_points_parse_and_name_themselves() -> None:
     assert Point.parse("r=0").max_engine_running == 0
     assert Point.parse("m=0,s=0") == Point(running_min=0, vip_slowdown=0.0)
     assert Point.parse("l=0") == Point(lane_nodes=0) and Point(lane_nodes=0).label == "l=0"
+    assert Point.parse("q=0") == Point(quiet_nodes=0) and Point(quiet_nodes=0).label == "q=0"
     assert Point.parse("s=1.5").vip_slowdown == 1.5
     assert Point.parse("l=1,ls=1.5") == Point(lane_nodes=1, lane_slowdown=1.5)
     assert Point.parse("l=1,lo=1024,le=1") == Point(lane_nodes=1, lane_output=1024,

@@ -95,6 +95,9 @@ class Settings:
     project's default."""
     lane_nodes: int | None = None
     """Arm (c): `control.lane_nodes` of the pool (0: no lane); None = the project's default."""
+    quiet_nodes: int | None = None
+    """Arm (c): `control.quiet_nodes` of the pool (0: long prefills go to any node); None = the
+    project's default."""
     lane_slowdown: float | None = None
     """Arm (c): `control.lane_slowdown` of the pool; None = the project's default."""
     lane_output: int | None = None
@@ -211,7 +214,7 @@ def unscaled_control(settings: Settings) -> list[str]:
     no change of units on the lab clock (multiples, counts of nodes and tokens, switches)."""
     values = (("vip_slowdown", settings.vip_slowdown), ("lane_nodes", settings.lane_nodes),
               ("lane_slowdown", settings.lane_slowdown), ("lane_output", settings.lane_output),
-              ("lane_on_miss", settings.lane_on_miss))
+              ("lane_on_miss", settings.lane_on_miss), ("quiet_nodes", settings.quiet_nodes))
     return [f"{name} = {str(value).lower() if isinstance(value, bool) else repr(value)}"
             for name, value in values if value is not None]
 

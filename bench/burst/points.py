@@ -1,6 +1,6 @@
 """A setting of arm (c)'s release control, as ``bench.burst.sweep`` and ``bench.burst.matrix
 --point`` take it: ``default`` (the shipped control) or comma-separated ``o=<ms>``, ``r=<n>``,
-``m=<n>``, ``s=<x>``, ``l=<n>``, ``ls=<x>``, ``lo=<tokens>``, ``le=<0|1>`` at real scale
+``m=<n>``, ``s=<x>``, ``l=<n>``, ``ls=<x>``, ``lo=<tokens>``, ``le=<0|1>``, ``q=<n>`` at real scale
 (bench.burst.sweep lists what each sets)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from bench.burst.expconfig import Settings
 
 _KEYS = {"o": "vip_ttft_objective_ms", "r": "max_engine_running", "m": "running_min",
          "s": "vip_slowdown", "l": "lane_nodes", "ls": "lane_slowdown", "lo": "lane_output",
-         "le": "lane_on_miss"}
+         "le": "lane_on_miss", "q": "quiet_nodes"}
 _SLOWDOWNS = ("s", "ls")
 """Keys whose value is a multiple (a float), not a count."""
 
@@ -28,6 +28,7 @@ class Point:
     lane_slowdown: float | None = None
     lane_output: int | None = None
     lane_on_miss: bool | None = None
+    quiet_nodes: int | None = None
 
     @classmethod
     def parse(cls, spec: str) -> Point:
@@ -39,8 +40,8 @@ class Point:
             key, sep, value = item.partition("=")
             if not sep or key not in _KEYS:
                 raise ValueError(f"{item!r}: expected o=<ms>, r=<sequences>, m=<sequences>, "
-                                 "s=<slowdown>, l=<nodes>, ls=<slowdown>, lo=<tokens> or "
-                                 "le=<0|1>")
+                                 "s=<slowdown>, l=<nodes>, ls=<slowdown>, lo=<tokens>, "
+                                 "le=<0|1> or q=<nodes>")
             number: int | float = float(value) if key in _SLOWDOWNS else int(value)
             if (number < (1 if key in ("o", "ls") else 0)
                     or (key == "s" and 0 < number < 1)

@@ -22,6 +22,7 @@ converted to the lab clock as the defaults are (bench.burst.expconfig):
 * ``lo=<tokens>``: ``control.lane_output``, the longest output a lane's Normal and Batch tasks
   may declare (0: any);
 * ``le=<0|1>``: ``control.lane_on_miss``, a lane's cap only once VIP has missed in a flood.
+* ``q=<n>``: ``control.quiet_nodes``, the nodes kept free of long prefills for VIP (0: none).
 
 Writes ``<out>/sweep-<scale>-<mix>-n<size>-s<seed>.md`` (per point: the VIP criterion, its
 engine part, goodput as work and as tokens against their upper bounds, KV peak, preemptions,
@@ -159,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("points", nargs="+",
                    help="default, or comma-separated o=<ms>, r=<n>, m=<n>, s=<x>, l=<n>, "
-                        "ls=<x>, lo=<tokens>, le=<0|1> (see above)")
+                        "ls=<x>, lo=<tokens>, le=<0|1>, q=<n> (see above)")
     p.add_argument("--scale", choices=sorted(SCALES), default="reduced")
     p.add_argument("--mix", required=True,
                    help=f"one of {', '.join(MIXES)}, or of --mix-file")

@@ -224,6 +224,7 @@ def test_the_ideal_replays_a_file_mix_and_refuses_one_the_matrix_ran_otherwise(
     cell = Cell("ci", "docs", 2, 1)
     (out / "cells").mkdir()
     same = cell_record(cell, cell.settings(), [], 1.0, "abc")
+    same["traffic"]["summary"] = "the same traffic, described otherwise"
     (out / "cells" / f"{cell.name}.json").write_text(json.dumps(same))
     assert ideal.main(args) == 0
     # ...one on other traffic (its Batch documents at twice the rate) is not.

@@ -177,11 +177,11 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
             name="kvgate-renew",
         ),
     ]
-    stop_watching_gc = watch_gc(metrics.gc_pause)
     log.info("gateway %s serving pools %s, Redis %s", gid, ", ".join(sorted(pools)),
              redis_address(config.redis))
     if warning := await eviction_warning(client):
         log.warning("%s", warning)
+    stop_watching_gc = watch_gc(metrics.gc_pause)
     try:
         yield
     finally:

@@ -69,7 +69,7 @@ from bench.burst.matrix import DEFAULT_SIZES, RESULTS, SCALES, Cell, cells, chos
 from bench.burst.matrix import render as matrix_render
 from bench.burst.matrixplot import load_records, ordered
 from bench.burst.mixes import MIXES
-from bench.burst.mixfile import MixFileError, definition
+from bench.burst.mixfile import MixFileError, same_traffic
 from bench.burst.workload import PlannedRequest, Schedule
 from bench.common.gitrev import revision as git_revision
 from bench.sim.config import SimConfig
@@ -300,14 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     todo = [] if args.tables_only else cells(
         args.scale, mixes, [int(s) for s in args.size.split(",") if s.strip()], args.seed)
-    def traffic(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in d.items() if k != "summary"}  # the words are not the traffic
-
     ran = {cell_key(r): r.get("traffic") for r in load_records(args.out, args.scale)}
     for cell in todo:
         recorded = ran.get(cell_key({"cell": dataclasses.asdict(cell)}))
-        given = jsonlines.safe(definition(MIXES[cell.mix]))
-        if recorded is not None and traffic(recorded) != traffic(given):
+        if recorded is not None and not same_traffic(recorded, MIXES[cell.mix]):
             print(f"error: the matrix ran {cell.name} on another definition of mix "
                   f"{cell.mix!r} than the one given (its record's \"traffic\")", file=sys.stderr)
             return 2

@@ -36,6 +36,7 @@ traffic ran). A cell's record keeps the whole definition of the mix it ran (``tr
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import tomllib
@@ -256,3 +257,12 @@ def definition(mix: Mix) -> dict[str, Any]:
     return {"name": mix.name, "summary": mix.summary, "burst_factor": mix.burst_factor,
             "max_tokens": dataclasses.asdict(mix.max_tokens),
             "classes": [{**dataclasses.asdict(c), "tier": c.tier.label} for c in mix.classes]}
+
+
+def same_traffic(recorded: Mapping[str, Any], mix: Mix) -> bool:
+    """Whether a record's `traffic` (definition(), as JSON) is `mix`'s: everything the
+    schedule is drawn from, the summary's words aside."""
+    def drawn(d: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in d.items() if k != "summary"}
+
+    return drawn(recorded) == drawn(json.loads(json.dumps(definition(mix))))

@@ -97,10 +97,6 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
             raise ConfigError(f"--cluster: with --config, redis.cluster of {config} decides")
         loaded = load_config(config, env)
         settings = loaded.redis
-        if ssl_ca_file:
-            # The file's CA path is the services' (a pod's mount); one run elsewhere names its
-            # own copy.
-            settings = dataclasses.replace(settings, ssl_ca_file=ssl_ca_file)
         if env.get("REDIS_URL"):
             source = f"REDIS_URL, which overrides redis.url of {config}"
         elif _file_sets_url(config):
@@ -108,6 +104,9 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
         else:
             source = f"the default: {config} sets no redis.url and REDIS_URL is not set"
         if ssl_ca_file:
+            # The file's CA path is the services' (a pod's mount); one run elsewhere names its
+            # own copy.
+            settings = dataclasses.replace(settings, ssl_ca_file=ssl_ca_file)
             source += ", with the CA of --ssl-ca-file"
         return Target(settings, source, named or tuple(loaded.pools),
                       "--pool" if named else f"the pools of {config}", loaded.tenants)

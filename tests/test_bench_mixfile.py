@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from bench.burst import experiment, ideal, matrix, sweep
-from bench.burst.matrix import SCALES, Cell, cell_record, cells, chosen_mixes
+from bench.burst.matrix import SCALES, Cell, cell_record, cells
 from bench.burst.mixes import MIXES, REALISTIC, Mix
-from bench.burst.mixfile import MixFileError, load_mixes, register
+from bench.burst.mixfile import MixFileError, chosen_mixes, load_mixes, register
 from bench.burst.workload import plan
 
 # The repository's three mixes, restated: the article's by reference to its classes, chat's

@@ -48,7 +48,7 @@ from bench.burst.fallback import one_draw
 from bench.burst.idealpoint import POINTS
 from bench.burst.idealpoint import replay as ideal_replay_valued
 from bench.burst.mixes import MIXES, with_mix
-from bench.burst.mixfile import MixFileError, use_mix_file
+from bench.burst.mixfile import MixFileError, one_mix, use_mix_file
 from bench.burst.phaseload import describe as describe_load
 from bench.burst.plot import plot
 from bench.burst.report import ArmSummary, markdown_table, summarize
@@ -417,13 +417,12 @@ def _summary_json(settings: Settings, cap: CapacityResult | None,
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        use_mix_file(args.mix_file)
+        if args.mix is None:
+            use_mix_file(args.mix_file)
+        else:
+            one_mix(args.mix, args.mix_file)
     except MixFileError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.mix is not None and args.mix not in MIXES:
-        print(f"error: unknown mix {args.mix!r}; choose from {', '.join(MIXES)}",
-              file=sys.stderr)
         return 2
     settings = settings_from_args(args)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]

@@ -252,6 +252,28 @@ def use_mix_file(path: Path | None) -> list[str]:
     return list(mixes)
 
 
+def one_mix(name: str, mix_file: Path | None) -> str:
+    """`name`, a single mix known once `mix_file`'s are registered; MixFileError if not."""
+    if "," in name:
+        raise MixFileError(f"one mix, not {name!r}")
+    (only,) = chosen_mixes(name, mix_file)
+    return only
+
+
+def chosen_mixes(spec: str | None, mix_file: Path | None) -> list[str]:
+    """The mixes a run names (`spec`, comma-separated), after registering those of `mix_file`;
+    without `spec`, the file's mixes, or else the repository's. MixFileError: the file, or a
+    name that is neither the repository's nor the file's."""
+    from_file = use_mix_file(mix_file)
+    if spec is None:
+        return from_file or [m for m in MIXES if m in BUILTIN]
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    for name in names:
+        if name not in MIXES:
+            raise MixFileError(f"unknown mix {name!r}; choose from {', '.join(MIXES)}")
+    return names
+
+
 def definition(mix: Mix) -> dict[str, Any]:
     """What a cell's record keeps of the mix it ran: everything the schedule is drawn from."""
     return {"name": mix.name, "summary": mix.summary, "burst_factor": mix.burst_factor,

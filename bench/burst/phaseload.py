@@ -103,11 +103,6 @@ def summed_full_gcs(pages: Sequence[str] | None) -> tuple[float, float] | None:
     return (sum(f[0] for f in found if f), sum(f[1] for f in found if f))
 
 
-async def read_lag(session: aiohttp.ClientSession, gateways: Sequence[str]
-                   ) -> dict[float, float] | None:
-    return summed_lag(await read_pages(session, gateways))
-
-
 async def take(session: aiohttp.ClientSession, gateways: Sequence[str],
                cpu: Callable[[], Mapping[str, float]], t: float) -> Snapshot:
     pages = await read_pages(session, gateways)

@@ -51,7 +51,7 @@ from admission.inspect_target import (
 )
 from admission.inspect_target import discover_pools as discover_pools  # public here too
 from admission.keys import PoolKeys, SchedulerKeys, check_name
-from admission.reads import redis_time_us
+from admission.reads import Held, held_map, redis_time_us
 from admission.scripts import frozen_clock_allowed
 from admission.store import MICRO
 from admission.tiers import Tier
@@ -89,6 +89,8 @@ class QueueView:
     depth: int
     oldest_task: str | None
     oldest_wait_us: int | None
+    held: Held | None = None
+    """Why it waits, as the leader's last release recorded it (None: it did not wait)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +275,7 @@ async def read_pool(client: Any, pool: str,
         pipe.zrange(keys.leases, 0, -1, withscores=True)
         pipe.hgetall(keys.tenant_queued)
         pipe.hgetall(keys.stats)
+        pipe.hgetall(keys.held)
         if frozen_clock_allowed():
             pipe.hget(keys.clock, "frozen_us")
         replies = list(await pipe.execute())
@@ -280,8 +283,9 @@ async def read_pool(client: Any, pool: str,
                  else _time_us(replies.pop(0)))
     state_raw, cap_raw, res_raw, guests_raw = replies[:4]
     queue_replies = replies[4:10]
-    leases_raw, queued_raw, stats_raw = replies[10:13]
-    frozen = replies[13] if len(replies) > 13 else None
+    leases_raw, queued_raw, stats_raw, held_raw = replies[10:14]
+    frozen = replies[14] if len(replies) > 14 else None
+    held = held_map(held_raw)
 
     now = int(frozen) if frozen is not None else redis_now
     state = _hash(state_raw)
@@ -297,7 +301,8 @@ async def read_pool(client: Any, pool: str,
         oldest, wait = None, None
         if head:
             oldest, wait = _text(head[0][0]), now - int(head[0][1])
-        queues.append(QueueView(tier.label, depth, oldest, wait))
+        queues.append(QueueView(tier.label, depth, oldest, wait,
+                                held.get(tier.label) if depth else None))
     queued = sum(q.depth for q in queues)
 
     leases = [(_text(g), int(score)) for g, score in leases_raw]

@@ -1,6 +1,7 @@
 """The plain-text tables of ``python -m admission.inspect`` (``admission.inspect`` reads the
 snapshot they render): one block per pool, the nodes with their capacity, reservations, release
-control and lane or dedicated role, the queues, the gateways' leases and the tenants' buckets.
+control and lane or dedicated role, the queues and why they wait, the gateways' leases and the
+tenants' buckets.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from admission.tiers import Tier
 
 if TYPE_CHECKING:  # (admission.inspect imports this module to render)
     from admission.inspect import NodeView, PoolView, Snapshot
+    from admission.reads import Held
 
 
 def _duration(us: int | None) -> str:
@@ -67,6 +69,35 @@ def _prefill(n: NodeView) -> str:
     return f"{room}/{window} (queued {n.fields.get('prefill_backlog', '?')}{sized})"
 
 
+_POOL_REASONS = {
+    "zone": "the zone's release policy",
+    "tenant": "its tenants' in-flight caps or fair hold-back",
+    "no_node": "no node has capacity for the tier",
+}
+
+
+def held_by(held: Held | None, now_us: int) -> str:
+    """Why a queue waits, in words: the nodes that refused its head per reason (kv: the tier's
+    KV ceiling; prefill: the release control's room; quiet: a long prompt kept off the nodes
+    kept quiet for VIP; lane, dedicated: nodes kept for VIP), with the head's size, or a
+    reason about the pool; and how long ago the leader's release recorded it."""
+    if held is None:
+        return "-"
+    if held.reason.startswith("behind "):
+        text = f"the {held.reason.split(' ', 1)[1]} queue's head"
+    elif held.reason in _POOL_REASONS:
+        text = _POOL_REASONS[held.reason]
+    else:
+        text = ", ".join(f"{reason} on {n} node{'s' if n != 1 else ''}"
+                         for reason, n in held.kinds().items())
+        if held.cost is not None:
+            prompt = "" if held.prompt is None else f", prompt {held.prompt}"
+            text += f" (head: {held.cost} tokens{prompt})"
+    if held.at_us is not None:
+        text += f", {_duration(now_us - held.at_us)} ago"
+    return text
+
+
 def render_pool(p: PoolView) -> list[str]:
     drain = " ".join(f"{t.label} {_num(d, '{:g}')}/s" for t, d in zip(Tier, p.drain, strict=True))
     clock = "" if p.clock == "redis" else "  (clock frozen)"
@@ -84,8 +115,9 @@ def render_pool(p: PoolView) -> list[str]:
           str(n.guests), n.out or ""]
          for n in p.nodes),
     ) if p.nodes else ["  no nodes (no capacity published)"]
-    lines += table(["tier", "depth", "oldest wait", "oldest task"],
-                   ([q.tier, str(q.depth), _duration(q.oldest_wait_us), q.oldest_task or "-"]
+    lines += table(["tier", "depth", "oldest wait", "oldest task", "held by"],
+                   ([q.tier, str(q.depth), _duration(q.oldest_wait_us), q.oldest_task or "-",
+                     held_by(q.held, p.now_us)]
                     for q in p.queues))
     lines.append(f"  in flight: {p.in_flight_tasks} tasks, {p.in_flight_tokens} tokens "
                  f"reserved; queued: {p.queued}")

@@ -130,6 +130,12 @@ class PoolKeys:
         return self.prefix + "stats"
 
     @property
+    def held(self) -> str:
+        """HASH tier -> why its queue waits as of the leader's last release, with the waiting
+        head's id and size (lua/release.lua, KEYS[15]); for operators."""
+        return self.prefix + "held"
+
+    @property
     def running(self) -> str:
         """ZSET 'node prompt_tokens max_tokens task_id' -> released µs, one member per released
         task until it ends: what the scheduler projects each node's KV growth from."""

@@ -3,7 +3,8 @@
 The scripts (admission.store) write; these read what the services need between script calls,
 each in one round trip, so that no service names a key or sends a command of its own:
 
-- `read_tick`: what the leader plans a tick from (reservations, counters, queue depths, and
+- `read_tick`: what the leader plans a tick from (reservations, counters, queue depths, why
+  each queue waited at the last release (`Held`), and
   when asked the prefill counts, the VIP first-token reports and the running index, whose
   members `running_member` parses: the services never see a member's format);
 - `left_queue` and `task_states`: the gateway's fallback check of its queued requests;
@@ -86,6 +87,56 @@ def vip_counts(counts: Mapping[str, int]) -> tuple[dict[str, tuple[int, int]], d
     return reports, histogram
 
 
+NODE_REASONS = ("kv", "prefill", "quiet", "lane", "dedicated")
+"""What stopped a waiting head on a node (place()'s `why` in lua/_place.lua)."""
+HELD_REASONS = (*NODE_REASONS, "zone", "tenant", "behind", "no_node")
+"""Every reason a tier's queue waits for (Held.kinds())."""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Why a tier's queue waits, as the leader's last release recorded it (the pool's `held`
+    hash, lua/release.lua): the nodes that refused its head, counted per reason, or a reason
+    about the pool ('zone', 'tenant', 'behind <tier>', 'no_node')."""
+
+    reason: str
+    at_us: int | None = None
+    task: str | None = None
+    """The head that fits no node (node reasons only)."""
+    cost: int | None = None
+    """Its tokens: prompt and the output it may generate."""
+    prompt: int | None = None
+
+    def kinds(self) -> dict[str, int]:
+        """reason -> nodes that gave it, or {'zone' | 'tenant' | 'behind' | 'no_node': 1}."""
+        if "=" not in self.reason:
+            return {"behind" if self.reason.startswith("behind ") else self.reason: 1}
+        out: dict[str, int] = {}
+        for part in self.reason.split(","):
+            name, _, count = part.partition("=")
+            if count.isdigit():
+                out[name] = int(count)
+        return out
+
+
+def held_map(raw: Mapping[Any, Any]) -> dict[str, Held]:
+    """The `held` hash as read: tier label -> Held."""
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+
+    def number(name: str) -> int | None:
+        value = fields.get(name, "")
+        return int(value) if value.lstrip("-").isdigit() else None
+
+    out = {}
+    for tier in Tier:
+        reason = fields.get(tier.label)
+        if reason:
+            t = tier.label
+            out[t] = Held(reason, number(f"{t}:us"), fields.get(f"{t}:task") or None,
+                          number(f"{t}:cost"), number(f"{t}:prompt"))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class TickReading:
     """One pool as the leader reads it at the start of a tick."""
@@ -118,6 +169,8 @@ class TickReading:
     frozen_us: Any = None
     """The pool clock's frozen_us, read with the index only in a process that enabled the test
     clock (`admission.scripts.allow_frozen_clock`); None in every service."""
+    held: dict[str, Held] = field(default_factory=dict)
+    """Why each tier's queue waited at the last main release (tier label -> Held)."""
 
 
 async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool,
@@ -131,6 +184,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
         pipe.hgetall(keys.stats)
         for queue in keys.queues:
             pipe.zcard(queue)
+        pipe.hgetall(keys.held)
         if control:
             # Before the running index: a release in between is then counted in the backlog
             # and in this count, so the room it took is not given back.
@@ -145,7 +199,8 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
                 pipe.hget(keys.clock, "frozen_us")
         reply = list(await pipe.execute())
     depths = (int(reply[2]), int(reply[3]), int(reply[4]))
-    rest = reply[5:]
+    held = held_map(reply[5])
+    rest = reply[6:]
     prefill_released: dict[str, int] = {}
     overdrawn: dict[str, int] = {}
     reports: dict[str, tuple[int, int]] = {}
@@ -164,10 +219,10 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
         guest_counts, rest = int_map(rest[0]), rest[1:]
     if not running:
         return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                           overdrawn, reports, histogram, guest_counts)
+                           overdrawn, reports, histogram, guest_counts, held=held)
     frozen = rest[1] if len(rest) > 1 else None
     return TickReading(int_map(reply[0]), int_map(reply[1]), depths, prefill_released,
-                       overdrawn, reports, histogram, guest_counts, rest[0], frozen)
+                       overdrawn, reports, histogram, guest_counts, rest[0], frozen, held=held)
 
 
 async def left_queue(client: Any, keys: PoolKeys, tier: Tier,

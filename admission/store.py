@@ -345,7 +345,8 @@ class PoolStore:
 
     async def release(self, epoch: int, limits: tuple[int, int, int],
                       guests_only: Iterable[Tier] = (),
-                      credit: tuple[int, int] | None = None, call_ms: int = 0) -> Released:
+                      credit: tuple[int, int] | None = None, call_ms: int = 0,
+                      record_held: bool = False) -> Released:
         """Pop up to `limits` tasks per tier (VIP, Normal, Batch); tasks of a tier in
         `guests_only` may go only to dedicated nodes, as guests. `credit`: (the Normal tasks
         light tenants' fast path may release in YELLOW until the next call, the credit the
@@ -359,8 +360,13 @@ class PoolStore:
         with the first. A later call fenced, or failing on an error a retry can pass
         (`admission.errors.is_transient`), ends the release with what the earlier ones
         released, which must still be announced (a permanent error is raised). Raises
-        FencedError."""
-        out = last = await self._release_call(epoch, limits, guests_only, credit, call_ms)
+        FencedError.
+
+        `record_held`: the calls also record why each tier's queue still waits (the pool's
+        `held` hash, lua/release.lua), which only the tick's main release should: a call
+        limited to one tier would report the others as held by the zone."""
+        out = last = await self._release_call(epoch, limits, guests_only, credit, call_ms,
+                                              record_held)
         left = list(limits)
         while last.more and last:
             for task in last:
@@ -370,7 +376,7 @@ class PoolStore:
                 break
             try:
                 last = await self._release_call(epoch, (left[0], left[1], left[2]),
-                                                guests_only, None, call_ms)
+                                                guests_only, None, call_ms, record_held)
             except Exception as exc:
                 # What the earlier calls released must still be announced; the next tick
                 # goes on where this one stopped.
@@ -384,17 +390,18 @@ class PoolStore:
 
     async def _release_call(self, epoch: int, limits: tuple[int, int, int],
                             guests_only: Iterable[Tier], credit: tuple[int, int] | None,
-                            call_ms: int) -> Released:
+                            call_ms: int, record_held: bool = False) -> Released:
         k = self.keys
         extra = ["", ""] if credit is None else [int(credit[0]), int(credit[1])]
         reply = await self.scripts.release(
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
-                  k.tier_capacity(Tier.BATCH), k.node_prefill, k.node_prefill_released],
+                  k.tier_capacity(Tier.BATCH), k.node_prefill, k.node_prefill_released,
+                  k.held],
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
                   sum(1 << int(t) for t in set(guests_only)), "1" if self.policy.fair else "0",
                   repr(float(self.policy.fair_headroom)), self.policy.fair_light_window_ms,
-                  *extra, max(0, int(call_ms)) * 1000],
+                  *extra, max(0, int(call_ms)) * 1000, "1" if record_held else ""],
         )
         if _text(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
@@ -471,6 +478,11 @@ class PoolStore:
         """What the leader plans a tick from (admission.reads.read_tick)."""
         return await reads.read_tick(self.client, self.keys, control=control, running=running,
                                      guests=guests)
+
+    async def clear_held(self) -> None:
+        """Forget why the queues waited (the `held` hash): the leader's tick found them empty,
+        and no release ran to say so (tasks also leave a queue by expiry or cancellation)."""
+        await self.client.delete(self.keys.held)
 
     async def published_state(self) -> dict[str, str]:
         """The state hash as the last leader published it (admission.reads.published_state)."""

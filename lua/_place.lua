@@ -265,6 +265,19 @@ local function prefill_taken(prefill, placement, tier, node, prompt_tokens, ligh
   end
 end
 
+-- place()'s reasons, counted per node.
+local function why_add(why, reason)
+  why[reason] = (why[reason] or 0) + 1
+end
+
+-- Why takes_prompt() refused a prompt: 'quiet' when the room would have taken it and only the
+-- quiet-node rules held it (a long prefill while quiet nodes are kept), else 'prefill'.
+local function prefill_reason(compute, prompt_tokens, light, held, need)
+  local fits, long = prefill_fits(compute, prompt_tokens, light, held)
+  if long and need > 0 and (fits or compute.room + prompt_tokens >= 0) then return 'quiet' end
+  return 'prefill'
+end
+
 -- VIP's candidates (rows {node, kv room, reserved, prefill room: prefill_room(), nil when
 -- none is published}): the quiet ones, whose prefill room is at least half their window (a
 -- short compute queue ahead of the chat's first token; a node without a published room counts
@@ -359,8 +372,16 @@ end
 -- Returns the node (nil: none), whether as a guest, and the node's prefill room before this
 -- placement when only the light rule let the prompt through (an overdraw; nil otherwise, and
 -- when no room is published), for prefill_taken().
+--
+-- `why` (a table, or nil): when no node takes the task, what stopped it on each node the tier
+-- has capacity on, counted by reason (why_held()): 'kv' (the node's capacity for the tier less
+-- what is reserved there, less any fair hold-back, is below the task's cost: the tier's
+-- ceiling on the node's KV), 'prefill' (the release control's room: window, backlog, running
+-- limit), 'quiet' (a long prefill kept off the nodes kept quiet for VIP, or off a node a VIP
+-- chat was just placed on), 'lane' (a VIP lane's rules), 'dedicated' (a dedicated node the
+-- task may not use). The release script records it for operators (lua/release.lua).
 local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, tier, cost,
-                     prompt_tokens, now, guests_only, prefill, keep, light, memo)
+                     prompt_tokens, now, guests_only, prefill, keep, light, memo, why)
   local caps = memo_array(memo, cap_key)
   local owns_dedicated = math.floor(placement.tiers / 2 ^ tier) % 2 == 1
   local may_guest = not owns_dedicated and placement.guest_cap > 0
@@ -408,6 +429,7 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         allowed = (tonumber(redis.call('HGET', pc_key, node) or '0') or 0) <= now
       end
     end
+    if why and not allowed then why_add(why, 'dedicated') end
     local compute, overdraw = nil, false
     if allowed and prefill then
       compute = room_of(node)
@@ -415,10 +437,15 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         local held = keep ~= nil and keep > 0
         local vip_held = compute ~= nil and compute.vip_at ~= nil
           and now - compute.vip_at < placement.vip_hold_us
-        allowed = takes_prompt(compute, computes, quiet, need, node, prompt_tokens, light,
-                               held, vip_held)
+        local takes = takes_prompt(compute, computes, quiet, need, node, prompt_tokens, light,
+                                   held, vip_held)
+        allowed = takes
           and lane_takes(compute, gst_key, node, prompt_tokens, cost - prompt_tokens,
                          placement.lane_output)
+        if why and not allowed then
+          why_add(why, takes and 'lane' or prefill_reason(compute, prompt_tokens, light, held,
+                                                          need))
+        end
         -- Only what the light rule alone let through is an overdraw (prefill_taken()).
         overdraw = light and allowed
           and not takes_prompt(compute, computes, quiet, need, node, prompt_tokens, false,
@@ -459,6 +486,11 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       local guest = group == 1 and not owns_dedicated
       if not guest and tier > 0 and rooms[node] and rooms[node].lane then guest = 'lane' end
       return node, guest, pf_rooms[node]
+    end
+  end
+  if why then
+    for group = 1, 2 do
+      for _ = 1, #candidates[group] do why_add(why, 'kv') end
     end
   end
   return nil, false

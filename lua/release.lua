@@ -24,6 +24,22 @@
 --                                there so far (raised here by each such release), <node>:light
 --                                -> what light tenants took beyond the room (prefill_taken()),
 --                                <node>:vip -> µs of the last VIP placement (prefill_taken())
+-- KEYS[15] held             HASH  with ARGV[14] '1': why each tier's queue waits, as of this
+--                                call, for
+--                                operators (kvgate-inspect, redis-cli, the leader's metrics):
+--                                <tier> -> the reason (below), <tier>:us -> µs it was recorded,
+--                                and for a head that fits no node, <tier>:task, <tier>:cost and
+--                                <tier>:prompt (its tokens). A tier whose queue this call
+--                                emptied, or that did not wait, has no fields. Reasons: the
+--                                nodes that refused the head, counted per reason as
+--                                'kv=2,prefill=1' (place()'s `why` in _place.lua: kv, prefill,
+--                                quiet, lane, dedicated); 'tenant' (the head's tenant is at its
+--                                in-flight cap, or every backlogged tenant was passed over);
+--                                'no_node' (no node has capacity published for the tier);
+--                                'zone' (the zone's release policy: this call's count for the
+--                                tier, which is 0 in RED and for Batch in YELLOW, was reached);
+--                                'behind <tier>' (a higher tier's head waits, and no task
+--                                overtakes it)
 --
 -- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests,
 --          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
@@ -54,6 +70,8 @@
 --          Redis TIME, not the pool's clock (which tests may freeze). Passing over tenants at
 --          their cap is not release: a call never stops during a run of them, or a tenant
 --          queued behind many would never be reached
+-- ARGV[14] optional: '1' records why each tier waits in KEYS[15] (the tick's main release
+--          only: a call limited to one tier would report the others as held by the zone)
 --
 -- Order: tiers strictly by priority; within a tier FIFO, or with ARGV[8] the head of the
 -- backlogged flow with the least virtual counter (weighted fair across tenants, FIFO within a
@@ -107,6 +125,39 @@ local call_us = tonumber(ARGV[13] or '0') or 0
 local started_us = 0
 if call_us > 0 then started_us = time_us() end
 local stopped = false
+local held_key = nil
+if ARGV[14] == '1' then held_key = KEYS[15] end
+
+-- The held hash's fields for tier `t` (KEYS[15]): `reason`, and the head that fits no node
+-- (nil: a reason that is not about one task), or none at all (`reason` nil).
+local function held(t, reason, head, task)
+  if not held_key then return end
+  local label = TIER_LABELS[t + 1]
+  if reason == nil then
+    redis.call('HDEL', held_key, label, label .. ':us', label .. ':task', label .. ':cost',
+      label .. ':prompt')
+    return
+  end
+  redis.call('HSET', held_key, label, reason, label .. ':us', fmt(now))
+  if head then
+    redis.call('HSET', held_key, label .. ':task', head, label .. ':cost', task.cost,
+      label .. ':prompt', task.prompt_tokens or '')
+  else
+    redis.call('HDEL', held_key, label .. ':task', label .. ':cost', label .. ':prompt')
+  end
+end
+
+-- place()'s `why` as 'kv=2,prefill=1' (reasons in name order).
+local function reasons(why)
+  local names = {}
+  for name in pairs(why) do table.insert(names, name) end
+  table.sort(names)
+  for i, name in ipairs(names) do names[i] = name .. '=' .. why[name] end
+  if #names == 0 then return 'no_node' end
+  return table.concat(names, ',')
+end
+
+local function queued(t) return redis.call('ZCARD', queues[t + 1]) > 0 end
 
 -- The head of tier `t` in its release order, passing over the tenants in `passed`
 -- (new_passed() in _tenant.lua): id, enqueue score, record (nil record: a stray entry, already
@@ -165,17 +216,19 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       local node, guest, pf_room = nil, false, nil
       local capped = not inflight_fits(tenant_key(prefix, task.tenant), cost, nil)
       local keep = 0
+      local why = {}
       if not capped then
         if view then keep = fair_keep(prefix, view, task.tenant, headroom) end
         node, guest, pf_room = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
           placement, t, cost,
           prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
-          light, memo)
+          light, memo, why)
       end
       if fair and (capped or (node == nil and keep > 0)) then
         pass_over(prefix, t, passed, task.tenant)
       elseif node == nil then
         blocked = true
+        if capped then held(t, 'tenant') else held(t, reasons(why), head, task) end
         break
       else
         redis.call('ZREM', queues[t + 1], head)
@@ -208,8 +261,24 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       end
     end
   end
+  local passed_any = next(passed.set) ~= nil
   passed_back(prefix, t, passed)
   if budget <= 0 then stopped = true end
+  -- A call stopped on its bounds says nothing of what waits: the next call will.
+  if not blocked and not stopped then
+    if released >= limits[t + 1] and queued(t) then
+      held(t, 'zone')
+    elseif passed_any and queued(t) then
+      held(t, 'tenant')
+    else
+      held(t, nil)
+    end
+  end
+  if blocked then
+    for u = t + 1, TIER_QUEUE_COUNT - 1 do
+      held(u, queued(u) and ('behind ' .. TIER_LABELS[t + 1]) or nil)
+    end
+  end
   if blocked or stopped then break end
 end
 if stopped then out[1] = 'more' end

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from admission.config import Config
+from admission.reads import HELD_REASONS, Held
 from admission.servicemetrics import gc_pause_histogram, lag_histogram, no_created_series
 from admission.tiers import Tier, Zone
 from scheduler.fairmetrics import FairMetrics
@@ -113,6 +114,12 @@ class SchedulerMetrics:
                                  ["pool", "node"], registry=r)
         self.queue_depth = Gauge(p + "queue_depth", "Queued tasks per tier.", ["pool", "tier"],
                                  registry=r)
+        self.queue_held = Gauge(p + "queue_held",
+                                "Why a tier's queue waits, as of the last release: per reason, "
+                                "the nodes that refused its head (kv, prefill, quiet, lane, "
+                                "dedicated), or 1 for a reason about the pool (zone, tenant, "
+                                "behind, no_node); 0 otherwise.",
+                                ["pool", "tier", "reason"], registry=r)
         self.released = Counter(p + "released", "Tasks released by the scheduler per tier.",
                                 ["pool", "tier"], registry=r)
         self.expired = Counter(p + "expired", "Queued tasks expired by the scheduler.",
@@ -159,6 +166,14 @@ class SchedulerMetrics:
             if stale_policy is not None:
                 self.stale.labels(pool, node, stale_policy)
 
+    def set_held(self, pool: str, held: Mapping[str, Held]) -> None:
+        """Every tier's reasons, those that do not hold it at 0 (a fixed set of series, so a
+        panel shows a reason's end as a fall to 0, not as a gap)."""
+        for tier in Tier:
+            kinds = held[tier.label].kinds() if tier.label in held else {}
+            for reason in HELD_REASONS:
+                self.queue_held.labels(pool, tier.label, reason).set(kinds.get(reason, 0))
+
     def forget_pools(self) -> None:
         """Drop every per-pool gauge: a replica that stopped leading must not go on exporting
         the last figures it saw, or sums over replicas count them twice. Counters stay: a
@@ -167,7 +182,8 @@ class SchedulerMetrics:
         self.fair.forget()
         for gauge in (self.zone, self.pool_usage, self.usage_ratio, self.kv_usage,
                       self.projected, self.budget, self.reserved, self.ejected,
-                      self.preemptions, self.queue_depth, self.drain, self.prefill_window,
+                      self.preemptions, self.queue_depth, self.queue_held, self.drain,
+                      self.prefill_window,
                       self.prefill_backlog, self.prefill_room, self.prefill_rate,
                       self.control_gain, self.running_limit, self.lane_cap, self.decode_step,
                       self.calm_step, self.vip_objective):

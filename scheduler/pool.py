@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from admission.config import PoolSettings, SchedulerSettings
+from admission.reads import Held
 from admission.store import PoolStore, ReleasedTask
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -62,6 +63,8 @@ class Snapshot:
     prompt tokens, seconds since release)."""
     guests: Mapping[str, int] = field(default_factory=dict)
     """Tasks alive per node as guests of a dedicated node or a lane (node_guests)."""
+    why_held: Mapping[str, Held] = field(default_factory=dict)
+    """Why each tier's queue waited at the last tick's release (tier label -> Held)."""
 
     @property
     def held(self) -> bool:
@@ -94,6 +97,8 @@ class TickResult:
     shared: int = 0
     """How many of `released`, at its start, Batch's minimum share let past waiting higher
     tiers (scheduler.policy.BatchShare)."""
+    held: Mapping[str, Held] = field(default_factory=dict)
+    """Why each tier's queue waited at the last release (empty when nothing waits)."""
     objective_ms: int = 0
     """The VIP objective the release control used (scheduler.calm; 0 when it is off)."""
     calm_p99_ms: float | None = None
@@ -210,7 +215,8 @@ class PoolScheduler:
                 prefill = prefill_tasks(self._indexed, now_us)
         return Snapshot(reading.reserved, reading.stats, reading.depths, running,
                         reading.prefill_released, reading.prefill_overdrawn,
-                        reading.vip_reports, reading.vip_histogram, prefill, reading.guests)
+                        reading.vip_reports, reading.vip_histogram, prefill, reading.guests,
+                        reading.held)
 
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
@@ -407,7 +413,8 @@ class PoolScheduler:
         limits = self.policy.limits(zone, now)
         result = TickResult(zone, usage, plans, limits, snap.depths,
                             guests_closed=self._guests_closed(views),
-                            red_clear_s=self.clearance.update(zone, usage, now))
+                            red_clear_s=self.clearance.update(zone, usage, now),
+                            held=snap.why_held if any(snap.depths) else {})
         if self.control is not None:
             result.objective_ms = self.calm.objective_ms()
             result.calm_p99_ms = self.calm.calm_ms()
@@ -423,6 +430,8 @@ class PoolScheduler:
         result.published = True
         if not leading() or not any(snap.depths):
             self.policy.share_observe(zone, (), False)  # nothing waits: Batch is owed nothing
+            if snap.why_held and leading():
+                await self.store.clear_held()
             self._observe(result, started)
             return result
         owed = self.policy.share_limit(zone, snap.depths)
@@ -434,7 +443,8 @@ class PoolScheduler:
         credit = ((self.policy.light_credit(zone, limits[Tier.NORMAL]), self.policy.credit_out)
                   if self.policy.credit_for_light else None)
         main = await self.store.release(epoch, limits, self.policy.guests_only(zone),
-                                        credit=credit, call_ms=self.settings.release_call_ms)
+                                        credit=credit, call_ms=self.settings.release_call_ms,
+                                        record_held=True)
         result.released += main
         per_tier = [result.count(t) for t in Tier]
         self.policy.released(zone, per_tier, credit=(main.credit_before, main.credit_after))
@@ -495,6 +505,7 @@ class PoolScheduler:
             if released:
                 m.released.labels(pool, tier.label).inc(released)
             m.drain.labels(pool, tier.label).set(self.drains.rates[tier])
+        m.set_held(pool, result.held)
         expired = sum(1 for t in result.released if t.node is None)
         if expired:
             m.expired.labels(pool).inc(expired)

@@ -260,7 +260,7 @@ async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None
 
     assert row("gpu-0") == ["gpu-0", "10000", "500", "9500", "0.5000", "0.6000", "-", "-", "0"]
     assert row("gpu-1") == ["gpu-1", "8000", "0", "8000", "-", "-", "-", "-", "0", "stale"]
-    assert row("batch") == ["batch", "2", "3.0", "s", "c"]
+    assert row("batch") == ["batch", "2", "3.0", "s", "c", "-"]
     assert row("gw-2") == ["gw-2", "2", "7.0", "s"]
     assert row("acme") == ["acme", "9300.0", "10000", "93.0", "100", "0", "-", "-"]
     assert row("idle") == ["idle", "2000.0", "2000", "100.0", "5", "0", "-", "-"]

@@ -11,6 +11,7 @@ import time
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from admission.config import TenantSettings
@@ -57,6 +58,22 @@ async def _read_body(request: web.Request, timeout_ms: int) -> bytes:
         # The rest of the body is still on its way: the connection cannot carry another request.
         raise ApiError(408, f"The request body did not arrive within {timeout_ms / 1000:g} s.",
                        code="request_timeout", headers={"Connection": "close"}) from None
+    except RequestPayloadError as exc:
+        # A body aiohttp cannot decode (a Content-Encoding it does not match) is the client's
+        # fault: as a 500 the SDKs would send it again, unchanged. The parser stopped inside
+        # the body, so the connection cannot carry another request either. Marking the body
+        # ended keeps aiohttp from reading it again after the answer (to drain it for the
+        # next request) and logging this same failure as an unhandled exception.
+        request.content.feed_eof()
+        raise ApiError(400, f"The request body could not be read: {_payload_reason(exc)}",
+                       code="invalid_body", headers={"Connection": "close"}) from None
+
+
+def _payload_reason(exc: RequestPayloadError) -> str:
+    # aiohttp's message is "400, message:\n  <reason>"; the reason alone reads better.
+    cause = exc.__cause__
+    message = getattr(cause, "message", None)
+    return message if isinstance(message, str) and message else str(exc).split(":", 1)[-1].strip()
 
 
 def _outcome_of(error: ApiError) -> str:

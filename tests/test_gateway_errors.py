@@ -3,6 +3,7 @@ open for the configured tiers, counted); operational endpoints; nothing secret i
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import re
@@ -10,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
@@ -159,6 +161,40 @@ async def test_body_over_the_limit_is_413(redis_url: str, redis_client: aioredis
         status, payload, _ = await _post(
             gw, {"model": "demo", "messages": [{"role": "user", "content": "x" * 4096}]})
         assert status == 413 and _openai_shape(payload)["code"] == "request_too_large"
+
+
+async def test_a_body_that_does_not_decode_is_400_not_500(
+    gw: Harness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A body whose bytes do not match its Content-Encoding fails as aiohttp reads it in the
+    handler: a client error in OpenAI's shape, which the SDKs do not retry, and no traceback.
+    `Expect: 100-continue` holds the body back until the handler reads it, as curl does for
+    large bodies, so that the error is met there and not by the parser in front of it."""
+    host, port = gw.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    caplog.set_level(logging.INFO)
+    try:
+        body = b"not gzip at all"
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEYS["vip"].encode() + b"\r\nContent-Encoding: gzip\r\n"
+            b"Expect: 100-continue\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
+            b"HTTP/1.1 100")
+        writer.write(body)
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode("latin-1")
+        status_line, *lines = head.rstrip("\r\n").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        payload = await reader.readexactly(int(headers["content-length"]))
+    finally:
+        writer.close()
+    assert status_line.split()[1] == "400"
+    assert headers["connection"].lower() == "close"
+    error = _openai_shape(orjson.loads(payload))
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_body"
+    assert "content-encoding: gzip" in error["message"].lower()
+    assert gw.backends[0].received == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_wrong_method_and_path_keep_the_openai_shape(gw: Harness) -> None:

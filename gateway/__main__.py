@@ -18,12 +18,14 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import signal
 import socket
 import sys
 from collections.abc import Sequence
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from admission.cli import (
     GATEWAY_ENVIRONMENT_HELP,
@@ -47,6 +49,33 @@ from gateway.state import CONFIG, GATEWAY, GATEWAY_ID, IN_FLIGHT
 log = logging.getLogger("kvgate.gateway")
 
 BACKLOG = 2048
+
+
+class MalformedHeadFilter(logging.Filter):
+    """aiohttp logs a request it cannot parse at ERROR with a traceback whose message quotes the
+    offending line: an `Authorization` header whose key ends in a stray CR (a key file with
+    Windows line endings) or a control byte puts the key itself in the log. Such a record
+    becomes one WARNING line naming the client and the kind of error, never the bytes."""
+
+    _QUOTE = re.compile(r"[:'\"]")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        first_line = (exc.message or "").strip().split("\n", 1)[0]
+        reason = self._QUOTE.split(first_line, 1)[0].strip() or type(exc).__name__
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        record.msg, record.args = "malformed HTTP request from %s: %s (HTTP %d)", (
+            remote, reason, exc.code)
+        record.exc_info = record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+HTTP_LOG = logging.getLogger("kvgate.gateway.http")
+"""aiohttp's server logger for the gateway's connections (its "aiohttp.server" otherwise)."""
+HTTP_LOG.addFilter(MalformedHeadFilter())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +107,7 @@ def make_runner(app: web.Application, *, access_log: bool) -> web.AppRunner:
         app,
         handler_cancellation=True,  # a client that hangs up cancels its queued request
         access_log=logging.getLogger("aiohttp.access") if access_log else None,
+        logger=HTTP_LOG,
         # stop_serving waits for and cancels the requests itself; aiohttp's own wait is left
         # only for one that ignored its cancellation.
         shutdown_timeout=CANCEL_GRACE_S,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -304,3 +305,32 @@ async def test_a_head_sent_byte_by_byte_is_cut_at_the_keepalive_timeout(
             writer.close()
     finally:
         await runner.cleanup()
+
+
+async def test_a_malformed_authorization_header_never_puts_the_key_in_the_log(
+    redis_url: str, redis_client: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A key read from a file with Windows line endings ends in a CR, which aiohttp's parser
+    refuses before any handler, quoting the header line in its log record: on the runner
+    `python -m gateway` serves with, that record is one WARNING line without the key."""
+    config = parse_config(config_data(redis_url, ["http://127.0.0.1:9"]), env={})
+    app = create_app(config, gateway_id="gw-bounds-badhead", settle_drain_s=0.5)
+    runner = make_runner(app, access_log=True)
+    await runner.setup()
+    caplog.set_level(logging.DEBUG)
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer "
+                     + KEYS["vip"].encode() + b"\r\r\nContent-Length: 2\r\n\r\n{}")
+        try:
+            answer = await asyncio.wait_for(reader.read(), WAIT_S)
+        finally:
+            writer.close()
+    finally:
+        await runner.cleanup()
+    assert answer.split(b"\r\n", 1)[0].split()[1] == b"400"
+    assert KEYS["vip"] not in caplog.text
+    (record,) = [r for r in caplog.records if "malformed HTTP request" in r.getMessage()]
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert "after header value" in record.getMessage()  # what was wrong, not the bytes

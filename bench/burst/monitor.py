@@ -6,8 +6,9 @@ tier's sorted set, the scheduler's zone) or the FIFO proxy's ``/stats``. A node 
 answer is recorded as down; its counters keep their last scraped values for the totals.
 In the kvgate arm each sample also keeps what the leader published (its state hash: measured
 and projected usage per node, the learned usage ratio, nodes held back and why), each node's
-budget and reservations and the pool's release and settle counters, so that a release can be
-read against its projection after the run.
+budget and reservations, the pool's release and settle counters and why its queues waited
+(``bench.burst.held`` reads those), so that a release can be read against its projection after
+the run.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class Sample:
     """Requests queued in front of the engines, by tier label (or "all")."""
     zone: str | None = None
     scheduler: dict[str, str] = field(default_factory=dict)
-    """The pool's state hash, plus ``budget:<node>``, ``reserved:<node>`` and the pool's
-    counters as ``stats:<name>`` (kvgate only)."""
+    """The pool's state hash, plus ``budget:<node>``, ``reserved:<node>``, the pool's
+    counters as ``stats:<name>`` and why its queues wait as ``held:<field>`` (kvgate only)."""
 
 
 def parse_metrics(text: str) -> NodeSample:
@@ -120,12 +121,14 @@ def redis_queues(client: aioredis.Redis, pool: str) -> QueueSource:
             pipe.hgetall(keys.node_capacity)
             pipe.hgetall(keys.node_reserved)
             pipe.hgetall(keys.stats)
-            *depths, state, budgets, reserved, stats = await pipe.execute()
+            pipe.hgetall(keys.held)
+            *depths, state, budgets, reserved, stats, held = await pipe.execute()
         out = {tier.label: int(d) for tier, d in zip(Tier, depths, strict=True)}
         published = {_text(k): _text(v) for k, v in state.items()}
         published.update({f"budget:{_text(k)}": _text(v) for k, v in budgets.items()})
         published.update({f"reserved:{_text(k)}": _text(v) for k, v in reserved.items()})
         published.update({f"stats:{_text(k)}": _text(v) for k, v in stats.items()})
+        published.update({f"held:{_text(k)}": _text(v) for k, v in held.items()})
         return QueueReading(out, published.get("zone"), published)
 
     return read

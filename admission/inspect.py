@@ -275,7 +275,7 @@ async def read_pool(client: Any, pool: str,
         pipe.zrange(keys.leases, 0, -1, withscores=True)
         pipe.hgetall(keys.tenant_queued)
         pipe.hgetall(keys.stats)
-        pipe.hgetall(keys.held)
+        pipe.hgetall(keys.held_by)
         if frozen_clock_allowed():
             pipe.hget(keys.clock, "frozen_us")
         replies = list(await pipe.execute())

@@ -130,10 +130,10 @@ class PoolKeys:
         return self.prefix + "stats"
 
     @property
-    def held(self) -> str:
+    def held_by(self) -> str:
         """HASH tier -> why its queue waits as of the leader's last release, with the waiting
         head's id and size (lua/release.lua, KEYS[15]); for operators."""
-        return self.prefix + "held"
+        return self.prefix + "held_by"
 
     @property
     def running(self) -> str:

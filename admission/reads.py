@@ -120,7 +120,7 @@ class Held:
 
 
 def held_map(raw: Mapping[Any, Any]) -> dict[str, Held]:
-    """The `held` hash as read: tier label -> Held."""
+    """The `held_by` hash as read: tier label -> Held."""
     fields = {_text(k): _text(v) for k, v in raw.items()}
 
     def number(name: str) -> int | None:
@@ -184,7 +184,7 @@ async def read_tick(client: Any, keys: PoolKeys, *, control: bool, running: bool
         pipe.hgetall(keys.stats)
         for queue in keys.queues:
             pipe.zcard(queue)
-        pipe.hgetall(keys.held)
+        pipe.hgetall(keys.held_by)
         if control:
             # Before the running index: a release in between is then counted in the backlog
             # and in this count, so the room it took is not given back.

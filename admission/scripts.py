@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from redis.exceptions import NoScriptError
 
 SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon", "hint")
-LIBRARY = ("_lib", "_quota", "_place", "_tenant", "_task")
+LIBRARY = ("_lib", "_quota", "_room", "_place", "_tenant", "_task")
 """The helpers every script starts with: units, key names, clocks and token buckets; quota
 levels; placement and the prefill room; per-tenant accounting and fair release; the end of a
 task and the fencing epoch."""

@@ -363,7 +363,7 @@ class PoolStore:
         FencedError.
 
         `record_held`: the calls also record why each tier's queue still waits (the pool's
-        `held` hash, lua/release.lua), which only the tick's main release should: a call
+        `held_by` hash, lua/release.lua), which only the tick's main release should: a call
         limited to one tier would report the others as held by the zone."""
         out = last = await self._release_call(epoch, limits, guests_only, credit, call_ms,
                                               record_held)
@@ -397,7 +397,7 @@ class PoolStore:
             keys=[k.state, k.clock, k.node_capacity, k.node_reserved, *k.queues, k.deadlines,
                   k.tenant_queued, k.stats, k.tier_capacity(Tier.NORMAL),
                   k.tier_capacity(Tier.BATCH), k.node_prefill, k.node_prefill_released,
-                  k.held],
+                  k.held_by],
             args=[k.prefix, epoch, *limits, self.policy.retention_s,
                   sum(1 << int(t) for t in set(guests_only)), "1" if self.policy.fair else "0",
                   repr(float(self.policy.fair_headroom)), self.policy.fair_light_window_ms,
@@ -430,7 +430,7 @@ class PoolStore:
         sequences[, the lane's cap: Normal and Batch tasks alive on it, -1 for a lane without
         a cap, -2 or absent for a node that is not a lane]]]), replacing the published prefill
         rooms (None: keep none, no node limited); each room refills at its node's rate for
-        `refill_ms` after the publish (lua/_place.lua prefill_of, lane_takes)."""
+        `refill_ms` after the publish (lua/_room.lua prefill_of, lane_takes)."""
         k = self.keys
         args: list[str | int | float] = [epoch, zone.value, len(node_capacity)]
         for node, capacity in sorted(node_capacity.items()):
@@ -480,9 +480,9 @@ class PoolStore:
                                      guests=guests)
 
     async def clear_held(self) -> None:
-        """Forget why the queues waited (the `held` hash): the leader's tick found them empty,
+        """Forget why the queues waited (the `held_by` hash): the leader's tick found them empty,
         and no release ran to say so (tasks also leave a queue by expiry or cancellation)."""
-        await self.client.delete(self.keys.held)
+        await self.client.delete(self.keys.held_by)
 
     async def published_state(self) -> dict[str, str]:
         """The state hash as the last leader published it (admission.reads.published_state)."""

@@ -31,7 +31,7 @@
 --                                guest (paced guests only)
 -- KEYS[18] node_prefill     HASH  node -> limit on node_prefill_released (tokens), node:window
 --                                -> tokens: the leader's prefill room (optional: without
---                                KEYS[18..19] no room is applied; see prefill_of() in _place.lua)
+--                                KEYS[18..19] no room is applied; see prefill_of() in _room.lua)
 -- KEYS[19] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here on a fast-path release), <node>:light
 --                                -> what light tenants took beyond the room (prefill_taken()),
@@ -52,7 +52,7 @@
 -- ARGV[17] '1': the pool releases in fair order (the fast path then follows it, below);
 --          '2': fair order, and releases hold room back for light tenants (fairness
 --          headroom above 0: a light tenant's fast path may then overdraw the prefill room,
---          prefill_fits() in _place.lua); '0': FIFO
+--          prefill_fits() in _room.lua); '0': FIFO
 -- ARGV[18] the tenant's weight (a positive number), stored in its hash for the release
 -- ARGV[19] the tenant's cap on queued tokens in this pool (0: none)
 -- ARGV[20] the tenant's cap on in-flight tokens (reserved by its released, unfinished tasks) in

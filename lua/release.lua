@@ -6,7 +6,7 @@
 --                                dedicated_guests_closed, prefill_quiet (where each
 --                                task may run, see place() in _place.lua),
 --                                vip_ttft_objective_ms (prefill_taken() in _place.lua),
---                                lane_output (tokens, lane_takes() in _place.lua)
+--                                lane_output (tokens, lane_takes() in _room.lua)
 -- KEYS[2]  clock            HASH  frozen_us (tests only)
 -- KEYS[3]  node_capacity    HASH  node -> tokens VIP may reserve there
 -- KEYS[4]  node_reserved    HASH  node -> tokens
@@ -19,12 +19,12 @@
 -- KEYS[12] node_capacity:batch   HASH  node -> tokens Batch may reserve there
 -- KEYS[13] node_prefill     HASH  node -> limit on node_prefill_released (tokens), node:window
 --                                -> tokens: the prefill room of Normal and Batch work (optional:
---                                without KEYS[13..14] no room applies; prefill_of() in _place.lua)
+--                                without KEYS[13..14] no room applies; prefill_of() in _room.lua)
 -- KEYS[14] node_prefill_released  HASH  node -> prompt tokens of Normal and Batch work released
 --                                there so far (raised here by each such release), <node>:light
 --                                -> what light tenants took beyond the room (prefill_taken()),
 --                                <node>:vip -> µs of the last VIP placement (prefill_taken())
--- KEYS[15] held             HASH  with ARGV[14] '1': why each tier's queue waits, as of this
+-- KEYS[15] held_by          HASH  with ARGV[14] '1': why each tier's queue waits, as of this
 --                                call, for
 --                                operators (kvgate-inspect, redis-cli, the leader's metrics):
 --                                <tier> -> the reason (below), <tier>:us -> µs it was recorded,
@@ -128,7 +128,7 @@ local stopped = false
 local held_key = nil
 if ARGV[14] == '1' then held_key = KEYS[15] end
 
--- The held hash's fields for tier `t` (KEYS[15]): `reason`, and the head that fits no node
+-- The held_by hash's fields for tier `t` (KEYS[15]): `reason`, and the head that fits no node
 -- (nil: a reason that is not about one task), or none at all (`reason` nil).
 local function held(t, reason, head, task)
   if not held_key then return end

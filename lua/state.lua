@@ -10,7 +10,7 @@
 --                          node:rate -> tokens/s, node:running -> sequences, node:lane ->
 --                          the lane's cap in tasks (lanes only), :at and
 --                          :until -> µs (replaced whole; optional: without KEYS[6] ARGV
---                          carries no prefill group count either; see prefill_of() in _place.lua)
+--                          carries no prefill group count either; see prefill_of() in _room.lua)
 --
 -- ARGV[1]  caller's fencing epoch
 -- ARGV[2]  zone: GREEN | YELLOW | RED

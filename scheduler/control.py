@@ -52,7 +52,7 @@ Per node, every poll (all in prompt tokens and seconds):
         `signal_stale_ms` (nothing to protect), before tau0 and P are learned, or while the
         node decodes nothing (no step to measure)
     C   lane cap (for the pool's lanes, `lane_nodes`): the Normal and Batch tasks the node
-        may hold alive, which the scripts count (lua/_place.lua lane_takes): the batch whose
+        may hold alive, which the scripts count (lua/_room.lua lane_takes): the batch whose
         step would take tau_lane = tau_min + (`lane_slowdown` - 1) x P / `STEP_SPAN`, as L is
         computed, less the sequences the engine runs that are not such tasks (VIP), at least
         0. tau_min is the shortest step the lane was read at (a batch of a few sequences: the
@@ -84,7 +84,7 @@ Between polls the room refills at mu (up to the window; for `REFILL_POLLS` poll 
 the publish), as the node prefills what is queued: work flows at the node's prefill rate, not
 one window per poll, and the next poll's measured backlog corrects the estimate.
 
-Enforcement is in the scripts that admit and release (lua/_place.lua prefill_of): a Normal or
+Enforcement is in the scripts that admit and release (lua/_room.lua prefill_of): a Normal or
 Batch task goes to a node only if its prompt fits the room, which its release then takes; a
 prompt larger than the room passes on a node whose room is at least half the window, so long
 documents run instead of never (a node always has a chat or two to prefill). The room is
@@ -139,7 +139,7 @@ waiting when the window shrank describe the old window."""
 RATE_TAU_SHARE = 0.2
 """Time constant of the throughput average (the prompt counter moves in whole prompts)."""
 REFILL_POLLS = 3
-"""Between polls a node's room refills at its measured prefill rate (lua/_place.lua prefill_of)
+"""Between polls a node's room refills at its measured prefill rate (lua/_room.lua prefill_of)
 for this many poll intervals after a publish: a late poll or two keeps work flowing, a leader
 that stopped publishing stops feeding the nodes on an estimate."""
 DISPATCH_S = 0.05

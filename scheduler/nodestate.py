@@ -86,7 +86,7 @@ class NodeState:
 
 
 def take_overdraw(s: NodeState, overdrawn: int | None, room: int) -> int:
-    """How much of `room` pays back light tenants' overdraws (lua/_place.lua prefill_fits): the
+    """How much of `room` pays back light tenants' overdraws (lua/_room.lua prefill_fits): the
     room bounds the queue ahead of a VIP chat, and on a node that prefills faster than the
     leader polls, an overdraw prefilled before the next poll would otherwise come on top of
     the next room, a rate the window never allowed. What one room cannot pay is owed to the

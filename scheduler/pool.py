@@ -287,7 +287,7 @@ class PoolScheduler:
                                  dict[str, tuple[int, int, float, int, int]]]:
         """The release control's room per usable node, and the (limit, window, refill rate,
         running sequences, lane cap) the scripts enforce and steer VIP by (scheduler.control;
-        lua/_place.lua prefill_of, least_queued, lane_takes)."""
+        lua/_room.lua prefill_of, lane_takes; lua/_place.lua least_queued)."""
         control = self.control
         if control is None:
             return {}, {}

@@ -13,7 +13,7 @@ from bench.burst import held
 
 def _sample(t: float, queues: dict[str, int], fields: dict[str, str]) -> dict[str, object]:
     return {"t": t, "queues": queues, "zone": "GREEN",
-            "scheduler": {"zone": "GREEN", **{f"held:{k}": v for k, v in fields.items()}}}
+            "scheduler": {"zone": "GREEN", **{f"held_by:{k}": v for k, v in fields.items()}}}
 
 
 SAMPLES = [

@@ -414,7 +414,7 @@ async def test_the_kvgate_timeline_keeps_what_the_leader_published(
     await redis_client.hset(keys.node_reserved, mapping={"node-0": 400})
     await redis_client.hset(keys.stats, mapping={"released_2": 17})
     await redis_client.zadd(keys.queue(Tier.BATCH), {"t1": 1.0, "t2": 2.0})
-    await redis_client.hset(keys.held, mapping={"batch": "kv=2", "batch:task": "t1"})
+    await redis_client.hset(keys.held_by, mapping={"batch": "kv=2", "batch:task": "t1"})
     reading = await redis_queues(redis_client, POOL)()
     assert reading.queues == {"vip": 0, "normal": 0, "batch": 2}
     assert reading.zone == Zone.YELLOW.value
@@ -423,7 +423,7 @@ async def test_the_kvgate_timeline_keeps_what_the_leader_published(
     assert (published["budget:node-0"], published["budget:node-1"]) == ("1000", "2000")
     assert published["reserved:node-0"] == "400" and "reserved:node-1" not in published
     assert published["stats:released_2"] == "17"
-    assert (published["held:batch"], published["held:batch:task"]) == ("kv=2", "t1")
+    assert (published["held_by:batch"], published["held_by:batch:task"]) == ("kv=2", "t1")
 
 
 def test_an_arm_whose_vip_verdict_turns_on_the_load_generators_stalls_is_invalid() -> None:

@@ -1,5 +1,5 @@
 """The prefill room in the scripts, against real Redis: the rule Normal and Batch placements obey
-(lua/_place.lua prefill_fits, and the count each release raises) checked against a plain-Python
+(lua/_room.lua prefill_fits, and the count each release raises) checked against a plain-Python
 reference, exactness under concurrent admits, VIP never held by it, the leader's release obeying
 it, and the VIP first-token counts the finish script keeps for the release control."""
 

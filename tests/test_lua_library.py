@@ -5,7 +5,7 @@ one chunk. A helper is a `local`, visible only below its definition: a file that
 defined in a later file compiles, and reads a nil global at run time, only on the path that
 calls it. So the order is checked here, for every file, not left to the tests that happen to
 reach each path. Comments and docs point at helpers as ``place() in lua/_place.lua``,
-``lua/_place.lua prefill_of`` or ``"Fair release" in _tenant.lua``; each must name the file
+``lua/_room.lua prefill_of`` or ``"Fair release" in _tenant.lua``; each must name the file
 that defines the helper or holds the section.
 """
 
@@ -30,7 +30,7 @@ WORD = re.compile(r"\b([A-Za-z_]\w*)\b")
 LIB_FILE = r"(?:lua/)?(_[a-z]+\.lua)"
 # place() in lua/_place.lua, `place()` in `lua/_place.lua`
 CALL_IN = re.compile(r"`?(\w+)\(\)`?\s+in\s+`?" + LIB_FILE)
-# lua/_place.lua prefill_of, `lua/_tenant.lua` VT_SCALE, lua/_lib.lua's running_member,
+# lua/_room.lua prefill_of, `lua/_tenant.lua` VT_SCALE, lua/_lib.lua's running_member,
 # (`lua/_lib.lua`, `now_us`)
 FILE_THEN = re.compile(LIB_FILE + r"`?(?:'s)?,?\s+`?(\w+)")
 # "Fair release" in _tenant.lua, (`lua/_tenant.lua`, "Fair release")

@@ -41,7 +41,7 @@ async def _admit(store: PoolStore, task_id: str, tier: Tier, prompt: int, output
 
 
 async def _held(store: PoolStore) -> dict[str, Held]:
-    return held_map(await store.client.hgetall(store.keys.held))
+    return held_map(await store.client.hgetall(store.keys.held_by))
 
 
 async def test_a_head_no_node_takes_is_recorded_with_each_nodes_reason(
@@ -114,7 +114,7 @@ async def test_the_zone_and_a_tenants_cap_are_named_and_a_drained_queue_clears(
     assert "its tenants' in-flight caps or fair hold-back" in text
     await store.client.hset(store.keys.tenant_key("capped"), "inflight_cap", BIG)
     assert [t.task_id for t in await store.release(1, (10, 10, 10), record_held=True)] == ["c2"]
-    assert await store.client.exists(store.keys.held) == 0
+    assert await store.client.exists(store.keys.held_by) == 0
 
 
 async def test_the_leader_exports_the_reasons_and_forgets_them_when_nothing_waits(
@@ -137,7 +137,7 @@ async def test_the_leader_exports_the_reasons_and_forgets_them_when_nothing_wait
             await ps.store.cancel("n0")
             third = await ps.tick(1, always)
             assert third.held == {}
-            assert await redis_client.exists(ps.store.keys.held) == 0
+            assert await redis_client.exists(ps.store.keys.held_by) == 0
             assert gauge.labels("p", "normal", "zone")._value.get() == 0
 
 

@@ -1,7 +1,7 @@
 """What held each tier's queue, per phase, from one kvgate arm's sampled timeline.
 
 ``python -m bench.burst.held LOG_DIR/arm-c [--baseline 8] [--burst 12]`` reads the arm's
-``samples.jsonl`` (bench.burst.monitor: each sample keeps the pool's ``held`` hash, which the
+``samples.jsonl`` (bench.burst.monitor: each sample keeps the pool's ``held_by`` hash, which the
 leader's release writes, lua/release.lua) and prints, per phase and tier, how many samples found
 the queue non-empty and, of those, the share in which each reason held it: a per-node reason
 (kv, prefill, quiet, lane, dedicated) counts once per sample whatever the number of nodes that
@@ -50,8 +50,8 @@ def tally(samples: Iterable[dict[str, object]], baseline_s: float, burst_s: floa
         queues = sample.get("queues") or {}
         published = sample.get("scheduler") or {}
         assert isinstance(queues, dict) and isinstance(published, dict)
-        held = held_map({k[len("held:"):]: v for k, v in published.items()
-                         if k.startswith("held:")})
+        held = held_map({k[len("held_by:"):]: v for k, v in published.items()
+                         if k.startswith("held_by:")})
         for tier in Tier:
             row = out[(phase, tier.label)]
             row.samples += 1

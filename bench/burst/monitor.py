@@ -72,7 +72,7 @@ class Sample:
     zone: str | None = None
     scheduler: dict[str, str] = field(default_factory=dict)
     """The pool's state hash, plus ``budget:<node>``, ``reserved:<node>``, the pool's
-    counters as ``stats:<name>`` and why its queues wait as ``held:<field>`` (kvgate only)."""
+    counters as ``stats:<name>`` and why its queues wait as ``held_by:<field>`` (kvgate only)."""
 
 
 def parse_metrics(text: str) -> NodeSample:
@@ -121,14 +121,14 @@ def redis_queues(client: aioredis.Redis, pool: str) -> QueueSource:
             pipe.hgetall(keys.node_capacity)
             pipe.hgetall(keys.node_reserved)
             pipe.hgetall(keys.stats)
-            pipe.hgetall(keys.held)
+            pipe.hgetall(keys.held_by)
             *depths, state, budgets, reserved, stats, held = await pipe.execute()
         out = {tier.label: int(d) for tier, d in zip(Tier, depths, strict=True)}
         published = {_text(k): _text(v) for k, v in state.items()}
         published.update({f"budget:{_text(k)}": _text(v) for k, v in budgets.items()})
         published.update({f"reserved:{_text(k)}": _text(v) for k, v in reserved.items()})
         published.update({f"stats:{_text(k)}": _text(v) for k, v in stats.items()})
-        published.update({f"held:{_text(k)}": _text(v) for k, v in held.items()})
+        published.update({f"held_by:{_text(k)}": _text(v) for k, v in held.items()})
         return QueueReading(out, published.get("zone"), published)
 
     return read

@@ -46,6 +46,7 @@ from admission.inspect_target import SCAN_COUNT as SCAN_COUNT  # public here too
 from admission.inspect_target import (
     NothingFound,
     Target,
+    check_ca,
     choose_pools,
     resolve_target,
 )
@@ -394,8 +395,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="--redis-url or REDIS_URL is a Redis Cluster (with --config, the "
                              "file's redis.cluster decides)")
     parser.add_argument("--ssl-ca-file",
-                        help="CA bundle for a rediss:// URL (with --config, instead of the "
-                             "file's redis.ssl_ca_file)")
+                        help="CA bundle for a rediss:// URL, which it needs (with --config, "
+                             "instead of the file's redis.ssl_ca_file)")
     parser.add_argument("--json", action="store_true", help="one JSON document per refresh")
     parser.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until interrupted")
@@ -422,6 +423,7 @@ async def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
                             cluster=args.cluster, ssl_ca_file=args.ssl_ca_file,
                             pools=args.pool, env=env)
     _say(target.announce())
+    check_ca(target)
     client = connect(target.settings)
     try:
         return await _show(client, target, args)

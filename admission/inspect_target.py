@@ -15,12 +15,18 @@ empty but plausible picture. So the address and where it came from are always pr
 URL without credentials (host:port/db, the socket path, the Sentinel master or the cluster
 seed), and a Redis that holds no key of the pools asked for is an error naming the key pattern
 it looked for, never an empty table.
+
+``--ssl-ca-file`` with a URL that is not ``rediss://`` is an error, as ``redis.ssl_ca_file`` is
+in the file: the CA would go unused, and the reads would go out in clear text to someone who
+asked for TLS. A CA that cannot be loaded is an error of the flag (or of the file's key) before
+the first read, as it is at a service's start, not a connection error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ssl
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,6 +61,8 @@ class Target:
     """Empty: every pool found in the keyspace."""
     pools_source: str
     tenants: tuple[TenantSettings, ...] = ()
+    ca_source: str = "--ssl-ca-file"
+    """Who named `settings.ssl_ca_file`: the flag, or the file's key."""
 
     @property
     def address(self) -> str:
@@ -74,6 +82,27 @@ def _check_url(url: str, where: str) -> str:
     if problem is not None:
         raise ConfigError(f"{where}: {problem}")
     return url
+
+
+def _check_tls(settings: RedisSettings, ssl_ca_file: str, source: str) -> None:
+    """ConfigError unless `settings` use TLS, as the services check `redis.ssl_ca_file`."""
+    if not ssl_ca_file:
+        raise ConfigError("--ssl-ca-file: must name a CA bundle (it is empty)")
+    if not settings.url.startswith("rediss://"):
+        raise ConfigError(f"--ssl-ca-file: needs a rediss:// URL (TLS), and "
+                          f"{redis_address(settings)} ({source}) is not one; the CA is not "
+                          "used without TLS")
+
+
+def check_ca(target: Target) -> None:
+    """ConfigError naming where the CA came from if it cannot be loaded; reads the file."""
+    path = target.settings.ssl_ca_file
+    if path and target.settings.url.startswith("rediss://"):
+        try:
+            ssl.create_default_context(cafile=path)
+        except (OSError, ssl.SSLError) as exc:
+            hint = "" if target.ca_source == "--ssl-ca-file" else "; name a copy with --ssl-ca-file"
+            raise ConfigError(f"{target.ca_source}: cannot load {path!r} ({exc}){hint}") from None
 
 
 def _file_sets_url(path: str) -> bool:
@@ -103,13 +132,17 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
             source = f"redis.url of {config}"
         else:
             source = f"the default: {config} sets no redis.url and REDIS_URL is not set"
-        if ssl_ca_file:
+        ca_source = f"redis.ssl_ca_file of {config}"
+        if ssl_ca_file is not None:
             # The file's CA path is the services' (a pod's mount); one run elsewhere names its
             # own copy.
+            _check_tls(settings, ssl_ca_file, source)
             settings = dataclasses.replace(settings, ssl_ca_file=ssl_ca_file)
             source += ", with the CA of --ssl-ca-file"
+            ca_source = "--ssl-ca-file"
         return Target(settings, source, named or tuple(loaded.pools),
-                      "--pool" if named else f"the pools of {config}", loaded.tenants)
+                      "--pool" if named else f"the pools of {config}", loaded.tenants,
+                      ca_source)
     if redis_url:
         url, source = _check_url(redis_url, "--redis-url"), "--redis-url"
     elif env.get("REDIS_URL"):
@@ -117,7 +150,10 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
     else:
         url = RedisSettings().url
         source = "the default: no --config, no --redis-url and REDIS_URL is not set"
-    settings = RedisSettings(url=url, cluster=cluster, ssl_ca_file=ssl_ca_file)
+    settings = RedisSettings(url=url, cluster=cluster)
+    if ssl_ca_file is not None:
+        _check_tls(settings, ssl_ca_file, source)
+        settings = dataclasses.replace(settings, ssl_ca_file=ssl_ca_file)
     return Target(settings, source, named,
                   "--pool" if named else f"every pool found ({ANY_POOL_PATTERN})")
 

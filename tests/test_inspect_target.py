@@ -126,6 +126,33 @@ def test_with_a_config_file_the_ca_flag_overrides_it_and_the_cluster_flag_is_ref
         resolve(cluster=True)
 
 
+def test_a_ca_without_tls_is_refused_naming_the_flag_and_the_url(tmp_path: Path) -> None:
+    # As the services refuse redis.ssl_ca_file beside a redis:// URL: a CA that goes unused
+    # would leave someone who asked for TLS reading in clear text, unwarned.
+    def resolve(ca: str, config: Path | None = None, url: str | None = None,
+                env: Mapping[str, str] | None = None) -> Any:
+        return resolve_target(config=None if config is None else str(config), redis_url=url,
+                              cluster=False, ssl_ca_file=ca, pools=[], env=env or {})
+
+    needs_tls = r"^--ssl-ca-file: needs a rediss:// URL \(TLS\), and "
+    with pytest.raises(ConfigError, match=needs_tls + r"redis://h:1/0 \(--redis-url\)"):
+        resolve("/missing/ca.pem", url="redis://:pw@h:1/0")
+    with pytest.raises(ConfigError, match=needs_tls + r"redis://h:2/0 \(REDIS_URL\)"):
+        resolve("/missing/ca.pem", env={"REDIS_URL": "redis://h:2/0"})
+    with pytest.raises(ConfigError, match=needs_tls + re.escape(DEFAULT_URL)):
+        resolve("/missing/ca.pem")
+    with pytest.raises(ConfigError, match=needs_tls + r"unix:///tmp/r.sock\?db=0"):
+        resolve("/missing/ca.pem", url="unix:///tmp/r.sock")
+    config = _config(tmp_path, "rediss://file-host:6380/0")
+    with pytest.raises(ConfigError, match=needs_tls + re.escape(
+            f"redis://h:3/0 (REDIS_URL, which overrides redis.url of {config})")):
+        resolve("/missing/ca.pem", config=config, env={"REDIS_URL": "redis://h:3/0"})
+    with pytest.raises(ConfigError, match=r"^--ssl-ca-file: must name a CA bundle"):
+        resolve("", url="rediss://h:1/0")
+    assert resolve("/my/ca.pem", url="rediss://h:1/0").settings.ssl_ca_file == "/my/ca.pem"
+    assert resolve("/my/ca.pem", config=config).settings.url == "rediss://file-host:6380/0"
+
+
 # --- The command against real servers -----------------------------------------------------
 
 
@@ -230,3 +257,36 @@ async def test_a_cluster_that_cannot_be_reached_or_is_no_cluster_is_one_line(
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 2, err
     assert "Cluster mode is not enabled" in err
+
+
+async def test_a_ca_flag_that_would_go_unused_or_cannot_be_loaded_is_a_usage_error(
+    redis_factory: Callable[..., LocalRedis], tmp_path: Path,
+) -> None:
+    server = redis_factory()  # readable in clear text: the CLI must not quietly do so
+    code, out, err, _ = await _cli("--redis-url", server.url, "--ssl-ca-file",
+                                   str(tmp_path / "missing.pem"), env=_env())
+    assert (code, out) == (2, ""), err
+    assert (f"kvgate-inspect: --ssl-ca-file: needs a rediss:// URL (TLS), and "
+            f"redis://127.0.0.1:{server.port}/0 (--redis-url) is not one") in err
+    config = _config(tmp_path, server.url)
+    code, out, err, _ = await _cli("--config", str(config), "--ssl-ca-file",
+                                   str(tmp_path / "missing.pem"), env=_env())
+    assert (code, out) == (2, ""), err
+    assert f"(redis.url of {config}) is not one" in err
+
+    # With TLS, a CA that cannot be loaded is the flag's error (or the file's key's), not a
+    # connection error that reads like the server's.
+    port = free_port()
+    code, out, err, _ = await _cli("--redis-url", f"rediss://127.0.0.1:{port}/0",
+                                   "--ssl-ca-file", str(tmp_path / "missing.pem"), env=_env())
+    assert (code, out) == (2, ""), err
+    assert (f"kvgate-inspect: --ssl-ca-file: cannot load {str(tmp_path / 'missing.pem')!r} "
+            "([Errno 2] No such file or directory)") in err
+    tls = _config(tmp_path, f"rediss://127.0.0.1:{port}/0")
+    tls.write_text(tls.read_text().replace(
+        "[[pools]]", f'ssl_ca_file = "{tmp_path / "pod-ca.pem"}"\n\n[[pools]]', 1))
+    code, out, err, _ = await _cli("--config", str(tls), env=_env())
+    assert (code, out) == (2, ""), err
+    assert (f"redis.ssl_ca_file of {tls}: cannot load {str(tmp_path / 'pod-ca.pem')!r}" in err
+            and "name a copy with --ssl-ca-file" in err)
+    assert "Traceback" not in err

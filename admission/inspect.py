@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -381,6 +382,19 @@ class Unreadable(Exception):
     """Redis could not be read; the message names the address (without credentials)."""
 
 
+def seconds_argument(text: str) -> float:
+    """`--watch`'s argparse type: a finite number of seconds above 0, else a usage error (exit
+    2). float() takes "nan" and "inf", and asyncio.sleep of either never returns: one frame,
+    then a hang that looks like a deployment gone quiet."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvgate-inspect", description=__doc__.split("\n\n")[1] if __doc__ else None,
@@ -398,12 +412,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="CA bundle for a rediss:// URL, which it needs (with --config, "
                              "instead of the file's redis.ssl_ca_file)")
     parser.add_argument("--json", action="store_true", help="one JSON document per refresh")
-    parser.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+    parser.add_argument("--watch", nargs="?", type=seconds_argument, const=2.0, metavar="SECONDS",
                         help="refresh every SECONDS (default 2) until interrupted")
     parser.add_argument("--count", type=int, metavar="N", help="stop after N refreshes")
     args = parser.parse_args(argv)
-    if args.watch is not None and args.watch <= 0:
-        parser.error("--watch SECONDS must be positive")
     if args.count is not None and args.count < 1:
         parser.error("--count must be at least 1")
     for pool in args.pool:

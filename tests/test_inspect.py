@@ -314,3 +314,18 @@ def test_cli_errors_exit_nonzero_with_a_message(tmp_path: Path,
     assert "pools[0].bogus: unknown key" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         inspect.main(["--pool", "bad name"])
+
+
+@pytest.mark.parametrize("seconds", ["nan", "NaN", "inf", "-inf", "1e400", "0", "-1", "x"])
+def test_watch_needs_a_finite_positive_interval(
+        seconds: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # float() takes nan and inf, and asyncio.sleep of either never returns: one frame, then a
+    # hang. Refused by argparse before any Redis is read.
+    with pytest.raises(SystemExit) as exited:
+        inspect.main(["--redis-url", f"redis://127.0.0.1:{free_port()}/0", f"--watch={seconds}"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert (f"kvgate-inspect: error: argument --watch: must be a positive number of seconds, "
+            f"got {seconds!r}") in err
+    assert inspect.parse_args(["--watch", "0.05"]).watch == 0.05
+    assert inspect.parse_args(["--watch"]).watch == 2.0

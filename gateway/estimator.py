@@ -347,6 +347,7 @@ class TokenCounter:
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise InvalidRequestError("name must be a string", param=f"{param}.name")
+        _check_content_given(role, message, f"{param}.content")
         content, extra = self._render_content(message.get("content"), f"{param}.content")
         if role == "tool":
             # Qwen2.5 presents a tool's result as a user turn wrapped in <tool_response> tags
@@ -363,7 +364,7 @@ class TokenCounter:
     def _render_content(self, content: object, param: str) -> tuple[str, int]:
         if isinstance(content, str):
             return content, 0
-        if content is None:  # assistant turns that only call tools
+        if content is None:  # allowed by _check_content_given: a turn without text
             return "", 0
         if not isinstance(content, list):
             raise InvalidRequestError("content must be a string or a list of parts", param=param)
@@ -430,6 +431,30 @@ MAX_TOKEN_ID = 2**31 - 1
 passed as a token id and was admitted, to be refused only by the node.)"""
 
 
+_CONTENT_OPTIONAL_WITH = ("tool_calls", "function_call", "audio", "refusal")
+"""An assistant turn with any of these may omit `content` or send it null: it called a tool
+(OpenAI: content is "required unless tool_calls or function_call is specified"), or it stands
+for an earlier answer that was audio or a refusal, which the API's own answers carry with a
+null content."""
+
+
+def _check_content_given(role: str, message: dict[str, Any], param: str) -> None:
+    """The `content` OpenAI's API requires of a message of `role`: a node would take the turn
+    as empty text and answer a conversation the client did not send."""
+    if role == "assistant":
+        if message.get("content") is None and all(
+                message.get(key) is None for key in _CONTENT_OPTIONAL_WITH):
+            raise InvalidRequestError(
+                "content is required for an assistant message unless it has tool_calls or "
+                "function_call", param=param)
+    elif role == "function":  # legacy: the key is required, its value may be null
+        if "content" not in message:
+            raise InvalidRequestError("content is required for a function message (null "
+                                      "for none)", param=param)
+    elif message.get("content") is None:
+        raise InvalidRequestError(f"content is required for a {role} message", param=param)
+
+
 def _token_ids_length(ids: object, param: str) -> int:
     if not isinstance(ids, list) or not ids:
         raise InvalidRequestError("token ids must be a non-empty list of integers", param=param)
@@ -464,7 +489,26 @@ def _render_tool_calls(tool_calls: object, param: str) -> str:
 def _render_tools(tools: object) -> str:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidRequestError("tools must be a list of objects", param="tools")
+    for i, tool in enumerate(tools):
+        _check_function_tool(tool, f"tools[{i}]")
     return "".join(f"\n{_to_json(tool, 'tools')}" for tool in tools)
+
+
+def _check_function_tool(tool: dict[str, Any], param: str) -> None:
+    """A function tool (`type` "function", or none: vLLM's default) needs its `function`, with
+    a `name`; a tool of another type (OpenAI's custom tools) is the node's to accept."""
+    kind = tool.get("type", "function")
+    if not isinstance(kind, str):
+        raise InvalidRequestError("type must be a string", param=f"{param}.type")
+    if kind != "function":
+        return
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise InvalidRequestError("function is required for a tool of type function and must "
+                                  "be an object", param=f"{param}.function")
+    if not isinstance(function.get("name"), str):
+        raise InvalidRequestError("function name is required and must be a string",
+                                  param=f"{param}.function.name")
 
 
 def _to_json(value: object, param: str) -> str:

@@ -41,6 +41,30 @@ def _error(description: str, headers: dict[str, Any] | None = None) -> dict[str,
     return out
 
 
+def _message(roles: list[str], *, content_required: bool, nullable: bool,
+             description: str | None = None) -> dict[str, Any]:
+    """A chat message of `roles`: OpenAI's API requires `content` of every role but an
+    assistant's, and takes null only from an assistant or a legacy function result."""
+    content: dict[str, Any] = {"oneOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "object"}},
+    ]}
+    if nullable:
+        content["nullable"] = True
+    if description is not None:
+        content["description"] = description
+    return {
+        "type": "object",
+        "required": ["role", "content"] if content_required else ["role"],
+        "properties": {
+            "role": {"type": "string", "enum": roles},
+            "content": content,
+            "name": {"type": "string"},
+            "tool_calls": {"type": "array", "items": {"type": "object"}},
+        },
+    }
+
+
 _GENERATION_ERRORS = {
     "400": _error("Malformed request; or, with x-should-retry: false, one that can never "
                   "succeed as sent: prompt (or prompt + max_tokens) over the context length "
@@ -89,20 +113,17 @@ _SCHEMAS: dict[str, Any] = {
     },
     "StreamOptions": {
         "type": "object",
-        "properties": {"include_usage": {"type": "boolean"}},
+        "properties": {"include_usage": {"type": "boolean", "nullable": True}},
     },
     "ChatMessage": {
-        "type": "object",
-        "required": ["role"],
-        "properties": {
-            "role": {"type": "string", "enum": list(CHAT_ROLES)},
-            "content": {"nullable": True, "oneOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "object"}},
-            ]},
-            "name": {"type": "string"},
-            "tool_calls": {"type": "array", "items": {"type": "object"}},
-        },
+        "oneOf": [
+            _message([r for r in CHAT_ROLES if r not in ("assistant", "function")],
+                     content_required=True, nullable=False),
+            _message(["assistant"], content_required=False, nullable=True,
+                     description="content may be omitted or null only with tool_calls, "
+                     "function_call, audio or refusal"),
+            _message(["function"], content_required=True, nullable=True),
+        ],
     },
     "ChatCompletionRequest": {
         "type": "object",
@@ -116,9 +137,21 @@ _SCHEMAS: dict[str, Any] = {
             "n": {"type": "integer", "minimum": 1, "maximum": 128, "nullable": True},
             "stream": {"type": "boolean", "nullable": True},
             "stream_options": {"$ref": "#/components/schemas/StreamOptions"},
-            "tools": {"type": "array", "items": {"type": "object"}},
+            "tools": {"type": "array", "items": {"$ref": "#/components/schemas/Tool"}},
         },
         "additionalProperties": True,
+    },
+    "Tool": {
+        "type": "object",
+        "required": ["function"],
+        "description": "A function tool (type function, the default), the kind vLLM serves; "
+                       "a tool of another type (OpenAI's custom tools, without function) is "
+                       "passed to the node as sent.",
+        "properties": {
+            "type": {"type": "string"},
+            "function": {"type": "object", "required": ["name"],
+                         "properties": {"name": {"type": "string"}}},
+        },
     },
     "CompletionRequest": {
         "type": "object",

@@ -152,6 +152,12 @@ async def parse_inbound(
         if not stream:
             raise bad_request("Stream options can only be defined when `stream=True`.",
                               param="stream_options")
+        include_usage = options.get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            # The node always gets True; a string such as "false" would otherwise read as a
+            # request for the usage chunk.
+            raise bad_request("'stream_options.include_usage' must be a boolean.",
+                              param="stream_options.include_usage")
 
     n = _int(body, "n") or 1
     if n > MAX_SEQUENCES:

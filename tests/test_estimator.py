@@ -315,6 +315,12 @@ async def test_async_runs_concurrently(tokenizer: Tokenizer) -> None:
         ([{"role": "assistant", "content": None, "tool_calls": "x"}], "messages[0].tool_calls"),
         ([{"role": "assistant", "tool_calls": [{"function": 1}]}], "messages[0].tool_calls[0]"),
         ([{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}], "messages[1]"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "developer", "content": None}], "messages[0].content"),
+        ([{"role": "user", "content": "x"}, {"role": "assistant"}], "messages[1].content"),
+        ([{"role": "assistant", "content": None, "tool_calls": None}], "messages[0].content"),
+        ([{"role": "tool", "tool_call_id": "c1", "content": None}], "messages[0].content"),
+        ([{"role": "function", "name": "f"}], "messages[0].content"),
     ],
 )
 def test_bad_messages(counter: TokenCounter, messages: object, param: str) -> None:
@@ -324,6 +330,42 @@ def test_bad_messages(counter: TokenCounter, messages: object, param: str) -> No
     error = caught.value.to_openai()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert caught.value.status == 400
+
+
+def test_content_may_be_left_out_only_where_openai_allows_it(counter: TokenCounter) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    bare = counter.count_chat([{"role": "assistant", "content": ""}])
+    turn: dict[str, Any]
+    for turn in ({"role": "assistant", "tool_calls": [call]},
+                 {"role": "assistant", "content": None, "tool_calls": [call]}):
+        assert counter.count_chat([turn]) > bare
+    for turn in ({"role": "assistant", "function_call": {"name": "f", "arguments": "{}"}},
+                 {"role": "assistant", "audio": {"id": "audio_1"}},
+                 {"role": "assistant", "content": None, "refusal": "No."}):
+        assert counter.count_chat([turn]) == bare
+    function_result = counter.count_chat([{"role": "function", "name": "f", "content": None}])
+    assert function_result == counter.count_chat([{"role": "function", "content": ""}])
+
+
+@pytest.mark.parametrize(("tools", "param"), [
+    ([{"type": "function"}], "tools[0].function"),
+    ([{"type": "function", "function": "f"}], "tools[0].function"),
+    ([{"function": {"parameters": {}}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f"}}, {"type": 1}], "tools[1].type"),
+])
+def test_a_function_tool_needs_its_function(counter: TokenCounter, tools: object,
+                                             param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        counter.count_chat([{"role": "user", "content": "x"}], tools=tools)
+    assert caught.value.param == param
+
+
+def test_tools_of_another_type_are_counted_as_sent(counter: TokenCounter) -> None:
+    plain = counter.count_chat([{"role": "user", "content": "x"}])
+    custom = [{"type": "custom", "custom": {"name": "grammar"}}]
+    assert counter.count_chat([{"role": "user", "content": "x"}], tools=custom) > plain
+    untyped = [{"function": {"name": "f"}}]  # vLLM's default type
+    assert counter.count_chat([{"role": "user", "content": "x"}], tools=untyped) > plain
 
 
 def test_every_openai_role_is_counted_and_the_refusal_names_them(counter: TokenCounter) -> None:

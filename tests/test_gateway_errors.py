@@ -62,6 +62,21 @@ def _openai_shape(payload: dict[str, Any]) -> dict[str, Any]:
     ({"model": "demo", "messages": MESSAGES, "stream_options": {"include_usage": True}},
      "stream_options", None),
     ({"messages": MESSAGES}, "model", None),
+    ({"model": "demo", "messages": MESSAGES, "stream": True,
+      "stream_options": {"include_usage": "false"}}, "stream_options.include_usage", None),
+    ({"model": "demo", "messages": [{"role": "user"}]}, "messages[0].content", None),
+    ({"model": "demo", "messages": [{"role": "system", "content": None}, *MESSAGES]},
+     "messages[0].content", None),
+    ({"model": "demo", "messages": [*MESSAGES, {"role": "assistant"}, *MESSAGES]},
+     "messages[1].content", None),
+    ({"model": "demo", "messages": [*MESSAGES, {"role": "tool", "tool_call_id": "c1"}]},
+     "messages[1].content", None),
+    ({"model": "demo", "messages": [*MESSAGES, {"role": "function", "name": "f"}]},
+     "messages[1].content", None),
+    ({"model": "demo", "messages": MESSAGES, "tools": [{"type": "function"}]},
+     "tools[0].function", None),
+    ({"model": "demo", "messages": MESSAGES, "tools": [{"function": {"parameters": {}}}]},
+     "tools[0].function.name", None),
 ])
 async def test_malformed_requests_are_400(gw: Harness, body: Any, param: str | None,
                                           code: str | None) -> None:
@@ -71,6 +86,41 @@ async def test_malformed_requests_are_400(gw: Harness, body: Any, param: str | N
     assert error["param"] == param and error["code"] == code
     assert error["type"] == "invalid_request_error"
     assert gw.backends[0].received == []
+
+
+async def test_messages_and_tools_the_openai_api_takes_are_forwarded(gw: Harness) -> None:
+    # Content is required but for an assistant turn that calls a tool (or a function, or
+    # stands for an earlier answer's audio or refusal), and a function result's may be null;
+    # a tool of another type than function (OpenAI's custom tools) carries no `function`.
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages: list[Any] = [
+        *MESSAGES,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "rain"}]},
+        {"role": "assistant", "content": None,
+         "function_call": {"name": "get_weather", "arguments": "{}"}},
+        {"role": "function", "name": "get_weather", "content": None},
+        {"role": "assistant", "audio": {"id": "audio_1"}},
+        {"role": "assistant", "content": None, "refusal": "I cannot help with that."},
+        {"role": "user", "content": ""},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather"}},
+             {"type": "custom", "custom": {"name": "grammar"}}]
+    status, payload, _ = await _post(gw, {"model": "demo", "messages": messages,
+                                          "tools": tools, "max_tokens": 2})
+    assert status == 200, payload
+    forwarded = gw.backends[0].received[-1].body
+    assert forwarded["messages"] == messages and forwarded["tools"] == tools
+
+    for include_usage in (False, None):
+        options: Any = {"include_usage": include_usage}  # null: not set, as vLLM reads it
+        stream = await gw.openai("vip").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=2, stream=True, stream_options=options)
+        assert [chunk async for chunk in stream][-1].usage is None
+        assert gw.backends[0].received[-1].body["stream_options"] == {"include_usage": True}
 
 
 async def test_unknown_role_is_refused_naming_the_allowed_ones(gw: Harness) -> None:

@@ -25,8 +25,8 @@
 --                                -> what light tenants took beyond the room (prefill_taken()),
 --                                <node>:vip -> µs of the last VIP placement (prefill_taken())
 -- KEYS[15] held_by          HASH  with ARGV[14] '1': why each tier's queue waits, as of this
---                                call, for
---                                operators (kvgate-inspect, redis-cli, the leader's metrics):
+--                                call, for operators (kvgate-inspect, redis-cli, the leader's
+--                                metrics):
 --                                <tier> -> the reason (below), <tier>:us -> µs it was recorded,
 --                                and for a head that fits no node, <tier>:task, <tier>:cost and
 --                                <tier>:prompt (its tokens). A tier whose queue this call

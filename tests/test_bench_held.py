@@ -53,3 +53,9 @@ def test_the_table_and_the_command(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exc:
         held.main([str(tmp_path / "missing")])
     assert exc.value.code == 2
+
+
+def test_a_run_in_which_nothing_waited_says_so() -> None:
+    quiet = [_sample(9.0, {"vip": 0, "normal": 0, "batch": 0}, {"batch": "kv=1"})]
+    lines = held.render(held.tally(quiet, 8.0, 12.0))
+    assert lines[-1] == "\nNo queue was found waiting in any sample."

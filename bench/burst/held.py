@@ -77,6 +77,8 @@ def render(rows: dict[tuple[str, str], Tally]) -> list[str]:
                   for r in HELD_REASONS]
         lines.append(f"| {phase} | {tier} | {row.samples} | {row.waiting} | "
                      + " | ".join(shares) + f" | {row.unrecorded or ''} |")
+    if len(lines) == 2:
+        lines.append("\nNo queue was found waiting in any sample.")
     return lines
 
 

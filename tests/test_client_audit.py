@@ -226,6 +226,38 @@ async def test_a_502_carries_the_request_id(redis_url: str, redis_client: aiored
     assert error.request_id is not None and error.request_id == error.headers["x-request-id"]
 
 
+# --- hints a server may send -------------------------------------------------------------------
+
+
+async def test_a_retry_after_date_beyond_year_9999_is_no_hint() -> None:
+    """An HTTP date the platform's time functions cannot hold is no usable hint: the 429 is
+    retried on the backoff alone (as the Go SDK does), not turned into an exception."""
+    answers = iter([429])
+
+    async def handle(request: web.Request) -> web.Response:
+        if next(answers, 200) == 429:
+            return web.json_response(
+                {"error": {"code": "capacity_exceeded", "message": "full"}}, status=429,
+                headers={"Retry-After": "Fri, 31 Dec 99999 23:59:59 GMT"})
+        return web.json_response({"choices": [{"message": {"content": "hi"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    transport = AsyncRetryTransport(sleep=sleep)
+    async with serve_app(app) as url, \
+            AsyncKvgateClient(url + "/v1", api_key="k", retry_transport=transport) as aclient:
+        reply = await aclient.chat(POOL, MESSAGES)
+    assert reply["choices"][0]["message"]["content"] == "hi"
+    assert len(slept) == 1 and 0 <= slept[0] < 1.0  # full jitter, the first window
+    stats = transport.stats()
+    assert (stats.attempts, dict(stats.outcomes)) == (2, {"ok": 1})
+
+
 # --- cancelled requests are counted ----------------------------------------------------------
 
 

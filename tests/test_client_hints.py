@@ -41,6 +41,21 @@ def test_retry_after_http_date() -> None:
     assert parse_retry_after({"Retry-After": past}, wall_clock=wall) == 0.0
 
 
+# parsedate_tz accepts these, but the platform's time functions cannot hold them
+# (ValueError or OverflowError): no usable date, as in the Go SDK, whose parser refuses them.
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Fri, 31 Dec 99999 23:59:59 GMT",  # ValueError: year out of range
+        "Fri, 31 Dec 99999999999999999999 23:59:59 GMT",  # OverflowError: too large for a C long
+        "1 Jan 10000000000 00:00:00",  # OverflowError (local time: no zone given)
+        "Feb -5 24:00:60 x -99999999999999",  # OverflowError: below the minimum
+    ],
+)
+def test_retry_after_date_out_of_range_is_no_hint(value: str) -> None:
+    assert parse_retry_after({"Retry-After": value}, wall_clock=wall) is None
+
+
 def test_infinite_hint_is_too_long_not_forever() -> None:
     assert parse_retry_after({"retry-after-ms": "inf"}, wall_clock=wall) == math.inf
 

@@ -64,10 +64,17 @@ def parse_retry_after(
     if seconds is not None:
         return seconds if math.isfinite(seconds) else _FOREVER
     # RFC 9110 also allows an HTTP date; a date in the past means "now".
-    parsed = email.utils.parsedate_tz(raw)
-    if parsed is None:
+    try:
+        parsed = email.utils.parsedate_tz(raw)
+        if parsed is None:
+            return None
+        when = float(email.utils.mktime_tz(parsed))
+    except (ValueError, OverflowError):
+        # parsedate_tz accepts any digits, but the time functions hold only years up to 9999
+        # and a C long of seconds: such a date is no usable hint (the Go SDK's parser refuses
+        # it too). Raised from here, it would escape the transport with the response unclosed.
         return None
-    return max(0.0, float(email.utils.mktime_tz(parsed)) - wall_clock())
+    return max(0.0, when - wall_clock())
 
 
 def parse_should_retry(headers: Mapping[str, str]) -> bool | None:

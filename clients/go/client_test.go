@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/iotest"
 	"time"
 )
 
@@ -329,6 +330,85 @@ func TestSSEReader(t *testing.T) {
 	}
 	r = newSSEReader(strings.NewReader("data: " + strings.Repeat("x", maxSSELine+1) + "\n\n"))
 	if _, err := r.next(); !errors.Is(err, errLineTooLong) {
+		t.Fatal(err)
+	}
+}
+
+// The SSE grammar ends a line at CR, LF or CRLF; events framed any of these ways, split
+// anywhere (one byte per read included), read the same.
+func TestSSEReaderLineEnds(t *testing.T) {
+	for _, in := range []string{
+		"data: a\r\rdata: b1\rdata: b2\r\r: c\r\rdata: [DONE]\r\rdata: after\r\r",
+		"data: a\r\n\r\ndata: b1\r\ndata: b2\n\r: c\n\ndata: [DONE]\r\n\r\n",
+		"data: a\n\ndata: b1\rdata: b2\r\n\n: c\r\rdata: [DONE]\n\n",
+	} {
+		for _, r := range []io.Reader{strings.NewReader(in), iotest.OneByteReader(strings.NewReader(in))} {
+			sse := newSSEReader(r)
+			var got []string
+			for {
+				d, err := sse.next()
+				if err == io.EOF {
+					break
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				got = append(got, d)
+			}
+			if strings.Join(got, "|") != "a|b1\nb2" {
+				t.Fatalf("%q: %q", in, got)
+			}
+		}
+	}
+}
+
+// A stream framed by bare CRs reaches the caller event by event, each as soon as the CR that
+// ends it has arrived (the server writes nothing more until the test asks), and a CRLF split
+// between two writes is one line end.
+func TestStreamFramedByBareCRChunkByChunk(t *testing.T) {
+	next := make(chan struct{})
+	event := func(text string) string {
+		return `data: {"choices": [{"index": 0, "delta": {"content": "` + text + `"}}]}`
+	}
+	writes := []string{event("a") + "\r\r", event("b") + "\r", "\n\r\n: keep-alive\r" + event("c") + "\r\r", "data: [DONE]\r\r"}
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i, chunk := range writes {
+			if i > 0 {
+				select {
+				case <-next:
+				case <-time.After(chunkWait):
+					return
+				}
+			}
+			fmt.Fprint(w, chunk)
+			w.(http.Flusher).Flush()
+		}
+	})
+	stream, err := newTestClient(t, g, newFakeClock()).ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	send := func() {
+		select {
+		case next <- struct{}{}:
+		case <-time.After(chunkWait):
+			t.Fatal("the server stopped waiting for the client")
+		}
+	}
+	if chunk, err := recvWithin(t, stream); err != nil || chunk.Choices[0].Delta.Content != "a" {
+		t.Fatalf("%+v %v", chunk, err)
+	}
+	send()
+	send()
+	for _, want := range []string{"b", "c"} {
+		if chunk, err := recvWithin(t, stream); err != nil || chunk.Choices[0].Delta.Content != want {
+			t.Fatalf("want %q: %+v %v", want, chunk, err)
+		}
+	}
+	send()
+	if _, err := recvWithin(t, stream); err != io.EOF {
 		t.Fatal(err)
 	}
 }

@@ -2,6 +2,7 @@ package kvgate
 
 import (
 	"bufio"
+	"bytes"
 	"errors"
 	"io"
 	"strings"
@@ -28,7 +29,40 @@ type sseReader struct {
 func newSSEReader(r io.Reader) *sseReader {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 0, 4096), maxSSELine)
+	sc.Split((&sseLines{}).split)
 	return &sseReader{sc: sc}
+}
+
+// sseLines splits a body into lines as the SSE grammar does: a line ends at CR, LF or CRLF, as
+// in the Python SDK (bufio.ScanLines knows LF only, so a stream framed by bare CRs would be read
+// to its end as one line). A line ended by a CR is returned at once, since that CR may be the
+// last byte before the server waits; an LF that then starts the next read is the rest of a
+// CRLF, and skipped.
+type sseLines struct {
+	skipLF bool
+}
+
+func (l *sseLines) split(data []byte, atEOF bool) (int, []byte, error) {
+	if l.skipLF && len(data) > 0 {
+		l.skipLF = false
+		if data[0] == '\n' {
+			return 1, nil, nil
+		}
+	}
+	i := bytes.IndexAny(data, "\r\n")
+	switch {
+	case i < 0 && atEOF && len(data) > 0:
+		return len(data), data, nil
+	case i < 0:
+		return 0, nil, nil
+	case data[i] == '\n':
+		return i + 1, data[:i], nil
+	case i+1 < len(data) && data[i+1] == '\n':
+		return i + 2, data[:i], nil
+	case i+1 == len(data):
+		l.skipLF = true
+	}
+	return i + 1, data[:i], nil
 }
 
 // next returns the next event's data; io.EOF after [DONE] or at the end of the body.
@@ -37,7 +71,7 @@ func (s *sseReader) next() (string, error) {
 		return "", io.EOF
 	}
 	for s.sc.Scan() {
-		if data, ok := s.feed(strings.TrimRight(s.sc.Text(), "\r")); ok {
+		if data, ok := s.feed(s.sc.Text()); ok {
 			return s.emit(data)
 		}
 	}

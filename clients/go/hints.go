@@ -120,8 +120,8 @@ func headerValue(h http.Header, name string) (string, bool) {
 	return "", false
 }
 
-// parseNumber accepts what a decimal float literal or "inf" spells, like Python's float():
-// hexadecimal floats and digit underscores, which strconv also accepts, are refused.
+// parseNumber accepts what an ASCII decimal float literal or "inf" spells, as the Python SDK
+// does: hexadecimal floats and digit underscores, which strconv also accepts, are refused.
 func parseNumber(raw string) (float64, bool) {
 	s := strings.TrimSpace(raw)
 	if s == "" || strings.ContainsAny(s, "xX_") {

@@ -39,8 +39,13 @@ def header(headers: Mapping[str, str], name: str) -> str | None:
 
 
 def _parse_number(raw: str) -> float | None:
+    text = raw.strip()
+    # float() also reads digit underscores and other scripts' digits, which no HTTP number
+    # spells; the Go SDK refuses them too (clients/vectors/retry_policy.json).
+    if not text.isascii() or "_" in text:
+        return None
     try:
-        value = float(raw.strip())
+        value = float(text)
     except ValueError:
         return None
     if math.isnan(value) or value < 0:

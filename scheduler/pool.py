@@ -1,10 +1,11 @@
 """One model pool's tick on the leader: poll, plan budgets, publish, release, notify.
 
 Every tick costs the pool four Redis round trips whatever the queue length: one pipelined read
-(reservations, counters, queue depths: `PoolStore.read_tick`), the fenced state write, one
-release script call for a whole batch, and one pipeline of wake-ups. Before each write the
-replica checks that it still holds its lease by its own clock; the epoch it passes is the
-second line of defence.
+(reservations, counters, queue depths, why the queues waited: `PoolStore.read_tick`), the
+fenced state write, one release script call for a whole batch, and one pipeline of wake-ups
+(and, on a tick that finds the queues emptied without a release, the delete of their held
+record). Before each write the replica checks that it still holds its lease by its own clock;
+the epoch it passes is the second line of defence.
 """
 
 from __future__ import annotations

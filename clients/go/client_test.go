@@ -303,22 +303,10 @@ func TestUnreachableGatewayIsAConnectionError(t *testing.T) {
 
 func TestSSEReader(t *testing.T) {
 	in := ": comment\n\ndata: a\ndata: b\n\nevent: x\ndata:c\r\n\r\nid: 3\n\n\ndata: last"
-	r := newSSEReader(strings.NewReader(in))
-	var got []string
-	for {
-		d, err := r.next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		got = append(got, d)
-	}
-	if strings.Join(got, "|") != "a\nb|c|last" {
+	if got := readEvents(t, newSSEReader(strings.NewReader(in))); strings.Join(got, "|") != "a\nb|c|last" {
 		t.Fatalf("%q", got)
 	}
-	r = newSSEReader(strings.NewReader("data: x\n\ndata: [DONE]\n\ndata: after\n\n"))
+	r := newSSEReader(strings.NewReader("data: x\n\ndata: [DONE]\n\ndata: after\n\n"))
 	if d, _ := r.next(); d != "x" {
 		t.Fatal(d)
 	}
@@ -334,6 +322,22 @@ func TestSSEReader(t *testing.T) {
 	}
 }
 
+// readEvents is every event's data until the end of the stream (or [DONE]).
+func readEvents(t *testing.T, r *sseReader) []string {
+	t.Helper()
+	var got []string
+	for {
+		d, err := r.next()
+		if err == io.EOF {
+			return got
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		got = append(got, d)
+	}
+}
+
 // The SSE grammar ends a line at CR, LF or CRLF; events framed any of these ways, split
 // anywhere (one byte per read included), read the same.
 func TestSSEReaderLineEnds(t *testing.T) {
@@ -343,19 +347,7 @@ func TestSSEReaderLineEnds(t *testing.T) {
 		"data: a\n\ndata: b1\rdata: b2\r\n\n: c\r\rdata: [DONE]\n\n",
 	} {
 		for _, r := range []io.Reader{strings.NewReader(in), iotest.OneByteReader(strings.NewReader(in))} {
-			sse := newSSEReader(r)
-			var got []string
-			for {
-				d, err := sse.next()
-				if err == io.EOF {
-					break
-				}
-				if err != nil {
-					t.Fatal(err)
-				}
-				got = append(got, d)
-			}
-			if strings.Join(got, "|") != "a|b1\nb2" {
+			if got := readEvents(t, newSSEReader(r)); strings.Join(got, "|") != "a|b1\nb2" {
 				t.Fatalf("%q: %q", in, got)
 			}
 		}

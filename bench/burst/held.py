@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from admission.reads import HELD_REASONS, held_map
 from admission.tiers import Tier
+from bench.burst.workload import burst_profile
 
 _PHASES = ("baseline", "burst", "after")
 
@@ -35,18 +37,13 @@ class Tally:
     """Samples with a queue and no reason recorded yet (a release had not run since it filled)."""
 
 
-def phase_of(t: float, baseline_s: float, burst_s: float) -> str:
-    if t < baseline_s:
-        return "baseline"
-    return "burst" if t < baseline_s + burst_s else "after"
-
-
 def tally(samples: Iterable[dict[str, object]], baseline_s: float, burst_s: float
           ) -> dict[tuple[str, str], Tally]:
     """(phase, tier label) -> Tally."""
     out = {(p, t.label): Tally() for p in _PHASES for t in Tier}
+    profile = burst_profile(baseline_s, burst_s, after_s=math.inf)
     for sample in samples:
-        phase = phase_of(float(sample["t"]), baseline_s, burst_s)  # type: ignore[arg-type]
+        phase = profile.phase_at(float(sample["t"]))  # type: ignore[arg-type]
         queues = sample.get("queues") or {}
         published = sample.get("scheduler") or {}
         assert isinstance(queues, dict) and isinstance(published, dict)

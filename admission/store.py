@@ -8,15 +8,24 @@ nothing here reads a client clock.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from admission import reads
 from admission.errors import FencedError, ScriptReplyError, is_transient
-from admission.hints import QueueView, parse_rate, retry_hint_ms, tenant_drain_hint_ms
+from admission.hints import QueueView, retry_hint_ms
 from admission.keys import PoolKeys, abandoned_lease, check_name
+from admission.outcomes import (
+    AdmitResult,
+    FinishResult,
+    ReapResult,
+    Released,
+    ReleasedTask,
+    parse_admit,
+    text_of,
+    view_of,
+)
 from admission.scripts import Scripts
 from admission.tiers import Tier, Zone
 
@@ -32,37 +41,6 @@ MAX_USAGE = 2**40
 """The most usage `finish` passes on, far above any request's: the script's counters (HINCRBY)
 would fail past 2^63 after it has already returned the reservation, leaving a half-settled
 task; the gateway bounds a node's report by the request itself before this."""
-
-
-class AdmitOutcome(enum.StrEnum):
-    RELEASED = "released"
-    QUEUED = "queued"
-    REJECTED = "rejected"
-    DUPLICATE = "duplicate"
-
-
-class RejectReason(enum.StrEnum):
-    EXCEEDS_BURST = "exceeds_burst"
-    QUOTA = "quota"
-    ZONE_RED = "zone_red"
-    NO_NODE = "no_node"
-    """RED because no node of the pool is usable (every one ejected or stale): an outage."""
-    QUEUE_FULL = "queue_full"
-    TENANT_QUEUE_FULL = "tenant_queue_full"
-    TENANT_QUEUED_TOKENS = "tenant_queued_tokens"
-
-
-class TaskState(enum.StrEnum):
-    QUEUED = "queued"
-    RELEASED = "released"
-    SETTLED = "settled"
-    CANCELLED = "cancelled"
-    EXPIRED = "expired"
-    REAPED = "reaped"
-
-    @property
-    def terminal(self) -> bool:
-        return self not in (TaskState.QUEUED, TaskState.RELEASED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,76 +131,6 @@ class TenantQuota:
         object.__setattr__(self, "level_args", tuple(args))
 
 
-@dataclass(frozen=True, slots=True)
-class AdmitResult:
-    outcome: AdmitOutcome
-    zone: Zone
-    depth: int
-    node: str | None = None
-    reason: RejectReason | None = None
-    retry_after_ms: int | None = None
-    """None when no retry can succeed (the request exceeds the tenant's burst, or rate is 0).
-    Capacity rejections: `admission.hints.retry_hint_ms` of `view`."""
-    state: TaskState | None = None
-    """For DUPLICATE: the state the existing task is in."""
-    view: QueueView | None = None
-    """For capacity rejections: what the hint was computed from."""
-    scope: str | None = None
-    """For QUOTA: the level that cannot pay ('key', or 'team:<name>')."""
-    limit: str | None = None
-    """For QUOTA: what ran out there: 'bucket', 'daily', 'monthly', or 'held' (a bucket that
-    never refills, short now but not once the level's live tasks give back what they did not
-    use: `retry_after_ms` is then the floor, as for any wait nobody can measure)."""
-    queued_tokens: int | None = None
-    """For TENANT_QUEUED_TOKENS: the tokens of the tenant's requests queued in the pool when it
-    was refused (this request not counted)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReleasedTask:
-    task_id: str
-    gateway: str
-    node: str | None
-    """None: the task expired in the queue instead of being released."""
-    tier: Tier
-    cost: int = 0
-    """Tokens the release reserved (prompt + max output); 0 for an expired task."""
-
-
-class Released(list[ReleasedTask]):
-    """The tasks one release call released or expired, and the Normal credit of the YELLOW
-    rate (lua/release.lua ARGV[11]) the call found unused and left for light tenants' fast
-    path (both 0 when the call was given no credit to leave)."""
-
-    credit_before: int = 0
-    credit_after: int = 0
-    calls: int = 1
-    """Script calls it took (more than one when each was bounded in Redis time)."""
-    more: bool = False
-    """The last call stopped on a bound (its Redis time, or the heads it may look at) with
-    work perhaps left for the next tick."""
-
-
-@dataclass(frozen=True, slots=True)
-class FinishResult:
-    outcome: str
-    """The state the task ended in, or 'noop' when it had already ended (or never existed)."""
-    previous: str
-    refunded: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReapResult:
-    reaped: int
-    expired: int
-    returned_tokens: int
-    more: bool
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class PoolStore:
     def __init__(self, client: Any, scripts: Scripts, pool: str, policy: PoolPolicy) -> None:
         self.client = client
@@ -283,7 +191,7 @@ class PoolStore:
         k = self.keys
         reply = await self.scripts.hint(keys=[k.state, k.clock, *k.queues], args=[int(tier)])
         try:
-            return _view(Zone(_text(reply[0])), int(reply[1]), reply[2:5])
+            return view_of(Zone(text_of(reply[0])), int(reply[1]), reply[2:5])
         except (ValueError, IndexError) as exc:
             raise ScriptReplyError(f"unexpected hint reply {reply!r}") from exc
 
@@ -305,7 +213,7 @@ class PoolStore:
                 -1 if ttft_ms is None else max(0, ttft_ms),
             ],
         )
-        return FinishResult(_text(reply[0]), _text(reply[1]), int(reply[2]))
+        return FinishResult(text_of(reply[0]), text_of(reply[1]), int(reply[2]))
 
     async def settle(self, task_id: str, usage: int) -> FinishResult:
         return await self.finish(task_id, usage, cancelled=False)
@@ -403,14 +311,14 @@ class PoolStore:
                   repr(float(self.policy.fair_headroom)), self.policy.fair_light_window_ms,
                   *extra, max(0, int(call_ms)) * 1000, "1" if record_held else ""],
         )
-        if _text(reply[0]) == "fenced":
+        if text_of(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         out = Released()
-        out.more = _text(reply[0]) == "more"
+        out.more = text_of(reply[0]) == "more"
         out.credit_before, out.credit_after = int(reply[2]), int(reply[3])
         for i in range(4, len(reply), 5):
-            node = _text(reply[i + 2])
-            out.append(ReleasedTask(_text(reply[i]), _text(reply[i + 1]), node or None,
+            node = text_of(reply[i + 2])
+            out.append(ReleasedTask(text_of(reply[i]), text_of(reply[i + 1]), node or None,
                                     Tier(int(reply[i + 3])), int(reply[i + 4])))
         return out
 
@@ -447,7 +355,7 @@ class PoolStore:
             args += [field, value]
         reply = await self.scripts.state(
             keys=[k.state, k.clock, *k.tier_capacities, k.node_prefill], args=args)
-        if _text(reply[0]) == "fenced":
+        if text_of(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         return int(reply[2])
 
@@ -471,7 +379,7 @@ class PoolStore:
         raw = await self.client.hgetall(self.keys.task_key(task_id))
         if not raw:
             return None
-        return {_text(f): _text(v) for f, v in raw.items()}
+        return {text_of(f): text_of(v) for f, v in raw.items()}
 
     async def read_tick(self, *, control: bool, running: bool,
                         guests: bool = False) -> reads.TickReading:
@@ -509,49 +417,3 @@ class PoolStore:
     async def gateway_tasks(self, gateway: str) -> set[str]:
         """Ids of the live tasks `gateway` holds in this pool."""
         return await reads.gateway_tasks(self.client, self.keys, gateway)
-
-
-def parse_wake(data: bytes | str) -> tuple[str, str | None]:
-    """A wake-up message as `PoolStore.notify` publishes it: (task id, node, or None when the
-    task expired in the queue)."""
-    text = data.decode() if isinstance(data, bytes) else data
-    task_id, _, node = text.partition(" ")
-    return task_id, node.strip() or None
-
-
-def _view(zone: Zone, ahead: int, facts: Sequence[Any]) -> QueueView:
-    """(drain, red_clear_s, state_age_ms) as the scripts report them."""
-    drain, red_clear_s, age_ms = facts
-    return QueueView(zone, ahead, parse_rate(drain), parse_rate(red_clear_s),
-                     max(0, int(age_ms)))
-
-
-def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
-    """An admit.lua reply; a capacity rejection's hint from `admission.hints` (at least
-    `floor_ms`)."""
-    try:
-        outcome = AdmitOutcome(_text(reply[0]))
-        detail = _text(reply[1])
-        retry = int(reply[2])
-        depth = int(reply[3])
-        zone = Zone(_text(reply[4]))
-        view = _view(zone, depth, reply[5:8]) if len(reply) >= 8 else None
-        scope, limit = (_text(reply[5]), _text(reply[6])) if len(reply) == 7 else (None, None)
-        queued_tokens = int(reply[5]) if len(reply) == 6 else None
-    except (ValueError, IndexError) as exc:
-        raise ScriptReplyError(f"unexpected admit reply {reply!r}") from exc
-    if outcome is AdmitOutcome.RELEASED:
-        return AdmitResult(outcome, zone, depth, node=detail)
-    if outcome is AdmitOutcome.REJECTED:
-        if view is not None:
-            retry = retry_hint_ms(view, tier, floor_ms)
-        elif detail == RejectReason.TENANT_QUEUED_TOKENS:
-            retry = tenant_drain_hint_ms(retry, floor_ms)
-        elif limit == "held":
-            retry = max(1, floor_ms)
-        return AdmitResult(outcome, zone, depth, reason=RejectReason(detail),
-                           retry_after_ms=None if retry < 0 else retry, view=view,
-                           scope=scope, limit=limit, queued_tokens=queued_tokens)
-    if outcome is AdmitOutcome.DUPLICATE:
-        return AdmitResult(outcome, zone, depth, state=TaskState(detail))
-    return AdmitResult(outcome, zone, depth)

@@ -31,7 +31,8 @@ from redis.exceptions import RedisError
 
 from admission.config import Config, TenantSettings
 from admission.errors import AdmissionError
-from admission.store import AdmitOutcome, AdmitResult, PoolStore, RejectReason
+from admission.outcomes import AdmitOutcome, AdmitResult, RejectReason
+from admission.store import PoolStore
 from admission.tiers import Tier
 from gateway.errors import (
     CAPACITY_EXCEEDED,

@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
 from admission.config import Config
+from admission.outcomes import RejectReason
 from admission.servicemetrics import gc_pause_histogram, lag_histogram, no_created_series
-from admission.store import RejectReason
 from admission.tiers import Tier
 from gateway.errors import KEY_SCOPE
 

@@ -29,7 +29,8 @@ import random
 from collections.abc import Sequence
 
 from admission.errors import RetryPolicy, describe, is_transient
-from admission.store import FinishResult, PoolStore
+from admission.outcomes import FinishResult
+from admission.store import PoolStore
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.gateway")

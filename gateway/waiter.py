@@ -25,8 +25,9 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
+from admission.outcomes import TaskState, parse_wake
 from admission.pubsub import MESSAGE_KINDS, SUBSCRIBE_KINDS, Subscription
-from admission.store import PoolStore, TaskState, parse_wake
+from admission.store import PoolStore
 from admission.tiers import Tier
 from gateway.metrics import GatewayMetrics
 

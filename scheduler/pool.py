@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from admission.config import PoolSettings, SchedulerSettings
+from admission.outcomes import ReleasedTask
 from admission.reads import Held
-from admission.store import PoolStore, ReleasedTask
+from admission.store import PoolStore
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
     NodePlan,

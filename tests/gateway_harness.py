@@ -21,8 +21,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from admission.config import Config, parse_config
+from admission.outcomes import ReleasedTask
 from admission.scripts import register_scripts
-from admission.store import PoolStore, ReleasedTask
+from admission.store import PoolStore
 from admission.tiers import Zone
 from bench.common.instant_backend import InstantBackend
 from gateway.app import create_app

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from admission.hints import drain_hint_ms, tenant_drain_hint_ms
 from admission.keys import abandoned_lease
-from admission.store import QuotaLevel, TaskState
+from admission.outcomes import TaskState
+from admission.store import QuotaLevel
 from tests import quotamodel
 from tests.fairmodel import FairLedger, FairView, heads_of, weight_arg
 from tests.quotamodel import Bucket

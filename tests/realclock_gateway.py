@@ -11,7 +11,8 @@ import contextlib
 import random
 from collections.abc import Awaitable, Callable
 
-from admission.store import AdmitOutcome, FinishResult, PoolStore
+from admission.outcomes import AdmitOutcome, FinishResult
+from admission.store import PoolStore
 from admission.tiers import Tier
 from gateway.metrics import GatewayMetrics
 from gateway.settle import LiveTasks, Settler, renew_leases

@@ -16,15 +16,8 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from admission.keys import PoolKeys
-from admission.store import (
-    AdmitOutcome,
-    AdmitResult,
-    FinishResult,
-    PoolStore,
-    ReapResult,
-    ReleasedTask,
-    TenantQuota,
-)
+from admission.outcomes import AdmitOutcome, AdmitResult, FinishResult, ReapResult, ReleasedTask
+from admission.store import PoolStore, TenantQuota
 from admission.tiers import Tier
 
 MICRO = 1_000_000

@@ -16,8 +16,9 @@ import aiohttp
 from aiohttp import web
 
 from admission.config import Config, parse_config
+from admission.outcomes import AdmitOutcome, AdmitResult
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, AdmitResult, PoolStore, TenantQuota
+from admission.store import PoolStore, TenantQuota
 from admission.tiers import Tier
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import PoolScheduler

@@ -16,17 +16,10 @@ import redis.asyncio as aioredis
 from admission.errors import FencedError
 from admission.keys import PoolKeys, SchedulerKeys
 from admission.leadership import leadership
+from admission.outcomes import AdmitOutcome, RejectReason, TaskState
 from admission.reads import RunningMember, running_member
 from admission.scripts import load_scripts, register_scripts, script_source
-from admission.store import (
-    MAX_USAGE,
-    AdmitOutcome,
-    PoolPolicy,
-    PoolStore,
-    RejectReason,
-    TaskState,
-    TenantQuota,
-)
+from admission.store import MAX_USAGE, PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from tests.conftest import PoolRedis
 

@@ -10,14 +10,9 @@ from redis.crc import key_slot
 
 from admission.keys import PoolKeys, SchedulerKeys
 from admission.leadership import leadership
+from admission.outcomes import AdmitOutcome, ReleasedTask
 from admission.scripts import register_scripts
-from admission.store import (
-    AdmitOutcome,
-    PoolPolicy,
-    PoolStore,
-    ReleasedTask,
-    TenantQuota,
-)
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 
 # These two names hash to slots owned by different primaries of a 3-way split.

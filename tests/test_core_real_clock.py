@@ -28,14 +28,9 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from admission.outcomes import AdmitOutcome, FinishResult, ReapResult
 from admission.scripts import register_scripts
-from admission.store import (
-    AdmitOutcome,
-    FinishResult,
-    PoolPolicy,
-    PoolStore,
-    ReapResult,
-)
+from admission.store import PoolPolicy, PoolStore
 from admission.tiers import Tier, Zone
 from scheduler.service import REAP_BATCH, REAP_CALLS
 from tests.conftest import PoolRedis, delete_prefix

@@ -25,15 +25,9 @@ from hypothesis.stateful import (
 )
 
 from admission.errors import FencedError
+from admission.outcomes import AdmitOutcome, RejectReason
 from admission.scripts import register_scripts
-from admission.store import (
-    AdmitOutcome,
-    PoolPolicy,
-    PoolStore,
-    QuotaLevel,
-    RejectReason,
-    TenantQuota,
-)
+from admission.store import PoolPolicy, PoolStore, QuotaLevel, TenantQuota
 from admission.tiers import Tier, Zone
 from tests.fairmodel import expected_fair, read_fair
 from tests.model import MICRO, Model

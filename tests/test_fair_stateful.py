@@ -32,8 +32,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from admission.outcomes import AdmitOutcome, AdmitResult
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, AdmitResult, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from tests.fairmodel import expected_fair, read_fair
 from tests.model import Model

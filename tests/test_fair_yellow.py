@@ -25,8 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from admission.config import ZoneSettings
+from admission.outcomes import Released
 from admission.scripts import register_scripts
-from admission.store import PoolPolicy, PoolStore, Released, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from scheduler.policy import ReleasePolicy
 from tests.properties import PROPERTIES, examples

@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from admission.store import AdmitOutcome
+from admission.outcomes import AdmitOutcome
 from admission.tiers import Tier, Zone
 from bench.common.localredis import free_port
 from tests.gateway_harness import BIG, Harness, eventually, running_gateway

@@ -11,8 +11,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 
 from admission.config import RedisSettings
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from bench.common.localredis import LocalRedis, free_port, start_replica
 from gateway.redismux import RedisMux, mux_scripts, pack

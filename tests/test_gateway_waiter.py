@@ -6,8 +6,9 @@ import asyncio
 
 import redis.asyncio as aioredis
 
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from gateway.metrics import GatewayMetrics
 from gateway.waiter import WakeHub, wait_for_release

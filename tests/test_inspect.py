@@ -20,8 +20,9 @@ from admission import inspect
 from admission.config import TenantSettings
 from admission.keys import SchedulerKeys
 from admission.leadership import leadership
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from bench.common.localredis import free_port, start_cluster
 

@@ -34,7 +34,7 @@ from prometheus_client import Counter, Gauge, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
 from admission.config import Config, parse_config
-from admission.store import RejectReason
+from admission.outcomes import RejectReason
 from admission.tiers import Tier
 from gateway.app import create_app as gateway_app
 from gateway.metrics import (

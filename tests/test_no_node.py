@@ -14,7 +14,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 
-from admission.store import AdmitOutcome, RejectReason
+from admission.outcomes import AdmitOutcome, RejectReason
 from admission.tiers import Tier, Zone
 from tests.gateway_harness import BIG, Harness, running_gateway
 from tests.scheduler_stub import FakeVllm, admit, always, make_config, pool_scheduler, serve_fake

@@ -23,8 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from admission.config import parse_config
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from bench.common.instant_backend import InstantBackend
 from gateway.app import create_app

@@ -24,8 +24,9 @@ import redis.asyncio as aioredis
 
 from admission import inspect
 from admission.config import ConfigError, parse_config
+from admission.outcomes import AdmitOutcome, RejectReason
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, RejectReason, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from tests.gateway_harness import (
     POOL,

@@ -11,9 +11,10 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from admission import inspect
+from admission.outcomes import AdmitOutcome
 from admission.reads import HELD_REASONS, Held, held_map
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from scheduler.metrics import SchedulerMetrics
 from tests.scheduler_stub import (

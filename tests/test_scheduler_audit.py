@@ -18,7 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from admission.config import Config, parse_config
-from admission.store import AdmitOutcome
+from admission.outcomes import AdmitOutcome
 from admission.tiers import Tier
 from scheduler.app import SERVICE, create_app
 from scheduler.scrape import MetricsError, parse_vllm_metrics

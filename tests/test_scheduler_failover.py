@@ -32,8 +32,9 @@ import aiohttp
 from admission.config import ZoneSettings
 from admission.errors import FencedError
 from admission.keys import SchedulerKeys
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore
+from admission.store import PoolPolicy, PoolStore
 from admission.tiers import Tier
 from bench.common.localredis import free_port
 from tests.scheduler_stub import FakeVllm, admit, reserved, serve_fake

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from admission.store import AdmitOutcome
+from admission.outcomes import AdmitOutcome
 from admission.tiers import Tier, Zone
 from tests.scheduler_stub import (
     FakeVllm,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from admission.errors import FencedError
-from admission.store import AdmitOutcome, TaskState
+from admission.outcomes import AdmitOutcome, TaskState
 from admission.tiers import Tier, Zone
 from scheduler.budget import NodePlan, peak_usage
 from tests.scheduler_stub import (

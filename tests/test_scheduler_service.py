@@ -19,8 +19,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
 
 from admission.keys import SchedulerKeys
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore
+from admission.store import PoolPolicy, PoolStore
 from admission.tiers import Tier
 from bench.common.localredis import LocalRedis, free_port
 from scheduler.app import SERVICE, create_app

@@ -13,8 +13,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore
+from admission.store import PoolPolicy, PoolStore
 from admission.tiers import Tier
 from bench.sim import SimConfig, serve_node
 from scheduler.service import SchedulerService

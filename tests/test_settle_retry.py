@@ -32,8 +32,9 @@ from admission.errors import (
     reply_code,
 )
 from admission.keys import abandoned_lease
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from bench.common.localredis import LocalRedis, free_port
 from gateway.metrics import GatewayMetrics

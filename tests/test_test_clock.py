@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 import admission.scripts as scripts_module
 from admission.keys import PoolKeys
+from admission.outcomes import AdmitOutcome
 from admission.reads import read_tick
 from admission.scripts import (
     SCRIPT_NAMES,
@@ -19,7 +20,7 @@ from admission.scripts import (
     register_scripts,
     script_source,
 )
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,8 +24,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from admission.outcomes import AdmitOutcome
 from admission.scripts import load_scripts, register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier, Zone
 from bench.common.localredis import running_redis
 from bench.common.openloop import sleep_until

@@ -43,8 +43,9 @@ async def measure_queue_memory(redis_url: str, count: int, *, pool: str = "memq"
     import redis.asyncio as aioredis
 
     from admission.config import RedisSettings
+    from admission.outcomes import AdmitOutcome
     from admission.scripts import load_scripts, register_scripts
-    from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+    from admission.store import PoolPolicy, PoolStore, TenantQuota
     from admission.tiers import Tier, Zone
     from gateway.admit import new_task_id
     from gateway.redismux import RedisMux, mux_scripts

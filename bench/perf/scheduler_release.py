@@ -44,8 +44,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
-from admission.store import AdmitOutcome, PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, TenantQuota
 from admission.tiers import Tier
 from bench.common.localredis import LocalRedis, free_port, start_redis
 

@@ -2,15 +2,16 @@
 
 One file describes the whole deployment (Redis, model pools and their backends, tiers,
 tenants); each service reads the sections it needs. Every error names the key that is wrong,
-e.g. ``pools[0].zones.red: must be a number between 0 and 1``. ``REDIS_URL`` in the environment
-overrides ``redis.url``.
+e.g. ``pools[0].zones.red: must be between 0.0 and 1.0, got 1.5``. ``REDIS_URL`` in the
+environment overrides ``redis.url``.
 
 What the settings are, their defaults and their bounds is admission.configschema's (and
-admission.controlconfig's for `[pools.control]`): this module reads each table into its
-dataclass field by field (`_section`), the type from the annotation, the default from the
-field, the bounds from the field's metadata. It holds no default of its own, so a default is
-changed in one place. The settings are re-exported here: services import them from
-admission.config.
+admission.controlconfig's for `[pools.control]`, admission.fairconfig's for `[pools.fairness]`
+and the tenants' fair-share keys, admission.quotaconfig's for `[[teams]]`): this module reads
+each table into its dataclass field by field (`_section`), the type from the annotation, the
+default from the field, the bounds from the field's metadata. It holds no default of its
+own, so a default is changed in one place. The settings are re-exported here: services import
+them from admission.config.
 
 `startup_warnings`: what a gateway warns about at start, for a configuration that is valid but
 still turns requests away. The services' command lines are admission.cli.

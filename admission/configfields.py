@@ -1,12 +1,13 @@
 """How a setting of the TOML configuration is declared: one dataclass field, its one default.
 
-A settings dataclass (admission.configschema, admission.controlconfig) declares each key as a
-field whose annotation is the key's type and whose default is the key's default; `at_least`,
-`between`, `optional_between`, `tcp_port` and `one_of` add the bounds a value must keep. The
-loader (admission.config) reads every field from the file by those declarations alone, so a
-default or a bound is written once, next to the setting it belongs to. Every integer setting
-also has a ceiling its declaration need not repeat (`ceiling_error`), and the checks of values
-that several settings share (URLs, addresses, hashes) are here too.
+A settings dataclass (admission.configschema, admission.controlconfig, admission.fairconfig,
+admission.quotaconfig) declares each key as a field whose annotation is the key's type and
+whose default is the key's default; `at_least`, `between`, `optional_between`, `tcp_port` and
+`one_of` add the bounds a value must keep. The loader (admission.config) reads every field
+from the file by those declarations alone, so a default or a bound is written once, next to
+the setting it belongs to. Every integer setting also has a ceiling its declaration need not
+repeat (`ceiling_error`), and the checks of values that several settings share (URLs,
+addresses, hashes) are here too.
 
 A class may also declare
 

@@ -1,6 +1,7 @@
 """The configuration's schema: every setting with its one default, its bounds and its checks.
 
-Each TOML table is one frozen dataclass below (`[pools.control]` is admission.controlconfig's);
+Each TOML table is one frozen dataclass below (`[pools.control]` is admission.controlconfig's,
+`[pools.fairness]` admission.fairconfig's, `[[teams]]` admission.quotaconfig's);
 admission.config reads a file into them by their fields alone (admission.configfields says
 how a field declares its type, default and bounds), so the defaults written here are the only
 ones. docs/configuration.md lists every key with these defaults; tests/test_config_reference.py

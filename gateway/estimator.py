@@ -514,5 +514,5 @@ def _check_function_tool(tool: dict[str, Any], param: str) -> None:
 def _to_json(value: object, param: str) -> str:
     try:
         return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):  # nested past the interpreter's stack
         raise InvalidRequestError("value is not JSON-serialisable", param=param) from None

@@ -75,6 +75,8 @@ class Inbound:
     usage_ceiling: int = 0
     """The most a node can truthfully report for this request: each prompt at the context
     length, plus T_out. A node's usage is charged up to this and no further (0: no bound)."""
+    payload: bytes = b""
+    """`body` serialised, as the node gets it (written once, before admission: `encode`)."""
 
     @property
     def cost(self) -> int:
@@ -89,6 +91,20 @@ def decode(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", code="invalid_json")
     return body
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """The forwarded body's bytes, or 400 `nesting_too_deep`.
+
+    orjson reads JSON nested 1,024 levels deep but writes at most 254: a body between the two
+    (a deep `response_format` schema, `metadata`, any field passed through) parses, and
+    serialising it for the node would fail after admission, as a 500 that the SDKs retry
+    twice. Serialised here, before admission, such a body is the client's 400."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise bad_request("The request body nests arrays and objects too deeply to be "
+                          "forwarded (at most 254 levels).", code="nesting_too_deep") from None
 
 
 def _int(body: Mapping[str, Any], name: str, *, minimum: int = 1) -> int | None:
@@ -272,4 +288,5 @@ async def parse_inbound(
         reply_model=requested_model if settings.echo_requested_model else None,
         max_tokens_param=param,
         usage_ceiling=len(prompts) * limit + estimate.t_out,
+        payload=encode(body),
     )

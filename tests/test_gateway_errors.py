@@ -123,6 +123,54 @@ async def test_messages_and_tools_the_openai_api_takes_are_forwarded(gw: Harness
         assert gw.backends[0].received[-1].body["stream_options"] == {"include_usage": True}
 
 
+def _nested_list(depth: int) -> bytes:
+    """A JSON array `depth` levels deep, written out (no encoder of ours writes it)."""
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("field", ["metadata", "response_format"])
+async def test_a_body_nested_deeper_than_the_gateway_can_forward_is_400_not_500(
+    gw: Harness, field: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """orjson reads 1,024 levels of nesting but writes 254: a field the gateway passes through
+    untouched, nested in between, parsed, was admitted, and failed as the body was written
+    for the node: a 500 `internal_error` (and a traceback), which the SDKs retry twice. It is
+    the client's 400 now, before admission. Shallower nesting still passes as sent."""
+    caplog.set_level(logging.INFO)
+    head = b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+    status, payload, headers = await _post(gw, head + f'"{field}": '.encode()
+                                           + _nested_list(300) + b"}")
+    assert status == 400, payload
+    error = _openai_shape(payload)
+    assert error["type"] == "invalid_request_error" and error["code"] == "nesting_too_deep"
+    assert "x-request-id" not in headers  # refused before admission: no task
+    assert gw.backends[0].received == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+    status, payload, _ = await _post(gw, head + f'"{field}": '.encode()
+                                     + _nested_list(200) + b"}")
+    assert status == 200, payload
+    assert gw.backends[0].received[-1].body[field] == orjson.loads(_nested_list(200))
+
+
+async def test_tools_nested_past_the_interpreters_stack_are_400_not_500(
+    gw: Harness, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tool's `parameters` nested about 1,000 levels deep (orjson reads up to 1,024) made
+    the count's `json.dumps` raise RecursionError: a 500 the SDKs retry. A 400 now, naming
+    `tools` (or, where the interpreter's stack holds it, refused as too deep to forward)."""
+    caplog.set_level(logging.INFO)
+    body = (b'{"model": "demo", "messages": [{"role": "user", "content": "hi"}], '
+            b'"tools": [{"type": "function", "function": {"name": "f", "parameters": '
+            + _nested_list(1010) + b"}}]}")
+    status, payload, _ = await _post(gw, body)
+    assert status == 400, payload
+    error = _openai_shape(payload)
+    assert error["param"] == "tools" or error["code"] == "nesting_too_deep", error
+    assert gw.backends[0].received == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
 async def test_unknown_role_is_refused_naming_the_allowed_ones(gw: Harness) -> None:
     wizard: list[Any] = [{"role": "wizard", "content": "Cast a spell."}]
     with pytest.raises(openai.BadRequestError) as info:

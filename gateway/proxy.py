@@ -463,9 +463,13 @@ class Upstream:
                             ticket.node, type(exc).__name__)
             tail = relay.flush()
             if broken:
+                # The node broke off inside an event (its tail: an event begun, never ended):
+                # dropped, as it can never be completed. Sent before the error event, it would
+                # run into it and make one event that is not JSON, on which the SDKs raise a
+                # JSON decoding error instead of the API error that follows.
                 error = ApiError(502, "The inference node broke off the stream.",
                                  type_="server_error", code="upstream_broken_stream")
-                tail += b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
+                tail = b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
             if tail:
                 await guard.write(response, tail)
             await end_within(request, response, patience_s)

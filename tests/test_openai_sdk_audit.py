@@ -57,6 +57,38 @@ class ErrorStreamNode:
         return response
 
 
+def _chunk_event(model: str, delta: dict[str, Any]) -> bytes:
+    chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+             "model": model, "choices": [
+                 {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+class DiesInsideAnEventNode:
+    """A vLLM-speaking node whose streams carry a role chunk and `TOKENS`, then begin one
+    more event (`tail`, which no blank line ends) and die: the engine killed, or the network
+    cut, in the middle of a write."""
+
+    def __init__(self, tail: bytes) -> None:
+        self.tail = tail
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for delta in [{"role": "assistant", "content": ""}, *({"content": t} for t in TOKENS)]:
+            await response.write(_chunk_event(body["model"], delta))
+        await response.write(self.tail)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+
 @pytest.fixture
 async def gw(redis_url: str, redis_client: aioredis.Redis) -> AsyncIterator[Harness]:
     async with running_gateway(redis_url) as harness:
@@ -102,6 +134,36 @@ async def test_a_nodes_error_event_mid_stream_is_raised_by_the_sdk_in_openai_sha
             assert int(record["usage"]) == prompt + len(TOKENS)
             assert await gw.bucket("vip") == 1_000_000 - (prompt + len(TOKENS))
             assert await gw.redis.hget(gw.store.keys.node_reserved, "node-0") is None
+
+
+@pytest.mark.parametrize("tail", [
+    b'data: {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choi',
+    _chunk_event("demo", {"content": " c"}).removesuffix(b"\n"),
+], ids=["inside-the-json", "before-the-blank-line"])
+async def test_a_node_that_dies_inside_an_event_ends_the_stream_with_an_error_the_sdk_raises(
+    redis_url: str, redis_client: aioredis.Redis, tail: bytes,
+) -> None:
+    """The event the node had begun was sent on ahead of the gateway's error event and ran
+    into it: one event whose data was not JSON (`{"id": ... "choidata: {"error": ...}`, or a
+    chunk and the error on two data lines), and the SDK raised json.JSONDecodeError, no
+    openai.APIError. The unfinished event is dropped now: the tokens before it, then the
+    error the SDK raises."""
+    async with serve_app(DiesInsideAnEventNode(tail).app()) as node_url:
+        def adjust(data: dict[str, Any]) -> None:
+            data["pools"][0]["backends"] = [{"name": "node-0", "url": node_url}]
+
+        async with running_gateway(redis_url, adjust=adjust) as gw:
+            await gw.publish(Zone.GREEN, BIG)
+            stream = await gw.openai("vip").chat.completions.create(
+                model="demo", messages=MESSAGES, max_tokens=50, stream=True)
+            text: list[str] = []
+            with pytest.raises(openai.APIError) as info:
+                async for chunk in stream:
+                    text.extend(c.delta.content or "" for c in chunk.choices)
+            assert "".join(text) == "".join(TOKENS)
+            assert info.value.message == "The inference node broke off the stream."
+            assert (info.value.code, info.value.type) == ("upstream_broken_stream",
+                                                          "server_error")
 
 
 async def test_a_client_that_leaves_before_a_whole_answer_began_is_charged_its_prompt(

@@ -69,7 +69,7 @@ class ControlSettings:
     scheduler/control.py)."""
     lane_output: int = at_least(0, 0)
     """A lane takes a Normal or Batch task only if the output it declares (its `max_tokens`,
-    or the pool's `default_max_tokens` when it sends none) is at most this many tokens (0, the
+    or the default the gateway writes when it sends none) is at most this many tokens (0, the
     default: any). A long generation holds the lane's batch for minutes, so a lane whose cap
     closes in a flood would stay long until those already there end."""
     lane_on_miss: bool = False

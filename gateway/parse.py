@@ -52,6 +52,10 @@ MIN_TURN_TOKENS = 2
 that open and close its turn in the chat template."""
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's code for a prompt (or prompt + max_tokens) over the model's context."""
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+"""`max_tokens` of a /v1/completions request that gives none, in the OpenAI API and in vLLM: the
+gateway keeps it (or the pool's `default_max_tokens`, if lower), so that a completion through
+the gateway is as long as without it and reserves no more."""
 
 
 @dataclass(slots=True)
@@ -254,9 +258,9 @@ async def parse_inbound(
             param=param,
             code=CONTEXT_LENGTH_EXCEEDED,
         )
-    per_sequence = requested if requested is not None else min(
-        settings.default_max_tokens, limit - longest
-    )
+    default = settings.default_max_tokens if kind == "chat" else min(
+        COMPLETION_DEFAULT_MAX_TOKENS, settings.default_max_tokens)
+    per_sequence = requested if requested is not None else min(default, limit - longest)
     estimate = estimate_cost(
         sum(prompts),
         per_sequence,

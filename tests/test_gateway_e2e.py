@@ -82,6 +82,18 @@ async def test_default_max_tokens_is_written_into_the_forwarded_body(gw: Harness
     assert int(record["cost"]) == completion.usage.prompt_tokens + 64
 
 
+async def test_a_completion_without_max_tokens_keeps_the_apis_default_of_16(gw: Harness) -> None:
+    # The OpenAI API and vLLM stop a /v1/completions request that names no max_tokens at 16
+    # tokens; the pool's default (64 here) is for chats, which have no such default.
+    raw = await gw.openai("vip").completions.with_raw_response.create(model="demo", prompt="hi")
+    completion = raw.parse()
+    assert completion.usage is not None and completion.usage.completion_tokens == 16
+    assert gw.backends[0].received[-1].body["max_tokens"] == 16
+    await gw.settled()
+    record = await gw.task(raw.headers["x-request-id"])
+    assert int(record["cost"]) == completion.usage.prompt_tokens + 16
+
+
 async def test_chat_stream_strips_the_usage_chunk_the_client_did_not_ask_for(gw: Harness) -> None:
     raw = await gw.openai("vip").chat.completions.with_raw_response.create(
         model="demo", messages=MESSAGES, max_tokens=7, stream=True)

@@ -142,16 +142,19 @@ _SCHEMAS: dict[str, Any] = {
         "additionalProperties": True,
     },
     "Tool": {
-        "type": "object",
-        "required": ["function"],
         "description": "A function tool (type function, the default), the kind vLLM serves; "
                        "a tool of another type (OpenAI's custom tools, without function) is "
                        "passed to the node as sent.",
-        "properties": {
-            "type": {"type": "string"},
-            "function": {"type": "object", "required": ["name"],
-                         "properties": {"name": {"type": "string"}}},
-        },
+        "anyOf": [
+            {"type": "object", "required": ["function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"],
+                             "properties": {"name": {"type": "string"}}},
+            }},
+            {"type": "object", "required": ["type"], "properties": {
+                "type": {"type": "string", "not": {"enum": ["function"]}},
+            }},
+        ],
     },
     "CompletionRequest": {
         "type": "object",

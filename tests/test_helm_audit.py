@@ -136,6 +136,12 @@ HPA_ON: dict[str, Any] = {"enabled": True, "minReplicas": 3, "maxReplicas": 6}
      "scheduler.podDisruptionBudget: set exactly one of"),
     (pdb("gateway", minAvailable=2), "allows no pod to be evicted with gateway.replicas=2"),
     (pdb("gateway", minAvailable="100%"), "allows no pod to be evicted"),
+    # A percentage is rounded up: 50% of 1 pod keeps that pod, 51% of 2 keeps both.
+    ({"gateway": {"replicas": 1, **pdb("gateway", minAvailable="50%")["gateway"]}},
+     "allows no pod to be evicted with gateway.replicas=1"),
+    (pdb("scheduler", minAvailable="51%"), "allows no pod to be evicted with scheduler.replicas=2"),
+    ({"gateway": {"autoscaling": HPA_ON, **pdb("gateway", minAvailable="67%")["gateway"]}},
+     "with gateway.autoscaling.minReplicas=3"),
     (pdb("gateway", maxUnavailable=0), "allows no pod to be evicted"),
     (pdb("scheduler", minAvailable=2), "allows no pod to be evicted with scheduler.replicas=2"),
     ({"gateway": {"autoscaling": HPA_ON, **pdb("gateway", minAvailable=3)["gateway"]}},
@@ -162,6 +168,8 @@ def test_a_ca_for_redis_without_tls_is_refused_not_ignored() -> None:
 
 @pytest.mark.parametrize("values", [
     pdb("gateway", minAvailable="50%"),
+    pdb("scheduler", minAvailable="50%"),
+    {"gateway": {"autoscaling": HPA_ON, **pdb("gateway", minAvailable="66%")["gateway"]}},
     pdb("gateway", maxUnavailable="25%"),
     pdb("scheduler", minAvailable=1),
     {"gateway": {"replicas": 1}, "scheduler": {"replicas": 1}},

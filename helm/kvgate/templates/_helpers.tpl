@@ -122,6 +122,8 @@ value to change (the schema checks each value alone; these need two).
 {{/*
 A PodDisruptionBudget needs exactly one of its two fields, and one that allows no eviction at
 all (minAvailable up to the replica count, maxUnavailable 0) makes every node drain hang.
+Kubernetes rounds a percentage of the pods up, for minAvailable as for maxUnavailable: a
+minAvailable of "50%" keeps 1 of 1 replica, "60%" 2 of 2.
 */}}
 {{- define "kvgate.validatePdb" -}}
 {{- $v := index .root.Values .component }}
@@ -142,7 +144,8 @@ all (minAvailable up to the replica count, maxUnavailable 0) makes every node dr
 {{- $noEviction := false }}
 {{- if not (kindIs "invalid" $min) }}
 {{- if kindIs "string" $min }}
-{{- $noEviction = eq (int (trimSuffix "%" $min)) 100 }}
+{{- $kept := div (add (mul (int (trimSuffix "%" $min)) $count) 99) 100 }}
+{{- $noEviction = ge $kept $count }}
 {{- else }}
 {{- $noEviction = ge (int $min) $count }}
 {{- end }}

@@ -512,11 +512,33 @@ def test_schema_rejects_bad_values(case: str) -> None:
     ({"redis": {"auth": {"enabled": False}}}, "bundled Redis always requires a password"),
     ({"grafanaDashboard": {"enabled": True, "labelKey": "app.kubernetes.io/component"}},
      "is one of the chart's own labels"),
+    # Prometheus refuses a scrape timeout above the interval: the operator skips the monitor.
+    ({"serviceMonitor": {"enabled": True, "interval": "5s"}},
+     "serviceMonitor.scrapeTimeout (10s) is longer than serviceMonitor.interval (5s)"),
+    ({"serviceMonitor": {"enabled": True, "interval": "1m", "scrapeTimeout": "61s"}},
+     "is longer than serviceMonitor.interval (1m)"),
+    ({"serviceMonitor": {"enabled": True, "interval": "1s", "scrapeTimeout": "1001ms"}},
+     "is longer than serviceMonitor.interval (1s)"),
 ])
 def test_combinations_that_cannot_work_fail_with_a_message(values: dict[str, Any],
                                                            message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
         render(values)
+
+
+@pytest.mark.parametrize(("interval", "timeout"), [
+    ("15s", "10s"), ("1m", "60s"), ("1s", "900ms"), ("1h", "05m"), ("5s", "5s"),
+])
+def test_service_monitor_timeouts_up_to_the_interval_render(interval: str, timeout: str) -> None:
+    docs = render({"serviceMonitor": {"enabled": True, "interval": interval,
+                                      "scrapeTimeout": timeout}})
+    monitors = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 2
+    for sm in monitors:
+        check_service_monitor(sm)
+        assert sm["spec"]["endpoints"][0]["scrapeTimeout"] == timeout
+    # A timeout the interval cannot hold is refused only when ServiceMonitors are rendered.
+    render({"serviceMonitor": {"enabled": False, "interval": "5s", "scrapeTimeout": "10s"}})
 
 
 def test_external_redis_without_auth_and_username_urls() -> None:

@@ -117,6 +117,21 @@ value to change (the schema checks each value alone; these need two).
 {{- range $component := list "gateway" "scheduler" }}
 {{- include "kvgate.validatePdb" (dict "root" $ "component" $component) }}
 {{- end }}
+{{- $sm := .Values.serviceMonitor }}
+{{- if $sm.enabled }}
+{{- /* Prometheus refuses a scrape timeout above the interval; the Prometheus Operator skips
+       such a ServiceMonitor (an event and a log line), and nothing is scraped. */}}
+{{- if gt (int64 (include "kvgate.durationMs" $sm.scrapeTimeout)) (int64 (include "kvgate.durationMs" $sm.interval)) }}
+{{- fail (printf "serviceMonitor.scrapeTimeout (%s) is longer than serviceMonitor.interval (%s): the Prometheus Operator rejects such a ServiceMonitor and nothing is scraped; set scrapeTimeout to at most the interval" $sm.scrapeTimeout $sm.interval) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Milliseconds in a duration of one unit, as the schema allows them: 500ms, 15s, 1m, 1h. */}}
+{{- define "kvgate.durationMs" -}}
+{{- $digits := regexReplaceAll "^0+([0-9])" (regexFind "^[0-9]+" .) "${1}" }}
+{{- $unit := regexReplaceAll "^[0-9]+" . "" }}
+{{- mul (int64 $digits) (get (dict "ms" 1 "s" 1000 "m" 60000 "h" 3600000) $unit) }}
 {{- end }}
 
 {{/*

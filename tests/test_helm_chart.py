@@ -283,6 +283,24 @@ def test_defaults_have_no_hpa_or_servicemonitor_and_bundle_a_noeviction_redis() 
         f"{svc['spec']['ports'][0]['port']}/0")
 
 
+def test_a_long_release_name_still_gets_a_bundled_redis_pod() -> None:
+    """A StatefulSet's pods carry the label controller-revision-hash, its name and an 11
+    character suffix: named over 52 characters it never gets a pod (a label value is at most
+    63). The gateways must still find the Redis Service by its name."""
+    docs = render({"fullnameOverride": "x" * 60})
+    sts = one(docs, "StatefulSet", "-redis")
+    svc = one(docs, "Service", "-redis")
+    assert len(sts["metadata"]["name"]) <= 52
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    for d in docs:
+        assert len(d["metadata"]["name"]) <= 63, d["metadata"]["name"]
+    gw = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert env_of(gw)["REDIS_URL"]["value"].endswith(
+        f"@{svc['metadata']['name']}:{svc['spec']['ports'][0]['port']}/0")
+    # Names that fit keep their form: <fullname>-redis.
+    assert one(render(), "StatefulSet", "-redis")["metadata"]["name"] == f"{RELEASE}-kvgate-redis"
+
+
 # --- secrets stay in Secrets ------------------------------------------------------------
 
 

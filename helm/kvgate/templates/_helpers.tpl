@@ -63,8 +63,13 @@ app.kubernetes.io/part-of: kvgate
 
 {{/* ---------------------------------------------------------------- Redis */}}
 
+{{/*
+The bundled Redis' Service and StatefulSet: at most 52 characters. A StatefulSet's pods carry
+the label controller-revision-hash = its name + "-" + a hash of up to 10 characters, and a
+label value over 63 characters makes every pod creation fail (kubernetes/kubernetes#64023).
+*/}}
 {{- define "kvgate.redis.host" -}}
-{{- printf "%s-redis" (include "kvgate.fullname" .) }}
+{{- printf "%s-redis" (include "kvgate.fullname" . | trunc 46 | trimSuffix "-") }}
 {{- end }}
 
 {{/*

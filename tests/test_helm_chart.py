@@ -497,6 +497,17 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         {"name": "a", "tier": "gold", "key_sha256": []}]}}, "/tenants/items/0/tier"),
     "pool name with braces": ({"config": {"pools": [
         {"name": "a{b}", "backends": []}]}}, "/config/pools/0/name"),
+    # Team names are checked like tenant names by the services, which refuse to start.
+    "team name with a space": ({"config": {"teams": [{"name": "ML Research"}]}},
+                               "/config/teams/0/name"),
+    "team parent with a colon": ({"config": {"teams": [{"name": "ml", "parent": "org:ai"}]}},
+                                 "/config/teams/0/parent"),
+    "tenant's team with a slash": ({"tenants": {"items": [
+        {"name": "a", "tier": "vip", "key_sha256": [], "team": "ai/ml"}]}},
+        "/tenants/items/0/team"),
+    "dedicated node with a space": ({"config": {"pools": [
+        {"name": "p", "backends": [], "dedicated": {"nodes": ["gpu 0"]}}]}},
+        "/config/pools/0/dedicated/nodes/0"),
     "external without url": ({"redis": {"mode": "external"}}, "/redis/external/url"),
     "port as text": ({"gateway": {"port": "8000"}}, "/gateway/port"),
     "unsafe password": ({"redis": {"auth": {"password": "a@b/c"}}}, "/redis/auth/password"),

@@ -539,6 +539,7 @@ def test_schema_rejects_bad_values(case: str) -> None:
      "redis.auth: set existingSecret"),
     ({"tenants": {"existingSecret": "t", "items": TENANTS}}, "not both"),
     ({"redis": {"auth": {"enabled": False}}}, "bundled Redis always requires a password"),
+    ({"redis": {"auth": {"username": "kvgate"}}}, "the bundled Redis has only the default user"),
     ({"grafanaDashboard": {"enabled": True, "labelKey": "app.kubernetes.io/component"}},
      "is one of the chart's own labels"),
     # Prometheus refuses a scrape timeout above the interval: the operator skips the monitor.

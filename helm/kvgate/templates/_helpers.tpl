@@ -101,6 +101,9 @@ value to change (the schema checks each value alone; these need two).
 {{- if not $r.auth.enabled }}
 {{- fail "the bundled Redis always requires a password: keep redis.auth.enabled=true" }}
 {{- end }}
+{{- if $r.auth.username }}
+{{- fail "redis.auth.username is an ACL user of an external Redis; the bundled Redis has only the default user, so AUTH with that name would fail: leave username empty" }}
+{{- end }}
 {{- end }}
 {{- if and .Values.tenants.existingSecret .Values.tenants.items }}
 {{- fail "tenants: use either tenants.items or tenants.existingSecret, not both" }}

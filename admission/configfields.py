@@ -176,23 +176,38 @@ def backend_url_error(url: str) -> str | None:
     return _port_error(url)
 
 
+def _without_credentials(url: str) -> str:
+    """`url` as an error message may show it: its user name and password replaced by ***."""
+    scheme, sep, rest = url.partition("://")
+    _, at, address = rest.rpartition("@")
+    return f"{scheme}{sep}***@{address}" if at else url
+
+
 def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
     """Why `url` cannot be a Redis URL (the text after the key), or None. `needs_host`:
     False when the host is found elsewhere (Sentinel), so the URL may leave it out.
 
     What the Redis client would otherwise do silently is refused: a database that is not a
-    number (read as database 0), a URL without a host (read as localhost)."""
+    number (read as database 0), a URL without a host (read as localhost). The message never
+    shows the URL's password: the services print it, and their output ends up in logs."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         return "must start with redis://, rediss:// or unix://"
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
+    shown = repr(_without_credentials(url))
     if url.startswith("unix://"):
         if not parts.path:
-            return f"{url!r} names no socket path (expected unix:///path/to/redis.sock)"
+            return f"{shown} names no socket path (expected unix:///path/to/redis.sock)"
         db = query.get("db", "0")
     else:
+        if "@" in url.partition("://")[2] and "@" not in parts.netloc:
+            # A '/', '?' or '#' in the password ends the address before the '@': the rest
+            # would be read as host, path or database, and shown in the messages below.
+            return ("its user name or password holds a '/', '?' or '#', which ends the address "
+                    "there: percent-encode those characters, or use a password of URL-safe "
+                    "characters (A-Z a-z 0-9 . _ ~ -)")
         if needs_host and not parts.hostname:
-            return f"{url!r} names no host (expected redis://HOST:PORT/DB)"
+            return f"{shown} names no host (expected redis://HOST:PORT/DB)"
         problem = _port_error(url)
         if problem is not None:
             return problem

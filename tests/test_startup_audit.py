@@ -71,6 +71,27 @@ def test_good_redis_urls_pass() -> None:
         assert parse_config(with_("redis.url", url), env={}).redis.url == url
 
 
+@pytest.mark.parametrize("password", ["s3cr3t/XYZ", "s3cr3t#XYZ", "s3cr3t?XYZ"])
+def test_a_password_that_breaks_the_redis_url_is_refused_without_showing_it(
+    password: str,
+) -> None:
+    """The Helm chart puts a Secret's password into REDIS_URL as is; one made with `openssl
+    rand -base64` often holds a '/', which ends the address there. The start-up error the
+    pods log must say so without the password (nor the half read as host or database)."""
+    url = f"redis://:{password}@redis.internal:6379/0"
+    sentinel = with_("redis", {"url": f"redis://:{password}@/0", "sentinel_master": "kv",
+                               "sentinels": ["sentinel-0:26379"]})
+    for data, env in ((with_("redis.url", url), {}), (BASE, {"REDIS_URL": url}),
+                      (sentinel, {})):
+        message = refused(data, env)
+        assert "percent-encode" in message
+        assert "s3cr3t" not in message and "XYZ" not in message
+    # A URL without a host shows no password either; an '@' in a password is read right.
+    assert "s3cr3t" not in refused(with_("redis.url", "redis://:s3cr3t@/0"))
+    url = "redis://:s3cr3t@XYZ@redis.internal:6379/0"
+    assert parse_config(with_("redis.url", url), env={}).redis.url == url
+
+
 def test_a_malformed_redis_url_variable_is_named_not_the_files_key() -> None:
     message = refused(BASE, env={"REDIS_URL": "redis://h:6379/x"})
     assert message.startswith("REDIS_URL (which overrides redis.url): database 'x'")

@@ -114,6 +114,22 @@ def check_service_monitor(doc: dict[str, Any]) -> None:
             assert re.fullmatch(r"[0-9]+(ms|s|m|h)", endpoint[key])
 
 
+def check_prometheus_rule(doc: dict[str, Any]) -> None:
+    """The fields of monitoring.coreos.com/v1 PrometheusRule: groups of named rules, each an
+    alert or a recording with an expression (the operator's CRD allows no others)."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    assert doc["metadata"]["name"] and doc["metadata"]["namespace"]
+    assert set(doc["spec"]) == {"groups"}
+    for group in doc["spec"]["groups"]:
+        assert set(group) <= {"name", "interval", "rules", "partial_response_strategy",
+                              "limit", "query_offset", "labels"}
+        for rule in group["rules"]:
+            assert set(rule) <= {"alert", "record", "expr", "for", "keep_firing_for",
+                                 "labels", "annotations"}
+            assert ("alert" in rule) != ("record" in rule) and rule["expr"]
+            assert all(isinstance(v, str) for v in rule.get("annotations", {}).values())
+
+
 def configmap(docs: list[dict[str, Any]]) -> str:
     text: str = one(docs, "ConfigMap", "-config")["data"]["config.toml"]
     return text
@@ -139,6 +155,9 @@ def test_every_manifest_validates_against_kubernetes_schemas(variant: str) -> No
         assert doc["metadata"]["namespace"] == NAMESPACE
         if doc["kind"] == "ServiceMonitor":  # a CRD: no schema in kubernetes-validate
             check_service_monitor(doc)
+            continue
+        if doc["kind"] == "PrometheusRule":  # likewise
+            check_prometheus_rule(doc)
             continue
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -595,6 +614,44 @@ def test_redis_behind_sentinel() -> None:
     redis = cfg.parse_config(_toml(configmap(docs)), env={}).redis
     assert redis.sentinel_master == "kvgate"
     assert redis.sentinel_addresses() == [("sentinel-0", 26379), ("fd00::1", 26379)]
+
+
+# --- the alerting rules ----------------------------------------------------------------
+
+ALERT_RULES = CHART.parent.parent / "deploy" / "prometheus" / "kvgate-alerts.yaml"
+
+
+def test_no_prometheus_rule_by_default() -> None:
+    assert [d for d in render() if d["kind"] == "PrometheusRule"] == []
+
+
+@pytest.mark.parametrize("base", ["", "https://git.example.com/kvgate/-/blob/main/"])
+def test_prometheus_rule_holds_the_alerting_rules(base: str) -> None:
+    """The PrometheusRule is the rule file as it is (tests/test_alerts.py tests the rules),
+    its runbook links prefixed with runbookBaseUrl."""
+    values = {"prometheusRule": {"enabled": True, "labels": {"release": "prometheus"},
+                                 "runbookBaseUrl": base}}
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+    docs = render(values)
+    (doc,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    check_prometheus_rule(doc)
+    assert doc["metadata"]["namespace"] == NAMESPACE
+    assert doc["metadata"]["labels"]["release"] == "prometheus"
+    assert doc["metadata"]["labels"]["app.kubernetes.io/component"] == "alerts"
+    groups = yaml.safe_load(ALERT_RULES.read_text(encoding="utf-8"))["groups"]
+    links = 0
+    for group in groups:
+        for rule in group["rules"]:
+            rule["annotations"]["runbook_url"] = base + rule["annotations"]["runbook_url"]
+            links += 1
+    assert links >= 10 and doc["spec"] == {"groups": groups}
+
+
+def test_the_production_example_installs_the_alerts() -> None:
+    (doc,) = [d for d in render(production_values()) if d["kind"] == "PrometheusRule"]
+    assert doc["metadata"]["labels"]["release"] == "prometheus"
 
 
 # --- the Grafana dashboard ConfigMap ---------------------------------------------------

@@ -10,9 +10,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool, parse_url
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.exceptions import RedisError
 
 from admission.config import RedisSettings
+from admission.errors import REDIS_ERRORS
 
 PrimaryLocator = Callable[[], Awaitable[tuple[str, int]]]
 
@@ -141,7 +141,7 @@ async def eviction_warning(client: Any) -> str | None:
     services often forbid CONFIG; then nothing can be said and nothing is."""
     try:
         reply = await client.config_get("maxmemory-policy")
-    except (RedisError, OSError, TimeoutError):
+    except REDIS_ERRORS:  # a Redis Cluster none of whose nodes answers included
         return None
     if isinstance(reply, dict):
         policy = next(iter(reply.values()), None)

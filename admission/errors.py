@@ -55,7 +55,41 @@ _CREDENTIAL_ERRORS: tuple[type[BaseException], ...] = tuple(
     cls for cls in (rexc.AuthenticationError, getattr(rexc, "AuthorizationError", None),
                     ssl.SSLCertVerificationError)
     if isinstance(cls, type))
-"""Connection errors that a retry cannot get past (older redis-py has no AuthorizationError)."""
+"""Connection errors that a retry cannot get past (older redis-py has no AuthorizationError).
+Found anywhere in the chain of causes: redis-py and the gateway's multiplexed connection raise
+a failed TLS handshake as a ConnectionError *from* the SSLCertVerificationError, and redis-py's
+cluster client raises rejected credentials as a RedisClusterException from them."""
+
+REDIS_ERRORS: tuple[type[BaseException], ...] = (
+    rexc.RedisError, rexc.RedisClusterException, OSError)
+"""Everything a Redis call raises because of Redis rather than of its caller: what a service
+catches around one, counts and logs as a Redis failure (and `is_transient` then sorts).
+`RedisClusterException` is no RedisError: redis-py's cluster client raises a cluster that none
+of its nodes answer (RedisClusterUnreachableError), a slot no node serves (SlotNotCoveredError)
+and a seed that is not in cluster mode through it. Caught as RedisError alone, a cluster outage
+crashed the scheduler's loops and answered clients 500 (OSError covers builtins' TimeoutError,
+which is asyncio's)."""
+
+_MAX_CAUSES = 8
+"""How far `is_transient` follows the chain of causes (a chain is short; a cycle is not
+followed forever)."""
+
+
+def _cause_of(exc: BaseException) -> BaseException | None:
+    """What `exc` was raised from, or while handling (older redis-py wraps a socket's error
+    without `from`), as a traceback shows it."""
+    return exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc`, then its causes (`_cause_of`), at most `_MAX_CAUSES` in all."""
+    chain = [exc]
+    while len(chain) < _MAX_CAUSES:
+        cause = _cause_of(chain[-1])
+        if cause is None or any(cause is seen for seen in chain):
+            break
+        chain.append(cause)
+    return chain
 
 
 def reply_code(exc: BaseException) -> str | None:
@@ -81,7 +115,9 @@ def is_transient(exc: BaseException) -> bool:
     busy, loading, failover, cluster reconfiguration). False for everything that fails the same
     way every time until an operator acts: bad credentials or ACL, a key of the wrong type, a
     script error, a reply this version does not understand, a bug."""
-    if isinstance(exc, _CREDENTIAL_ERRORS):
+    if any(isinstance(e, _CREDENTIAL_ERRORS) for e in _causes(exc)):
+        # A certificate that does not verify, or credentials Redis refuses, however wrapped:
+        # only an operator changes that (a retry would only hide it behind a deadline).
         return False
     if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError, rexc.InvalidResponse,
                         rexc.ClusterError, rexc.SlotNotCoveredError, OSError)):
@@ -93,6 +129,19 @@ def is_transient(exc: BaseException) -> bool:
         return True  # MovedError is an AskError
     if isinstance(exc, rexc.ResponseError):
         return reply_code(exc) in TRANSIENT_REPLY_CODES
+    if isinstance(exc, rexc.RedisClusterException):
+        # No RedisError (`REDIS_ERRORS`): redis-py's cluster client raises a cluster none of
+        # whose nodes answers as RedisClusterUnreachableError (newer redis-py; older: a plain
+        # RedisClusterException), each from the connection error or timeout that ended the
+        # attempt. That passes when the cluster is back; one without such a cause (a key
+        # spanning slots, a seed not in cluster mode) fails the same way every time.
+        unreachable = getattr(rexc, "RedisClusterUnreachableError", None)
+        for link in _causes(exc):
+            if isinstance(link, rexc.SlotNotCoveredError) or (
+                    isinstance(unreachable, type) and isinstance(link, unreachable)):
+                return True
+            if not isinstance(link, rexc.RedisClusterException):
+                return is_transient(link)  # no cluster exception: no recursion past this one
     return False
 
 

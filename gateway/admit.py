@@ -27,10 +27,8 @@ import os
 import random
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
-
 from admission.config import Config, TenantSettings
-from admission.errors import AdmissionError
+from admission.errors import REDIS_ERRORS, AdmissionError
 from admission.outcomes import AdmitOutcome, AdmitResult, RejectReason
 from admission.store import PoolStore
 from admission.tiers import Tier
@@ -84,7 +82,11 @@ def new_task_id() -> str:
     (about 1 in 10^9 with 100,000 queued) is caught by the admit script as 'duplicate'."""
     return _random_block.take8().hex()
 
-STORE_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError, AdmissionError)
+STORE_ERRORS: tuple[type[BaseException], ...] = (*REDIS_ERRORS, TimeoutError, AdmissionError)
+"""What a call of the store raises when Redis fails: the request fails closed (503) or open.
+With Redis Cluster that includes RedisClusterException, which is no RedisError: without it an
+unreachable cluster was a 500 with a traceback per request, fail-open tiers included, and a
+gateway could not start while the cluster was down."""
 
 QUEUE_ANSWER_GRACE_S = 0.2
 """After a queued request's deadline: how long its cancel and the drain hint of its 429 may

@@ -21,8 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError
-
+from admission.errors import REDIS_ERRORS
 from admission.leadership import leadership
 from admission.pubsub import MESSAGE_KINDS, announce_handover, handover_subscription
 from admission.scripts import Scripts
@@ -81,7 +80,7 @@ class Elector:
         sent = self.clock()
         try:
             result = await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000))
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:  # a Redis Cluster none of whose nodes answers included
             self._failed(exc)
             # Keep trying often: the lease may still be ours for a while.
             return self.ttl_s / 10
@@ -129,7 +128,7 @@ class Elector:
         self.step_down("resigning")
         if was is None:
             return
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_ERRORS):
             await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000),
                              resign=True)
             await announce_handover(self.client, self.me)
@@ -158,12 +157,12 @@ class Elector:
                     message = await subscription.get(1.0)
                     if message is not None and message[0] in MESSAGE_KINDS and self.epoch is None:
                         self._wake.set()
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 log.debug("handover listener: %s", exc)
                 await asyncio.sleep(self.ttl_s / 3)
             except Exception as exc:  # never end silently: only the timed retry would be left
                 log.warning("handover listener failed: %r", exc)
                 await asyncio.sleep(self.ttl_s / 3)
             finally:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_ERRORS):
                     await subscription.aclose()

@@ -20,11 +20,10 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-from redis.exceptions import RedisError
 
 from admission.config import Config
 from admission.connection import connect, eviction_warning, redis_address
-from admission.errors import FencedError
+from admission.errors import REDIS_ERRORS, FencedError
 from admission.scripts import Scripts, register_scripts
 from admission.servicemetrics import probe as probe_loop_lag
 from admission.servicemetrics import watch_gc
@@ -241,7 +240,9 @@ class SchedulerService:
         except FencedError as exc:
             self.metrics.fenced.labels(pool.name).inc()
             elector.step_down(str(exc))
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
+            # REDIS_ERRORS, not RedisError alone: an unreachable Redis Cluster raises a
+            # RedisClusterException, which ended this loop (and the replica's work with it).
             self._redis_failed(pool.name, "tick", exc)
         else:
             self._failure_log(pool.name, "tick").succeeded()
@@ -276,7 +277,7 @@ class SchedulerService:
                     continue
                 try:
                     await self.reap(pool)
-                except (RedisError, OSError) as exc:
+                except REDIS_ERRORS as exc:
                     self._redis_failed(pool.name, "reap", exc)
                 else:
                     self._failure_log(pool.name, "reap").succeeded()
@@ -292,7 +293,7 @@ class SchedulerService:
                 failures = self._failure_log(pool.name, "fairness read")
                 try:
                     reading = await pool.store.read_fairness(teams)
-                except (RedisError, OSError) as exc:
+                except REDIS_ERRORS as exc:
                     self.metrics.redis_errors.labels(pool.name).inc()
                     failures.failed(exc)
                     continue

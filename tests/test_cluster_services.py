@@ -27,7 +27,7 @@ from admission.config import Config, parse_config
 from admission.keys import PoolKeys, SchedulerKeys
 from admission.tiers import Tier
 from bench.common.instant_backend import InstantBackend
-from bench.common.localredis import LocalCluster
+from bench.common.localredis import LocalCluster, start_cluster
 from gateway.app import create_app as create_gateway
 from gateway.state import GATEWAY
 from gateway.state import Gateway as GatewayRuntime
@@ -338,3 +338,49 @@ async def test_a_resigning_leader_hands_over_on_the_cluster(
             await queue_and_release(s, client)  # the new leader releases and wakes
         finally:
             await standby.close()
+
+
+async def test_a_cluster_that_goes_down_is_an_outage_for_both_services() -> None:
+    """Every node of the cluster stops under a running stack. redis-py's cluster client then
+    raises RedisClusterUnreachableError, a RedisClusterException and no RedisError: the
+    scheduler's tick and leadership loops must count it and go on (caught as RedisError alone
+    it ended them: only a restart brought the replica back), and the gateway must answer
+    503 `admission_unavailable`, not 500 `internal_error`. A private cluster: the module's
+    own serves the other tests."""
+    private = start_cluster(3)
+    stopped = False
+    redis = RedisCluster.from_url(private.url)
+    try:
+        await redis.initialize()
+        async with running_stack(private, redis) as s:
+            assert s.scheduler.leading
+            private.stop()
+            stopped = True
+            elector = s.scheduler.elector
+            assert elector is not None
+
+            async def failing() -> bool:
+                return elector.failures >= 5 and all(
+                    p in s.scheduler._redis_failed_at for p in POOLS)
+
+            await until(failing, within_s=15)
+            sdk = s.sdk("normal")
+            for _ in range(3):
+                with pytest.raises(openai.InternalServerError) as info:
+                    await sdk.chat.completions.create(
+                        model=POOLS[0], messages=[{"role": "user", "content": "hello"}])
+                assert info.value.status_code == 503
+                assert info.value.response.json()["error"]["code"] == "admission_unavailable"
+            failures = elector.failures
+            await asyncio.sleep(1.0)  # more ticks, reaps and leadership calls fail meanwhile
+            assert elector.failures > failures
+            assert s.scheduler.ended_loops == []
+            async with aiohttp.ClientSession() as http:
+                async with http.get(s.scheduler_server.make_url("/healthz")) as health:
+                    assert health.status == 200, await health.text()
+                async with http.get(s.gateway_server.make_url("/readyz")) as ready:
+                    assert ready.status == 503
+    finally:
+        await redis.aclose()
+        if not stopped:
+            private.stop()

@@ -352,6 +352,38 @@ async def test_redis_unreachable_fails_closed_except_fail_open_tiers(
                 assert response.status == 200
 
 
+async def test_an_unreachable_redis_cluster_fails_closed_too_not_500() -> None:
+    """redis-py's cluster client raises a cluster none of whose nodes answers as a
+    RedisClusterException, which is no RedisError: the gateway must still start, answer 503
+    `admission_unavailable` (fail open for the configured tiers) and say not ready, rather than
+    fail to start or answer 500 with a traceback per request."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+
+    def cluster(data: dict[str, Any]) -> None:
+        data["redis"]["cluster"] = True
+
+    async with running_gateway(dead, adjust=cluster, fail_open_tiers=["vip"],
+                               wait_subscribed=False) as gw:
+        for _ in range(3):
+            with pytest.raises(openai.InternalServerError) as info:
+                await gw.openai("normal").chat.completions.create(
+                    model="demo", messages=MESSAGES, max_tokens=3)
+            assert info.value.status_code == 503
+            assert info.value.response.json()["error"]["code"] == "admission_unavailable"
+            assert "retry-after" in info.value.response.headers
+        vip = await gw.openai("vip").chat.completions.create(
+            model="demo", messages=MESSAGES, max_tokens=3)
+        assert vip.choices  # failed open
+        registry = gw.gateway.metrics.registry
+        assert registry.get_sample_value("kvgate_gateway_requests_total", {
+            "pool": "demo", "tier": "normal", "outcome": "unavailable"}) == 3
+        assert registry.get_sample_value("kvgate_gateway_requests_total", {
+            "pool": "demo", "tier": "normal", "outcome": "internal_error"}) in (None, 0)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(gw.url + "/readyz") as response:
+                assert response.status == 503
+
+
 async def test_script_cache_flush_is_survived(gw: Harness) -> None:
     client = gw.openai("vip")
     assert (await client.completions.create(model="demo", prompt="a", max_tokens=1)).choices

@@ -256,3 +256,22 @@ async def test_failed_leadership_calls_are_counted_in_a_metric() -> None:
 def _leadership_errors(service: SchedulerService) -> float:
     value = service.metrics.registry.get_sample_value("kvgate_scheduler_leadership_errors_total")
     return value or 0.0
+
+
+async def test_an_unreachable_redis_cluster_is_an_outage_not_the_end_of_the_replica() -> None:
+    """redis-py's cluster client raises a cluster none of whose nodes answers as a
+    RedisClusterException, which is no RedisError. Caught as RedisError alone it made `start`
+    raise (the eviction check) and ended the elector's loop at its first call: a replica that
+    only a restart would bring back, and could not start while the cluster was down. It must
+    count the failures and keep trying, as for a standalone Redis that does not answer."""
+    config = make_config(f"redis://127.0.0.1:{free_port()}/0", [{"name": "n1", "url": "http://x"}],
+                         scheduler={"poll_interval_ms": 20, "leader_ttl_ms": 300})
+    config = dataclasses.replace(config, redis=dataclasses.replace(config.redis, cluster=True))
+    service = SchedulerService(config, me="s1")
+    await service.start()
+    try:
+        await eventually(lambda: _leadership_errors(service) >= 3)
+        assert service.ended_loops == [] and not service.leading
+        assert service.elector is not None and service.elector.failures >= 3
+    finally:
+        await service.stop()

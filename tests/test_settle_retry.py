@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,9 +22,11 @@ import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis import exceptions as rexc
+from redis.asyncio.cluster import RedisCluster
 
 from admission.config import RedisSettings
 from admission.errors import (
+    REDIS_ERRORS,
     FencedError,
     RetryPolicy,
     ScriptReplyError,
@@ -41,6 +44,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.redismux import RedisMux
 from gateway.settle import SETTLE_RETRY, LiveTasks, Settler
 from tests.properties import PROPERTIES, examples
+from tests.test_security import make_tls_dir
 
 TRANSIENT: list[BaseException] = [
     rexc.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused."),
@@ -160,6 +164,37 @@ async def test_real_replies_of_redis_are_classified_alike_by_redis_py_and_the_mu
         for closing in (mux, narrow_mux, dead):
             await closing.close()
         for client in (admin, narrow, blocker, dead_client):
+            await client.aclose()
+
+
+async def test_a_cluster_or_a_certificate_is_classified_by_what_the_error_was_raised_from(
+    redis_factory: Callable[..., LocalRedis], tmp_path: Path,
+) -> None:
+    """redis-py's cluster client raises a cluster none of whose nodes answers as a
+    RedisClusterException, no RedisError: it is a Redis failure (`REDIS_ERRORS`) that passes
+    when the cluster is back, unlike a seed that is not in cluster mode. A certificate that does
+    not verify reaches the caller as a ConnectionError raised from it (redis-py and the mux
+    alike): permanent, where it was retried for the settle's whole deadline."""
+    unreachable = RedisCluster.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    not_a_cluster = RedisCluster.from_url(redis_factory().url)
+    secure = redis_factory(tls_dir=make_tls_dir(tmp_path / "tls"))
+    # No CA configured: the system's store does not know the test CA, as when an operator's
+    # rotated server certificate is signed by a CA the services were not given.
+    unverified = aioredis.Redis.from_url(secure.url)
+    unverified_mux = RedisMux(RedisSettings(url=secure.url))
+    try:
+        down = await _raised(lambda: unreachable.ping())
+        assert not isinstance(down, rexc.RedisError), describe(down)  # why REDIS_ERRORS
+        assert isinstance(down, REDIS_ERRORS) and is_transient(down), describe(down)
+        wrong = await _raised(lambda: not_a_cluster.ping())
+        assert isinstance(wrong, REDIS_ERRORS) and not is_transient(wrong), describe(wrong)
+        for refused in (await _raised(lambda: unverified.ping()),
+                        await _raised(lambda: unverified_mux.execute("PING"))):
+            assert isinstance(refused, REDIS_ERRORS), describe(refused)
+            assert not is_transient(refused), describe(refused)
+    finally:
+        await unverified_mux.close()
+        for client in (unreachable, not_a_cluster, unverified):
             await client.aclose()
 
 

@@ -8,8 +8,15 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.connection import BlockingConnectionPool, parse_url
+from redis.asyncio.connection import (
+    BlockingConnectionPool,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.exceptions import ConnectionError, ReadOnlyError
 
 from admission.config import RedisSettings
 from admission.errors import REDIS_ERRORS
@@ -26,7 +33,9 @@ def connect(settings: RedisSettings) -> Any:
 
     With `sentinel_master` the client asks the Sentinels where the primary is whenever it
     opens a connection, so after a failover its next connections go to the new primary; the
-    URL gives only the scheme (TLS or not), the credentials and the database.
+    URL gives only the scheme (TLS or not), the credentials and the database. Without it, a
+    connection whose server was demoted answers READONLY once and is dropped (`_PrimaryOnly`),
+    so that the next one finds whatever the URL's name points at then.
     """
     timeout = settings.socket_timeout_ms / 1000
     connect_timeout = settings.connect_timeout_ms / 1000
@@ -45,6 +54,7 @@ def connect(settings: RedisSettings) -> Any:
         return _sentinel_primary(settings, timeout, connect_timeout, ssl)
     pool = aioredis.BlockingConnectionPool.from_url(
         settings.url,
+        connection_class=_primary_class(settings.url),
         max_connections=settings.max_connections,
         timeout=settings.pool_timeout_ms / 1000,
         socket_timeout=timeout,
@@ -55,6 +65,47 @@ def connect(settings: RedisSettings) -> Any:
     # The client owns its pool, so closing the client closes the pool's connections (a client
     # handed a pool leaves them open, to be found unclosed at exit).
     return aioredis.Redis.from_pool(pool)
+
+
+class _PrimaryOnly:
+    """A connection whose server answers READONLY is dropped, and the call fails with a
+    ConnectionError. The server was the primary when the connection was opened and a failover
+    demoted it to a replica; Redis keeps such clients connected, and redis-py keeps the
+    connection in its pool after an error reply, so every script call on it (the scheduler's
+    every write, leadership included) was refused READONLY for as long as the process lived,
+    even once `redis.url`'s DNS name or Service moved to the new primary (a managed Redis's
+    failover; docs/runbook.md, "Redis failover"). Its next connection resolves the name anew.
+    What redis-py does for Sentinel pools, and gateway/redismux.py for its own connection; the
+    command was refused, so nothing ran twice."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except ReadOnlyError:
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise ConnectionError("Redis is a replica now (READONLY): reconnecting") from None
+
+
+class _PrimaryConnection(_PrimaryOnly, Connection):
+    pass
+
+
+class _PrimarySSLConnection(_PrimaryOnly, SSLConnection):
+    pass
+
+
+class _PrimaryUnixConnection(_PrimaryOnly, UnixDomainSocketConnection):
+    pass
+
+
+def _primary_class(url: str) -> type[Any]:
+    """The `_PrimaryOnly` connection class for `url`'s scheme (TCP, TLS, unix socket)."""
+    scheme = parse_url(url).get("connection_class", Connection)
+    if scheme is SSLConnection:
+        return _PrimarySSLConnection
+    if scheme is UnixDomainSocketConnection:
+        return _PrimaryUnixConnection
+    return _PrimaryConnection
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):

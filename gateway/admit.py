@@ -28,7 +28,7 @@ import random
 from dataclasses import dataclass
 
 from admission.config import Config, TenantSettings
-from admission.errors import REDIS_ERRORS, AdmissionError
+from admission.errors import REDIS_ERRORS, AdmissionError, describe
 from admission.outcomes import AdmitOutcome, AdmitResult, RejectReason
 from admission.store import PoolStore
 from admission.tiers import Tier
@@ -44,6 +44,7 @@ from gateway.errors import (
     too_many_requests,
     unavailable,
 )
+from gateway.logstreak import FailureStreak
 from gateway.metrics import QUEUE_TIMEOUT, GatewayMetrics
 from gateway.parse import Inbound
 from gateway.pools import PoolRuntime
@@ -140,6 +141,12 @@ class Admitter:
         self.quotas = {t.name: config.quota_of(t) for t in config.tenants}
         self._queued: dict[str, asyncio.Future[Woken]] = {}
         """The requests waiting in a queue now: what `answer_queued` ends at shutdown."""
+        self.store_down = FailureStreak("admission store unavailable", log)
+        """Failed admits, logged once per streak: during an outage every request fails, and a
+        line per request flooded the log (each is counted in redis_errors{op="admit"})."""
+        self._unknown_nodes: set[str] = set()
+        """Nodes a release named that this gateway's config lacks, logged once each: the
+        mismatch lasts until the configs agree, and every request released there fails."""
 
     def answer_queued(self) -> int:
         """At shutdown, end every request still queued here with a 503 the client can retry on
@@ -195,6 +202,8 @@ class Admitter:
                 # Cancelled (client gone) while the admit was in flight: it may have run.
                 self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
                 raise
+            if self.store_down.failures:
+                self.store_down.succeeded()
             if result.outcome is AdmitOutcome.RELEASED:
                 assert result.node is not None
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
@@ -225,7 +234,10 @@ class Admitter:
         url = pool.url(node)
         if url is None:
             # The scheduler knows a node this gateway's config does not: give the budget back.
-            log.error("task %s released to node %r, unknown to this gateway", task_id, node)
+            if node not in self._unknown_nodes and len(self._unknown_nodes) < 1000:
+                self._unknown_nodes.add(node)
+                log.error("task %s released to node %r, unknown to this gateway (logged once "
+                          "per node)", task_id, node)
             self.settler.finish(pool.store, task_id, None, cancelled=True, labels=labels)
             raise unavailable(
                 "The request was routed to a node this gateway does not know.",
@@ -238,7 +250,7 @@ class Admitter:
         labels: tuple[str, ...],
     ) -> Ticket:
         self.metrics.child(self.metrics.redis_errors, "admit").inc()
-        log.warning("admission store unavailable (%s)", type(exc).__name__)
+        self.store_down.failed(describe(exc))
         pool = inbound.pool
         # If the admit ran before its reply was lost, the task is an orphan now: the lease
         # renewal's sweep cancels it once Redis answers again. (No retry loop per request

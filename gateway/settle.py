@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from admission.errors import RetryPolicy, describe, is_transient
 from admission.outcomes import FinishResult
 from admission.store import PoolStore
+from gateway.logstreak import FailureStreak
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.gateway")
@@ -180,8 +181,10 @@ class Settler:
                     self._give_up(store, task_id, cancelled, exc, failures, transient)
                     return None
                 self.metrics.settle_retries.inc()
-                log.warning("settling task %s failed (%s); retrying in %.2fs",
-                            task_id, describe(exc), delay)
+                # Debug, not a warning per attempt: in an outage every settle in flight retries
+                # about 20 times (counted in settle_retries); a given-up one is logged once.
+                log.debug("settling task %s failed (%s); retrying in %.2fs",
+                          task_id, describe(exc), delay)
                 await asyncio.sleep(delay)
                 continue
             if usage is not None and labels is not None and result.outcome != "noop":
@@ -246,6 +249,9 @@ async def renew_leases(
     Redis client can come out as a connection error, which this loop must survive.)
     """
     metrics = settler.metrics
+    # Once per streak per pool, not at every round of an outage (each is counted).
+    failing = {store.pool: FailureStreak(f"renewing the lease in pool {store.pool} failed", log)
+               for store in stores}
     while not stop.is_set():
         for store in stores:
             await settler.abandon_given_up(store, gateway_id)
@@ -260,9 +266,9 @@ async def renew_leases(
                 if stop.is_set():
                     return
                 metrics.child(metrics.redis_errors, "renew").inc()
-                log.warning("renewing the lease in pool %s failed: %s", store.pool,
-                            type(exc).__name__)
+                failing[store.pool].failed(describe(exc))
                 continue
+            failing[store.pool].succeeded()
             for task_id in members:
                 if task_id not in held_before and task_id not in settler.live:
                     metrics.child(metrics.orphans, store.pool).inc()

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -16,8 +17,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission.tiers import Zone
-from bench.common.localredis import free_port
-from tests.gateway_harness import BIG, KEYS, Harness, running_gateway
+from bench.common.localredis import LocalRedis, free_port
+from tests.gateway_harness import BIG, KEYS, Harness, eventually, running_gateway
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say hi."}]
 
@@ -382,6 +383,40 @@ async def test_an_unreachable_redis_cluster_fails_closed_too_not_500() -> None:
         async with aiohttp.ClientSession() as http:
             async with http.get(gw.url + "/readyz") as response:
                 assert response.status == 503
+
+
+async def test_an_outage_is_logged_once_per_streak_not_once_per_request(
+    redis_factory: Callable[..., LocalRedis], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every admit fails while Redis is down: each is counted, but the log says so once when
+    it starts (then every 30 s) and once when it ends; a warning per request was thousands of
+    lines a second at production rates."""
+    server = redis_factory()
+    body = {"model": "demo", "messages": MESSAGES, "max_tokens": 3}
+    async with running_gateway(server.url) as gw:
+        await gw.publish(Zone.GREEN, BIG)
+        caplog.set_level(logging.INFO, logger="kvgate.gateway")
+        server.kill()
+        for _ in range(5):
+            status, payload, _ = await _post(gw, body, who="normal")
+            assert status == 503 and payload["error"]["code"] == "admission_unavailable"
+        registry = gw.gateway.metrics.registry
+        assert registry.get_sample_value("kvgate_gateway_redis_errors_total",
+                                         {"op": "admit"}) == 5
+
+        def lines(start: str) -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
+
+        assert len(lines("admission store unavailable (")) == 1
+        redis_factory(port=server.port)  # back (empty: admission answers, whatever it says)
+
+        async def answered() -> bool:
+            status, payload, _ = await _post(gw, body, who="normal")
+            return payload.get("error", {}).get("code") != "admission_unavailable"
+
+        await eventually(answered, within_s=10, interval_s=0.1)
+        assert len(lines("admission store unavailable (")) == 1
+        assert len(lines("admission store unavailable: over after ")) == 1
 
 
 async def test_script_cache_flush_is_survived(gw: Harness) -> None:

@@ -43,6 +43,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission.config import RedisSettings
 from admission.connection import PrimaryLocator
+from admission.errors import TRANSIENT_REPLY_CODES, describe, reply_code
 from admission.scripts import Scripts
 
 MIN_DOWN_S = 0.1
@@ -50,6 +51,9 @@ MAX_DOWN_S = 2.0
 LOCATED_MAX_DOWN_S = 0.5
 """With Sentinel: a new primary is usually promoted while the circuit is open; trying again
 (one Sentinel query and a connect) at least twice a second finds it soon after."""
+MAX_CLIENTS_REPLY = "ERR max number of clients"
+"""How Redis refuses a connection past `maxclients` (the error it writes before closing it;
+"... reached", or "... + cluster connections reached" on a cluster node)."""
 
 
 def pack(args: Sequence[bytes | str | int | float]) -> bytes:
@@ -103,6 +107,15 @@ class _Protocol(asyncio.Protocol):
                     # A failover made this server a replica: every call on this connection
                     # fails alike; drop it so that the next call finds the new primary.
                     lost = ConnectionError(f"Redis is a replica now: {message}")
+                    future.set_exception(lost)
+                    self.fail(lost)
+                    return
+                if message.startswith(MAX_CLIENTS_REPLY):
+                    # Redis at maxclients answers a new connection with this and closes it: a
+                    # refused connection, which passes once clients leave (redis-py raises it
+                    # as a ConnectionError too), not an ERR reply to the command, which
+                    # is_transient takes for a failing script and a settle gave up at once.
+                    lost = ConnectionError("Redis refused the connection: max number of clients")
                     future.set_exception(lost)
                     self.fail(lost)
                     return
@@ -185,6 +198,12 @@ class RedisMux:
                 await self._call(conn, ["SELECT", params["db"]])
         except ResponseError as exc:
             conn.fail(ConnectionError("Redis handshake failed"))
+            if reply_code(exc) in TRANSIENT_REPLY_CODES:
+                # BUSY (a script runs past its time limit: SELECT is refused, AUTH is not) or
+                # LOADING: nothing wrong with the credentials, and a retry passes. As an
+                # AuthenticationError is_transient took it for refused credentials, and every
+                # settle in flight was given up as permanent.
+                raise ConnectionError(f"Redis handshake refused ({describe(exc)})") from None
             raise AuthenticationError(str(exc)) from None
         return conn
 

@@ -8,9 +8,10 @@ from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
+from redis.exceptions import AuthenticationError, ConnectionError, ResponseError, TimeoutError
 
 from admission.config import RedisSettings
+from admission.errors import describe, is_transient
 from admission.outcomes import AdmitOutcome
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore, TenantQuota
@@ -115,6 +116,69 @@ async def test_auth_and_database_from_the_url(
     finally:
         await good.close()
         await bad.close()
+
+
+async def _refusal(mux: RedisMux) -> Exception:
+    try:
+        await mux.execute("PING")
+    except Exception as exc:
+        return exc
+    raise AssertionError("the call succeeded")
+
+
+async def test_a_busy_or_full_server_refuses_a_new_connection_as_an_outage_not_as_bad_credentials(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    """A handshake that Redis refuses for a while (BUSY: a script runs past its time limit and
+    SELECT waits for it) was raised as an AuthenticationError, and `maxclients` reached as an
+    ERR reply: both permanent for is_transient, so every settle then in flight was given up at
+    once. Both pass by themselves, as redis-py reports them."""
+    server = redis_factory(args=["--lua-time-limit", "20"])
+    admin, blocker = aioredis.Redis.from_url(server.url), aioredis.Redis.from_url(server.url)
+    # A database in the URL: the handshake sends SELECT (no password: no AUTH).
+    db1 = RedisMux(RedisSettings(url=f"redis://127.0.0.1:{server.port}/1"))
+    busy = asyncio.ensure_future(blocker.eval("while true do end", 0))
+    try:
+        while True:  # until the script is past its limit: other clients get BUSY
+            try:
+                await admin.ping()
+            except ResponseError:
+                break
+            await asyncio.sleep(0.01)
+        refused = await _refusal(db1)
+        assert not isinstance(refused, AuthenticationError), describe(refused)
+        assert isinstance(refused, ConnectionError) and is_transient(refused), describe(refused)
+    finally:
+        await admin.script_kill()
+        await asyncio.wait((busy,))
+        await db1.close()
+        for client in (admin, blocker):
+            await client.aclose()
+
+    full = redis_factory(args=["--maxclients", "1"])
+    holder = aioredis.Redis.from_url(full.url)
+    mux = RedisMux(RedisSettings(url=full.url))
+    try:
+        assert await holder.ping()  # the one client the server takes
+        refused = await _refusal(mux)
+        assert isinstance(refused, ConnectionError) and is_transient(refused), describe(refused)
+        await holder.aclose()  # a client leaves: the next connection is taken
+
+        async def answers() -> bool:
+            try:
+                return await mux.execute("PING") == b"PONG"
+            except ConnectionError:
+                return False
+
+        for _ in range(100):
+            if await answers():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the mux did not reconnect once a client left")
+    finally:
+        await mux.close()
+        await holder.aclose()
 
 
 async def test_an_unreachable_redis_opens_the_circuit() -> None:

@@ -35,6 +35,7 @@ from admission.configfields import (
     bounds_of,
     ceiling_error,
     is_sha256,
+    shown_url,
     split_address,
 )
 from admission.configschema import (
@@ -303,8 +304,9 @@ def _check_unique_pools(pools: list[PoolSettings]) -> None:
         urls: dict[str, int] = {}
         for j, backend in enumerate(pool.backends):
             if (same := _earlier(urls, _server(backend.url), j)) is not None:
-                raise ConfigError(f"pools[{i}].backends[{j}].url: {backend.url!r} is also "
-                                  f"pools[{i}].backends[{same}]'s; one server is one backend")
+                raise ConfigError(f"pools[{i}].backends[{j}].url: {shown_url(backend.url)!r} "
+                                  f"is also pools[{i}].backends[{same}]'s; one server is one "
+                                  "backend")
 
 
 def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
@@ -410,7 +412,7 @@ def startup_warnings(config: Config) -> list[str]:
             other = seen.setdefault(_server(backend.url), where)
             if other != where:
                 warnings.append(
-                    f"{where}.url {backend.url!r} is also {other}'s: each pool counts that "
-                    "server's whole KV cache, so together they can place more than it holds "
-                    "(give the pools capacity_tokens that share it)")
+                    f"{where}.url {shown_url(backend.url)!r} is also {other}'s: each pool "
+                    "counts that server's whole KV cache, so together they can place more than "
+                    "it holds (give the pools capacity_tokens that share it)")
     return warnings

@@ -147,6 +147,18 @@ def is_sha256(value: str) -> bool:
     return len(value) == 64 and all(c in "0123456789abcdef" for c in value)
 
 
+def shown_url(url: str) -> str:
+    """`url` as a message may quote it: whatever precedes its last '@' after the scheme (user
+    name and password, however malformed: an unencoded '/' in the password moves urlsplit's
+    idea of where the host starts) is replaced by `***`. A URL refused at start is printed to
+    stderr, i.e. the log: `REDIS_URL=redis://:${PASSWORD}@${HOST}:6379/0` with HOST unset named
+    its password there."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
 def _port_error(url: str) -> str | None:
     try:
         port = urlsplit(url).port
@@ -165,22 +177,16 @@ def backend_url_error(url: str) -> str | None:
         return "must be an http:// or https:// URL"
     parts = urlsplit(url)
     if any(c.isspace() for c in url):
-        return f"{url!r} contains a space"
+        return f"{shown_url(url)!r} contains a space"
     if not parts.hostname:
-        return f"{url!r} names no host (expected http://HOST:PORT)"
+        return f"{shown_url(url)!r} names no host (expected http://HOST:PORT)"
     if parts.query or parts.fragment or url.endswith(("?", "#")):
-        return f"{url!r}: a query or fragment is not allowed (expected http://HOST:PORT)"
+        return (f"{shown_url(url)!r}: a query or fragment is not allowed (expected "
+                "http://HOST:PORT)")
     if parts.path.rstrip("/").endswith("/v1"):
-        return (f"{url!r}: leave out the /v1 (the gateway appends /v1/chat/completions and "
-                "the scheduler /metrics to the server's root)")
+        return (f"{shown_url(url)!r}: leave out the /v1 (the gateway appends "
+                "/v1/chat/completions and the scheduler /metrics to the server's root)")
     return _port_error(url)
-
-
-def _without_credentials(url: str) -> str:
-    """`url` as an error message may show it: its user name and password replaced by ***."""
-    scheme, sep, rest = url.partition("://")
-    _, at, address = rest.rpartition("@")
-    return f"{scheme}{sep}***@{address}" if at else url
 
 
 def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
@@ -194,7 +200,7 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
         return "must start with redis://, rediss:// or unix://"
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
-    shown = repr(_without_credentials(url))
+    shown = repr(shown_url(url))
     if url.startswith("unix://"):
         if not parts.path:
             return f"{shown} names no socket path (expected unix:///path/to/redis.sock)"

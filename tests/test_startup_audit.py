@@ -65,6 +65,31 @@ def test_a_redis_url_the_client_would_misread_is_refused(url: str, message: str)
     assert message in refused(with_("redis.url", url))
 
 
+@pytest.mark.parametrize("url", [
+    "redis://:s3cret-pw@:6379/0",  # REDIS_URL=redis://:${PASSWORD}@${HOST}:6379/0, HOST unset
+    "redis://:s3cret/pw@redis.internal:6379/0",  # an unencoded "/" ends the host early
+    "rediss://app:s3cret-pw@",
+])
+def test_a_refused_redis_url_is_named_without_its_password(url: str) -> None:
+    """The message is printed to stderr at start, which is the log."""
+    for message in (refused(with_("redis.url", url)), refused(BASE, env={"REDIS_URL": url})):
+        assert "names no host" in message and "s3cret" not in message, message
+        assert "***@" in message
+
+
+@pytest.mark.parametrize("url", [
+    "http://svc:t0ken-x@/",
+    "http://svc:t0ken-x@node:8000/v1",
+    "http://svc:t0ken-x@node:8000?x=1",
+])
+def test_a_refused_backend_url_is_named_without_its_credentials(url: str) -> None:
+    message = refused(with_("pools.0.backends", [{"name": "n", "url": url}]))
+    assert message.startswith("pools[0].backends[0].url: ") and "t0ken" not in message, message
+    same = [{"name": "n", "url": "http://svc:t0ken-x@a:1"},
+            {"name": "m", "url": "http://svc:t0ken-x@a:1/"}]
+    assert "t0ken" not in refused(with_("pools.0.backends", same))
+
+
 def test_good_redis_urls_pass() -> None:
     for url in ("redis://:pw@redis.internal:6380/3", "rediss://r:6379", "unix:///r.sock?db=2",
                 "redis://[::1]:6379/0"):

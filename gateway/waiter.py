@@ -25,10 +25,12 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
+from admission.errors import describe
 from admission.outcomes import TaskState, parse_wake
 from admission.pubsub import MESSAGE_KINDS, SUBSCRIBE_KINDS, Subscription
 from admission.store import PoolStore
 from admission.tiers import Tier
+from gateway.logstreak import FailureStreak
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.gateway")
@@ -118,6 +120,9 @@ class WakeHub:
 
     async def _listen(self, index: int, channels: list[str], cluster_sharded: bool) -> None:
         backoff = 0.05
+        # Once per outage, not at every attempt (up to one every 2 s for as long as it lasts);
+        # each attempt is counted in pubsub_reconnects.
+        lost = FailureStreak("wake-up subscription lost; reconnecting", log)
         while not self.stop.is_set():
             subscription = Subscription(self.client, channels, sharded=self.sharded,
                                         per_shard=cluster_sharded)
@@ -132,6 +137,7 @@ class WakeHub:
                         self.deliver(data)
                     elif kind in SUBSCRIBE_KINDS:
                         # (Re)subscribed: whatever was published meanwhile is lost; look now.
+                        lost.succeeded()
                         self._subscribed.add(index)
                         if len(self._subscribed) >= self._listeners:
                             self.subscribed.set()
@@ -144,8 +150,7 @@ class WakeHub:
                 self.subscribed.clear()
                 self.metrics.pubsub_reconnects.inc()  # no labels: no child
                 self.metrics.child(self.metrics.redis_errors, "subscribe").inc()
-                log.warning("wake-up subscription lost (%s); reconnecting in %.2fs",
-                            type(exc).__name__, backoff)
+                lost.failed(describe(exc))
                 self._kick.set()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), backoff)

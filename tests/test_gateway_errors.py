@@ -390,7 +390,7 @@ async def test_an_outage_is_logged_once_per_streak_not_once_per_request(
 ) -> None:
     """Every admit fails while Redis is down: each is counted, but the log says so once when
     it starts (then every 30 s) and once when it ends; a warning per request was thousands of
-    lines a second at production rates."""
+    lines a second at production rates. The same for the wake-up subscription's attempts."""
     server = redis_factory()
     body = {"model": "demo", "messages": MESSAGES, "max_tokens": 3}
     async with running_gateway(server.url) as gw:
@@ -408,6 +408,13 @@ async def test_an_outage_is_logged_once_per_streak_not_once_per_request(
             return [r.getMessage() for r in caplog.records if r.getMessage().startswith(start)]
 
         assert len(lines("admission store unavailable (")) == 1
+
+        async def resubscribing() -> bool:  # the wake-up subscription retries with backoff
+            value = registry.get_sample_value("kvgate_gateway_pubsub_reconnects_total")
+            return (value or 0) >= 3
+
+        await eventually(resubscribing, within_s=10, interval_s=0.05)
+        assert len(lines("wake-up subscription lost; reconnecting (")) == 1
         redis_factory(port=server.port)  # back (empty: admission answers, whatever it says)
 
         async def answered() -> bool:

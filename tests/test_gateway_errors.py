@@ -418,7 +418,9 @@ async def test_an_outage_is_logged_once_per_streak_not_once_per_request(
         redis_factory(port=server.port)  # back (empty: admission answers, whatever it says)
 
         async def answered() -> bool:
-            status, payload, _ = await _post(gw, body, who="normal")
+            # A short deadline of its own: with no node published the request may queue.
+            status, payload, _ = await _post(gw, body, who="normal",
+                                             headers={"X-Request-Timeout": "1"})
             return payload.get("error", {}).get("code") != "admission_unavailable"
 
         await eventually(answered, within_s=10, interval_s=0.1)

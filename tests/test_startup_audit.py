@@ -67,11 +67,12 @@ def test_a_redis_url_the_client_would_misread_is_refused(url: str, message: str)
 
 @pytest.mark.parametrize("url", [
     "redis://:s3cret-pw@:6379/0",  # REDIS_URL=redis://:${PASSWORD}@${HOST}:6379/0, HOST unset
-    "redis://:s3cret/pw@redis.internal:6379/0",  # an unencoded "/" ends the host early
     "rediss://app:s3cret-pw@",
 ])
 def test_a_refused_redis_url_is_named_without_its_password(url: str) -> None:
-    """The message is printed to stderr at start, which is the log."""
+    """The message is printed to stderr at start, which is the log. (A password that ends the
+    address early, an unencoded '/', is refused as such:
+    test_a_password_that_breaks_the_redis_url_is_refused_without_showing_it.)"""
     for message in (refused(with_("redis.url", url)), refused(BASE, env={"REDIS_URL": url})):
         assert "names no host" in message and "s3cret" not in message, message
         assert "***@" in message

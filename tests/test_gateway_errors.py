@@ -346,9 +346,8 @@ async def test_redis_unreachable_fails_closed_except_fail_open_tiers(
             "pool": "demo", "tier": "normal", "outcome": "unavailable"}) == 1
         assert (registry.get_sample_value("kvgate_gateway_redis_errors_total",
                                           {"op": "admit"}) or 0) >= 2
-        async with aiohttp.ClientSession() as http:
-            async with http.get(gw.url + "/readyz") as response:
-                assert response.status == 503
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/readyz") as response:
+            assert response.status == 503
             async with http.get(gw.url + "/healthz") as response:
                 assert response.status == 200
 
@@ -380,9 +379,8 @@ async def test_an_unreachable_redis_cluster_fails_closed_too_not_500() -> None:
             "pool": "demo", "tier": "normal", "outcome": "unavailable"}) == 3
         assert registry.get_sample_value("kvgate_gateway_requests_total", {
             "pool": "demo", "tier": "normal", "outcome": "internal_error"}) in (None, 0)
-        async with aiohttp.ClientSession() as http:
-            async with http.get(gw.url + "/readyz") as response:
-                assert response.status == 503
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/readyz") as response:
+            assert response.status == 503
 
 
 async def test_an_outage_is_logged_once_per_streak_not_once_per_request(
@@ -419,8 +417,8 @@ async def test_an_outage_is_logged_once_per_streak_not_once_per_request(
 
         async def answered() -> bool:
             # A short deadline of its own: with no node published the request may queue.
-            status, payload, _ = await _post(gw, body, who="normal",
-                                             headers={"X-Request-Timeout": "1"})
+            _, payload, _ = await _post(gw, body, who="normal",
+                                        headers={"X-Request-Timeout": "1"})
             return payload.get("error", {}).get("code") != "admission_unavailable"
 
         await eventually(answered, within_s=10, interval_s=0.1)

@@ -35,6 +35,7 @@ from admission.tiers import Tier
 from gateway.errors import (
     CAPACITY_EXCEEDED,
     KEY_SCOPE,
+    MAX_RETRY_MS,
     QUEUED_TOKENS_EXCEEDED,
     RATE_LIMIT_EXCEEDED,
     SCOPE_HEADER,
@@ -307,7 +308,7 @@ class Admitter:
                         f"{whose[0].lower()}{whose[1:]} bucket{shared} cannot pay the "
                         f"{inbound.cost} tokens this request needs; it refills enough in "
                         f"{result.retry_after_ms} ms.")
-            return too_many_requests(
+            error = too_many_requests(
                 RATE_LIMIT_EXCEEDED,
                 what,
                 retry_ms=self._hint(result.retry_after_ms),
@@ -315,6 +316,12 @@ class Admitter:
                 depth=result.depth,
                 scope=scope,
             )
+            if result.limit in ("daily", "monthly") and result.retry_after_ms > MAX_RETRY_MS:
+                # The allowance returns hours later, past any hint (capped at 60 s): an SDK
+                # would retry within seconds or a minute, twice, for two more refusals. The
+                # message says when it resets; the header stops the retries.
+                error.headers["x-should-retry"] = "false"
+            return error
         if reason is RejectReason.TENANT_QUEUED_TOKENS:
             drain_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms
             queued = ("" if result.queued_tokens is None

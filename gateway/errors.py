@@ -12,7 +12,8 @@ jitter so that clients rejected together do not return together::
     X-RateLimit-Scope: key                  which limit refused it (a tenant's own limits:
                                             key; a quota of an enclosing level: its name)
 
-Hints never exceed 60 s (the OpenAI SDK gives up above 120 s).
+Hints never exceed 60 s (the OpenAI SDK gives up above 120 s). A daily or monthly allowance
+used up until later than that is a 429 that also says ``x-should-retry: false``.
 
 A request that can never succeed as sent, whatever the load, gets a 4xx other than 429 with
 ``x-should-retry: false`` and no retry hint (`never_retry`): 400 ``context_length_exceeded``,

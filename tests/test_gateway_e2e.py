@@ -14,8 +14,9 @@ from prometheus_client import generate_latest
 
 from admission.tiers import Zone
 from gateway.state import METRICS
-from tests.gateway_harness import BIG, Harness, running_gateway
+from tests.gateway_harness import BIG, Harness, running_gateway, sha
 
+DAILY = "sk-test-daily"
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name three colours of the rainbow."},
@@ -323,3 +324,48 @@ async def test_a_vip_streams_first_token_is_counted_for_its_node(gw: Harness) ->
     buckets = {k: v for k, v in counts.items() if k.startswith("h")}
     assert {k: v for k, v in counts.items() if k not in buckets} == {"node-0:n": 1}
     assert list(buckets.values()) == [1]
+
+
+async def test_an_allowance_used_up_for_hours_stops_the_sdks_retries(redis_url: str) -> None:
+    """A daily allowance used up at noon (UTC, Redis' clock) returns at midnight, past any hint
+    (60 s at most): the 429 says `x-should-retry: false`, and the official SDK, left to its
+    default of two retries, gives up at once instead of asking twice more. Used up 30 s
+    before midnight, the same refusal is an ordinary 429 whose hint covers the wait."""
+
+    def daily_tenant(data: dict[str, Any]) -> None:
+        data["tenants"].append({"name": "daily", "tier": "normal", "key_sha256": [sha(DAILY)],
+                                "rate": 1_000_000, "burst": 60, "max_queued": 10,
+                                "daily_tokens": 60})
+
+    async with running_gateway(redis_url, adjust=daily_tenant) as gw:
+        await gw.publish(Zone.GREEN)
+        sdk = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=DAILY)  # 2 retries
+        registry = gw.gateway.metrics.registry
+        labels = {"pool": "demo", "tier": "normal", "outcome": "rejected"}
+        try:
+            for day, before_midnight_s in ((20_000, 12 * 3600), (20_001, 30)):
+                await gw.redis.hset(gw.store.keys.clock, "frozen_us",
+                                    ((day + 1) * 86_400 - before_midnight_s) * 1_000_000)
+                await sdk.chat.completions.create(model="demo", messages=MESSAGES,
+                                                  max_tokens=20)  # most of the day's 60
+                await gw.settled()
+                rejected = registry.get_sample_value("kvgate_gateway_requests_total", labels)
+                if before_midnight_s > 60:
+                    with pytest.raises(openai.RateLimitError) as refused:
+                        await sdk.chat.completions.create(model="demo", messages=MESSAGES,
+                                                          max_tokens=20)
+                    headers = refused.value.response.headers
+                    assert headers["x-should-retry"] == "false"
+                    assert "daily token allowance" in refused.value.message
+                    assert registry.get_sample_value(
+                        "kvgate_gateway_requests_total", labels) == (rejected or 0) + 1
+                    continue
+                async with aiohttp.ClientSession() as http, http.post(
+                        gw.url + "/v1/chat/completions", headers={
+                            "Authorization": f"Bearer {DAILY}"}, json={
+                            "model": "demo", "messages": MESSAGES, "max_tokens": 20}) as answer:
+                    assert answer.status == 429
+                    assert "x-should-retry" not in answer.headers
+                    assert 30 <= int(answer.headers["Retry-After"]) <= 60
+        finally:
+            await sdk.close()

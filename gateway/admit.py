@@ -25,10 +25,12 @@ import asyncio
 import logging
 import os
 import random
+import time
 from dataclasses import dataclass
 
 from admission.config import Config, TenantSettings
 from admission.errors import REDIS_ERRORS, AdmissionError, describe
+from admission.failurelog import FailureLog
 from admission.outcomes import AdmitOutcome, AdmitResult, RejectReason
 from admission.store import PoolStore
 from admission.tiers import Tier
@@ -45,7 +47,6 @@ from gateway.errors import (
     too_many_requests,
     unavailable,
 )
-from gateway.logstreak import FailureStreak
 from gateway.metrics import QUEUE_TIMEOUT, GatewayMetrics
 from gateway.parse import Inbound
 from gateway.pools import PoolRuntime
@@ -142,7 +143,8 @@ class Admitter:
         self.quotas = {t.name: config.quota_of(t) for t in config.tenants}
         self._queued: dict[str, asyncio.Future[Woken]] = {}
         """The requests waiting in a queue now: what `answer_queued` ends at shutdown."""
-        self.store_down = FailureStreak("admission store unavailable", log)
+        self.store_down = FailureLog("admission store call", time.monotonic, log,
+                                     recovered="admission store answers again")
         """Failed admits, logged once per streak: during an outage every request fails, and a
         line per request flooded the log (each is counted in redis_errors{op="admit"})."""
         self._unknown_nodes: set[str] = set()

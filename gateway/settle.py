@@ -26,12 +26,13 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Sequence
 
 from admission.errors import RetryPolicy, describe, is_transient
+from admission.failurelog import FailureLog
 from admission.outcomes import FinishResult
 from admission.store import PoolStore
-from gateway.logstreak import FailureStreak
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.gateway")
@@ -250,8 +251,8 @@ async def renew_leases(
     """
     metrics = settler.metrics
     # Once per streak per pool, not at every round of an outage (each is counted).
-    failing = {store.pool: FailureStreak(f"renewing the lease in pool {store.pool} failed", log)
-               for store in stores}
+    failing = {store.pool: FailureLog(f"renewing the lease in pool {store.pool}", time.monotonic,
+                                      log) for store in stores}
     while not stop.is_set():
         for store in stores:
             await settler.abandon_given_up(store, gateway_id)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,11 +27,11 @@ from typing import Any
 from redis.asyncio.cluster import RedisCluster
 
 from admission.errors import describe
+from admission.failurelog import FailureLog
 from admission.outcomes import TaskState, parse_wake
 from admission.pubsub import MESSAGE_KINDS, SUBSCRIBE_KINDS, Subscription
 from admission.store import PoolStore
 from admission.tiers import Tier
-from gateway.logstreak import FailureStreak
 from gateway.metrics import GatewayMetrics
 
 log = logging.getLogger("kvgate.gateway")
@@ -122,7 +123,8 @@ class WakeHub:
         backoff = 0.05
         # Once per outage, not at every attempt (up to one every 2 s for as long as it lasts);
         # each attempt is counted in pubsub_reconnects.
-        lost = FailureStreak("wake-up subscription lost; reconnecting", log)
+        lost = FailureLog("wake-up subscription", time.monotonic, log,
+                          recovered="wake-up subscription restored")
         while not self.stop.is_set():
             subscription = Subscription(self.client, channels, sharded=self.sharded,
                                         per_shard=cluster_sharded)

@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 from admission.errors import REDIS_ERRORS
+from admission.failurelog import FailureLog
 from admission.leadership import leadership
 from admission.pubsub import MESSAGE_KINDS, announce_handover, handover_subscription
 from admission.scripts import Scripts
-from scheduler.failurelog import FailureLog
 
 SAFETY = 0.1
 """Part of the lease given up to clock drift between this host and Redis."""
@@ -47,7 +47,7 @@ class Elector:
         self.client = client
         self.on_failure = on_failure
         """Called once per leadership call that failed on a Redis error (the metric's counter:
-        the log says it once per streak, scheduler.failurelog)."""
+        the log says it once per streak, admission.failurelog)."""
         self.scripts = scripts
         self.me = me
         self.ttl_s = ttl_ms / 1000

@@ -37,7 +37,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from admission.config import Backend
-from scheduler.failurelog import FailureLog
+from admission.failurelog import FailureLog
 
 USAGE_V1 = "vllm:kv_cache_usage_perc"
 USAGE_V0 = "vllm:gpu_cache_usage_perc"

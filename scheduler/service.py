@@ -5,7 +5,7 @@ its own at a fixed cadence (`poll_interval_ms`, from a monotonic clock, skipping
 rather than bunching them): a pool whose ticks are slow (hung nodes on the first poll of a
 term, its Redis shard slow) does not hold back the others' releases. A Redis error costs that
 pool that tick and is counted; an epoch refusal (`FencedError`) makes the replica step down at
-once. A failure that repeats is logged once per streak (scheduler.failurelog), per pool: never
+once. A failure that repeats is logged once per streak (admission.failurelog), per pool: never
 once per tick.
 """
 
@@ -24,11 +24,11 @@ import aiohttp
 from admission.config import Config
 from admission.connection import connect, eviction_warning, redis_address
 from admission.errors import REDIS_ERRORS, FencedError
+from admission.failurelog import FailureLog
 from admission.scripts import Scripts, register_scripts
 from admission.servicemetrics import probe as probe_loop_lag
 from admission.servicemetrics import watch_gc
 from admission.store import PoolStore
-from scheduler.failurelog import FailureLog
 from scheduler.leader import Elector
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import PoolScheduler, TickResult

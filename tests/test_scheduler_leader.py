@@ -13,12 +13,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission.errors import FencedError
+from admission.failurelog import FAILURE_LOG_EVERY_S
 from admission.keys import SchedulerKeys
 from admission.leadership import leadership
 from admission.scripts import register_scripts
 from admission.tiers import Tier, Zone
 from bench.common.localredis import LocalRedis
-from scheduler.failurelog import FAILURE_LOG_EVERY_S
 from scheduler.leader import SAFETY, Elector
 from scheduler.service import SchedulerService
 from tests.scheduler_stub import FakeClock, FakeVllm, admit, eventually, make_config, serve_fake

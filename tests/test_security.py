@@ -414,7 +414,7 @@ async def test_gateway_process_logs_hold_no_key_password_or_prompt(
     assert "POST /v1/chat/completions" in logged  # the access log ran
     # The start line names the Redis it uses, without its password.
     assert f"serving pools {POOL}, Redis redis://127.0.0.1:{server.port}/0" in logged
-    assert "task " in logged and "admission store unavailable" in logged
+    assert "task " in logged and "admission store call failed" in logged
     for secret in (PASSWORD, SECRET_PROMPT, "TANGERINE", leaked, *KEYS.values()):
         assert secret not in logged, secret
 

@@ -1,8 +1,13 @@
 """A failure that repeats, logged once per streak: when it starts, then one line per
 `FAILURE_LOG_EVERY_S` with the count, and once when it ends.
 
-A retry loop that meets a Redis outage (a leadership call every ttl/10, a pool's tick 20 times
-a second) would otherwise log several lines a second for as long as the outage lasts.
+Both services meet failures that repeat for as long as an outage lasts: the scheduler's
+leadership calls (every ttl/10), a pool's ticks (20 a second) and a node's scrapes; a gateway's
+admits (every request), lease renewals (every round, per pool) and its wake-up subscription's
+reconnects. Logged each time, they would bury everything else; each is counted in the
+service's metrics one by one, and the log says that it started, that it goes on, and that it
+ended. What a line quotes is the caller's: the gateway passes `admission.errors.describe` of
+the error (its class and reply code, never a message that could carry a key or a prompt).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ class FailureLog:
         """Failures in a row since the last success."""
         self._since = self._logged_at = 0.0
 
-    def failed(self, exc: BaseException) -> None:
+    def failed(self, exc: BaseException | str) -> None:
         now = self.clock()
         self.failures += 1
         if self.failures == 1:

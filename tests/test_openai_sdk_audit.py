@@ -29,34 +29,6 @@ FLAT = {"object": "error", "message": "Engine loop has died.", "type": "Internal
         "param": None, "code": 500}
 
 
-class ErrorStreamNode:
-    """A vLLM-speaking node whose streams carry a role chunk and `TOKENS`, then end with the
-    error event `error` and `[DONE]`, as vLLM ends a generation that fails mid-stream."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        self.error = error
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        return app
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        deltas = [{"role": "assistant", "content": ""}, *({"content": t} for t in TOKENS)]
-        for delta in deltas:
-            chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-                     "model": body["model"], "choices": [
-                         {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
-            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await response.write(b"data: " + orjson.dumps(self.error) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-
 def _chunk_event(model: str, delta: dict[str, Any]) -> bytes:
     chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
              "model": model, "choices": [
@@ -64,13 +36,9 @@ def _chunk_event(model: str, delta: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-class DiesInsideAnEventNode:
-    """A vLLM-speaking node whose streams carry a role chunk and `TOKENS`, then begin one
-    more event (`tail`, which no blank line ends) and die: the engine killed, or the network
-    cut, in the middle of a write."""
-
-    def __init__(self, tail: bytes) -> None:
-        self.tail = tail
+class StreamingNode:
+    """A vLLM-speaking node whose streams carry a role chunk and `TOKENS`, then end as `end`
+    says."""
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -83,10 +51,37 @@ class DiesInsideAnEventNode:
         await response.prepare(request)
         for delta in [{"role": "assistant", "content": ""}, *({"content": t} for t in TOKENS)]:
             await response.write(_chunk_event(body["model"], delta))
+        await self.end(request, response)
+        return response
+
+    async def end(self, request: web.Request, response: web.StreamResponse) -> None:
+        raise NotImplementedError
+
+
+class ErrorStreamNode(StreamingNode):
+    """Ends with the error event `error` and `[DONE]`, as vLLM ends a generation that fails
+    mid-stream."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        self.error = error
+
+    async def end(self, request: web.Request, response: web.StreamResponse) -> None:
+        await response.write(b"data: " + orjson.dumps(self.error) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+
+
+class DiesInsideAnEventNode(StreamingNode):
+    """Begins one more event (`tail`, which no blank line ends) and dies: the engine killed,
+    or the network cut, in the middle of a write."""
+
+    def __init__(self, tail: bytes) -> None:
+        self.tail = tail
+
+    async def end(self, request: web.Request, response: web.StreamResponse) -> None:
         await response.write(self.tail)
         assert request.transport is not None
         request.transport.abort()
-        return response
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -64,7 +65,8 @@ async def test_a_primary_demoted_by_a_failover_is_left_for_the_one_the_url_names
     name.symlink_to(sockets["old"])
     # One connection, so that the demoted one is the one every call gets.
     client = connect(RedisSettings(url=f"unix://{name}", max_connections=1))
-    old_admin, new_admin = aioredis.Redis.from_url(old.url), aioredis.Redis.from_url(new.url)
+    old_admin: Any = aioredis.Redis.from_url(old.url)
+    new_admin = aioredis.Redis.from_url(new.url)
     elector = Elector(client, register_scripts(client), "a", 2_000)
     try:
         await elector.attempt()
@@ -74,7 +76,7 @@ async def test_a_primary_demoted_by_a_failover_is_left_for_the_one_the_url_names
 
         async def synced() -> bool:
             info = await old_admin.info("replication")
-            return info.get("master_link_status") == "up"
+            return bool(info.get("master_link_status") == "up")
 
         await eventually(synced, within_s=10)
         moving = where / "moving.sock"

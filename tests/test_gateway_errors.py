@@ -419,7 +419,7 @@ async def test_an_outage_is_logged_once_per_streak_not_once_per_request(
             # A short deadline of its own: with no node published the request may queue.
             _, payload, _ = await _post(gw, body, who="normal",
                                         headers={"X-Request-Timeout": "1"})
-            return payload.get("error", {}).get("code") != "admission_unavailable"
+            return bool(payload.get("error", {}).get("code") != "admission_unavailable")
 
         await eventually(answered, within_s=10, interval_s=0.1)
         assert len(lines("admission store call failed")) == 1  # neither again nor a count

@@ -167,7 +167,7 @@ async def test_a_busy_or_full_server_refuses_a_new_connection_as_an_outage_not_a
 
         async def answers() -> bool:
             try:
-                return await mux.execute("PING") == b"PONG"
+                return bool(await mux.execute("PING") == b"PONG")
             except ConnectionError:
                 return False
 

@@ -185,7 +185,10 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     metric = USAGE_V1 if usage[USAGE_V1] else USAGE_V0
     if not usage[metric]:
         raise MetricsError(f"neither {USAGE_V1} nor {USAGE_V0} on the page")
-    kv = max(usage[metric])
+    # Every engine's figure is checked, not only the highest: max() keeps whichever of a
+    # number and NaN comes first, so an engine reading NaN (or -Inf) listed after a finite one
+    # was silently left out of the usage, and the same page was refused in the other order.
+    kv = next((v for v in usage[metric] if not math.isfinite(v)), max(usage[metric]))
     # NaN: an engine that has not reported yet. The counts size the projection's padding:
     # a reading without them is no reading (int() of NaN raised out of the scrape, which then
     # never counted as failed and the node was never ejected).

@@ -91,6 +91,17 @@ def test_page_without_usable_usage_is_an_error(page: str) -> None:
         parse_vllm_metrics(page)
 
 
+@pytest.mark.parametrize("values", [("0.5", "NaN"), ("NaN", "0.5"), ("0.5", "-Inf")])
+def test_an_engine_whose_usage_is_not_a_number_makes_the_page_unusable(
+        values: tuple[str, str]) -> None:
+    """Whichever engine it is: max() keeps the first of a number and NaN, and a NaN (or -Inf)
+    engine listed after a finite one was left out of the node's usage."""
+    page = "".join(f'vllm:kv_cache_usage_perc{{engine="{i}",model_name="m"}} {value}\n'
+                   for i, value in enumerate(values))
+    with pytest.raises(MetricsError):
+        parse_vllm_metrics(page)
+
+
 async def test_poller_ejects_after_failures_in_a_row_and_readmits() -> None:
     fake = FakeVllm(usage=0.3)
     async with one_node_poller(fake, timeout_s=1.0, eject_after=3) as (poller, errors):

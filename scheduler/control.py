@@ -289,7 +289,10 @@ class ReleaseControl:
         if last is None:
             return False
         count, total = itl[1] - last[1], itl[0] - last[0]
-        if count <= 0 or total < 0:
+        # (total 0 with tokens decoded: a sum that did not move, e.g. a page with the _count
+        # but not the _sum. A step of 0 s is no measurement, and the running limit and a
+        # lane's cap divide by it: a ZeroDivisionError out of the tick ended the pool's loop.)
+        if count <= 0 or total <= 0:
             return False  # nothing decoded since (or the engine restarted: so did its histogram)
         s.step_s = total / count
         s.min_step_s = s.step_s if s.min_step_s is None else min(s.min_step_s, s.step_s)

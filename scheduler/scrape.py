@@ -17,7 +17,8 @@ usage is the highest engine's (conservative), counts and capacities are summed.
 
 A usage, running or waiting figure that is not a finite number (NaN before an engine reports)
 makes the page unusable, a failed scrape like an unparsable one (reason `parse`); a counter
-that is not finite (preemptions, prompt tokens, the inter-token histogram) is read as absent.
+that is not finite (preemptions, prompt tokens, the inter-token histogram) is read as absent,
+and so is an inter-token histogram without both its `_sum` and its `_count`.
 A page larger than `MAX_PAGE_BYTES` is not read to its end (reason `oversized`).
 A scrape never raises: whatever fails counts as a failed scrape of the node.
 """
@@ -150,7 +151,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     preemptions: float | None = None
     prompt_tokens: float | None = None
     itl: dict[str, list[float]] = {ITL_V1: [0.0, 0.0], ITL_V0: [0.0, 0.0]}
-    seen_itl: set[str] = set()
+    seen_itl: dict[str, set[str]] = {ITL_V1: set(), ITL_V0: set()}
     capacity = 0
     block_size: int | None = None
     try:
@@ -175,7 +176,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
                 # engines, the ratio of their rates is the mean over every decoded token.
                 base, _, part = name.rpartition("_")
                 itl[base][part == "count"] += sample.value
-                seen_itl.add(base)
+                seen_itl[base].add(part)
             elif name == CACHE_INFO:
                 blocks = _int_label(sample.labels, "num_gpu_blocks")
                 size = _int_label(sample.labels, "block_size")
@@ -195,7 +196,12 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     for name, value in ((metric, kv), (RUNNING, running), (WAITING, waiting)):
         if not math.isfinite(value):
             raise MetricsError(f"{name} is {value}")
-    step = next(((itl[n][0], itl[n][1]) for n in (ITL_V1, ITL_V0) if n in seen_itl), None)
+    # Both parts or none: a _count without its _sum read as a sum of 0, a step time of 0 s
+    # that the running limit and a lane's cap divide by (a ZeroDivisionError out of the tick
+    # ended the pool's loop). A histogram missing a part is read as absent, like a counter
+    # that is not finite.
+    step = next(((itl[n][0], itl[n][1]) for n in (ITL_V1, ITL_V0)
+                 if seen_itl[n] == {"sum", "count"}), None)
     return NodeMetrics(
         kv_usage=min(1.0, max(0.0, kv)),
         usage_metric=metric,

@@ -463,6 +463,26 @@ def test_no_running_limit_without_what_it_is_computed_from() -> None:
     assert limit is None
 
 
+def test_a_reading_whose_histogram_sum_did_not_move_is_no_step_time() -> None:
+    """Tokens decoded (the _count moved) and no time (the _sum did not: a page with the
+    _count but not the _sum read a sum of 0) is no step time. Taken as a step of 0 s, the
+    running limit and a lane's cap divided by it, and the ZeroDivisionError ended the pool's
+    tick loop. The next reading that does measure is measured from it."""
+    control = ReleaseControl(ControlSettings(running_min=4))
+    control.node("n").calm_step_s = 0.010
+    control.update("n", tasks=(), now=0.0, seq=1, running=4, itl=(0.0, 100.0),
+                   reports=(0, 0), lane=True)
+    room = control.update("n", tasks=(), now=1.0, seq=2, running=4, itl=(0.0, 200.0),
+                          reports=(1, 0), calm_p99_ms=100.0, lane=True)
+    assert (room.step_s, room.floor_step_s, room.running_limit) == (None, None, None)
+    assert room.lane_cap == 1  # nothing measured: what an idle lane starts from
+    room = control.update("n", tasks=(), now=2.0, seq=3, running=4, itl=(1.0, 300.0),
+                          reports=(2, 0), calm_p99_ms=100.0, lane=True)
+    assert room.step_s == pytest.approx(0.010)
+    assert room.running_limit is not None and room.running_limit >= 4
+    assert room.lane_cap is not None and room.lane_cap >= 0
+
+
 def test_the_calm_step_is_learned_only_once_calm_has_lasted() -> None:
     """Calm by the pool's signals (GREEN, nothing queued) is learned from once it has lasted
     signal_stale_ms: the decode batch a flood leaves behind queues nothing while it ends, and

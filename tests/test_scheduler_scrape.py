@@ -84,6 +84,19 @@ def test_the_inter_token_histogram_is_read_by_its_sum_and_count() -> None:
     assert parse_vllm_metrics(base).itl is None
 
 
+def test_an_inter_token_histogram_missing_its_sum_or_count_is_absent() -> None:
+    """A _count without its _sum read as a sum of 0: a step time of 0 s, which the running
+    limit and a lane's cap divide by. Read as absent (the other name, when complete, is read
+    instead), as a counter that is not finite is."""
+    base = FakeVllm(usage=0.1).render()
+    v1, v0 = "vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"
+    count_only = f'{v1}_count{{engine="0",model_name="m"}} 100\n'
+    sum_only = f'{v1}_sum{{engine="0",model_name="m"}} 1.5\n'
+    assert parse_vllm_metrics(base + count_only).itl is None
+    assert parse_vllm_metrics(base + sum_only).itl is None
+    assert parse_vllm_metrics(base + count_only + _itl(v0, 0, 0.25, 10)).itl == (0.25, 10.0)
+
+
 @pytest.mark.parametrize("page", ["", 'vllm:num_requests_running{engine="0"} 1\n',
                                   "vllm:kv_cache_usage_perc NaN\n", "vllm:kv_cache_usage_perc {\n"])
 def test_page_without_usable_usage_is_an_error(page: str) -> None:

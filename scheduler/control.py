@@ -401,6 +401,14 @@ class ReleaseControl:
         and the Normal and Batch tasks alive on it as the scripts count them (`guests`)."""
         c = self.settings
         s = self.node(name)
+        if prompt_total is None:
+            # The node's last page has no counter (one that is not finite reads as absent, or
+            # another server now answers at the URL): the recursion, as for a node that never
+            # had one. Kept, the last reading made every poll's drain 0, and B, only ever
+            # raised by releases, stayed at the prompts of every task alive on the node: no
+            # room while long generations ran there, though their prefills were long done.
+            # (A stale scrape still passes the last page's counter: it drains nothing.)
+            s.counter = None
         before = s.counter
         new_reading = self._observe_rate(s, prompt_total, now if read_at is None else read_at,
                                          seq, waiting)

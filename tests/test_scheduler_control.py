@@ -285,6 +285,26 @@ def test_an_idle_reading_does_not_clear_a_prompt_still_on_its_way_to_the_engine(
     assert room.backlog == 0 and room.room == room.window
 
 
+def test_a_counter_that_leaves_the_page_gives_way_to_the_recursion() -> None:
+    """A node whose page stops carrying the prompt counter (a NaN one reads as absent, or
+    another server answers at its URL) is drained at the estimated rate, as one that never had
+    the counter: the last reading kept made every drain 0, and the backlog stayed at the
+    prompts of the tasks alive there (no room while they decoded). When the counter comes back
+    its first reading starts the deltas again."""
+    control = controller()
+    control.update("n", tasks=[], now=0.0, prompt_total=1_000.0, seq=1, running=0)
+    room = control.update("n", tasks=[("doc", 4_000, 0.0)], now=0.05, prompt_total=None, seq=2,
+                          running=1)
+    assert room.backlog == 4_000
+    # Five seconds later it still decodes: its prefill (4,000 tokens at 15,000/s) is done.
+    room = control.update("n", tasks=[("doc", 4_000, 5.0)], now=5.05, prompt_total=None, seq=3,
+                          running=1)
+    assert room.backlog == 0 and room.room == room.window
+    room = control.update("n", tasks=[("doc", 4_000, 5.05)], now=5.1, prompt_total=90_000.0,
+                          seq=4, running=1)
+    assert room.backlog == 0 and room.rate == control.settings.prefill_tokens_per_s
+
+
 def test_the_window_stays_within_its_safety_limits() -> None:
     control = controller(window_min_tokens=1_000, window_max_tokens=3_000)
     low = ReleaseControl(ControlSettings(prefill_tokens_per_s=1, window_min_tokens=1_000))

@@ -27,7 +27,7 @@ import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
@@ -66,9 +66,11 @@ DRAIN_FIELDS = tuple(f"drain_{t.value}" for t in Tier)
 class NodeView:
     node: str
     capacity: int
-    """Tokens the leader lets gateways reserve on the node (0 once it is taken out)."""
+    """Tokens the leader lets VIP reserve on the node (0 once it is taken out): VIP's budget,
+    the highest of the tiers' (`tier_capacity` has the others')."""
     reserved: int
     headroom: int
+    """VIP's: `capacity` less `reserved` (`tier_headroom` has every tier's)."""
     usage: float | None
     """Measured KV-cache usage (0..1) the leader last published, if any."""
     projected: float | None
@@ -83,6 +85,14 @@ class NodeView:
     """A dedicated node the leader closed to new guests (it runs above `guest_max_running`)."""
     fields: dict[str, str]
     """Any other per-node state field (`name:node` in the state hash)."""
+    tier_capacity: list[int] = field(default_factory=list)
+    """Tokens each tier (VIP, Normal, Batch) may reserve on the node: `node_capacity`,
+    `node_capacity:normal`, `node_capacity:batch`. A task is placed against its own tier's
+    budget (lua/_place.lua), and Normal's and Batch's are lower than VIP's."""
+    tier_headroom: list[int] = field(default_factory=list)
+    """Each tier's budget less `reserved`: the largest task of that tier the node's KV budget
+    takes now (the release control's prefill room, the dedicated and lane rules and fair
+    hold-back can leave it less)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,11 +247,13 @@ async def _buckets(client: Any, keys: PoolKeys) -> dict[str, dict[str, str]]:
 
 
 def _nodes(state: dict[str, str], capacity: Mapping[str, str],
-           reserved: Mapping[str, str], guests: Mapping[str, str]) -> list[NodeView]:
+           reserved: Mapping[str, str], guests: Mapping[str, str],
+           lower: Sequence[Mapping[str, str]] = ({}, {})) -> list[NodeView]:
+    """`lower`: Normal's and Batch's budgets per node (node_capacity:normal, :batch)."""
     per_node: dict[str, dict[str, str]] = {}
-    for field in [f for f in state if ":" in f]:
-        kind, node = field.split(":", 1)
-        per_node.setdefault(node, {})[kind] = state.pop(field)
+    for name in [f for f in state if ":" in f]:
+        kind, node = name.split(":", 1)
+        per_node.setdefault(node, {})[kind] = state.pop(name)
     out_reasons = dict(
         item.split(":", 1) for item in state.get("nodes_out", "").split(",") if ":" in item
     )
@@ -251,12 +263,14 @@ def _nodes(state: dict[str, str], capacity: Mapping[str, str],
     for node in sorted(set(capacity) | set(reserved) | set(per_node) | set(out_reasons)):
         extra = per_node.get(node, {})
         cap, res = _int(capacity.get(node)) or 0, _int(reserved.get(node)) or 0
+        tier_caps = [cap, *(_int(budgets.get(node)) or 0 for budgets in lower)]
         views.append(NodeView(
             node=node, capacity=cap, reserved=res, headroom=cap - res,
             usage=_float(extra.pop("usage", None)),
             projected=_float(extra.pop("projected", None)),
             out=out_reasons.get(node), guests=_int(guests.get(node)) or 0,
             dedicated=node in dedicated, guests_closed=node in closed, fields=extra,
+            tier_capacity=tier_caps, tier_headroom=[c - res for c in tier_caps],
         ))
     return views
 
@@ -278,6 +292,8 @@ async def read_pool(client: Any, pool: str,
         pipe.hgetall(keys.tenant_queued)
         pipe.hgetall(keys.stats)
         pipe.hgetall(keys.held_by)
+        pipe.hgetall(keys.tier_capacity(Tier.NORMAL))
+        pipe.hgetall(keys.tier_capacity(Tier.BATCH))
         if frozen_clock_allowed():
             pipe.hget(keys.clock, "frozen_us")
         replies = list(await pipe.execute())
@@ -286,7 +302,8 @@ async def read_pool(client: Any, pool: str,
     state_raw, cap_raw, res_raw, guests_raw = replies[:4]
     queue_replies = replies[4:10]
     leases_raw, queued_raw, stats_raw, held_raw = replies[10:14]
-    frozen = replies[14] if len(replies) > 14 else None
+    lower_caps = [_hash(raw) for raw in replies[14:16]]
+    frozen = replies[16] if len(replies) > 16 else None
     held = held_map(held_raw)
 
     now = int(frozen) if frozen is not None else redis_now
@@ -294,7 +311,7 @@ async def read_pool(client: Any, pool: str,
     capacity, reserved = _hash(cap_raw), _hash(res_raw)
     updated = _int(state.get("updated_us"))
     drain = [_float(state.get(f)) for f in DRAIN_FIELDS]
-    nodes = _nodes(state, capacity, reserved, _hash(guests_raw))
+    nodes = _nodes(state, capacity, reserved, _hash(guests_raw), lower_caps)
 
     queues = []
     for tier in Tier:

@@ -1,7 +1,7 @@
 """The plain-text tables of ``python -m admission.inspect`` (``admission.inspect`` reads the
-snapshot they render): one block per pool, the nodes with their capacity, reservations, release
-control and lane or dedicated role, the queues and why they wait, the gateways' leases and the
-tenants' buckets.
+snapshot they render): one block per pool, the nodes with each tier's budget and headroom,
+their reservations, release control and lane or dedicated role, the queues and why they wait,
+the gateways' leases and the tenants' buckets.
 """
 
 from __future__ import annotations
@@ -40,6 +40,12 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], indent: str = "
     widths = [max(len(r[i]) for r in body) for i in range(len(headers))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
             for r in body]
+
+
+def _per_tier(values: Sequence[int], vip: int) -> str:
+    """VIP's, Normal's and Batch's figures ("9500/4000/1500"): each tier is placed against its
+    own budget, so VIP's room alone says nothing of a Normal or Batch queue's."""
+    return "/".join(str(v) for v in values) if values else str(vip)
 
 
 def _dedicated(n: NodeView) -> str:
@@ -108,9 +114,10 @@ def render_pool(p: PoolView) -> list[str]:
         + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
     ]
     lines += table(
-        ["node", "capacity", "reserved", "headroom", "usage", "projected", "prefill room",
-         "dedicated", "guests", "out"],
-        ([n.node, str(n.capacity), str(n.reserved), str(n.headroom),
+        ["node", "capacity v/n/b", "reserved", "headroom v/n/b", "usage", "projected",
+         "prefill room", "dedicated", "guests", "out"],
+        ([n.node, _per_tier(n.tier_capacity, n.capacity), str(n.reserved),
+          _per_tier(n.tier_headroom, n.headroom),
           _num(n.usage, "{:.4f}"), _num(n.projected, "{:.4f}"), _prefill(n), _dedicated(n),
           str(n.guests), n.out or ""]
          for n in p.nodes),

@@ -205,6 +205,31 @@ async def test_guests_of_a_dedicated_node_are_shown(redis_client: aioredis.Redis
     assert "closed to guests" in inspect.render(await inspect.snapshot(redis_client, [POOL]))
 
 
+async def test_each_tiers_budget_and_headroom_are_shown(redis_client: aioredis.Redis) -> None:
+    """Normal and Batch are placed against budgets of their own (`node_capacity:normal`,
+    `:batch`), below VIP's: a Batch queue held by `kv` beside a large VIP headroom must not
+    read as a node with room to spare."""
+    w = World(redis_client)
+    await w.at(T0)
+    await w.store.publish_state(1, Zone.GREEN, {"gpu-0": (10_000, 6_000, 2_000)})
+    # 1900 of Batch's 2000 reserved; the next Batch task (1000) fits VIP's and Normal's room.
+    assert await w.admit("big", ETL, Tier.BATCH, 1_500, 400, "gw-1") is AdmitOutcome.RELEASED
+    assert await w.admit("next", ETL, Tier.BATCH, 500, 500, "gw-1") is AdmitOutcome.QUEUED
+    snap = await inspect.snapshot(redis_client, [POOL])
+    (node,) = snap.pools[0].nodes
+    assert (node.capacity, node.reserved, node.headroom) == (10_000, 1_900, 8_100)
+    assert node.tier_capacity == [10_000, 6_000, 2_000]
+    assert node.tier_headroom == [8_100, 4_100, 100]
+    text = inspect.render(snap)
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("gpu-0"))
+    assert row[1:4] == ["10000/6000/2000", "1900", "8100/4100/100"]
+    assert any(line.split()[:4] == ["node", "capacity", "v/n/b", "reserved"]
+               for line in text.splitlines())
+    doc = json.loads(snap.to_json())["pools"][0]["nodes"][0]
+    assert (doc["tier_capacity"], doc["tier_headroom"]) == ([10_000, 6_000, 2_000],
+                                                            [8_100, 4_100, 100])
+
+
 async def test_the_light_tenants_yellow_credit_is_shown(redis_client: aioredis.Redis) -> None:
     w = World(redis_client)
     await w.at(T0)
@@ -259,8 +284,10 @@ async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None
         assert 1 <= len(found) <= 2, found
         return found[0]
 
-    assert row("gpu-0") == ["gpu-0", "10000", "500", "9500", "0.5000", "0.6000", "-", "-", "0"]
-    assert row("gpu-1") == ["gpu-1", "8000", "0", "8000", "-", "-", "-", "-", "0", "stale"]
+    assert row("gpu-0") == ["gpu-0", "10000/10000/10000", "500", "9500/9500/9500", "0.5000",
+                            "0.6000", "-", "-", "0"]
+    assert row("gpu-1") == ["gpu-1", "8000/8000/8000", "0", "8000/8000/8000", "-", "-", "-",
+                            "-", "0", "stale"]
     assert row("batch") == ["batch", "2", "3.0", "s", "c", "-"]
     assert row("gw-2") == ["gw-2", "2", "7.0", "s"]
     assert row("acme") == ["acme", "9300.0", "10000", "93.0", "100", "0", "-", "-"]

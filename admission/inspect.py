@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -390,13 +391,36 @@ Redis: --config FILE (REDIS_URL overrides its redis.url, as in the services), el
 else REDIS_URL, else redis://127.0.0.1:6379/0. The address read (never its credentials) and the
 pools are printed on stderr first.
 
-exit status: 0: shown; {EXIT_REDIS}: Redis unreachable or failing; {EXIT_CONFIG}: bad flags or
-configuration; {EXIT_NOTHING}: Redis holds no kvgate key of those pools (or of any pool).
+exit status: 0: shown (also when the reader of the output stops early, as `| head` does);
+{EXIT_REDIS}: Redis unreachable or failing; {EXIT_CONFIG}: bad flags or configuration;
+{EXIT_NOTHING}: Redis holds no kvgate key of those pools (or of any pool).
 """
 
 
 class Unreadable(Exception):
     """Redis could not be read; the message names the address (without credentials)."""
+
+
+class ReaderGone(Exception):
+    """Whoever read stdout stopped (``| head``, a pager quit): nothing more to show. Without
+    it, the write's BrokenPipeError (an OSError) was reported as Redis failing to be read."""
+
+
+def _write(text: str) -> None:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise ReaderGone from None
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null: what its buffer still holds would fail again when the
+    interpreter flushes it at exit ("Exception ignored ... BrokenPipeError")."""
+    with contextlib.suppress(OSError, ValueError):  # no descriptor (a captured stdout)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def seconds_argument(text: str) -> float:
@@ -475,13 +499,12 @@ async def _show(client: Any, target: Target, args: argparse.Namespace) -> int:
     while True:
         snap = await snapshot(client, pools, target.tenants)
         out = snap.to_json() + "\n" if args.json else render(snap, target.address)
-        sys.stdout.write(("\x1b[H\x1b[2J" if clear else "") + out)
-        sys.stdout.flush()
+        _write(("\x1b[H\x1b[2J" if clear else "") + out)
         shown += 1
         if frames is not None and shown >= frames:
             return 0
         if not clear and not args.json:
-            sys.stdout.write("\n")
+            _write("\n")
         await asyncio.sleep(interval)
 
 
@@ -498,6 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Unreadable as exc:
         _say(str(exc))
         return EXIT_REDIS
+    except ReaderGone:
+        _silence_stdout()
+        return 0
     except OSError as exc:  # Redis errors became Unreadable: this is the config file
         _say(str(exc))
         return EXIT_CONFIG

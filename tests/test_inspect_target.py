@@ -290,3 +290,33 @@ async def test_a_ca_flag_that_would_go_unused_or_cannot_be_loaded_is_a_usage_err
     assert (f"redis.ssl_ca_file of {tls}: cannot load {str(tmp_path / 'pod-ca.pem')!r}" in err
             and "name a copy with --ssl-ca-file" in err)
     assert "Traceback" not in err
+
+
+async def _populated(redis_factory: Callable[..., LocalRedis]) -> LocalRedis:
+    server = redis_factory()
+    client = aioredis.Redis.from_url(server.url)
+    try:
+        await populate(client)
+    finally:
+        await client.aclose()
+    return server
+
+
+async def test_a_reader_that_stops_reading_ends_it_quietly(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    # `kvgate-inspect --watch | head -n 1`: head exits after one line, and the next frame's
+    # write fails with EPIPE. That is no Redis failure: it was reported as "cannot read Redis
+    # at ...: [Errno 32] Broken pipe" with status 1. Without --count only EPIPE ends the run.
+    server = await _populated(redis_factory)
+    script = '"$@" | head -n 1; exit "${PIPESTATUS[0]}"'
+    proc = await asyncio.create_subprocess_exec(
+        "bash", "-c", script, "bash", sys.executable, "-m", "admission.inspect",
+        "--redis-url", server.url, "--pool", POOL, "--watch", "0.05", cwd=ROOT, env=_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err_bytes = await asyncio.wait_for(proc.communicate(), 30)
+    err = err_bytes.decode()
+    assert proc.returncode == 0, err
+    assert out.decode() == f"redis redis://127.0.0.1:{server.port}/0\n"
+    assert "cannot read Redis" not in err and "Broken pipe" not in err, err
+    assert "Exception ignored" not in err and "Traceback" not in err, err

@@ -391,6 +391,9 @@ Redis: --config FILE (REDIS_URL overrides its redis.url, as in the services), el
 else REDIS_URL, else redis://127.0.0.1:6379/0. The address read (never its credentials) and the
 pools are printed on stderr first.
 
+With --watch, a refresh that fails (Redis timing out, restarting) is said on stderr and the
+next one follows as usual; with --count, the status is that of the last refresh.
+
 exit status: 0: shown (also when the reader of the output stops early, as `| head` does);
 {EXIT_REDIS}: Redis unreachable or failing; {EXIT_CONFIG}: bad flags or configuration;
 {EXIT_NOTHING}: Redis holds no kvgate key of those pools (or of any pool).
@@ -471,6 +474,16 @@ def _say(message: str) -> None:
     print(f"kvgate-inspect: {message}", file=sys.stderr, flush=True)
 
 
+READ_ERRORS = (RedisError, RedisClusterException, OSError)
+"""What a read raises when Redis fails. A cluster seed that is unreachable or not in cluster
+mode raises RedisClusterException, which does not derive from RedisError."""
+
+
+def _cannot_read(target: Target, exc: BaseException) -> str:
+    # redis-py's messages name host and port, never the password in the URL.
+    return f"cannot read Redis at {target.address}: {exc or type(exc).__name__}"
+
+
 async def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     target = resolve_target(config=args.config, redis_url=args.redis_url,
                             cluster=args.cluster, ssl_ca_file=args.ssl_ca_file,
@@ -480,12 +493,8 @@ async def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     client = connect(target.settings)
     try:
         return await _show(client, target, args)
-    except (RedisError, RedisClusterException, OSError) as exc:
-        # redis-py's messages name host and port, never the password in the URL. A cluster
-        # seed that is unreachable or not in cluster mode raises RedisClusterException,
-        # which does not derive from RedisError.
-        raise Unreadable(f"cannot read Redis at {target.address}: "
-                         f"{exc or type(exc).__name__}") from None
+    except READ_ERRORS as exc:
+        raise Unreadable(_cannot_read(target, exc)) from None
     finally:
         await client.aclose()
 
@@ -495,15 +504,29 @@ async def _show(client: Any, target: Target, args: argparse.Namespace) -> int:
     interval = 2.0 if args.watch is None else args.watch
     frames = args.count or (1 if args.watch is None else None)
     clear = args.watch is not None and not args.json and sys.stdout.isatty()
-    shown = 0
+    refreshes = 0
     while True:
-        snap = await snapshot(client, pools, target.tenants)
-        out = snap.to_json() + "\n" if args.json else render(snap, target.address)
-        _write(("\x1b[H\x1b[2J" if clear else "") + out)
-        shown += 1
-        if frames is not None and shown >= frames:
-            return 0
-        if not clear and not args.json:
+        failed = False
+        try:
+            snap = await snapshot(client, pools, target.tenants)
+        except READ_ERRORS as exc:
+            if args.watch is None:
+                raise
+            # --watch runs through an incident: a Redis that times out or restarts once must
+            # not end it (its first reads, choose_pools', did answer). Said on stderr, and the
+            # screen cleared, lest the last frame read as the current one.
+            failed = True
+            if clear:
+                _write("\x1b[H\x1b[2J")
+            _say(f"refresh {refreshes + 1} failed: {_cannot_read(target, exc)}; "
+                 f"trying again in {interval:g} s")
+        else:
+            out = snap.to_json() + "\n" if args.json else render(snap, target.address)
+            _write(("\x1b[H\x1b[2J" if clear else "") + out)
+        refreshes += 1
+        if frames is not None and refreshes >= frames:
+            return EXIT_REDIS if failed else 0
+        if not clear and not args.json and not failed:
             _write("\n")
         await asyncio.sleep(interval)
 

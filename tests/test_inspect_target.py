@@ -10,6 +10,7 @@ connecting to it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import socket
@@ -320,3 +321,57 @@ async def test_a_reader_that_stops_reading_ends_it_quietly(
     assert out.decode() == f"redis redis://127.0.0.1:{server.port}/0\n"
     assert "cannot read Redis" not in err and "Broken pipe" not in err, err
     assert "Exception ignored" not in err and "Traceback" not in err, err
+
+
+async def test_watch_outlives_a_redis_restart_and_says_what_failed(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    # --watch runs through an incident: Redis killed after the first frame, then restarted on
+    # its port (empty). A refresh that fails is said on stderr and the next one follows; it
+    # used to end the watch with status 1 at the first timeout or refused connection.
+    server = await _populated(redis_factory)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admission.inspect", "--redis-url", server.url, "--pool", POOL,
+        "--json", "--watch", "1", "--count", "5", cwd=ROOT, env=_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    assert json.loads(first)["pools"][0]["queued"] == 2
+    server.kill()
+    said: list[str] = []
+    while not any("refresh 2 failed" in line for line in said):
+        line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+        assert line, said  # it ended instead
+        said.append(line)
+    redis_factory(port=server.port)
+    out, rest = await asyncio.wait_for(proc.communicate(), 60)
+    err = "".join(said) + rest.decode()
+    assert proc.returncode == 0, err  # the last refresh read the restarted Redis
+    docs = [first, *out.decode().splitlines()]
+    failures = [line for line in err.splitlines() if " failed: cannot read Redis at " in line]
+    assert len(docs) >= 2 and len(docs) + len(failures) == 5, err
+    assert (f"kvgate-inspect: refresh 2 failed: cannot read Redis at "
+            f"redis://127.0.0.1:{server.port}/0: ") in err
+    assert "trying again in 1 s" in err and "Traceback" not in err
+    assert json.loads(docs[-1])["pools"][0]["queued"] == 0  # the restarted Redis is empty
+
+
+async def test_watch_with_a_count_exits_1_when_its_last_refresh_failed(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    server = await _populated(redis_factory)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "admission.inspect", "--redis-url", server.url, "--pool", POOL,
+        "--json", "--watch", "0.5", "--count", "3", cwd=ROOT, env=_env(),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    first = await asyncio.wait_for(proc.stdout.readline(), 30)
+    server.kill()
+    out, err_bytes = await asyncio.wait_for(proc.communicate(), 60)
+    err = err_bytes.decode()
+    assert proc.returncode == 1, err
+    docs = [first.decode(), *out.decode().splitlines()]
+    failures = [line for line in err.splitlines() if " failed: cannot read Redis at " in line]
+    assert failures and len(docs) + len(failures) == 3, err
+    assert err.splitlines()[-1].startswith("kvgate-inspect: refresh 3 failed: "), err
+    assert "Traceback" not in err

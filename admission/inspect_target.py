@@ -37,7 +37,7 @@ from redis.asyncio.connection import parse_url
 from admission.config import ConfigError, RedisSettings, TenantSettings, load_config
 from admission.configfields import redis_url_error
 from admission.connection import redis_address
-from admission.keys import ROOT, PoolKeys
+from admission.keys import NAME_PATTERN, ROOT, PoolKeys
 
 ANY_POOL_PATTERN = f"{ROOT}:{{*}}:*"
 """Keys of every pool (the scheduler's own keys, ``{sched}``, match too and are skipped)."""
@@ -177,14 +177,23 @@ class NothingFound(Exception):
     """Redis answered, but holds no key of the pools asked for (or of any pool)."""
 
 
-async def discover_pools(client: Any) -> list[str]:
-    """Pool names found in the keyspace (one SCAN pass), for when none is named."""
+async def discover_pools(client: Any, foreign: set[str] | None = None) -> list[str]:
+    """Pool names found in the keyspace (one SCAN pass), for when none is named.
+
+    A key of the pattern whose tag is no pool name (`kvg:{a b}:x`, `kvg:{}:x`: written by
+    hand or by another program) is not kvgate's: its tag is left out, and added to
+    `foreign` when given. Read as a pool, it raised ValueError from PoolKeys and the CLI
+    ended with a traceback, whatever the real pools held."""
     pools: set[str] = set()
     async for raw in client.scan_iter(match=ANY_POOL_PATTERN, count=SCAN_COUNT):
-        key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        key = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
         tag = key[len(ROOT) + 2:key.find("}")]
-        if tag != "sched":
+        if tag == "sched":
+            continue
+        if NAME_PATTERN.match(tag):
             pools.add(tag)
+        elif foreign is not None:
+            foreign.add(tag)
     return sorted(pools)
 
 
@@ -195,7 +204,12 @@ async def choose_pools(client: Any, target: Target, say: Callable[[str], None]) 
     warning: a pool whose scheduler has not published yet looks like that.
     """
     if not target.pools:
-        pools = await discover_pools(client)
+        foreign: set[str] = set()
+        pools = await discover_pools(client, foreign)
+        if foreign:
+            say(f"ignored the keys matching {ANY_POOL_PATTERN} whose tag is no pool name: "
+                f"{', '.join(repr(t) for t in sorted(foreign)[:5])}"
+                f"{' and more' if len(foreign) > 5 else ''}")
         if not pools:
             raise NothingFound(
                 f"no kvgate keys in {target.address}: no key matches {ANY_POOL_PATTERN}. "

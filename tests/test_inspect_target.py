@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 
 from admission.config import ConfigError, RedisSettings
 from admission.connection import redis_address
-from admission.inspect_target import resolve_target
+from admission.inspect_target import discover_pools, resolve_target
 from bench.common.localredis import LocalRedis, free_port
 from tests.test_inspect import POOL, populate
 
@@ -375,3 +375,30 @@ async def test_watch_with_a_count_exits_1_when_its_last_refresh_failed(
     assert failures and len(docs) + len(failures) == 3, err
     assert err.splitlines()[-1].startswith("kvgate-inspect: refresh 3 failed: "), err
     assert "Traceback" not in err
+
+
+async def test_keys_whose_tag_is_no_pool_name_are_named_and_left_out(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    # Keys of kvgate's pattern written by hand or by another program: read as pools, their
+    # tags raised ValueError (or UnicodeDecodeError) and the CLI ended with a traceback.
+    server = await _populated(redis_factory)
+    empty = redis_factory()
+    for url in (server.url, empty.url):
+        client = aioredis.Redis.from_url(url)
+        try:
+            await client.set("kvg:{not a pool}:x", 1)
+            await client.set("kvg:{}:y", 1)
+            await client.set(b"kvg:{\xff}:z", 1)
+            assert await discover_pools(client) == ([POOL] if url == server.url else [])
+        finally:
+            await client.aclose()
+    code, out, err, _ = await _cli("--redis-url", server.url, env=_env())
+    assert code == 0, err
+    assert f"pool {POOL}  zone YELLOW" in out
+    assert "ignored the keys matching kvg:{*}:* whose tag is no pool name: ''," in err
+    assert "'not a pool'" in err and "Traceback" not in err
+    # Nothing but such keys: no kvgate key, as on an empty server.
+    code, out, err, _ = await _cli("--redis-url", empty.url, env=_env())
+    assert (code, out) == (3, ""), err
+    assert "no kvgate keys in" in err and "Traceback" not in err

@@ -189,19 +189,24 @@ def _hash(raw: Mapping[Any, Any]) -> dict[str, str]:
 
 
 def _int(value: str | None) -> int | None:
+    """A field as an integer; None when it is missing or no finite number (operators can
+    write anything with redis-cli: "1e999" must not end the read with an OverflowError)."""
     if value is None or value == "":
         return None
     try:
-        return int(float(value)) if "." in value or "e" in value else int(value)
-    except ValueError:
+        return int(float(value)) if "." in value or "e" in value.lower() else int(value)
+    except (ValueError, OverflowError):
         return None
 
 
 def _float(value: str | None) -> float | None:
+    """A field as a finite float, else None: "nan" or "inf" would make `--json` and the admin
+    API print NaN or Infinity, which JSON parsers (jq, JSON.parse) refuse."""
     try:
-        return None if value is None or value == "" else float(value)
+        number = None if value is None or value == "" else float(value)
     except ValueError:
         return None
+    return number if number is not None and math.isfinite(number) else None
 
 
 def bucket_level(raw: Mapping[str, str], now_us: int) -> tuple[int, int, int] | None:
@@ -237,7 +242,7 @@ async def read_scheduler(client: Any) -> SchedulerView:
         leader, pttl, epoch = await pipe.execute()
     return SchedulerView(
         leader=None if leader is None else _text(leader),
-        epoch=int(epoch or 0),
+        epoch=(None if epoch is None else _int(_text(epoch))) or 0,
         lease_left_ms=int(pttl) if leader is not None and int(pttl) >= 0 else None,
     )
 
@@ -333,7 +338,7 @@ async def read_pool(client: Any, pool: str,
     gateways = [GatewayView(g, expiry, expiry - now, n)
                 for (g, expiry), n in zip(leases, live, strict=True)]
 
-    queued_by_tenant = {k: int(v) for k, v in _hash(queued_raw).items()}
+    queued_by_tenant = {k: _int(v) or 0 for k, v in _hash(queued_raw).items()}
     buckets = await _buckets(client, keys)
     configured = {t.name: t for t in tenants}
     views = []

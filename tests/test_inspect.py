@@ -230,6 +230,36 @@ async def test_each_tiers_budget_and_headroom_are_shown(redis_client: aioredis.R
                                                             [8_100, 4_100, 100])
 
 
+async def test_fields_that_are_no_finite_number_read_as_unknown(
+    redis_client: aioredis.Redis,
+) -> None:
+    """Fields written by hand (redis-cli) or by a broken writer that are no finite number must
+    neither end the read (int() of 1e999 raised OverflowError) nor make the JSON document of
+    --json and the admin API invalid (float() of "nan" and "inf" printed NaN and Infinity,
+    which jq and JSON.parse refuse)."""
+    w = await populate(redis_client)
+    keys = w.store.keys
+    await redis_client.hset(keys.state, mapping={
+        "drain_1": "nan", "usage:gpu-0": "inf", "projected:gpu-0": "-inf"})
+    await redis_client.hset(keys.node_capacity, "gpu-1", "1e999")
+    await redis_client.hset(keys.stats, "settled", "1E999")
+    await redis_client.hset(keys.tenant_queued, "etl", "two")
+    snap = await inspect.snapshot(redis_client, [POOL])
+    (p,) = snap.pools
+    assert p.drain == [2.0, None, 0.0]
+    gpu0, gpu1 = p.nodes
+    assert (gpu0.usage, gpu0.projected) == (None, None)
+    assert (gpu1.capacity, gpu1.headroom) == (0, 0)
+    assert "settled" not in p.stats and p.stats["settled_cost"] == 1500
+    assert next(t for t in p.tenants if t.tenant == "etl").queued == 0
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    json.loads(snap.to_json(), parse_constant=refuse)
+    assert "pool insp  zone YELLOW" in inspect.render(snap)
+
+
 async def test_the_light_tenants_yellow_credit_is_shown(redis_client: aioredis.Redis) -> None:
     w = World(redis_client)
     await w.at(T0)

@@ -5,7 +5,8 @@ The CLI finds its Redis the way the services do, first match wins:
 1. ``--config FILE``: the file's ``[redis]`` settings, ``REDIS_URL`` (when set and not empty)
    overriding ``redis.url`` exactly as in the gateway and the scheduler, and ``--ssl-ca-file``
    its ``redis.ssl_ca_file`` (``--cluster`` is refused: the file says whether it is one);
-2. ``--redis-url URL``;
+2. ``--redis-url URL`` (an empty one is an error: ``--redis-url "$REDIS_URL"`` with the
+   variable unset must not read the default server);
 3. ``REDIS_URL``;
 4. the services' default, ``redis://127.0.0.1:6379/0``.
 
@@ -143,7 +144,12 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
         return Target(settings, source, named or tuple(loaded.pools),
                       "--pool" if named else f"the pools of {config}", loaded.tenants,
                       ca_source)
-    if redis_url:
+    if redis_url == "":
+        # `--redis-url "$REDIS_URL"` in a shell where it is unset: falling back to REDIS_URL or
+        # the default would read another server than the one the flag was meant to name.
+        raise ConfigError("--redis-url: is empty (an unset variable, as in "
+                          "--redis-url \"$REDIS_URL\"?); name the Redis the services use")
+    if redis_url is not None:
         url, source = _check_url(redis_url, "--redis-url"), "--redis-url"
     elif env.get("REDIS_URL"):
         url, source = _check_url(env["REDIS_URL"], "REDIS_URL"), "REDIS_URL"

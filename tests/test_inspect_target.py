@@ -106,6 +106,23 @@ def test_sources_in_the_services_order_and_no_credentials(tmp_path: Path) -> Non
         resolve(env={"REDIS_URL": "localhost:6379"})
 
 
+def test_an_empty_redis_url_flag_is_refused_not_replaced_by_another_server() -> None:
+    # `kvgate-inspect --redis-url "$REDIS_URL"` (the runbook's line) in a shell where it is
+    # unset passes "": the CLI read REDIS_URL's server or the default one instead, and said
+    # "no --redis-url".
+    for env in ({}, {"REDIS_URL": "redis://elsewhere:6379/0"}):
+        with pytest.raises(ConfigError, match=r"^--redis-url: is empty \(an unset variable"):
+            resolve_target(config=None, redis_url="", cluster=False, ssl_ca_file=None,
+                           pools=[], env=env)
+
+
+async def test_an_empty_redis_url_flag_exits_2_before_reading() -> None:
+    code, out, err, _ = await _cli("--redis-url", "", "--pool", POOL, env=_env())
+    assert (code, out) == (2, ""), err
+    assert "kvgate-inspect: --redis-url: is empty" in err
+    assert "reading" not in err and "Traceback" not in err
+
+
 def test_with_a_config_file_the_ca_flag_overrides_it_and_the_cluster_flag_is_refused(
         tmp_path: Path) -> None:
     path = _config(tmp_path, "rediss://file-host:6380/0")

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from admission.inspect_fair import render_fair
 from admission.tiers import Tier
 
-if TYPE_CHECKING:  # (admission.inspect imports this module to render)
-    from admission.inspect import NodeView, PoolView, Snapshot
+if TYPE_CHECKING:
+    from admission.inspect_read import NodeView, PoolView, Snapshot
     from admission.reads import Held
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from admission.inspect import snapshot
+from admission.inspect_read import snapshot
 from gateway.admit import STORE_ERRORS
 from gateway.errors import ApiError, unavailable
 from gateway.state import ADMIN, GATEWAY, METRICS

@@ -298,7 +298,7 @@ async def test_normal_is_queued_not_rejected_above_its_ceiling(live: Live, level
     await assert_held(live, Tier.NORMAL, pending)
     # The room above Normal's ceiling is VIP's: VIP passes the queued Normal work.
     vip = await vip_round(live)
-    assert not any(t.done() for t in pending)
+    assert not any(t.done() for t in pending), [t.result() for t in pending if t.done()]
     fell = await live.set_kv(0.72)
     answers = await asyncio.gather(*pending)
     assert [a.status for a in answers] == [200, 200], [a.body for a in answers]

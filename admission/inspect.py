@@ -26,10 +26,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from redis.exceptions import RedisClusterException, RedisError
-
 from admission.config import ConfigError
 from admission.connection import connect
+from admission.errors import REDIS_ERRORS
 from admission.inspect_read import Snapshot as Snapshot  # public here too
 from admission.inspect_read import snapshot as snapshot  # public here too
 from admission.inspect_render import render as render  # public here too
@@ -139,11 +138,6 @@ def _say(message: str) -> None:
     print(f"kvgate-inspect: {message}", file=sys.stderr, flush=True)
 
 
-READ_ERRORS = (RedisError, RedisClusterException, OSError)
-"""What a read raises when Redis fails. A cluster seed that is unreachable or not in cluster
-mode raises RedisClusterException, which does not derive from RedisError."""
-
-
 def _cannot_read(target: Target, exc: BaseException) -> str:
     # redis-py's messages name host and port, never the password in the URL.
     return f"cannot read Redis at {target.address}: {exc or type(exc).__name__}"
@@ -158,7 +152,7 @@ async def run(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     client = connect(target.settings)
     try:
         return await _show(client, target, args)
-    except READ_ERRORS as exc:
+    except REDIS_ERRORS as exc:
         raise Unreadable(_cannot_read(target, exc)) from None
     finally:
         await client.aclose()
@@ -174,7 +168,7 @@ async def _show(client: Any, target: Target, args: argparse.Namespace) -> int:
         failed = False
         try:
             snap = await snapshot(client, pools, target.tenants)
-        except READ_ERRORS as exc:
+        except REDIS_ERRORS as exc:
             if args.watch is None:
                 raise
             # --watch runs through an incident: a Redis that times out or restarts once must

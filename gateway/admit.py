@@ -205,8 +205,7 @@ class Admitter:
                 # Cancelled (client gone) while the admit was in flight: it may have run.
                 self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
                 raise
-            if self.store_down.failures:
-                self.store_down.succeeded()
+            self.store_down.succeeded()
             if result.outcome is AdmitOutcome.RELEASED:
                 assert result.node is not None
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)

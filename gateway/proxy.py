@@ -345,7 +345,7 @@ class Upstream:
         meter.phase = Phase.SENT
         try:
             upstream = await self.client.post(
-                ticket.url, _ROUTES[inbound.kind], inbound.payload or orjson.dumps(inbound.body),
+                ticket.url, _ROUTES[inbound.kind], inbound.payload,
                 forwarded_headers(request, ticket.task_id, ticket.pool.backend_headers),
                 read_timeout_s=read_timeout_s,
             )

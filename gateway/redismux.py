@@ -56,6 +56,21 @@ MAX_CLIENTS_REPLY = "ERR max number of clients"
 "... reached", or "... + cluster connections reached" on a cluster node)."""
 
 
+def _lost_connection(message: str) -> ConnectionError | None:
+    """The ConnectionError for an error reply that condemns the connection, else None: every
+    later call on it would fail alike, so it is dropped and the next call opens another.
+
+    READONLY: a failover made this server a replica; the next connection finds the primary.
+    Max clients: Redis at `maxclients` answers a new connection with this and closes it, a
+    refusal that passes once clients leave (redis-py raises it as a ConnectionError too), not
+    an ERR reply to the command, which is_transient takes for a failing script."""
+    if message.startswith("READONLY"):
+        return ConnectionError(f"Redis is a replica now: {message}")
+    if message.startswith(MAX_CLIENTS_REPLY):
+        return ConnectionError("Redis refused the connection: max number of clients")
+    return None
+
+
 def pack(args: Sequence[bytes | str | int | float]) -> bytes:
     """One RESP command."""
     parts = [b"*%d\r\n" % len(args)]
@@ -103,19 +118,8 @@ class _Protocol(asyncio.Protocol):
                 continue
             if isinstance(reply, hiredis.ReplyError):
                 message = str(reply)
-                if message.startswith("READONLY"):
-                    # A failover made this server a replica: every call on this connection
-                    # fails alike; drop it so that the next call finds the new primary.
-                    lost = ConnectionError(f"Redis is a replica now: {message}")
-                    future.set_exception(lost)
-                    self.fail(lost)
-                    return
-                if message.startswith(MAX_CLIENTS_REPLY):
-                    # Redis at maxclients answers a new connection with this and closes it: a
-                    # refused connection, which passes once clients leave (redis-py raises it
-                    # as a ConnectionError too), not an ERR reply to the command, which
-                    # is_transient takes for a failing script and a settle gave up at once.
-                    lost = ConnectionError("Redis refused the connection: max number of clients")
+                lost = _lost_connection(message)
+                if lost is not None:
                     future.set_exception(lost)
                     self.fail(lost)
                     return

@@ -92,7 +92,12 @@ def test_one_cell_end_to_end_writes_the_table_and_the_json(tmp_path: Path) -> No
         assert summary["client_lag_ms"][3] > 0 and summary["client_lag_ms"][1] > 0
         lags = json.loads((tmp_path / "logs" / "ci-article-n2-s1" / f"arm-{arm['arm']}"
                            / "client_lag.json").read_text())
-        assert len(lags) >= 4 and max(lags) * 1000 == pytest.approx(summary["client_lag_ms"][1])
+        # The summary reads the seconds up to the load's end; the file holds the whole run,
+        # whose last seconds (cancelling what is left) may lag more.
+        per_second = [lag * 1000 for lag in lags]
+        assert len(lags) >= 4
+        assert any(max(per_second[:k]) == pytest.approx(summary["client_lag_ms"][1])
+                   for k in range(1, len(lags) + 1)), (per_second, summary["client_lag_ms"])
     # Every arm judged VIP requests (how many depends on when each arm stopped: requests still
     # in flight after the burst are censored).
     assert all(a["summary"]["counted"]["vip"] > 0 for a in record["arms"])

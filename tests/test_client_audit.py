@@ -26,6 +26,7 @@ import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 
+import kvgate_client
 from admission.tiers import Zone
 from kvgate_client import (
     APIStatusError,
@@ -33,6 +34,7 @@ from kvgate_client import (
     AsyncRetryTransport,
     KvgateClient,
     KvgateError,
+    RetryPolicy,
     RetryStats,
     RetryTransport,
     StreamError,
@@ -338,6 +340,65 @@ def test_an_interrupted_sync_backoff_is_counted() -> None:
     assert_only_the_first_attempt_counted(transport.stats(), *during_sleep)
 
 
+async def test_a_request_cancelled_while_its_rejection_is_read_is_counted() -> None:
+    """The 429 decided a retry (its token taken); the task is cancelled while the rejection's
+    body is still arriving, before the backoff: the request ends canceled and the token is
+    back, as when the cancel comes in the backoff."""
+    responded = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=429, headers={
+            "retry-after-ms": "30000", "content-type": "application/json",
+            "content-length": "1000"})
+        await response.prepare(request)
+        await response.write(b'{"error": {"code": "capacity_exceeded"')
+        await asyncio.Event().wait()  # the rest of the body never comes
+        return response
+
+    class Signalling(httpx.AsyncHTTPTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            response = await super().handle_async_request(request)
+            responded.set()  # the retry transport decides and starts reading the body now
+            return response
+
+    app = web.Application()
+    app.router.add_post("/", handle)
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    transport = AsyncRetryTransport(Signalling(), sleep=sleep)
+    async with serve_app(app) as url, httpx.AsyncClient(transport=transport) as http:
+        task = asyncio.create_task(http.post(url + "/", json={}))
+        await responded.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert slept == []  # cancelled in the body's read, not in the backoff
+    assert dict(transport.stats().outcomes) == {"canceled": 1}
+    assert_only_the_first_attempt_counted(transport.stats())
+
+
+def test_a_sync_request_interrupted_while_its_rejection_is_read_is_counted() -> None:
+    class Interrupt(BaseException):
+        pass
+
+    class CutBody(httpx.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            yield b'{"error": '
+            raise Interrupt  # what KeyboardInterrupt does in the middle of the read
+
+    def reject(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(429, headers={"retry-after-ms": "30000"}, stream=CutBody())
+
+    transport = RetryTransport(httpx.MockTransport(reject), sleep=lambda s: None)
+    with httpx.Client(transport=transport) as http, pytest.raises(Interrupt):
+        http.post("http://gw/", json={})
+    assert dict(transport.stats().outcomes) == {"canceled": 1}
+    assert_only_the_first_attempt_counted(transport.stats())
+
+
 class ThreadServer:
     """`app` on a loopback port, served by its own event loop in a thread (for sync clients);
     entering yields its base URL."""
@@ -402,3 +463,77 @@ async def test_readme_examples_run_against_the_gateway(
         out, err = await asyncio.wait_for(process.communicate(), 120)
     assert process.returncode == 0, err.decode()[-3000:]
     assert out.decode().count(" t0 t1 t2") >= 3  # every streamed example printed its tokens
+
+
+# --- the environment's proxy ------------------------------------------------------------------
+
+
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+
+
+class RecordingProxy:
+    """A forward proxy that answers itself: it records each request's target (absolute form,
+    as a client sends it to a proxy), rejects the first with a 429, then answers."""
+
+    def __init__(self) -> None:
+        self.targets: list[str] = []
+
+    def app(self) -> web.Application:
+        async def handle(request: web.Request) -> web.Response:
+            self.targets.append(f"{request.method} {request.raw_path}")
+            if len(self.targets) == 1:
+                return web.json_response({"error": {"code": "capacity_exceeded"}}, status=429,
+                                         headers={"retry-after-ms": "1"})
+            return web.json_response({"choices": [{"index": 0, "message": {
+                "role": "assistant", "content": "via the proxy"}, "finish_reason": "stop"}]})
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+
+@pytest.fixture
+def no_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    return monkeypatch
+
+
+def test_the_clients_go_through_the_environments_proxy(
+        no_proxy_environment: pytest.MonkeyPatch) -> None:
+    """Behind an egress proxy only the constructor line changes, as with the official SDK:
+    both clients send every attempt, retries too, through the proxy HTTP_PROXY names, to the
+    gateway it cannot reach itself."""
+    quick = RetryPolicy(base_delay_s=0.001, max_delay_s=0.001)
+    target = "POST http://gateway.invalid/v1/chat/completions"
+    for build in (
+        lambda: KvgateClient("http://gateway.invalid/v1", "k", policy=quick).chat(
+            "m", MESSAGES)["choices"][0]["message"]["content"],
+        lambda: kvgate_client.openai(base_url="http://gateway.invalid/v1", api_key="k",
+                                     policy=quick).chat.completions.create(
+            model="m", messages=MESSAGES).choices[0].message.content,
+    ):
+        proxy = RecordingProxy()
+        with ThreadServer(proxy.app()) as url:
+            no_proxy_environment.setenv("HTTP_PROXY", url)
+            assert build() == "via the proxy"
+        assert proxy.targets == [target, target]
+
+
+async def test_the_async_client_goes_through_the_proxy_but_to_exempt_hosts(
+        no_proxy_environment: pytest.MonkeyPatch) -> None:
+    proxy = RecordingProxy()
+    quick = RetryPolicy(base_delay_s=0.001, max_delay_s=0.001)
+    async with serve_app(proxy.app()) as url:
+        no_proxy_environment.setenv("ALL_PROXY", url)
+        async with AsyncKvgateClient("http://gateway.invalid/v1", "k", policy=quick) as client:
+            reply = await client.chat("m", MESSAGES)
+        assert reply["choices"][0]["message"]["content"] == "via the proxy"
+        assert proxy.targets == ["POST http://gateway.invalid/v1/chat/completions"] * 2
+        # NO_PROXY exempts the host: the request goes straight to it (here, the same server,
+        # reached directly: its request line holds the path alone).
+        no_proxy_environment.setenv("NO_PROXY", "127.0.0.1")
+        async with AsyncKvgateClient(url + "/v1", "k", policy=quick) as client:
+            await client.chat("m", MESSAGES)
+        assert proxy.targets[2:] == ["POST /v1/chat/completions"]

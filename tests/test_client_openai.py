@@ -253,6 +253,24 @@ def test_wrap_refuses_sdk_retries_and_foreign_http_client() -> None:
     assert isinstance(client, openai.AsyncOpenAI) and client.max_retries == 0
 
 
+def test_copies_refuse_sdk_retries_too(server: Server) -> None:
+    """`with_options(max_retries=N)`, the SDK's way to retry a few calls harder, shares the
+    transport: the SDK's retries would run on top of kvgate's. Refused like the factory's, on
+    copies of copies too; other options still change."""
+    server.script.rejects = 10
+    client = sync_client(server, Sleeps())
+    for make in (client.with_options, client.copy):
+        with pytest.raises(TypeError, match="max_retries must stay 0"):
+            make(max_retries=2)
+    patient = client.with_options(timeout=5.0)
+    assert patient.timeout == 5.0 and patient.max_retries == 0
+    with pytest.raises(TypeError, match="max_retries must stay 0"):
+        patient.with_options(max_retries=1)
+    with pytest.raises(openai.RateLimitError):
+        patient.with_options(max_retries=0).chat.completions.create(model="m", messages=MESSAGES)
+    assert len(server.script.attempts) == kvgate_client.MAX_ATTEMPTS  # kvgate's alone
+
+
 def test_standalone_client_chat_stream_and_errors(server: Server) -> None:
     sleeps = Sleeps()
     transport = RetryTransport(httpx.HTTPTransport(), sleep=sleeps.sleep)
@@ -267,6 +285,11 @@ def test_standalone_client_chat_stream_and_errors(server: Server) -> None:
         with pytest.raises(RateLimitError) as info:
             client.stream_chat("m", [{"role": "user", "content": "hi"}])
         assert info.value.code == "capacity_exceeded" and info.value.retry_after_ms == HINT_MS
+        # Headers as the server spelled them, read in any case (as a response's are).
+        headers = info.value.headers
+        assert headers.get("Retry-After") == headers.get("retry-after") == str(
+            -(-HINT_MS // 1000))
+        assert headers["X-Queue-Depth"] == "142"
         assert client.stats().attempts == 2 + 3 + 3
     assert server.script.attempts.count(None) == 3  # three logical requests
 

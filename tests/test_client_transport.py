@@ -10,7 +10,11 @@ import pytest
 
 from kvgate_client import (
     RETRY_COUNT_HEADER,
+    APIStatusError,
     AsyncRetryTransport,
+    InvalidResponseError,
+    KvgateClient,
+    KvgateError,
     RetryBudget,
     RetryPolicy,
     RetryTransport,
@@ -210,6 +214,22 @@ async def test_async_transport_retries_and_honours_hints() -> None:
     assert t.sleeps == [1.5, 2.0]
 
 
+def test_the_async_transport_retries_under_trio() -> None:
+    """httpx and the openai SDK run under trio as well as asyncio; so does the backoff, with
+    its default sleep (asyncio.sleep raised there: no running event loop)."""
+    import trio
+
+    handler, seen = rejecting([429], {"retry-after-ms": "1"})
+    transport = AsyncRetryTransport(httpx.MockTransport(handler), rand=lambda: 0.0)
+
+    async def main() -> int:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return (await client.post("http://gw/v1/chat/completions", content=b"{}")).status_code
+
+    assert trio.run(main) == 200 and len(seen) == 2
+    assert dict(transport.stats().outcomes) == {"ok": 1}
+
+
 async def test_async_transport_does_not_retry_400() -> None:
     t = FakeTime()
     handler, seen = rejecting([400])
@@ -226,3 +246,46 @@ def test_retrier_and_policy_are_exclusive() -> None:
             policy=RetryPolicy(),
             retrier=RetryTransport().retrier,
         )
+
+
+# --- the standalone client raises its own errors, and only those -------------------------
+
+
+def one_answer(response: Callable[[], httpx.Response]) -> KvgateClient:
+    transport = RetryTransport(httpx.MockTransport(lambda request: response()),
+                               policy=RetryPolicy(max_attempts=1))
+    return KvgateClient("http://gw/v1", "k", retry_transport=transport)
+
+
+def test_a_success_status_without_the_apis_json_is_an_invalid_response() -> None:
+    """A portal's page or a cut body behind a 200 is a KvgateError that carries the status
+    and the text, not a JSONDecodeError from deep inside the client."""
+    for body in ("<html>captive portal</html>", '{"choices": [', "[1, 2]"):
+        with one_answer(lambda body=body: httpx.Response(200, text=body, headers={  # type: ignore[misc]
+                "x-request-id": "task-7"})) as client, \
+                pytest.raises(InvalidResponseError) as info:
+            client.chat("m", [{"role": "user", "content": "hi"}])
+        assert isinstance(info.value, KvgateError)
+        assert (info.value.status_code, info.value.body, info.value.request_id) == (
+            200, body, "task-7")
+
+
+def test_a_redirect_is_an_error_status_not_a_success() -> None:
+    with one_answer(lambda: httpx.Response(308, headers={
+            "location": "https://gw/v1/chat/completions"})) as client, \
+            pytest.raises(APIStatusError) as info:
+        client.chat("m", [{"role": "user", "content": "hi"}])
+    assert info.value.status_code == 308
+
+
+def test_a_body_that_cannot_be_decoded_is_a_kvgate_error() -> None:
+    def junk() -> httpx.Response:
+        return httpx.Response(200, content=b"not gzip at all",
+                              headers={"content-encoding": "gzip"})
+
+    with one_answer(junk) as client:
+        with pytest.raises(KvgateError):
+            client.chat("m", [{"role": "user", "content": "hi"}])
+        with pytest.raises(KvgateError), client.stream_chat(
+                "m", [{"role": "user", "content": "hi"}]) as stream:
+            list(stream)

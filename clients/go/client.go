@@ -22,8 +22,9 @@ type ClientOptions struct {
 	// Retrier applies the retry policy; nil: NewDefaultRetrier(). Share one among clients
 	// to bound their retries with one budget.
 	Retrier *Retrier
-	// Base is the transport below the retries; nil: a clone of http.DefaultTransport with
-	// 100 idle connections per host, a 5 s connect timeout and a 600 s response-header timeout.
+	// Base is the transport below the retries; nil: DefaultBase(), a clone of
+	// http.DefaultTransport with 100 idle connections per host, a 5 s connect timeout and a
+	// 600 s response-header timeout.
 	Base http.RoundTripper
 	// Header is sent with every request (e.g. X-Priority: batch to lower a request's tier).
 	Header http.Header
@@ -42,8 +43,11 @@ type Client struct {
 }
 
 // NewClient returns a client for the API rooted at baseURL (e.g. "http://gateway:8080/v1";
-// "" means DefaultBaseURL).
+// "" reads $KVGATE_BASE_URL, then DefaultBaseURL).
 func NewClient(baseURL string, o ClientOptions) *Client {
+	if baseURL == "" {
+		baseURL = os.Getenv("KVGATE_BASE_URL")
+	}
 	if baseURL == "" {
 		baseURL = DefaultBaseURL
 	}
@@ -56,7 +60,7 @@ func NewClient(baseURL string, o ClientOptions) *Client {
 	}
 	base := o.Base
 	if base == nil {
-		base = defaultBase()
+		base = DefaultBase()
 	}
 	t := NewTransport(base, o.Retrier)
 	return &Client{

@@ -408,9 +408,17 @@ func TestStreamFramedByBareCRChunkByChunk(t *testing.T) {
 func TestDefaultsFromTheEnvironment(t *testing.T) {
 	t.Setenv("KVGATE_API_KEY", "")
 	t.Setenv("OPENAI_API_KEY", "sk-env")
+	t.Setenv("KVGATE_BASE_URL", "")
 	c := NewClient("", ClientOptions{})
 	if c.baseURL != "http://localhost:8080/v1" || c.apiKey != "sk-env" || c.Transport().Retrier().Policy().MaxAttempts != MaxAttempts {
 		t.Fatal(c.baseURL, c.apiKey)
+	}
+	t.Setenv("KVGATE_BASE_URL", "http://gateway:9000/v1")
+	if c := NewClient("", ClientOptions{}); c.baseURL != "http://gateway:9000/v1" {
+		t.Fatal(c.baseURL)
+	}
+	if c := NewClient("http://other/v1", ClientOptions{}); c.baseURL != "http://other/v1" {
+		t.Fatal(c.baseURL)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 )
@@ -141,26 +142,38 @@ func discard(resp *http.Response) {
 // canceled contexts are not: the request may be running on a GPU, and a second copy doubles
 // the load exactly when the fleet is slow.
 func IsConnectionError(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+	if err == nil || errors.Is(err, context.Canceled) {
 		return false
 	}
 	var op *net.OpError
+	// Before the deadline check: a dial that hits the Dialer's timeout is an OpError whose
+	// error also reads as context.DeadlineExceeded. (A request whose own context expired is
+	// not retried either way: RoundTrip checks the context first.)
+	if errors.As(err, &op) && (op.Op == "dial" || op.Op == "proxyconnect") {
+		return true
+	}
+	if errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
 	if errors.As(err, &op) {
-		return op.Op == "dial" || !op.Timeout()
+		return !op.Timeout()
 	}
 	var ne net.Error
 	if errors.As(err, &ne) && ne.Timeout() {
-		return false
+		// http.Transport's TLS handshake timeout (an unexported type): the connection was
+		// never usable, so no request reached the server.
+		return strings.Contains(err.Error(), "TLS handshake timeout")
 	}
 	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.ECONNREFUSED) ||
 		errors.Is(err, syscall.EPIPE)
 }
 
-// defaultBase is the transport below the retries of NewClient: http.DefaultTransport's
-// settings with more idle connections per host (a client talks to one gateway) and the
-// Python SDK's timeouts: 5 s to connect, 600 s for the response headers.
-func defaultBase() *http.Transport {
+// DefaultBase returns a new transport as NewClient puts below its retries when
+// ClientOptions.Base is nil: http.DefaultTransport's settings with more idle connections per
+// host (a client talks to one gateway) and the Python SDK's timeouts: 5 s to connect, 600 s
+// for the response headers. Wrap it to observe attempts without losing those settings.
+func DefaultBase() *http.Transport {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.DialContext = (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	t.MaxIdleConns = 1000

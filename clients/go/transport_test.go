@@ -349,6 +349,24 @@ func TestRefusedConnectionsExhaustedReturnTheLastError(t *testing.T) {
 	}
 }
 
+// A dial that times out (a replica gone, its address dropping SYNs) never reached a server:
+// it is retried like a refused one. Go reports it as an OpError that also reads as
+// context.DeadlineExceeded, which must not hide the dial.
+func TestDialTimeoutsAreRetried(t *testing.T) {
+	base := DefaultBase()
+	base.DialContext = (&net.Dialer{Deadline: time.Now().Add(-time.Second)}).DialContext
+	tr := NewTransport(base, mustRetrier(t, RetrierOptions{Clock: newFakeClock(), Rand: NewRand(3)}))
+	req, _ := http.NewRequest(http.MethodPost, "http://127.0.0.1:9/v1/chat/completions", strings.NewReader("{}"))
+	_, err := tr.RoundTrip(req)
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() || !IsConnectionError(err) {
+		t.Fatal(err)
+	}
+	if st := tr.Stats(); st.Attempts != 3 || st.Outcomes[OutcomeMaxAttempts] != 1 {
+		t.Fatalf("%+v", st)
+	}
+}
+
 func TestTimeoutsAreNotRetried(t *testing.T) {
 	release := make(chan struct{})
 	var mu sync.Mutex

@@ -13,6 +13,7 @@ from .client import AsyncKvgateClient, AsyncStream, KvgateClient, Stream
 from .errors import (
     APIConnectionError,
     APIStatusError,
+    InvalidResponseError,
     KvgateError,
     RateLimitError,
     StreamError,
@@ -53,6 +54,7 @@ __all__ = [
     "AsyncStream",
     "BudgetStats",
     "Decision",
+    "InvalidResponseError",
     "KvgateClient",
     "KvgateError",
     "RateLimitError",

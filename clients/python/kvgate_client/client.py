@@ -21,10 +21,12 @@ from .errors import (
     REQUEST_ID_HEADER,
     APIConnectionError,
     APIStatusError,
+    InvalidResponseError,
     StreamError,
     status_error,
 )
 from .policy import RetryPolicy
+from .proxies import async_transport, sync_transport
 from .retrying import RetryStats
 from .transport import AsyncRetryTransport, RetryTransport
 
@@ -40,12 +42,26 @@ def _api_key(api_key: str | None) -> str | None:
     return api_key or os.environ.get("KVGATE_API_KEY") or os.environ.get("OPENAI_API_KEY")
 
 
+def _base_url(base_url: str | None) -> str:
+    return base_url or os.environ.get("KVGATE_BASE_URL") or DEFAULT_BASE_URL
+
+
 def _headers(api_key: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
     headers = {"accept": "application/json"}
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     headers.update(extra or {})
     return headers
+
+
+def _json_object(response: httpx.Response) -> Chunk:
+    try:
+        result = response.json()
+    except ValueError:
+        result = None
+    if not isinstance(result, dict):
+        raise InvalidResponseError(response.status_code, response.text, response.headers)
+    return result
 
 
 def _error(response: httpx.Response) -> APIStatusError:
@@ -89,7 +105,7 @@ class Stream:
         try:
             for data in iter_events(self.response.iter_bytes()):
                 yield _chunk(data, self.response)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
         finally:
             self.response.close()
@@ -114,7 +130,7 @@ class AsyncStream:
         try:
             async for data in aiter_events(self.response.aiter_bytes()):
                 yield _chunk(data, self.response)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
         finally:
             await self.response.aclose()
@@ -130,11 +146,12 @@ class AsyncStream:
 
 
 class KvgateClient:
-    """Sync client. `api_key` defaults to $KVGATE_API_KEY, then $OPENAI_API_KEY."""
+    """Sync client. `base_url` defaults to $KVGATE_BASE_URL, then `DEFAULT_BASE_URL` (a local
+    gateway on its default port); `api_key` to $KVGATE_API_KEY, then $OPENAI_API_KEY."""
 
     def __init__(
         self,
-        base_url: str = DEFAULT_BASE_URL,
+        base_url: str | None = None,
         api_key: str | None = None,
         *,
         policy: RetryPolicy | None = None,
@@ -145,13 +162,13 @@ class KvgateClient:
         headers: Mapping[str, str] | None = None,
     ) -> None:
         if retry_transport is None:
-            inner = httpx.HTTPTransport(limits=limits if limits is not None else DEFAULT_LIMITS)
+            inner = sync_transport(limits if limits is not None else DEFAULT_LIMITS)
             retry_transport = RetryTransport(inner, policy=policy, budget=budget)
         elif policy is not None or budget is not None:
             raise TypeError("pass either retry_transport or policy/budget, not both")
         self.transport = retry_transport
         self._http = httpx.Client(
-            base_url=base_url,
+            base_url=_base_url(base_url),
             transport=retry_transport,
             timeout=timeout,
             headers=_headers(_api_key(api_key), headers),
@@ -175,12 +192,11 @@ class KvgateClient:
     def _post(self, path: str, body: Chunk) -> Chunk:
         try:
             response = self._http.post(path, json=body)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise APIConnectionError(repr(exc)) from exc
-        if response.status_code >= 400:
+        if not response.is_success:
             raise _error(response)
-        result: Chunk = response.json()
-        return result
+        return _json_object(response)
 
     def _stream(self, path: str, body: Chunk) -> Stream:
         request = self._http.build_request(
@@ -188,9 +204,9 @@ class KvgateClient:
         )
         try:
             response = self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise APIConnectionError(repr(exc)) from exc
-        if response.status_code >= 400:
+        if not response.is_success:
             try:
                 response.read()
             finally:
@@ -215,7 +231,7 @@ class AsyncKvgateClient:
 
     def __init__(
         self,
-        base_url: str = DEFAULT_BASE_URL,
+        base_url: str | None = None,
         api_key: str | None = None,
         *,
         policy: RetryPolicy | None = None,
@@ -226,15 +242,13 @@ class AsyncKvgateClient:
         headers: Mapping[str, str] | None = None,
     ) -> None:
         if retry_transport is None:
-            inner = httpx.AsyncHTTPTransport(
-                limits=limits if limits is not None else DEFAULT_LIMITS
-            )
+            inner = async_transport(limits if limits is not None else DEFAULT_LIMITS)
             retry_transport = AsyncRetryTransport(inner, policy=policy, budget=budget)
         elif policy is not None or budget is not None:
             raise TypeError("pass either retry_transport or policy/budget, not both")
         self.transport = retry_transport
         self._http = httpx.AsyncClient(
-            base_url=base_url,
+            base_url=_base_url(base_url),
             transport=retry_transport,
             timeout=timeout,
             headers=_headers(_api_key(api_key), headers),
@@ -262,12 +276,11 @@ class AsyncKvgateClient:
     async def _post(self, path: str, body: Chunk) -> Chunk:
         try:
             response = await self._http.post(path, json=body)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise APIConnectionError(repr(exc)) from exc
-        if response.status_code >= 400:
+        if not response.is_success:
             raise _error(response)
-        result: Chunk = response.json()
-        return result
+        return _json_object(response)
 
     async def _stream(self, path: str, body: Chunk) -> AsyncStream:
         request = self._http.build_request(
@@ -275,9 +288,9 @@ class AsyncKvgateClient:
         )
         try:
             response = await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:
             raise APIConnectionError(repr(exc)) from exc
-        if response.status_code >= 400:
+        if not response.is_success:
             try:
                 await response.aread()
             finally:

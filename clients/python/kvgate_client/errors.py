@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import httpx
+
 from .hints import header
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -30,7 +32,8 @@ class APIStatusError(KvgateError):
         err = _error_fields(body)
         self.status_code = status_code
         self.body = body
-        self.headers = dict(headers)
+        # Case-insensitive, as the response's own headers: exc.headers.get("Retry-After").
+        self.headers = httpx.Headers(headers)
         self.code: str | None = _str_or_none(err.get("code"))
         self.type: str | None = _str_or_none(err.get("type"))
         self.param: str | None = _str_or_none(err.get("param"))
@@ -42,6 +45,18 @@ class APIStatusError(KvgateError):
             float(retry_ms) if isinstance(retry_ms, int | float) else None
         )
         super().__init__(f"{status_code} {self.code or ''}: {self.message}".replace(" :", ":"))
+
+
+class InvalidResponseError(KvgateError):
+    """A success status whose body is not the JSON object the API answers with: a proxy's or
+    portal's page, a body cut short. `body` is its text; `request_id` as in APIStatusError."""
+
+    def __init__(self, status_code: int, body: str, headers: Mapping[str, str]) -> None:
+        self.status_code = status_code
+        self.body = body
+        self.headers = httpx.Headers(headers)
+        self.request_id: str | None = header(headers, REQUEST_ID_HEADER)
+        super().__init__(f"{status_code}: the response is not a JSON object: {body[:200]!r}")
 
 
 class RateLimitError(APIStatusError):

@@ -14,6 +14,7 @@ import httpx
 
 from .budget import RetryBudget
 from .policy import RetryPolicy
+from .proxies import async_transport, sync_transport
 from .transport import AsyncRetryTransport, RetryTransport
 
 if TYPE_CHECKING:
@@ -72,9 +73,7 @@ def wrap(
             retry_transport
             if isinstance(retry_transport, AsyncRetryTransport)
             else (
-                AsyncRetryTransport(
-                    httpx.AsyncHTTPTransport(limits=pool), policy=policy, budget=budget
-                )
+                AsyncRetryTransport(async_transport(pool), policy=policy, budget=budget)
             )
         )
         kwargs["http_client"] = httpx.AsyncClient(
@@ -84,12 +83,37 @@ def wrap(
         stransport = (
             retry_transport
             if isinstance(retry_transport, RetryTransport)
-            else (RetryTransport(httpx.HTTPTransport(limits=pool), policy=policy, budget=budget))
+            else (RetryTransport(sync_transport(pool), policy=policy, budget=budget))
         )
         kwargs["http_client"] = httpx.Client(
             transport=stransport, timeout=DEFAULT_TIMEOUT, follow_redirects=True
         )
-    return cls(**kwargs)
+    client = cls(**kwargs)
+    _guard_copies(client)
+    return client
+
+
+def _guard_copies(client: Any) -> None:
+    """Make the client's `copy` and `with_options` (the SDK's way to change one setting for a
+    few calls) refuse `max_retries` other than 0, as the factory does: the copy shares the
+    transport, so the SDK's retries would run on top of kvgate's (up to the product of both
+    counts per call), and on statuses and timeouts that kvgate deliberately does not retry."""
+    original = client.copy
+
+    def copy(**changes: Any) -> Any:
+        retries = changes.get("max_retries")
+        if isinstance(retries, int) and retries != 0:
+            raise TypeError(
+                "max_retries must stay 0: the SDK's retries would run on top of kvgate's "
+                "policy (configure RetryPolicy.max_attempts instead)"
+            )
+        copied = original(**changes)
+        _guard_copies(copied)
+        return copied
+
+    # Instance attributes: the SDK's class is left as it is for clients kvgate did not build.
+    client.copy = copy
+    client.with_options = copy
 
 
 def openai(

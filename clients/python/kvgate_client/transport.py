@@ -8,11 +8,11 @@ belongs to the caller and is never replayed.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
 
+import anyio
 import httpx
 
 from .budget import RetryBudget
@@ -79,6 +79,7 @@ class RetryTransport(httpx.BaseTransport):
         # Buffer the body once so every attempt can send it again (a generator body could not).
         request.read()
         state = self.retrier.begin()
+        rejected: httpx.Response | None = None
         while True:
             try:
                 response = self.inner.handle_request(request)
@@ -93,8 +94,13 @@ class RetryTransport(httpx.BaseTransport):
                 decision = state.after_response(response.status_code, response.headers)
                 if not decision.retry:
                     return response
-                _discard(response)
+                rejected = response
             try:
+                # The retry is counted (its budget token taken) from here: whatever ends it
+                # before it is sent, in the body's read as in the backoff, refunds the token.
+                if rejected is not None:
+                    _discard(rejected)
+                    rejected = None
                 self._sleep(decision.delay_s)
             except BaseException:
                 state.stop(CANCELED)
@@ -118,7 +124,8 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         rand: Callable[[], float] = random.random,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        # anyio's, not asyncio's: httpx and the openai SDK also run under trio.
+        sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     ) -> None:
         self.inner = transport if transport is not None else httpx.AsyncHTTPTransport()
         self.retrier = _make_retrier(retrier, policy, budget, clock, wall_clock, rand)
@@ -134,6 +141,7 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
         state = self.retrier.begin()
+        rejected: httpx.Response | None = None
         while True:
             try:
                 response = await self.inner.handle_async_request(request)
@@ -148,8 +156,11 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
                 decision = state.after_response(response.status_code, response.headers)
                 if not decision.retry:
                     return response
-                await _adiscard(response)
+                rejected = response
             try:
+                if rejected is not None:  # as in RetryTransport: a cancel here refunds
+                    await _adiscard(rejected)
+                    rejected = None
                 await self._sleep(decision.delay_s)
             except BaseException:
                 state.stop(CANCELED)

@@ -39,10 +39,7 @@ func main() {
 	flag.Parse()
 
 	start := time.Now()
-	var base http.RoundTripper = http.DefaultTransport
-	if *trace {
-		base = &tracer{base: base, start: start}
-	}
+	base := baseFor(*trace, start)
 	budgetOptions := kvgate.DefaultBudgetOptions()
 	budgetOptions.InitialTokens = *budgetInitial
 	budget, err := kvgate.NewBudget(budgetOptions)
@@ -233,4 +230,14 @@ func fail(err error) {
 		fmt.Fprintln(os.Stderr, err)
 	}
 	os.Exit(1)
+}
+
+// baseFor is the transport below the retries: nil, NewClient's own (kvgate.DefaultBase: 100
+// idle connections per host, a 5 s connect and a 600 s response-header timeout), unless
+// every attempt is traced, over a transport with the same settings.
+func baseFor(trace bool, start time.Time) http.RoundTripper {
+	if !trace {
+		return nil
+	}
+	return &tracer{base: kvgate.DefaultBase(), start: start}
 }

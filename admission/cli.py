@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import socket
 import sys
@@ -42,6 +43,18 @@ def add_service_flags(parser: argparse.ArgumentParser, port_help: str) -> None:
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
                         metavar="LEVEL", help="least severity logged to stderr: "
                         f"{', '.join(LOG_LEVELS)}, in any case (default: %(default)s)")
+
+
+def non_negative_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds, 0 or more, else a usage error (exit 2).
+    float() takes "-5", "nan" and "inf": a deadline already past, or one that never comes."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text!r}")
+    return value
 
 
 def listen_error(service: str, host: str, port: int, exc: OSError) -> str:

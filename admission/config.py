@@ -29,6 +29,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlsplit
 
 from admission.configfields import (
     ConfigError,
@@ -57,10 +58,28 @@ from admission.quotaconfig import TeamSettings, check_members, check_teams
 from admission.tiers import Tier
 
 __all__ = [
-    "DEFAULT_TIERS", "Backend", "Config", "ConfigError", "ControlSettings", "DedicatedNodes",
-    "EngineSettings", "GatewaySettings", "PoolSettings", "RedisSettings", "SchedulerSettings",
-    "TeamSettings", "TenantSettings", "TierSettings", "ZoneSettings", "check_redis_ca",
-    "load_config", "parse_config", "split_address", "startup_warnings",
+    "DEFAULT_TIERS",
+    "Backend",
+    "Config",
+    "ConfigError",
+    "ControlSettings",
+    "DedicatedNodes",
+    "EngineSettings",
+    "GatewaySettings",
+    "PoolSettings",
+    "RedisSettings",
+    "SchedulerSettings",
+    "TeamSettings",
+    "TenantSettings",
+    "TierSettings",
+    "ZoneSettings",
+    "check_mounted_files",
+    "check_redis_ca",
+    "load_config",
+    "parse_config",
+    "split_address",
+    "startup_warnings",
+    "tls_context",
 ]
 
 T = TypeVar("T")
@@ -221,7 +240,7 @@ def _section(r: _Reader, cls: type[T], defaults: T | None = None, /, **given: An
 
 def _backend(value: Any, where: str, index: int) -> Backend:
     if isinstance(value, str):  # the short form: a URL, named by its place in the list
-        return Backend(name=f"node-{index}", url=value.rstrip("/"))
+        value = {"name": f"node-{index}", "url": value}  # checked as the table form is
     backend = _section(_Reader(value, where), Backend)
     return dataclasses.replace(backend, url=backend.url.rstrip("/"))
 
@@ -357,21 +376,62 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    config = parse_config(data, env)
-    config.backend_ssl_context()  # a CA file that cannot be loaded is an error of the file
-    return config
+    return parse_config(data, env)
+
+
+def check_mounted_files(config: Config) -> None:
+    """ConfigError if a file the services load at start cannot be loaded: every pool's
+    `backend_ca_file` and the Redis connection's TLS files (`check_redis_ca`). Not part of
+    `load_config`: `kvgate-inspect --config`, run with a copy of a pod's file on a laptop,
+    reads the Redis settings and never the files mounted in the pod."""
+    config.backend_ssl_context()
+    check_redis_ca(config)
+
+
+def tls_context(settings: RedisSettings) -> ssl.SSLContext | None:
+    """The TLS context of a connection to `settings.url`: None for redis:// and unix://; for
+    rediss://, the CA (the URL's `ssl_ca_certs`, else `ssl_ca_file`, else the system's), the
+    client certificate (`ssl_certfile`, `ssl_keyfile`) and the checks (`ssl_cert_reqs`,
+    `ssl_check_hostname`) as the redis-py client reads them from the same URL, so that the
+    gateways' multiplexed connection and the client library's connections trust the same
+    server. OSError or ssl.SSLError if a file cannot be loaded."""
+    if not settings.url.startswith("rediss://"):
+        return None
+    query = dict(parse_qsl(urlsplit(settings.url).query))
+    context = ssl.create_default_context(cafile=query.get("ssl_ca_certs") or settings.ssl_ca_file)
+    if "ssl_certfile" in query:
+        context.load_cert_chain(query["ssl_certfile"], query.get("ssl_keyfile"))
+    reqs = query.get("ssl_cert_reqs", "required").lower()
+    # redis-py's reading of a boolean query parameter: these words are false, the rest true.
+    check_hostname = query.get("ssl_check_hostname", "true").upper() not in (
+        "0", "F", "FALSE", "N", "NO")
+    context.check_hostname = check_hostname and reqs != "none"
+    context.verify_mode = {"none": ssl.CERT_NONE,
+                           "optional": ssl.CERT_OPTIONAL}.get(reqs, ssl.CERT_REQUIRED)
+    return context
 
 
 def check_redis_ca(config: Config) -> None:
-    """ConfigError if `redis.ssl_ca_file` cannot be loaded. The services call it at start:
-    otherwise every connection fails on it, and is retried for ever, with the file's error
-    alone. Not part of `load_config`, which checks files a process may not have mounted."""
-    path = config.redis.ssl_ca_file
-    if path is not None:
+    """ConfigError if the files of the Redis connection's TLS (`redis.ssl_ca_file`, or the
+    URL's `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`) cannot be loaded. The services call
+    it at start: otherwise every connection fails on it, and is retried for ever, with the
+    file's error alone. Not part of `load_config`, which checks files a process may not have
+    mounted."""
+    settings = config.redis
+    query = dict(parse_qsl(urlsplit(settings.url).query))
+    files = [("redis.url's ssl_ca_certs", query.get("ssl_ca_certs")),
+             ("redis.ssl_ca_file", settings.ssl_ca_file),
+             ("redis.url's ssl_certfile", query.get("ssl_certfile"))]
+    for name, path in files:
+        if path is None:
+            continue
         try:
-            ssl.create_default_context(cafile=path)
+            if name.endswith("ssl_certfile"):
+                ssl.create_default_context().load_cert_chain(path, query.get("ssl_keyfile"))
+            else:
+                ssl.create_default_context(cafile=path)
         except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"redis.ssl_ca_file {path!r}: cannot load it ({exc})") from None
+            raise ConfigError(f"{name} {path!r}: cannot load it ({exc})") from None
 
 
 def startup_warnings(config: Config) -> list[str]:

@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 KeyName = Callable[[str], str]
 """The full name of a setting of the table being read, e.g. "yellow" -> "pools[0].zones.yellow"."""
@@ -159,6 +159,45 @@ def shown_url(url: str) -> str:
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
 
 
+def _split(url: str) -> SplitResult | str:
+    """`url`'s parts, or why it has none: urlsplit refuses an unbalanced or misplaced '['
+    (an IPv6 address typed without its closing bracket) with a bare ValueError, which the
+    services' start would show as a traceback instead of a line naming the key."""
+    try:
+        return urlsplit(url)
+    except ValueError as exc:
+        return f"{shown_url(url)!r} is not a valid URL ({exc})"
+
+
+TLS_QUERY = {
+    "ssl_cert_reqs": "none, optional or required (default: required)",
+    "ssl_check_hostname": "true or false (default: true; false with ssl_cert_reqs=none)",
+    "ssl_ca_certs": "the CA file (redis.ssl_ca_file too; the URL's wins)",
+    "ssl_certfile": "the client certificate, for mutual TLS",
+    "ssl_keyfile": "the client certificate's key, if not in ssl_certfile",
+}
+"""The TLS settings a rediss:// URL may carry, which every connection honours (the gateways'
+own multiplexed connection as much as the client library's). Any other `ssl_*` parameter is
+refused: the client library would apply it to some connections and not to the others."""
+
+
+def _tls_query_error(url: str, query: dict[str, str]) -> str | None:
+    for name in query:
+        if not name.startswith("ssl_"):
+            continue
+        if name not in TLS_QUERY:
+            return (f"its query parameter {name} is not supported; a rediss:// URL may carry "
+                    + ", ".join(TLS_QUERY))
+        if not url.startswith("rediss://"):
+            return f"its query parameter {name} needs a rediss:// URL (TLS)"
+    reqs = query.get("ssl_cert_reqs")
+    if reqs is not None and reqs.lower() not in ("none", "optional", "required"):
+        return f"ssl_cert_reqs {reqs!r} must be {TLS_QUERY['ssl_cert_reqs']}"
+    if "ssl_keyfile" in query and "ssl_certfile" not in query:
+        return "ssl_keyfile needs ssl_certfile (the certificate the key belongs to)"
+    return None
+
+
 def _port_error(url: str) -> str | None:
     try:
         port = urlsplit(url).port
@@ -175,7 +214,9 @@ def backend_url_error(url: str) -> str | None:
     and a query or fragment would end up before the appended path."""
     if not url.startswith(("http://", "https://")):
         return "must be an http:// or https:// URL"
-    parts = urlsplit(url)
+    parts = _split(url)
+    if isinstance(parts, str):
+        return parts
     if any(c.isspace() for c in url):
         return f"{shown_url(url)!r} contains a space"
     if not parts.hostname:
@@ -198,8 +239,13 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
     shows the URL's password: the services print it, and their output ends up in logs."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         return "must start with redis://, rediss:// or unix://"
-    parts = urlsplit(url)
+    parts = _split(url)
+    if isinstance(parts, str):
+        return parts
     query = dict(parse_qsl(parts.query))
+    problem = _tls_query_error(url, query)
+    if problem is not None:
+        return problem
     shown = repr(shown_url(url))
     if url.startswith("unix://"):
         if not parts.path:

@@ -396,7 +396,7 @@ class TenantSettings:
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
     host: str = "127.0.0.1"
-    port: int = tcp_port(8000)
+    port: int = tcp_port(8080)
     id: str | None = None
     max_body_bytes: int = at_least(1024, 4 * 1024 * 1024)
     request_read_timeout_ms: int = at_least(1, 30_000)

@@ -104,12 +104,21 @@ def held_by(held: Held | None, now_us: int) -> str:
     return text
 
 
+STALE_STATE_US = 2_000_000
+"""A leader publishes every poll (well under a second), so an older state means none is leading
+or it cannot reach Redis. Two seconds is the pools' default `stale_after_ms`, past which the
+gateways stop the fast path and queue every request: the reader is told before that happens."""
+
+
 def render_pool(p: PoolView) -> list[str]:
     drain = " ".join(f"{t.label} {_num(d, '{:g}')}/s" for t, d in zip(Tier, p.drain, strict=True))
     clock = "" if p.clock == "redis" else "  (clock frozen)"
+    stale = ""
+    if p.state_age_us is not None and p.state_age_us > STALE_STATE_US:
+        stale = "  STALE: no leader has published for over 2 s (is a scheduler leading?)"
     lines = [
         f"pool {p.pool}  zone {p.zone or 'GREEN (no state published)'}  "
-        f"epoch {_num(p.epoch)}  state age {_duration(p.state_age_us)}{clock}",
+        f"epoch {_num(p.epoch)}  state age {_duration(p.state_age_us)}{clock}{stale}",
         f"  drain {drain}"
         + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
     ]

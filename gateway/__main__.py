@@ -32,12 +32,13 @@ from admission.cli import (
     add_service_flags,
     listen,
     listen_error,
+    non_negative_seconds,
     program_name,
 )
 from admission.config import (
     Config,
     ConfigError,
-    check_redis_ca,
+    check_mounted_files,
     load_config,
     startup_warnings,
 )
@@ -88,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="override gateway.host")
     add_service_flags(p, "override gateway.port (0 to 65535; 0: a free port)")
     p.add_argument("--id", help="override gateway.id (unique per process)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--shutdown-timeout", type=non_negative_seconds, default=10.0,
+                   metavar="SECONDS",
                    help="after SIGTERM, how long requests in flight may run before they are "
                         f"cancelled; the process exits at most {SETTLE_MARGIN_S:g} s later "
                         "(default: %(default)s)")
@@ -171,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         config = load_config(args.config)
-        check_redis_ca(config)
+        check_mounted_files(config)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -41,7 +40,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from admission.config import RedisSettings
+from admission.config import RedisSettings, tls_context
 from admission.connection import PrimaryLocator
 from admission.errors import TRANSIENT_REPLY_CODES, describe, reply_code
 from admission.scripts import Scripts
@@ -152,6 +151,10 @@ class RedisMux:
         self.settings = settings
         self.locate = locate
         self.params: dict[str, Any] = parse_url(settings.url)  # type: ignore[no-untyped-call, unused-ignore]
+        # Built once, from the URL's TLS parameters as the client library reads them: a
+        # certificate this connection alone rejected would pass /readyz (the library's) and
+        # fail every admit.
+        self._tls = tls_context(settings)
         self.timeout_s = settings.socket_timeout_ms / 1000
         self.connect_timeout_s = settings.connect_timeout_ms / 1000
         self._conn: _Protocol | None = None
@@ -183,10 +186,7 @@ class RedisMux:
         if "path" in params:
             connect = loop.create_unix_connection(lambda: conn, params["path"])
         else:
-            context: ssl.SSLContext | None = None
-            if self.settings.url.startswith("rediss://"):
-                context = ssl.create_default_context(cafile=self.settings.ssl_ca_file)
-            connect = loop.create_connection(lambda: conn, host, port, ssl=context)
+            connect = loop.create_connection(lambda: conn, host, port, ssl=self._tls)
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 await connect

@@ -26,7 +26,7 @@ from admission.cli import (
     listen_error,
     program_name,
 )
-from admission.config import Config, ConfigError, check_redis_ca, load_config
+from admission.config import Config, ConfigError, check_mounted_files, load_config
 from scheduler.app import SERVICE, create_app
 
 log = logging.getLogger("kvgate.scheduler")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
-        check_redis_ca(config)
+        check_mounted_files(config)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
-from admission.config import ConfigError, load_config, parse_config, startup_warnings
+from admission.config import (
+    ConfigError,
+    check_mounted_files,
+    load_config,
+    parse_config,
+    startup_warnings,
+)
 from admission.tiers import Tier
+from kvgate_client import KvgateClient
 
 KEY_HASH = hashlib.sha256(b"sk-test").hexdigest()
 
@@ -104,7 +113,7 @@ def test_file_errors(tmp_path: Path) -> None:
     no_ca.write_text('[[pools]]\nname = "p"\nbackend_ca_file = "/nonexistent/ca.pem"\n'
                      'backends = [{ name = "n1", url = "https://10.0.0.1:8000" }]\n')
     with pytest.raises(ConfigError, match=r"backend_ca_file '/nonexistent/ca\.pem': cannot load"):
-        load_config(no_ca)
+        check_mounted_files(load_config(no_ca))
 
 
 def test_sentinel_settings() -> None:
@@ -231,6 +240,23 @@ def test_batch_min_share_is_off_by_default_and_at_most_one_half() -> None:
 def test_ports_take_the_whole_range() -> None:
     config = parse_config(minimal(gateway={"port": 65535}, scheduler={"port": 0}), env={})
     assert (config.gateway.port, config.scheduler.port) == (65535, 0)
+
+
+def test_the_sdks_default_to_the_gateways_default_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client built with no base URL reaches a gateway started with no port: the Python and
+    Go SDKs' default and the gateway's are one port, and $KVGATE_BASE_URL overrides it."""
+    port = parse_config(minimal(), env={}).gateway.port
+    monkeypatch.delenv("KVGATE_BASE_URL", raising=False)
+    with KvgateClient() as client:
+        assert client._http.base_url.port == port
+    go = re.search(r'DefaultBaseURL = "([^"]+)"',
+                   (Path(__file__).parent.parent / "clients/go/client.go").read_text())
+    assert go is not None and urlsplit(go.group(1)).port == port
+    monkeypatch.setenv("KVGATE_BASE_URL", "http://gateway:9000/v1")
+    with KvgateClient() as client:
+        assert str(client._http.base_url) == "http://gateway:9000/v1/"
+    with KvgateClient("http://other:1/v1") as client:
+        assert client._http.base_url.host == "other"
 
 
 def test_max_max_tokens_may_be_the_whole_context() -> None:

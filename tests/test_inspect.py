@@ -18,6 +18,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from admission import inspect
 from admission.config import TenantSettings
+from admission.inspect_render import render_pool
 from admission.keys import SchedulerKeys
 from admission.leadership import leadership
 from admission.outcomes import AdmitOutcome
@@ -297,6 +298,7 @@ async def test_real_redis_time_when_not_frozen(redis_client: aioredis.Redis) -> 
     assert p.clock == "redis"
     assert p.updated_us == written
     assert p.state_age_us is not None and 0 <= p.state_age_us < 5 * S
+    assert "STALE" not in render_pool(p)[0]  # a leader's fresh state is not flagged
 
 
 async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None:
@@ -304,8 +306,10 @@ async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None
     text = inspect.render(await inspect.snapshot(redis_client, [POOL], [IDLE]))
     lines = text.splitlines()
     assert lines[0].startswith(f"scheduler leader sched-a  epoch {EPOCH}  lease left ")
+    # Five seconds without a publish: no leader is keeping the state, and the reader is told.
     assert any(line.startswith(f"pool insp  zone YELLOW  epoch {EPOCH}  state age 5.0 s")
-               for line in lines)
+               and line.endswith("STALE: no leader has published for over 2 s "
+                                 "(is a scheduler leading?)") for line in lines)
 
     def row(first: str) -> list[str]:
         """The line starting with `first` in the node, queue, gateway and bucket tables (a

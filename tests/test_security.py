@@ -234,6 +234,17 @@ async def test_gateway_and_scheduler_over_tls_with_the_configured_ca(
                 untrusting.url + "/v1/chat/completions", body=chat(),
                 headers=untrusting.auth("vip"))
             assert status == 503 and openai_error(payload)["code"] == "admission_unavailable"
+
+        # The URL's own TLS parameters hold for every connection, the gateway's multiplexed
+        # one (every admit) as much as the client library's (readiness, the scheduler): a
+        # server trusted by `ssl_cert_reqs=none` alone serves requests.
+        lax_url = f"{server.url}?ssl_cert_reqs=none"
+        async with running_gateway(lax_url, wait_subscribed=True) as lax, \
+                scheduler_for(lax.config, "sched-lax"):
+            await leader_published(verify, "sched-lax")
+            status, payload, _ = await request(
+                lax.url + "/v1/chat/completions", body=chat(), headers=lax.auth("vip"))
+            assert status == 200, payload  # admitted: through the multiplexed connection
     finally:
         await verify.aclose()
         await plain.aclose()

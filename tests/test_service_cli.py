@@ -66,6 +66,21 @@ def test_bad_flags_are_usage_errors(service: str, args: tuple[str, ...], message
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_a_shutdown_timeout_that_is_no_deadline_is_a_usage_error(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative timeout is a deadline already past (cleanup is cut at once and nothing in
+    flight settles); NaN and infinity are none at all."""
+    parse = PARSERS["gateway"]().parse_args
+    assert parse(["--config", "x", "--shutdown-timeout", "0"]).shutdown_timeout == 0.0
+    assert parse(["--config", "x", "--shutdown-timeout", "2.5"]).shutdown_timeout == 2.5
+    with pytest.raises(SystemExit) as info:
+        parse(["--config", "x", "--shutdown-timeout", value])
+    assert info.value.code == 2
+    assert (f"argument --shutdown-timeout: must be a number of seconds, 0 or more, got {value!r}"
+            in capsys.readouterr().err)
+
+
 @pytest.mark.parametrize("service", SERVICES)
 def test_flags_take_the_whole_port_range_and_levels_in_any_case(service: str) -> None:
     parse = PARSERS[service]().parse_args

@@ -12,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from admission.config import ConfigError, check_redis_ca, load_config, parse_config
+from admission.config import (
+    ConfigError,
+    check_mounted_files,
+    check_redis_ca,
+    load_config,
+    parse_config,
+)
 from admission.inspect_target import resolve_target
 from gateway.__main__ import tokenizer_error
 
@@ -59,6 +65,12 @@ def test_a_config_path_that_is_a_directory_or_not_text_is_a_config_error(tmp_pat
     ("unix://", "names no socket path"),
     ("unix:///run/redis.sock?db=x", "database 'x'"),
     ("redis://host:6379/0?socket_timeout=abc", "socket_timeout"),
+    ("redis://[::1:6379/0", "is not a valid URL"),
+    # TLS parameters: only those every connection honours, only with TLS, only valid values.
+    ("rediss://host:6380/0?ssl_ciphers=HIGH", "ssl_ciphers is not supported"),
+    ("redis://host:6379/0?ssl_cert_reqs=none", "ssl_cert_reqs needs a rediss:// URL"),
+    ("rediss://host:6380/0?ssl_cert_reqs=maybe", "ssl_cert_reqs 'maybe' must be none, optional"),
+    ("rediss://host:6380/0?ssl_keyfile=/k.pem", "ssl_keyfile needs ssl_certfile"),
 ])
 def test_a_redis_url_the_client_would_misread_is_refused(url: str, message: str) -> None:
     assert refused(with_("redis.url", url)).startswith("redis.url: ")
@@ -141,7 +153,21 @@ def test_a_backend_ca_file_error_names_the_pools_key(tmp_path: Path) -> None:
                       'backend_ca_file = "/no/such/ca.pem"\n')
     with pytest.raises(ConfigError,
                        match=r"^pools\[1\].backend_ca_file '/no/such/ca.pem': cannot"):
-        load_config(config, env={})
+        check_mounted_files(load_config(config, env={}))
+    # kvgate-inspect reads the same file for its Redis settings alone, and never loads the
+    # backends' CA: a copy of a pod's file, off the pod, is enough.
+    target = resolve_target(config=str(config), redis_url=None, cluster=False,
+                            ssl_ca_file=None, pools=[], env={})
+    assert target.pools == ("a", "b")
+
+
+def test_the_services_refuse_a_redis_tls_file_of_the_url_they_cannot_load(tmp_path: Path
+                                                                          ) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[redis]\nurl = "rediss://r:6379/0?ssl_certfile=/no/client.pem"\n'
+                      '[[pools]]\nname = "demo"\n')
+    with pytest.raises(ConfigError, match=r"^redis.url's ssl_certfile '/no/client.pem': cannot"):
+        check_mounted_files(load_config(config, env={}))
 
 
 @pytest.mark.parametrize(("url", "message"), [
@@ -152,10 +178,14 @@ def test_a_backend_ca_file_error_names_the_pools_key(tmp_path: Path) -> None:
     ("http://host:0", "port 0"),
     ("http://host:8000?x=1", "query or fragment"),
     ("http://ho st:8000", "contains a space"),
+    ("http://[fd00::5:8000", "is not a valid URL"),
 ])
 def test_a_backend_url_that_cannot_be_a_servers_root_is_refused(url: str, message: str) -> None:
     text = refused(with_("pools.0.backends", [{"name": "n", "url": url}]))
     assert text.startswith("pools[0].backends[0].url: ") and message in text
+    # The short form, a list of URLs, is checked as the table form is.
+    text = refused(with_("pools.0.backends", ["http://127.0.0.1:8001", url]))
+    assert text.startswith("pools[0].backends[1].url: ") and message in text
 
 
 def test_a_backend_url_behind_a_proxy_prefix_passes() -> None:

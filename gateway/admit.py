@@ -55,6 +55,11 @@ from gateway.waiter import WakeHub, Woken, wait_for_release
 
 log = logging.getLogger("kvgate.gateway")
 
+NOT_SENT = {"x-should-retry": "true"}
+"""On an error status for a request that never reached a node (so a retry cannot run it
+twice): the SDKs, kvgate's and OpenAI's, retry any status that says so, and not a 500 or 502
+that does not."""
+
 
 class _RandomBlock:
     """The kernel's random bytes read 4 KB at a time: one system call per 512 task ids.
@@ -222,7 +227,8 @@ class Admitter:
                                        result.scope or KEY_SCOPE).inc()
                 raise self._rejection(result, inbound, tenant)
             raise ApiError(500, "Duplicate task id; please retry.", type_="server_error",
-                           code="internal_error", retry_after_ms=self._hint(100))
+                           code="internal_error", retry_after_ms=self._hint(100),
+                           headers=NOT_SENT)
         except ApiError as exc:
             exc.headers.setdefault("X-Request-Id", task_id)
             raise
@@ -241,10 +247,12 @@ class Admitter:
                 log.error("task %s released to node %r, unknown to this gateway (logged once "
                           "per node)", task_id, node)
             self.settler.finish(pool.store, task_id, None, cancelled=True, labels=labels)
-            raise unavailable(
+            error = unavailable(
                 "The request was routed to a node this gateway does not know.",
                 code="unknown_node", retry_ms=self._hint(1000), status=502,
             )
+            error.headers.update(NOT_SENT)
+            raise error
         return Ticket(task_id, pool, node, url, tier, labels, queued_s=queued_s)
 
     def _store_failed(

@@ -46,6 +46,16 @@ local function month_of_day(day)
   return y * 12 + m - 1
 end
 
+-- The period an allowance counts in: the clock's (`index`), or the later one stored if the
+-- clock stepped back since (a failover to a replica whose clock is behind, an NTP step) across
+-- midnight or a month's end. Counting in the clock's there would read the later period's use
+-- as none, and write over it.
+local function period_of(f, kind, index)
+  local at = tonumber(kind == 'month' and f[3] or f[1])
+  if at ~= nil and at > index then return at end
+  return index
+end
+
 -- Tokens used so far in the current period of an allowance ('day' or 'month'), from a hash
 -- read with HMGET day, day_used, month, month_used (`f`).
 local function period_used(f, kind, index)
@@ -74,14 +84,15 @@ local function level_short(lvl, now, cost)
   end
   if lvl.daily > 0 or lvl.monthly > 0 then
     local f = redis.call('HMGET', lvl.key, 'day', 'day_used', 'month', 'month_used')
-    local day = math.floor(now / DAY_US)
+    local day = period_of(f, 'day', math.floor(now / DAY_US))
     if lvl.daily > 0 and period_used(f, 'day', day) + cost > lvl.daily then
       local w = math.ceil(((day + 1) * DAY_US - now) / 1000)
       if wait == nil or (wait >= 0 and w > wait) then wait, kind = w, 'daily' end
     end
     if lvl.monthly > 0 then
-      local y, m = civil_of(day)
-      if period_used(f, 'month', y * 12 + m - 1) + cost > lvl.monthly then
+      local month = period_of(f, 'month', month_of_day(math.floor(now / DAY_US)))
+      local y, m = math.floor(month / 12), month % 12 + 1
+      if period_used(f, 'month', month) + cost > lvl.monthly then
         if m == 12 then y, m = y + 1, 1 else m = m + 1 end
         local w = math.ceil((first_of_month(y, m) * DAY_US - now) / 1000)
         if wait == nil or (wait >= 0 and w > wait) then wait, kind = w, 'monthly' end
@@ -98,8 +109,8 @@ local function level_debit(lvl, now, cost)
   redis.call('HINCRBY', lvl.key, 'held', cost)
   if lvl.daily > 0 or lvl.monthly > 0 then
     local f = redis.call('HMGET', lvl.key, 'day', 'day_used', 'month', 'month_used')
-    local day = math.floor(now / DAY_US)
-    local month = month_of_day(day)
+    local day = period_of(f, 'day', math.floor(now / DAY_US))
+    local month = period_of(f, 'month', month_of_day(math.floor(now / DAY_US)))
     redis.call('HSET', lvl.key, 'day', fmt(day), 'day_used',
       fmt(period_used(f, 'day', day) + cost), 'month', fmt(month), 'month_used',
       fmt(period_used(f, 'month', month) + cost))

@@ -224,6 +224,16 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
           prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
           light, memo, why)
       end
+      if node == nil and keep > 0 then
+        -- Passed over only if the hold-back is what keeps it out: a head that fits nowhere
+        -- without it waits for room, and holds its tier, as every head does.
+        local free_why = {}
+        if place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10], placement, t, cost,
+            prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, 0,
+            light, memo, free_why) == nil then
+          keep, why = 0, free_why
+        end
+      end
       if fair and (capped or (node == nil and keep > 0)) then
         pass_over(prefix, t, passed, task.tenant)
       elseif node == nil then

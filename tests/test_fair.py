@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import redis.asyncio as aioredis
 
@@ -238,6 +240,39 @@ async def test_without_headroom_the_backlog_takes_every_freed_token(
     await redis_client.hincrby(store.keys.clock, "frozen_us", 5_000_001)
     await store.release(1, (0, 10, 10))
     assert await redis_client.zcard(light) == 0
+
+
+async def test_a_head_that_fits_nowhere_holds_its_tier_with_headroom_on(
+        redis_client: aioredis.Redis) -> None:
+    """a holds the node and queues more; a Batch task queues too; b, light, takes the fast
+    path and leaves 50 tokens free. a is over its share, so the headroom keeps 100 back from
+    its release, but its head (100) would not fit even without that: it is the node's room
+    that stops it, so Normal waits for room and Batch waits behind it, as without headroom.
+    Passing a over instead let the Batch task take the 50 tokens Normal waits for."""
+    policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), fair_headroom=0.1,
+                        fair_light_window_ms=5_000)
+    store = PoolStore(redis_client, register_scripts(redis_client), "fair", policy)
+    await redis_client.hset(store.keys.clock, "frozen_us", 1_800_000_000_000_000)
+    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    a = quota("a")
+    for i in range(10):
+        got = await store.admit(task_id=f"a-{i}", tenant=a, tier=Tier.NORMAL, prompt_tokens=50,
+                                max_tokens=50, gateway="gw", queue_timeout_ms=600_000)
+        assert got.outcome.value == "released"
+    await enqueue(store, a, 3, start=10)
+    await enqueue(store, quota("z"), 1, cost=50, tier=Tier.BATCH)
+    await store.settle("a-0", 100)
+    got = await store.admit(task_id="b-0", tenant=quota("b"), tier=Tier.NORMAL,
+                            prompt_tokens=25, max_tokens=25, gateway="gw",
+                            queue_timeout_ms=600_000)
+    assert got.outcome.value == "released"  # 950 of 1,000 reserved; b is light
+    assert await store.release(1, (0, 10, 10), record_held=True) == []
+    held: Any = await redis_client.hgetall(store.keys.held_by)
+    assert held[b"normal"].startswith(b"kv=") and held[b"batch"] == b"behind normal", held
+    # Room for a's head: it is released, and then the Batch task behind it.
+    await store.settle("a-1", 100)
+    await store.settle("a-2", 100)
+    assert [t.task_id for t in await store.release(1, (0, 1, 10))] == ["a-10", "z-0"]
 
 
 @pytest.mark.parametrize("headroom", [0.1, 0.0])

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from admission.tiers import Zone
 from bench.common.localredis import LocalRedis, free_port
-from tests.gateway_harness import BIG, KEYS, Harness, eventually, running_gateway
+from tests.gateway_harness import BIG, EPOCH, KEYS, Harness, eventually, running_gateway
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say hi."}]
 
@@ -294,6 +294,21 @@ async def test_a_body_that_does_not_decode_is_400_not_500(
     assert "content-encoding: gzip" in error["message"].lower()
     assert gw.backends[0].received == []
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_request_routed_to_a_node_the_gateway_does_not_know_is_safe_to_retry(
+        gw: Harness) -> None:
+    """The scheduler's configuration names a node this gateway's does not (a rollout half
+    done): the request never reaches a node, its reservation is given back, and the answer
+    says a retry is safe, which the SDKs need to retry a 502."""
+    await gw.store.publish_state(EPOCH, Zone.GREEN, {"ghost": BIG})
+    status, payload, headers = await _post(gw, {"model": "demo", "messages": MESSAGES,
+                                                "max_tokens": 5})
+    assert status == 502 and _openai_shape(payload)["code"] == "unknown_node"
+    assert headers["x-should-retry"] == "true" and payload["error"]["retry_after_ms"] > 0
+    await gw.settled()
+    assert (await gw.task(headers["X-Request-Id"]))["state"] == "cancelled"
+    assert all(b.received == [] for b in gw.backends)
 
 
 async def test_wrong_method_and_path_keep_the_openai_shape(gw: Harness) -> None:

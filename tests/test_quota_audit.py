@@ -177,6 +177,33 @@ async def test_inspect_shows_a_tenants_own_allowance_beside_its_bucket(
     assert "used today" in header and "used this month" in header
 
 
+async def test_a_daily_allowance_survives_the_clock_stepping_back_across_midnight(
+        redis_client: aioredis.Redis) -> None:
+    """Redis's clock steps back over midnight (a failover to a replica whose clock is behind):
+    the request admitted then counts in the later day, already begun, which keeps what it had
+    used; read as the earlier day's, the later day's use was forgotten once the clock passed
+    midnight again, and the allowance paid for more than its size."""
+    store = PoolStore(redis_client, register_scripts(redis_client), "stepback", PoolPolicy())
+    quota = TenantQuota("daily", rate=1_000_000, burst=1_000_000, max_queued=1,
+                        daily_tokens=1_000)
+    day_us = 86_400 * S
+    midnight = (10**15 // day_us + 1) * day_us
+    await store.publish_state(1, Zone.GREEN, {"gpu": 100_000})
+
+    async def admit(task_id: str, at_us: int, max_tokens: int) -> Any:
+        await redis_client.hset(store.keys.clock, "frozen_us", at_us)
+        return await store.admit(task_id=task_id, tenant=quota, tier=Tier.NORMAL,
+                                 prompt_tokens=100, max_tokens=max_tokens, gateway="gw",
+                                 queue_timeout_ms=1_000)
+
+    assert (await admit("after", midnight + S, 700)).outcome is AdmitOutcome.RELEASED
+    assert (await admit("stepped-back", midnight - S // 2, 100)).outcome is AdmitOutcome.RELEASED
+    late = await admit("later", midnight + 2 * S, 700)  # 800 + 200 used: 800 more is over
+    assert (late.reason, late.scope, late.limit) == (RejectReason.QUOTA, "key", "daily")
+    bucket = await redis_client.hmget(store.keys.bucket_key("daily"), "day", "day_used")
+    assert bucket == [str(midnight // day_us).encode(), b"1000"]
+
+
 def test_duplicate_tenants_and_keys_name_both_entries() -> None:
     data = config_data("redis://127.0.0.1:1/0", ["http://127.0.0.1:9"])
     twin = dict(data["tenants"][1], key_sha256=[sha("sk-other")])

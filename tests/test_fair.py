@@ -182,20 +182,28 @@ async def test_fast_path_charges_only_a_busy_tier(store: PoolStore,
     assert after.outcome.value == "queued"
 
 
+async def a_fills_the_node(client: aioredis.Redis, policy: PoolPolicy) -> PoolStore:
+    """A GREEN node of 1,000 tokens, filled by tenant a's ten tasks of 100 on the fast path
+    (an idle tier)."""
+    store = PoolStore(client, register_scripts(client), "fair", policy)
+    await client.hset(store.keys.clock, "frozen_us", 1_800_000_000_000_000)
+    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    for i in range(10):
+        got = await store.admit(task_id=f"a-{i}", tenant=quota("a"), tier=Tier.NORMAL,
+                                prompt_tokens=50, max_tokens=50, gateway="gw",
+                                queue_timeout_ms=600_000)
+        assert got.outcome.value == "released"
+    return store
+
+
 async def _light_scene(client: aioredis.Redis, headroom: float) -> tuple[PoolStore, list[str]]:
     """Tenant a fills a GREEN node of 1,000 tokens on the fast path (an idle tier) and queues
     five more; two of its tasks end, and b is admitted on the fast path beside a's backlog (b
     becomes light); two more of a's end. Returns the store and what one release then gives."""
     policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), fair_headroom=headroom,
                         fair_light_window_ms=5_000)
-    store = PoolStore(client, register_scripts(client), "fair", policy)
-    await client.hset(store.keys.clock, "frozen_us", 1_800_000_000_000_000)
-    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    store = await a_fills_the_node(client, policy)
     a, b = quota("a"), quota("b")
-    for i in range(10):
-        got = await store.admit(task_id=f"a-{i}", tenant=a, tier=Tier.NORMAL, prompt_tokens=50,
-                                max_tokens=50, gateway="gw", queue_timeout_ms=600_000)
-        assert got.outcome.value == "released"
     await enqueue(store, a, 5, start=10)
     await store.settle("a-0", 100)
     got = await store.admit(task_id="b-0", tenant=b, tier=Tier.NORMAL, prompt_tokens=25,
@@ -251,14 +259,8 @@ async def test_a_head_that_fits_nowhere_holds_its_tier_with_headroom_on(
     Passing a over instead let the Batch task take the 50 tokens Normal waits for."""
     policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), fair_headroom=0.1,
                         fair_light_window_ms=5_000)
-    store = PoolStore(redis_client, register_scripts(redis_client), "fair", policy)
-    await redis_client.hset(store.keys.clock, "frozen_us", 1_800_000_000_000_000)
-    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    store = await a_fills_the_node(redis_client, policy)
     a = quota("a")
-    for i in range(10):
-        got = await store.admit(task_id=f"a-{i}", tenant=a, tier=Tier.NORMAL, prompt_tokens=50,
-                                max_tokens=50, gateway="gw", queue_timeout_ms=600_000)
-        assert got.outcome.value == "released"
     await enqueue(store, a, 3, start=10)
     await enqueue(store, quota("z"), 1, cost=50, tier=Tier.BATCH)
     await store.settle("a-0", 100)
@@ -283,14 +285,8 @@ async def test_a_light_tenant_under_its_share_is_released_before_the_counters_or
     completion frees 100 tokens: with headroom the release serves b first (it holds nothing in
     flight, under its share), without it serves a."""
     policy = PoolPolicy(tier_queue_caps=(10_000, 10_000, 10_000), fair_headroom=headroom)
-    store = PoolStore(redis_client, register_scripts(redis_client), "fair", policy)
-    await redis_client.hset(store.keys.clock, "frozen_us", 1_800_000_000_000_000)
-    await store.publish_state(1, Zone.GREEN, {"node": 1_000})
+    store = await a_fills_the_node(redis_client, policy)
     a = quota("a")
-    for i in range(10):
-        got = await store.admit(task_id=f"a-{i}", tenant=a, tier=Tier.NORMAL, prompt_tokens=50,
-                                max_tokens=50, gateway="gw", queue_timeout_ms=600_000)
-        assert got.outcome.value == "released"
     await enqueue(store, a, 5, start=10)
     await enqueue(store, quota("b"), 1)
     assert await redis_client.zscore(store.keys.light(Tier.NORMAL), "b") is not None

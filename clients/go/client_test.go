@@ -354,6 +354,44 @@ func TestSSEReaderLineEnds(t *testing.T) {
 	}
 }
 
+// stalling serves its chunks one per read, then blocks, as a server that waits does.
+type stalling struct {
+	chunks []string
+	stop   chan struct{}
+}
+
+func (r *stalling) Read(p []byte) (int, error) {
+	if len(r.chunks) == 0 {
+		<-r.stop
+		return 0, io.EOF
+	}
+	n := copy(p, r.chunks[0])
+	r.chunks = r.chunks[1:]
+	return n, nil
+}
+
+// The CR of a CRLF ends one read and its LF starts the next, which also holds the blank line
+// that ends the event: the event is returned from what was read, without waiting for more
+// (skipping the LF alone made the scanner read again first, and the event waited for the
+// server's next write).
+func TestAnEventWhoseCRLFIsSplitBetweenReadsIsNotHeldBack(t *testing.T) {
+	r := &stalling{chunks: []string{"data: b\r", "\n\r\n"}, stop: make(chan struct{})}
+	defer close(r.stop)
+	got := make(chan string, 1)
+	go func() {
+		data, _ := newSSEReader(r).next()
+		got <- data
+	}()
+	select {
+	case data := <-got:
+		if data != "b" {
+			t.Fatalf("%q", data)
+		}
+	case <-time.After(chunkWait):
+		t.Fatal("the event waited for a read after the one that completed it")
+	}
+}
+
 // A stream framed by bare CRs reaches the caller event by event, each as soon as the CR that
 // ends it has arrived (the server writes nothing more until the test asks), and a CRLF split
 // between two writes is one line end.

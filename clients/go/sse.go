@@ -37,32 +37,36 @@ func newSSEReader(r io.Reader) *sseReader {
 // in the Python SDK (bufio.ScanLines knows LF only, so a stream framed by bare CRs would be read
 // to its end as one line). A line ended by a CR is returned at once, since that CR may be the
 // last byte before the server waits; an LF that then starts the next read is the rest of a
-// CRLF, and skipped.
+// CRLF, and skipped in the same call as the line after it is found: a call that skipped it
+// alone would return no token, on which bufio.Scanner reads again before it looks at what it
+// holds, and an event already received would wait for the server's next write.
 type sseLines struct {
 	skipLF bool
 }
 
 func (l *sseLines) split(data []byte, atEOF bool) (int, []byte, error) {
+	skip := 0
 	if l.skipLF && len(data) > 0 {
 		l.skipLF = false
 		if data[0] == '\n' {
-			return 1, nil, nil
+			skip = 1
 		}
 	}
-	i := bytes.IndexAny(data, "\r\n")
+	rest := data[skip:]
+	i := bytes.IndexAny(rest, "\r\n")
 	switch {
-	case i < 0 && atEOF && len(data) > 0:
-		return len(data), data, nil
+	case i < 0 && atEOF && len(rest) > 0:
+		return len(data), rest, nil
 	case i < 0:
-		return 0, nil, nil
-	case data[i] == '\n':
-		return i + 1, data[:i], nil
-	case i+1 < len(data) && data[i+1] == '\n':
-		return i + 2, data[:i], nil
-	case i+1 == len(data):
+		return skip, nil, nil // no line end held: more must be read anyway
+	case rest[i] == '\n':
+		return skip + i + 1, rest[:i], nil
+	case i+1 < len(rest) && rest[i+1] == '\n':
+		return skip + i + 2, rest[:i], nil
+	case i+1 == len(rest):
 		l.skipLF = true
 	}
-	return i + 1, data[:i], nil
+	return skip + i + 1, rest[:i], nil
 }
 
 // next returns the next event's data; io.EOF after [DONE] or at the end of the body.

@@ -39,6 +39,7 @@ from kvgate_client import (
     RetryTransport,
     StreamError,
 )
+from kvgate_client._sse import LineSplitter
 from kvgate_client.budget import MAX_TOKENS
 from tests.gateway_harness import KEYS, POOL, Harness, running_gateway, serve_app
 
@@ -152,6 +153,14 @@ async def test_bare_cr_framing_at_every_split_and_without_waiting_for_more_bytes
         gate.set()
         got += [c async for c in events]
     assert text_of(got) == "xy"
+
+
+def test_an_empty_piece_between_a_cr_and_its_lf_is_no_line_end() -> None:
+    """Transports may hand over an empty piece; between the CR and the LF of one CRLF it
+    made the LF a second line end, a blank line that ended the event early."""
+    splitter = LineSplitter()
+    lines = [*splitter.feed(b"data: x\r"), *splitter.feed(b""), *splitter.feed(b"\ndata: y\n")]
+    assert lines == ["data: x", "data: y"]
 
 
 async def test_an_event_that_is_not_json_is_a_stream_error() -> None:

@@ -27,6 +27,8 @@ class LineSplitter:
         self._first = True
 
     def feed(self, data: bytes) -> list[str]:
+        if not data:  # an empty piece between a CR and its LF must not forget the CR
+            return []
         if self._skip_lf and data[:1] == b"\n":
             data = data[1:]
         self._skip_lf = data[-1:] == b"\r"

@@ -9,6 +9,6 @@ COPY scheduler scheduler
 COPY lua lua
 RUN pip install --no-cache-dir '.[fast]' && rm -rf /root/.cache
 USER 10001
-EXPOSE 8000 9100
+EXPOSE 8080 9100
 ENTRYPOINT ["python", "-m"]
 CMD ["gateway", "--config", "/etc/kvgate/config.toml"]

@@ -202,7 +202,7 @@ def test_gateway_probes_ports_and_service(variant: str) -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
-    assert [p["containerPort"] for p in c["ports"] if p["name"] == "http"] == [8000]
+    assert [p["containerPort"] for p in c["ports"] if p["name"] == "http"] == [8080]
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
     assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 5
     svc = one(docs, "Service", "-gateway")
@@ -404,7 +404,7 @@ def test_gateway_pod_config_is_accepted(variant: str, tmp_path: Path) -> None:
     config = cfg.load_config(path, env=pod_env)
     merged = chart().merge_values(values)
     assert list(config.pools) == [p["name"] for p in merged["config"]["pools"]]
-    assert (config.gateway.host, config.gateway.port) == ("0.0.0.0", 8000)
+    assert (config.gateway.host, config.gateway.port) == ("0.0.0.0", 8080)
     assert config.redis.url == pod_env["REDIS_URL"]
     if variant == "tenants":
         assert [(t.name, t.tier, t.key_sha256, t.rate, t.burst) for t in config.tenants] == [
@@ -528,7 +528,7 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
         {"name": "p", "backends": [], "dedicated": {"nodes": ["gpu 0"]}}]}},
         "/config/pools/0/dedicated/nodes/0"),
     "external without url": ({"redis": {"mode": "external"}}, "/redis/external/url"),
-    "port as text": ({"gateway": {"port": "8000"}}, "/gateway/port"),
+    "port as text": ({"gateway": {"port": "8080"}}, "/gateway/port"),
     "unsafe password": ({"redis": {"auth": {"password": "a@b/c"}}}, "/redis/auth/password"),
     "sentinel without port": ({"config": {"redis": {"sentinel_master": "kv",
                                                      "sentinels": ["sentinel-0"]}}},

@@ -341,6 +341,9 @@ class Model:
                     if view is not None:
                         keep = view.keep(t.tenant, self.fair_headroom)
                     node, guest = self.place(tier, t.cost, t.prompt, tier in guests_only, keep)
+                    if node is None and keep > 0 and self.place(
+                            tier, t.cost, t.prompt, tier in guests_only)[0] is None:
+                        keep = 0.0  # it fits nowhere even without the hold-back: it holds
                 if self.fair and (capped or (node is None and keep > 0)):
                     skip.add(t.tenant)  # its own cap, or room it must leave: the others go on
                     continue

@@ -29,7 +29,9 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qs, urlsplit
+
+from redis.connection import to_bool
 
 from admission.configfields import (
     ConfigError,
@@ -388,6 +390,11 @@ def check_mounted_files(config: Config) -> None:
     check_redis_ca(config)
 
 
+def _tls_query(url: str) -> dict[str, str]:
+    """The URL's query parameters, the first of each repeated one (as redis-py's parse_url)."""
+    return {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
+
+
 def tls_context(settings: RedisSettings) -> ssl.SSLContext | None:
     """The TLS context of a connection to `settings.url`: None for redis:// and unix://; for
     rediss://, the CA (the URL's `ssl_ca_certs`, else `ssl_ca_file`, else the system's), the
@@ -397,14 +404,17 @@ def tls_context(settings: RedisSettings) -> ssl.SSLContext | None:
     server. OSError or ssl.SSLError if a file cannot be loaded."""
     if not settings.url.startswith("rediss://"):
         return None
-    query = dict(parse_qsl(urlsplit(settings.url).query))
-    context = ssl.create_default_context(cafile=query.get("ssl_ca_certs") or settings.ssl_ca_file)
+    query = _tls_query(settings.url)
+    # The system's CAs and the named file, as redis-py's connections trust them.
+    context = ssl.create_default_context()
+    ca = query.get("ssl_ca_certs") or settings.ssl_ca_file
+    if ca:
+        context.load_verify_locations(cafile=ca)
     if "ssl_certfile" in query:
         context.load_cert_chain(query["ssl_certfile"], query.get("ssl_keyfile"))
-    reqs = query.get("ssl_cert_reqs", "required").lower()
-    # redis-py's reading of a boolean query parameter: these words are false, the rest true.
-    check_hostname = query.get("ssl_check_hostname", "true").upper() not in (
-        "0", "F", "FALSE", "N", "NO")
+    reqs = query.get("ssl_cert_reqs", "required")
+    check_hostname = to_bool(  # type: ignore[no-untyped-call, unused-ignore]
+        query.get("ssl_check_hostname", "true")) is not False
     context.check_hostname = check_hostname and reqs != "none"
     context.verify_mode = {"none": ssl.CERT_NONE,
                            "optional": ssl.CERT_OPTIONAL}.get(reqs, ssl.CERT_REQUIRED)
@@ -418,7 +428,7 @@ def check_redis_ca(config: Config) -> None:
     file's error alone. Not part of `load_config`, which checks files a process may not have
     mounted."""
     settings = config.redis
-    query = dict(parse_qsl(urlsplit(settings.url).query))
+    query = _tls_query(settings.url)
     files = [("redis.url's ssl_ca_certs", query.get("ssl_ca_certs")),
              ("redis.ssl_ca_file", settings.ssl_ca_file),
              ("redis.url's ssl_certfile", query.get("ssl_certfile"))]

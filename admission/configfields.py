@@ -170,7 +170,7 @@ def _split(url: str) -> SplitResult | str:
 
 
 TLS_QUERY = {
-    "ssl_cert_reqs": "none, optional or required (default: required)",
+    "ssl_cert_reqs": "none, optional or required, in lower case (default: required)",
     "ssl_check_hostname": "true or false (default: true; false with ssl_cert_reqs=none)",
     "ssl_ca_certs": "the CA file (redis.ssl_ca_file too; the URL's wins)",
     "ssl_certfile": "the client certificate, for mutual TLS",
@@ -191,7 +191,7 @@ def _tls_query_error(url: str, query: dict[str, str]) -> str | None:
         if not url.startswith("rediss://"):
             return f"its query parameter {name} needs a rediss:// URL (TLS)"
     reqs = query.get("ssl_cert_reqs")
-    if reqs is not None and reqs.lower() not in ("none", "optional", "required"):
+    if reqs is not None and reqs not in ("none", "optional", "required"):  # as redis-py reads
         return f"ssl_cert_reqs {reqs!r} must be {TLS_QUERY['ssl_cert_reqs']}"
     if "ssl_keyfile" in query and "ssl_certfile" not in query:
         return "ssl_keyfile needs ssl_certfile (the certificate the key belongs to)"

@@ -131,8 +131,13 @@ def _sentinel_primary(
         params.pop(key, None)
     tls = settings.url.startswith("rediss://")
     sockets = {"socket_timeout": timeout, "socket_connect_timeout": connect_timeout}
-    # The Sentinels are reached like the primary (TLS or not), without its credentials.
-    sentinel_kwargs: dict[str, Any] = {**sockets, **({"ssl": True, **ssl} if tls else {})}
+    # The URL's TLS parameters win over `ssl_ca_file` (as redis-py's from_url has them), and
+    # given twice to master_for they were a TypeError at start.
+    tls_params = {**ssl, **{k: v for k, v in params.items() if k.startswith("ssl_")}}
+    params = {k: v for k, v in params.items() if not k.startswith("ssl_")}
+    # The Sentinels are reached like the primary (TLS with the same settings, or not), without
+    # its credentials.
+    sentinel_kwargs: dict[str, Any] = {**sockets, **({"ssl": True, **tls_params} if tls else {})}
     sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         settings.sentinel_addresses(), sentinel_kwargs=sentinel_kwargs)
     client: aioredis.Redis = sentinel.master_for(
@@ -144,7 +149,7 @@ def _sentinel_primary(
         health_check_interval=30,
         ssl=tls,
         **sockets,
-        **ssl,
+        **tls_params,
         **params,
     )
     return client

@@ -46,13 +46,15 @@ local function month_of_day(day)
   return y * 12 + m - 1
 end
 
--- The period an allowance counts in: the clock's (`index`), or the later one stored if the
--- clock stepped back since (a failover to a replica whose clock is behind, an NTP step) across
--- midnight or a month's end. Counting in the clock's there would read the later period's use
--- as none, and write over it.
+-- The period an allowance counts in: the clock's (`index`), or the next one if it is stored:
+-- the clock stepped back since (a failover to a replica whose clock is behind, an NTP step)
+-- across midnight or a month's end, and counting in the clock's would read the later period's
+-- use as none, and write over it. A period stored further ahead came from a clock that ran
+-- ahead and was set right: honouring it would pile every day's use into that one until the
+-- clock reached it, so the clock's period is taken, as it always was.
 local function period_of(f, kind, index)
   local at = tonumber(kind == 'month' and f[3] or f[1])
-  if at ~= nil and at > index then return at end
+  if at ~= nil and at == index + 1 then return at end
   return index
 end
 

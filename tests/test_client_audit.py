@@ -540,9 +540,17 @@ async def test_the_async_client_goes_through_the_proxy_but_to_exempt_hosts(
             reply = await client.chat("m", MESSAGES)
         assert reply["choices"][0]["message"]["content"] == "via the proxy"
         assert proxy.targets == ["POST http://gateway.invalid/v1/chat/completions"] * 2
-        # NO_PROXY exempts the host: the request goes straight to it (here, the same server,
-        # reached directly: its request line holds the path alone).
-        no_proxy_environment.setenv("NO_PROXY", "127.0.0.1")
-        async with AsyncKvgateClient(url + "/v1", "k", policy=quick) as client:
+        # NO_PROXY exempts the host, named alone or with the port: the request goes straight
+        # to it (here, the same server, reached directly: its request line holds the path).
+        port = url.rsplit(":", 1)[1]
+        for exempt in ("127.0.0.1", f"127.0.0.1:{port}"):
+            no_proxy_environment.setenv("NO_PROXY", exempt)
+            async with AsyncKvgateClient(url + "/v1", "k", policy=quick) as client:
+                await client.chat("m", MESSAGES)
+        assert proxy.targets[2:] == ["POST /v1/chat/completions"] * 2
+        # A proxy written without a scheme is an http:// one, as httpx and curl read it.
+        no_proxy_environment.delenv("NO_PROXY")
+        no_proxy_environment.setenv("ALL_PROXY", url.removeprefix("http://"))
+        async with AsyncKvgateClient("http://gateway.invalid/v1", "k", policy=quick) as client:
             await client.chat("m", MESSAGES)
-        assert proxy.targets[2:] == ["POST /v1/chat/completions"]
+        assert proxy.targets[4:] == ["POST http://gateway.invalid/v1/chat/completions"]

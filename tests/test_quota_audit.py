@@ -202,6 +202,12 @@ async def test_a_daily_allowance_survives_the_clock_stepping_back_across_midnigh
     assert (late.reason, late.scope, late.limit) == (RejectReason.QUOTA, "key", "daily")
     bucket = await redis_client.hmget(store.keys.bucket_key("daily"), "day", "day_used")
     assert bucket == [str(midnight // day_us).encode(), b"1000"]
+    # A clock that ran a month ahead and was set right: the day it stored is no later day of
+    # the clock's, and counting in it would pile the next month's use into one day.
+    ahead = await admit("ahead", midnight + 30 * day_us, 600)  # 700 used "in" that day
+    assert ahead.outcome is AdmitOutcome.RELEASED
+    back = await admit("set-right", midnight + day_us + S, 700)  # the next day: 800 of 1,000
+    assert back.outcome is AdmitOutcome.RELEASED
 
 
 def test_duplicate_tenants_and_keys_name_both_entries() -> None:

@@ -5,6 +5,7 @@ services would silently read as something else."""
 from __future__ import annotations
 
 import copy
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,14 @@ import pytest
 
 from admission.config import (
     ConfigError,
+    RedisSettings,
     check_mounted_files,
     check_redis_ca,
     load_config,
     parse_config,
+    tls_context,
 )
+from admission.connection import connect
 from admission.inspect_target import resolve_target
 from gateway.__main__ import tokenizer_error
 
@@ -71,6 +75,7 @@ def test_a_config_path_that_is_a_directory_or_not_text_is_a_config_error(tmp_pat
     ("redis://host:6379/0?ssl_cert_reqs=none", "ssl_cert_reqs needs a rediss:// URL"),
     ("rediss://host:6380/0?ssl_cert_reqs=maybe", "ssl_cert_reqs 'maybe' must be none, optional"),
     ("rediss://host:6380/0?ssl_keyfile=/k.pem", "ssl_keyfile needs ssl_certfile"),
+    ("rediss://host:6380/0?ssl_cert_reqs=NONE", "ssl_cert_reqs 'NONE' must be none, optional"),
 ])
 def test_a_redis_url_the_client_would_misread_is_refused(url: str, message: str) -> None:
     assert refused(with_("redis.url", url)).startswith("redis.url: ")
@@ -159,6 +164,39 @@ def test_a_backend_ca_file_error_names_the_pools_key(tmp_path: Path) -> None:
     target = resolve_target(config=str(config), redis_url=None, cluster=False,
                             ssl_ca_file=None, pools=[], env={})
     assert target.pools == ("a", "b")
+
+
+def test_the_multiplexed_connection_reads_the_urls_tls_as_redis_py_does() -> None:
+    """The gateway's own connection and redis-py's must trust the same server: the same words
+    for false, the first of a repeated parameter."""
+    def context(query: str) -> ssl.SSLContext:
+        made = tls_context(RedisSettings(url=f"rediss://h:6380/0{query}"))
+        assert made is not None
+        return made
+
+    assert context("").check_hostname and context("").verify_mode == ssl.CERT_REQUIRED
+    assert not context("?ssl_check_hostname=off").check_hostname
+    assert context("?ssl_check_hostname=yes").check_hostname
+    assert context("?ssl_cert_reqs=optional").verify_mode == ssl.CERT_OPTIONAL
+    lax = context("?ssl_cert_reqs=none&ssl_cert_reqs=required")
+    assert (lax.verify_mode, lax.check_hostname) == (ssl.CERT_NONE, False)
+    assert tls_context(RedisSettings(url="redis://h:6379/0")) is None
+
+
+async def test_a_sentinel_urls_tls_parameters_reach_the_sentinels_and_the_primary() -> None:
+    """Under Sentinel, the URL's TLS parameters are used to reach the Sentinels as well as the
+    primary, and win over `ssl_ca_file`; given with it, they were a TypeError at start (the
+    same keyword twice)."""
+    settings = RedisSettings(url="rediss://:pw@/0?ssl_ca_certs=/url-ca.pem&ssl_cert_reqs=none",
+                             ssl_ca_file="/file-ca.pem", sentinel_master="kvgate",
+                             sentinels=("127.0.0.1:1",))
+    client = connect(settings)  # no I/O until the first command
+    try:
+        pool = client.connection_pool
+        for kwargs in (pool.sentinel_manager.sentinel_kwargs, pool.connection_kwargs):
+            assert (kwargs["ssl_ca_certs"], kwargs["ssl_cert_reqs"]) == ("/url-ca.pem", "none")
+    finally:
+        await client.aclose()
 
 
 def test_the_services_refuse_a_redis_tls_file_of_the_url_they_cannot_load(tmp_path: Path

@@ -15,38 +15,50 @@ import urllib.request
 
 import httpx
 
+PROXY_SCHEMES = ("http", "https", "all")
+
 
 def environment_proxies() -> dict[str, str]:
     """Scheme ("http", "https", "all", and "no" for the exemptions) to proxy URL, from the
-    environment; empty when it names none."""
-    return dict(urllib.request.getproxies_environment())
+    environment; empty when it names none. A proxy written without a scheme
+    (`HTTP_PROXY=proxy.corp:3128`) is an http:// one, as httpx and curl read it."""
+    proxies = dict(urllib.request.getproxies_environment())
+    for scheme in PROXY_SCHEMES:
+        value = proxies.get(scheme)
+        if value and "://" not in value:
+            proxies[scheme] = "http://" + value
+    return proxies
 
 
 def _proxy_for(url: httpx.URL, proxies: dict[str, str]) -> str | None:
     proxy = proxies.get(url.scheme) or proxies.get("all")
-    # proxy_bypass_environment: NO_PROXY's rules; public, but missing from typeshed's stubs.
-    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
-    if proxy is None or bypass(url.host, proxies):
+    if proxy is None:
         return None
-    return proxy
+    # NO_PROXY's rules; public, but missing from typeshed's stubs. Given "host:port", an entry
+    # matches as "host" or as "host:port" (an IPv6 address is given alone).
+    bypass = urllib.request.proxy_bypass_environment  # type: ignore[attr-defined]
+    host = url.host
+    if url.port is not None and ":" not in host:
+        host = f"{host}:{url.port}"
+    return None if bypass(host, proxies) else proxy
+
+
+def _routes(proxies: dict[str, str]) -> list[str]:
+    return sorted({proxies[s] for s in PROXY_SCHEMES if proxies.get(s)})
 
 
 class EnvProxyTransport(httpx.BaseTransport):
     """Direct, or through the environment's proxy for the request's URL (one pool each)."""
 
     def __init__(self, limits: httpx.Limits, proxies: dict[str, str]) -> None:
-        self._limits = limits
         self._proxies = proxies
         self._direct = httpx.HTTPTransport(limits=limits)
-        self._via: dict[str, httpx.HTTPTransport] = {}
+        # Built now: a proxy URL httpx cannot use fails the client's construction, once.
+        self._via = {p: httpx.HTTPTransport(limits=limits, proxy=p) for p in _routes(proxies)}
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         proxy = _proxy_for(request.url, self._proxies)
-        if proxy is None:
-            return self._direct.handle_request(request)
-        transport = self._via.get(proxy)
-        if transport is None:
-            transport = self._via[proxy] = httpx.HTTPTransport(limits=self._limits, proxy=proxy)
+        transport = self._direct if proxy is None else self._via[proxy]
         return transport.handle_request(request)
 
     def close(self) -> None:
@@ -58,19 +70,14 @@ class AsyncEnvProxyTransport(httpx.AsyncBaseTransport):
     """Async counterpart of EnvProxyTransport."""
 
     def __init__(self, limits: httpx.Limits, proxies: dict[str, str]) -> None:
-        self._limits = limits
         self._proxies = proxies
         self._direct = httpx.AsyncHTTPTransport(limits=limits)
-        self._via: dict[str, httpx.AsyncHTTPTransport] = {}
+        self._via = {p: httpx.AsyncHTTPTransport(limits=limits, proxy=p)
+                     for p in _routes(proxies)}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         proxy = _proxy_for(request.url, self._proxies)
-        if proxy is None:
-            return await self._direct.handle_async_request(request)
-        transport = self._via.get(proxy)
-        if transport is None:
-            transport = self._via[proxy] = httpx.AsyncHTTPTransport(limits=self._limits,
-                                                                    proxy=proxy)
+        transport = self._direct if proxy is None else self._via[proxy]
         return await transport.handle_async_request(request)
 
     async def aclose(self) -> None:
@@ -82,7 +89,7 @@ def sync_transport(limits: httpx.Limits) -> httpx.BaseTransport:
     """httpx's transport, or one that routes through the environment's proxies if it names
     any."""
     proxies = environment_proxies()
-    if not any(k in proxies for k in ("http", "https", "all")):
+    if not _routes(proxies):
         return httpx.HTTPTransport(limits=limits)
     return EnvProxyTransport(limits, proxies)
 
@@ -90,6 +97,6 @@ def sync_transport(limits: httpx.Limits) -> httpx.BaseTransport:
 def async_transport(limits: httpx.Limits) -> httpx.AsyncBaseTransport:
     """Async counterpart of sync_transport."""
     proxies = environment_proxies()
-    if not any(k in proxies for k in ("http", "https", "all")):
+    if not _routes(proxies):
         return httpx.AsyncHTTPTransport(limits=limits)
     return AsyncEnvProxyTransport(limits, proxies)

@@ -89,12 +89,9 @@ local function flow_floor(prefix, tier)
 end
 
 -- The counter after the lift a flow gets as it becomes backlogged (written back when raised).
--- The floor it was lifted against is kept (`lift_<tier>`): flow_settle() does not refund below
--- it while the flow stays backlogged.
 local function flow_lift(prefix, tier, tkey)
   local floor = flow_floor(prefix, tier)
   local own = tenant_vt(tkey, tier)
-  redis.call('HSET', tkey, 'lift_' .. tier, fmt(floor))
   if own < floor then
     own = floor
     redis.call('HSET', tkey, 'vt_' .. tier, fmt(own))
@@ -153,25 +150,13 @@ end
 -- A released task that was charged ends: the charge's share of what it did not use comes back
 -- (usage < 0: unknown, treated as none used, as its tenant's bucket is refunded); usage above
 -- the reservation adds to the counter.
---
--- A backlogged flow gets back at most what keeps its counter at the floor it was lifted
--- against: its counter was compared with that floor while it still held the full charges of
--- the tasks it had running, and a refund of those below the floor would give it credit for
--- the time it was not backlogged, which the lift is there to deny. (A task charged since the
--- lift cannot take the counter below the floor: its charge came on top.)
 local function flow_settle(prefix, task, usage)
   local charge, cost = tonumber(task.charge), tonumber(task.cost)
   if not charge or not cost or cost <= 0 then return end
   local unused = cost
   if usage >= 0 then unused = cost - usage end
   local back = math.floor(charge * unused / cost)
-  local tier = tonumber(task.tier)
-  if back > 0 and redis.call('ZSCORE', flows_key(prefix, tier), task.tenant) then
-    local tkey = tenant_key(prefix, task.tenant)
-    local floor = tonumber(redis.call('HGET', tkey, 'lift_' .. tier))
-    if floor then back = math.min(back, math.max(0, tenant_vt(tkey, tier) - floor)) end
-  end
-  if back ~= 0 then vt_add(prefix, tier, task.tenant, -back) end
+  if back ~= 0 then vt_add(prefix, tonumber(task.tier), task.tenant, -back) end
 end
 
 -- The tenants a release call passes over in one tier: `set` of them, and `rows`,

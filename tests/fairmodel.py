@@ -51,8 +51,6 @@ def settle_back(charge: int, cost: int, usage: int | None) -> int:
 class FairLedger:
     vt: dict[tuple[int, str], int] = field(default_factory=dict)
     """(tier, tenant) -> virtual counter (absent: 0)."""
-    lifted: dict[tuple[int, str], int] = field(default_factory=dict)
-    """(tier, tenant) -> the floor its last lift compared with (`lift_<tier>`)."""
     vtime: dict[int, int] = field(default_factory=dict)
     """tier -> the counter the last flow was served at."""
     weight: dict[str, str] = field(default_factory=dict)
@@ -115,7 +113,6 @@ class FairLedger:
     def lift(self, tier: int, tenant: str, backlogged: Mapping[str, int]) -> None:
         """`tenant`'s flow becomes backlogged (it is not among `backlogged`)."""
         floor, _ = self.floor(tier, backlogged)
-        self.lifted[(tier, tenant)] = floor
         if self.counter(tier, tenant) < floor:
             self.vt[(tier, tenant)] = floor
 
@@ -131,15 +128,10 @@ class FairLedger:
         return charge
 
     def settle(self, tier: int, tenant: str, charge: int | None, cost: int,
-               usage: int | None, backlogged: bool = False) -> None:
-        """A charged task ends; `backlogged`: its tenant's flow in `tier` has work queued, and
-        gets back no more than keeps its counter at the floor of its lift."""
+               usage: int | None) -> None:
         if charge is None:
             return
         back = settle_back(charge, cost, usage)
-        floor = self.lifted.get((tier, tenant))
-        if back > 0 and backlogged and floor is not None:
-            back = min(back, max(0, self.counter(tier, tenant) - floor))
         if back:
             self.vt[(tier, tenant)] = self.counter(tier, tenant) - back
 

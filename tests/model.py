@@ -197,8 +197,7 @@ class Model:
         self._unreserve(t.node, t.cost)
         refund = t.cost if usage is None else t.cost - usage
         self.ledger.add(self.ledger.inflight_tokens, t.tenant, -t.cost)
-        self.ledger.settle(t.tier, t.tenant, t.charge, t.cost, usage,
-                           backlogged=t.tenant in self.flows(t.tier))
+        self.ledger.settle(t.tier, t.tenant, t.charge, t.cost, usage)
         self.credit(t, refund)
         t.state = state
         t.finishes += 1

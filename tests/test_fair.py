@@ -131,42 +131,6 @@ async def test_an_idle_tenant_banks_no_credit(store: PoolStore,
     assert 4 <= sum(t.startswith("late") for t in order) <= 6, order
 
 
-async def test_refunds_that_land_after_a_lift_bank_no_credit(
-        store: PoolStore, redis_client: aioredis.Redis) -> None:
-    """late's two tasks run, charged in full, while it has nothing queued and busy is served
-    on; late queues again and is lifted to busy's counter, against its own still topped up by
-    those full charges; then they end having used nothing. Their refund must not take late
-    below the floor it was lifted against: it would bank credit for the time it was away, and
-    whether it did depended on whether the settles came before its next request or after."""
-    keys = store.keys
-    await enqueue(store, quota("late"), 2)
-    await enqueue(store, quota("busy"), 20)
-    await store.publish_state(1, Zone.YELLOW, {"big": 10_000})
-    bulk = [t.task_id for t in await store.release(1, (0, 4, 0))]
-    assert bulk == ["late-0", "busy-0", "late-1", "busy-1"]  # ties: the older head
-    for tid in ("busy-0", "busy-1"):
-        await store.settle(tid, 100)
-    await release_one_by_one(store, 6)  # busy alone: late has nothing queued
-    await enqueue(store, quota("late"), 1, start=2)
-    busy_at = await redis_client.zscore(keys.flows(Tier.NORMAL), "busy")
-    assert await redis_client.zscore(keys.flows(Tier.NORMAL), "late") == busy_at  # lifted
-    for tid in ("late-0", "late-1"):
-        await store.settle(tid, 0)  # nothing used: the whole charge would come back
-    assert await redis_client.zscore(keys.flows(Tier.NORMAL), "late") == busy_at
-    await enqueue(store, quota("late"), 3, start=3)
-    order = await release_one_by_one(store, 4)
-    assert order == ["busy-8", "late-2", "busy-9", "late-3"], order
-    # Once late's flow is empty again, a refund is whole: the next lift is what bounds it.
-    await store.publish_state(1, Zone.YELLOW, {"big": 10_000})
-    late_tasks = [t.task_id for t in await store.release(1, (0, 10, 0))
-                  if t.task_id.startswith("late")]
-    assert late_tasks == ["late-4", "late-5"]
-    before = int(await redis_client.hget(keys.tenant_key("late"), "vt_1") or 0)
-    await store.settle("late-5", 0)
-    after = int(await redis_client.hget(keys.tenant_key("late"), "vt_1") or 0)
-    assert before - after == int(await redis_client.hget(keys.task_key("late-5"), "charge") or 0)
-
-
 async def test_the_order_continues_across_stores(store: PoolStore,
                                                  redis_client: aioredis.Redis,
                                                  redis_url: str) -> None:

@@ -77,7 +77,7 @@ for _, name in ipairs(PLACEMENT_FIELDS) do table.insert(ADMIT_STATE_FIELDS, name
 table.insert(ADMIT_STATE_FIELDS, 'pool_usage')
 -- A task record's fields the scripts act on (load_task()).
 local TASK_FIELDS = {'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'deadline_us',
-  'prompt_tokens', 'max_tokens', 'guest', 'charge', 'levels', 'quota_day'}
+  'prompt_tokens', 'max_tokens', 'guest', 'charge', 'levels', 'quota_day', 'lift_epoch'}
 
 -- What a capacity 429's retry hint is computed from (admission/hints.py), as admit.lua and
 -- hint.lua report it: the tasks queued at `tier` or above; their drain rate in tasks/s, the sum

@@ -89,9 +89,14 @@ local function flow_floor(prefix, tier)
 end
 
 -- The counter after the lift a flow gets as it becomes backlogged (written back when raised).
+-- Each lift counts (`lifts_<tier>`: the epoch a charge records, lift_epoch()) and leaves the
+-- room the counter had above the floor (`liftroom_<tier>`): the refunds of the tasks charged
+-- before it may take back no more than that (flow_settle()).
 local function flow_lift(prefix, tier, tkey)
   local floor = flow_floor(prefix, tier)
   local own = tenant_vt(tkey, tier)
+  redis.call('HINCRBY', tkey, 'lifts_' .. tier, 1)
+  redis.call('HSET', tkey, 'liftroom_' .. tier, fmt(math.max(0, own - floor)))
   if own < floor then
     own = floor
     redis.call('HSET', tkey, 'vt_' .. tier, fmt(own))
@@ -150,13 +155,33 @@ end
 -- A released task that was charged ends: the charge's share of what it did not use comes back
 -- (usage < 0: unknown, treated as none used, as its tenant's bucket is refunded); usage above
 -- the reservation adds to the counter.
+--
+-- A task charged before its tenant's latest lift gets back no more than the room that lift
+-- left (and takes it): the lift compared a counter that still held the task's full charge, so
+-- more would take the counter below the floor and give the tenant credit for the time it was
+-- away, which the lift is there to deny. A task charged since gets back its whole share.
 local function flow_settle(prefix, task, usage)
   local charge, cost = tonumber(task.charge), tonumber(task.cost)
   if not charge or not cost or cost <= 0 then return end
   local unused = cost
   if usage >= 0 then unused = cost - usage end
   local back = math.floor(charge * unused / cost)
-  if back ~= 0 then vt_add(prefix, tonumber(task.tier), task.tenant, -back) end
+  local tier = tonumber(task.tier)
+  local epoch = tonumber(task.lift_epoch)
+  if back > 0 and epoch then
+    local tkey = tenant_key(prefix, task.tenant)
+    if epoch < (tonumber(redis.call('HGET', tkey, 'lifts_' .. tier)) or 0) then
+      local room = tonumber(redis.call('HGET', tkey, 'liftroom_' .. tier)) or 0
+      back = math.min(back, math.max(0, room))
+      redis.call('HSET', tkey, 'liftroom_' .. tier, fmt(room - back))
+    end
+  end
+  if back ~= 0 then vt_add(prefix, tier, task.tenant, -back) end
+end
+
+-- The lift epoch a charge of `tenant` in `tier` records on its task (flow_settle()).
+local function lift_epoch(prefix, tier, tenant)
+  return redis.call('HGET', tenant_key(prefix, tenant), 'lifts_' .. tier) or '0'
 end
 
 -- The tenants a release call passes over in one tier: `set` of them, and `rows`,

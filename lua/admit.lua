@@ -231,7 +231,8 @@ if node then
   if busy then
     redis.call('HSET', tkey, 'weight', weight)
     flow_lift(prefix, tier, tkey)
-    redis.call('HSET', KEYS[12], 'charge', fmt(flow_charge(prefix, tier, tenant, cost)))
+    redis.call('HSET', KEYS[12], 'charge', fmt(flow_charge(prefix, tier, tenant, cost)),
+      'lift_epoch', lift_epoch(prefix, tier, tenant))
     redis.call('ZADD', light_key(prefix, tier), fmt(now), tenant)
   end
   if guest then

@@ -251,7 +251,8 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
         drain_add(tenant_key(prefix, task.tenant), now, cost)
         reserve_node(KEYS[4], node, cost, memo)
         redis.call('HSET', task_key(prefix, head), 'state', 'released', 'node', node,
-          'queued_us', queued_us, 'released_us', fmt(now), 'charge', fmt(charge))
+          'queued_us', queued_us, 'released_us', fmt(now), 'charge', fmt(charge),
+          'lift_epoch', lift_epoch(prefix, t, task.tenant))
         redis.call('HDEL', task_key(prefix, head), 'deadline_us')
         if guest then
           guest_joined(gst_key, pc_key, placement, task_key(prefix, head), node, prompt_tokens,

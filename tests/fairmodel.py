@@ -51,6 +51,11 @@ def settle_back(charge: int, cost: int, usage: int | None) -> int:
 class FairLedger:
     vt: dict[tuple[int, str], int] = field(default_factory=dict)
     """(tier, tenant) -> virtual counter (absent: 0)."""
+    lifts: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(tier, tenant) -> lifts so far (`lifts_<tier>`): the epoch a charge records."""
+    liftroom: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(tier, tenant) -> what the refunds of tasks charged before the latest lift may still
+    take back (`liftroom_<tier>`)."""
     vtime: dict[int, int] = field(default_factory=dict)
     """tier -> the counter the last flow was served at."""
     weight: dict[str, str] = field(default_factory=dict)
@@ -113,6 +118,8 @@ class FairLedger:
     def lift(self, tier: int, tenant: str, backlogged: Mapping[str, int]) -> None:
         """`tenant`'s flow becomes backlogged (it is not among `backlogged`)."""
         floor, _ = self.floor(tier, backlogged)
+        self.lifts[(tier, tenant)] = self.lifts.get((tier, tenant), 0) + 1
+        self.liftroom[(tier, tenant)] = max(0, self.counter(tier, tenant) - floor)
         if self.counter(tier, tenant) < floor:
             self.vt[(tier, tenant)] = floor
 
@@ -128,10 +135,16 @@ class FairLedger:
         return charge
 
     def settle(self, tier: int, tenant: str, charge: int | None, cost: int,
-               usage: int | None) -> None:
+               usage: int | None, epoch: int | None = None) -> None:
+        """A charged task ends; `epoch`: the tenant's lifts when it was charged. One charged
+        before the latest lift gets back no more than that lift's room, and takes it."""
         if charge is None:
             return
         back = settle_back(charge, cost, usage)
+        if back > 0 and epoch is not None and epoch < self.lifts.get((tier, tenant), 0):
+            room = self.liftroom.get((tier, tenant), 0)
+            back = min(back, max(0, room))
+            self.liftroom[(tier, tenant)] = room - back
         if back:
             self.vt[(tier, tenant)] = self.counter(tier, tenant) - back
 

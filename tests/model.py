@@ -41,6 +41,8 @@ class ModelTask:
     """Moved by its gateway to the gateway's abandoned set (`lua/abandon.lua`)."""
     charge: int | None = None
     """Counter units charged at its release (fair release); None: not charged."""
+    epoch: int | None = None
+    """Its tenant's lifts in its tier when it was charged (`lift_epoch`)."""
     levels: tuple[str, ...] = ()
     """The buckets of the enclosing quota levels it paid at ('team:<name>')."""
     quota_day: int | None = None
@@ -197,7 +199,7 @@ class Model:
         self._unreserve(t.node, t.cost)
         refund = t.cost if usage is None else t.cost - usage
         self.ledger.add(self.ledger.inflight_tokens, t.tenant, -t.cost)
-        self.ledger.settle(t.tier, t.tenant, t.charge, t.cost, usage)
+        self.ledger.settle(t.tier, t.tenant, t.charge, t.cost, usage, t.epoch)
         self.credit(t, refund)
         t.state = state
         t.finishes += 1
@@ -283,6 +285,7 @@ class Model:
                 ledger.weight[tenant] = weight_arg(weight)
                 ledger.lift(tier, tenant, flows)
                 task.charge = ledger.charge(tier, tenant, cost)
+                task.epoch = ledger.lifts.get((tier, tenant), 0)
                 ledger.light.setdefault(tier, {})[tenant] = self.now
             return ("released", node, 0, 0)
         task.deadline_us = self.now + timeout_ms * 1000
@@ -353,6 +356,7 @@ class Model:
                 queue.remove(tid)
                 self.ledger.add(self.ledger.queued_tokens, t.tenant, -t.cost)
                 t.charge = self.ledger.charge(tier, t.tenant, t.cost)
+                t.epoch = self.ledger.lifts.get((tier, t.tenant), 0)
                 self.ledger.add(self.ledger.inflight_tokens, t.tenant, t.cost)
                 if view is not None:
                     view.served(t.tenant, t.cost)

@@ -131,6 +131,49 @@ async def test_an_idle_tenant_banks_no_credit(store: PoolStore,
     assert 4 <= sum(t.startswith("late") for t in order) <= 6, order
 
 
+@pytest.mark.parametrize("settled", ["before", "after"])
+async def test_refunds_that_land_after_a_lift_bank_no_credit(
+        store: PoolStore, redis_client: aioredis.Redis, settled: str) -> None:
+    """late's two tasks run, charged in full, while it has nothing queued and busy is served
+    on; late queues again and is lifted to busy's counter (its own, even with those charges,
+    is below); then they end having used nothing, `before` or `after` late's next release.
+    Their refund must not take late below the floor it was lifted to: it would get credit for
+    the time it was away. A task charged after the lift still gets its whole refund."""
+    keys = store.keys
+    await enqueue(store, quota("late"), 2)
+    await enqueue(store, quota("busy"), 20)
+    await store.publish_state(1, Zone.YELLOW, {"big": 10_000})
+    bulk = [t.task_id for t in await store.release(1, (0, 4, 0))]
+    assert bulk == ["late-0", "busy-0", "late-1", "busy-1"]  # ties: the older head
+    for tid in ("busy-0", "busy-1"):
+        await store.settle(tid, 100)
+    await release_one_by_one(store, 6)  # busy alone: late has nothing queued
+    await enqueue(store, quota("late"), 1, start=2)
+    flows = keys.flows(Tier.NORMAL)
+    assert await redis_client.zscore(flows, "late") == await redis_client.zscore(flows, "busy")
+    if settled == "after":
+        assert await release_one_by_one(store, 2) == ["busy-8", "late-2"]
+    for tid in ("late-0", "late-1"):
+        await store.settle(tid, 0)  # nothing used: the whole charge would come back
+    late_at = int(await redis_client.hget(keys.tenant_key("late"), "vt_1") or 0)
+    busy_at = int(await redis_client.hget(keys.tenant_key("busy"), "vt_1") or 0)
+    assert late_at == busy_at  # no lower: the refunds took back nothing below the floor
+    await enqueue(store, quota("late"), 3, start=3)
+    order = await release_one_by_one(store, 4)
+    first = (["busy-8", "late-2", "busy-9", "late-3"] if settled == "before"
+             else ["busy-9", "late-3", "busy-10", "late-4"])
+    assert order == first  # they alternate: late's older tasks bought it no turns
+    # A task charged after the lift: its refund is whole.
+    await store.publish_state(1, Zone.YELLOW, {"big": 10_000})
+    released = [t.task_id for t in await store.release(1, (0, 3, 0))]
+    [later] = [t for t in released if t.startswith("late")]
+    before = int(await redis_client.hget(keys.tenant_key("late"), "vt_1") or 0)
+    await store.settle(later, 0)
+    after = int(await redis_client.hget(keys.tenant_key("late"), "vt_1") or 0)
+    charge = int(await redis_client.hget(keys.task_key(later), "charge") or 0)
+    assert before - after == charge > 0
+
+
 async def test_the_order_continues_across_stores(store: PoolStore,
                                                  redis_client: aioredis.Redis,
                                                  redis_url: str) -> None:

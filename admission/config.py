@@ -29,7 +29,6 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import parse_qs, urlsplit
 
 from redis.connection import to_bool
 
@@ -40,6 +39,7 @@ from admission.configfields import (
     is_sha256,
     shown_url,
     split_address,
+    url_query,
 )
 from admission.configschema import (
     DEFAULT_TIERS,
@@ -390,11 +390,6 @@ def check_mounted_files(config: Config) -> None:
     check_redis_ca(config)
 
 
-def _tls_query(url: str) -> dict[str, str]:
-    """The URL's query parameters, the first of each repeated one (as redis-py's parse_url)."""
-    return {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
-
-
 def tls_context(settings: RedisSettings) -> ssl.SSLContext | None:
     """The TLS context of a connection to `settings.url`: None for redis:// and unix://; for
     rediss://, the CA (the URL's `ssl_ca_certs`, else `ssl_ca_file`, else the system's), the
@@ -404,7 +399,7 @@ def tls_context(settings: RedisSettings) -> ssl.SSLContext | None:
     server. OSError or ssl.SSLError if a file cannot be loaded."""
     if not settings.url.startswith("rediss://"):
         return None
-    query = _tls_query(settings.url)
+    query = url_query(settings.url)
     # The system's CAs and the named file, as redis-py's connections trust them.
     context = ssl.create_default_context()
     ca = query.get("ssl_ca_certs") or settings.ssl_ca_file
@@ -428,7 +423,7 @@ def check_redis_ca(config: Config) -> None:
     file's error alone. Not part of `load_config`, which checks files a process may not have
     mounted."""
     settings = config.redis
-    query = _tls_query(settings.url)
+    query = url_query(settings.url)
     files = [("redis.url's ssl_ca_certs", query.get("ssl_ca_certs")),
              ("redis.ssl_ca_file", settings.ssl_ca_file),
              ("redis.url's ssl_certfile", query.get("ssl_certfile"))]

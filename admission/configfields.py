@@ -26,7 +26,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import SplitResult, parse_qsl, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 KeyName = Callable[[str], str]
 """The full name of a setting of the table being read, e.g. "yellow" -> "pools[0].zones.yellow"."""
@@ -181,6 +181,12 @@ own multiplexed connection as much as the client library's). Any other `ssl_*` p
 refused: the client library would apply it to some connections and not to the others."""
 
 
+def url_query(url: str) -> dict[str, str]:
+    """A URL's query parameters, the first of each repeated one, as redis-py's parse_url reads
+    them (so a check and the connection see the same value)."""
+    return {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
+
+
 def _tls_query_error(url: str, query: dict[str, str]) -> str | None:
     for name in query:
         if not name.startswith("ssl_"):
@@ -242,7 +248,7 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
     parts = _split(url)
     if isinstance(parts, str):
         return parts
-    query = dict(parse_qsl(parts.query))
+    query = url_query(url)
     problem = _tls_query_error(url, query)
     if problem is not None:
         return problem

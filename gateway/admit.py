@@ -247,12 +247,10 @@ class Admitter:
                 log.error("task %s released to node %r, unknown to this gateway (logged once "
                           "per node)", task_id, node)
             self.settler.finish(pool.store, task_id, None, cancelled=True, labels=labels)
-            error = unavailable(
+            raise unavailable(
                 "The request was routed to a node this gateway does not know.",
-                code="unknown_node", retry_ms=self._hint(1000), status=502,
+                code="unknown_node", retry_ms=self._hint(1000), status=502, headers=NOT_SENT,
             )
-            error.headers.update(NOT_SENT)
-            raise error
         return Ticket(task_id, pool, node, url, tier, labels, queued_s=queued_s)
 
     def _store_failed(

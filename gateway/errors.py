@@ -145,8 +145,10 @@ def never_retry(status: int, message: str, *, code: str, param: str | None = Non
                     headers={"x-should-retry": "false"})
 
 
-def unavailable(message: str, *, code: str, retry_ms: int, status: int = 503) -> ApiError:
-    return ApiError(status, message, type_="server_error", code=code, retry_after_ms=retry_ms)
+def unavailable(message: str, *, code: str, retry_ms: int, status: int = 503,
+                headers: Mapping[str, str] | None = None) -> ApiError:
+    return ApiError(status, message, type_="server_error", code=code, retry_after_ms=retry_ms,
+                    headers=headers)
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:

@@ -88,20 +88,20 @@ local function flow_floor(prefix, tier)
   return tonumber(redis.call('HGET', vtime_key(prefix), TIER_LABELS[tier + 1]) or '0') or 0, false
 end
 
--- The counter after the lift a flow gets as it becomes backlogged (written back when raised).
--- Each lift counts (`lifts_<tier>`: the epoch a charge records, lift_epoch()) and leaves the
+-- The counter after the lift a flow gets as it becomes backlogged (written back when raised),
+-- and the lift's epoch. Each lift counts (`lifts_<tier>`: the epoch a charge records, lift_epoch()) and leaves the
 -- room the counter had above the floor (`liftroom_<tier>`): the refunds of the tasks charged
 -- before it may take back no more than that (flow_settle()).
 local function flow_lift(prefix, tier, tkey)
   local floor = flow_floor(prefix, tier)
   local own = tenant_vt(tkey, tier)
-  redis.call('HINCRBY', tkey, 'lifts_' .. tier, 1)
+  local epoch = redis.call('HINCRBY', tkey, 'lifts_' .. tier, 1)
   redis.call('HSET', tkey, 'liftroom_' .. tier, fmt(math.max(0, own - floor)))
   if own < floor then
     own = floor
     redis.call('HSET', tkey, 'vt_' .. tier, fmt(own))
   end
-  return own
+  return own, epoch
 end
 
 -- A task queued at `score` (µs) joins its tenant's flow; the tenant's queued tokens grow by its
@@ -112,7 +112,7 @@ local function flow_join(prefix, tier, tenant, id, score, cost)
   redis.call('ZADD', fkey, fmt(score), id)
   redis.call('HINCRBY', tkey, 'queued_tokens', cost)
   if redis.call('ZCARD', fkey) == 1 then
-    redis.call('ZADD', flows_key(prefix, tier), fmt(flow_lift(prefix, tier, tkey)), tenant)
+    redis.call('ZADD', flows_key(prefix, tier), fmt((flow_lift(prefix, tier, tkey))), tenant)
   end
 end
 
@@ -170,8 +170,9 @@ local function flow_settle(prefix, task, usage)
   local epoch = tonumber(task.lift_epoch)
   if back > 0 and epoch then
     local tkey = tenant_key(prefix, task.tenant)
-    if epoch < (tonumber(redis.call('HGET', tkey, 'lifts_' .. tier)) or 0) then
-      local room = tonumber(redis.call('HGET', tkey, 'liftroom_' .. tier)) or 0
+    local lift = redis.call('HMGET', tkey, 'lifts_' .. tier, 'liftroom_' .. tier)
+    if epoch < (tonumber(lift[1]) or 0) then
+      local room = tonumber(lift[2]) or 0
       back = math.min(back, math.max(0, room))
       redis.call('HSET', tkey, 'liftroom_' .. tier, fmt(room - back))
     end

@@ -230,9 +230,9 @@ if node then
   redis.call('HSET', KEYS[12], 'state', 'released', 'node', node, 'released_us', fmt(now))
   if busy then
     redis.call('HSET', tkey, 'weight', weight)
-    flow_lift(prefix, tier, tkey)
+    local _, epoch = flow_lift(prefix, tier, tkey)
     redis.call('HSET', KEYS[12], 'charge', fmt(flow_charge(prefix, tier, tenant, cost)),
-      'lift_epoch', lift_epoch(prefix, tier, tenant))
+      'lift_epoch', epoch)
     redis.call('ZADD', light_key(prefix, tier), fmt(now), tenant)
   end
   if guest then

@@ -217,22 +217,20 @@ for t = 0, TIER_QUEUE_COUNT - 1 do
       local capped = not inflight_fits(tenant_key(prefix, task.tenant), cost, nil)
       local keep = 0
       local why = {}
+      local function place_head(hold, reasons_of)
+        return place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10], placement, t, cost,
+          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, hold,
+          light, memo, reasons_of)
+      end
       if not capped then
         if view then keep = fair_keep(prefix, view, task.tenant, headroom) end
-        node, guest, pf_room = place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10],
-          placement, t, cost,
-          prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, keep,
-          light, memo, why)
+        node, guest, pf_room = place_head(keep, why)
       end
       if node == nil and keep > 0 then
         -- Passed over only if the hold-back is what keeps it out: a head that fits nowhere
         -- without it waits for room, and holds its tier, as every head does.
         local free_why = {}
-        if place(capacities[t + 1], KEYS[4], gst_key, pc_key, KEYS[10], placement, t, cost,
-            prompt_tokens, now, math.floor(guests_only_tiers / 2 ^ t) % 2 == 1, prefill, 0,
-            light, memo, free_why) == nil then
-          keep, why = 0, free_why
-        end
+        if place_head(0, free_why) == nil then keep, why = 0, free_why end
       end
       if fair and (capped or (node == nil and keep > 0)) then
         pass_over(prefix, t, passed, task.tenant)

@@ -96,6 +96,9 @@ With Redis Cluster that includes RedisClusterException, which is no RedisError: 
 unreachable cluster was a 500 with a traceback per request, fail-open tiers included, and a
 gateway could not start while the cluster was down."""
 
+SDK_MAX_RETRY_AFTER_MS = 120_000
+"""The longest Retry-After the OpenAI SDKs wait for before retrying (and the kvgate SDKs' default
+`max_retry_after_s`); a quota refusal whose refill is further away says not to retry."""
 QUEUE_ANSWER_GRACE_S = 0.2
 """After a queued request's deadline: how long its cancel and the drain hint of its 429 may
 take before the answer is sent without them (the cancel then finishes in the background)."""
@@ -165,8 +168,8 @@ class Admitter:
             future.set_result(Woken(None, SHUTTING_DOWN, False))
         return len(pending)
 
-    def _hint(self, retry_ms: int) -> int:
-        return jittered(retry_ms, self.jitter, self.rng)
+    def _hint(self, retry_ms: int, *, cap: int | None = MAX_RETRY_MS) -> int:
+        return jittered(retry_ms, self.jitter, self.rng, cap=cap)
 
     async def admit(
         self,
@@ -315,18 +318,21 @@ class Admitter:
                         f"{whose[0].lower()}{whose[1:]} bucket{shared} cannot pay the "
                         f"{inbound.cost} tokens this request needs; it refills enough in "
                         f"{result.retry_after_ms} ms.")
+            # The quota's own refill (or reset) time, exact and uncapped: a capacity hint is an
+            # estimate that a fresh look may beat, a bucket's refill is arithmetic. Capped at
+            # 60 s, an SDK would come back after a minute, twice, for two more refusals.
+            refill_ms = self._hint(result.retry_after_ms, cap=None)
             error = too_many_requests(
                 RATE_LIMIT_EXCEEDED,
                 what,
-                retry_ms=self._hint(result.retry_after_ms),
+                retry_ms=refill_ms,
                 zone=result.zone.value,
                 depth=result.depth,
                 scope=scope,
             )
-            if result.limit in ("daily", "monthly") and result.retry_after_ms > MAX_RETRY_MS:
-                # The allowance returns hours later, past any hint (capped at 60 s): an SDK
-                # would retry within seconds or a minute, twice, for two more refusals. The
-                # message says when it resets; the header stops the retries.
+            if refill_ms > SDK_MAX_RETRY_AFTER_MS:
+                # Past what the SDKs wait for: said outright (the OpenAI SDK stops on such a
+                # hint by itself, a client of its own may not).
                 error.headers["x-should-retry"] = "false"
             return error
         if reason is RejectReason.TENANT_QUEUED_TOKENS:

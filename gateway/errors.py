@@ -35,7 +35,7 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from admission.hints import MAX_RETRY_MS as MAX_RETRY_MS  # the one cap on every hint
+from admission.hints import MAX_RETRY_MS as MAX_RETRY_MS  # the cap on every capacity hint
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -119,14 +119,17 @@ def retry_headers(retry_ms: int) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(retry_ms / 1000))), "retry-after-ms": str(retry_ms)}
 
 
-def jittered(retry_ms: int, jitter: float, rng: random.Random) -> int:
-    """`retry_ms` spread upward by 0..`jitter` of itself, at least 1 ms, at most 60 s.
+def jittered(retry_ms: int, jitter: float, rng: random.Random, *,
+             cap: int | None = MAX_RETRY_MS) -> int:
+    """`retry_ms` spread upward by 0..`jitter` of itself, at least 1 ms, at most `cap` (60 s
+    by default; None: no cap, for a quota's exact refill time).
 
     Upward only: a quota hint is the bucket's exact refill time, and coming back sooner
     would only earn another 429.
     """
     base = max(1, retry_ms)
-    return min(MAX_RETRY_MS, math.ceil(base * (1.0 + jitter * rng.random())))
+    hint = math.ceil(base * (1.0 + jitter * rng.random()))
+    return hint if cap is None else min(cap, hint)
 
 
 def too_many_requests(

@@ -34,6 +34,41 @@ MAX_CLIENT_TIMEOUT_S = 1e9
 the conversion to ms, which would overflow for values like 1e308."""
 
 
+SDK_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
+"""The OpenAI SDKs send their read timeout (seconds) with every request: how long the client
+waits for the first byte of the answer before it gives up and, by default, sends the request
+again, to the back of the queue."""
+SDK_TIMEOUT_MARGIN_S = 0.5
+"""The queue deadline an SDK's read timeout leaves ends this long before it (or a tenth of it,
+if more): the 429 (sent within `QUEUE_ANSWER_GRACE_S` of the deadline) and its hint must reach
+the client while it still listens."""
+
+
+def _sdk_deadline_ms(value: str | None) -> int | None:
+    """The queue deadline an SDK's declared read timeout leaves, or None: no such header, or
+    one that is not a positive number (the SDK's business, not a reason to refuse the request).
+    A timeout of t seconds leaves t - max(`SDK_TIMEOUT_MARGIN_S`, t / 10), and at least t / 2."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        return None
+    seconds = min(seconds, MAX_CLIENT_TIMEOUT_S)
+    left = max(seconds / 2, seconds - max(SDK_TIMEOUT_MARGIN_S, seconds / 10))
+    return max(1, math.floor(left * 1000))
+
+
+def client_deadline_ms(explicit: str | None, sdk_read_timeout: str | None) -> int | None:
+    """The client's own deadline for leaving the queue: the shorter of `X-Request-Timeout` and
+    what an SDK's read timeout leaves; None when it states neither."""
+    stated = [ms for ms in (_client_timeout_ms(explicit), _sdk_deadline_ms(sdk_read_timeout))
+              if ms is not None]
+    return min(stated) if stated else None
+
+
 def _client_timeout_ms(value: str | None) -> int | None:
     if value is None:
         return None
@@ -101,7 +136,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     started = loop.time()
     tenant = _tenant(gw, request)
     tier = effective_tier(tenant, request.headers.get(PRIORITY_HEADER))
-    client_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
+    client_timeout_ms = client_deadline_ms(request.headers.get(TIMEOUT_HEADER),
+                                           request.headers.get(SDK_READ_TIMEOUT_HEADER))
     try:
         raw = await _read_body(request, gw.config.gateway.request_read_timeout_ms)
         inbound = await parse_inbound(kind, raw, gw.pools, tier, tenant.name)

@@ -91,7 +91,8 @@ _REQUEST_HEADERS = [
      "description": "Lower this request's priority below the key's tier (never raises it).",
      "schema": {"type": "string", "enum": ["vip", "normal", "batch", "0", "1", "2"]}},
     {"name": "X-Request-Timeout", "in": "header", "required": False,
-     "description": "Seconds this client will wait for its request to leave the queue.",
+     "description": "Seconds this client will wait for its request to leave the queue (the "
+                    "OpenAI SDKs' x-stainless-read-timeout also counts, less a margin).",
      "schema": {"type": "number", "exclusiveMinimum": True, "minimum": 0}},
 ]
 

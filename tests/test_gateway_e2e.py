@@ -4,6 +4,7 @@ all on real sockets. Exact usage is checked in Redis (task record, tenant bucket
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import aiohttp
@@ -17,6 +18,7 @@ from gateway.state import METRICS
 from tests.gateway_harness import BIG, Harness, running_gateway, sha
 
 DAILY = "sk-test-daily"
+SLOW = "sk-test-slow"
 MESSAGES: list[Any] = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name three colours of the rainbow."},
@@ -327,10 +329,11 @@ async def test_a_vip_streams_first_token_is_counted_for_its_node(gw: Harness) ->
 
 
 async def test_an_allowance_used_up_for_hours_stops_the_sdks_retries(redis_url: str) -> None:
-    """A daily allowance used up at noon (UTC, Redis' clock) returns at midnight, past any hint
-    (60 s at most): the 429 says `x-should-retry: false`, and the official SDK, left to its
-    default of two retries, gives up at once instead of asking twice more. Used up 30 s
-    before midnight, the same refusal is an ordinary 429 whose hint covers the wait."""
+    """A daily allowance used up at noon (UTC, Redis' clock) returns at midnight, past what an
+    SDK waits for (120 s): the 429's hint is the reset, hours away, with `x-should-retry:
+    false`, and the official SDK, left to its default of two retries, gives up at once instead
+    of asking twice more. Used up 30 s before midnight, the same refusal is an ordinary 429
+    whose hint covers the wait."""
 
     def daily_tenant(data: dict[str, Any]) -> None:
         data["tenants"].append({"name": "daily", "tier": "normal", "key_sha256": [sha(DAILY)],
@@ -356,6 +359,8 @@ async def test_an_allowance_used_up_for_hours_stops_the_sdks_retries(redis_url: 
                                                           max_tokens=20)
                     headers = refused.value.response.headers
                     assert headers["x-should-retry"] == "false"
+                    # The reset itself, not a capped minute.
+                    assert int(headers["retry-after-ms"]) >= before_midnight_s * 1000
                     assert "daily token allowance" in refused.value.message
                     assert registry.get_sample_value(
                         "kvgate_gateway_requests_total", labels) == (rejected or 0) + 1
@@ -369,3 +374,46 @@ async def test_an_allowance_used_up_for_hours_stops_the_sdks_retries(redis_url: 
                     assert 30 <= int(answer.headers["Retry-After"]) <= 60
         finally:
             await sdk.close()
+
+
+@pytest.mark.parametrize(("rate", "retries"), [(10, True), (1, False)])
+async def test_a_bucket_refusal_hints_its_exact_refill_even_past_a_minute(
+    redis_url: str, rate: int, retries: bool,
+) -> None:
+    """A token bucket's refill time is arithmetic, not an estimate: the 429 carries it whole.
+    At 10 tokens/s the second request's tokens come back in about 90 s, which the SDKs wait
+    for (a hint capped at 60 s sent them back a minute early, twice, for two more refusals);
+    at 1 token/s in about 15 minutes, past what they wait for, and the answer says so."""
+
+    def slow_tenant(data: dict[str, Any]) -> None:
+        # A name of its own per case: the buckets outlive the gateway in the shared Redis.
+        data["tenants"].append({"name": f"slow-{rate}", "tier": "normal",
+                                "key_sha256": [sha(SLOW)],
+                                "rate": rate, "burst": 1_000, "max_queued": 10})
+
+    async with running_gateway(redis_url, adjust=slow_tenant) as gw:
+        await gw.publish(Zone.GREEN)
+        async with aiohttp.ClientSession() as http:
+            statuses = []
+            for _ in range(2):
+                async with http.post(gw.url + "/v1/chat/completions", headers={
+                        "Authorization": f"Bearer {SLOW}"}, json={
+                        "model": "demo", "messages": MESSAGES, "max_tokens": 900}) as answer:
+                    statuses.append(answer.status)
+                    body = await answer.json()
+                    if statuses == [429]:
+                        break
+                    headers = answer.headers
+        assert statuses == [200, 429], (statuses, body)
+        assert body["error"]["code"] == "rate_limit_exceeded"
+        found = re.search(r"refills enough in (\d+) ms", body["error"]["message"])
+        assert found is not None
+        exact_ms = int(found[1])
+        assert exact_ms > 60_000
+        hint_ms = int(headers["retry-after-ms"])
+        assert exact_ms <= hint_ms <= exact_ms * 1.25 + 1
+        assert int(headers["Retry-After"]) == -(-hint_ms // 1000)
+        if retries:
+            assert hint_ms <= 120_000 and "x-should-retry" not in headers
+        else:
+            assert hint_ms > 120_000 and headers["x-should-retry"] == "false"

@@ -93,3 +93,30 @@ async def test_a_queued_request_is_answered_at_its_deadline_while_redis_is_unrea
                 await admin.aclose()
             assert task_id not in gw.gateway.settler.live
 
+
+
+SDK_TIMEOUT_S = 3.0
+
+
+async def test_an_sdk_that_would_give_up_gets_its_429_before_it_does(redis_url: str) -> None:
+    """The OpenAI SDK declares its read timeout with every request (`x-stainless-read-timeout`).
+    A request still queued when that time nears is answered with its 429 and hint while the
+    client listens; before, the SDK timed out first, and with its default retries sent the
+    request again, to the back of the queue, with no hint to wait for."""
+    async with running_gateway(redis_url) as gw:
+        await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})
+        client = gw.openai("batch", timeout=SDK_TIMEOUT_S)
+        await client.models.list()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(openai.RateLimitError) as info:
+            await client.chat.completions.create(
+                model="demo", messages=[{"role": "user", "content": "Queue me."}],
+                max_tokens=8)
+        answered_s = loop.time() - started
+        # As long as the client let it wait, less the margin for the answer's way back.
+        assert SDK_TIMEOUT_S - 0.5 <= answered_s < SDK_TIMEOUT_S, answered_s
+        assert info.value.code == "capacity_exceeded"
+        assert int(info.value.response.headers["retry-after-ms"]) >= 1
+        assert gw.gateway.metrics.registry.get_sample_value("kvgate_gateway_requests_total", {
+            "pool": "demo", "tier": "batch", "outcome": "queue_timeout"}) == 1

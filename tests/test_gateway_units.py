@@ -13,6 +13,7 @@ from admission.config import TenantSettings
 from admission.tiers import Tier
 from gateway.auth import TenantDirectory, effective_tier
 from gateway.errors import MAX_RETRY_MS, ApiError, jittered, retry_headers
+from gateway.handlers import client_deadline_ms
 from gateway.proxy import Meter, Phase, SseRelay
 
 
@@ -74,6 +75,9 @@ def test_jitter_spreads_upward_within_bounds() -> None:
     assert min(hints) >= 4000 and max(hints) <= 5000
     assert len(set(hints)) > 500  # actually spread
     assert jittered(10 * MAX_RETRY_MS, 0.25, rng) == MAX_RETRY_MS
+    # A quota's exact refill time is not capped, and still only spread upward.
+    uncapped = jittered(10 * MAX_RETRY_MS, 0.25, rng, cap=None)
+    assert 10 * MAX_RETRY_MS <= uncapped <= 12.5 * MAX_RETRY_MS
     assert jittered(0, 0.25, rng) >= 1
 
 
@@ -126,3 +130,22 @@ def test_task_ids_are_unique_hex_and_not_shared_with_a_forked_child() -> None:
     from_parent = [new_task_id() for _ in range(100)]
     assert len(from_child) == 100
     assert not set(from_child) & set(from_parent)
+
+
+def test_a_clients_deadline_is_the_shorter_of_its_header_and_its_sdks_read_timeout() -> None:
+    assert client_deadline_ms(None, None) is None
+    assert client_deadline_ms("1.5", None) == 1500
+    # An SDK's read timeout leaves a margin for the 429's way back: 0.5 s, or a tenth of it.
+    assert client_deadline_ms(None, "3") == 2500
+    assert client_deadline_ms(None, "600") == 540_000  # the SDK's default
+    assert client_deadline_ms(None, "0.6") == 300  # at least half of it
+    assert client_deadline_ms("1", "600") == 1000
+    assert client_deadline_ms("900", "600") == 540_000
+    # Not ours to refuse: an SDK header that is not a positive number is ignored...
+    for odd in ("abc", "-1", "0", "nan", "inf", ""):
+        assert client_deadline_ms(None, odd) is None, odd
+    assert client_deadline_ms(None, "1e308") == 900_000_000_000  # capped as the header's is
+    # ...while our own header still is refused.
+    with pytest.raises(ApiError) as info:
+        client_deadline_ms("abc", "600")
+    assert info.value.status == 400

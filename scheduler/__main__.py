@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "like; SIGTERM resigns leadership at once so that a standby takes over.",
         epilog=ENVIRONMENT_HELP)
     parser.add_argument("--config", required=True, help="TOML configuration file")
-    parser.add_argument("--id", help="replica id (default: scheduler.id, else host-pid)")
+    parser.add_argument("--id", help="replica id (default: scheduler.id, else host-pid-random)")
     parser.add_argument("--host", help="listen address (default: scheduler.host)")
     add_service_flags(parser, "listen port (default: scheduler.port; 0 to 65535, 0: a free port)")
     return parser

@@ -70,8 +70,10 @@ Overcommit: requests rarely reach max_tokens, so ``f < 1`` lets the pool reserve
 its KV. f comes from the pool's settle counters (settled_usage / settled_cost, of tasks that
 ran to their end: cancelled ones are not counted), decayed with
 a half-life so that the workload's current mix dominates, starts at 1 (no overcommit until
-settles are seen), gets a safety margin, and is floored at ``1 / max_overcommit``. A node that
-reports a preemption gets f = 1 for a cool-down: the engine told us the guess was wrong.
+settles are seen) or, for a new leader, at the ratio the last one published (the counters'
+whole history is not learned at once), gets a safety margin, and is floored at
+``1 / max_overcommit``. A node that reports a preemption gets f = 1 for a cool-down: the
+engine told us the guess was wrong.
 """
 
 from __future__ import annotations
@@ -101,20 +103,39 @@ class UsageLearner:
         self._at: float | None = None
 
     def observe(self, settled_cost: int, settled_usage: int, now: float) -> None:
-        """Feed the pool's monotonic counters; the first call learns the whole history."""
+        """Feed the pool's monotonic counters: what they gained since the last call is learned.
+
+        The first call (of a term: `resume`) only takes them as the baseline. They hold the
+        pool's whole history, which at full weight against a window of a few half-lives would
+        decide the ratio for many of them: a leader taking over after the mix changed would
+        overcommit by the old mix for minutes. So does a call that finds them lower (Redis
+        flushed, or a failover to a replica that missed the last increments): what they lost
+        is unknown, and a flushed pool's new counts are at most one poll's settles."""
         if self._at is not None:
             decay = math.pow(0.5, max(0.0, now - self._at) / self.halflife_s)
             self.cost *= decay
             self.usage *= decay
         self._at = now
-        prev_cost, prev_usage = self._last if self._last is not None else (0, 0)
-        d_cost, d_usage = settled_cost - prev_cost, settled_usage - prev_usage
+        last, self._last = self._last, (settled_cost, settled_usage)
+        if last is None:
+            return
+        d_cost, d_usage = settled_cost - last[0], settled_usage - last[1]
         if d_cost < 0 or d_usage < 0:
-            # The counters went back (Redis flushed or restored): start counting again.
-            d_cost, d_usage = settled_cost, settled_usage
-        self._last = (settled_cost, settled_usage)
+            return
         self.cost += d_cost
         self.usage += d_usage
+
+    def resume(self, published_ratio: float | None) -> None:
+        """A term starts: the next `observe` takes the counters as a new baseline (the settles
+        of a time this replica did not lead were the last leader's to learn from), and the
+        belief starts from the ratio the last leader published (`usage_ratio` in the state
+        hash), weighted as the prior, so that fresh settles move it within a half-life or two.
+        None (nothing published, or not a ratio): this replica's own belief stands (the prior,
+        f = 1, for a new one)."""
+        self._last = None
+        if published_ratio is not None and 0.0 <= published_ratio <= 1.0:
+            self.cost = PRIOR_TOKENS
+            self.usage = PRIOR_TOKENS * published_ratio
 
     @property
     def ratio(self) -> float:
@@ -125,6 +146,16 @@ class UsageLearner:
     def factor(self) -> float:
         """f used for budgets: the ratio plus margin, within [1 / max_overcommit, 1]."""
         return min(1.0, max(self.floor, self.ratio * (1.0 + self.margin)))
+
+
+def published_ratio(state: Mapping[str, str]) -> float | None:
+    """The usage ratio a leader published in the pool's state hash (`usage_ratio`), or None:
+    none published, or not a number."""
+    try:
+        ratio = float(state.get("usage_ratio", "nan"))
+    except ValueError:
+        return None
+    return ratio if math.isfinite(ratio) else None
 
 
 class RunningTask(NamedTuple):

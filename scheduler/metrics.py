@@ -10,7 +10,9 @@ increase, so `rate()` and `increase()`, and the alerts on them, would miss its f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -18,7 +20,9 @@ from admission.config import Config
 from admission.reads import HELD_REASONS, Held
 from admission.servicemetrics import gc_pause_histogram, lag_histogram, no_created_series
 from admission.tiers import Tier, Zone
+from scheduler.budget import NodePlan
 from scheduler.fairmetrics import FairMetrics
+from scheduler.nodestate import NodeRoom
 from scheduler.scrape import SCRAPE_FAILURES
 
 no_created_series()
@@ -38,6 +42,8 @@ class SchedulerMetrics:
     def __init__(self, pools: Mapping[str, Sequence[str]] | None = None, *,
                  stale_policy: str | None = None) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        self._room_nodes: dict[str, set[str]] = {}
+        """Per pool, the nodes whose release-control series the last tick set (`set_rooms`)."""
         p = "kvgate_scheduler_"
         self.leader = Gauge(p + "leader", "1 while this replica leads, else 0.", registry=r)
         self.loop_lag = lag_histogram(p, r)
@@ -174,6 +180,40 @@ class SchedulerMetrics:
             for reason in HELD_REASONS:
                 self.queue_held.labels(pool, tier.label, reason).set(kinds.get(reason, 0))
 
+    def set_plans(self, pool: str, plans: Iterable[NodePlan]) -> None:
+        for p in plans:
+            self.kv_usage.labels(pool, p.name).set(p.measured)
+            self.projected.labels(pool, p.name).set(p.projected)
+            self.budget.labels(pool, p.name).set(p.budget if p.budget is not None else 0)
+            self.reserved.labels(pool, p.name).set(p.reserved)
+            self.ejected.labels(pool, p.name).set(1 if p.ejected else 0)
+
+    def set_rooms(self, pool: str, rooms: Mapping[str, NodeRoom]) -> None:
+        """The release control's figures per node. A node the tick gave no room (ejected, or
+        gone from the config) loses its series: its last figures would show room on a dead
+        node."""
+        for node in self._room_nodes.get(pool, set()) - rooms.keys():
+            for gauge in self._room_gauges:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(pool, node)
+        self._room_nodes[pool] = set(rooms)
+        for name, room in rooms.items():
+            self.prefill_window.labels(pool, name).set(room.window)
+            self.prefill_backlog.labels(pool, name).set(room.backlog)
+            self.prefill_room.labels(pool, name).set(room.room)
+            self.prefill_rate.labels(pool, name).set(room.rate)
+            self.control_gain.labels(pool, name).set(room.gain)
+            self.running_limit.labels(pool, name).set(_or_nan(room.running_limit))
+            self.lane_cap.labels(pool, name).set(_or_nan(room.lane_cap))
+            self.decode_step.labels(pool, name).set(_or_nan(room.step_s))
+            self.calm_step.labels(pool, name).set(_or_nan(room.calm_step_s))
+
+    @property
+    def _room_gauges(self) -> tuple[Gauge, ...]:
+        return (self.prefill_window, self.prefill_backlog, self.prefill_room, self.prefill_rate,
+                self.control_gain, self.running_limit, self.lane_cap, self.decode_step,
+                self.calm_step)
+
     def forget_pools(self) -> None:
         """Drop every per-pool gauge: a replica that stopped leading must not go on exporting
         the last figures it saw, or sums over replicas count them twice. Counters stay: a
@@ -183,8 +223,10 @@ class SchedulerMetrics:
         for gauge in (self.zone, self.pool_usage, self.usage_ratio, self.kv_usage,
                       self.projected, self.budget, self.reserved, self.ejected,
                       self.preemptions, self.queue_depth, self.queue_held, self.drain,
-                      self.prefill_window,
-                      self.prefill_backlog, self.prefill_room, self.prefill_rate,
-                      self.control_gain, self.running_limit, self.lane_cap, self.decode_step,
-                      self.calm_step, self.vip_objective):
+                      *self._room_gauges, self.vip_objective):
             gauge.clear()
+        self._room_nodes.clear()
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value

@@ -10,6 +10,7 @@ the epoch it passes is the second line of defence.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -29,6 +30,7 @@ from scheduler.budget import (
     budgets,
     plan_node,
     pool_usage,
+    published_ratio,
 )
 from scheduler.calm import CalmBaseline
 from scheduler.control import REFILL_POLLS, ReleaseControl
@@ -151,8 +153,9 @@ class PoolScheduler:
         self._preemptions: dict[str, float] = {}
         self._cooldown_until: dict[str, float] = {}
         self._first_poll = True
-        self._resume_control = True
-        """The release control starts from what the last leader published (`new_term`)."""
+        self._resume = True
+        """The release control and the usage ratio start from what the last leader published
+        (`new_term`)."""
         self._indexed: dict[Any, Indexed] = {}
         """The running index as parsed on the last tick."""
         self._redis_at: tuple[int, float] | None = None
@@ -187,7 +190,8 @@ class PoolScheduler:
         return self.pool.zones.projection == "peak"
 
     def new_term(self) -> None:
-        """A new leadership starts: rates start empty, the learned ratio is kept, the release
+        """A new leadership starts: rates start empty, the learned usage ratio resumes from the
+        one the last leader published (`UsageLearner.resume`), the release
         control resumes from the prefill rates and gains the last leader published, the
         transition log starts afresh (scheduler.transitions), and the first poll waits for the
         whole scrape timeout (connections are cold)."""
@@ -195,8 +199,14 @@ class PoolScheduler:
                                     self._dedicated_guests, self._holds_room)
         self.clearance.reset()
         self.transitions.reset()
+        # What a poll compares with its last one is from this term's polls only: a standby's
+        # last term may be hours old (its counters' growth since then is not this moment's
+        # preemptions, nor its drain this moment's rate).
+        self.drains = DrainRates()
+        self._preemptions.clear()
+        self._cooldown_until.clear()
         self._first_poll = True
-        self._resume_control = True
+        self._resume = True
         self.calm.restart()
 
     async def read_snapshot(self) -> Snapshot:
@@ -398,9 +408,12 @@ class PoolScheduler:
             # Nothing heard yet (a leader just took over): publishing now would say "no usable
             # node", i.e. RED, and turn clients away for a tick. Keep the state as it is.
             return TickResult(self.tracker.zone, None, [], (0, 0, 0), (0, 0, 0))
-        if self._resume_control and self.control is not None:
-            self.control.resume(learned_control(await self.store.published_state()))
-        self._resume_control = False
+        if self._resume:
+            published = await self.store.published_state()
+            if self.control is not None:
+                self.control.resume(learned_control(published))
+            self.learner.resume(published_ratio(published))
+        self._resume = False
         snap = await self.read_snapshot()
         now = self.clock()
         plans = self.plan(views, snap, now)
@@ -436,6 +449,24 @@ class PoolScheduler:
                 await self.store.clear_held()
             self._observe(result, started)
             return result
+        try:
+            await self._release(epoch, zone, limits, snap, result, leading)
+        except BaseException:
+            if result.released:
+                # An earlier call of this tick released them: their gateways are told now,
+                # not at their fallback read. Best effort: the error that stopped the tick
+                # (Redis gone, fenced) is the one to report, and the fallback still comes.
+                with contextlib.suppress(Exception):
+                    await self.store.notify(result.released, sharded=self.sharded)
+            raise
+        await self.store.notify(result.released, sharded=self.sharded)
+        self._observe(result, started)
+        return result
+
+    async def _release(self, epoch: int, zone: Zone, limits: tuple[int, int, int],
+                       snap: Snapshot, result: TickResult, leading: Callable[[], bool]) -> None:
+        """The tick's release calls (Batch's share, the main one, the trickle), adding what
+        each released to `result.released` as it returns."""
         owed = self.policy.share_limit(zone, snap.depths)
         if owed:
             # Batch's share goes first: after the higher tiers, it would find the room taken.
@@ -462,9 +493,6 @@ class PoolScheduler:
             result.released += more
         self.policy.share_observe(zone, ((t.tier, t.cost) for t in result.released if t.node),
                                   snap.depths[Tier.BATCH] > 0)
-        await self.store.notify(result.released, sharded=self.sharded)
-        self._observe(result, started)
-        return result
 
     def _observe(self, result: TickResult, started: float) -> None:
         m, pool = self.metrics, self.name
@@ -474,26 +502,8 @@ class PoolScheduler:
         m.zone.labels(pool).set(ZONE_LEVEL[result.zone])
         m.pool_usage.labels(pool).set(math.nan if result.usage is None else result.usage)
         m.usage_ratio.labels(pool).set(self.learner.ratio)
-        for p in result.plans:
-            m.kv_usage.labels(pool, p.name).set(p.measured)
-            m.projected.labels(pool, p.name).set(p.projected)
-            m.budget.labels(pool, p.name).set(p.budget if p.budget is not None else 0)
-            m.reserved.labels(pool, p.name).set(p.reserved)
-            m.ejected.labels(pool, p.name).set(1 if p.ejected else 0)
-        for name, room in result.rooms.items():
-            m.prefill_window.labels(pool, name).set(room.window)
-            m.prefill_backlog.labels(pool, name).set(room.backlog)
-            m.prefill_room.labels(pool, name).set(room.room)
-            m.prefill_rate.labels(pool, name).set(room.rate)
-            m.control_gain.labels(pool, name).set(room.gain)
-            m.running_limit.labels(pool, name).set(
-                math.nan if room.running_limit is None else room.running_limit)
-            m.lane_cap.labels(pool, name).set(
-                math.nan if room.lane_cap is None else room.lane_cap)
-            m.decode_step.labels(pool, name).set(
-                math.nan if room.step_s is None else room.step_s)
-            m.calm_step.labels(pool, name).set(
-                math.nan if room.calm_step_s is None else room.calm_step_s)
+        m.set_plans(pool, result.plans)
+        m.set_rooms(pool, result.rooms)
         if self.control is not None:
             m.vip_objective.labels(pool).set(result.objective_ms / 1000)
         for node in self.poller.nodes:

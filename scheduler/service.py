@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -65,7 +66,9 @@ REAP_CALLS = 10
 
 
 def default_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """Unique per process: two containers on the host's network share its hostname and are
+    both PID 1, and two replicas holding one id would both lead, under one epoch."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 class SchedulerService:

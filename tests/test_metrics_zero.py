@@ -49,6 +49,7 @@ from gateway.state import METRICS
 from scheduler.app import SERVICE
 from scheduler.app import create_app as scheduler_app
 from scheduler.metrics import REAP_KINDS, SchedulerMetrics
+from scheduler.nodestate import NodeRoom
 from scheduler.scrape import SCRAPE_FAILURES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -408,3 +409,33 @@ def test_the_pages_carry_no_created_series() -> None:
     scheduler = generate_latest(SchedulerMetrics.of(config()).registry)
     assert b"kvgate_scheduler_scrape_errors_total{" in scheduler
     assert b"_created" not in gateway and b"_created" not in scheduler
+
+
+def test_a_node_the_tick_gives_no_room_loses_its_release_control_series() -> None:
+    """An ejected node (or one gone from the config) kept exporting its last window, room and
+    rate: a dashboard showed room on a dead node."""
+    metrics = SchedulerMetrics.of(config())
+
+    def room(tokens: int) -> NodeRoom:
+        return NodeRoom(window=tokens, backlog=0, room=tokens, gain=1.0, rate=15_000.0,
+                        reason="", running_limit=None)
+
+    def sample(node: str) -> float | None:
+        return metrics.registry.get_sample_value("kvgate_scheduler_prefill_room_tokens",
+                                                 {"pool": "llama", "node": node})
+
+    metrics.set_rooms("llama", {"n1": room(1875), "n2": room(900)})
+    assert sample("n1") == 1875 and sample("n2") == 900
+    metrics.set_rooms("llama", {"n1": room(1000)})
+    assert sample("n1") == 1000 and sample("n2") is None
+    room_series = {"kvgate_scheduler_" + name for name in (
+        "prefill_window_tokens", "prefill_backlog_tokens", "prefill_room_tokens",
+        "prefill_rate_tokens_per_second", "control_gain", "running_limit", "lane_cap",
+        "decode_step_seconds", "calm_decode_step_seconds")}
+    left = [s.name for m in metrics.registry.collect() for s in m.samples
+            if s.name in room_series and s.labels.get("node") == "n2"]
+    assert left == []
+    assert {s.name for m in metrics.registry.collect() for s in m.samples
+            if s.labels.get("node") == "n1"} >= room_series  # the names above are the gauges'
+    metrics.set_rooms("llama", {"n1": room(1000), "n2": room(700)})  # back: series again
+    assert sample("n2") == 700

@@ -15,6 +15,7 @@ from scheduler.budget import (
     UsageLearner,
     plan_node,
     pool_usage,
+    published_ratio,
 )
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.running import running_task as pool_running_task
@@ -134,12 +135,39 @@ def test_learner_starts_without_overcommit_and_is_bounded() -> None:
 
 def test_learner_forgets_with_its_half_life_and_survives_a_counter_reset() -> None:
     learner = UsageLearner(halflife_s=10.0, margin=0.0, max_overcommit=10.0)
+    learner.observe(0, 0, 0.0)
     learner.observe(10_000_000, 9_000_000, 0.0)
+    assert learner.ratio > 0.85
     learner.observe(10_000_000, 9_000_000, 100.0)  # ten half-lives, nothing new
     learner.observe(10_100_000, 9_010_000, 100.0)  # fresh settles at 10% dominate
     assert learner.ratio < 0.2
-    learner.observe(50_000, 40_000, 101.0)  # counters went back: counted from zero again
-    assert 0.1 < learner.ratio < 0.5
+    before = learner.ratio
+    learner.observe(50_000, 40_000, 100.0)  # counters went back: a new baseline, nothing learned
+    assert learner.ratio == before
+    learner.observe(150_000, 140_000, 100.0)  # counted from there
+    assert 0.5 < learner.ratio < 1.0
+
+
+def test_a_new_term_learns_from_the_last_leaders_ratio_not_the_counters_history() -> None:
+    """The counters hold the pool's whole history: a day of requests using a quarter of their
+    reservations, then an hour at 90%. The last leader's decayed ratio says 90%; taken whole
+    by the first look of a new leader, the history said 25%, and it overcommitted about 3x by
+    a mix that no longer ran, for about ten minutes."""
+    learner = UsageLearner(halflife_s=60.0, margin=0.1, max_overcommit=3.0)
+    learner.resume(published_ratio({"usage_ratio": "0.9000"}))
+    learner.observe(4_000_000_000, 1_000_000_000, 0.0)
+    assert learner.ratio == pytest.approx(0.9)
+    assert learner.factor == pytest.approx(0.99)
+    # Fresh settles are learned as before, and move the belief within a half-life.
+    learner.observe(4_000_500_000, 1_000_100_000, 30.0)
+    assert learner.ratio < 0.5
+    # A term with nothing published (the pool's first leader): the prior, no overcommit.
+    fresh = UsageLearner(halflife_s=60.0, margin=0.1, max_overcommit=3.0)
+    fresh.resume(published_ratio({}))
+    fresh.observe(4_000_000_000, 1_000_000_000, 0.0)
+    assert fresh.factor == 1.0
+    for odd in ("", "nan", "inf", "abc"):
+        assert published_ratio({"usage_ratio": odd}) is None
 
 
 @pytest.mark.parametrize(

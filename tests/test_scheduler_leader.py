@@ -20,8 +20,22 @@ from admission.scripts import register_scripts
 from admission.tiers import Tier, Zone
 from bench.common.localredis import LocalRedis
 from scheduler.leader import SAFETY, Elector
-from scheduler.service import SchedulerService
+from scheduler.service import SchedulerService, default_id
 from tests.scheduler_stub import FakeClock, FakeVllm, admit, eventually, make_config, serve_fake
+
+
+async def test_replicas_that_share_a_hostname_and_a_pid_do_not_share_an_id(
+    redis_client: Any,
+) -> None:
+    """Two containers on the host's network share its hostname and are both PID 1: ids made of
+    those alone were equal, and two electors holding one id both lead, under one epoch."""
+    first, second = default_id(), default_id()
+    assert first != second
+    scripts = register_scripts(redis_client)
+    a, b = (Elector(redis_client, scripts, me, 3_000) for me in (first, second))
+    await a.attempt()
+    await b.attempt()
+    assert a.leading and not b.leading
 
 
 async def test_one_leader_and_a_standby_told_when_to_retry(redis_client: Any) -> None:

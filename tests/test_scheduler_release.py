@@ -199,7 +199,7 @@ async def test_learned_usage_overcommits_within_bounds(redis_client: Any, redis_
             assert 0.33 < ps.learner.ratio < 0.6  # the f = 1 prior fades as settles come in
             budget = normal_budget(result.plans[0])
             assert budget is not None and TARGET < budget <= 2 * TARGET
-            # A long history in the pool's counters (a previous leader's) outweighs the prior.
+            # Many settles between two ticks outweigh what was learned before them.
             await redis_client.hincrby(ps.store.keys.stats, "settled_cost", 30_000_000)
             await redis_client.hincrby(ps.store.keys.stats, "settled_usage", 10_000_000)
             result = await ps.tick(1, always)
@@ -215,6 +215,23 @@ async def test_learned_usage_overcommits_within_bounds(redis_client: Any, redis_
             assert normal_budget(plan) == held + int((TARGET - 20_000 - held) / 0.5)
 
 
+async def test_a_new_leader_starts_from_the_published_ratio_not_the_counters_history(
+    redis_client: Any, redis_url: str
+) -> None:
+    fake = FakeVllm(usage=0.0)
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             zones={"max_overcommit": 3.0, "usage_margin": 0.0})
+        async with pool_scheduler(redis_client, config, clock=FakeClock()) as ps:
+            # A long history at 10%, and the last leader's recent ratio at 50%.
+            await redis_client.hincrby(ps.store.keys.stats, "settled_cost", 3_000_000_000)
+            await redis_client.hincrby(ps.store.keys.stats, "settled_usage", 300_000_000)
+            await redis_client.hset(ps.store.keys.state, "usage_ratio", "0.5000")
+            result = await ps.tick(1, always)
+            assert ps.learner.ratio == pytest.approx(0.5)
+            assert normal_budget(result.plans[0]) == 2 * TARGET  # f = 0.5, not 1/3
+
+
 async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis_url: str) -> None:
     fake = FakeVllm(usage=0.0, preemptions=4)
     clock = FakeClock()
@@ -223,12 +240,37 @@ async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis
                              zones={"max_overcommit": 2.0},
                              scheduler={"preemption_cooldown_ms": 5_000})
         async with pool_scheduler(redis_client, config, clock=clock) as ps:
+            ps.learner.observe(0, 0, clock())
             ps.learner.observe(10_000_000, 1_000_000, clock())  # learned: requests use 10%
             assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
             fake.preemptions = 5
             assert normal_budget((await ps.tick(1, always)).plans[0]) == TARGET
             clock.advance(5.1)
             assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
+
+
+async def test_preemptions_of_a_time_this_replica_did_not_lead_start_no_cool_down(
+    redis_client: Any, redis_url: str
+) -> None:
+    """A replica leads again after an hour's standby: the node's preemption counter grew
+    meanwhile (a leader in between dealt with them). Compared with its last term's reading,
+    that growth stopped overcommit on the node for a cool-down, with no recent preemption."""
+    fake = FakeVllm(usage=0.0, preemptions=5)
+    clock = FakeClock()
+    async with serve_fake(fake) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             zones={"max_overcommit": 2.0},
+                             scheduler={"preemption_cooldown_ms": 5_000})
+        async with pool_scheduler(redis_client, config, clock=clock) as ps:
+            ps.learner.observe(0, 0, clock())
+            ps.learner.observe(10_000_000, 1_000_000, clock())  # learned: requests use 10%
+            assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
+            clock.advance(3600)
+            fake.preemptions = 40
+            ps.new_term()
+            assert normal_budget((await ps.tick(2, always)).plans[0]) == 2 * TARGET
+            fake.preemptions = 41  # one now: the cool-down holds
+            assert normal_budget((await ps.tick(2, always)).plans[0]) == TARGET
 
 
 async def test_drain_rates_and_operator_figures_are_published(
@@ -273,6 +315,41 @@ async def test_batch_trickle_passes_blocked_higher_tiers_in_green(
             assert [t.task_id for t in second.released] == ["b0"]
             third = await ps.tick(1, always)  # the bucket is spent
             assert third.released == []
+
+
+async def test_what_a_tick_released_is_announced_when_a_later_call_of_it_fails(
+    redis_client: Any, redis_url: str
+) -> None:
+    """The main release call released v0, then the trickle's call failed (Redis went away
+    between the two): v0's gateway hears of it now, not at its fallback read."""
+    clock = FakeClock()
+    async with serve_fake(FakeVllm(usage=0.0)) as url:
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             zones={"batch_trickle_rate": 10.0})
+        async with pool_scheduler(redis_client, config, clock=clock) as ps:
+            await ps.tick(1, always)  # nothing queued yet: the trickle's bucket starts
+            await queue_tasks(ps.store, [("v0", Tier.VIP, 60_000), ("v1", Tier.VIP, 60_000),
+                                         ("b0", Tier.BATCH, 100)])
+            clock.advance(0.1)  # the trickle may pass one Batch task past v1
+            real_release = ps.store.release
+            calls = 0
+
+            async def failing_second(*args: Any, **kwargs: Any) -> Any:
+                nonlocal calls
+                calls += 1
+                if calls > 1:
+                    raise ConnectionError("Redis went away")
+                return await real_release(*args, **kwargs)
+
+            ps.store.release = failing_second  # type: ignore[method-assign]
+            pubsub = redis_client.pubsub()
+            await pubsub.subscribe(ps.store.keys.wake_channel("gw"))
+            with pytest.raises(ConnectionError):
+                await ps.tick(1, always)
+            assert calls == 2
+            message = await next_message(pubsub)
+            assert message is not None and message["data"] == b"v0 n1"
+            await pubsub.aclose()
 
 
 async def test_expired_queued_task_is_returned_to_its_gateway(

@@ -385,7 +385,8 @@ def check_mounted_files(config: Config) -> None:
     """ConfigError if a file the services load at start cannot be loaded: every pool's
     `backend_ca_file` and the Redis connection's TLS files (`check_redis_ca`). Not part of
     `load_config`: `kvgate-inspect --config`, run with a copy of a pod's file on a laptop,
-    reads the Redis settings and never the files mounted in the pod."""
+    reads the Redis settings and never a pool's `backend_ca_file` (the Redis CA it does load,
+    and `--ssl-ca-file` names a local copy of it)."""
     config.backend_ssl_context()
     check_redis_ca(config)
 

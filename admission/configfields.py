@@ -120,9 +120,10 @@ Redis' integer range (a lease of 1e20 ms is refused by every call that sets it).
 
 
 def ceiling_error(name: str, value: int) -> str | None:
-    """Why integer setting `name` is too large (the text after the key), or None."""
+    """Why integer setting `name` is too large (the text after the key), or None. A rate
+    (`*_per_s`) is not a duration: only the integer bound applies to it."""
     for suffix, most in MAX_DURATION.items():
-        if name.endswith(suffix) and value > most:
+        if name.endswith(suffix) and not name.endswith("_per_s") and value > most:
             return f"must be at most {most} (one year), got {value}"
     if value > MAX_INTEGER:
         return f"must be at most {MAX_INTEGER} (2^53 - 1), got {value}"

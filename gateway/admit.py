@@ -34,6 +34,7 @@ from admission.failurelog import FailureLog
 from admission.outcomes import AdmitOutcome, AdmitResult, RejectReason
 from admission.store import PoolStore
 from admission.tiers import Tier
+from gateway import metrics as m
 from gateway.errors import (
     CAPACITY_EXCEEDED,
     KEY_SCOPE,
@@ -250,10 +251,13 @@ class Admitter:
                 log.error("task %s released to node %r, unknown to this gateway (logged once "
                           "per node)", task_id, node)
             self.settler.finish(pool.store, task_id, None, cancelled=True, labels=labels)
-            raise unavailable(
+            error = unavailable(
                 "The request was routed to a node this gateway does not know.",
                 code="unknown_node", retry_ms=self._hint(1000), status=502, headers=NOT_SENT,
             )
+            # Counted as what it is, not as a node's failure: no node was asked.
+            error.tag = m.UNKNOWN_NODE
+            raise error
         return Ticket(task_id, pool, node, url, tier, labels, queued_s=queued_s)
 
     def _store_failed(
@@ -402,17 +406,21 @@ class Admitter:
         else:
             self.settler.live.discard(task_id)  # already ended in Redis
         if outcome is not None and outcome.state == SHUTTING_DOWN:
-            raise unavailable(
+            error = unavailable(
                 "This gateway is shutting down and had not scheduled the request yet. Please "
                 "retry: another gateway takes it.",
                 code="gateway_shutting_down", retry_ms=self._hint(SHUTDOWN_RETRY_MS),
             )
+            error.tag = m.SHUTTING_DOWN
+            raise error
         if outcome is not None and outcome.state != "expired":
             # Reaped (this gateway's lease lapsed) or ended by someone else.
-            raise unavailable(
+            error = unavailable(
                 "The queued request was dropped by the cluster. Please retry.",
                 code="queue_task_lost", retry_ms=self._hint(1000),
             )
+            error.tag = m.TASK_LOST
+            raise error
         self.metrics.child(self.metrics.rejections, *labels, QUEUE_TIMEOUT).inc()
         try:
             async with asyncio.timeout_at(answer_at):

@@ -112,12 +112,12 @@ def _payload_reason(exc: RequestPayloadError) -> str:
 
 
 def _outcome_of(error: ApiError) -> str:
+    if error.tag is not None:
+        return error.tag
     if error.code == "admission_unavailable":
         return m.UNAVAILABLE
     if error.status >= 500:
         return m.UPSTREAM_ERROR
-    if error.tag is not None:
-        return error.tag
     return m.REJECTED
 
 

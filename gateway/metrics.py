@@ -36,8 +36,12 @@ UPSTREAM_ERROR = "upstream_error"
 UNAVAILABLE = "unavailable"  # Redis unreachable, failed closed
 FAIL_OPEN = "fail_open"
 INTERNAL_ERROR = "internal_error"
+SHUTTING_DOWN = "shutting_down"  # queued on a gateway that stopped: 503, retried elsewhere
+TASK_LOST = "task_lost"  # queued task ended by the cluster (reaped): 503
+UNKNOWN_NODE = "unknown_node"  # released to a node this gateway's config lacks: 502
 REQUEST_OUTCOMES = (OK, REJECTED, INVALID, QUEUE_TIMEOUT, CLIENT_GONE, UPSTREAM_ERROR,
-                    UNAVAILABLE, FAIL_OPEN, INTERNAL_ERROR)
+                    UNAVAILABLE, FAIL_OPEN, INTERNAL_ERROR, SHUTTING_DOWN, TASK_LOST,
+                    UNKNOWN_NODE)
 """The `outcome` values of kvgate_gateway_requests_total."""
 UNPARSED_POOL = "none"
 """The `pool` of a request refused before its pool was known (a body that does not parse):
@@ -72,13 +76,17 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 class GatewayMetrics:
     """`pools`: pool name -> its backends' names; `quota_scopes`: the scopes a quota rejection
     can name (`key`, `team:<name>` per configured team); `fail_open_tiers`: the tiers that can
-    fail open. Their counter series are exported at 0 from the start; without them every
-    labelled series appears with its first use. An app builds it with `of(config)`."""
+    fail open; `tenants` (with `tenant_labels`): each configured tenant's name and tier, whose
+    series exist in that tier and the lower ones (`X-Priority` lowers a request's tier). Their
+    counter series are exported at 0 from the start; without them every labelled series
+    appears with its first use, and `increase()` misses that first event (an alert on the
+    first VIP queue timeout of a tenant would not fire). An app builds it with `of(config)`."""
 
     def __init__(self, *, tenant_labels: bool = False,
                  pools: Mapping[str, Sequence[str]] | None = None,
                  quota_scopes: Iterable[str] = (),
-                 fail_open_tiers: Iterable[Tier] = ()) -> None:
+                 fail_open_tiers: Iterable[Tier] = (),
+                 tenants: Iterable[tuple[str, Tier]] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.tenant_labels = tenant_labels
         r = self.registry
@@ -158,24 +166,28 @@ class GatewayMetrics:
             for reason in GIVE_UP_REASONS:
                 self.child(self.settles_abandoned, op, reason)
         scopes, fail_open = tuple(quota_scopes), tuple(fail_open_tiers)
+        # Without tenant labels one set of series per tier; with them, one per tenant and tier.
+        tiers = ([(tier, ()) for tier in Tier] if not tenant_labels else
+                 [(tier, (name,)) for name, own in tenants for tier in Tier if tier >= own])
         for pool, nodes in (pools or {}).items():
-            self._zero(pool, nodes, scopes, fail_open)
-        if pools and not tenant_labels:
-            for tier in Tier:
-                self.child(self.requests, UNPARSED_POOL, tier.label, INVALID)
+            self._zero(pool, nodes, scopes, fail_open, tiers)
+        if pools:
+            for tier, tenant in tiers:
+                self.child(self.requests, UNPARSED_POOL, tier.label, *tenant, INVALID)
 
     @classmethod
     def of(cls, config: Config) -> GatewayMetrics:
         """The metrics of a gateway serving `config`, its counters at 0."""
         return cls(
             tenant_labels=config.gateway.tenant_metrics,
+            tenants=[(tenant.name, tenant.tier) for tenant in config.tenants],
             pools={name: [b.name for b in pool.backends] for name, pool in config.pools.items()},
             quota_scopes=(KEY_SCOPE, *(team.level.scope for team in config.teams.values())),
             fail_open_tiers=config.gateway.fail_open_tiers,
         )
 
     def _zero(self, pool: str, nodes: Sequence[str], scopes: Sequence[str],
-              fail_open: Sequence[Tier]) -> None:
+              fail_open: Sequence[Tier], tiers: Sequence[tuple[Tier, tuple[str, ...]]]) -> None:
         """Create one pool's counter series (a child starts at 0)."""
         for counter in (self.wake_fallbacks, self.orphans):
             self.child(counter, pool)
@@ -186,15 +198,13 @@ class GatewayMetrics:
         for node in nodes:
             for kind in UPSTREAM_ERROR_KINDS:
                 self.child(self.upstream_errors, pool, node, kind)
-        if self.tenant_labels:
-            return
-        for tier in Tier:
+        for tier, tenant in tiers:
             for outcome in REQUEST_OUTCOMES:
-                self.child(self.requests, pool, tier.label, outcome)
+                self.child(self.requests, pool, tier.label, *tenant, outcome)
             for reason in REJECTION_REASONS:
-                self.child(self.rejections, pool, tier.label, reason)
-            self.child(self.tokens_reserved, pool, tier.label)
-            self.child(self.tokens_settled, pool, tier.label)
+                self.child(self.rejections, pool, tier.label, *tenant, reason)
+            self.child(self.tokens_reserved, pool, tier.label, *tenant)
+            self.child(self.tokens_settled, pool, tier.label, *tenant)
 
     def child(self, metric: M, *labels: str) -> M:
         """`metric.labels(*labels)`, cached: the hot path skips prometheus-client's lookup."""

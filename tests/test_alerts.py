@@ -67,10 +67,13 @@ def test_alerts_query_exported_metrics_with_their_labels() -> None:
         q = read_promql(rule["expr"])
         available = set(TARGET_LABELS)
         for metric, matchers in q.metrics.items():
-            if metric not in EXPORTED:
+            if metric == "up":  # Prometheus' own, per target: the target's labels only
+                labels: set[str] | frozenset[str] = TARGET_LABELS
+            elif metric not in EXPORTED:
                 wrong.append(f"{name}: {metric} is not exported")
                 continue
-            labels = EXPORTED[metric][1]
+            else:
+                labels = EXPORTED[metric][1]
             available |= labels
             wrong += [f"{name}: {metric} has no label {m!r}" for m in matchers - labels]
         wrong += [f"{name}: groups by {g!r}, which none of its metrics has"
@@ -156,6 +159,22 @@ CASES = [
                                       'pool="p", tier="vip", outcome="ok"', "0+60x10")
          | gw("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="unavailable"',
               "0x10"), "5m"),
+    # Redis down with no traffic (the gateways failed /readyz and left their Service): the
+    # lease renewals still fail, every 3 s.
+    Case("KvgateRedisUnavailable", gw("kvgate_gateway_redis_errors_total", 'op="renew"',
+                                      "0+20x10"), "5m", {}, value="333.3m"),
+    Case("KvgateRedisUnavailable", gw("kvgate_gateway_redis_errors_total", 'op="renew"',
+                                      "0x10"), "5m"),
+    Case("KvgateGatewaysDown", {series("up", "g0", 'job="kvgate-gateway"'): "1 1 0x10"},
+         "4m", {"job": "kvgate-gateway"}, value="0"),
+    Case("KvgateGatewaysDown", {series("up", "g0", 'job="kvgate-gateway"'): "1x10"}, "4m"),
+    # Another project's gateway down is not kvgate's.
+    Case("KvgateGatewaysDown", {series("up", "g0", 'job="kvgate-gateway"'): "1x10",
+                                series("up", "i0", 'job="istio-ingressgateway"'): "0x10"},
+         "4m"),
+    # No kvgate gateway scraped at all.
+    Case("KvgateGatewaysDown", {series("up", "s0", 'job="kvgate-scheduler"'): "1x10"},
+         "4m", {"namespace": ""}, value="1"),
     Case("KvgateRedisErrors", gw("kvgate_gateway_redis_errors_total", 'op="admit"', "0+30x12"),
          "10m", {"op": "admit"}, value="500m"),
     Case("KvgateRedisErrors", gw("kvgate_gateway_redis_errors_total", 'op="admit"', "0+30x12"),

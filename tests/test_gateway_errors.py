@@ -309,6 +309,12 @@ async def test_a_request_routed_to_a_node_the_gateway_does_not_know_is_safe_to_r
     await gw.settled()
     assert (await gw.task(headers["X-Request-Id"]))["state"] == "cancelled"
     assert all(b.received == [] for b in gw.backends)
+    # Counted as what it is: no node failed (the upstream-errors alert must not fire).
+    outcomes = {s.labels["outcome"]: s.value
+                for metric in gw.gateway.metrics.registry.collect()
+                for s in metric.samples if s.name == "kvgate_gateway_requests_total"
+                and s.value}
+    assert outcomes == {"unknown_node": 1}, outcomes
 
 
 async def test_wrong_method_and_path_keep_the_openai_shape(gw: Harness) -> None:

@@ -11,7 +11,7 @@ reach a dashboard or an alert. Two halves:
   that stopped seeing them would pass everything);
 - the registries that `gateway.app.create_app` and `scheduler.app.create_app` build from a
   configuration (no I/O) hold every series of that vocabulary x the configured pools, nodes,
-  teams and tiers at 0, and none per tenant.
+  teams and tiers at 0 (with tenant labels, per configured tenant too).
 
 The source reader resolves a label argument through string constants, module constants (also
 imported ones), conditional expressions, `a or b`, local assignments, a function's returns, a
@@ -22,6 +22,7 @@ assignment to that attribute; anything else must be named in `OVERRIDES` or the 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import importlib.util
 from collections.abc import Callable, Iterator
@@ -369,13 +370,29 @@ def test_the_gateway_exports_its_counters_at_zero_from_the_start() -> None:
     assert series(metrics)[key] - found[key] == 1.0
 
 
-def test_tenant_labelled_counters_are_not_created_in_advance() -> None:
-    metrics = gateway_app(config(tenant_metrics=True, fail_open_tiers=["batch"]),
-                          gateway_id="gw-test")[METRICS]
+def test_tenant_labelled_counters_exist_at_zero_for_each_configured_tenant() -> None:
+    """With `tenant_metrics` (as the chart's production values set it) the per-tier series
+    carry a tenant: created for each configured tenant, in its tier and the lower ones, so the
+    alerts on them see a tenant's first event too (they missed it before)."""
+    conf = config(tenant_metrics=True, fail_open_tiers=["batch"])
+    conf = dataclasses.replace(conf, tenants=(
+        *conf.tenants, dataclasses.replace(conf.tenants[0], name="bulk", tier=Tier.BATCH)))
+    metrics = gateway_app(conf, gateway_id="gw-test")[METRICS]
     found = series(metrics)
     for name, counter in counters(metrics):
-        assert has_series(counter) is ("tenant" not in counter._labelnames), name
+        assert has_series(counter), name
     expect(found, "kvgate_gateway_orphans", {"pool": "llama"})
+    for pool in NODES:
+        for tier in TIERS:
+            expect(found, "kvgate_gateway_requests", *(
+                {"pool": pool, "tier": tier, "tenant": "acme", "outcome": outcome}
+                for outcome in REQUEST_OUTCOMES))
+            expect(found, "kvgate_gateway_rejections", *(
+                {"pool": pool, "tier": tier, "tenant": "acme", "reason": reason}
+                for reason in REJECTION_REASONS))
+    tenant_tiers = {(label(key, "tenant"), label(key, "tier")) for key in found
+                    if "tenant" in dict(key[1])}
+    assert tenant_tiers == {("acme", t) for t in TIERS} | {("bulk", "batch")}
 
 
 def test_the_scheduler_exports_its_counters_at_zero_and_keeps_them_on_stepping_down() -> None:

@@ -267,6 +267,8 @@ def test_a_backend_capacity_must_be_positive() -> None:
     ("tiers.vip.queue_timeout_ms", 10**30, "must be at most 31536000000 (one year)"),
     ("redis.max_connections", 2**53, "must be at most 9007199254740991 (2^53 - 1)"),
     ("tenants.0.monthly_tokens", 10**17, "must be at most 9007199254740991 (2^53 - 1)"),
+    ("pools.0.control.prefill_tokens_per_s", 2**53,
+     "must be at most 9007199254740991 (2^53 - 1)"),
 ])
 def test_huge_integers_are_refused(path: str, value: int, message: str) -> None:
     key = path.replace(".0.", "[0].")
@@ -276,6 +278,14 @@ def test_huge_integers_are_refused(path: str, value: int, message: str) -> None:
 def test_a_year_is_still_accepted() -> None:
     data = with_("tiers.batch.queue_timeout_ms", 31_536_000_000)
     assert parse_config(data, env={}).tiers  # a week-long batch queue is a real setting
+
+
+def test_a_rate_per_second_is_not_capped_as_a_duration() -> None:
+    """`*_per_s` is tokens per second, not seconds: 40 million was refused as "at most
+    31536000 (one year)"."""
+    data = with_("pools.0.control.prefill_tokens_per_s", 40_000_000)
+    pool = next(iter(parse_config(data, env={}).pools.values()))
+    assert pool.control.prefill_tokens_per_s == 40_000_000
 
 
 def test_inspect_checks_a_redis_url_flag_as_the_services_do() -> None:

@@ -304,9 +304,11 @@ class Admitter:
             whose = "This API key's" if scope == KEY_SCOPE else f"Team {team}'s"
             shared = "" if scope == KEY_SCOPE else f" (shared by every key of team {team})"
             if result.retry_after_ms is None:
+                # OpenAI's answer to a spent quota: a 429 of type insufficient_quota (the SDKs
+                # raise RateLimitError), which the header keeps them from retrying.
                 error = never_retry(
-                    403, f"{whose} token quota{shared} is exhausted and does not refill.",
-                    code="insufficient_quota")
+                    429, f"{whose} token quota{shared} is exhausted and does not refill.",
+                    code="insufficient_quota", type_="insufficient_quota")
                 error.headers[SCOPE_HEADER] = scope
                 return error
             if result.limit in ("daily", "monthly"):

@@ -12,15 +12,17 @@ jitter so that clients rejected together do not return together::
     X-RateLimit-Scope: key                  which limit refused it (a tenant's own limits:
                                             key; a quota of an enclosing level: its name)
 
-Hints never exceed 60 s (the OpenAI SDK gives up above 120 s). A daily or monthly allowance
-used up until later than that is a 429 that also says ``x-should-retry: false``.
+Capacity hints never exceed 60 s: past a minute a fresh look at the pool beats any estimate. A
+quota's hint is its exact refill (or reset) time, however long; past the 120 s the OpenAI SDKs
+wait for, it also says ``x-should-retry: false``, as does a 429 ``insufficient_quota`` (a
+quota that never refills, spent: OpenAI's status and type for it).
 
-A request that can never succeed as sent, whatever the load, gets a 4xx other than 429 with
-``x-should-retry: false`` and no retry hint (`never_retry`): 400 ``context_length_exceeded``,
-``max_tokens_too_large`` and ``exceeds_burst``, 403 ``insufficient_quota`` (a bucket that never
-refills) and 403 ``admin_disabled``. The header is what stops a client whose policy retries
-4xx (kvgate_client's ``retryable_statuses`` can include them); the official SDKs read it
-before their status table. Malformed requests (bad JSON, wrong types, unknown model or key)
+A request that can never succeed as sent, whatever the load, gets a 4xx (a 429 only for
+``insufficient_quota``) with ``x-should-retry: false`` and no retry hint (`never_retry`): 400
+``context_length_exceeded``, ``max_tokens_too_large`` and ``exceeds_burst``, and 403
+``admin_disabled``. The header is what stops a client whose policy retries 4xx
+(kvgate_client's ``retryable_statuses`` can include them); the official SDKs read it before
+their status table. Malformed requests (bad JSON, wrong types, unknown model or key)
 are plain 4xx: no client retries those.
 """
 

@@ -179,6 +179,8 @@ class _Plan:
     missing: dict[bytes, str] = field(default_factory=dict)
     miss_bytes: int = 0
     hits: int = 0
+    guessed: int = 0
+    """Of the fixed tokens, those of non-text parts: a declared figure, not a count."""
 
     def new_slot(self, fixed: int = 0) -> None:
         self.fixed.append(fixed)
@@ -264,6 +266,13 @@ class TokenCounter:
     async def count_chat_async(self, messages: object, tools: object = None) -> int:
         return sum(await self._finish_async(self._plan_chat(messages, tools)))
 
+    async def count_chat_parts_async(self, messages: object,
+                                     tools: object = None) -> tuple[int, int]:
+        """(T_in, the part of it guessed for non-text parts): a request may be refused on the
+        counted part only (an image's real cost is the model's, often far below the guess)."""
+        plan = self._plan_chat(messages, tools)
+        return sum(await self._finish_async(plan)), plan.guessed
+
     async def count_prompts_async(self, prompt: object) -> list[int]:
         return await self._finish_async(self._plan_prompt(prompt))
 
@@ -328,6 +337,7 @@ class TokenCounter:
         for i, message in enumerate(messages):
             turn, extra = self._render_message(message, f"messages[{i}]")
             plan.fixed[0] += extra
+            plan.guessed += extra
             self._lookup(plan, b"turn", turn, f"messages[{i}]")
         if tools is not None:
             rendered = _render_tools(tools)

@@ -72,16 +72,20 @@ _GENERATION_ERRORS = {
                   "(max_tokens_too_large), or larger than the key's burst (exceeds_burst).",
                   _NO_RETRY),
     "401": _error("Missing or unknown API key."),
-    "403": _error("The key's quota is exhausted and never refills (insufficient_quota).",
-                  _NO_RETRY),
     "404": _error("Unknown model (pool)."),
     "408": _error("The request body did not arrive within gateway.request_read_timeout_ms "
                   "(request_timeout); the connection is closed."),
     "413": _error("Request body larger than the configured limit."),
     "429": _error("Backpressure: capacity_exceeded (pool saturated, queue full, queue "
                   "timeout) or the rate_limit_exceeded family (the key's token bucket; "
-                  "rate_limit_exceeded_queued_tokens: its cap on queued tokens).",
-                  _BACKPRESSURE_HEADERS),
+                  "rate_limit_exceeded_queued_tokens: its cap on queued tokens); or "
+                  "insufficient_quota: a quota that never refills is spent (no retry hint, "
+                  "x-should-retry: false, as a quota hint past 120 s also says).",
+                  {**_BACKPRESSURE_HEADERS,
+                   "x-should-retry": {"description": "false: do not retry this request as "
+                                      "sent (the quota will not pay for it in any wait the "
+                                      "SDKs make).", "schema": {"type": "string",
+                                                                "enum": ["false"]}}}),
     "502": _error("The inference node failed.", _RETRY_HEADERS),
     "503": _error("Admission store or inference node unavailable.", _RETRY_HEADERS),
 }
@@ -170,7 +174,9 @@ _SCHEMAS: dict[str, Any] = {
                     "type": "array", "minItems": 1,
                     "items": {"type": "integer", "minimum": 0}}},
             ]},
-            "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+            "max_tokens": {"type": "integer", "minimum": 0, "nullable": True,
+                           "description": "0 only with echo: the prompt scored, nothing "
+                                          "generated."},
             "n": {"type": "integer", "minimum": 1, "maximum": 128, "nullable": True},
             "best_of": {"type": "integer", "minimum": 1, "maximum": 128, "nullable": True},
             "stream": {"type": "boolean", "nullable": True},

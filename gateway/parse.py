@@ -198,7 +198,12 @@ async def parse_inbound(
             requested, param = body.get("max_tokens"), "max_tokens"
     else:
         requested, param = body.get("max_tokens"), "max_tokens"
-    if requested is not None and (type(requested) is not int or requested < 1):
+    # A completion with `echo` and max_tokens 0 scores its prompt (the prompt's logprobs) and
+    # generates nothing: OpenAI's API allows it and vLLM serves it (lm-eval's loglikelihood
+    # requests). It reserves one output token, as vLLM schedules one.
+    scoring = (kind == "completion" and type(requested) is int and requested == 0
+               and body.get("echo") is True)
+    if requested is not None and not scoring and (type(requested) is not int or requested < 1):
         raise bad_request(f"'{param}' must be a positive integer.", param=param)
     if requested is not None and requested > settings.max_max_tokens:
         raise never_retry(
@@ -230,17 +235,23 @@ async def parse_inbound(
             param="messages",
             code=CONTEXT_LENGTH_EXCEEDED,
         )
+    guessed = 0
     try:
         if kind == "chat":
-            prompts = [await pool.counter.count_chat_async(messages,
-                                                           body.get("tools"))]
+            count, guessed = await pool.counter.count_chat_parts_async(messages,
+                                                                       body.get("tools"))
+            prompts = [count]
         else:
             prompts = await pool.counter.count_prompts_async(body.get("prompt"))
     except InvalidRequestError as exc:
         raise bad_request(exc.message, param=exc.param, code=exc.code) from None
 
     limit = settings.context_length
-    longest = max(prompts)
+    # Refusals rest on what was counted: the tokens of images and other non-text parts are a
+    # declared guess (`non_text_part_tokens`), and a request the guess alone puts over the
+    # context goes to the node, which knows their cost (and refuses it there if it must).
+    # The reservation counts the guess.
+    longest = max(prompts) - guessed
     if longest >= limit:
         raise never_retry(
             400,
@@ -260,7 +271,8 @@ async def parse_inbound(
         )
     default = settings.default_max_tokens if kind == "chat" else min(
         COMPLETION_DEFAULT_MAX_TOKENS, settings.default_max_tokens)
-    per_sequence = requested if requested is not None else min(default, limit - longest)
+    per_sequence = (max(1, requested) if requested is not None
+                    else min(default, limit - longest))
     estimate = estimate_cost(
         sum(prompts),
         per_sequence,

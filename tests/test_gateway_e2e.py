@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from prometheus_client import generate_latest
 
 from admission.tiers import Zone
+from gateway.estimator import ChatFormat, TokenCounter
 from gateway.state import METRICS
 from tests.gateway_harness import BIG, Harness, running_gateway, sha
 
@@ -417,3 +418,47 @@ async def test_a_bucket_refusal_hints_its_exact_refill_even_past_a_minute(
             assert hint_ms <= 120_000 and "x-should-retry" not in headers
         else:
             assert hint_ms > 120_000 and headers["x-should-retry"] == "false"
+
+
+async def test_a_completion_may_score_its_prompt_with_echo_and_no_tokens(gw: Harness) -> None:
+    """`echo` with `max_tokens` 0 asks for the prompt's logprobs and no generation (lm-eval's
+    loglikelihood requests): OpenAI's API and vLLM allow it; it was refused as a bad
+    max_tokens. Without `echo`, 0 is still refused."""
+    await gw.publish(Zone.GREEN)
+    sdk = gw.openai("batch")
+    scored = await sdk.completions.create(model="demo", prompt="The capital of France is Paris",
+                                          max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices
+    forwarded = gw.backends[0].received[-1].body
+    assert forwarded["max_tokens"] == 0 and forwarded["echo"] is True
+    with pytest.raises(openai.BadRequestError) as refused:
+        await sdk.completions.create(model="demo", prompt="x", max_tokens=0)
+    assert refused.value.param == "max_tokens"
+
+
+async def test_images_are_not_refused_on_the_guess_of_their_tokens(redis_url: str) -> None:
+    """Each image counts a declared 1,024 tokens (the reservation's guess; a model's real cost
+    for a small one is a few dozen): four thumbnails and a word, on a 4,096-token pool, were
+    refused as over the context, for good (`x-should-retry: false`). Refusals rest on what was
+    counted; the node (here one that charges 16 tokens an image) judges the images. A text too
+    long is still refused."""
+    node_counter = TokenCounter(chat_format=ChatFormat(non_text_part_tokens=16))
+    async with running_gateway(redis_url, backend_options={"counter": node_counter}) as gw:
+        await _images_are_judged_by_the_node(gw)
+
+
+async def _images_are_judged_by_the_node(gw: Harness) -> None:
+    await gw.publish(Zone.GREEN)
+    image = {"type": "image_url",
+             "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}}
+    sdk = gw.openai("batch")
+    thumbnails: list[Any] = [{"type": "text", "text": "describe"}, *[image] * 4]
+    answer = await sdk.chat.completions.create(
+        model="demo", max_tokens=10, messages=[{"role": "user", "content": thumbnails}])
+    assert answer.choices
+    assert len(gw.backends[0].received[-1].body["messages"][0]["content"]) == 5
+    with pytest.raises(openai.BadRequestError) as refused:
+        long_text: list[Any] = [{"type": "text", "text": "word " * 5000}, image]
+        await sdk.chat.completions.create(
+            model="demo", max_tokens=10, messages=[{"role": "user", "content": long_text}])
+    assert refused.value.code == "context_length_exceeded"

@@ -334,14 +334,14 @@ async def test_requests_that_can_never_fit_say_do_not_retry(gw: Harness) -> None
         gw, {"model": "demo", "messages": MESSAGES, "max_tokens": 1000}, who="small")
     assert status == 400 and headers["x-should-retry"] == "false"
     assert _openai_shape(payload)["code"] == "exceeds_burst"
-    # A bucket that never refills, once spent: 403, not retryable either.
+    # A bucket that never refills, once spent: a 429 as OpenAI's, not retryable either.
     status, _, _ = await _post(gw, {"model": "demo", "messages": MESSAGES, "max_tokens": 900},
                                who="frozen")
     assert status == 200
     status, payload, headers = await _post(
         gw, {"model": "demo", "messages": MESSAGES, "max_tokens": 900}, who="frozen")
-    assert status == 403 and headers["x-should-retry"] == "false"
-    assert _openai_shape(payload)["code"] == "insufficient_quota"
+    assert status == 429 and headers["x-should-retry"] == "false"
+    assert _openai_shape(payload)["code"] == payload["error"]["type"] == "insufficient_quota"
 
 
 async def test_redis_unreachable_fails_closed_except_fail_open_tiers(

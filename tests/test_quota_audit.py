@@ -96,8 +96,8 @@ async def check_prepaid_level(h: Harness, http: aiohttp.ClientSession, key: str,
     await h.settled()
     # A full burst can never be paid now: nothing held comes back, and no wait refills it.
     status, headers, error = await post(http, h, key, max_tokens=BURST - PROMPT)
-    assert status == 403, error
-    assert error["code"] == "insufficient_quota"
+    assert status == 429, error  # OpenAI's status for a spent quota
+    assert error["code"] == error["type"] == "insufficient_quota"
     assert headers["x-should-retry"] == "false"
     assert headers["X-RateLimit-Scope"] == scope
 

@@ -383,6 +383,24 @@ def test_scheduler_gauges_are_read_from_the_leader_only() -> None:
     assert not unfiltered, "\n".join(unfiltered)
 
 
+def test_every_query_reads_the_chosen_namespace_only() -> None:
+    """Two releases scraped by one Prometheus (staging and production) were summed in every
+    panel: "Scheduler leaders" showed 2 and pools of one name merged. Every selector of a
+    kvgate metric carries the namespace variable, except the leader filter, which matches on
+    `instance` (a target's own)."""
+    selector = re.compile(r"\b(kvgate_[a-z0-9_]+)(\{[^}]*\})?")
+    unscoped = []
+    for e in EXPRS:
+        if e.where == "variable 'namespace'":
+            continue  # the list of namespaces to choose from
+        text = e.expr.replace("(kvgate_scheduler_leader == 1)", "")
+        unscoped += [f"{e.where}: {m[1]}" for m in selector.finditer(text)
+                     if 'namespace=~"$namespace"' not in (m[2] or "")]
+    assert not unscoped, "\n".join(unscoped)
+    variables = [v["name"] for v in DASH["templating"]["list"]]
+    assert variables.index("namespace") < variables.index("pool")  # pools of the namespace
+
+
 def test_the_dashboard_covers_what_operators_need() -> None:
     used = {name for e in EXPRS for name in read_promql(e.expr).metrics}
     needed = {
@@ -456,7 +474,8 @@ def _promtool_eval(tmp_path: Path, series: dict[str, str], expr: str,
         "interval": "1m",
         "input_series": [{"series": s, "values": v} for s, v in series.items()],
         # Every pool selected (the variable's allValue), then the range variables.
-        "promql_expr_test": [{"expr": for_promql(expr.replace("$pool", ".*")),
+        "promql_expr_test": [{"expr": for_promql(
+            expr.replace("$pool", ".*").replace("$namespace", ".*")),
                               "eval_time": f"{last}m",
                               "exp_samples": expected}],
     }]}

@@ -153,11 +153,15 @@ def shown_url(url: str) -> str:
     name and password, however malformed: an unencoded '/' in the password moves urlsplit's
     idea of where the host starts) is replaced by `***`. A URL refused at start is printed to
     stderr, i.e. the log: `REDIS_URL=redis://:${PASSWORD}@${HOST}:6379/0` with HOST unset named
-    its password there."""
+    its password there. So is the value of a `password` or `username` query parameter,
+    which redis-py also reads."""
     scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    if sep and "@" in rest:
+        url = f"{scheme}://***@{rest.rpartition('@')[2]}"
+    return _SECRET_QUERY.sub(r"\1***", url)
+
+
+_SECRET_QUERY = re.compile(r"([?&](?:password|username)=)[^&#]*", re.IGNORECASE)
 
 
 def _split(url: str) -> SplitResult | str:

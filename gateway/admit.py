@@ -98,8 +98,9 @@ unreachable cluster was a 500 with a traceback per request, fail-open tiers incl
 gateway could not start while the cluster was down."""
 
 SDK_MAX_RETRY_AFTER_MS = 120_000
-"""The longest Retry-After the OpenAI SDKs wait for before retrying (and the kvgate SDKs' default
-`max_retry_after_s`); a quota refusal whose refill is further away says not to retry."""
+"""The longest Retry-After the OpenAI SDKs wait for before retrying (the kvgate SDKs' default
+`max_retry_after_s` too, though their 60 s retry deadline comes first); a quota refusal whose
+refill is further away says not to retry."""
 QUEUE_ANSWER_GRACE_S = 0.2
 """After a queued request's deadline: how long its cancel and the drain hint of its 429 may
 take before the answer is sent without them (the cancel then finishes in the background)."""

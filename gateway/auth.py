@@ -97,7 +97,6 @@ class AdminToken:
     def check(self, authorization: str | None) -> None:
         """Returns when the header carries the admin token; raises ApiError otherwise."""
         if self._digest is None:
-            # 403's usual type is the quota's (insufficient_quota); this is no quota matter.
             raise never_retry(403, "The admin API is disabled: gateway.admin_token_sha256 is "
                               "not set.", code="admin_disabled", type_="invalid_request_error")
         token = ""

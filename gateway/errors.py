@@ -53,7 +53,7 @@ KEY_SCOPE = "key"
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
-    403: "insufficient_quota",
+    403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
     408: "timeout",
@@ -124,13 +124,15 @@ def retry_headers(retry_ms: int) -> dict[str, str]:
 def jittered(retry_ms: int, jitter: float, rng: random.Random, *,
              cap: int | None = MAX_RETRY_MS) -> int:
     """`retry_ms` spread upward by 0..`jitter` of itself, at least 1 ms, at most `cap` (60 s
-    by default; None: no cap, for a quota's exact refill time).
+    by default; None: no cap, for a quota's exact refill time, whose spread is then at most
+    `jitter` of a minute: clients a day away need not come back hours late to be spread).
 
     Upward only: a quota hint is the bucket's exact refill time, and coming back sooner
     would only earn another 429.
     """
     base = max(1, retry_ms)
-    hint = math.ceil(base * (1.0 + jitter * rng.random()))
+    spread = base if cap is not None else min(base, MAX_RETRY_MS)
+    hint = math.ceil(base + spread * jitter * rng.random())
     return hint if cap is None else min(cap, hint)
 
 

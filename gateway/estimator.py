@@ -7,7 +7,9 @@ vocabularies are encoded by their tiktoken twin when one checks out (`gateway.bp
 counts, about 2.7x faster.
 
 Chat history is re-sent on every turn, so each message's token count is cached under a hash of
-its rendered text: a conversation costs one hash per old message and one encode per new one.
+its rendered text, keyed by the sending tenant (a cached count is fast, and across tenants the
+speed would tell one whether another sent the same text): a conversation costs one hash per
+old message and one encode per new one.
 That per-message split is exact, not an approximation: every message is delimited by the special
 tokens `<|im_start|>`/`<|im_end|>`, which the tokenizer never merges across, so the count of the
 whole prompt is the sum of the counts of its messages.
@@ -133,6 +135,12 @@ def estimate_cost(
     return CostEstimate(t_in, max_tokens * sequences, False)
 
 
+def _scope(name: str) -> bytes:
+    """A cache scope as blake2b's key (at most 64 bytes: a longer name is hashed first)."""
+    data = name.encode()
+    return data if len(data) <= 64 else hashlib.blake2b(data).digest()
+
+
 @dataclass(slots=True)
 class CounterStats:
     hits: int = 0
@@ -181,14 +189,16 @@ class _Plan:
     hits: int = 0
     guessed: int = 0
     """Of the fixed tokens, those of non-text parts: a declared figure, not a count."""
+    scope: bytes = b""
+    """Whose cache entries the plan reads and writes (a tenant's name; b"": shared)."""
 
     def new_slot(self, fixed: int = 0) -> None:
         self.fixed.append(fixed)
         self.slot_keys.append([])
 
 
-def _digest(kind: bytes, data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16, person=kind).digest()
+def _digest(kind: bytes, data: bytes, scope: bytes = b"") -> bytes:
+    return hashlib.blake2b(data, digest_size=16, person=kind, key=scope).digest()
 
 
 def _utf8(text: str, param: str) -> bytes:
@@ -266,15 +276,18 @@ class TokenCounter:
     async def count_chat_async(self, messages: object, tools: object = None) -> int:
         return sum(await self._finish_async(self._plan_chat(messages, tools)))
 
-    async def count_chat_parts_async(self, messages: object,
-                                     tools: object = None) -> tuple[int, int]:
+    async def count_chat_parts_async(self, messages: object, tools: object = None, *,
+                                     scope: str = "") -> tuple[int, int]:
         """(T_in, the part of it guessed for non-text parts): a request may be refused on the
-        counted part only (an image's real cost is the model's, often far below the guess)."""
-        plan = self._plan_chat(messages, tools)
+        counted part only (an image's real cost is the model's, often far below the guess).
+        `scope` (a tenant's name) keeps its cached counts apart from everyone else's: how long
+        a count takes must not tell one tenant whether another sent the same text."""
+        plan = self._plan_chat(messages, tools, _scope(scope))
         return sum(await self._finish_async(plan)), plan.guessed
 
-    async def count_prompts_async(self, prompt: object) -> list[int]:
-        return await self._finish_async(self._plan_prompt(prompt))
+    async def count_prompts_async(self, prompt: object, *, scope: str = "") -> list[int]:
+        """T_in of each prompt; `scope` as for `count_chat_parts_async`."""
+        return await self._finish_async(self._plan_prompt(prompt, _scope(scope)))
 
     async def count_prompt_async(self, prompt: object) -> int:
         return sum(await self.count_prompts_async(prompt))
@@ -283,7 +296,7 @@ class TokenCounter:
 
     def _lookup(self, plan: _Plan, kind: bytes, text: str, param: str) -> None:
         data = _utf8(text, param)
-        key = _digest(kind, data)
+        key = _digest(kind, data, plan.scope)
         plan.slot_keys[-1].append(key)
         if key in plan.known or key in plan.missing:
             return  # a text repeated within one request is looked up and encoded once
@@ -295,16 +308,16 @@ class TokenCounter:
             plan.missing[key] = text
             plan.miss_bytes += len(data)
 
-    def _plan_texts(self, texts: Sequence[str], param: str) -> _Plan:
-        plan = _Plan()
+    def _plan_texts(self, texts: Sequence[str], param: str, scope: bytes = b"") -> _Plan:
+        plan = _Plan(scope=scope)
         for i, text in enumerate(texts):
             plan.new_slot()
             self._lookup(plan, b"text", text, f"{param}[{i}]" if len(texts) > 1 else param)
         return plan
 
-    def _plan_prompt(self, prompt: object) -> _Plan:
+    def _plan_prompt(self, prompt: object, scope: bytes = b"") -> _Plan:
         if isinstance(prompt, str):
-            return self._plan_texts([prompt], "prompt")
+            return self._plan_texts([prompt], "prompt", scope)
         if not isinstance(prompt, list) or not prompt:
             raise InvalidRequestError(
                 "prompt must be a string, a list of strings, a list of token ids or a list of "
@@ -315,8 +328,8 @@ class TokenCounter:
         if isinstance(first, str):
             if not all(isinstance(p, str) for p in prompt):
                 raise InvalidRequestError("prompt mixes strings with other types", param="prompt")
-            return self._plan_texts(prompt, "prompt")
-        plan = _Plan()
+            return self._plan_texts(prompt, "prompt", scope)
+        plan = _Plan(scope=scope)
         if isinstance(first, list):
             for i, ids in enumerate(prompt):
                 plan.new_slot(_token_ids_length(ids, f"prompt[{i}]"))
@@ -324,10 +337,10 @@ class TokenCounter:
             plan.new_slot(_token_ids_length(prompt, "prompt"))
         return plan
 
-    def _plan_chat(self, messages: object, tools: object) -> _Plan:
+    def _plan_chat(self, messages: object, tools: object, scope: bytes = b"") -> _Plan:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
-        plan = _Plan()
+        plan = _Plan(scope=scope)
         plan.new_slot(self._generation_prompt_tokens)
         fmt = self.chat_format
         first_role = messages[0].get("role") if isinstance(messages[0], dict) else None

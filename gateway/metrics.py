@@ -77,7 +77,8 @@ class GatewayMetrics:
     """`pools`: pool name -> its backends' names; `quota_scopes`: the scopes a quota rejection
     can name (`key`, `team:<name>` per configured team); `fail_open_tiers`: the tiers that can
     fail open; `tenants` (with `tenant_labels`): each configured tenant's name and tier, whose
-    series exist in that tier and the lower ones (`X-Priority` lowers a request's tier). Their
+    series exist in that tier (a request `X-Priority` lowers creates its own on first use:
+    every tier of every tenant would be three times the series, at tens per tenant). Their
     counter series are exported at 0 from the start; without them every labelled series
     appears with its first use, and `increase()` misses that first event (an alert on the
     first VIP queue timeout of a tenant would not fire). An app builds it with `of(config)`."""
@@ -168,7 +169,7 @@ class GatewayMetrics:
         scopes, fail_open = tuple(quota_scopes), tuple(fail_open_tiers)
         # Without tenant labels one set of series per tier; with them, one per tenant and tier.
         tiers = ([(tier, ()) for tier in Tier] if not tenant_labels else
-                 [(tier, (name,)) for name, own in tenants for tier in Tier if tier >= own])
+                 [(own, (name,)) for name, own in tenants])
         for pool, nodes in (pools or {}).items():
             self._zero(pool, nodes, scopes, fail_open, tiers)
         if pools:

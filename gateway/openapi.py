@@ -26,7 +26,8 @@ _BACKPRESSURE_HEADERS = {
         "schema": {"type": "string", "enum": ["GREEN", "YELLOW", "RED", "UNKNOWN"]}},
     "X-Queue-Depth": {"description": "Requests queued at this request's tier or above.",
                       "schema": {"type": "integer", "minimum": 0}},
-    "X-RateLimit-Scope": {"description": "With the rate_limit_exceeded family: the limit that "
+    "X-RateLimit-Scope": {"description": "With the rate_limit_exceeded family and "
+                          "insufficient_quota: the limit that "
                           "refused the request ('key': the key's own; else the name of the "
                           "enclosing quota level that ran out).", "schema": {"type": "string"}},
 }

@@ -47,6 +47,9 @@ request id (ids shared between tenants let one abort or collide with another's r
 gateway's task id goes in X-Request-Id) and the disaggregated-prefill transfer instructions
 (which peer to pull KV blocks from, which blocks), set by a router the operator runs."""
 MAX_SEQUENCES = 128
+MAX_PROMPTS = 2048
+"""Prompts of one /v1/completions batch: planning a count hashes each on the event loop (a 4 MB
+body of a million one-character prompts held it for about 2 s, for every tenant)."""
 MIN_TURN_TOKENS = 2
 """Tokens every chat message adds to the prompt at least, whatever its content: the markers
 that open and close its turn in the chat template."""
@@ -118,6 +121,27 @@ def _int(body: Mapping[str, Any], name: str, *, minimum: int = 1) -> int | None:
     if type(value) is not int or value < minimum:
         raise bad_request(f"'{name}' must be an integer >= {minimum}.", param=name)
     return value
+
+
+def _check_item_counts(kind: Kind, body: Mapping[str, Any], context_length: int) -> None:
+    """Refuse, before a count walks them on the event loop, more prompts in a batch than
+    `MAX_PROMPTS`, and more content parts in a chat than the context has tokens (no real chat
+    comes near: an image alone costs many tokens)."""
+    if kind == "completion":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and (
+                len(prompt) > MAX_PROMPTS):
+            raise bad_request(f"A batch holds at most {MAX_PROMPTS} prompts; this one has "
+                              f"{len(prompt)}.", param="prompt")
+        return
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    parts = sum(len(m["content"]) for m in messages
+                if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if parts > context_length:
+        raise bad_request(f"A chat holds at most {context_length} content parts (the model's "
+                          f"context length); this one has {parts}.", param="messages")
 
 
 def pool_of(body: Mapping[str, Any], pools: Mapping[str, PoolRuntime]) -> PoolRuntime:
@@ -235,14 +259,15 @@ async def parse_inbound(
             param="messages",
             code=CONTEXT_LENGTH_EXCEEDED,
         )
+    _check_item_counts(kind, body, settings.context_length)
     guessed = 0
     try:
         if kind == "chat":
-            count, guessed = await pool.counter.count_chat_parts_async(messages,
-                                                                       body.get("tools"))
+            count, guessed = await pool.counter.count_chat_parts_async(
+                messages, body.get("tools"), scope=tenant)
             prompts = [count]
         else:
-            prompts = await pool.counter.count_prompts_async(body.get("prompt"))
+            prompts = await pool.counter.count_prompts_async(body.get("prompt"), scope=tenant)
     except InvalidRequestError as exc:
         raise bad_request(exc.message, param=exc.param, code=exc.code) from None
 
@@ -271,10 +296,14 @@ async def parse_inbound(
         )
     default = settings.default_max_tokens if kind == "chat" else min(
         COMPLETION_DEFAULT_MAX_TOKENS, settings.default_max_tokens)
+    # The default output is sized on the whole estimate, guess included: on the counted part
+    # alone it could make a request the node refuses, one that sent no max_tokens at all.
     per_sequence = (max(1, requested) if requested is not None
-                    else min(default, limit - longest))
+                    else max(1, min(default, limit - max(prompts))))
     estimate = estimate_cost(
-        sum(prompts),
+        # No prompt holds more than the context: a guess past it (a thousand tiny images)
+        # would reserve tokens no node could ever hold.
+        sum(min(p, limit) for p in prompts),
         per_sequence,
         default_max_tokens=settings.default_max_tokens,
         sequences=sequences_per_prompt * len(prompts),

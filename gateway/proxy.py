@@ -144,13 +144,15 @@ class SseRelay:
     """Splits an SSE byte stream into events, counts output, drops the usage-only chunk, and
     writes the client's model name into each chunk (`reply_model`, None: left as sent)."""
 
-    __slots__ = ("_held", "_parts", "_reply_model", "_strip_usage", "failed", "meter")
+    __slots__ = ("_cr", "_held", "_parts", "_reply_model", "_strip_usage", "failed", "meter")
 
     def __init__(self, meter: Meter, *, strip_usage: bool, reply_model: str | None = None) -> None:
         self._parts: list[bytes] = []
         """The incomplete event's bytes, in the pieces they came in: joined once, when the
         event ends (joining on every piece would cost the square of the event's length)."""
         self._held = 0
+        self._cr = False
+        """The last piece ended in a CR, held back: its LF may start the next one."""
         self._strip_usage = strip_usage
         self._reply_model = reply_model
         self.meter = meter
@@ -159,7 +161,16 @@ class SseRelay:
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to send now: every complete event received so far, minus dropped ones.
-        Raises `EventTooLarge` when an event grows past `MAX_EVENT_BYTES` unfinished."""
+        Raises `EventTooLarge` when an event grows past `MAX_EVENT_BYTES` unfinished.
+
+        Lines may end in CRLF (SSE allows it; vLLM sends LF): they are relayed as LF, so
+        that an event's end is found, counted and renamed whatever the node's framing."""
+        if self._cr:
+            data, self._cr = b"\r" + data, False
+        if data.endswith(b"\r"):
+            data, self._cr = data[:-1], True
+        if b"\r\n" in data:
+            data = data.replace(b"\r\n", b"\n")
         if self._parts:
             if b"\n\n" not in data and not (
                     data[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):
@@ -194,9 +205,10 @@ class SseRelay:
 
     def flush(self) -> bytes:
         """Whatever trails the last complete event (a well-formed stream leaves nothing)."""
-        tail = b"".join(self._parts)
+        tail = b"".join(self._parts) + (b"\r" if self._cr else b"")
         self._parts.clear()
         self._held = 0
+        self._cr = False
         return tail
 
     def _relay(self, event: bytes) -> bytes | None:
@@ -255,8 +267,10 @@ def _carries_output(choice: Any) -> bool:
     if choice.get("finish_reason") is not None or choice.get("text"):
         return True
     delta = choice.get("delta")
+    # vLLM's reasoning field was `reasoning_content`, and is `reasoning` since early 2026.
     return isinstance(delta, dict) and bool(
-        delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+        delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
+        or delta.get("tool_calls")
     )
 
 
@@ -416,6 +430,11 @@ class Upstream:
             meter.take_usage(parsed.get("usage"))
             if _rename(parsed, inbound.reply_model):
                 body = orjson.dumps(parsed)
+        if meter.exact_total is None:
+            # A whole answer without its usage: charged what it reserved (the prompt alone
+            # would let a full generation go free, and read as a light request to the
+            # scheduler's learned usage ratio).
+            meter.completion_tokens = inbound.max_tokens
         response = web.Response(
             body=body,
             headers={"Content-Type": upstream.headers.get("content-type", "application/json"),

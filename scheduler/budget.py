@@ -133,6 +133,10 @@ class UsageLearner:
         None (nothing published, or not a ratio): this replica's own belief stands (the prior,
         f = 1, for a new one)."""
         self._last = None
+        # Nor does the time it stood by age the belief it starts from: decayed over an hour's
+        # half-lives, its weight would be nothing, and the next poll's few settles alone
+        # would set the ratio.
+        self._at = None
         if published_ratio is not None and 0.0 <= published_ratio <= 1.0:
             self.cost = PRIOR_TOKENS
             self.usage = PRIOR_TOKENS * published_ratio

@@ -201,10 +201,10 @@ class PoolScheduler:
         self.transitions.reset()
         # What a poll compares with its last one is from this term's polls only: a standby's
         # last term may be hours old (its counters' growth since then is not this moment's
-        # preemptions, nor its drain this moment's rate).
+        # preemptions, nor its drain this moment's rate). A cool-down still running is kept:
+        # a lease lost and taken back within seconds does not forget a preemption.
         self.drains = DrainRates()
         self._preemptions.clear()
-        self._cooldown_until.clear()
         self._first_poll = True
         self._resume = True
         self.calm.restart()

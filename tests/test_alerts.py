@@ -154,7 +154,14 @@ CASES = [
          {"namespace": ""}),
     Case("KvgateRedisUnavailable", gw("kvgate_gateway_requests_total",
                                       'pool="p", tier="vip", outcome="unavailable"', "0+60x10"),
-         "5m", {"pool": "p"}, value="1"),
+         "5m", {}, value="1"),
+    # The requests stop (the gateways left their Service) while the renewals go on failing:
+    # one alert throughout, never resolved and raised again.
+    *(Case("KvgateRedisUnavailable",
+           gw("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="unavailable"',
+              "0+60x3 180x12")
+           | gw("kvgate_gateway_redis_errors_total", 'op="renew"', "0+20x15"),
+           at, {}, value=value) for at, value in (("3m", "600m"), ("9m", "333.3m"))),
     Case("KvgateRedisUnavailable", gw("kvgate_gateway_requests_total",
                                       'pool="p", tier="vip", outcome="ok"', "0+60x10")
          | gw("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="unavailable"',
@@ -175,6 +182,12 @@ CASES = [
     # No kvgate gateway scraped at all.
     Case("KvgateGatewaysDown", {series("up", "s0", 'job="kvgate-scheduler"'): "1x10"},
          "4m", {"namespace": ""}, value="1"),
+    Case("KvgateRequestsDropped", gw("kvgate_gateway_requests_total",
+                                     'pool="p", tier="vip", outcome="unknown_node"', "0 0 3x10"),
+         "4m", {"pool": "p", "outcome": "unknown_node"}, value="3"),
+    Case("KvgateRequestsDropped", gw("kvgate_gateway_requests_total",
+                                     'pool="p", tier="vip", outcome="upstream_error"', "0 0 3x10"),
+         "4m"),
     Case("KvgateRedisErrors", gw("kvgate_gateway_redis_errors_total", 'op="admit"', "0+30x12"),
          "10m", {"op": "admit"}, value="500m"),
     Case("KvgateRedisErrors", gw("kvgate_gateway_redis_errors_total", 'op="admit"', "0+30x12"),

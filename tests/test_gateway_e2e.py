@@ -457,6 +457,14 @@ async def _images_are_judged_by_the_node(gw: Harness) -> None:
         model="demo", max_tokens=10, messages=[{"role": "user", "content": thumbnails}])
     assert answer.choices
     assert len(gw.backends[0].received[-1].body["messages"][0]["content"]) == 5
+    # Sent without max_tokens, near the context: the default written for the node is sized on
+    # the whole estimate, the image's guess included (here it leaves 1 token), so the node takes
+    # it; sized on the text alone it was 4096 - 3450 tokens, past what the node had left.
+    near: list[Any] = [{"type": "text", "text": "word " * 3450}, image]
+    answer = await sdk.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": near}])
+    assert answer.choices
+    assert gw.backends[0].received[-1].body["max_tokens"] == 1
     with pytest.raises(openai.BadRequestError) as refused:
         long_text: list[Any] = [{"type": "text", "text": "word " * 5000}, image]
         await sdk.chat.completions.create(

@@ -313,3 +313,20 @@ def test_the_relay_rewrites_whole_events_whatever_the_reads(
         so_far += out
         complete = stream[:b].count(b"\n\n")
         assert so_far == reference_relay(events[:complete], reply_model, strip_usage)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=st.lists(EVENT, max_size=12), cuts=st.lists(st.integers(0, 4000), max_size=20),
+       reply_model=st.sampled_from([POOL, None]), strip_usage=st.booleans())
+def test_the_relay_reads_crlf_framed_streams_as_lf_ones(
+    events: list[bytes], cuts: list[int], reply_model: str | None, strip_usage: bool
+) -> None:
+    """SSE lets lines end in CRLF (vLLM's end in LF; a server or proxy in front of it may
+    re-frame). Such a stream was held whole, as one event that never ended: nothing reached
+    the client until the end, unrenamed, its usage unread. The CR of a CRLF may end one read
+    and its LF start the next."""
+    stream = b"".join(event.replace(b"\n", b"\r\n") + b"\r\n\r\n" for event in events)
+    bounds = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
+    relay = SseRelay(Meter(1), strip_usage=strip_usage, reply_model=reply_model)
+    sent = [relay.feed(stream[a:b]) for a, b in itertools.pairwise(bounds)]
+    assert b"".join(sent) + relay.flush() == reference_relay(events, reply_model, strip_usage)

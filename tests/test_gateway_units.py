@@ -54,6 +54,19 @@ def test_sse_relay_counts_tokens_of_a_stream_cut_short() -> None:
     assert meter.finish_args() == (11 + 2, True)  # prompt + tokens seen, task cancelled
 
 
+def test_a_stream_cut_short_counts_its_reasoning_tokens_under_either_name() -> None:
+    """vLLM named a reasoning model's thinking `reasoning_content`, and `reasoning` since
+    early 2026: a client that left before the usage chunk paid nothing for the new name's."""
+    for field in ("reasoning", "reasoning_content"):
+        meter = Meter(prompt_tokens=11)
+        relay = SseRelay(meter, strip_usage=True)
+        thinking = _event({"id": "c", "choices": [
+            {"index": 0, "delta": {field: "hm"}, "finish_reason": None}]})
+        relay.feed(ROLE + thinking * 3 + _token("a"))
+        meter.phase = Phase.SENT
+        assert meter.finish_args() == (11 + 4, True), field
+
+
 def test_sse_relay_passes_unusual_events_through() -> None:
     relay = SseRelay(Meter(1), strip_usage=True)
     odd = b": keep-alive\n\nevent: x\ndata: not json\n\ndata: [1, 2]\n\n"
@@ -76,8 +89,10 @@ def test_jitter_spreads_upward_within_bounds() -> None:
     assert len(set(hints)) > 500  # actually spread
     assert jittered(10 * MAX_RETRY_MS, 0.25, rng) == MAX_RETRY_MS
     # A quota's exact refill time is not capped, and still only spread upward.
-    uncapped = jittered(10 * MAX_RETRY_MS, 0.25, rng, cap=None)
-    assert 10 * MAX_RETRY_MS <= uncapped <= 12.5 * MAX_RETRY_MS
+    uncapped = [jittered(10 * MAX_RETRY_MS, 0.25, rng, cap=None) for _ in range(200)]
+    # ...spread by a quarter of a minute at most, not a quarter of the wait.
+    assert min(uncapped) >= 10 * MAX_RETRY_MS and max(uncapped) <= 10.25 * MAX_RETRY_MS
+    assert len(set(uncapped)) > 100
     assert jittered(0, 0.25, rng) >= 1
 
 

@@ -372,8 +372,8 @@ def test_the_gateway_exports_its_counters_at_zero_from_the_start() -> None:
 
 def test_tenant_labelled_counters_exist_at_zero_for_each_configured_tenant() -> None:
     """With `tenant_metrics` (as the chart's production values set it) the per-tier series
-    carry a tenant: created for each configured tenant, in its tier and the lower ones, so the
-    alerts on them see a tenant's first event too (they missed it before)."""
+    carry a tenant: created for each configured tenant, in its own tier, so the alerts on them
+    see a tenant's first event too (they missed it before)."""
     conf = config(tenant_metrics=True, fail_open_tiers=["batch"])
     conf = dataclasses.replace(conf, tenants=(
         *conf.tenants, dataclasses.replace(conf.tenants[0], name="bulk", tier=Tier.BATCH)))
@@ -383,16 +383,15 @@ def test_tenant_labelled_counters_exist_at_zero_for_each_configured_tenant() -> 
         assert has_series(counter), name
     expect(found, "kvgate_gateway_orphans", {"pool": "llama"})
     for pool in NODES:
-        for tier in TIERS:
-            expect(found, "kvgate_gateway_requests", *(
-                {"pool": pool, "tier": tier, "tenant": "acme", "outcome": outcome}
-                for outcome in REQUEST_OUTCOMES))
-            expect(found, "kvgate_gateway_rejections", *(
-                {"pool": pool, "tier": tier, "tenant": "acme", "reason": reason}
-                for reason in REJECTION_REASONS))
+        expect(found, "kvgate_gateway_requests", *(
+            {"pool": pool, "tier": "vip", "tenant": "acme", "outcome": outcome}
+            for outcome in REQUEST_OUTCOMES))
+        expect(found, "kvgate_gateway_rejections", *(
+            {"pool": pool, "tier": "vip", "tenant": "acme", "reason": reason}
+            for reason in REJECTION_REASONS))
     tenant_tiers = {(label(key, "tenant"), label(key, "tier")) for key in found
                     if "tenant" in dict(key[1])}
-    assert tenant_tiers == {("acme", t) for t in TIERS} | {("bulk", "batch")}
+    assert tenant_tiers == {("acme", "vip"), ("bulk", "batch")}
 
 
 def test_the_scheduler_exports_its_counters_at_zero_and_keeps_them_on_stepping_down() -> None:

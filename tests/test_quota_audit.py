@@ -4,7 +4,7 @@ succeed, and what the message says.
 
 - A bucket that never refills (`rate = 0`, a prepaid allowance) is spent for good only when
   the requests it still holds could not give back enough: while some of its requests are
-  queued or running, a request it cannot pay now gets a 429 to come back, not the 403
+  queued or running, a request it cannot pay now gets a 429 to come back, not the 429
   `insufficient_quota` with `x-should-retry: false` that would make the client give up on
   tokens it still has. At the key level and at a team's.
 - Over `max_queued_tokens`, the message names the tokens the key has queued, not its cap.

@@ -170,6 +170,18 @@ def test_a_new_term_learns_from_the_last_leaders_ratio_not_the_counters_history(
         assert published_ratio({"usage_ratio": odd}) is None
 
 
+def test_a_replica_leading_again_after_a_standby_starts_from_the_published_ratio_whole() -> None:
+    """Its last observation was an hour ago: decaying the belief it resumes from over that
+    hour left it weightless, and one small settle set f to the floor (full overcommit)."""
+    learner = UsageLearner(halflife_s=60.0, margin=0.0, max_overcommit=3.0)
+    learner.observe(0, 0, 0.0)
+    learner.observe(1_000_000, 900_000, 1.0)
+    learner.resume(0.9)  # an hour later, leading again
+    learner.observe(5_000_000, 4_500_000, 3601.0)  # the baseline
+    learner.observe(5_002_000, 4_500_100, 3602.0)  # one settle: 2,000 reserved, 100 used
+    assert learner.ratio > 0.8
+
+
 @pytest.mark.parametrize(
     ("usages", "zones"),
     [

@@ -267,8 +267,11 @@ async def test_preemptions_of_a_time_this_replica_did_not_lead_start_no_cool_dow
             assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
             clock.advance(3600)
             fake.preemptions = 40
+            # The leader in between released a Normal task a second: not this moment's rate.
+            await redis_client.hincrby(ps.store.keys.stats, "released_1", 3600)
             ps.new_term()
             assert normal_budget((await ps.tick(2, always)).plans[0]) == 2 * TARGET
+            assert "drain_1" not in await state(ps.store)  # measured afresh, not over the hour
             fake.preemptions = 41  # one now: the cool-down holds
             assert normal_budget((await ps.tick(2, always)).plans[0]) == TARGET
 

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from admission.tiers import Zone
 from gateway.estimator import CHAT_ROLES
-from gateway.parse import MIN_TURN_TOKENS
+from gateway.parse import MAX_PROMPTS, MIN_TURN_TOKENS
 from gateway.state import GATEWAY
 from tests.gateway_harness import (
     BIG,
@@ -107,6 +107,30 @@ async def test_a_node_reporting_absurd_usage_charges_at_most_what_the_request_co
         reserved = await redis_client.hgetall(store.keys.node_reserved)
         assert all(int(v) == 0 for v in reserved.values())
         assert gw.settler.given_up == frozenset()
+
+
+async def test_a_whole_answer_without_usage_is_charged_what_it_reserved(
+    redis_url: str, redis_client: Any,
+) -> None:
+    """A node whose answer carries no `usage` (or is not JSON): the settle charged the prompt
+    alone, and a full generation went free (and read as a light request to the scheduler's
+    learned usage ratio)."""
+    async def no_usage(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=orjson.dumps({
+            "id": "x", "object": "chat.completion", "model": POOL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi " * 50},
+                         "finish_reason": "length"}]}), content_type="application/json")
+
+    async with hostile_gateway(redis_url, no_usage) as (url, app):
+        gw = app[GATEWAY]
+        store = gw.pools[POOL].store
+        status, _, headers = await _post(url, chat(max_tokens=50))
+        assert status == 200
+        await gw.settler.idle()
+        record = await store.task(headers["X-Request-Id"])
+        assert record is not None and record["state"] == "settled", record
+        assert int(record["usage"]) == int(record["prompt_tokens"]) + 50
 
 
 # --- a client that never reads its stream --------------------------------------------------
@@ -356,3 +380,50 @@ async def test_more_messages_than_the_context_holds_are_refused_before_any_count
             turn = {"role": role, "content": ""}
             added = counter.count_chat([turn, turn]) - counter.count_chat([turn])
             assert added >= MIN_TURN_TOKENS, role
+
+
+async def test_batches_and_content_parts_too_many_to_count_are_refused_before_counting(
+    redis_url: str, redis_client: Any,
+) -> None:
+    """A 4 MB body of a million one-character prompts held the event loop about 2 s while a
+    count planned each (every tenant's requests waited), and was refused only then; a million
+    content parts in one message, 0.3 s. Both are refused on their number first."""
+    async def never(request: web.Request) -> web.StreamResponse:
+        raise AssertionError("nothing must reach the node")
+
+    async with hostile_gateway(redis_url, never) as (url, app):
+        counter = app[GATEWAY].pools[POOL].counter
+        limit = app[GATEWAY].pools[POOL].settings.context_length
+        before = (counter.stats.hits, counter.stats.misses)
+        async with aiohttp.ClientSession() as http:
+            for prompt in (["a"] * (MAX_PROMPTS + 1), [[1]] * (MAX_PROMPTS + 1)):
+                async with http.post(url + "/v1/completions", headers=_auth(), json={
+                        "model": POOL, "prompt": prompt, "max_tokens": 1}) as response:
+                    error = (await response.json())["error"]
+                    assert response.status == 400 and error["param"] == "prompt", error
+        parts = [{"type": "text", "text": ""}] * (limit + 1)
+        status, answer, _ = await _post(url, chat(messages=[
+            {"role": "user", "content": parts}]))
+        error = orjson.loads(answer)["error"]
+        assert status == 400 and error["param"] == "messages", error
+        assert (counter.stats.hits, counter.stats.misses) == before
+
+
+async def test_a_tenants_cached_counts_are_its_own(redis_url: str, redis_client: Any) -> None:
+    """A cached count takes microseconds, an uncached one of a long text milliseconds: with one
+    cache for every tenant, a tenant could time a guessed text padded past the context (refused,
+    never charged) and learn whether another tenant had sent it."""
+    async def never(request: web.Request) -> web.StreamResponse:
+        raise AssertionError("nothing must reach the node")
+
+    async with hostile_gateway(redis_url, never) as (url, app):
+        counter = app[GATEWAY].pools[POOL].counter
+        secret = [{"role": "user", "content": "the merger closes on Friday " * 1000}]
+        status, _, _ = await _post(url, chat(messages=secret), who="vip")
+        assert status == 400  # past the context: counted, then refused
+        misses = counter.stats.misses
+        status, _, _ = await _post(url, chat(messages=secret), who="normal")
+        assert status == 400
+        assert counter.stats.misses == misses + 1  # counted afresh: no trace of the other's
+        status, _, _ = await _post(url, chat(messages=secret), who="normal")
+        assert counter.stats.misses == misses + 1  # its own repeat is cached

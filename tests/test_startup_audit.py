@@ -85,6 +85,8 @@ def test_a_redis_url_the_client_would_misread_is_refused(url: str, message: str)
 @pytest.mark.parametrize("url", [
     "redis://:s3cret-pw@:6379/0",  # REDIS_URL=redis://:${PASSWORD}@${HOST}:6379/0, HOST unset
     "rediss://app:s3cret-pw@",
+    "redis://:6379/0?password=s3cret-pw",  # redis-py reads a password from the query too
+    "redis://:6379/0?db=0&Username=s3cret-user&password=s3cret-pw",
 ])
 def test_a_refused_redis_url_is_named_without_its_password(url: str) -> None:
     """The message is printed to stderr at start, which is the log. (A password that ends the
@@ -92,7 +94,7 @@ def test_a_refused_redis_url_is_named_without_its_password(url: str) -> None:
     test_a_password_that_breaks_the_redis_url_is_refused_without_showing_it.)"""
     for message in (refused(with_("redis.url", url)), refused(BASE, env={"REDIS_URL": url})):
         assert "names no host" in message and "s3cret" not in message, message
-        assert "***@" in message
+        assert "***" in message
 
 
 @pytest.mark.parametrize("url", [

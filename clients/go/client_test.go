@@ -135,6 +135,19 @@ func TestQuotaRejectionWithoutZoneHeaders(t *testing.T) {
 	}
 }
 
+func TestASpentQuotaThatNeverRefillsIsARateLimitErrorNotRetried(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("X-Should-Retry", "false")
+		w.WriteHeader(429)
+		fmt.Fprint(w, `{"error": {"message": "spent", "type": "insufficient_quota", "code": "insufficient_quota"}}`)
+	})
+	_, err := newTestClient(t, g, newFakeClock()).Completion(context.Background(), CompletionRequest{Model: "m", Prompt: "p"})
+	var rl *RateLimitError
+	if !errors.As(err, &rl) || rl.Code != CodeInsufficientQuota || rl.RetryAfter != 0 || len(g.bodies) != 1 {
+		t.Fatalf("%+v %d", rl, len(g.bodies))
+	}
+}
+
 func TestOtherErrorsAreAPIErrors(t *testing.T) {
 	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
 		if body["model"] == "text" {

@@ -17,6 +17,9 @@ const (
 	CodeCapacityExceeded = "capacity_exceeded"
 	// CodeRateLimitExceeded: the API key's token quota is spent for now.
 	CodeRateLimitExceeded = "rate_limit_exceeded"
+	// CodeInsufficientQuota: a quota that never refills is spent; no wait helps (the answer
+	// says x-should-retry: false, and RetryAfter is 0).
+	CodeInsufficientQuota = "insufficient_quota"
 )
 
 // maxErrorBody bounds how much of an error response is read and kept.
@@ -56,7 +59,8 @@ func (e *APIError) Error() string {
 }
 
 // RateLimitError is a 429. Code tells capacity_exceeded (the fleet is full) from
-// rate_limit_exceeded (the key's quota). errors.As finds it, and its APIError, in any error the
+// rate_limit_exceeded (the key's quota, for now) and insufficient_quota (a quota that never
+// refills, spent: not worth a retry). errors.As finds it, and its APIError, in any error the
 // Client returns.
 type RateLimitError struct {
 	APIError

@@ -60,7 +60,9 @@ class InvalidResponseError(KvgateError):
 
 
 class RateLimitError(APIStatusError):
-    """429: `code` tells capacity_exceeded (the fleet is full) from rate_limit_exceeded (quota)."""
+    """429: `code` tells capacity_exceeded (the fleet is full) from rate_limit_exceeded (the
+    key's quota, for now) and insufficient_quota (a quota that never refills, spent: no wait
+    helps)."""
 
 
 class StreamError(KvgateError):

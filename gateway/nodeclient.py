@@ -22,7 +22,7 @@ import asyncio
 import collections
 import functools
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -372,10 +372,11 @@ class NodeClient:
 
     async def post(
         self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
-        *, read_timeout_s: float | None = None,
+        *, read_timeout_s: float | None = None, on_sent: Callable[[], None] | None = None,
     ) -> NodeResponse:
         """POST `body` to the node at `base_url` + `path`; returns once the headers are in.
-        `read_timeout_s` replaces the client's own silence limit for this request."""
+        `read_timeout_s` replaces the client's own silence limit for this request; `on_sent` is
+        called once the request is handed to a connection (the node may be working on it)."""
         origin = _origin(base_url)
         head = [b"POST ", origin.base_path.encode(), path.encode(), b" HTTP/1.1\r\nHost: ",
                 origin.host_header, b"\r\nContent-Length: %d\r\n" % len(body)]
@@ -389,16 +390,18 @@ class NodeClient:
         conn = self._idle_connection(origin, asyncio.get_running_loop().time())
         if conn is not None:
             try:
-                return await self._exchange(conn, request, quiet_s)
+                return await self._exchange(conn, request, quiet_s, on_sent)
             except NodeError as exc:
                 if conn.received_any or isinstance(exc, NodeTimeout):
                     raise
                 # Closed by the node while idle, before it read the request: send it anew.
-        return await self._exchange(await self._connect(origin), request, quiet_s)
+        return await self._exchange(await self._connect(origin), request, quiet_s, on_sent)
 
-    async def _exchange(self, conn: _Connection, request: bytes,
-                        read_timeout_s: float) -> NodeResponse:
+    async def _exchange(self, conn: _Connection, request: bytes, read_timeout_s: float,
+                        on_sent: Callable[[], None] | None = None) -> NodeResponse:
         conn.start(request, read_timeout_s)
+        if on_sent is not None:
+            on_sent()
         try:
             while not conn.headers_done:
                 await conn.wait()

@@ -84,6 +84,9 @@ class Inbound:
     length, plus T_out. A node's usage is charged up to this and no further (0: no bound)."""
     payload: bytes = b""
     """`body` serialised, as the node gets it (written once, before admission: `encode`)."""
+    steps: int = 0
+    """The most decode steps the node may take on it: the per-sequence limit (its sequences
+    decode in the same steps). 0: `max_tokens`."""
 
     @property
     def cost(self) -> int:
@@ -334,4 +337,5 @@ async def parse_inbound(
         max_tokens_param=param,
         usage_ceiling=len(prompts) * limit + estimate.t_out,
         payload=encode(body),
+        steps=per_sequence,
     )

@@ -352,16 +352,22 @@ class Upstream:
         meter.sent_s = asyncio.get_running_loop().time() - started
         if not inbound.stream:
             # A streamed answer is never quiet for long on a live node; a whole one is quiet
-            # until the last token, so a long generation must not read as a dead node.
-            read_timeout_s += inbound.max_tokens * self.whole_answer_s_per_token
-        # From here the node may be working on it: a client that leaves while the node has
-        # not answered yet (a whole answer's headers come with its last token) is charged.
-        meter.phase = Phase.SENT
+            # until the last token, so a long generation must not read as a dead node. Its
+            # sequences (n, a batch's prompts) decode in the same steps: the allowance is per
+            # step, not per token of them all (n = 128 made a hung node's hold 128 times longer).
+            read_timeout_s += (inbound.steps or inbound.max_tokens) * self.whole_answer_s_per_token
+
+        def sent() -> None:
+            # From here the node may be working on it: a client that leaves while the node has
+            # not answered yet (a whole answer's headers come with its last token) is charged;
+            # one that leaves while the connection is still being opened is not.
+            meter.phase = Phase.SENT
+
         try:
             upstream = await self.client.post(
                 ticket.url, _ROUTES[inbound.kind], inbound.payload,
                 forwarded_headers(request, ticket.task_id, ticket.pool.backend_headers),
-                read_timeout_s=read_timeout_s,
+                read_timeout_s=read_timeout_s, on_sent=sent,
             )
         except NodeUnreachable:
             meter.phase = Phase.PENDING

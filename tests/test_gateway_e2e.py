@@ -470,3 +470,22 @@ async def _images_are_judged_by_the_node(gw: Harness) -> None:
         await sdk.chat.completions.create(
             model="demo", max_tokens=10, messages=[{"role": "user", "content": long_text}])
     assert refused.value.code == "context_length_exceeded"
+
+
+async def test_a_whole_answers_allowance_counts_decode_steps_not_every_sequences_tokens(
+    redis_url: str,
+) -> None:
+    """n sequences decode in the same steps: 20 tokens at n = 4 take 20 steps. The allowance
+    (200 ms + 10 ms a token) counted 80 and waited 1 s for a node silent for 600 ms; with n =
+    128 and 4,096 tokens, a hung node held its reservation for hours."""
+    async with running_gateway(redis_url, backend_options={"whole_answer_delay_ms": 600},
+                               upstream_timeout_ms=200, upstream_ms_per_output_token=10) as gw:
+        await gw.publish(Zone.GREEN)
+        sdk = gw.openai("batch")
+        answer = await sdk.chat.completions.create(model="demo", messages=MESSAGES,
+                                                   max_tokens=100)  # 1.2 s: waited for
+        assert answer.choices
+        with pytest.raises(openai.APIStatusError) as info:
+            await sdk.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=20,
+                                              n=4)  # 0.4 s, not 1 s
+        assert info.value.status_code == 502 and "NodeTimeout" in info.value.message

@@ -137,8 +137,48 @@ async def test_a_chunked_stream_arrives_piece_by_piece(
 
 async def test_a_node_nobody_listens_on_is_unreachable() -> None:
     nodes = client()
+    sent: list[bool] = []
     with pytest.raises(NodeUnreachable):
-        await nodes.post(f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", JSON)
+        await nodes.post(f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", JSON,
+                         on_sent=lambda: sent.append(True))
+    # Never handed to a connection: the gateway charges its client nothing for it.
+    assert sent == []
+
+
+async def test_on_sent_is_told_once_the_request_is_on_a_connection(
+    raw_server: Callable[[Handler], Awaitable[str]],
+) -> None:
+    """The gateway marks a request as one the node may be working on (charged if its client
+    leaves) only from here; before, from before the connection opened, so a client that left
+    while it was being opened paid for its prompt."""
+    answered = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await answered.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    url = await raw_server(answer)
+    nodes = client()
+    sent: list[bool] = []
+    told = asyncio.Event()
+
+    def on_sent() -> None:
+        sent.append(True)
+        told.set()
+
+    try:
+        pending = asyncio.ensure_future(nodes.post(url, "/v1/completions", b"{}", JSON,
+                                                   on_sent=on_sent))
+        await told.wait()
+        assert not pending.done()  # told before the node answered
+        answered.set()
+        response = await pending
+        assert await response.read() == b"{}" and sent == [True]
+        response.release()
+    finally:
+        await nodes.close()
 
 
 async def test_a_quiet_node_times_out(raw_server: Callable[[Handler], Awaitable[str]]) -> None:

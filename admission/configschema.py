@@ -416,8 +416,9 @@ class GatewaySettings:
     upstream_timeout_ms: int = at_least(100, 600_000)
     """Longest silence from a backend (between two reads) before the request fails with 502."""
     upstream_ms_per_output_token: int = at_least(0, 100)
-    """Added to `upstream_timeout_ms` per output token a non-streamed request may generate: such
-    a request is silent until its answer is whole, so its silence grows with its length."""
+    """Added to `upstream_timeout_ms` per token one sequence of a non-streamed request may
+    generate (its sequences decode in the same steps): such a request is silent until its
+    answer is whole, so its silence grows with its length."""
     upstream_connect_timeout_ms: int = at_least(1, 2_000)
     fail_open_tiers: tuple[Tier, ...] = ()
     """Tiers sent straight to a backend, unadmitted and counted, while Redis is unreachable

@@ -8,7 +8,8 @@ Outcomes, as the client sees them:
   `rate_limit_exceeded_queued_tokens`: the tenant's cap on queued tokens, with the time its own
   queue takes to drain the excess; both with `X-RateLimit-Scope`), or a 4xx with
   `x-should-retry: false` when the request can never be admitted as sent;
-- queued past the tier's timeout or the client's deadline (`X-Request-Timeout`, seconds): the
+- queued past the tier's timeout or the client's deadline (`X-Request-Timeout`, seconds, or
+  an OpenAI SDK's declared read timeout less a margin: `gateway.handlers`): the
   task is cancelled and the client gets a 429 whose hint follows the same rule as a rejected
   admit's (`admission.hints`: the queue's drain rate, or in RED the leader's estimate of when
   the pool leaves it);

@@ -6,8 +6,9 @@ names appear only when `gateway.tenant_metrics` is set; raw keys and prompts nev
 Every counter series whose labels are known from the configuration (pools, their backends,
 teams, fail-open tiers) and the fixed vocabularies below is exported at 0 from the start:
 Prometheus sees a series that appears at 1 as no increase, so `rate()` and `increase()`, and
-the alerts on them, would miss its first event. Series with a tenant label are not: tenants are
-many, and a tenant's series exists once it has sent something.
+the alerts on them, would miss its first event. With tenant labels (`gateway.tenant_metrics`),
+each configured tenant's series exist at 0 in its own tier; those of a tier it lowers a request
+to (`X-Priority`) appear with their first event.
 """
 
 from __future__ import annotations

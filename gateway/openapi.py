@@ -87,7 +87,8 @@ _GENERATION_ERRORS = {
                                       "sent (the quota will not pay for it in any wait the "
                                       "SDKs make).", "schema": {"type": "string",
                                                                 "enum": ["false"]}}}),
-    "502": _error("The inference node failed.", _RETRY_HEADERS),
+    "502": _error("The inference node failed, or the request was routed to a node this "
+                  "gateway does not know (unknown_node).", _RETRY_HEADERS),
     "503": _error("Admission store or inference node unavailable.", _RETRY_HEADERS),
 }
 
@@ -169,9 +170,9 @@ _SCHEMAS: dict[str, Any] = {
             "model": {"type": "string"},
             "prompt": {"oneOf": [
                 {"type": "string"},
-                {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": {"type": "string"}},
                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                {"type": "array", "minItems": 1, "items": {
+                {"type": "array", "minItems": 1, "maxItems": 2048, "items": {
                     "type": "array", "minItems": 1,
                     "items": {"type": "integer", "minimum": 0}}},
             ]},

@@ -3,7 +3,8 @@
 T_in is the real token count of the prompt (the pool's tokenizer, chat template applied);
 T_out is the client's `max_completion_tokens` / `max_tokens` times the number of sequences, or
 the pool's default, which is then written into the forwarded body so that the reservation is a
-true bound. Prompts that cannot fit the context get vLLM's own 400 messages; these, and a
+true bound. Prompts that cannot fit the context (by their counted tokens: the guess for images
+and other non-text parts is the node's to judge) get vLLM's own 400 messages; these, and a
 `max_tokens` over the pool's `max_max_tokens`, can never succeed as sent and say so with
 `x-should-retry: false` (a malformed request is a plain 400: no client retries one).
 
@@ -180,7 +181,8 @@ async def parse_inbound(
     kind: Kind, raw: bytes, pools: Mapping[str, PoolRuntime], tier: Tier,
     tenant: str = "",
 ) -> Inbound:
-    """`tenant`: the sender's name, which scopes its `cache_salt`."""
+    """`tenant`: the sender's name, which scopes its `cache_salt` and its token-count cache
+    entries."""
     body = decode(raw)
     pool = pool_of(body, pools)
     settings = pool.settings

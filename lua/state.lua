@@ -59,7 +59,10 @@ if KEYS[6] then
   end
   extra_start = extra_start + 2 + 6 * m
 end
-if #ARGV >= extra_start + 1 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, extra_start))
+-- In chunks: unpack() of them all passed Lua's C stack limit (8,000 values) at a few
+-- hundred nodes, and failed after the writes above.
+local EXTRA_CHUNK = 1000
+for i = extra_start, #ARGV - 1, EXTRA_CHUNK do
+  redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + EXTRA_CHUNK - 1, #ARGV)))
 end
 return {'ok', epoch, fmt(now)}

@@ -75,7 +75,7 @@ async def test_200_concurrent_admits_from_3_clients_admit_exactly_k(redis_url: s
     assert len(admitted) == k_requests
     assert len(rejected) == 200 - k_requests
     # The bucket never refills, but the admitted five hold their reservations until they end:
-    # come back (429, the floor hint), not spent for good (403).
+    # come back (429, the floor hint), not spent for good (429 insufficient_quota).
     assert all(r.reason is RejectReason.QUOTA and r.limit == "held"
                and r.retry_after_ms == PoolPolicy().default_retry_ms for r in rejected)
 
@@ -617,3 +617,21 @@ async def test_every_expiry_is_counted_in_stats_whoever_finds_it(
     assert sorted(t.task_id for t in released if t.node is None) == ["a", "b", "c"]
     stats = await redis_client.hgetall(keys.stats)
     assert int(stats[b"expired"]) == 3
+
+
+async def test_a_large_pools_state_is_published_whole(store: PoolStore) -> None:
+    """The leader publishes about eleven figures per node beside the zone: past a few hundred
+    nodes, passing them to one HSET overran Lua's stack (8,000 values) after the capacities
+    and the state hash had been rewritten, leaving the hash without its placement fields, and
+    every tick failed before it could release anything."""
+    nodes = [f"n{i}" for i in range(600)]
+    extra: dict[str, str | int | float] = {"dedicated_nodes": "", "pool_usage": "0.4100"}
+    for node in nodes:
+        extra.update({f"{name}:{node}": 1 for name in (
+            "usage", "projected", "prefill_window", "prefill_backlog", "prefill_room",
+            "prefill_rate", "prefill_gain", "running_limit", "decode_step_ms",
+            "calm_step_ms", "vip_miss")})
+    await store.publish_state(1, Zone.GREEN, {node: 1000 for node in nodes}, extra)
+    published = await store.client.hgetall(store.keys.state)
+    assert len(published) == 3 + len(extra)  # epoch, zone, updated_us and every extra field
+    assert published[b"pool_usage"] == b"0.4100" and published[b"vip_miss:n599"] == b"1"

@@ -370,8 +370,9 @@ def test_labels_used_by_the_dashboard_exist_on_its_metrics() -> None:
 
 
 def test_scheduler_gauges_are_read_from_the_leader_only() -> None:
-    # A replica that steps down keeps its gauges at their last values: without this filter a
-    # standby's stale zone, usage or queue depth would be summed with the leader's.
+    # A replica that stopped leading drops its gauges, but one whose scrape failed keeps them in
+    # Prometheus for five minutes: without this filter its stale zone, usage or queue depth
+    # would be summed with the leader's.
     allowed = {"kvgate_scheduler_leader", "kvgate_scheduler_epoch"}
     leader_only = re.compile(r"and on \(instance\) \(kvgate_scheduler_leader == 1\)")
     unfiltered = []

@@ -4,6 +4,8 @@ released between two polls never takes projected usage past the ceiling."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from admission.errors import FencedError
 from admission.outcomes import AdmitOutcome, TaskState
 from admission.tiers import Tier, Zone
 from scheduler.budget import NodePlan, peak_usage
+from scheduler.pool import PoolScheduler
 from tests.scheduler_stub import (
     FakeClock,
     FakeVllm,
@@ -232,8 +235,12 @@ async def test_a_new_leader_starts_from_the_published_ratio_not_the_counters_his
             assert normal_budget(result.plans[0]) == 2 * TARGET  # f = 0.5, not 1/3
 
 
-async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis_url: str) -> None:
-    fake = FakeVllm(usage=0.0, preemptions=4)
+@contextlib.asynccontextmanager
+async def overcommitting(redis_client: Any, redis_url: str, preemptions: int,
+                         ) -> AsyncIterator[tuple[FakeVllm, FakeClock, PoolScheduler]]:
+    """One node reporting `preemptions`, its pool's scheduler having learned that requests use
+    a tenth of what they reserve (twice the target, at most, may be reserved), and one tick."""
+    fake = FakeVllm(usage=0.0, preemptions=preemptions)
     clock = FakeClock()
     async with serve_fake(fake) as url:
         config = make_config(redis_url, [{"name": "n1", "url": url}],
@@ -243,10 +250,15 @@ async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis
             ps.learner.observe(0, 0, clock())
             ps.learner.observe(10_000_000, 1_000_000, clock())  # learned: requests use 10%
             assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
-            fake.preemptions = 5
-            assert normal_budget((await ps.tick(1, always)).plans[0]) == TARGET
-            clock.advance(5.1)
-            assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
+            yield fake, clock, ps
+
+
+async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis_url: str) -> None:
+    async with overcommitting(redis_client, redis_url, 4) as (fake, clock, ps):
+        fake.preemptions = 5
+        assert normal_budget((await ps.tick(1, always)).plans[0]) == TARGET
+        clock.advance(5.1)
+        assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
 
 
 async def test_preemptions_of_a_time_this_replica_did_not_lead_start_no_cool_down(
@@ -255,25 +267,16 @@ async def test_preemptions_of_a_time_this_replica_did_not_lead_start_no_cool_dow
     """A replica leads again after an hour's standby: the node's preemption counter grew
     meanwhile (a leader in between dealt with them). Compared with its last term's reading,
     that growth stopped overcommit on the node for a cool-down, with no recent preemption."""
-    fake = FakeVllm(usage=0.0, preemptions=5)
-    clock = FakeClock()
-    async with serve_fake(fake) as url:
-        config = make_config(redis_url, [{"name": "n1", "url": url}],
-                             zones={"max_overcommit": 2.0},
-                             scheduler={"preemption_cooldown_ms": 5_000})
-        async with pool_scheduler(redis_client, config, clock=clock) as ps:
-            ps.learner.observe(0, 0, clock())
-            ps.learner.observe(10_000_000, 1_000_000, clock())  # learned: requests use 10%
-            assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
-            clock.advance(3600)
-            fake.preemptions = 40
-            # The leader in between released a Normal task a second: not this moment's rate.
-            await redis_client.hincrby(ps.store.keys.stats, "released_1", 3600)
-            ps.new_term()
-            assert normal_budget((await ps.tick(2, always)).plans[0]) == 2 * TARGET
-            assert "drain_1" not in await state(ps.store)  # measured afresh, not over the hour
-            fake.preemptions = 41  # one now: the cool-down holds
-            assert normal_budget((await ps.tick(2, always)).plans[0]) == TARGET
+    async with overcommitting(redis_client, redis_url, 5) as (fake, clock, ps):
+        clock.advance(3600)
+        fake.preemptions = 40
+        # The leader in between released a Normal task a second: not this moment's rate.
+        await redis_client.hincrby(ps.store.keys.stats, "released_1", 3600)
+        ps.new_term()
+        assert normal_budget((await ps.tick(2, always)).plans[0]) == 2 * TARGET
+        assert "drain_1" not in await state(ps.store)  # measured afresh, not over the hour
+        fake.preemptions = 41  # one now: the cool-down holds
+        assert normal_budget((await ps.tick(2, always)).plans[0]) == TARGET
 
 
 async def test_drain_rates_and_operator_figures_are_published(

@@ -352,15 +352,16 @@ async def test_admin_token_guesses_are_counted(redis_url: str, redis_client: Any
 # --- a body of many empty messages -------------------------------------------------------
 
 
+async def _never(request: web.Request) -> web.StreamResponse:
+    raise AssertionError("nothing must reach the node")
+
+
 async def test_more_messages_than_the_context_holds_are_refused_before_any_counting(
     redis_url: str, redis_client: Any,
 ) -> None:
     """Counting walks every message on the event loop; a body of more messages than the
     context could hold (each adds its turn's markers at least) is refused on its length."""
-    async def never(request: web.Request) -> web.StreamResponse:
-        raise AssertionError("nothing must reach the node")
-
-    async with hostile_gateway(redis_url, never) as (url, app):
+    async with hostile_gateway(redis_url, _never) as (url, app):
         counter = app[GATEWAY].pools[POOL].counter
         limit = app[GATEWAY].pools[POOL].settings.context_length
         before = (counter.stats.hits, counter.stats.misses)
@@ -388,10 +389,7 @@ async def test_batches_and_content_parts_too_many_to_count_are_refused_before_co
     """A 4 MB body of a million one-character prompts held the event loop about 2 s while a
     count planned each (every tenant's requests waited), and was refused only then; a million
     content parts in one message, 0.3 s. Both are refused on their number first."""
-    async def never(request: web.Request) -> web.StreamResponse:
-        raise AssertionError("nothing must reach the node")
-
-    async with hostile_gateway(redis_url, never) as (url, app):
+    async with hostile_gateway(redis_url, _never) as (url, app):
         counter = app[GATEWAY].pools[POOL].counter
         limit = app[GATEWAY].pools[POOL].settings.context_length
         before = (counter.stats.hits, counter.stats.misses)
@@ -413,10 +411,7 @@ async def test_a_tenants_cached_counts_are_its_own(redis_url: str, redis_client:
     """A cached count takes microseconds, an uncached one of a long text milliseconds: with one
     cache for every tenant, a tenant could time a guessed text padded past the context (refused,
     never charged) and learn whether another tenant had sent it."""
-    async def never(request: web.Request) -> web.StreamResponse:
-        raise AssertionError("nothing must reach the node")
-
-    async with hostile_gateway(redis_url, never) as (url, app):
+    async with hostile_gateway(redis_url, _never) as (url, app):
         counter = app[GATEWAY].pools[POOL].counter
         secret = [{"role": "user", "content": "the merger closes on Friday " * 1000}]
         status, _, _ = await _post(url, chat(messages=secret), who="vip")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -48,6 +49,10 @@ request id (ids shared between tenants let one abort or collide with another's r
 gateway's task id goes in X-Request-Id) and the disaggregated-prefill transfer instructions
 (which peer to pull KV blocks from, which blocks), set by a router the operator runs."""
 MAX_SEQUENCES = 128
+ENGINE_BATCH = 128
+"""Sequences an engine is taken to decode in the same steps (vLLM's `max_num_seqs` is 128 to
+1,024 by GPU): a whole answer's silence allowance counts one wave of decode steps per this
+many of its sequences."""
 MAX_PROMPTS = 2048
 """Prompts of one /v1/completions batch: planning a count hashes each on the event loop (a 4 MB
 body of a million one-character prompts held it for about 2 s, for every tenant)."""
@@ -86,8 +91,8 @@ class Inbound:
     payload: bytes = b""
     """`body` serialised, as the node gets it (written once, before admission: `encode`)."""
     steps: int = 0
-    """The most decode steps the node may take on it: the per-sequence limit (its sequences
-    decode in the same steps). 0: `max_tokens`."""
+    """The most decode steps the node may take on it: the per-sequence limit, once per
+    `ENGINE_BATCH` of its sequences (they decode in the same steps). 0: `max_tokens`."""
 
     @property
     def cost(self) -> int:
@@ -302,9 +307,12 @@ async def parse_inbound(
     default = settings.default_max_tokens if kind == "chat" else min(
         COMPLETION_DEFAULT_MAX_TOKENS, settings.default_max_tokens)
     # The default output is sized on the whole estimate, guess included: on the counted part
-    # alone it could make a request the node refuses, one that sent no max_tokens at all.
+    # alone it could make a request the node refuses, one that sent no max_tokens at all. Where
+    # the guess leaves no room, on the counted part: the node then judges (a 400 the client can
+    # act on, rather than a one-token answer cut short).
+    room = limit - max(prompts)
     per_sequence = (max(1, requested) if requested is not None
-                    else max(1, min(default, limit - max(prompts))))
+                    else min(default, room if room >= 1 else limit - longest))
     estimate = estimate_cost(
         # No prompt holds more than the context: a guess past it (a thousand tiny images)
         # would reserve tokens no node could ever hold.
@@ -339,5 +347,6 @@ async def parse_inbound(
         max_tokens_param=param,
         usage_ceiling=len(prompts) * limit + estimate.t_out,
         payload=encode(body),
-        steps=per_sequence,
+        # Sequences decode together up to the engine's running batch, in waves beyond it.
+        steps=per_sequence * math.ceil(sequences_per_prompt * len(prompts) / ENGINE_BATCH),
     )

@@ -171,6 +171,8 @@ class SseRelay:
             data, self._cr = data[:-1], True
         if b"\r\n" in data:
             data = data.replace(b"\r\n", b"\n")
+        if not data:
+            return b""  # (a read of a lone CR, held) an empty piece would hide an event's end
         if self._parts:
             if b"\n\n" not in data and not (
                     data[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):

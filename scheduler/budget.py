@@ -130,16 +130,19 @@ class UsageLearner:
         of a time this replica did not lead were the last leader's to learn from), and the
         belief starts from the ratio the last leader published (`usage_ratio` in the state
         hash), weighted as the prior, so that fresh settles move it within a half-life or two.
-        None (nothing published, or not a ratio): this replica's own belief stands (the prior,
-        f = 1, for a new one)."""
+        None (nothing published, or not a ratio): this replica's own ratio, at the same weight
+        (the prior, f = 1, for a new one)."""
         self._last = None
         # Nor does the time it stood by age the belief it starts from: decayed over an hour's
         # half-lives, its weight would be nothing, and the next poll's few settles alone
         # would set the ratio.
         self._at = None
-        if published_ratio is not None and 0.0 <= published_ratio <= 1.0:
-            self.cost = PRIOR_TOKENS
-            self.usage = PRIOR_TOKENS * published_ratio
+        ratio = (published_ratio if published_ratio is not None and 0.0 <= published_ratio <= 1.0
+                 else self.ratio)
+        # Weighted as the prior either way: its own belief, kept whole through a standby it
+        # never decayed over, would outweigh the fresh settles for as long as it took to learn.
+        self.cost = PRIOR_TOKENS
+        self.usage = PRIOR_TOKENS * ratio
 
     @property
     def ratio(self) -> float:

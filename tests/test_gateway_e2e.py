@@ -440,10 +440,15 @@ async def test_images_are_not_refused_on_the_guess_of_their_tokens(redis_url: st
     """Each image counts a declared 1,024 tokens (the reservation's guess; a model's real cost
     for a small one is a few dozen): four thumbnails and a word, on a 4,096-token pool, were
     refused as over the context, for good (`x-should-retry: false`). Refusals rest on what was
-    counted; the node (here one that charges 16 tokens an image) judges the images. A text too
+    counted; the node (here one that charges 600 tokens an image) judges the images. A text too
     long is still refused."""
-    node_counter = TokenCounter(chat_format=ChatFormat(non_text_part_tokens=16))
-    async with running_gateway(redis_url, backend_options={"counter": node_counter}) as gw:
+    node_counter = TokenCounter(chat_format=ChatFormat(non_text_part_tokens=600))
+
+    def default_1024(data: dict[str, Any]) -> None:
+        data["pools"][0]["default_max_tokens"] = 1024
+
+    async with running_gateway(redis_url, backend_options={"counter": node_counter},
+                               adjust=default_1024) as gw:
         await _images_are_judged_by_the_node(gw)
 
 
@@ -458,13 +463,21 @@ async def _images_are_judged_by_the_node(gw: Harness) -> None:
     assert answer.choices
     assert len(gw.backends[0].received[-1].body["messages"][0]["content"]) == 5
     # Sent without max_tokens, near the context: the default written for the node is sized on
-    # the whole estimate, the image's guess included (here it leaves 1 token), so the node takes
-    # it; sized on the text alone it was 4096 - 3450 tokens, past what the node had left.
-    near: list[Any] = [{"type": "text", "text": "word " * 3450}, image]
+    # the whole estimate, the image's guess included (here it leaves about 60 tokens), so the
+    # node takes it; sized on the text alone (1,024) it was past what the node had left.
+    near: list[Any] = [{"type": "text", "text": "word " * 3000}, image]
     answer = await sdk.chat.completions.create(
         model="demo", messages=[{"role": "user", "content": near}])
     assert answer.choices
-    assert gw.backends[0].received[-1].body["max_tokens"] == 1
+    assert 0 < gw.backends[0].received[-1].body["max_tokens"] < 100
+    # Where the guess leaves no room at all, sized on the text: the node judges (here it
+    # refuses, a 400 the client can act on), not a one-token answer cut short.
+    nearer: list[Any] = [{"type": "text", "text": "word " * 3450}, image]
+    with pytest.raises(openai.BadRequestError) as refused_by_node:
+        await sdk.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": nearer}])
+    assert "x-should-retry" not in refused_by_node.value.response.headers  # the node's 400
+    assert gw.backends[0].received[-1].body["max_tokens"] == 4096 - (4483 - 1024)  # the text's room
     with pytest.raises(openai.BadRequestError) as refused:
         long_text: list[Any] = [{"type": "text", "text": "word " * 5000}, image]
         await sdk.chat.completions.create(

@@ -180,6 +180,15 @@ def test_a_replica_leading_again_after_a_standby_starts_from_the_published_ratio
     learner.observe(5_000_000, 4_500_000, 3601.0)  # the baseline
     learner.observe(5_002_000, 4_500_100, 3602.0)  # one settle: 2,000 reserved, 100 used
     assert learner.ratio > 0.8
+    # Nothing published (Redis lost the state): its own ratio, at the prior's weight, not a
+    # heavy belief that fresh settles could not move for minutes.
+    heavy = UsageLearner(halflife_s=60.0, margin=0.0, max_overcommit=10.0)
+    heavy.observe(0, 0, 0.0)
+    heavy.observe(80_000_000, 8_000_000, 1.0)  # learned 10%, at a weight of millions
+    heavy.resume(None)
+    heavy.observe(80_000_000, 8_000_000, 3601.0)
+    heavy.observe(80_200_000, 8_200_000, 3603.0)  # fresh settles at 100%
+    assert heavy.ratio > 0.7
 
 
 @pytest.mark.parametrize(

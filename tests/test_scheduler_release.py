@@ -261,6 +261,21 @@ async def test_preemption_stops_overcommit_on_that_node(redis_client: Any, redis
         assert normal_budget((await ps.tick(1, always)).plans[0]) == 2 * TARGET
 
 
+async def test_a_cool_down_running_when_the_lease_is_taken_back_holds(
+    redis_client: Any, redis_url: str
+) -> None:
+    """The lease lost and taken back within seconds: the preemption the node just reported still
+    keeps overcommit off on it for the rest of its cool-down."""
+    async with overcommitting(redis_client, redis_url, 4) as (fake, clock, ps):
+        fake.preemptions = 5
+        assert normal_budget((await ps.tick(1, always)).plans[0]) == TARGET
+        clock.advance(1.0)
+        ps.new_term()
+        assert normal_budget((await ps.tick(2, always)).plans[0]) == TARGET
+        clock.advance(4.5)
+        assert normal_budget((await ps.tick(2, always)).plans[0]) == 2 * TARGET
+
+
 async def test_preemptions_of_a_time_this_replica_did_not_lead_start_no_cool_down(
     redis_client: Any, redis_url: str
 ) -> None:

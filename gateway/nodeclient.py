@@ -372,11 +372,13 @@ class NodeClient:
 
     async def post(
         self, base_url: str, path: str, body: bytes, headers: Mapping[str, str],
-        *, read_timeout_s: float | None = None, on_sent: Callable[[], None] | None = None,
+        *, read_timeout_s: float | None = None,
+        on_sent: Callable[[bool], None] | None = None,
     ) -> NodeResponse:
         """POST `body` to the node at `base_url` + `path`; returns once the headers are in.
         `read_timeout_s` replaces the client's own silence limit for this request; `on_sent` is
-        called once the request is handed to a connection (the node may be working on it)."""
+        told True once the request is handed to a connection (the node may be working on it),
+        and False when that connection turns out closed and a new one is opened for it."""
         origin = _origin(base_url)
         head = [b"POST ", origin.base_path.encode(), path.encode(), b" HTTP/1.1\r\nHost: ",
                 origin.host_header, b"\r\nContent-Length: %d\r\n" % len(body)]
@@ -395,13 +397,15 @@ class NodeClient:
                 if conn.received_any or isinstance(exc, NodeTimeout):
                     raise
                 # Closed by the node while idle, before it read the request: send it anew.
+                if on_sent is not None:
+                    on_sent(False)
         return await self._exchange(await self._connect(origin), request, quiet_s, on_sent)
 
     async def _exchange(self, conn: _Connection, request: bytes, read_timeout_s: float,
-                        on_sent: Callable[[], None] | None = None) -> NodeResponse:
+                        on_sent: Callable[[bool], None] | None = None) -> NodeResponse:
         conn.start(request, read_timeout_s)
         if on_sent is not None:
-            on_sent()
+            on_sent(True)
         try:
             while not conn.headers_done:
                 await conn.wait()

@@ -123,11 +123,13 @@ class Meter:
         if not isinstance(usage, dict):
             return
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        total = usage.get("total_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
             self.prompt_tokens = prompt
             self.completion_tokens = completion
-            total = usage.get("total_tokens")
             self.exact_total = total if isinstance(total, int) else prompt + completion
+        elif isinstance(total, int):
+            self.exact_total = total  # the total alone is still the node's count
 
 
 MAX_EVENT_BYTES = 4 << 20
@@ -359,11 +361,11 @@ class Upstream:
             # step, not per token of them all (n = 128 made a hung node's hold 128 times longer).
             read_timeout_s += (inbound.steps or inbound.max_tokens) * self.whole_answer_s_per_token
 
-        def sent() -> None:
+        def sent(on_a_connection: bool) -> None:
             # From here the node may be working on it: a client that leaves while the node has
             # not answered yet (a whole answer's headers come with its last token) is charged;
-            # one that leaves while the connection is still being opened is not.
-            meter.phase = Phase.SENT
+            # one that leaves while a connection is still being opened is not.
+            meter.phase = Phase.SENT if on_a_connection else Phase.PENDING
 
         try:
             upstream = await self.client.post(

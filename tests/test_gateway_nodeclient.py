@@ -140,7 +140,7 @@ async def test_a_node_nobody_listens_on_is_unreachable() -> None:
     sent: list[bool] = []
     with pytest.raises(NodeUnreachable):
         await nodes.post(f"http://127.0.0.1:{free_port()}", "/v1/completions", b"{}", JSON,
-                         on_sent=lambda: sent.append(True))
+                         on_sent=sent.append)
     # Never handed to a connection: the gateway charges its client nothing for it.
     assert sent == []
 
@@ -164,8 +164,8 @@ async def test_on_sent_is_told_once_the_request_is_on_a_connection(
     sent: list[bool] = []
     told = asyncio.Event()
 
-    def on_sent() -> None:
-        sent.append(True)
+    def on_sent(on_a_connection: bool) -> None:
+        sent.append(on_a_connection)
         told.set()
 
     try:
@@ -220,9 +220,13 @@ async def test_a_kept_alive_connection_closed_by_the_node_is_replaced(
         first = await nodes.post(url, "/v1/completions", b"1", JSON)
         assert await first.read() == b"ok"
         first.release()
-        second = await nodes.post(url, "/v1/completions", b"2", JSON)
+        told: list[bool] = []
+        second = await nodes.post(url, "/v1/completions", b"2", JSON, on_sent=told.append)
         assert (second.status, await second.read()) == (200, b"ok")
         second.release()
+        # Sent, then unsent while the new connection opened (a client leaving then pays
+        # nothing), then sent on it.
+        assert told == [True, False, True]
     finally:
         await nodes.close()
     assert nodes.connects == connections == 2

@@ -164,3 +164,11 @@ def test_a_clients_deadline_is_the_shorter_of_its_header_and_its_sdks_read_timeo
     with pytest.raises(ApiError) as info:
         client_deadline_ms("abc", "600")
     assert info.value.status == 400
+
+
+def test_a_usage_with_only_its_total_is_the_nodes_count() -> None:
+    """A node whose usage has `total_tokens` alone: charged that, not the reservation."""
+    meter = Meter(prompt_tokens=11)
+    meter.take_usage({"total_tokens": 40})
+    meter.phase = Phase.DONE
+    assert meter.finish_args() == (40, False)

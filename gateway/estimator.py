@@ -274,7 +274,7 @@ class TokenCounter:
         return sum(self.count_prompts(prompt))
 
     async def count_chat_async(self, messages: object, tools: object = None) -> int:
-        return sum(await self._finish_async(self._plan_chat(messages, tools)))
+        return (await self.count_chat_parts_async(messages, tools))[0]
 
     async def count_chat_parts_async(self, messages: object, tools: object = None, *,
                                      scope: str = "") -> tuple[int, int]:

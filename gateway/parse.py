@@ -134,8 +134,10 @@ def _int(body: Mapping[str, Any], name: str, *, minimum: int = 1) -> int | None:
 
 def _check_item_counts(kind: Kind, body: Mapping[str, Any], context_length: int) -> None:
     """Refuse, before a count walks them on the event loop, more prompts in a batch than
-    `MAX_PROMPTS`, and more content parts in a chat than the context has tokens (no real chat
-    comes near: an image alone costs many tokens)."""
+    `MAX_PROMPTS`, more messages than the context could hold (each adds its turn's markers at
+    least: a 4 MB body of empty messages held the loop about half a second), and more content
+    parts in a chat than the context has tokens (no real chat comes near: an image alone costs
+    many tokens)."""
     if kind == "completion":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and (
@@ -146,6 +148,15 @@ def _check_item_counts(kind: Kind, body: Mapping[str, Any], context_length: int)
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
+    if len(messages) * MIN_TURN_TOKENS >= context_length:
+        raise never_retry(
+            400,
+            f"This model's maximum context length is {context_length} tokens. However, your "
+            f"request has {len(messages)} messages, at least {len(messages) * MIN_TURN_TOKENS} "
+            "input tokens. Please reduce the number of messages.",
+            param="messages",
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
     parts = sum(len(m["content"]) for m in messages
                 if isinstance(m, dict) and isinstance(m.get("content"), list))
     if parts > context_length:
@@ -255,21 +266,8 @@ async def parse_inbound(
         raise never_retry(400, "This deployment does not accept a request's own "
                           "'chat_template'; the model's template applies.",
                           param="chat_template", code="chat_template_not_accepted")
-    messages = body.get("messages")
-    if (kind == "chat" and isinstance(messages, list)
-            and len(messages) * MIN_TURN_TOKENS >= settings.context_length):
-        # Refused before counting: planning a count walks every message on the event loop
-        # (a 4 MB body of empty messages held it for about half a second).
-        raise never_retry(
-            400,
-            f"This model's maximum context length is {settings.context_length} tokens. "
-            f"However, your request has {len(messages)} messages, at least "
-            f"{len(messages) * MIN_TURN_TOKENS} input tokens. Please reduce the number of "
-            "messages.",
-            param="messages",
-            code=CONTEXT_LENGTH_EXCEEDED,
-        )
     _check_item_counts(kind, body, settings.context_length)
+    messages = body.get("messages")
     guessed = 0
     try:
         if kind == "chat":

@@ -22,7 +22,7 @@ from gateway.auth import PRIORITY_HEADER, effective_tier
 from gateway.errors import ApiError, bad_request
 from gateway.parse import Kind, parse_inbound, pool_of
 from gateway.pools import PoolRuntime
-from gateway.proxy import Meter, Phase
+from gateway.relay import Meter, Phase
 from gateway.state import GATEWAY, METRICS, OPENAPI, Gateway
 
 log = logging.getLogger("kvgate.gateway")

@@ -51,7 +51,7 @@ REJECTION_REASONS = (*(reason.value for reason in RejectReason), QUEUE_TIMEOUT)
 """The `reason` values of kvgate_gateway_rejections_total: admission's, and the queue's
 deadline."""
 UPSTREAM_ERROR_KINDS = ("unreachable", "error", "rejected", "timeout", "broken_stream",
-                        "oversized_event", "oversized_answer")
+                        "oversized_event", "oversized_answer", "malformed_answer")
 """The `kind` values of kvgate_gateway_upstream_errors_total (gateway.proxy)."""
 
 _WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

@@ -17,12 +17,14 @@ connection), both with Retry-After, and the reservation refunded. A node's own 4
 context-length check) keeps its status, message and param, in OpenAI's error shape
 (`node_client_error`), except 401, 403 and 404: the client's key and model were valid for
 kvgate, so those refuse the gateway (its `backend_api_key_env`, its `served_model_name`) and
-become 502 `upstream_rejected`. A failure mid-stream ends the stream with an error event, as
-vLLM itself does; a node's own error event is relayed in OpenAI's shape too
-(`node_stream_error`), so that the SDKs raise it whatever vLLM version sent it, and the task
-ends cancelled, charged what was generated. Once the request is written to the node, a client
-that leaves is charged what the node did so far (at least the prompt), even before the node's
-answer has begun: a whole answer's headers come only with its last token.
+become 502 `upstream_rejected`; a 200 that is no OpenAI answer (a page of another server, a
+JSON body to a streamed request) is a 502 `upstream_malformed_answer`. A failure mid-stream
+ends the stream with an error event, as vLLM itself does; a node's own error event is relayed
+in OpenAI's shape too (`node_stream_error`), so that the SDKs raise it whatever vLLM version
+sent it, and the task ends cancelled, charged what was generated. Once the request is written
+to the node, a client that leaves is charged what the node did so far (at least the prompt),
+even before the node's answer has begun: a whole answer's headers come only with its last
+token.
 
 The node is trusted no further than it must be: its usage is charged up to what the request
 could have used (`Meter.ceiling`), one SSE event is held up to `MAX_EVENT_BYTES` (then the
@@ -35,12 +37,9 @@ stream ends as broken), a whole answer up to what the request can produce
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from aiohttp import web
@@ -51,8 +50,9 @@ from gateway.clientio import ClientStalled, StallGuard, end_within
 from gateway.errors import ApiError, jittered, unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.nodeclient import AnswerTooLarge, NodeClient, NodeError, NodeResponse, NodeUnreachable
-from gateway.nodeerrors import ERROR_BODY_BYTES, error_message, node_client_error, node_stream_error
+from gateway.nodeerrors import ERROR_BODY_BYTES, error_message, node_client_error
 from gateway.parse import Inbound
+from gateway.relay import EventTooLarge, Meter, Phase, SseRelay, rename_model
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -73,209 +73,6 @@ _DONE = b"data: [DONE]\n\n"
 NODE_REJECTIONS = frozenset({401, 403, 404})
 """A node's statuses that mean the gateway, not the client, is refused: its credentials, or the
 model name it writes into the request."""
-
-
-class Phase(enum.Enum):
-    PENDING = "pending"
-    """Not sent yet, or refused before any response: nothing was generated."""
-    SENT = "sent"
-    """The node has the request; its answer has not completed."""
-    DONE = "done"
-    """The whole answer reached the client."""
-
-
-@dataclass(slots=True)
-class Meter:
-    """What a request has cost so far; the settle is computed from it when the request ends."""
-
-    prompt_tokens: int
-    completion_tokens: int = 0
-    exact_total: int | None = None
-    phase: Phase = Phase.PENDING
-    first_byte_s: float | None = None
-    sent_s: float | None = None
-    """When the request was sent to its node, seconds after its arrival."""
-    ceiling: int = 0
-    """The most the usage can be (`Inbound.usage_ceiling`; 0: no bound). The node's figures
-    are its word: unbounded, one absurd report drains the tenant's bucket, pushes its fair
-    order out of reach, or overflows the finish script's integer arithmetic halfway."""
-
-    def node_ttft_ms(self) -> int | None:
-        """ms from the dispatch to the node until the first token (None: no first token): the
-        leader's release control counts VIP ones per node (scheduler.control)."""
-        if self.first_byte_s is None or self.sent_s is None:
-            return None
-        return max(0, round((self.first_byte_s - self.sent_s) * 1000))
-
-    def finish_args(self) -> tuple[int | None, bool]:
-        """(usage to charge or None for a full refund, whether the task ends 'cancelled')."""
-        if self.phase is Phase.PENDING:
-            return None, True
-        used = self.exact_total
-        if used is None:
-            used = self.prompt_tokens + self.completion_tokens
-        used = max(0, used)
-        if self.ceiling > 0:
-            used = min(used, self.ceiling)
-        return used, self.phase is not Phase.DONE
-
-    def take_usage(self, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        total = usage.get("total_tokens")
-        if isinstance(prompt, int) and isinstance(completion, int):
-            self.prompt_tokens = prompt
-            self.completion_tokens = completion
-            self.exact_total = total if isinstance(total, int) else prompt + completion
-        elif isinstance(total, int):
-            self.exact_total = total  # the total alone is still the node's count
-
-
-MAX_EVENT_BYTES = 4 << 20
-"""The longest SSE event the relay holds while it waits for the event's end. vLLM's events
-are one token's chunk (kilobytes even with logprobs); a node that sends more without a blank
-line is broken, and holding its bytes would let it grow the gateway without bound."""
-
-
-class EventTooLarge(NodeError):
-    """The node sent more than `MAX_EVENT_BYTES` without ending an event."""
-
-
-class SseRelay:
-    """Splits an SSE byte stream into events, counts output, drops the usage-only chunk, and
-    writes the client's model name into each chunk (`reply_model`, None: left as sent)."""
-
-    __slots__ = ("_cr", "_held", "_parts", "_reply_model", "_strip_usage", "failed", "meter")
-
-    def __init__(self, meter: Meter, *, strip_usage: bool, reply_model: str | None = None) -> None:
-        self._parts: list[bytes] = []
-        """The incomplete event's bytes, in the pieces they came in: joined once, when the
-        event ends (joining on every piece would cost the square of the event's length)."""
-        self._held = 0
-        self._cr = False
-        """The last piece ended in a CR, held back: its LF may start the next one."""
-        self._strip_usage = strip_usage
-        self._reply_model = reply_model
-        self.meter = meter
-        self.failed: ApiError | None = None
-        """The node's error event, when it sent one: the generation ended on it."""
-
-    def feed(self, data: bytes) -> bytes:
-        """Bytes to send now: every complete event received so far, minus dropped ones.
-        Raises `EventTooLarge` when an event grows past `MAX_EVENT_BYTES` unfinished.
-
-        Lines may end in CRLF (SSE allows it; vLLM sends LF): they are relayed as LF, so
-        that an event's end is found, counted and renamed whatever the node's framing."""
-        if self._cr:
-            data, self._cr = b"\r" + data, False
-        if data.endswith(b"\r"):
-            data, self._cr = data[:-1], True
-        if b"\r\n" in data:
-            data = data.replace(b"\r\n", b"\n")
-        if not data:
-            return b""  # (a read of a lone CR, held) an empty piece would hide an event's end
-        if self._parts:
-            if b"\n\n" not in data and not (
-                    data[:1] == b"\n" and self._parts[-1][-1:] == b"\n"):
-                self._hold(data)
-                return b""
-            data = b"".join(self._parts) + data
-            self._parts.clear()
-            self._held = 0
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._hold(data)
-            return b""
-        cut = end + 2
-        complete = data[:cut]
-        if cut < len(data):
-            self._parts.append(data[cut:])
-            self._held = len(data) - cut
-        events = complete.split(b"\n\n")
-        events.pop()  # the empty string after the last separator
-        sent = [self._relay(event) for event in events]
-        if all(out is event for out, event in zip(sent, events, strict=True)):
-            return complete  # nothing dropped or rewritten: the bytes as they came
-        return b"".join(out + b"\n\n" for out in sent if out is not None)
-
-    def _hold(self, data: bytes) -> None:
-        self._held += len(data)
-        if self._held > MAX_EVENT_BYTES:
-            self._parts.clear()
-            self._held = 0
-            raise EventTooLarge(f"the node sent over {MAX_EVENT_BYTES} bytes in one event")
-        self._parts.append(data)
-
-    def flush(self) -> bytes:
-        """Whatever trails the last complete event (a well-formed stream leaves nothing)."""
-        tail = b"".join(self._parts) + (b"\r" if self._cr else b"")
-        self._parts.clear()
-        self._held = 0
-        self._cr = False
-        return tail
-
-    def _relay(self, event: bytes) -> bytes | None:
-        """The event to send (itself when unchanged), or None to drop it. `[DONE]`, comments
-        and anything that is not one JSON object pass untouched."""
-        if not event.startswith(b"data:"):
-            return event
-        payload = event[5:].strip()
-        if payload == b"[DONE]" or not payload.startswith(b"{"):
-            return event
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            return event
-        if not isinstance(chunk, dict):
-            return event
-        if "error" in chunk or chunk.get("object") == "error":
-            error = node_stream_error(chunk)
-            if error is not None:
-                self.failed = error
-                return b"data: " + orjson.dumps(error.body())
-        meter = self.meter
-        choices = chunk.get("choices")
-        usage = chunk.get("usage")
-        if choices:
-            if usage is None:
-                for choice in choices:
-                    if _carries_output(choice):
-                        meter.completion_tokens += 1
-            else:  # continuous usage stats: exact so far
-                meter.take_usage(usage)
-        elif usage is not None:
-            meter.take_usage(usage)
-            if self._strip_usage:
-                return None
-        if _rename(chunk, self._reply_model):
-            return b"data: " + orjson.dumps(chunk)
-        return event
-
-
-def _rename(answer: dict[str, Any], model: str | None) -> bool:
-    """Writes `model` into the answer's own `model` field when it names another; only an
-    existing string field is replaced (an error object has none and gets none)."""
-    if model is None:
-        return False
-    current = answer.get("model")
-    if not isinstance(current, str) or current == model:
-        return False
-    answer["model"] = model
-    return True
-
-
-def _carries_output(choice: Any) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    if choice.get("finish_reason") is not None or choice.get("text"):
-        return True
-    delta = choice.get("delta")
-    # vLLM's reasoning field was `reasoning_content`, and is `reasoning` since early 2026.
-    return isinstance(delta, dict) and bool(
-        delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
-        or delta.get("tool_calls")
-    )
 
 
 def forwarded_headers(request: web.Request, task_id: str,
@@ -307,7 +104,8 @@ class Upstream:
         self.jitter = jitter
         self.whole_answer_s_per_token = whole_answer_s_per_token
         self.rng = rng or random.Random()
-        self._rejections_logged: set[tuple[str, int]] = set()
+        self._logged: set[tuple[str, int]] = set()
+        """(node, HTTP status) of the configuration problems logged: once each."""
 
     def _failed(self, ticket: Ticket, kind: str, status: int, message: str, *,
                 logged: bool = True, retry: bool | None = None) -> ApiError:
@@ -335,8 +133,8 @@ class Upstream:
         key and model were valid for kvgate, so the node's status would blame the client.
         The pool's credentials (`backend_api_key_env`) or its `served_model_name` disagree
         with the node's; logged once per node and status, counted each time."""
-        if (ticket.node, status) not in self._rejections_logged:
-            self._rejections_logged.add((ticket.node, status))
+        if (ticket.node, status) not in self._logged:
+            self._logged.add((ticket.node, status))
             log.error("pool %s: node %s refused the gateway's request with HTTP %d (%s): check "
                       "the pool's backend_api_key_env and served_model_name against the node's "
                       "--api-key and --served-model-name", ticket.pool.name, ticket.node, status,
@@ -347,6 +145,24 @@ class Upstream:
             "configuration problem, not your API key or model. A retry cannot pass until the "
             "deployment is fixed.",
             logged=False, retry=False)
+
+    def _malformed(self, ticket: Ticket, upstream: NodeResponse, meter: Meter,
+                   what: str) -> ApiError:
+        """A 200 the gateway cannot read as an OpenAI answer: most often a node URL that leads
+        to another server (a proxy's or a load balancer's page), or a server that ignores
+        `stream`. Relayed, it would reach the SDKs as a success they fail to parse, with a
+        parse error instead of an API error. Refunded in full (the gateway cannot tell what
+        it cost, and the node it expected may have done nothing); logged once per node."""
+        upstream.close()
+        meter.phase = Phase.PENDING
+        if (ticket.node, 200) not in self._logged:
+            self._logged.add((ticket.node, 200))
+            log.error("pool %s: node %s sent %s: check that its URL leads to a vLLM "
+                      "OpenAI-compatible server", ticket.pool.name, ticket.node, what)
+        return self._failed(
+            ticket, "malformed_answer", 502,
+            f"The inference node sent {what}, not an OpenAI answer. Please retry.",
+            logged=False)
 
     async def forward(
         self, request: web.Request, inbound: Inbound, ticket: Ticket, meter: Meter,
@@ -436,10 +252,12 @@ class Upstream:
             parsed = orjson.loads(body)
         except orjson.JSONDecodeError:
             parsed = None
-        if isinstance(parsed, dict):
-            meter.take_usage(parsed.get("usage"))
-            if _rename(parsed, inbound.reply_model):
-                body = orjson.dumps(parsed)
+        if not isinstance(parsed, dict):
+            raise self._malformed(ticket, upstream, meter,
+                                  "a whole answer that is not a JSON object")
+        meter.take_usage(parsed.get("usage"))
+        if rename_model(parsed, inbound.reply_model):
+            body = orjson.dumps(parsed)
         if meter.exact_total is None:
             # A whole answer without its usage: charged what it reserved (the prompt alone
             # would let a full generation go free, and read as a light request to the
@@ -462,8 +280,12 @@ class Upstream:
         self, request: web.Request, upstream: NodeResponse, inbound: Inbound,
         ticket: Ticket, meter: Meter, started: float,
     ) -> web.StreamResponse:
+        declared = upstream.headers.get("content-type", "text/event-stream")
+        if not declared.lower().lstrip().startswith("text/event-stream"):
+            raise self._malformed(ticket, upstream, meter, f"a {declared.split(';')[0]!r} answer "
+                                  "to a streamed request")
         response = web.StreamResponse(headers={
-            "Content-Type": upstream.headers.get("content-type", "text/event-stream"),
+            "Content-Type": declared,
             "Cache-Control": "no-cache",
             "X-Request-Id": ticket.task_id,
         })

@@ -201,6 +201,45 @@ async def test_logprobs_make_room_for_a_larger_answer(redis_url: str, redis_clie
         assert status == 502 and _error(raw)["code"] == "upstream_oversized_answer"
 
 
+async def _html_page(request: web.Request) -> web.StreamResponse:
+    return web.Response(text="<html><body>Welcome to nginx!</body></html>",
+                        content_type="text/html")
+
+
+async def _ignores_stream(request: web.Request) -> web.StreamResponse:
+    return web.Response(body=_completion("hi"), content_type="application/json")
+
+
+@pytest.mark.parametrize(("answer", "stream"), [
+    (_html_page, False), (_html_page, True), (_ignores_stream, True)])
+async def test_a_200_that_is_not_an_openai_answer_is_a_502_refunded_and_logged_once(
+    redis_url: str, redis_client: Any, caplog: pytest.LogCaptureFixture, answer: Handler,
+    stream: bool,
+) -> None:
+    """A node URL that leads to another server's page, or a server that ignores `stream` (one
+    JSON body, which framed as events is a stream without one): relayed as a 200, the SDKs
+    would fail to parse a "success". The client gets a 502 in OpenAI's shape, the task is
+    refunded (the gateway cannot tell what it cost), the error is counted each time and logged
+    once per node."""
+    caplog.set_level(logging.ERROR, logger="kvgate.gateway")
+    async with gateway_over(redis_url, Node(answer)) as front:
+        gw = front.app[GATEWAY]
+        for attempt in (1, 2):
+            status, raw, headers = await asyncio.wait_for(_chat(front, stream=stream), WAIT_S)
+            assert status == 502, raw
+            error = _error(raw)
+            assert error["code"] == "upstream_malformed_answer"
+            assert "not an OpenAI answer" in error["message"]
+            assert _upstream_errors(front, "malformed_answer") == attempt
+            await gw.settler.idle()
+            record = await gw.pools[POOL].store.task(headers["X-Request-Id"])
+            assert record is not None and record["state"] == "cancelled"
+            assert int(record.get("usage", 0)) == 0
+        assert await redis_client.hget(gw.pools[POOL].store.keys.node_reserved, "node-0") is None
+    logged = [r for r in caplog.records if "node-0 sent" in r.getMessage()]
+    assert len(logged) == 1 and "vLLM" in logged[0].getMessage()
+
+
 @pytest.mark.parametrize(("node_status", "status", "code"), [
     (500, 502, "upstream_error"),  # the gateway's own error, the node's message in it
     (400, 400, None),  # the node's own, relayed with its text cut short

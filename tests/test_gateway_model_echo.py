@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from admission.tiers import Zone
-from gateway.proxy import Meter, SseRelay
+from gateway.relay import Meter, SseRelay
 from tests.gateway_harness import KEYS, POOL, Harness, running_gateway
 
 SERVED = "meta-llama/Llama-3.1-8B-Instruct"

@@ -14,7 +14,7 @@ from admission.tiers import Tier
 from gateway.auth import TenantDirectory, effective_tier
 from gateway.errors import MAX_RETRY_MS, ApiError, jittered, retry_headers
 from gateway.handlers import client_deadline_ms
-from gateway.proxy import Meter, Phase, SseRelay
+from gateway.relay import Meter, Phase, SseRelay
 
 
 def _event(payload: object) -> bytes:

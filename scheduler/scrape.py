@@ -15,10 +15,10 @@ decode step time comes from `vllm:inter_token_latency_seconds` (vLLM >= 0.11), o
 A server running several engines (data parallel) exposes one sample per `engine` label:
 usage is the highest engine's (conservative), counts and capacities are summed.
 
-A usage, running or waiting figure that is not a finite number (NaN before an engine reports)
-makes the page unusable, a failed scrape like an unparsable one (reason `parse`); a counter
-that is not finite (preemptions, prompt tokens, the inter-token histogram) is read as absent,
-and so is an inter-token histogram without both its `_sum` and its `_count`.
+A usage, running or waiting figure that is missing, or not a finite number (NaN before an
+engine reports), makes the page unusable, a failed scrape like an unparsable one (reason
+`parse`); a counter that is not finite (preemptions, prompt tokens, the inter-token histogram)
+is read as absent, and so is an inter-token histogram without both its `_sum` and its `_count`.
 A page larger than `MAX_PAGE_BYTES` is not read to its end (reason `oversized`).
 A scrape never raises: whatever fails counts as a failed scrape of the node.
 """
@@ -148,6 +148,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     """Read what the scheduler needs from one vLLM /metrics page; raises MetricsError."""
     usage: dict[str, list[float]] = {USAGE_V1: [], USAGE_V0: []}
     running = waiting = 0.0
+    counted: set[str] = set()
     preemptions: float | None = None
     prompt_tokens: float | None = None
     itl: dict[str, list[float]] = {ITL_V1: [0.0, 0.0], ITL_V0: [0.0, 0.0]}
@@ -165,8 +166,10 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
                 usage[name].append(sample.value)
             elif name == RUNNING:
                 running += sample.value
+                counted.add(name)
             elif name == WAITING:
                 waiting += sample.value
+                counted.add(name)
             elif name in (PREEMPTIONS + "_total", PREEMPTIONS):
                 preemptions = (preemptions or 0.0) + sample.value
             elif name == PROMPT_TOKENS + "_total":
@@ -190,9 +193,13 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     # number and NaN comes first, so an engine reading NaN (or -Inf) listed after a finite one
     # was silently left out of the usage, and the same page was refused in the other order.
     kv = next((v for v in usage[metric] if not math.isfinite(v)), max(usage[metric]))
-    # NaN: an engine that has not reported yet. The counts size the projection's padding:
-    # a reading without them is no reading (int() of NaN raised out of the scrape, which then
-    # never counted as failed and the node was never ejected).
+    # NaN: an engine that has not reported yet. The counts size the projection's padding and
+    # the running limit: a reading without them is no reading (int() of NaN raised out of the
+    # scrape, which then never counted as failed and the node was never ejected; a page
+    # without the counts at all read as an idle node, and the limit released into it).
+    for name in (RUNNING, WAITING):
+        if name not in counted:
+            raise MetricsError(f"{name} is not on the page")
     for name, value in ((metric, kv), (RUNNING, running), (WAITING, waiting)):
         if not math.isfinite(value):
             raise MetricsError(f"{name} is {value}")

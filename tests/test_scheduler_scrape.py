@@ -58,11 +58,24 @@ def test_several_engines_take_the_fullest_and_sum_capacity() -> None:
         'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.6\n'
         'vllm:num_requests_running{engine="0",model_name="m"} 3\n'
         'vllm:num_requests_running{engine="1",model_name="m"} 4\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 0\n'
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 2\n'
         'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0\n'
         'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0\n'
     )
     m = parse_vllm_metrics(page)
-    assert (m.kv_usage, m.running, m.capacity_tokens) == (0.6, 7, 3_200)
+    assert (m.kv_usage, m.running, m.waiting, m.capacity_tokens) == (0.6, 7, 2, 3_200)
+
+
+@pytest.mark.parametrize("missing", ["vllm:num_requests_running", "vllm:num_requests_waiting"])
+def test_a_page_without_the_request_counts_is_unusable(missing: str) -> None:
+    """A page with a usage but no running or waiting count (a broken exporter, not a vLLM
+    server) read as an idle node, and the running limit released into it."""
+    page = "".join(line + "\n" for line in FakeVllm(usage=0.3).render().splitlines()
+                   if missing not in line)
+    assert missing not in page
+    with pytest.raises(MetricsError, match=f"{missing} is not on the page"):
+        parse_vllm_metrics(page)
 
 
 def _itl(name: str, engine: int, total: float, count: float) -> str:

@@ -12,20 +12,28 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml
 	$(PY) -m pip install -q -e 'clients/python[openai]'
 	touch $@
 
-# Tests start their own redis-server processes; install the binary when this machine lacks it.
+# Debian packages are installed with apt-get, through sudo unless make runs as root (then the
+# venv stays the user's: `sudo make test` would leave a root-owned .venv).
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+APT := $(SUDO) apt-get
+
+# Tests start their own redis-server processes on free ports; install the binary when this
+# machine lacks it. (On a host with systemd the package also starts a system Redis on 6379,
+# which the tests and the demo never use.)
 redis-server:
-	@command -v redis-server >/dev/null || { apt-get update -q && apt-get install -y -q redis-server; }
+	@command -v redis-server >/dev/null || { $(APT) update -q && $(APT) install -y -q --no-install-recommends redis-server; }
 
 # The dashboard test parses every panel's PromQL with promtool, which Debian ships in the
-# 'prometheus' package (about 22 MB to download; the install does not start the server).
+# 'prometheus' package (about 22 MB to download; on a host with systemd the package also
+# starts a Prometheus server on :9090, which nothing here uses).
 promtool:
-	@command -v promtool >/dev/null || { apt-get update -q && apt-get install -y -q --no-install-recommends prometheus; }
+	@command -v promtool >/dev/null || { $(APT) update -q && $(APT) install -y -q --no-install-recommends prometheus; }
 
 # The Go client SDK (clients/go) and its end-to-end test need Debian's Go toolchain (1.19). The
 # module has no dependencies: GOPROXY=off and GOTOOLCHAIN=local keep every go command off the
 # network (the module proxy is not reachable from the build machines).
 go:
-	@command -v go >/dev/null || { apt-get update -q && apt-get install -y -q golang-go; }
+	@command -v go >/dev/null || { $(APT) update -q && $(APT) install -y -q golang-go; }
 
 GO_ENV := GOTOOLCHAIN=local GOPROXY=off GOFLAGS=
 # Go keeps its build cache under $HOME; a CI runner without HOME gets one inside the checkout

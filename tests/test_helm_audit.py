@@ -30,6 +30,7 @@ from tests.test_helm_chart import (
     one,
     production_values,
     render,
+    with_image,
 )
 
 
@@ -57,7 +58,7 @@ def validate_all(docs: list[dict[str, Any]]) -> None:
 
 
 def notes(values: dict[str, Any] | None) -> str:
-    text: str = chart().render(values, name=RELEASE, namespace=NAMESPACE)[
+    text: str = chart().render(with_image(values), name=RELEASE, namespace=NAMESPACE)[
         "kvgate/templates/NOTES.txt"]
     return text
 

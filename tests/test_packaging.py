@@ -48,12 +48,20 @@ def test_the_wheel_holds_the_services_and_not_the_lab(wheel: Path) -> None:
     assert not [n for n in names if n.startswith(("bench/", "tests/"))]
     # The redis-server harness is test scaffolding: it lives in bench/common, not in admission/.
     assert not [n for n in names if "localredis" in n]
+    # Apache-2.0 asks that the licence travel with the code.
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
 
 def test_the_image_copies_the_services_and_not_the_lab() -> None:
     copied = re.findall(r"^COPY\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
     assert {c for c in copied if "." not in c} == SHIPPED
     assert "bench" not in copied and "tests" not in copied
+    # The build context leaves out what a working tree holds besides (a venv of hundreds of
+    # MB, git history, the lab), and keeps what the image copies.
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".venv", ".git", "bench", "tests"} <= ignored
+    assert not ignored & (SHIPPED | {"pyproject.toml", "README.md", "LICENSE"})
 
 
 async def _first_line(stream: asyncio.StreamReader, *patterns: str, deadline_s: float = 30.0

@@ -77,6 +77,9 @@ Refuses combinations that would deploy something that cannot work, with a messag
 value to change (the schema checks each value alone; these need two).
 */}}
 {{- define "kvgate.validate" -}}
+{{- if not .Values.image.repository }}
+{{- fail "image.repository is required: no public registry publishes kvgate; build the repository's Dockerfile, push it to a registry you control and set image.repository (and image.tag or image.digest)" }}
+{{- end }}
 {{- $r := .Values.redis }}
 {{- if and $r.tls.caSecret (not $r.tls.enabled) }}
 {{- fail "redis.tls.caSecret is set but redis.tls.enabled is false: the CA would be ignored (enable TLS with a rediss:// redis.external.url, or unset caSecret)" }}

@@ -207,3 +207,41 @@ async def eviction_warning(client: Any) -> str | None:
             return (f"Redis maxmemory-policy is {policy}: under memory pressure it may evict "
                     f"kvgate's budgets, queues and leases; set it to {SAFE_EVICTION}")
     return None
+
+
+MIN_VERSION = (6, 2)
+"""The oldest Redis whose commands every script uses (`ZADD ... LT`, 6.2)."""
+MIN_VERSION_SHARDED = (7, 0)
+"""The oldest with `SPUBLISH`/`SSUBSCRIBE` (`redis.sharded_pubsub`)."""
+
+
+def version_problem(version: str, *, sharded_pubsub: bool) -> str | None:
+    """What a server of `version` (INFO's `redis_version`) cannot do for kvgate, or None."""
+    try:
+        found = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None  # a fork's own numbering: nothing can be said
+    if found < MIN_VERSION:
+        return (f"Redis {version} is older than {MIN_VERSION[0]}.{MIN_VERSION[1]}, which "
+                "kvgate's scripts need (ZADD ... LT): some of them will fail with a syntax "
+                "error; upgrade Redis")
+    if sharded_pubsub and found < MIN_VERSION_SHARDED:
+        return (f"Redis {version} has no sharded pub/sub ({MIN_VERSION_SHARDED[0]}.0): with "
+                "redis.sharded_pubsub no release wake-up is sent or received; upgrade Redis or "
+                "turn sharded_pubsub off")
+    return None
+
+
+async def version_error(client: Any, settings: RedisSettings) -> str | None:
+    """`version_problem` of the server (on a cluster, of its oldest node), or None when it
+    cannot be read (Redis not up yet: the services start anyway and retry)."""
+    try:
+        reply = await client.info("server")
+    except REDIS_ERRORS:
+        return None
+    replies = [reply] if "redis_version" in reply else [
+        r for r in reply.values() if isinstance(r, dict)]
+    problems = (version_problem(str(r.get("redis_version", "")),
+                                sharded_pubsub=settings.sharded_pubsub) for r in replies)
+    return next((p for p in problems if p is not None), None)
+

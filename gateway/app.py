@@ -22,7 +22,13 @@ import orjson
 from aiohttp import web
 
 from admission.config import Config
-from admission.connection import connect, eviction_warning, primary_locator, redis_address
+from admission.connection import (
+    connect,
+    eviction_warning,
+    primary_locator,
+    redis_address,
+    version_error,
+)
 from admission.errors import describe
 from admission.keys import check_name
 from admission.scripts import load_scripts, register_scripts
@@ -179,6 +185,8 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
     ]
     log.info("gateway %s serving pools %s, Redis %s", gid, ", ".join(sorted(pools)),
              redis_address(config.redis))
+    if problem := await version_error(client, config.redis):
+        log.error("%s", problem)
     if warning := await eviction_warning(client):
         log.warning("%s", warning)
     stop_watching_gc = watch_gc(metrics.gc_pause)

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from admission.config import Config
-from admission.connection import connect, eviction_warning, redis_address
+from admission.connection import connect, eviction_warning, redis_address, version_error
 from admission.errors import REDIS_ERRORS, FencedError
 from admission.failurelog import FailureLog
 from admission.scripts import Scripts, register_scripts
@@ -144,6 +144,8 @@ class SchedulerService:
         self._stop_watching_gc = watch_gc(self.metrics.gc_pause)
         log.info("scheduler %s started: %d pool(s), poll %d ms, Redis %s", self.me,
                  len(self.pools), s.poll_interval_ms, redis_address(self.config.redis))
+        if problem := await version_error(self.client, self.config.redis):
+            log.error("%s", problem)
         if warning := await eviction_warning(self.client):
             log.warning("%s", warning)
 

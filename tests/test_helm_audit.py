@@ -304,3 +304,25 @@ def test_readme_values_table_lists_every_value_with_its_default() -> None:
         for part in key.split("."):
             value = value[part]
         assert yaml.safe_load(shown) == value, key
+
+
+# --- a vLLM API key for the nodes ---------------------------------------------------------
+
+
+def test_the_documented_way_to_give_the_gateways_the_nodes_api_key_renders() -> None:
+    """The chart README's recipe: the pool names the variable, `gateway.extraEnv` fills it
+    from a Secret. The gateway container gets it by reference (the key is in no manifest),
+    and the config the pods get names it."""
+    values = {"gateway": {"extraEnv": [{"name": "VLLM_API_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "vllm-key", "key": "key"}}}]},
+              "config": {"pools": [{"name": "llama", "served_model_name": "llama",
+                                    "backend_api_key_env": "VLLM_API_KEY",
+                                    "backends": ["http://vllm-0:8000"]}]}}
+    docs = render(values)
+    validate_all(docs)
+    env = {e["name"]: e for e in container(pod_of(docs, "-gateway"), "gateway")["env"]}
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "vllm-key", "key": "key"}
+    config = cfg.parse_config(_toml(configmap(docs)), env={})
+    assert config.pools["llama"].backend_api_key_env == "VLLM_API_KEY"
+    readme = (CHART / "README.md").read_text()
+    assert "backend_api_key_env: VLLM_API_KEY" in readme and "secretKeyRef" in readme

@@ -29,6 +29,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from redis.connection import to_bool
 
@@ -43,6 +44,7 @@ from admission.configfields import (
 )
 from admission.configschema import (
     DEFAULT_TIERS,
+    MIN_CONNECTIONS,
     Backend,
     Config,
     DedicatedNodes,
@@ -212,7 +214,9 @@ def _field(r: _Reader, cls: type, name: str, defaults: Any = None) -> Any:
         return tuple(_scalar(f"{where}[{i}]", v, item) for i, v in enumerate(items))
     value = _scalar(where, raw, kind)
     if kind is str and value == "" and isinstance(default, str):
-        return default  # an empty string leaves a string setting at its default
+        # Refused rather than read as the default: a template that rendered `url = ""` from
+        # an unset variable would otherwise reach the local Redis without a word.
+        raise ConfigError(f"{where}: is empty; leave the key out for its default {default!r}")
     bounds = bounds_of(f)
     problem = None if bounds is None else bounds.error(value)
     if problem is None and kind is int:
@@ -307,10 +311,20 @@ def _check_unique_tenants(tenants: tuple[TenantSettings, ...]) -> None:
                 raise ConfigError(f"tenants[{i}].key_sha256[{j}]: listed twice")
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def _server(url: str) -> str:
-    """What makes two backend URLs one server (scheme and host are case-insensitive; the
-    parser has already dropped a trailing slash)."""
-    return url.lower()
+    """What makes two backend URLs one server: scheme and host in any case, the scheme's
+    default port written or not (`http://h` is `http://h:80`), the path without a trailing
+    slash, credentials aside. The URL was checked (`backend_url_error`): urlsplit reads it."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or DEFAULT_PORTS.get(scheme)
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
 
 
 def _check_unique_pools(pools: list[PoolSettings]) -> None:
@@ -328,6 +342,39 @@ def _check_unique_pools(pools: list[PoolSettings]) -> None:
                 raise ConfigError(f"pools[{i}].backends[{j}].url: {shown_url(backend.url)!r} "
                                   f"is also pools[{i}].backends[{same}]'s; one server is one "
                                   "backend")
+
+
+def _check_admin_token(token: str | None, where: str,
+                       tenants: tuple[TenantSettings, ...]) -> None:
+    """The admin token is no tenant's API key: that tenant's key would open the admin API.
+    The message names the tenant and never the hash, since it is printed to the log."""
+    for i, tenant in enumerate(tenants):
+        if token is not None and token in tenant.key_sha256:
+            j = tenant.key_sha256.index(token)
+            raise ConfigError(f"{where}: is also the key_sha256[{j}] of tenant {tenant.name!r} "
+                              f"(tenants[{i}]), whose API key would then open the admin API; "
+                              "give the admin a token of its own")
+
+
+def _check_redis_calls(redis: RedisSettings, scheduler: SchedulerSettings, pools: int) -> None:
+    """What one section's bounds cannot say: `release_call_ms` against the client's timeout,
+    `max_connections` against the subscriptions a gateway keeps."""
+    if scheduler.release_call_ms >= redis.socket_timeout_ms:
+        raise ConfigError(
+            f"scheduler.release_call_ms: must be below redis.socket_timeout_ms "
+            f"({redis.socket_timeout_ms}), got {scheduler.release_call_ms}: a release call "
+            "runs that long and then finishes its last release, so the leader's client would "
+            "give up on it while Redis still runs the script, and every tick would fail")
+    if redis.cluster and redis.sharded_pubsub:
+        # One subscription per pool, each on its pool's shard; the shards may share a node,
+        # and the pool is per node.
+        least = pools + MIN_CONNECTIONS - 1
+        if redis.max_connections < least:
+            raise ConfigError(
+                f"redis.max_connections: must be at least {least} with redis.cluster and "
+                f"redis.sharded_pubsub, got {redis.max_connections}: a gateway keeps one "
+                f"connection for good for each pool's wake-ups ({pools} pools), all on one "
+                "node when their shards share it, and needs the rest for its calls")
 
 
 def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
@@ -352,10 +399,14 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         redis = _Overridden(redis, "url", "REDIS_URL")
     gateway = root.sub("gateway")
     file_admin_token = _field(gateway, GatewaySettings, "admin_token_sha256")
+    admin_token = _admin_token(env)
+    _check_admin_token(admin_token or file_admin_token,
+                       f"{ADMIN_TOKEN_ENV} (which overrides gateway.admin_token_sha256)"
+                       if admin_token else "gateway.admin_token_sha256", tenants)
     config = Config(
         redis=_section(redis, RedisSettings, url=env.get("REDIS_URL") or file_url),
         gateway=_section(gateway, GatewaySettings,
-                         admin_token_sha256=_admin_token(env) or file_admin_token),
+                         admin_token_sha256=admin_token or file_admin_token),
         scheduler=_section(root.sub("scheduler"), SchedulerSettings),
         tiers=_tiers(root.sub("tiers")),
         pools={p.name: p for p in pools},
@@ -363,6 +414,7 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         teams=teams,
     )
     root.done()
+    _check_redis_calls(config.redis, config.scheduler, len(config.pools))
     return config
 
 
@@ -447,6 +499,11 @@ def startup_warnings(config: Config) -> list[str]:
     - A tenant whose `burst` is below 1% of a second of its `rate`: its bucket refuses every
       request costing more than the burst (prompt + max_tokens; 400 `exceeds_burst`), however
       little of the rate it uses, which is rarely what such a rate was meant for.
+    - A tenant whose `burst` is at or below a pool's `default_max_tokens`: a request of it
+      without `max_tokens` costs its prompt (at least one token) plus that default, more than
+      the burst, so every such request to the pool gets 400 `exceeds_burst`.
+    - A pool without backends: no node gives it a budget, so the leader releases nothing and
+      every request to it queues until its tier's `queue_timeout_ms`.
     - A pool whose `stale_after_ms` is below the scheduler's poll interval: the state the
       leader publishes at each poll is older than that for part of every interval, and a
       request then queues for the next release instead of taking the fast path.
@@ -464,9 +521,20 @@ def startup_warnings(config: Config) -> list[str]:
                 f"tenants[{i}] ({tenant.name!r}): burst {tenant.burst} is below 1% of its rate "
                 f"({tenant.rate} tokens/s): every request of more than {tenant.burst} tokens "
                 "(prompt + max_tokens) gets 400 exceeds_burst")
+        for j, (name, pool) in enumerate(config.pools.items()):
+            if tenant.burst <= pool.default_max_tokens:
+                warnings.append(
+                    f"tenants[{i}] ({tenant.name!r}): burst {tenant.burst} is at or below "
+                    f"pools[{j}].default_max_tokens {pool.default_max_tokens}: every request "
+                    f"of it to pool {name!r} without max_tokens (prompt + "
+                    f"{pool.default_max_tokens}) gets 400 exceeds_burst")
     poll_ms = config.scheduler.poll_interval_ms
     seen: dict[str, str] = {}
     for i, pool in enumerate(config.pools.values()):
+        if not pool.backends:
+            warnings.append(
+                f"pools[{i}] ({pool.name!r}) has no backends: nothing is ever released to it, "
+                "and every request to it queues until its tier's queue_timeout_ms")
         if 0 < pool.stale_after_ms < poll_ms:
             warnings.append(
                 f"pools[{i}].stale_after_ms {pool.stale_after_ms} is below "

@@ -49,6 +49,9 @@ class Bounds:
     """The upper end (None: only `lo` bounds the value)."""
     choices: tuple[str, ...] = ()
     """A string must be one of these (empty: any string)."""
+    why: str = ""
+    """Why the least value is what it is, added to the message of a value below it (the
+    reader of "must be >= 4" otherwise wonders what a smaller one would break)."""
 
     def error(self, value: Any) -> str | None:
         """Why `value` breaks the bounds (the text after the key), or None."""
@@ -58,7 +61,7 @@ class Bounds:
             return "must be " + " or ".join(repr(c) for c in self.choices)
         if self.hi is None:
             if self.lo is not None and value < self.lo:
-                return f"must be >= {self.lo}, got {value}"
+                return f"must be >= {self.lo}, got {value}" + (f": {self.why}" if self.why else "")
             return None
         if self.lo is not None and not self.lo <= value <= self.hi:
             return f"must be between {self.lo} and {self.hi}, got {value}"
@@ -70,9 +73,10 @@ def bounds_of(f: dataclasses.Field[Any]) -> Bounds | None:
     return found if isinstance(found, Bounds) else None
 
 
-def at_least(minimum: int, default: int) -> int:
-    """An integer setting of at least `minimum`."""
-    return field(default=default, metadata={BOUNDS: Bounds(lo=minimum)})
+def at_least(minimum: int, default: int, why: str = "") -> int:
+    """An integer setting of at least `minimum`; `why`: what a smaller value would break,
+    for the message that refuses one."""
+    return field(default=default, metadata={BOUNDS: Bounds(lo=minimum, why=why)})
 
 
 def between(lo: float, hi: float, default: float) -> float:
@@ -186,6 +190,15 @@ own multiplexed connection as much as the client library's). Any other `ssl_*` p
 refused: the client library would apply it to some connections and not to the others."""
 
 
+URL_QUERY = ("db", "username", "password")
+"""The other query parameters a Redis URL may carry: the database (a unix:// socket's only way
+to name one) and the credentials, which redis-py and the gateways' multiplexed connection both
+read from the URL. Anything else is refused: redis-py hands every query parameter to its
+connections as a keyword, so a misspelt one (`sockettimeout`) fails every connection with a
+TypeError, and a real one (`socket_timeout`) would override the `[redis]` setting for its
+connections but not for the multiplexed one, which reads `[redis]` alone."""
+
+
 def url_query(url: str) -> dict[str, str]:
     """A URL's query parameters, the first of each repeated one, as redis-py's parse_url reads
     them (so a check and the connection see the same value)."""
@@ -206,6 +219,16 @@ def _tls_query_error(url: str, query: dict[str, str]) -> str | None:
         return f"ssl_cert_reqs {reqs!r} must be {TLS_QUERY['ssl_cert_reqs']}"
     if "ssl_keyfile" in query and "ssl_certfile" not in query:
         return "ssl_keyfile needs ssl_certfile (the certificate the key belongs to)"
+    return None
+
+
+def _query_error(query: dict[str, str]) -> str | None:
+    for name in query:
+        if name not in URL_QUERY and name not in TLS_QUERY:
+            return (f"its query parameter {name} is not supported: a Redis URL may carry "
+                    f"{', '.join(URL_QUERY)} and, on rediss://, {', '.join(TLS_QUERY)}; "
+                    "timeouts and the connection pool are [redis] settings "
+                    "(socket_timeout_ms, connect_timeout_ms, max_connections, pool_timeout_ms)")
     return None
 
 
@@ -246,7 +269,8 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
     False when the host is found elsewhere (Sentinel), so the URL may leave it out.
 
     What the Redis client would otherwise do silently is refused: a database that is not a
-    number (read as database 0), a URL without a host (read as localhost). The message never
+    number (read as database 0), a URL without a host (read as localhost), a query parameter
+    other than `URL_QUERY` and `TLS_QUERY` (handed to every connection as is). The message never
     shows the URL's password: the services print it, and their output ends up in logs."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         return "must start with redis://, rediss:// or unix://"
@@ -275,6 +299,10 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
         if problem is not None:
             return problem
         db = query.get("db", parts.path.strip("/") or "0")
+    # After the host's checks: a URL that names no host says so first, whatever its query.
+    problem = _query_error(query)
+    if problem is not None:
+        return problem
     if not db.isdigit():
         return (f"database {db!r} is not a database number (the path is the database: "
                 "redis://HOST:PORT/0)")

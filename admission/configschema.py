@@ -41,6 +41,11 @@ from admission.quotaconfig import TeamSettings, levels_of
 from admission.store import PoolPolicy, TenantQuota
 from admission.tiers import Tier
 
+MIN_CONNECTIONS = 4
+"""The least `redis.max_connections`: one connection the pub/sub subscription keeps for good,
+and three for the calls a scheduler makes at the same time (lease renewal, a tick, the
+reaper); more wait for a free one, up to `pool_timeout_ms`."""
+
 
 def _check_name(key: KeyName, name: str, kind: str, value: str) -> None:
     try:
@@ -54,8 +59,15 @@ class RedisSettings:
     url: str = "redis://127.0.0.1:6379/0"
     socket_timeout_ms: int = at_least(1, 500)
     connect_timeout_ms: int = at_least(1, 500)
-    max_connections: int = at_least(1, 128)
-    """Bounded on purpose: callers wait for a connection instead of opening unbounded ones."""
+    max_connections: int = at_least(
+        MIN_CONNECTIONS, 128,
+        why="each process keeps one connection for good for its pub/sub subscription (a "
+            "gateway's wake-ups, the scheduler's handover), and the scheduler's lease renewal, "
+            "ticks and reaper call Redis at the same time; with fewer the leader loses its "
+            "lease waiting for a connection")
+    """Bounded on purpose: callers wait for a connection instead of opening unbounded ones.
+    With `cluster` and `sharded_pubsub` a gateway holds one subscription per pool, each on its
+    pool's shard (admission.config checks the pools' number against this)."""
     pool_timeout_ms: int = at_least(1, 1_000)
     ssl_ca_file: str | None = None
     cluster: bool = False
@@ -68,6 +80,19 @@ class RedisSettings:
     def sentinel_addresses(self) -> list[tuple[str, int]]:
         return [split_address(a) for a in self.sentinels]
 
+    def _check_cluster(self, key: KeyName) -> None:
+        """What a Redis Cluster client cannot connect with: it would only fail later, in
+        every service, with a RedisClusterException traceback."""
+        if self.url.startswith("unix://"):
+            raise ConfigError(f"{key('url')}: must be redis:// or rediss:// with "
+                              f"{key('cluster')} = true (a cluster's nodes are found by host "
+                              "and port, not by a socket path)")
+        db = int(parse_url(self.url).get("db") or 0)
+        if db != 0:
+            raise ConfigError(f"{key('url')}: database {db} with {key('cluster')} = true; a "
+                              "Redis Cluster has database 0 only (leave the path out or make "
+                              "it /0)")
+
     def check(self, key: KeyName) -> None:
         problem = redis_url_error(self.url, needs_host=self.sentinel_master is None)
         try:
@@ -76,6 +101,8 @@ class RedisSettings:
             problem = problem or str(exc)
         if problem is not None:
             raise ConfigError(f"{key('url')}: {problem}")
+        if self.cluster:
+            self._check_cluster(key)
         if self.ssl_ca_file is not None and not self.url.startswith("rediss://"):
             raise ConfigError(f"{key('ssl_ca_file')}: needs a rediss:// {key('url')} (TLS); "
                               "the CA is not used without TLS")
@@ -433,6 +460,8 @@ class GatewaySettings:
     retention_s: int = at_least(1, 600)
 
     def check(self, key: KeyName) -> None:
+        if self.id is not None:
+            _check_name(key, "id", "gateway", self.id)
         if self.admin_token_sha256 is not None and not is_sha256(self.admin_token_sha256):
             raise ConfigError(f"{key('admin_token_sha256')}: must be a lowercase hex SHA-256 "
                               "(of the admin token, never the token itself)")
@@ -456,10 +485,16 @@ class SchedulerSettings:
     reap_interval_ms: int = at_least(10, 1_000)
     release_batch: int = at_least(1, 2_000)
     """Most tasks a tick's release may pop per tier."""
-    release_call_ms: int = at_least(0, 20)
-    """Redis time one release script call may run before it stops after its next release
-    (0: no bound); the tick's release goes on in further calls. Redis runs one script at a
-    time, so this bounds how long a release holds every gateway's admits."""
+    release_call_ms: int = at_least(
+        1, 20,
+        why="0 (no bound) lets one release call run past redis.socket_timeout_ms, and the "
+            "leader's client then gives up on it while Redis still runs the script")
+    """Redis time one release script call may run before it stops after its next release; the
+    tick's release goes on in further calls. Redis runs one script at a time, so this bounds
+    how long a release holds every gateway's admits. Below `redis.socket_timeout_ms`
+    (admission.config checks it): otherwise the leader's client gives up on calls Redis still
+    runs, every tick fails, and the reaper, which waits for Redis to answer again, never
+    runs."""
     usage_halflife_s: float = between(0.1, 86_400.0, 60.0)
     """Half-life of the learned usage/reservation ratio (older settles weigh less)."""
     preemption_cooldown_ms: int = at_least(0, 10_000)

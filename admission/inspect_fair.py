@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from admission.keys import VT_SCALE, PoolKeys
 from admission.reads import finite_number as _num
 from admission.reads import release_rate
@@ -75,11 +77,17 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def _wrong_type(reply: Any) -> bool:
+    # In the reply's text, not at its start: a cluster pipeline may prefix the command.
+    return isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply)
 
 
 async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
     """Every hash whose key starts with `prefix`, by the rest of its key: SCAN (never KEYS),
-    then HGETALL in pipelined chunks."""
+    then HGETALL in pipelined chunks. A key of another type under the prefix (one written by
+    hand with redis-cli, `SET kvg:{p}:tenant:x 1`) is no record of kvgate's and is left out:
+    its WRONGTYPE would fail the whole snapshot, and `kvgate-inspect` and the admin API
+    would show no pool at all. Any other error still fails the read."""
     names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
     out: dict[str, dict[str, str]] = {}
     for start in range(0, len(names), SCAN_COUNT):
@@ -87,8 +95,12 @@ async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
         async with client.pipeline(transaction=False) as pipe:
             for name in chunk:
                 pipe.hgetall(name)
-            replies = await pipe.execute()
+            replies = await pipe.execute(raise_on_error=False)
         for name, raw in zip(chunk, replies, strict=True):
+            if _wrong_type(raw):
+                continue
+            if isinstance(raw, BaseException):
+                raise raw
             if raw:  # it may vanish between SCAN and HGETALL
                 out[name[len(prefix):]] = {_text(k): _text(v) for k, v in raw.items()}
     return out

@@ -29,12 +29,14 @@ ROOT = "kvg"
 VT_SCALE = 1000
 """Virtual counter units per token served at weight 1 (`lua/_tenant.lua` VT_SCALE): a task of
 cost W charges its tenant's counter floor(W x VT_SCALE / weight)."""
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}\Z")
+"""A pool's, tenant's, team's, node's or gateway's name, anchored at the very end of the text:
+`$` also matches before a final newline, and a name ending in one would pass."""
 
 
 def check_name(kind: str, value: str) -> str:
-    """Names end up inside keys and hash tags: no braces, colons or spaces."""
-    if not NAME_PATTERN.match(value):
+    """Names end up inside keys and hash tags: no braces, colons, spaces or line breaks."""
+    if not NAME_PATTERN.fullmatch(value):
         raise ValueError(
             f"{kind} name {value!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
             " and start with a letter or digit"

@@ -72,11 +72,27 @@ def default_gateway_id() -> str:
     return f"gw-{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+def _gateway_id(config: Config, flag: str | None) -> str:
+    if flag is not None:
+        option, value = "--id", flag
+    elif config.gateway.id is not None:
+        option, value = "gateway.id", config.gateway.id
+    else:
+        return default_gateway_id()
+    try:
+        return check_name("gateway", value)
+    except ValueError as exc:
+        raise ValueError(f"{option} (the gateway id): {exc}") from None
+
+
 def create_app(
     config: Config, *, gateway_id: str | None = None, settle_drain_s: float = SETTLE_DRAIN_S
 ) -> web.Application:
-    """`settle_drain_s`: how long stopping waits for settles still failing (Redis down)."""
-    gid = check_name("gateway", gateway_id or config.gateway.id or default_gateway_id())
+    """`gateway_id`: the `--id` flag's value, which overrides `gateway.id`. `settle_drain_s`:
+    how long stopping waits for settles still failing (Redis down). ValueError naming the
+    option if the id cannot be one (the config's own was checked when it was loaded, but a
+    Config built in code was not)."""
+    gid = _gateway_id(config, gateway_id)
     in_flight = InFlight()  # outermost: shutdown waits for, then cancels, whole requests
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,

@@ -286,12 +286,13 @@ def test_startup_warnings_name_a_stale_bound_below_the_poll_and_a_server_in_two_
     ([{"name": "t", "tier": "vip"}],
      ["no tenant has a key_sha256: every request will get 401 (no API key can match)"]),
     ([{"name": "acme", "tier": "vip", "key_sha256": [KEY_HASH]},
-      {"name": "tiny", "tier": "normal", "rate": 10_000, "burst": 99}],
-     ["tenants[1] ('tiny'): burst 99 is below 1% of its rate (10000 tokens/s): every request "
-      "of more than 99 tokens (prompt + max_tokens) gets 400 exceeds_burst"]),
+      {"name": "tiny", "tier": "normal", "rate": 1_000_000, "burst": 9_999}],
+     ["tenants[1] ('tiny'): burst 9999 is below 1% of its rate (1000000 tokens/s): every "
+      "request of more than 9999 tokens (prompt + max_tokens) gets 400 exceeds_burst"]),
     # A burst of exactly 1% of the rate, and a rate of 0: nothing to warn about.
-    ([{"name": "acme", "tier": "vip", "key_sha256": [KEY_HASH], "rate": 10_000, "burst": 100},
-      {"name": "frozen", "tier": "batch", "rate": 0, "burst": 1}], []),
+    ([{"name": "acme", "tier": "vip", "key_sha256": [KEY_HASH], "rate": 200_000,
+       "burst": 2_000},
+      {"name": "frozen", "tier": "batch", "rate": 0, "burst": 1_025}], []),
 ])
 def test_startup_warnings_name_what_turns_requests_away(
     tenants: list[dict[str, Any]], expected: list[str]

@@ -1,6 +1,7 @@
 """The SDK against the real gateway: the session's redis-server, the gateway (aiohttp, serving
 in this event loop) and an instant vLLM-like backend, all on real sockets. The test plays the
-scheduler: it holds the pool in RED (or GREEN) by publishing its state.
+scheduler: it holds the pool in RED (or GREEN, or YELLOW with a queue that never drains) by
+publishing its state.
 
 Sleeps are injected and only recorded (one may also change the zone, standing for the time
 that passes), and the retry loop's clock is frozen: nothing waits for the hints received.
@@ -23,14 +24,18 @@ import kvgate_client
 from admission.tiers import Zone
 from kvgate_client import (
     RETRY_COUNT_HEADER,
+    AsyncKvgateClient,
     AsyncRetryTransport,
+    KvgateClient,
+    RateLimitError,
     RetryBudget,
     RetryPolicy,
     RetryTransport,
     retrying,
 )
 from kvgate_client.budget import EARN_PER_REQUEST, MAX_TOKENS
-from tests.gateway_harness import KEYS, POOL, Harness, running_gateway
+from kvgate_client.transport import request_timeout
+from tests.gateway_harness import BIG, KEYS, POOL, Harness, eventually, running_gateway, sha
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Summarise the plot of Hamlet."}]
 
@@ -279,3 +284,90 @@ async def test_request_beyond_the_tenants_burst_is_not_retried(
     assert rejections(gw, "exceeds_burst") == 1
     # Stopped by the header, not by the status table.
     assert transport.stats().outcomes == {retrying.SERVER_SAID_NO: 1}
+
+
+# --- (e) the client's own timeout, declared to the gateway ------------------------------------
+
+CLIENT_TIMEOUT_S = 3.0
+# The harness's Batch tier waits 20 s in the queue; the client, 3 s. It declares the time less
+# the margin for the answer's way back, and the gateway answers within 0.2 s of that.
+DECLARED_S = float(request_timeout(CLIENT_TIMEOUT_S))
+# The 429 itself, not a retry of it: a retry would queue again.
+ONE_ATTEMPT = RetryPolicy(max_attempts=1)
+
+
+def queue_timeouts(gw: Harness) -> int:
+    value = gw.gateway.metrics.registry.get_sample_value(
+        "kvgate_gateway_requests_total",
+        {"pool": POOL, "tier": "batch", "outcome": "queue_timeout"})
+    return int(value or 0)
+
+
+@pytest.mark.parametrize("mode", ["async-stream", "sync-whole"])
+async def test_a_queued_request_gets_its_429_and_hint_before_the_client_gives_up(
+    gw: Harness, mode: str
+) -> None:
+    """Without the client's declared timeout the gateway would keep the request queued for
+    its tier's 20 s, and the client would time out at 3 s with no hint to wait for."""
+    await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})  # Batch queues for ever
+    timeout = httpx.Timeout(CLIENT_TIMEOUT_S, connect=5.0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    if mode == "async-stream":
+        async with AsyncKvgateClient(gw.url + "/v1", KEYS["batch"], policy=ONE_ATTEMPT,
+                                     timeout=timeout) as aclient:
+            with pytest.raises(RateLimitError) as info:
+                await aclient.stream_chat(POOL, MESSAGES, max_tokens=8)
+        error = info.value
+    else:
+        def run() -> RateLimitError:
+            with KvgateClient(gw.url + "/v1", KEYS["batch"], policy=ONE_ATTEMPT,
+                              timeout=timeout) as client, \
+                    pytest.raises(RateLimitError) as raised:
+                client.chat(POOL, MESSAGES, max_tokens=8)
+            return raised.value
+
+        error = await asyncio.to_thread(run)
+    answered_s = loop.time() - started
+    assert DECLARED_S <= answered_s < CLIENT_TIMEOUT_S, answered_s
+    assert error.code == "capacity_exceeded" and "waited" in error.message
+    assert error.retry_after_ms is not None and error.retry_after_ms >= 1
+    assert error.retry_after_ms == float(error.headers["retry-after-ms"])
+    assert error.request_id is not None
+    assert queue_timeouts(gw) == 1
+
+
+# --- (f) the 429 protocol's scope and the tenant's cap on queued tokens -----------------------
+
+
+async def test_a_tenants_cap_on_queued_tokens_is_a_rate_limit_error_with_its_scope(
+    redis_url: str, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The harness's key table is shared by every test module: the tenant joins it for this
+    # test only.
+    monkeypatch.setitem(KEYS, "flood", "sk-test-flood")
+
+    def adjust(data: dict[str, Any]) -> None:
+        data["tenants"].append(
+            {"name": "flood", "tier": "normal", "key_sha256": [sha(KEYS["flood"])],
+             "rate": 1_000_000, "burst": 1_000, "max_queued": 100, "max_queued_tokens": 1_000})
+
+    async with running_gateway(redis_url, adjust=adjust) as gw, \
+            AsyncKvgateClient(gw.url + "/v1", KEYS["flood"], policy=ONE_ATTEMPT) as aclient:
+        await gw.publish(Zone.YELLOW)  # Normal never takes the fast path: everything queues
+        queued = [asyncio.create_task(aclient.chat(POOL, MESSAGES, max_tokens=300))
+                  for _ in range(3)]  # ~3 x 310 tokens of the 1,000
+
+        async def three_queued() -> bool:
+            return await gw.queued(1) == 3
+
+        await eventually(three_queued)
+        with pytest.raises(RateLimitError) as info:
+            await aclient.chat(POOL, MESSAGES, max_tokens=300)
+        error = info.value
+        assert error.code == "rate_limit_exceeded_queued_tokens"
+        assert (error.scope, error.backpressure_level, error.queue_depth) == ("key", "YELLOW", 3)
+        assert error.retry_after_ms == float(error.headers["retry-after-ms"]) >= 1_000
+        await gw.release((0, 10, 0))
+        replies = await asyncio.gather(*queued)
+    assert all(reply["choices"] for reply in replies)

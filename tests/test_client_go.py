@@ -1,7 +1,8 @@
 """The Go SDK (clients/go) against the real gateway: its example program, built with `go build`,
 runs as a child process against the gateway of tests/gateway_harness.py (the session's
 redis-server, an instant vLLM-like backend, all on real sockets), while the test plays the
-scheduler and holds the pool in RED, then turns it GREEN.
+scheduler and holds the pool in RED, then turns it GREEN (or holds it YELLOW, where Batch
+requests queue and are never released).
 
 Nothing is injected into the Go process: it sleeps on the real clock. Its `-trace` lines say
 when each attempt was sent and answered (its own monotonic clock) and with which headers; the
@@ -23,7 +24,7 @@ import redis.asyncio as aioredis
 
 from admission.tiers import Zone
 from bench.common.golang import CHAT_EXAMPLE, GoMissing, build
-from tests.gateway_harness import KEYS, POOL, Harness, eventually, running_gateway
+from tests.gateway_harness import BIG, KEYS, POOL, Harness, eventually, running_gateway, sha
 
 # RED with the normal tier draining at 1 task/s and nothing queued: the gateway's hint is
 # (0 + 1) / 1 = 1 s, spread upward by its retry_jitter (25%). The Go client then waits
@@ -89,9 +90,10 @@ class Run:
         return stats
 
 
-async def start(binary: Path, gw: Harness, *args: str) -> asyncio.subprocess.Process:
+async def start(binary: Path, gw: Harness, *args: str, who: str = "normal"
+                ) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        str(binary), "-base-url", gw.url + "/v1", "-api-key", KEYS["normal"], "-model", "demo",
+        str(binary), "-base-url", gw.url + "/v1", "-api-key", KEYS[who], "-model", "demo",
         "-trace", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
 
@@ -201,3 +203,67 @@ async def test_go_client_attempts_stay_within_1_1x_under_sustained_429s(
     assert attempts >= REQUESTS * 1.1 - 1
     assert set(stats["outcomes"]) <= {"budget", "max_attempts"}
     assert stats["budget"]["retries_denied"] >= REQUESTS - (attempts - REQUESTS)
+
+
+GO_TIMEOUT_S = 3.0
+
+
+async def test_go_client_gets_its_429_and_hint_before_its_context_ends(
+    gw: Harness, chat_example: Path
+) -> None:
+    """The harness's Batch tier waits 20 s in the queue; the program's context, 3 s. Each
+    attempt declares the context's time left, less the margin for the answer's way back, and
+    the gateway's 429 arrives while the program still listens."""
+    await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})  # Batch queues for ever
+    run = await finish(await start(chat_example, gw, "-timeout", f"{GO_TIMEOUT_S}s", who="batch"))
+    assert run.code == 1
+    [attempt] = run.attempts
+    [message] = run.other
+    assert message.startswith("rate limited: code=capacity_exceeded "), message
+    assert attempt["status"] == 429 and int(attempt["retry_after_ms"]) >= 1
+    declared = float(attempt["request_timeout"])
+    assert GO_TIMEOUT_S - 0.6 <= declared <= GO_TIMEOUT_S - 0.5, declared
+    assert declared <= attempt["answered_s"] - attempt["sent_s"]  # held until then ...
+    assert attempt["answered_s"] < GO_TIMEOUT_S  # ... and answered before the context ended
+    # The hint (about 1 s) reaches past the context's deadline: no retry, the 429 is the answer.
+    assert run.stats["outcomes"] == {"deadline": 1}
+    value = gw.gateway.metrics.registry.get_sample_value(
+        "kvgate_gateway_requests_total",
+        {"pool": POOL, "tier": "batch", "outcome": "queue_timeout"})
+    assert value == 1
+
+
+async def test_go_client_reads_the_scope_of_a_tenants_cap_on_queued_tokens(
+    redis_url: str, redis_client: aioredis.Redis, chat_example: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The harness's key table is shared by every test module: the tenant joins it for this
+    # test only.
+    monkeypatch.setitem(KEYS, "flood", "sk-test-flood")
+
+    def adjust(data: dict[str, Any]) -> None:
+        data["tenants"].append(
+            {"name": "flood", "tier": "normal", "key_sha256": [sha(KEYS["flood"])],
+             "rate": 1_000_000, "burst": 1_000, "max_queued": 100, "max_queued_tokens": 1_000})
+
+    async with running_gateway(redis_url, adjust=adjust) as gw:
+        await gw.publish(Zone.YELLOW)  # Normal never takes the fast path: everything queues
+        client = gw.openai("flood")
+        queued = [asyncio.create_task(client.chat.completions.create(
+            model=POOL, messages=[{"role": "user", "content": "hi"}], max_tokens=300))
+            for _ in range(3)]  # ~3 x 310 tokens of the 1,000
+
+        async def three_queued() -> bool:
+            return await gw.queued(1) == 3
+
+        await eventually(three_queued)
+        run = await finish(await start(chat_example, gw, "-max-tokens", "300",
+                                       "-budget-initial", "0", who="flood"))
+        await gw.release((0, 10, 0))
+        await asyncio.gather(*queued)
+    assert run.code == 1
+    [attempt] = run.attempts
+    [message] = run.other
+    assert message.startswith("rate limited: code=rate_limit_exceeded_queued_tokens ")
+    assert f"retry_after_ms={int(attempt['retry_after_ms'])} " in message
+    assert "level=YELLOW queue_depth=3 scope=key: " in message

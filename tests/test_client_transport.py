@@ -276,6 +276,7 @@ def test_a_redirect_is_an_error_status_not_a_success() -> None:
             pytest.raises(APIStatusError) as info:
         client.chat("m", [{"role": "user", "content": "hi"}])
     assert info.value.status_code == 308
+    assert info.value.message.startswith("redirected to https://gw/v1/chat/completions")
 
 
 def test_a_body_that_cannot_be_decoded_is_a_kvgate_error() -> None:

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
 	"os"
 	"strings"
@@ -23,8 +24,8 @@ type ClientOptions struct {
 	// to bound their retries with one budget.
 	Retrier *Retrier
 	// Base is the transport below the retries; nil: DefaultBase(), a clone of
-	// http.DefaultTransport with 100 idle connections per host, a 5 s connect timeout and a
-	// 600 s response-header timeout.
+	// http.DefaultTransport with 100 idle connections per host closed after 30 s idle, a 5 s
+	// connect timeout and a 600 s response-header timeout.
 	Base http.RoundTripper
 	// Header is sent with every request (e.g. X-Priority: batch to lower a request's tier).
 	Header http.Header
@@ -33,7 +34,9 @@ type ClientOptions struct {
 // Client is a small typed client for kvgate's OpenAI-compatible endpoints: chat completions
 // and completions, each whole or streamed. Retries happen in its Transport before a response
 // is returned, so a stream is retried only while none of its body has reached the caller.
-// It is safe for concurrent use.
+// It follows no redirect: net/http would turn a POST answered 301 or 302 into a GET without
+// its body, which the gateway answers 405; the redirect is an *APIError whose Message names
+// its Location instead. It is safe for concurrent use.
 type Client struct {
 	baseURL   string
 	apiKey    string
@@ -68,9 +71,11 @@ func NewClient(baseURL string, o ClientOptions) *Client {
 		apiKey:    key,
 		header:    o.Header.Clone(),
 		transport: t,
-		http:      &http.Client{Transport: t},
+		http:      &http.Client{Transport: t, CheckRedirect: noRedirects},
 	}
 }
+
+func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // HTTPClient returns the *http.Client the client sends with (its Transport is Transport()).
 func (c *Client) HTTPClient() *http.Client { return c.http }
@@ -225,14 +230,16 @@ func (c *Client) Completion(ctx context.Context, req CompletionRequest) (*Comple
 }
 
 // ChatCompletionStream sends a streamed chat completion. The returned stream yields each
-// chunk as soon as the server has sent it; close it when done.
+// chunk as soon as the server has sent it; close it when done. A success whose Content-Type is
+// not text/event-stream (a proxy's page, a server that ignored "stream") is an
+// *InvalidResponseError holding the first 64 KiB of its body.
 func (c *Client) ChatCompletionStream(ctx context.Context, req ChatCompletionRequest) (*Stream[ChatCompletionChunk], error) {
 	type plain ChatCompletionRequest
 	body, err := encodeBody(plain(req), req.Extra, true)
 	if err != nil {
 		return nil, err
 	}
-	resp, err := c.send(ctx, "/chat/completions", body, "text/event-stream")
+	resp, err := c.sendStream(ctx, "/chat/completions", body)
 	if err != nil {
 		return nil, err
 	}
@@ -246,7 +253,7 @@ func (c *Client) CompletionStream(ctx context.Context, req CompletionRequest) (*
 	if err != nil {
 		return nil, err
 	}
-	resp, err := c.send(ctx, "/completions", body, "text/event-stream")
+	resp, err := c.sendStream(ctx, "/completions", body)
 	if err != nil {
 		return nil, err
 	}
@@ -279,18 +286,41 @@ func (c *Client) post(ctx context.Context, path string, body []byte, out interfa
 		return nil, err
 	}
 	defer resp.Body.Close()
-	if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-		var syntax *json.SyntaxError
-		var typ *json.UnmarshalTypeError
-		if errors.As(err, &syntax) || errors.As(err, &typ) {
-			return nil, fmt.Errorf("kvgate: the response is not the expected JSON: %w", err)
-		}
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
 		return nil, &ConnectionError{Err: err} // the body broke off
+	}
+	if err := json.Unmarshal(raw, out); err != nil {
+		if len(raw) > maxErrorBody {
+			raw = raw[:maxErrorBody]
+		}
+		return nil, &InvalidResponseError{StatusCode: resp.StatusCode, Header: resp.Header, Body: raw,
+			RequestID: requestID(resp.Header), Expected: "the expected JSON", Err: err}
 	}
 	return resp.Header, nil
 }
 
-// send posts body and returns a response below 400, or the typed error.
+// notAStreamPrefix bounds what is read of a success that is no event stream: enough to tell a
+// proxy's page; a server that ignored "stream" may be sending a whole answer, or more.
+const notAStreamPrefix = 64 << 10
+
+// sendStream is send for a streamed request: a response below 300 that is an event stream.
+func (c *Client) sendStream(ctx context.Context, path string, body []byte) (*http.Response, error) {
+	resp, err := c.send(ctx, path, body, "text/event-stream")
+	if err != nil {
+		return nil, err
+	}
+	if media, _, _ := mime.ParseMediaType(resp.Header.Get("Content-Type")); media != "text/event-stream" {
+		prefix, _ := io.ReadAll(io.LimitReader(resp.Body, notAStreamPrefix))
+		_ = resp.Body.Close()
+		return nil, &InvalidResponseError{StatusCode: resp.StatusCode, Header: resp.Header, Body: prefix,
+			RequestID: requestID(resp.Header),
+			Expected:  fmt.Sprintf("an event stream (Content-Type %q)", resp.Header.Get("Content-Type"))}
+	}
+	return resp, nil
+}
+
+// send posts body and returns a response below 300, or the typed error (a redirect included).
 func (c *Client) send(ctx context.Context, path string, body []byte, accept string) (*http.Response, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.baseURL+path, bytes.NewReader(body))
 	if err != nil {
@@ -311,7 +341,7 @@ func (c *Client) send(ctx context.Context, path string, body []byte, accept stri
 		}
 		return nil, &ConnectionError{Err: err}
 	}
-	if resp.StatusCode >= 400 {
+	if resp.StatusCode >= 300 {
 		return nil, decodeError(resp)
 	}
 	return resp, nil
@@ -327,8 +357,10 @@ func newStream[T any](resp *http.Response) *Stream[T] {
 	return &Stream[T]{resp: resp, sse: newSSEReader(resp.Body)}
 }
 
-// Recv returns the next event as soon as it has arrived; io.EOF after the last one. A broken
-// connection gives a *ConnectionError, an error event a *StreamError; neither is retried.
+// Recv returns the next event as soon as it has arrived; io.EOF after the data: [DONE] event.
+// A broken connection gives a *ConnectionError, and so does a body that ends before
+// [DONE] (its Err is ErrIncompleteStream); an error event gives a *StreamError; none is
+// retried.
 func (s *Stream[T]) Recv() (T, error) {
 	var zero T
 	data, err := s.sse.next()

@@ -293,12 +293,134 @@ func TestAnErrorMemberThatIsNullIsNoError(t *testing.T) {
 
 func TestABodyThatIsNotJSONIsNotAConnectionError(t *testing.T) {
 	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("X-Request-Id", "t-1")
 		fmt.Fprint(w, "<html>a proxy's page</html>")
 	})
 	_, err := newTestClient(t, g, newFakeClock()).ChatCompletion(context.Background(), ChatCompletionRequest{Model: "m"})
 	var ce *ConnectionError
-	if err == nil || errors.As(err, &ce) || !strings.Contains(err.Error(), "not the expected JSON") {
+	var ire *InvalidResponseError
+	if err == nil || errors.As(err, &ce) || !strings.Contains(err.Error(), "not the expected JSON") ||
+		!errors.As(err, &ire) || ire.StatusCode != 200 || string(ire.Body) != "<html>a proxy's page</html>" ||
+		ire.RequestID != "t-1" || ire.Err == nil {
 		t.Fatalf("%T %v", err, err)
+	}
+}
+
+// A 2xx that is no event stream (a proxy's page, a server that ignored "stream" and sent a
+// whole answer, bigger than what is read of it) is an error, not a stream of no events.
+func TestAStreamThatIsNoEventStreamIsAnInvalidResponse(t *testing.T) {
+	page := "<html>Please sign in to the network</html>"
+	whole := `{"choices": [{"text": "` + strings.Repeat("x", 4*notAStreamPrefix) + `"}]}`
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("X-Request-Id", fmt.Sprintf("t-%d", n))
+		if body["path"] == "/v1/completions" {
+			w.Header().Set("Content-Type", "application/json")
+			fmt.Fprint(w, whole)
+			return
+		}
+		w.Header().Set("Content-Type", "text/html; charset=utf-8")
+		fmt.Fprint(w, page)
+	})
+	c := newTestClient(t, g, newFakeClock())
+	_, err := c.ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+	var ire *InvalidResponseError
+	if !errors.As(err, &ire) || ire.StatusCode != 200 || string(ire.Body) != page || ire.RequestID != "t-1" ||
+		!strings.Contains(err.Error(), `not an event stream (Content-Type "text/html; charset=utf-8")`) {
+		t.Fatalf("%T %v", err, err)
+	}
+	_, err = c.CompletionStream(context.Background(), CompletionRequest{Model: "m"})
+	if !errors.As(err, &ire) || string(ire.Body) != whole[:notAStreamPrefix] {
+		t.Fatalf("%T %v", err, err)
+	}
+	if st := c.Stats(); st.Attempts != 2 {
+		t.Fatalf("%+v", st)
+	}
+}
+
+// A body that ends cleanly before data: [DONE] is an answer cut short: the events it carried,
+// then the same error as a connection that broke mid-stream, never retried.
+func TestAStreamThatEndsBeforeDoneIsIncomplete(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"a\"}}]}\n\n")
+		fmt.Fprint(w, "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"b\"}}]}\n\n")
+	})
+	c := newTestClient(t, g, newFakeClock())
+	stream, err := c.ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	for _, want := range []string{"a", "b"} {
+		if chunk, err := stream.Recv(); err != nil || chunk.Choices[0].Delta.Content != want {
+			t.Fatalf("want %q: %+v %v", want, chunk, err)
+		}
+	}
+	_, err = stream.Recv()
+	var ce *ConnectionError
+	if !errors.As(err, &ce) || !errors.Is(err, ErrIncompleteStream) || !strings.Contains(err.Error(), "without [DONE]") {
+		t.Fatalf("%T %v", err, err)
+	}
+	if st := c.Stats(); st.Attempts != 1 {
+		t.Fatalf("%+v", st)
+	}
+}
+
+// A POST answered 301 is not followed as a GET without its body (which the gateway answers
+// 405): the redirect is the error, and it says where to point the client.
+func TestARedirectIsAnAPIErrorNamingItsLocation(t *testing.T) {
+	var mu sync.Mutex
+	var seen []string
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		seen = append(seen, r.Method+" "+r.URL.Path)
+		mu.Unlock()
+		if strings.HasPrefix(r.URL.Path, "/v1/") {
+			http.Redirect(w, r, "/v2/"+strings.TrimPrefix(r.URL.Path, "/v1/"), http.StatusMovedPermanently)
+			return
+		}
+		if r.Method != http.MethodPost {
+			w.WriteHeader(http.StatusMethodNotAllowed)
+			return
+		}
+		fmt.Fprint(w, `{"choices": []}`)
+	}))
+	defer srv.Close()
+	c := NewClient(srv.URL+"/v1", ClientOptions{Retrier: mustRetrier(t, RetrierOptions{Clock: newFakeClock()})})
+	_, err := c.ChatCompletion(context.Background(), ChatCompletionRequest{Model: "m"})
+	var api *APIError
+	if !errors.As(err, &api) || api.StatusCode != 301 ||
+		!strings.HasPrefix(api.Message, "redirected to /v2/chat/completions") || !strings.Contains(err.Error(), "301") {
+		t.Fatalf("%T %v", err, err)
+	}
+	_, err = c.ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+	if !errors.As(err, &api) || api.StatusCode != 301 {
+		t.Fatalf("%T %v", err, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if strings.Join(seen, "|") != "POST /v1/chat/completions|POST /v1/chat/completions" {
+		t.Fatal(seen)
+	}
+}
+
+// The rest of the 429 protocol: the code of a tenant's cap on queued tokens, the limit's
+// scope, and the zone a gateway that cannot read its Redis reports.
+func TestRateLimitErrorScopeAndTheQueuedTokensCode(t *testing.T) {
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("X-RateLimit-Scope", "key")
+		w.Header().Set("X-RateLimit-Backpressure-Level", "UNKNOWN")
+		w.Header().Set("X-Queue-Depth", "3")
+		w.Header().Set("Retry-After-Ms", "1100")
+		w.Header().Set("X-Should-Retry", "false")
+		w.WriteHeader(429)
+		fmt.Fprint(w, `{"error": {"message": "cap", "type": "rate_limit_error", "code": "rate_limit_exceeded_queued_tokens"}}`)
+	})
+	_, err := newTestClient(t, g, newFakeClock()).Completion(context.Background(), CompletionRequest{Model: "m", Prompt: "p"})
+	var rl *RateLimitError
+	if !errors.As(err, &rl) || rl.Code != CodeQueuedTokensExceeded || rl.Scope != "key" ||
+		rl.BackpressureLevel != "UNKNOWN" || rl.QueueDepth != 3 || rl.RetryAfter != 1100*time.Millisecond {
+		t.Fatalf("%T %+v", err, err)
 	}
 }
 
@@ -316,10 +438,22 @@ func TestUnreachableGatewayIsAConnectionError(t *testing.T) {
 
 func TestSSEReader(t *testing.T) {
 	in := ": comment\n\ndata: a\ndata: b\n\nevent: x\ndata:c\r\n\r\nid: 3\n\n\ndata: last"
-	if got := readEvents(t, newSSEReader(strings.NewReader(in))); strings.Join(got, "|") != "a\nb|c|last" {
+	if got := readEvents(t, newSSEReader(strings.NewReader(in+"\n\ndata: [DONE]"))); strings.Join(got, "|") != "a\nb|c|last" {
 		t.Fatalf("%q", got)
 	}
-	r := newSSEReader(strings.NewReader("data: x\n\ndata: [DONE]\n\ndata: after\n\n"))
+	// The same events without [DONE]: all delivered, then the end is an error, not io.EOF.
+	r := newSSEReader(strings.NewReader(in))
+	for _, want := range []string{"a\nb", "c", "last"} {
+		if d, err := r.next(); d != want || err != nil {
+			t.Fatalf("want %q: %q %v", want, d, err)
+		}
+	}
+	for i := 0; i < 2; i++ {
+		if _, err := r.next(); !errors.Is(err, ErrIncompleteStream) {
+			t.Fatal(err)
+		}
+	}
+	r = newSSEReader(strings.NewReader("data: x\n\ndata: [DONE]\n\ndata: after\n\n"))
 	if d, _ := r.next(); d != "x" {
 		t.Fatal(d)
 	}

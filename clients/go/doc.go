@@ -12,7 +12,10 @@
 //     deadline when it is sooner); not 504, which only a proxy in front of the gateway sends
 //     while the generation may still be running (see RetryableStatuses);
 //   - a retry budget shared by all requests of a client: each request earns 0.1 token, each
-//     retry spends one, so under sustained 429s a client adds at most about 10% more attempts.
+//     retry spends one, so under sustained 429s a client adds at most about 10% more attempts;
+//   - the client's own timeout, declared on every attempt (X-Request-Timeout: the context's
+//     time left, or the response-header timeout, less a margin), so that a request still
+//     queued at the gateway when the client would give up gets its 429 and hint instead.
 //
 // The policy is data (Policy, the exported constants) and a pure function (BackoffDelay); the
 // decision engine (Retrier, RetryState) never sleeps and never does I/O, so it runs under an

@@ -2,6 +2,7 @@ package kvgate
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -17,6 +18,9 @@ const (
 	CodeCapacityExceeded = "capacity_exceeded"
 	// CodeRateLimitExceeded: the API key's token quota is spent for now.
 	CodeRateLimitExceeded = "rate_limit_exceeded"
+	// CodeQueuedTokensExceeded: the API key's requests already queued hold its cap on queued
+	// tokens; RetryAfter is the time its own queue takes to drain enough.
+	CodeQueuedTokensExceeded = "rate_limit_exceeded_queued_tokens"
 	// CodeInsufficientQuota: a quota that never refills is spent; no wait helps (the answer
 	// says x-should-retry: false, and RetryAfter is 0).
 	CodeInsufficientQuota = "insufficient_quota"
@@ -25,8 +29,9 @@ const (
 // maxErrorBody bounds how much of an error response is read and kept.
 const maxErrorBody = 1 << 20
 
-// APIError is an error response (status >= 400) with the fields of OpenAI's error shape,
-// {"error": {"message", "type", "param", "code"}}, pulled out.
+// APIError is an error response (status >= 400, or a redirect: the Client follows none) with
+// the fields of OpenAI's error shape, {"error": {"message", "type", "param", "code"}}, pulled
+// out. A redirect's Message names its Location.
 type APIError struct {
 	// StatusCode is the response's HTTP status.
 	StatusCode int
@@ -42,7 +47,9 @@ type APIError struct {
 	// retry_after_ms), 0 when it asked for none.
 	RetryAfter time.Duration
 	// RequestID is the gateway's X-Request-Id, the task's name in its logs; "" for a
-	// request refused before admission (a malformed or impossible one, a 429 on arrival).
+	// request refused before admission (a malformed one, or one refused before it reached
+	// the admission store, as max_tokens_too_large is). Every answer of the admission step,
+	// a 429 included, carries one.
 	RequestID string
 	// Header holds the response's headers.
 	Header http.Header
@@ -59,17 +66,22 @@ func (e *APIError) Error() string {
 }
 
 // RateLimitError is a 429. Code tells capacity_exceeded (the fleet is full) from
-// rate_limit_exceeded (the key's quota, for now) and insufficient_quota (a quota that never
-// refills, spent: not worth a retry). errors.As finds it, and its APIError, in any error the
-// Client returns.
+// rate_limit_exceeded (the key's quota, for now), rate_limit_exceeded_queued_tokens (the
+// key's cap on queued tokens) and insufficient_quota (a quota that never refills, spent: not
+// worth a retry). errors.As finds it, and its APIError, in any error the Client returns.
 type RateLimitError struct {
 	APIError
 	// BackpressureLevel is the pool's zone from X-RateLimit-Backpressure-Level ("GREEN",
-	// "YELLOW", "RED"), "" when absent.
+	// "YELLOW", "RED", or "UNKNOWN" when the gateway could not read it, as when a queued
+	// request's deadline passes while its Redis is unreachable), "" when absent.
 	BackpressureLevel string
 	// QueueDepth is X-Queue-Depth, the tasks queued at the request's tier or above; -1 when
 	// absent or malformed.
 	QueueDepth int
+	// Scope is X-RateLimit-Scope, the limit that refused the request: "key" for the API
+	// key's own limits, else the name of the enclosing quota level whose quota is spent; ""
+	// when absent (a capacity refusal).
+	Scope string
 }
 
 // Unwrap returns the embedded APIError, so that errors.As(err, &apiErr) also matches a 429.
@@ -87,6 +99,47 @@ func (e *ConnectionError) Error() string { return "kvgate: connection error: " +
 
 // Unwrap returns the transport's error.
 func (e *ConnectionError) Unwrap() error { return e.Err }
+
+// ErrIncompleteStream is the error a stream's Recv returns, inside a *ConnectionError, when
+// its body ends cleanly before the data: [DONE] event: the answer was cut short (a proxy's or
+// load balancer's limit, a gateway stopping), not finished. Like a connection that breaks
+// mid-stream it is never retried: the events before it have been delivered.
+var ErrIncompleteStream = errors.New("kvgate: the stream ended without [DONE]")
+
+// InvalidResponseError is a success status whose body is not what the API answers with: a
+// proxy's or portal's page, a body cut short, or, for a stream, a body that is no event stream
+// (its Content-Type is not text/event-stream: a page, or a server that ignored "stream").
+type InvalidResponseError struct {
+	// StatusCode is the response's HTTP status.
+	StatusCode int
+	// Header holds the response's headers.
+	Header http.Header
+	// Body holds the body, or the first 64 KiB of it.
+	Body []byte
+	// RequestID is the response's X-Request-Id, "" when absent.
+	RequestID string
+	// Expected says what the body should have been: "the expected JSON", or "an event
+	// stream" with the Content-Type the response had instead.
+	Expected string
+	// Err is the decoder's error, nil when the body was not decoded.
+	Err error
+}
+
+// Error describes the response: status, what it is not, and its decoder's error or the start
+// of its body.
+func (e *InvalidResponseError) Error() string {
+	if e.Err != nil {
+		return fmt.Sprintf("kvgate: %d: the response is not %s: %v", e.StatusCode, e.Expected, e.Err)
+	}
+	prefix := e.Body
+	if len(prefix) > 200 {
+		prefix = prefix[:200]
+	}
+	return fmt.Sprintf("kvgate: %d: the response is not %s: %q", e.StatusCode, e.Expected, prefix)
+}
+
+// Unwrap returns the decoder's error.
+func (e *InvalidResponseError) Unwrap() error { return e.Err }
 
 // StreamError is an error the server reported inside an already started stream (an event
 // whose payload has an "error" member other than null, or is not a JSON object; OpenAI-
@@ -170,12 +223,20 @@ func newAPIError(status int, h http.Header, body []byte, now time.Time) error {
 	if d, ok := ParseRetryAfter(h, now); ok {
 		e.RetryAfter = d
 	}
+	if location, ok := headerValue(h, "Location"); ok && status >= 300 && status < 400 {
+		// A POST cannot follow a redirect as it was sent (301 and 302 turn it into a GET):
+		// the fix is the client's base URL, so the message says where to point it.
+		e.Message = "redirected to " + location + " (redirects are not followed: point the client at the new address)"
+	}
 	if status != http.StatusTooManyRequests {
 		return &e
 	}
 	rl := &RateLimitError{APIError: e, QueueDepth: -1}
 	if v, ok := headerValue(h, HeaderBackpressureLevel); ok {
 		rl.BackpressureLevel = strings.TrimSpace(v)
+	}
+	if v, ok := headerValue(h, HeaderScope); ok {
+		rl.Scope = strings.TrimSpace(v)
 	}
 	if v, ok := headerValue(h, HeaderQueueDepth); ok {
 		if n, err := strconv.Atoi(strings.TrimSpace(v)); err == nil && n >= 0 {

@@ -22,12 +22,20 @@ const (
 	HeaderBackpressureLevel = "X-RateLimit-Backpressure-Level"
 	// HeaderQueueDepth is the number of tasks queued at the request's tier or above.
 	HeaderQueueDepth = "X-Queue-Depth"
+	// HeaderScope names the limit that refused a 429 ("key", or an enclosing quota level);
+	// read into RateLimitError.Scope.
+	HeaderScope = "X-RateLimit-Scope"
 	// HeaderRequestID names a request's task in the gateway's logs; read into
 	// APIError.RequestID and StreamError.RequestID.
 	HeaderRequestID = "X-Request-Id"
-	// HeaderRetryCount is sent on every retry (1 on the first retry) so the gateway and its
-	// metrics can tell retries from first attempts.
+	// HeaderRetryCount is sent on every retry (1 on the first retry) so that access logs,
+	// proxies and the node (the gateway forwards it unread) can tell retries from first
+	// attempts.
 	HeaderRetryCount = "x-kvgate-retry-count"
+	// HeaderRequestTimeout is sent on every attempt by Transport: the seconds the client will
+	// wait for its request to leave the gateway's queue, after which the gateway answers it
+	// with a 429 and its retry hint (see Transport).
+	HeaderRequestTimeout = "X-Request-Timeout"
 )
 
 // Forever is the hint of a header that parses to +Inf or overflows a Duration. It is not an

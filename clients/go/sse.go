@@ -69,7 +69,8 @@ func (l *sseLines) split(data []byte, atEOF bool) (int, []byte, error) {
 	return skip + i + 1, rest[:i], nil
 }
 
-// next returns the next event's data; io.EOF after [DONE] or at the end of the body.
+// next returns the next event's data; io.EOF after [DONE], ErrIncompleteStream at an end of
+// the body that came before it: only [DONE] tells a whole answer from one cut short.
 func (s *sseReader) next() (string, error) {
 	if s.done {
 		return "", io.EOF
@@ -90,8 +91,7 @@ func (s *sseReader) next() (string, error) {
 		s.data = nil
 		return s.emit(data)
 	}
-	s.done = true
-	return "", io.EOF
+	return "", ErrIncompleteStream
 }
 
 func (s *sseReader) emit(data string) (string, error) {

@@ -2,8 +2,10 @@ package kvgate
 
 import (
 	"context"
+	"crypto/x509"
 	"errors"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"strconv"
@@ -31,17 +33,26 @@ const discardLimit = 64 << 10
 // The request's context bounds everything: its deadline caps the retry loop (see
 // Retrier.Begin) and its cancellation interrupts a backoff sleep, which then returns the
 // context's error.
+//
+// Every attempt tells the gateway how long the client will wait for it (X-Request-Timeout):
+// the sooner of the context's deadline and the base's ResponseHeaderTimeout (when the base is
+// an *http.Transport), less a margin for the answer's way back: 0.5 s or a tenth of it, if
+// more, and at least half of it (the margin the gateway leaves below the read timeout the
+// OpenAI SDKs declare). A request still queued at the gateway then gets its 429 and retry hint
+// while the client listens, instead of the client's timer firing first with no hint. It is
+// computed again for each attempt, from the time left; a request that carries the header
+// already keeps its own value, and one with neither a deadline nor such a timeout sends none.
 type Transport struct {
 	base    http.RoundTripper
 	retrier *Retrier
 }
 
-// NewTransport wraps base (http.DefaultTransport when nil) with retrier's policy (a
-// NewDefaultRetrier() when nil). Requests through one Transport share its retrier's budget
-// and counters.
+// NewTransport wraps base (a new DefaultBase() when nil, as NewClient uses) with retrier's
+// policy (a NewDefaultRetrier() when nil). Requests through one Transport share its
+// retrier's budget and counters.
 func NewTransport(base http.RoundTripper, retrier *Retrier) *Transport {
 	if base == nil {
-		base = http.DefaultTransport
+		base = DefaultBase()
 	}
 	if retrier == nil {
 		retrier = NewDefaultRetrier()
@@ -77,8 +88,12 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
 	replayable := req.Body == nil || req.Body == http.NoBody || req.GetBody != nil
 	state := t.retrier.Begin(ctx)
+	_, declared := headerValue(req.Header, HeaderRequestTimeout)
 	attempt := req
 	for {
+		if !declared {
+			attempt = t.declareTimeout(ctx, req, attempt)
+		}
 		resp, err := t.base.RoundTrip(attempt)
 		var d Decision
 		switch {
@@ -115,6 +130,41 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 }
 
+// declareTimeout returns attempt carrying X-Request-Timeout for the time the client has left,
+// cloned first if it is the caller's request; attempt itself when no wait is bounded.
+func (t *Transport) declareTimeout(ctx context.Context, req, attempt *http.Request) *http.Request {
+	wait, ok := time.Duration(0), false
+	if deadline, has := ctx.Deadline(); has {
+		wait, ok = deadline.Sub(t.retrier.clock.Now()), true
+	}
+	if ht, isHT := t.base.(*http.Transport); isHT && ht.ResponseHeaderTimeout > 0 && (!ok || ht.ResponseHeaderTimeout < wait) {
+		wait, ok = ht.ResponseHeaderTimeout, true
+	}
+	if !ok || wait <= 0 {
+		return attempt // the context's own error ends the attempt
+	}
+	if attempt == req {
+		attempt = req.Clone(ctx)
+	}
+	attempt.Header.Set(HeaderRequestTimeout, requestTimeout(wait))
+	return attempt
+}
+
+// requestTimeout is the X-Request-Timeout value (seconds, to the millisecond, rounded down)
+// for a client that waits wait for an answer: wait less 0.5 s or a tenth of it, and at least
+// half of it; at least 1 ms. Computed in float64 seconds, as the Python SDK does, so both
+// send the same value (clients/vectors/retry_policy.json).
+func requestTimeout(wait time.Duration) string {
+	s := wait.Seconds()
+	left := math.Max(s/2, s-math.Max(answerMargin.Seconds(), s/10))
+	ms := math.Max(1, math.Floor(left*1000))
+	return strconv.FormatFloat(ms/1000, 'f', 3, 64)
+}
+
+// answerMargin: the gateway answers a request still queued at its deadline within 0.2 s, and
+// the answer must then reach the client before its own timer fires.
+const answerMargin = 500 * time.Millisecond
+
 // retryRequest clones req with a fresh body and the retry-count header (retry: the attempts
 // sent before it).
 func retryRequest(ctx context.Context, req *http.Request, retry int) (*http.Request, error) {
@@ -137,13 +187,21 @@ func discard(resp *http.Response) {
 
 // IsConnectionError reports whether err means the request either never reached the server or
 // the connection died before a status line came back: a failed dial (refused, unreachable,
-// name resolution, connect timeout), a reset or broken connection, or an EOF before the
-// response. Timeouts after the connection was made (a read or response-header timeout) and
-// canceled contexts are not: the request may be running on a GPU, and a second copy doubles
-// the load exactly when the fleet is slow.
+// name resolution, connect timeout; to the proxy too), a reset or broken connection, a kept-
+// alive connection the server closed as the request went out, or an EOF before the response.
+// Timeouts after the connection was made (a read or response-header timeout) and canceled
+// contexts are not: the request may be running on a GPU, and a second copy doubles the load
+// exactly when the fleet is slow. Nor are failures that repeat on every attempt: a server's
+// (or an https proxy's) certificate that fails verification, and a proxy that refuses the
+// tunnel (its CONNECT answered 407, 403, 502). The Python SDK draws the same lines.
 func IsConnectionError(err error) bool {
-	if err == nil || errors.Is(err, context.Canceled) {
+	if err == nil || errors.Is(err, context.Canceled) || isCertificateError(err) {
 		return false
+	}
+	// net/http's errServerClosedIdle, unexported: a POST (not idempotent) sent on a kept-alive
+	// connection the server closed, as idle, at that moment. The server read none of it.
+	if strings.Contains(err.Error(), "http: server closed idle connection") {
+		return true
 	}
 	var op *net.OpError
 	// Before the deadline check: a dial that hits the Dialer's timeout is an OpError whose
@@ -169,15 +227,35 @@ func IsConnectionError(err error) bool {
 		errors.Is(err, syscall.EPIPE)
 }
 
-// DefaultBase returns a new transport as NewClient puts below its retries when
-// ClientOptions.Base is nil: http.DefaultTransport's settings with more idle connections per
-// host (a client talks to one gateway) and the Python SDK's timeouts: 5 s to connect, 600 s
-// for the response headers. Wrap it to observe attempts without losing those settings.
+// isCertificateError: the peer's certificate failed verification (Go 1.20 and later wrap
+// these in a tls.CertificateVerificationError, which errors.As looks through).
+func isCertificateError(err error) bool {
+	var unknown x509.UnknownAuthorityError
+	var hostname x509.HostnameError
+	var invalid x509.CertificateInvalidError
+	var roots x509.SystemRootsError
+	return errors.As(err, &unknown) || errors.As(err, &hostname) || errors.As(err, &invalid) ||
+		errors.As(err, &roots)
+}
+
+// DefaultBase returns a new transport as NewClient and NewTransport put below their retries
+// when given no base: http.DefaultTransport's settings with more idle connections per host (a
+// client talks to one gateway), idle connections closed after 30 s, and the Python SDK's
+// timeouts: 5 s to connect, 600 s for the response headers. Wrap it to observe attempts
+// without losing those settings.
+//
+// The idle timeout is below the gateway's keep-alive (gateway.keepalive_timeout_ms, 75 s by
+// default): a connection the client closes first is never one the gateway is closing while a
+// request goes out on it (http.DefaultTransport keeps them 90 s).
 func DefaultBase() *http.Transport {
 	t := http.DefaultTransport.(*http.Transport).Clone()
 	t.DialContext = (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext
 	t.MaxIdleConns = 1000
 	t.MaxIdleConnsPerHost = 100
+	t.IdleConnTimeout = DefaultIdleConnTimeout
 	t.ResponseHeaderTimeout = 600 * time.Second
 	return t
 }
+
+// DefaultIdleConnTimeout is DefaultBase's IdleConnTimeout: below the gateway's 75 s keep-alive.
+const DefaultIdleConnTimeout = 30 * time.Second

@@ -6,9 +6,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -17,8 +19,9 @@ import (
 
 // seen is what one attempt looked like on the wire.
 type seen struct {
-	body       string
-	retryCount string
+	body           string
+	retryCount     string
+	requestTimeout string
 }
 
 // scripted is a real HTTP server on loopback that answers the given statuses in turn (with
@@ -36,7 +39,7 @@ func newScripted(t *testing.T, statuses []int, headers http.Header) *scripted {
 	s.server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		s.mu.Lock()
-		s.seen = append(s.seen, seen{string(body), r.Header.Get(HeaderRetryCount)})
+		s.seen = append(s.seen, seen{string(body), r.Header.Get(HeaderRetryCount), r.Header.Get(HeaderRequestTimeout)})
 		status := 200
 		if len(s.script) > 0 {
 			status, s.script = s.script[0], s.script[1:]
@@ -580,4 +583,190 @@ func make429s(n int) []int {
 		s[i] = 429
 	}
 	return s
+}
+
+// Every attempt declares the time its context has left, less the margin for the answer's way
+// back, computed again after each backoff sleep.
+func TestEveryAttemptDeclaresTheTimeLeft(t *testing.T) {
+	srv := newScripted(t, []int{429, 503}, nil)
+	clock := newFakeClock()
+	tr := newTestTransport(t, clock, nil, nil)
+	deadline := clock.Now().Add(10 * time.Second)
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+	resp, err := tr.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	attempts, slept := srv.attempts(), clock.slept()
+	if len(attempts) != 3 || len(slept) != 2 {
+		t.Fatal(len(attempts), slept)
+	}
+	left := 10 * time.Second
+	for i, a := range attempts {
+		if i > 0 {
+			left -= slept[i-1]
+		}
+		if want := requestTimeout(left); a.requestTimeout != want {
+			t.Fatalf("attempt %d declared %q, want %q", i, a.requestTimeout, want)
+		}
+	}
+	if attempts[0].requestTimeout != "9.000" || req.Header.Get(HeaderRequestTimeout) != "" {
+		t.Fatal(attempts[0].requestTimeout, req.Header)
+	}
+}
+
+// Without a context deadline, the base's response-header timeout bounds the wait (600 s for
+// DefaultBase: 540 s declared, below a Batch tier's 600 s queue timeout); with neither, nothing
+// is declared; a value the caller set is sent as it is.
+func TestTheDeclaredWaitWithoutADeadline(t *testing.T) {
+	srv := newScripted(t, nil, nil)
+	send := func(tr http.RoundTripper, h http.Header) string {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+		for k, v := range h {
+			req.Header[k] = v
+		}
+		resp, err := tr.RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		a := srv.attempts()
+		return a[len(a)-1].requestTimeout
+	}
+	retrier := mustRetrier(t, RetrierOptions{Clock: newFakeClock()})
+	if got := send(NewTransport(nil, retrier), nil); got != "540.000" {
+		t.Fatal(got)
+	}
+	if got := send(NewTransport(&http.Transport{}, retrier), nil); got != "" {
+		t.Fatal(got)
+	}
+	if got := send(NewTransport(nil, retrier), http.Header{"X-Request-Timeout": {"12"}}); got != "12" {
+		t.Fatal(got)
+	}
+}
+
+// NewHTTPClient(nil, nil), like NewClient, sends through DefaultBase's settings, not
+// http.DefaultTransport's (2 idle connections per host, no response-header timeout).
+func TestNoBaseMeansDefaultBase(t *testing.T) {
+	for _, rt := range []http.RoundTripper{NewHTTPClient(nil, nil).Transport, NewTransport(nil, nil)} {
+		base, ok := rt.(*Transport).Base().(*http.Transport)
+		if !ok || base == http.DefaultTransport || base.MaxIdleConnsPerHost != 100 ||
+			base.ResponseHeaderTimeout != 600*time.Second || base.IdleConnTimeout != DefaultIdleConnTimeout {
+			t.Fatalf("%T %+v", rt.(*Transport).Base(), rt.(*Transport).Base())
+		}
+	}
+}
+
+// The client drops an idle connection before the gateway does (its keep-alive is 75 s by
+// default), so that no request goes out on a connection the gateway is closing.
+func TestIdleConnectionsCloseBeforeTheGatewaysKeepAlive(t *testing.T) {
+	if idle := DefaultBase().IdleConnTimeout; idle <= 0 || idle >= 75*time.Second {
+		t.Fatal(idle)
+	}
+}
+
+// serverClosedIdle is net/http's errServerClosedIdle, unexported: what a POST on a kept-alive
+// connection returns when the server closed it, as idle, as the request went out.
+var serverClosedIdle = errors.New("http: server closed idle connection")
+
+func TestAConnectionTheServerClosedAsIdleIsRetried(t *testing.T) {
+	calls := 0
+	base := roundTripFunc(func(req *http.Request) (*http.Response, error) {
+		calls++
+		if calls == 1 {
+			return nil, serverClosedIdle
+		}
+		return stubResponse(req, 200, nil), nil
+	})
+	tr := NewTransport(base, mustRetrier(t, RetrierOptions{Clock: newFakeClock()}))
+	req, _ := http.NewRequest(http.MethodPost, "http://gw/v1/chat/completions", strings.NewReader("{}"))
+	resp, err := tr.RoundTrip(req)
+	if err != nil || resp.StatusCode != 200 || calls != 2 {
+		t.Fatal(err, calls)
+	}
+	wrapped := &url.Error{Op: "Post", URL: "http://gw/v1/chat/completions", Err: serverClosedIdle}
+	if !IsConnectionError(wrapped) {
+		t.Fatal("a wrapped one is a connection error too")
+	}
+}
+
+// A certificate that fails verification fails every attempt the same way: the server's own,
+// or an https proxy's (which net/http reports as a "proxyconnect" error, like a refused dial
+// to the proxy).
+func TestACertificateThatFailsVerificationIsNotRetried(t *testing.T) {
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprint(w, "{}")
+	}))
+	srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the handshakes the client aborts
+	srv.StartTLS()
+	defer srv.Close()
+	direct := DefaultBase()
+	viaProxy := DefaultBase()
+	viaProxy.Proxy = http.ProxyURL(mustParse(t, srv.URL))
+	for name, c := range map[string]struct {
+		base *http.Transport
+		url  string
+	}{"direct": {direct, srv.URL}, "https proxy": {viaProxy, "http://gateway.invalid/v1/chat/completions"}} {
+		tr := NewTransport(c.base, mustRetrier(t, RetrierOptions{Clock: newFakeClock()}))
+		req, _ := http.NewRequest(http.MethodPost, c.url, strings.NewReader("{}"))
+		_, err := tr.RoundTrip(req)
+		if err == nil || IsConnectionError(err) || !isCertificateError(err) {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if st := tr.Stats(); st.Attempts != 1 || st.Outcomes[OutcomeError] != 1 {
+			t.Fatalf("%s: %+v", name, st)
+		}
+	}
+}
+
+// A proxy that cannot be reached is a connection error (the request reached no one); one that
+// refuses the tunnel answers the same on every attempt. The Python SDK draws the same lines.
+func TestProxiesThatCannotBeReachedAreRetriedOnesThatRefuseAreNot(t *testing.T) {
+	var mu sync.Mutex
+	connects := 0
+	refusing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		connects++
+		mu.Unlock()
+		w.WriteHeader(http.StatusProxyAuthRequired)
+	}))
+	defer refusing.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := "http://" + ln.Addr().String()
+	ln.Close() // nothing listens there any more: every dial is refused
+	for _, c := range []struct {
+		proxy     string
+		attempts  int64
+		retryable bool
+	}{{refusing.URL, 1, false}, {gone, MaxAttempts, true}} {
+		base := DefaultBase()
+		base.Proxy = http.ProxyURL(mustParse(t, c.proxy))
+		tr := NewTransport(base, mustRetrier(t, RetrierOptions{Clock: newFakeClock()}))
+		req, _ := http.NewRequest(http.MethodPost, "https://gateway.invalid/v1/chat/completions", strings.NewReader("{}"))
+		_, err := tr.RoundTrip(req)
+		if err == nil || IsConnectionError(err) != c.retryable || tr.Stats().Attempts != c.attempts {
+			t.Fatalf("%s: %v %+v", c.proxy, err, tr.Stats())
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if connects != 1 {
+		t.Fatal(connects)
+	}
+}
+
+func mustParse(t *testing.T, raw string) *url.URL {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u
 }

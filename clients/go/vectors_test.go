@@ -60,8 +60,14 @@ type vectorFile struct {
 		NowUnix      int64   `json:"now_unix"`
 		ElapsedS     float64 `json:"elapsed_s"`
 	} `json:"defaults"`
-	DelayCases    []vectorCase `json:"delay_cases"`
-	DecisionCases []vectorCase `json:"decision_cases"`
+	DelayCases          []vectorCase `json:"delay_cases"`
+	DecisionCases       []vectorCase `json:"decision_cases"`
+	RequestTimeoutCases []struct {
+		Name     string  `json:"name"`
+		WaitS    float64 `json:"wait_s"`
+		Expected string  `json:"expected"`
+		Why      string  `json:"why"`
+	} `json:"request_timeout_cases"`
 }
 
 func loadVectors(t *testing.T) vectorFile {
@@ -210,5 +216,17 @@ func TestVectorsDecision(t *testing.T) {
 				t.Fatalf("outcomes %v", got)
 			}
 		})
+	}
+}
+
+func TestVectorsRequestTimeout(t *testing.T) {
+	v := loadVectors(t)
+	if len(v.RequestTimeoutCases) < 5 {
+		t.Fatal(len(v.RequestTimeoutCases))
+	}
+	for _, c := range v.RequestTimeoutCases {
+		if got := requestTimeout(seconds(c.WaitS)); got != c.Expected {
+			t.Errorf("%s: %q, want %q (%s)", c.Name, got, c.Expected, c.Why)
+		}
 	}
 }

@@ -13,6 +13,7 @@ from .client import AsyncKvgateClient, AsyncStream, KvgateClient, Stream
 from .errors import (
     APIConnectionError,
     APIStatusError,
+    IncompleteStreamError,
     InvalidResponseError,
     KvgateError,
     RateLimitError,
@@ -33,7 +34,13 @@ from .policy import (
     backoff_window,
 )
 from .retrying import Decision, Retrier, RetryState, RetryStats
-from .transport import CONNECTION_ERRORS, RETRY_COUNT_HEADER, AsyncRetryTransport, RetryTransport
+from .transport import (
+    CONNECTION_ERRORS,
+    REQUEST_TIMEOUT_HEADER,
+    RETRY_COUNT_HEADER,
+    AsyncRetryTransport,
+    RetryTransport,
+)
 
 __version__ = "0.1.0"
 
@@ -45,6 +52,7 @@ __all__ = [
     "MAX_ATTEMPTS",
     "MAX_DELAY_S",
     "MAX_RETRY_AFTER_S",
+    "REQUEST_TIMEOUT_HEADER",
     "RETRYABLE_STATUSES",
     "RETRY_COUNT_HEADER",
     "APIConnectionError",
@@ -54,6 +62,7 @@ __all__ = [
     "AsyncStream",
     "BudgetStats",
     "Decision",
+    "IncompleteStreamError",
     "InvalidResponseError",
     "KvgateClient",
     "KvgateError",

@@ -1,5 +1,9 @@
 """Minimal server-sent-events reader for OpenAI-style streams (`data: {...}` ... `data: [DONE]`).
 
+`[DONE]` is what tells a whole answer from one cut short: a body that ends cleanly without it
+(a proxy's limit, a gateway stopping mid-stream) raises IncompleteStreamError after the events
+it did carry, rather than passing for a finished answer.
+
 Lines are split on the body's bytes, on CR, LF or CRLF only, as the SSE grammar says. A text
 splitter such as httpx's `iter_lines` (str.splitlines) also breaks on U+2028, U+2029, U+0085
 and a few control characters; JSON may carry the first three unescaped inside a string, and
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Iterable, Iterator
+
+from .errors import IncompleteStreamError
 
 DONE = "[DONE]"
 _EOL = re.compile(rb"\r\n|\r|\n")
@@ -87,8 +93,9 @@ def _events(decoder: SSEDecoder, lines: Iterable[str]) -> Iterator[str | None]:
             yield None if data == DONE else data
 
 
-def iter_events(chunks: Iterator[bytes]) -> Iterator[str]:
-    """The data of each event of a body read in byte chunks, up to `[DONE]`."""
+def iter_events(chunks: Iterator[bytes], *, request_id: str | None = None) -> Iterator[str]:
+    """The data of each event of a body read in byte chunks, up to `[DONE]`; raises
+    IncompleteStreamError (naming `request_id`) if the body ends before it."""
     splitter, decoder = LineSplitter(), SSEDecoder()
     for piece in chunks:
         for data in _events(decoder, splitter.feed(piece)):
@@ -99,9 +106,11 @@ def iter_events(chunks: Iterator[bytes]) -> Iterator[str]:
         if data is None:
             return
         yield data
+    raise IncompleteStreamError(request_id=request_id)
 
 
-async def aiter_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+async def aiter_events(chunks: AsyncIterator[bytes], *,
+                       request_id: str | None = None) -> AsyncIterator[str]:
     splitter, decoder = LineSplitter(), SSEDecoder()
     async for piece in chunks:
         for data in _events(decoder, splitter.feed(piece)):
@@ -112,3 +121,4 @@ async def aiter_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
         if data is None:
             return
         yield data
+    raise IncompleteStreamError(request_id=request_id)

@@ -2,7 +2,9 @@
 
 For code that does not use the `openai` SDK. Responses are the server's JSON as dicts. The
 retries happen in the transport, before a response is returned: a stream is retried only while
-no byte of its body has reached the caller.
+no byte of its body has reached the caller. A stream is returned only once its response says
+it is one (Content-Type text/event-stream), and it ends in an error, not quietly, if its body
+stops before `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from .transport import AsyncRetryTransport, RetryTransport
 DEFAULT_BASE_URL = "http://localhost:8080/v1"
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 DEFAULT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+EVENT_STREAM = "text/event-stream"
+NOT_A_STREAM_PREFIX = 64 << 10
+"""How much of a 2xx body that is no event stream is read for InvalidResponseError: enough to
+tell a proxy's page; a server that ignored `stream` may be sending a whole answer, or more."""
 
 Message = Mapping[str, Any]
 Chunk = dict[str, Any]
@@ -62,6 +68,18 @@ def _json_object(response: httpx.Response) -> Chunk:
     if not isinstance(result, dict):
         raise InvalidResponseError(response.status_code, response.text, response.headers)
     return result
+
+
+def _media_type(response: httpx.Response) -> str:
+    content_type: str = response.headers.get("content-type", "")
+    return content_type.partition(";")[0].strip().lower()
+
+
+def _not_a_stream(response: httpx.Response, prefix: bytes) -> InvalidResponseError:
+    content_type = response.headers.get("content-type")
+    return InvalidResponseError(
+        response.status_code, prefix.decode("utf-8", "replace"), response.headers,
+        expected=f"an event stream (Content-Type {content_type!r})")
 
 
 def _error(response: httpx.Response) -> APIStatusError:
@@ -102,8 +120,9 @@ class Stream:
         self.response = response
 
     def __iter__(self) -> Iterator[Chunk]:
+        request_id = self.response.headers.get(REQUEST_ID_HEADER)
         try:
-            for data in iter_events(self.response.iter_bytes()):
+            for data in iter_events(self.response.iter_bytes(), request_id=request_id):
                 yield _chunk(data, self.response)
         except httpx.RequestError as exc:
             raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
@@ -127,8 +146,9 @@ class AsyncStream:
         self.response = response
 
     async def __aiter__(self) -> AsyncIterator[Chunk]:
+        request_id = self.response.headers.get(REQUEST_ID_HEADER)
         try:
-            async for data in aiter_events(self.response.aiter_bytes()):
+            async for data in aiter_events(self.response.aiter_bytes(), request_id=request_id):
                 yield _chunk(data, self.response)
         except httpx.RequestError as exc:
             raise APIConnectionError(f"stream interrupted: {exc!r}") from exc
@@ -212,6 +232,18 @@ class KvgateClient:
             finally:
                 response.close()
             raise _error(response)
+        if _media_type(response) != EVENT_STREAM:
+            prefix = bytearray()
+            try:
+                for piece in response.iter_bytes():
+                    prefix += piece
+                    if len(prefix) >= NOT_A_STREAM_PREFIX:
+                        break
+            except httpx.HTTPError:
+                pass  # what arrived is enough to show
+            finally:
+                response.close()
+            raise _not_a_stream(response, bytes(prefix[:NOT_A_STREAM_PREFIX]))
         return Stream(response)
 
     def close(self) -> None:
@@ -296,6 +328,18 @@ class AsyncKvgateClient:
             finally:
                 await response.aclose()
             raise _error(response)
+        if _media_type(response) != EVENT_STREAM:
+            prefix = bytearray()
+            try:
+                async for piece in response.aiter_bytes():
+                    prefix += piece
+                    if len(prefix) >= NOT_A_STREAM_PREFIX:
+                        break
+            except httpx.HTTPError:
+                pass
+            finally:
+                await response.aclose()
+            raise _not_a_stream(response, bytes(prefix[:NOT_A_STREAM_PREFIX]))
         return AsyncStream(response)
 
     async def aclose(self) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
-from .hints import header
+from .hints import header, parse_retry_after
 
 REQUEST_ID_HEADER = "x-request-id"
+BACKPRESSURE_LEVEL_HEADER = "x-ratelimit-backpressure-level"
+QUEUE_DEPTH_HEADER = "x-queue-depth"
+SCOPE_HEADER = "x-ratelimit-scope"
 
 
 class KvgateError(Exception):
@@ -17,7 +21,20 @@ class KvgateError(Exception):
 
 
 class APIConnectionError(KvgateError):
-    """The server could not be reached (after the retries the policy allowed)."""
+    """The server could not be reached (after the retries the policy allowed), or a stream
+    broke off after it had begun (never retried: part of the answer has been delivered)."""
+
+
+class IncompleteStreamError(APIConnectionError):
+    """A stream whose body ended cleanly before its `data: [DONE]` event: the answer was cut
+    short (a proxy's or load balancer's limit, a gateway stopping), not finished. Like a
+    connection that breaks mid-stream, it is never retried: the chunks before it have been
+    delivered. `request_id` is the stream's `X-Request-Id`."""
+
+    def __init__(self, *, request_id: str | None = None) -> None:
+        self.request_id = request_id
+        about = f" (request {request_id})" if request_id else ""
+        super().__init__(f"the stream ended without [DONE]{about}")
 
 
 class APIStatusError(KvgateError):
@@ -25,7 +42,10 @@ class APIStatusError(KvgateError):
 
     `code`, `type` and `param` are the body's (None when absent); `request_id` is the
     gateway's `X-Request-Id`, which names the task in its logs (None when the request was
-    refused before admission, as a 4xx for a malformed or impossible request is).
+    refused before admission, as a 4xx for a malformed or impossible request is; every
+    answer of the admission step, a 429 included, carries one). `retry_after_ms` is the
+    body's `retry_after_ms`, else the `retry-after-ms` / `Retry-After` headers' wait, else
+    None. A redirect (3xx: the client follows none) names its `Location` in `message`.
     """
 
     def __init__(self, status_code: int, body: Any, headers: Mapping[str, str]) -> None:
@@ -39,30 +59,58 @@ class APIStatusError(KvgateError):
         self.param: str | None = _str_or_none(err.get("param"))
         self.request_id: str | None = header(headers, REQUEST_ID_HEADER)
         message = err.get("message")
-        self.message = str(message) if message is not None else f"HTTP {status_code}"
+        location = header(headers, "location")
+        if 300 <= status_code < 400 and location:
+            # A POST cannot follow a redirect as it was sent (301 and 302 turn it into a GET):
+            # the fix is the client's base URL, so the message says where to point it.
+            self.message = (f"redirected to {location} (redirects are not followed: point "
+                            "the client at the new address)")
+        else:
+            self.message = str(message) if message is not None else f"HTTP {status_code}"
         retry_ms = err.get("retry_after_ms")
         self.retry_after_ms: float | None = (
-            float(retry_ms) if isinstance(retry_ms, int | float) else None
+            float(retry_ms) if isinstance(retry_ms, int | float) else _header_retry_ms(headers)
         )
         super().__init__(f"{status_code} {self.code or ''}: {self.message}".replace(" :", ":"))
 
 
 class InvalidResponseError(KvgateError):
-    """A success status whose body is not the JSON object the API answers with: a proxy's or
-    portal's page, a body cut short. `body` is its text; `request_id` as in APIStatusError."""
+    """A success status whose body is not what the API answers with: a proxy's or portal's
+    page, a body cut short, or, for a stream, a body that is no event stream (its
+    Content-Type is not text/event-stream: a page, or a server that ignored `stream`).
+    `body` is its text (the first 64 KiB of a stream's); `request_id` as in APIStatusError."""
 
-    def __init__(self, status_code: int, body: str, headers: Mapping[str, str]) -> None:
+    def __init__(self, status_code: int, body: str, headers: Mapping[str, str], *,
+                 expected: str = "a JSON object") -> None:
         self.status_code = status_code
         self.body = body
         self.headers = httpx.Headers(headers)
         self.request_id: str | None = header(headers, REQUEST_ID_HEADER)
-        super().__init__(f"{status_code}: the response is not a JSON object: {body[:200]!r}")
+        super().__init__(f"{status_code}: the response is not {expected}: {body[:200]!r}")
 
 
 class RateLimitError(APIStatusError):
     """429: `code` tells capacity_exceeded (the fleet is full) from rate_limit_exceeded (the
-    key's quota, for now) and insufficient_quota (a quota that never refills, spent: no wait
-    helps)."""
+    key's quota, for now), rate_limit_exceeded_queued_tokens (the key's requests already
+    queued hold its cap on queued tokens) and insufficient_quota (a quota that never refills,
+    spent: no wait helps).
+
+    `backpressure_level` is the pool's zone (`X-RateLimit-Backpressure-Level`: GREEN, YELLOW,
+    RED, or UNKNOWN when the gateway could not read it, as when a queued request's deadline
+    passes while Redis is unreachable); `queue_depth` the tasks queued at the request's tier
+    or above (`X-Queue-Depth`); `scope` the limit that refused it (`X-RateLimit-Scope`: "key"
+    for the key's own limits, else the name of the enclosing quota level). Each is None when
+    the header is absent (`queue_depth` also when it is no count).
+    """
+
+    def __init__(self, status_code: int, body: Any, headers: Mapping[str, str]) -> None:
+        super().__init__(status_code, body, headers)
+        self.backpressure_level: str | None = _stripped(header(headers, BACKPRESSURE_LEVEL_HEADER))
+        self.scope: str | None = _stripped(header(headers, SCOPE_HEADER))
+        depth = _stripped(header(headers, QUEUE_DEPTH_HEADER))
+        self.queue_depth: int | None = (
+            int(depth) if depth is not None and depth.isascii() and depth.isdigit() else None
+        )
 
 
 class StreamError(KvgateError):
@@ -97,6 +145,15 @@ def _error_fields(body: Any) -> dict[str, Any]:
 
 def _str_or_none(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _stripped(value: str | None) -> str | None:
+    return None if value is None else value.strip()
+
+
+def _header_retry_ms(headers: Mapping[str, str]) -> float | None:
+    seconds = parse_retry_after(headers, wall_clock=time.time)
+    return None if seconds is None else seconds * 1000.0
 
 
 def status_error(status_code: int, body: Any, headers: Mapping[str, str]) -> APIStatusError:

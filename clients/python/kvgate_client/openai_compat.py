@@ -26,6 +26,11 @@ ClientT = TypeVar("ClientT", bound="OpenAI | AsyncOpenAI")
 # alive), restated because a custom transport owns its pool and the SDK's are not applied.
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 DEFAULT_LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+# Redirects are not followed (the SDK's own client follows them): httpx turns a POST answered
+# 301 or 302 into a GET without its body, which the gateway answers 405, hiding the redirect.
+# Unfollowed, the 3xx reaches the caller as the SDK's APIStatusError, its Location in
+# `exc.response.headers`.
+FOLLOW_REDIRECTS = False
 
 
 def _require_openai() -> None:
@@ -77,7 +82,7 @@ def wrap(
             )
         )
         kwargs["http_client"] = httpx.AsyncClient(
-            transport=atransport, timeout=DEFAULT_TIMEOUT, follow_redirects=True
+            transport=atransport, timeout=DEFAULT_TIMEOUT, follow_redirects=FOLLOW_REDIRECTS
         )
     else:
         stransport = (
@@ -86,7 +91,7 @@ def wrap(
             else (RetryTransport(sync_transport(pool), policy=policy, budget=budget))
         )
         kwargs["http_client"] = httpx.Client(
-            transport=stransport, timeout=DEFAULT_TIMEOUT, follow_redirects=True
+            transport=stransport, timeout=DEFAULT_TIMEOUT, follow_redirects=FOLLOW_REDIRECTS
         )
     client = cls(**kwargs)
     _guard_copies(client)

@@ -4,11 +4,17 @@ official OpenAI SDK, which takes an `http_client`).
 Working at the transport level means a retry happens only before a response is handed up:
 once a status line below 400 (or a final error) has been returned, its body, streamed or not,
 belongs to the caller and is never replayed.
+
+Every attempt tells the gateway how long its client will wait (`X-Request-Timeout`, from the
+request's read timeout): a request still queued when that time nears gets its 429 and retry
+hint while the client listens, instead of the client timing out first with no hint at all.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 
@@ -19,12 +25,28 @@ from .budget import RetryBudget
 from .policy import RetryPolicy
 from .retrying import CANCELED, Retrier, RetryStats
 
-# Sent on every retry so the gateway (and its metrics) can tell retries from first attempts.
+# Sent on every retry so that access logs, proxies and the node (the gateway forwards it
+# unread) can tell retries from first attempts.
 RETRY_COUNT_HEADER = "x-kvgate-retry-count"
+
+# Seconds this client waits for its request to leave the gateway's queue; the gateway answers
+# a request still queued then with a 429 and its retry hint. A request that already carries
+# the header keeps its own value.
+REQUEST_TIMEOUT_HEADER = "x-request-timeout"
+# The gateway answers a request still queued at its deadline within 0.2 s of it, and the answer
+# must travel back before the client's read timeout fires: the deadline declared is the read
+# timeout less this margin, or a tenth of it if more, and at least half of it. The gateway
+# leaves the same margin below the read timeout the OpenAI SDKs declare
+# (x-stainless-read-timeout).
+ANSWER_MARGIN_S = 0.5
 
 # Failures where the request either never reached the server or the connection died before a
 # status line came back. Read and write *timeouts* are not here: the request may be running on
-# a GPU, and a second copy doubles the load exactly when the fleet is slow.
+# a GPU, and a second copy doubles the load exactly when the fleet is slow. A proxy that cannot
+# be reached is a ConnectError (retried: the request reached no one); one that refuses the
+# tunnel (a CONNECT answered 407, 403, 502) is an httpx.ProxyError, not retried, as a TLS
+# certificate the client does not trust is not (see `retryable`): each fails the same way
+# every time, so a retry only delays the error.
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -32,6 +54,39 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     httpx.WriteError,
     httpx.RemoteProtocolError,
 )
+
+
+def retryable(exc: BaseException) -> bool:
+    """Whether a connection error is worth another attempt: not when the server's (or the
+    proxy's) certificate failed verification, which httpx reports as a ConnectError caused by
+    ssl.SSLCertVerificationError. The Go SDK draws the same line (IsConnectionError)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return False
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return True
+
+
+def request_timeout(read_timeout_s: float) -> str:
+    """The `X-Request-Timeout` value (seconds, to the millisecond, rounded down) for a client
+    that waits `read_timeout_s` for an answer: the read timeout less `ANSWER_MARGIN_S` or a
+    tenth of it, and at least half of it; at least 1 ms."""
+    left = max(read_timeout_s / 2, read_timeout_s - max(ANSWER_MARGIN_S, read_timeout_s / 10))
+    ms = max(1, math.floor(left * 1000))
+    return f"{ms / 1000:.3f}"
+
+
+def _declare_timeout(request: httpx.Request) -> None:
+    if REQUEST_TIMEOUT_HEADER in request.headers:
+        return
+    timeouts = request.extensions.get("timeout")
+    read = timeouts.get("read") if isinstance(timeouts, dict) else None
+    # No read timeout (None) means no deadline of the client's own: the tier's applies.
+    if isinstance(read, int | float) and math.isfinite(read) and read > 0:
+        request.headers[REQUEST_TIMEOUT_HEADER] = request_timeout(float(read))
 
 
 def _make_retrier(
@@ -78,13 +133,15 @@ class RetryTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         # Buffer the body once so every attempt can send it again (a generator body could not).
         request.read()
+        # The read timeout is the same for every attempt, and each attempt sends this request.
+        _declare_timeout(request)
         state = self.retrier.begin()
         rejected: httpx.Response | None = None
         while True:
             try:
                 response = self.inner.handle_request(request)
             except CONNECTION_ERRORS as exc:
-                decision = state.after_error(exc, retryable=True)
+                decision = state.after_error(exc, retryable=retryable(exc))
                 if not decision.retry:
                     raise
             except BaseException as exc:  # a KeyboardInterrupt too: every request ends counted
@@ -140,13 +197,14 @@ class AsyncRetryTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
+        _declare_timeout(request)
         state = self.retrier.begin()
         rejected: httpx.Response | None = None
         while True:
             try:
                 response = await self.inner.handle_async_request(request)
             except CONNECTION_ERRORS as exc:
-                decision = state.after_error(exc, retryable=True)
+                decision = state.after_error(exc, retryable=retryable(exc))
                 if not decision.retry:
                     raise
             except BaseException as exc:  # asyncio.CancelledError too

@@ -4,9 +4,12 @@
 //	go run ./examples/chat -base-url http://127.0.0.1:8080/v1 -api-key sk-demo-vip -stream
 //
 // With -n above 1 it sends that many requests from -concurrency goroutines sharing one client
-// (so one retry budget) and prints a JSON summary instead of the answers. With -trace it writes
-// one JSON line per attempt to stderr (when it was sent and answered, relative to the start,
-// its status and the gateway's 429 headers) and the client's retry counters at the end.
+// (so one retry budget) and prints a JSON summary instead of the answers. With -timeout each
+// request's context ends after that long; the client tells the gateway (X-Request-Timeout), so
+// a request still queued then gets its 429 and retry hint before the context ends. With -trace
+// it writes one JSON line per attempt to stderr (when it was sent and answered, relative to the
+// start, the X-Request-Timeout it declared, its status and the gateway's 429 headers) and the
+// client's retry counters at the end.
 package main
 
 import (
@@ -36,6 +39,7 @@ func main() {
 	concurrency := flag.Int("concurrency", 1, "goroutines sending them")
 	budgetInitial := flag.Float64("budget-initial", kvgate.MaxTokens, "tokens in the retry budget at start (0: at most 1.1 attempts per request from the start)")
 	trace := flag.Bool("trace", false, "JSON lines on stderr: every attempt, then the retry counters")
+	timeout := flag.Duration("timeout", 0, "how long each request may take, retries included (0: no limit)")
 	flag.Parse()
 
 	start := time.Now()
@@ -51,7 +55,7 @@ func main() {
 		fail(err)
 	}
 	client := kvgate.NewClient(*baseURL, kvgate.ClientOptions{APIKey: *apiKey, Retrier: retrier, Base: base})
-	ask := request{client: client, model: *model, prompt: *prompt, maxTokens: *maxTokens, stream: *stream, completions: *completions}
+	ask := request{client: client, model: *model, prompt: *prompt, maxTokens: *maxTokens, stream: *stream, completions: *completions, timeout: *timeout}
 
 	if *n == 1 {
 		if err = ask.send(context.Background(), os.Stdout); err == nil {
@@ -75,6 +79,7 @@ type request struct {
 	maxTokens   int
 	stream      bool
 	completions bool
+	timeout     time.Duration
 }
 
 // drain reads a stream to its end, handing each event to write as it arrives, and closes it.
@@ -94,6 +99,11 @@ func drain[T any](s *kvgate.Stream[T], write func(T)) error {
 
 // send makes one request and writes the answer's text to out, each chunk as it arrives.
 func (r request) send(ctx context.Context, out io.Writer) error {
+	if r.timeout > 0 {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, r.timeout)
+		defer cancel()
+	}
 	messages := []kvgate.Message{{Role: "user", Content: r.prompt}}
 	switch {
 	case r.completions && r.stream:
@@ -182,10 +192,11 @@ func (t *tracer) RoundTrip(req *http.Request) (*http.Response, error) {
 	sent := time.Since(t.start).Seconds()
 	resp, err := t.base.RoundTrip(req)
 	line := map[string]interface{}{
-		"event":       "attempt",
-		"retry_count": req.Header.Get(kvgate.HeaderRetryCount),
-		"sent_s":      sent,
-		"answered_s":  time.Since(t.start).Seconds(),
+		"event":           "attempt",
+		"retry_count":     req.Header.Get(kvgate.HeaderRetryCount),
+		"request_timeout": req.Header.Get(kvgate.HeaderRequestTimeout),
+		"sent_s":          sent,
+		"answered_s":      time.Since(t.start).Seconds(),
 	}
 	if err != nil {
 		line["error"] = err.Error()
@@ -224,8 +235,8 @@ func envOr(name, fallback string) string {
 func fail(err error) {
 	var rl *kvgate.RateLimitError
 	if errors.As(err, &rl) {
-		fmt.Fprintf(os.Stderr, "rate limited: code=%s retry_after_ms=%d level=%s queue_depth=%d: %s\n",
-			rl.Code, rl.RetryAfter.Milliseconds(), rl.BackpressureLevel, rl.QueueDepth, rl.Message)
+		fmt.Fprintf(os.Stderr, "rate limited: code=%s retry_after_ms=%d level=%s queue_depth=%d scope=%s: %s\n",
+			rl.Code, rl.RetryAfter.Milliseconds(), rl.BackpressureLevel, rl.QueueDepth, rl.Scope, rl.Message)
 	} else {
 		fmt.Fprintln(os.Stderr, err)
 	}

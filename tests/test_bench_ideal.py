@@ -13,10 +13,9 @@ import pytest
 from admission.tiers import Tier
 from bench.burst.capacity import ideal_replay
 from bench.burst.criteria import CRITERIA, GOODPUT_BAR
-from bench.burst.fallback import frontier, slack, tally
+from bench.burst.fallback import best_keeping_vip, frontier, slack, tally
 from bench.burst.ideal import (
     RUNNING_CAPS,
-    best_keeping_vip,
     cell_record,
     deadline_load,
     least_seconds,
@@ -223,6 +222,27 @@ def test_the_tally_counts_each_arm_with_the_fallback_and_the_six_others() -> Non
     # (a): misses the VIP bar out of reach; passes the bar in reach, with the six others; leads
     # out of reach on 3 (c's run is invalid there) but fails another criterion.
     assert counts["a"].judged == 3 and counts["a"].goodput == 2 and counts["a"].all_seven == 1
+
+
+def test_out_of_reach_an_arm_must_reach_the_frontiers_best_point_that_keeps_vip() -> None:
+    """Where a point of the ideal's VIP frontier keeps the VIP bar, keeping the bar with more
+    goodput than the other arms is not enough: the arm must reach that point's goodput (less
+    the margin). Where no point keeps it, the other arms are the reference."""
+    ideal = _ideal(1, 0.86)
+    ideal["vip_frontier"] = [{"goodput_ratio": 0.84, "vip_p99_base_ms": 100.0,
+                              "vip_p99_burst_ms": 110.0, "running_cap": 8}]
+    alone = _matrix(1, _arm("a", 0.88, False), _arm("c", 0.83, True))
+    short = frontier(ideal, alone)
+    assert (short.reachable, short.passed, short.target) == (False, False, 0.84)
+    assert frontier(ideal, alone, margin=0.01).passed  # within the margin
+    assert frontier(ideal, _matrix(1, _arm("c", 0.845, True))).passed
+    ideal["vip_frontier"][0]["vip_p99_burst_ms"] = 130.0  # no point keeps the bar
+    against_arms = frontier(ideal, alone)
+    assert against_arms.passed and against_arms.target is None
+    # Judged against an invalid arm (a), the VIP verdict is n/a: so is the fallback's.
+    unjudged = _arm("c", 0.85, True)
+    next(v for v in unjudged["verdicts"] if v["key"] == "vip_p99")["ok"] = None
+    assert frontier(ideal, _matrix(1, unjudged)).passed is None
 
 
 def test_no_figure_is_a_pass_and_no_ideal_figure_opens_the_fallback() -> None:

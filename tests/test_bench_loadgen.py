@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from admission.config import DedicatedNodes, EngineSettings, ZoneSettings, parse_config
+from admission.configschema import DEFAULT_TIERS
 from admission.controlconfig import ControlSettings
 from admission.keys import PoolKeys
 from admission.scripts import register_scripts
@@ -269,6 +270,14 @@ def test_report_counts_failures_as_infinitely_slow_and_censors_late_requests() -
     assert "VIP P99 TTFT burst / baseline (90% bootstrap range)" in markdown_table([s], None, 1.0)
     outcomes[0] = _outcome(vip[0], FAILED, None)
     assert math.isinf(summarize(result, None).vip_ttft_burst[1])
+    # One still in flight past its tier's shipped queue timeout (simulated) has failed its
+    # client, whenever it was sent: an arm whose queue holds it to the end gains nothing.
+    timeout_s = DEFAULT_TIERS[Tier.VIP].queue_timeout_ms / 1000 / settings.time_scale
+    held = dataclasses.replace(result, stopped_at=late.at + timeout_s)
+    assert summarize(held, None).counted[Tier.VIP] == 101
+    assert summarize(held, None).success[Tier.VIP] == pytest.approx(98 / 101)
+    younger = dataclasses.replace(result, stopped_at=late.at + timeout_s * 0.99)
+    assert summarize(younger, None).counted[Tier.VIP] == 100
 
 
 def test_the_p99_ratio_comes_with_a_bootstrap_range_that_narrows_with_more_requests() -> None:
@@ -321,6 +330,21 @@ def test_arm_c_config_takes_the_zone_flags() -> None:
     assert zones(yellow=0.75).yellow == 0.75
     assert zones(kv_target=0.79).kv_target == 0.79
     assert zones() == ZoneSettings()
+
+
+def test_arm_c_keeps_the_shipped_queue_timeouts_on_the_lab_clock() -> None:
+    """VIP and Normal wait in the queue as long as the shipped defaults let them, in simulated
+    time (a request held longer would be refused at a real scale); Batch the whole window."""
+    def tiers(time_scale: float) -> dict[Tier, int]:
+        settings = with_overrides(PRESETS["smoke"], time_scale=time_scale)
+        text = kvgate_toml(settings, "redis://127.0.0.1:1/0", ["http://a", "http://b"], 9, 5.0)
+        config = parse_config(tomllib.loads(text), env={})
+        return {t: s.queue_timeout_ms for t, s in config.tiers.items()}
+
+    assert tiers(1.0) == {Tier.VIP: DEFAULT_TIERS[Tier.VIP].queue_timeout_ms,
+                          Tier.NORMAL: DEFAULT_TIERS[Tier.NORMAL].queue_timeout_ms,
+                          Tier.BATCH: 5_000}
+    assert tiers(8.0) == {Tier.VIP: 3_750, Tier.NORMAL: 7_500, Tier.BATCH: 5_000}
 
 
 def test_arm_c_runs_the_shipped_control_converted_to_the_lab_clock() -> None:

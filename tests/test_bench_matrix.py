@@ -239,6 +239,16 @@ def _summary(arm: str, engine_base: float, engine_burst: float,
                       vip_front_burst=front)
 
 
+def test_a_p99_over_fewer_than_100_chats_says_how_few() -> None:
+    """Under 100 chats the nearest rank's P99 is the largest: one request sets the bar."""
+    few = dataclasses.replace(_summary("c", 90.0, 115.0), vip_samples=(43, 58))
+    many = dataclasses.replace(_summary("c", 90.0, 115.0), vip_samples=(430, 580))
+    texts = [next(v.value for v in verdicts if v.key == "vip_p99")
+             for verdicts in judge_all([_summary("a", 100.0, 300.0), few, many], 96.0, 2.0)[1:]]
+    assert texts[0].endswith("(P99s over 43 calm, 58 burst VIP chats)")
+    assert "P99s over" not in texts[1]
+
+
 def test_the_engine_part_of_vip_ttft_is_judged_against_arm_a_calm_engine_p99() -> None:
     judged = judge_all([_summary("a", 100.0, 300.0), _summary("c", 90.0, 115.0),
                         _summary("d", 80.0, 125.0, (float("nan"), float("nan")))], 96.0, 2.0)

@@ -126,7 +126,11 @@ def judge(s: ArmSummary, ref: tuple[float, float] | None, burst_sim_s: float,
                        else vip >= VIP_SUCCESS_BAR, vip))
     own = _ratio(s.vip_ttft_burst[1], s.vip_ttft_base[1])
     vs_a = _ratio(s.vip_ttft_burst[1], ref[1]) if ref is not None else math.nan
-    out.append(Verdict("vip_p99", f"{_x(vs_a)} of (a) calm, {_x(own)} of own calm",
+    calm_n, burst_n = s.vip_samples
+    # Under 100 chats the P99 is the largest one: the table says how few there were.
+    few = (f" (P99s over {calm_n} calm, {burst_n} burst VIP chats)"
+           if 0 < min(calm_n, burst_n) < 100 else "")
+    out.append(Verdict("vip_p99", f"{_x(vs_a)} of (a) calm, {_x(own)} of own calm{few}",
                        None if math.isnan(vs_a) else vs_a <= VIP_RATIO_BAR, vs_a))
     limit = drain_factor * burst_sim_s
     if s.last_batch_s is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission.config import EngineSettings
+from admission.configschema import DEFAULT_TIERS
 from admission.controlconfig import ControlSettings
 from admission.tiers import Tier
 from bench.burst.workload import (
@@ -301,7 +302,14 @@ def kvgate_toml(
         'host = "127.0.0.1"',
         f"port = {scheduler_port}",
         "",
-        # Batch may wait the whole observation window in the queue: deferred, not dropped.
+        # VIP and Normal keep the shipped queue timeouts, on the lab's clock (a wall second
+        # is `time_scale` simulated ones): a request held longer would be refused at a real
+        # scale. Batch may wait the whole observation window: deferred, not dropped.
+        *(line for tier in (Tier.VIP, Tier.NORMAL) for line in (
+            f"[tiers.{tier.label}]",
+            f"queue_timeout_ms = "
+            f"{max(1, round(DEFAULT_TIERS[tier].queue_timeout_ms / settings.time_scale))}",
+            "")),
         "[tiers.batch]",
         f"queue_timeout_ms = {int(queue_window_s * 1000)}",
         "",

@@ -250,6 +250,9 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
                     summaries: Sequence[ArmSummary], command: str,
                     ideal: dict[str, Any] | None = None) -> str:
     from bench.burst import report
+    # Judged first: judging marks an arm whose verdicts its load generator's stalls decide as
+    # invalid, and the first table's "valid run" row must say so too.
+    judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
     parts = [
         f"# The {settings.burst_factor:.0%} burst, {settings.mix} mix",
         "",
@@ -260,7 +263,6 @@ def report_markdown(settings: Settings, schedule_lines: list[str], cap: Capacity
         markdown_table(summaries, cap, settings.burst_sim_s),
         "",
     ]
-    judged = judge_all(summaries, settings.burst_sim_s, settings.drain_factor)
     parts += ["## The seven criteria, every arm", "",
               cell_table([s.arm for s in summaries], judged, [validity(s) for s in summaries]),
               ""]
@@ -294,7 +296,9 @@ def fallback_section(summaries: Sequence[ArmSummary], judged: Sequence[Sequence[
     reachable = next(iter(verdicts.values())).reachable if verdicts else True
     rule = (f"{GOODPUT_BAR:.0%} is within its reach, so the bar stands." if reachable else
             f"{GOODPUT_BAR:.0%} is out of its reach on this draw, so an arm passes the goodput "
-            "criterion if it keeps the VIP bar and no valid arm that keeps it has more goodput.")
+            "criterion if it keeps the VIP bar and reaches the ideal's goodput where the ideal "
+            "keeps the VIP bar too, or, where it does not, if no valid arm that keeps it has "
+            "more goodput.")
     lines = ["## Goodput with the criterion's fallback", "",
              "The ideal admission (bench.burst.idealpoint: the same requests replayed offline "
              "behind an admission that knows every request's size, held below the KV bar, "

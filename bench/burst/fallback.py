@@ -1,12 +1,18 @@
 """The goodput criterion's fallback: where the measured frontier shows that no setting reaches
 both the VIP bar and the goodput bar, the best goodput that keeps the VIP bar.
 
-The frontier's top is the ideal admission replayed on each matrix cell (bench.burst.ideal, its
-records in ``ideal-<scale>.json``). Where its goodput below the KV bar falls short of
-``GOODPUT_BAR`` by more than a margin (``slack``: how far any arm was ever above the ideal in
-its cell, since a greedy ideal is not an upper bound), an arm passes the criterion if it keeps
-the VIP bar and no valid arm of the same cell that keeps it has more goodput. Elsewhere the
-criterion is the bar itself. Both bench.burst.ideal and the matrix's table judge with it.
+The frontier is the ideal admission replayed on each matrix cell (bench.burst.ideal, its
+records in ``ideal-<scale>.json``): below the KV bar, and below it at each of a series of
+running caps (its ``vip_frontier``: the one lever on VIP's first token once its prefill is
+first in line). Where the ideal's goodput below the KV bar falls short of ``GOODPUT_BAR`` by
+more than a margin (``slack``: how far any arm was ever above the ideal in its cell, since a
+greedy ideal is not an upper bound), the bar is out of reach, and an arm passes the criterion
+if it keeps the VIP bar and its goodput, plus that margin, is at least the best goodput of the
+frontier's points that keep the VIP bar (``best_keeping_vip``; a point is judged against its
+own calm VIP P99, the replay's, as an arm is against arm (a)'s). Where no point of the frontier
+keeps the VIP bar there is nothing measured to reach, and the arm passes if no other valid arm
+of the cell that keeps the VIP bar has more goodput. Elsewhere the criterion is the bar itself.
+Both bench.burst.ideal and the matrix's table judge with it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.burst.criteria import CRITERIA, GOODPUT_BAR
+from bench.burst.criteria import CRITERIA, GOODPUT_BAR, VIP_RATIO_BAR
 
 
 def load_ideal(path: Path) -> list[dict[str, Any]]:
@@ -54,6 +60,23 @@ def ok(arm: dict[str, Any] | None, key: str) -> bool | None:
     return None if v is None else v["ok"]
 
 
+def keeps_vip(point: dict[str, Any]) -> bool:
+    """The ideal's point keeps the VIP bar: its VIP P99 in the burst within the bar of its own
+    calm P99 (a point without those figures keeps nothing)."""
+    burst, base = point.get("vip_p99_burst_ms"), point.get("vip_p99_base_ms")
+    if burst is None or base is None:
+        return False
+    return float(burst) <= VIP_RATIO_BAR * float(base)
+
+
+def best_keeping_vip(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The ideal's point below the KV bar with the most goodput that keeps the VIP bar (None:
+    no point keeps it)."""
+    points = [record["points"]["under_bar"], *record.get("vip_frontier", [])]
+    kept = [p for p in points if keeps_vip(p)]
+    return max(kept, key=lambda p: float(p["goodput_ratio"]), default=None)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Frontier:
     """One cell's goodput criterion judged with the fallback, for one arm."""
@@ -61,8 +84,13 @@ class Frontier:
     reachable: bool
     """The ideal under the KV bar reaches the goodput bar."""
     passed: bool | None
-    """The criterion: the bar where reachable; else the arm keeps the VIP bar and no other arm
-    that keeps it has more goodput (None: the arm's figures are not there or not valid)."""
+    """The criterion: the bar where reachable; else the arm keeps the VIP bar and reaches the
+    frontier's best goodput that keeps it, or, where no point of the frontier keeps it, no
+    other arm that keeps it has more goodput (None: the arm's figures are not there, not valid,
+    or its VIP verdict is not judged)."""
+    target: float | None = None
+    """Out of reach: the frontier's best goodput that keeps the VIP bar, the figure the arm
+    must reach less the margin (None: judged against the other arms, or reachable)."""
 
 
 def slack(records: Sequence[dict[str, Any]], matrix: Sequence[dict[str, Any]]) -> float:
@@ -90,12 +118,19 @@ def frontier(ideal: dict[str, Any], matrix: dict[str, Any] | None, arm: str = "c
     goodput = number(mine, "goodput")
     if reachable:
         return Frontier(True, goodput >= GOODPUT_BAR)
+    vip = ok(mine, "vip_p99")
+    if vip is None:  # its reference, arm (a), is not valid: as the VIP criterion, not judged
+        return Frontier(False, None)
+    best = best_keeping_vip(ideal)
+    target = None if best is None else float(best["goodput_ratio"])
     # An arm with no goodput figure is ahead of no one (all() over no rivals would pass it).
-    if math.isnan(goodput) or not ok(mine, "vip_p99"):
-        return Frontier(False, False)
+    if math.isnan(goodput) or not vip:
+        return Frontier(False, False, target)
+    if target is not None:
+        return Frontier(False, goodput + margin >= target, target)
     rivals = [number(a, "goodput") for a in matrix["arms"]
               if a["arm"] != arm and a["valid"] and ok(a, "vip_p99")]
-    return Frontier(False, all(goodput >= g for g in rivals))
+    return Frontier(False, all(goodput >= g for g in rivals if not math.isnan(g)))
 
 
 def one_draw(ideal_under_bar: dict[str, Any], arms: Sequence[dict[str, Any]]

@@ -56,6 +56,7 @@ from bench.burst.experiment import planned
 from bench.burst.fallback import (
     Frontier,
     arm_of,
+    best_keeping_vip,
     cell_key,
     frontier,
     load_ideal,
@@ -85,18 +86,6 @@ def vip_frontier(settings: Settings, schedule: Schedule) -> list[dict[str, Any]]
     k = settings.capacity_scale
     caps = sorted({max(1, round(cap * k)) for cap in RUNNING_CAPS}, reverse=True)
     return [replay(settings, schedule, POINTS["under_bar"], cap) for cap in caps]
-
-
-def keeps_vip(point: dict[str, Any]) -> bool:
-    """The point's VIP P99 in the burst is within the VIP bar of its own calm P99."""
-    return float(point["vip_p99_burst_ms"]) <= VIP_RATIO_BAR * float(point["vip_p99_base_ms"])
-
-
-def best_keeping_vip(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The ideal's point below the KV bar with the most goodput that keeps the VIP bar."""
-    points = [record["points"]["under_bar"], *record.get("vip_frontier", [])]
-    kept = [p for p in points if keeps_vip(p)]
-    return max(kept, key=lambda p: float(p["goodput_ratio"]), default=None)
 
 
 def least_seconds(prompt: int, output: int, config: SimConfig) -> float:

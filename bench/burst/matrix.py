@@ -201,9 +201,16 @@ def _fallback_line(top: dict[str, Any], rec: dict[str, Any], arms: Sequence[str]
     marks = ", ".join(f"({a}) {'n/a' if v.passed is None else ('PASS' if v.passed else 'FAIL')}"
                       for a, v in verdicts.items())
     reachable = all(v.reachable for v in verdicts.values())  # the same for every arm
+    target = next((v.target for v in verdicts.values() if v.target is not None), None)
+    rule = ("" if reachable else
+            f" An arm that keeps the VIP bar must reach {target:.1%}, the ideal's best goodput "
+            "that keeps it (its VIP frontier)." if target is not None else
+            " No point of the ideal's VIP frontier keeps the VIP bar: an arm that keeps it "
+            "passes if no other arm that keeps it has more goodput.")
     return (f"The ideal admission (ideal-{scale}.md) gets {reach:.1%} of the goodput bound "
             f"below the KV bar: {GOODPUT_BAR:.0%} is "
-            f"{'in reach' if reachable else 'out of reach'}. Goodput with the fallback: {marks}.")
+            f"{'in reach' if reachable else 'out of reach'}.{rule} Goodput with the fallback: "
+            f"{marks}.")
 
 
 def aggregate(records: Sequence[dict[str, Any]],

@@ -8,7 +8,11 @@ Definitions (also printed under the table):
 
 * success: answered in full (every forced output token, ``[DONE]`` for streams) over requests
   with a known outcome. Requests still in flight when the arm stops count as failures if they
-  were sent before the burst ended, and are left out ("censored") if sent after it.
+  were sent before the burst ended, or if they have waited as long as their tier's shipped
+  queue timeout (simulated: VIP 30 s, Normal 60 s, Batch 600 s; a request held that long
+  would be refused by kvgate at a real scale, and has failed its client in any arm), and are
+  left out ("censored") only if sent after the burst and younger than that: the arms stop at
+  different times, and a queue that holds requests past the end must not read as success.
 * TTFT: intended send time to the first content chunk, streaming VIP requests. A VIP request
   that never got a first token counts as infinitely slow (a failure is not a fast answer), so a
   P99 over a phase with more than 1% failures reads "inf".
@@ -40,6 +44,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
+from admission.configschema import DEFAULT_TIERS
 from admission.tiers import Tier
 from bench.burst.arm import ArmResult
 from bench.burst.capacity import CapacityResult
@@ -107,18 +112,27 @@ class ArmSummary:
     phase_load: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per phase (calm, burst): cores used by kind of process and, in arm (c), how late the
     gateways' event loops ran (bench.burst.phaseload): the lab's share of the hop's time."""
+    vip_samples: tuple[int, int] = (0, 0)
+    """How many VIP chats the calm and the burst P99 are taken over: under 100, the nearest
+    rank's P99 is the largest of them, one request's time (0, 0: not recorded)."""
 
 
-def _censored(o: Outcome, burst_end: float) -> bool:
-    return not o.finished and o.req.at >= burst_end
+def _censored(o: Outcome, burst_end: float, stopped_at: float, ts: float) -> bool:
+    """In flight at the stop, sent after the burst, and younger than its tier's shipped queue
+    timeout (simulated): its outcome is not known yet."""
+    if o.finished or o.req.at < burst_end:
+        return False
+    waited_ms = (stopped_at - o.req.at) * ts * 1000
+    return waited_ms < DEFAULT_TIERS[o.req.tier].queue_timeout_ms
 
 
 def _vip_counted(outcomes: Sequence[Outcome], lo: float, hi: float,
                  burst_end: float) -> list[Outcome]:
-    """The streamed VIP requests whose TTFT counts in [lo, hi) (not censored by the end)."""
+    """The streamed VIP requests whose TTFT counts in [lo, hi), a window that ends by the
+    burst's end (none of them is censored: `_censored`)."""
+    assert hi <= burst_end
     return [o for o in outcomes
-            if o.req.tier is Tier.VIP and o.req.stream and lo <= o.req.at < hi
-            and not _censored(o, burst_end)]
+            if o.req.tier is Tier.VIP and o.req.stream and lo <= o.req.at < hi]
 
 
 def _ttft_values(outcomes: Sequence[Outcome], lo: float, hi: float, ts: float,
@@ -172,7 +186,8 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
     success: dict[Tier, float] = {}
     counted: dict[Tier, int] = {}
     for tier in Tier:
-        mine = [o for o in outcomes if o.req.tier is tier and not _censored(o, b1)
+        mine = [o for o in outcomes if o.req.tier is tier
+                and not _censored(o, b1, result.stopped_at, ts)
                 and o.req.at < result.stopped_at]
         counted[tier] = len(mine)
         success[tier] = sum(o.status == OK for o in mine) / len(mine) if mine else math.nan
@@ -227,7 +242,8 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
     engine_base, _ = _engine_split(outcomes, traces or {}, 0.0, b0, ts, b1)
     engine_burst, front_burst = _engine_split(outcomes, traces or {}, b0, b1, ts, b1)
     reasons = Counter(_reason(o, result.stopped_at) for o in outcomes
-                      if o.status != OK and not _censored(o, b1) and o.req.at < result.stopped_at)
+                      if o.status != OK and not _censored(o, b1, result.stopped_at, ts)
+                      and o.req.at < result.stopped_at)
     return ArmSummary(
         arm=result.arm,
         kv_peak=max(n.kv_peak for n in final.nodes) if samples else math.nan,
@@ -237,6 +253,7 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
         counted=counted,
         vip_ttft_base=_p50_p99(base_ttft),
         vip_ttft_burst=_p50_p99(burst_ttft),
+        vip_samples=(len(base_ttft), len(burst_ttft)),
         last_batch_s=None if unfinished else (last - b1) * ts,
         batch_unfinished=unfinished,
         goodput=goodput,

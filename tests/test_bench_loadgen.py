@@ -278,6 +278,13 @@ def test_report_counts_failures_as_infinitely_slow_and_censors_late_requests() -
     assert summarize(held, None).success[Tier.VIP] == pytest.approx(98 / 101)
     younger = dataclasses.replace(result, stopped_at=late.at + timeout_s * 0.99)
     assert summarize(younger, None).counted[Tier.VIP] == 100
+    # Gateways whose loops ran late on more than 5% of their probes void the run, as a
+    # lagging simulator does: their wall milliseconds count time_scale times in each TTFT.
+    assert summarize(result, None).invalid == []
+    late_gateways = dataclasses.replace(result, phase_load={
+        "calm": {"gateway_late_share": 0.01}, "burst": {"gateway_late_share": 0.12}})
+    (why,) = summarize(late_gateways, None).invalid
+    assert "gateways' loops ran over 5 ms late in 12.0% of their probes (burst)" in why
 
 
 def test_the_p99_ratio_comes_with_a_bootstrap_range_that_narrows_with_more_requests() -> None:

@@ -79,10 +79,10 @@ def retry_hint_ms(view: QueueView, tier: Tier, floor_ms: int) -> int:
 
 
 def tenant_drain_hint_ms(wait_ms: int, floor_ms: int) -> int:
-    """The hint of a request over its tenant's cap on queued tokens: the script's wait until the
-    excess drains from the tenant's own queue at its own drain rate (`drain_wait_ms` in
-    lua/_tenant.lua), within [floor_ms, MAX_RETRY_MS]; -1 (the tenant never drained: unknown)
-    is the floor."""
+    """The hint of a request over one of its tenant's caps on its queue (queued tokens, queued
+    requests): the script's wait until the excess drains from the tenant's own queue at its
+    own drain rate (`drain_wait_ms` in lua/_tenant.lua), within [floor_ms, MAX_RETRY_MS]; -1
+    (the tenant never drained, or holds nothing queued: unknown) is the floor."""
     floor = _floor(floor_ms)
     if wait_ms < 0:
         return floor

@@ -77,6 +77,9 @@ class AdmitResult:
     queued_tokens: int | None = None
     """For TENANT_QUEUED_TOKENS: the tokens of the tenant's requests queued in the pool when it
     was refused (this request not counted)."""
+    queued_requests: int | None = None
+    """For TENANT_QUEUE_FULL: how many of the tenant's requests were queued in the pool when
+    it was refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +150,7 @@ def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
         zone = Zone(text_of(reply[4]))
         view = view_of(zone, depth, reply[5:8]) if len(reply) >= 8 else None
         scope, limit = (text_of(reply[5]), text_of(reply[6])) if len(reply) == 7 else (None, None)
-        queued_tokens = int(reply[5]) if len(reply) == 6 else None
+        queued = int(reply[5]) if len(reply) == 6 else None
     except (ValueError, IndexError) as exc:
         raise ScriptReplyError(f"unexpected admit reply {reply!r}") from exc
     if outcome is AdmitOutcome.RELEASED:
@@ -155,13 +158,17 @@ def parse_admit(reply: Sequence[Any], tier: Tier, floor_ms: int) -> AdmitResult:
     if outcome is AdmitOutcome.REJECTED:
         if view is not None:
             retry = retry_hint_ms(view, tier, floor_ms)
-        elif detail == RejectReason.TENANT_QUEUED_TOKENS:
+        elif detail in (RejectReason.TENANT_QUEUED_TOKENS, RejectReason.TENANT_QUEUE_FULL):
+            # The tenant's own caps: the wait is its own queue's drain, not the pool's.
             retry = tenant_drain_hint_ms(retry, floor_ms)
         elif limit == "held":
             retry = max(1, floor_ms)
+        full = detail == RejectReason.TENANT_QUEUE_FULL
         return AdmitResult(outcome, zone, depth, reason=RejectReason(detail),
                            retry_after_ms=None if retry < 0 else retry, view=view,
-                           scope=scope, limit=limit, queued_tokens=queued_tokens)
+                           scope=scope, limit=limit,
+                           queued_tokens=None if full else queued,
+                           queued_requests=queued if full else None)
     if outcome is AdmitOutcome.DUPLICATE:
         return AdmitResult(outcome, zone, depth, state=TaskState(detail))
     return AdmitResult(outcome, zone, depth)

@@ -3,18 +3,23 @@
 Outcomes, as the client sees them:
 
 - released (fast path, or by the scheduler while the request waited): a `Ticket` naming the node;
-- rejected: 429 with the backpressure protocol (`capacity_exceeded`: zone RED, queue full;
-  `rate_limit_exceeded`: the tenant's bucket, with its exact refill time;
+- rejected: 429 with the backpressure protocol (`capacity_exceeded`: zone RED, queue full,
+  or the tenant's cap on queued requests, the last with the time its own queue takes to make
+  room; `rate_limit_exceeded`: the tenant's bucket, with its exact refill time;
   `rate_limit_exceeded_queued_tokens`: the tenant's cap on queued tokens, with the time its own
-  queue takes to drain the excess; both with `X-RateLimit-Scope`), or a 4xx with
+  queue takes to drain the excess; the tenant's limits with `X-RateLimit-Scope`), or a 4xx with
   `x-should-retry: false` when the request can never be admitted as sent;
 - queued past the tier's timeout or the client's deadline (`X-Request-Timeout`, seconds, or
-  an OpenAI SDK's declared read timeout less a margin: `gateway.handlers`): the
+  an OpenAI SDK's declared read timeout less a margin and, for a whole answer, the time it may
+  take: `gateway.handlers`): the
   task is cancelled and the client gets a 429 whose hint follows the same rule as a rejected
   admit's (`admission.hints`: the queue's drain rate, or in RED the leader's estimate of when
   the pool leaves it);
 - Redis unreachable: 503 with Retry-After (fail closed), unless the tier is in
-  `gateway.fail_open_tiers`, which goes straight to a backend, counted in a metric.
+  `gateway.fail_open_tiers`, which goes straight to a backend, counted in a metric;
+- the gateway stopping (`Admitter.answer_queued`): 503 `gateway_shutting_down` with
+  Retry-After for every request queued then or reaching admission afterwards, its task
+  cancelled.
 
 A client that disconnects while queued cancels its task at once (the handler is cancelled; the
 cancel runs in the settler, which cancellation cannot interrupt).
@@ -110,7 +115,6 @@ _CAPACITY_MESSAGES = {
     RejectReason.ZONE_RED: "Cluster KV-Cache is currently saturated. Please backoff.",
     RejectReason.NO_NODE: "No inference node of this model is reachable. Please backoff.",
     RejectReason.QUEUE_FULL: "The queue of this priority tier is full. Please backoff.",
-    RejectReason.TENANT_QUEUE_FULL: "This API key has too many requests queued. Please backoff.",
 }
 
 
@@ -154,6 +158,9 @@ class Admitter:
         self.quotas = {t.name: config.quota_of(t) for t in config.tenants}
         self._queued: dict[str, asyncio.Future[Woken]] = {}
         """The requests waiting in a queue now: what `answer_queued` ends at shutdown."""
+        self.closing = False
+        """Set by `answer_queued`: every request that reaches admission from then on is
+        answered as the queued ones were."""
         self.store_down = FailureLog("admission store call", time.monotonic, log,
                                      recovered="admission store answers again")
         """Failed admits, logged once per streak: during an outage every request fails, and a
@@ -165,11 +172,28 @@ class Admitter:
     def answer_queued(self) -> int:
         """At shutdown, end every request still queued here with a 503 the client can retry on
         another gateway (their tasks leave the queue), rather than cut its connection without
-        an answer. Returns how many."""
+        an answer. Returns how many.
+
+        From then on the gateway is `closing`: a request that was still on its way to the
+        queue (its body arriving, its prompt being counted, its admit's reply in flight) gets
+        the same 503 when it reaches admission, or as soon as its admit returns (its task then
+        cancelled, as at a deadline); otherwise it would enter the queue after this call and
+        lose its connection, without an answer, when the requests still running are
+        cancelled."""
+        self.closing = True
         pending = [f for f in self._queued.values() if not f.done()]
         for future in pending:
             future.set_result(Woken(None, SHUTTING_DOWN, False))
         return len(pending)
+
+    def _shutting_down(self) -> ApiError:
+        error = unavailable(
+            "This gateway is shutting down and had not scheduled the request yet. Please "
+            "retry: another gateway takes it.",
+            code="gateway_shutting_down", retry_ms=self._hint(SHUTDOWN_RETRY_MS),
+        )
+        error.tag = m.SHUTTING_DOWN
+        return error
 
     def _hint(self, retry_ms: int, *, cap: int | None = MAX_RETRY_MS) -> int:
         return jittered(retry_ms, self.jitter, self.rng, cap=cap)
@@ -185,6 +209,8 @@ class Admitter:
     ) -> Ticket:
         """`arrived`: loop time the request came in (default: now), from which its deadline
         counts (the tier's queue timeout or the client's `client_timeout_ms`)."""
+        if self.closing:
+            raise self._shutting_down()
         pool = inbound.pool
         store = pool.store
         labels = self.metrics.tier_labels(pool.name, tier, tenant.name)
@@ -220,10 +246,18 @@ class Admitter:
             if result.outcome is AdmitOutcome.RELEASED:
                 assert result.node is not None
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
+                if self.closing:
+                    # The node has not been asked yet, and what still runs is cut within
+                    # `QUEUED_ANSWER_S`: give the reservation back and answer as the queued.
+                    self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
+                    raise self._shutting_down()
                 return self._ticket(task_id, pool, result.node, tier, labels, 0.0)
             if result.outcome is AdmitOutcome.QUEUED:
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
                 self.hub.queued(task_id, store, tier)
+                if self.closing and not woken.done():
+                    # Queued after `answer_queued` ran: the wait ends at once, as theirs did.
+                    woken.set_result(Woken(None, SHUTTING_DOWN, False))
                 return await self._wait(task_id, woken, pool, tier, labels, deadline)
             live.discard(task_id)  # refused: nothing was written
             if result.outcome is AdmitOutcome.REJECTED:
@@ -357,6 +391,22 @@ class Admitter:
                 depth=result.depth,
                 scope=KEY_SCOPE,
             )
+        if reason is RejectReason.TENANT_QUEUE_FULL:
+            # The key's own cap, like the one on queued tokens: its scope, and the time its
+            # own queue takes to make room, not the pool's.
+            drain_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms
+            held = ("" if result.queued_requests is None
+                    else f" ({result.queued_requests} now)")
+            return too_many_requests(
+                CAPACITY_EXCEEDED,
+                f"This API key has too many requests queued{held}: its cap is "
+                f"{tenant.max_queued}. Its queue makes room in about {drain_ms} ms. "
+                "Please backoff.",
+                retry_ms=self._hint(drain_ms),
+                zone=result.zone.value,
+                depth=result.depth,
+                scope=KEY_SCOPE,
+            )
         assert reason is not None
         retry_ms = result.retry_after_ms
         return too_many_requests(
@@ -410,13 +460,7 @@ class Admitter:
         else:
             self.settler.live.discard(task_id)  # already ended in Redis
         if outcome is not None and outcome.state == SHUTTING_DOWN:
-            error = unavailable(
-                "This gateway is shutting down and had not scheduled the request yet. Please "
-                "retry: another gateway takes it.",
-                code="gateway_shutting_down", retry_ms=self._hint(SHUTDOWN_RETRY_MS),
-            )
-            error.tag = m.SHUTTING_DOWN
-            raise error
+            raise self._shutting_down()
         if outcome is not None and outcome.state != "expired":
             # Reaped (this gateway's lease lapsed) or ended by someone else.
             error = unavailable(

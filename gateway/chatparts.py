@@ -87,7 +87,7 @@ def render_tool_calls(tool_calls: object, param: str) -> str:
         if not isinstance(name, str):
             raise InvalidRequestError("function name must be a string", param=f"{where}.name")
         if not isinstance(arguments, str):
-            arguments = _to_json(arguments, f"{where}.arguments")
+            arguments = to_json(arguments, f"{where}.arguments")
         rendered.append(
             f'\n<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
         )
@@ -99,7 +99,43 @@ def render_tools(tools: object) -> str:
         raise InvalidRequestError("tools must be a list of objects", param="tools")
     for i, tool in enumerate(tools):
         _check_function_tool(tool, f"tools[{i}]")
-    return "".join(f"\n{_to_json(tool, 'tools')}" for tool in tools)
+    return "".join(f"\n{to_json(tool, 'tools')}" for tool in tools)
+
+
+TEMPLATE_ITSELF = "chat_template"
+"""A `chat_template_kwargs` key that is no argument of the template but replaces it (vLLM before
+0.11 let it): refused, or forwarded and not counted, as the request's own `chat_template`."""
+
+
+def template_arguments(kwargs: object) -> tuple[object, dict[str, object]]:
+    """What `chat_template_kwargs` can put into the prompt: (the `tools` it sets, None if none;
+    its other entries that may be printed).
+
+    vLLM merges the object over the arguments it renders the template with, so `tools` or
+    `documents` there replace the request's own and any other name reaches a template that may
+    print it. Numbers, booleans and null steer the template (`enable_thinking`) and cost
+    nothing of their own; everything else may be printed whole and is counted. The template
+    itself (`TEMPLATE_ITSELF`) is left out: it is refused before counting, or trusted."""
+    if kwargs is None:
+        return None, {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object",
+                                  param="chat_template_kwargs")
+    # One pass, no call per entry: a 4 MB object of tiny entries is half a million of them.
+    others = {name: value for name, value in kwargs.items()
+              if value is not None and not isinstance(value, (bool, int, float))}
+    others.pop(TEMPLATE_ITSELF, None)
+    return others.pop("tools", None), others
+
+
+def render_tool_list(tools: object, param: str) -> str:
+    """`tools` set through `chat_template_kwargs` as `render_tools` lays out the request's own
+    (the same tools are one cache entry and one count wherever the request puts them), without
+    its checks: vLLM hands these to the template as they are. Anything but a list of objects
+    as its JSON."""
+    if isinstance(tools, list) and all(isinstance(tool, dict) for tool in tools):
+        return "".join(f"\n{to_json(tool, param)}" for tool in tools)
+    return to_json(tools, param)
 
 
 def _check_function_tool(tool: dict[str, Any], param: str) -> None:
@@ -119,7 +155,8 @@ def _check_function_tool(tool: dict[str, Any], param: str) -> None:
                                   param=f"{param}.function.name")
 
 
-def _to_json(value: object, param: str) -> str:
+def to_json(value: object, param: str) -> str:
+    """`value` as JSON text, or the 400 of a value that cannot be serialised."""
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):  # nested past the interpreter's stack

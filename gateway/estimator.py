@@ -18,6 +18,10 @@ What is approximate, by design, and documented where it happens:
 - non-text content parts (images, audio, files) cost a declared fixed number of tokens;
 - tool calls and tool results follow the shape of Qwen2.5's template, `tools` definitions are
   counted as their JSON plus a fixed allowance for the template's instructions;
+- other arguments of the template (a chat's `documents`, and whatever `chat_template_kwargs`
+  holds besides numbers and booleans: vLLM merges it over the template's arguments, `tools`
+  and `documents` included) are counted as their JSON (`tools` there as the request's own
+  are, instructions included), whether the template prints them or not;
 - `name` on a message is validated but not counted: Qwen's template drops it.
 The gateway settles real usage after the response, so these only move the reservation.
 """
@@ -44,7 +48,10 @@ from gateway.chatparts import (
     InvalidRequestError,
     check_content_given,
     render_tool_calls,
+    render_tool_list,
     render_tools,
+    template_arguments,
+    to_json,
     token_ids_length,
 )
 from gateway.countcache import CountCache
@@ -245,9 +252,13 @@ class TokenCounter:
             raise InvalidRequestError("text must be a string")
         return self._finish(self._plan_texts([text], "text"))[0]
 
-    def count_chat(self, messages: object, tools: object = None) -> int:
-        """T_in of a chat request: ChatML turns plus the assistant generation prompt."""
-        return sum(self._finish(self._plan_chat(messages, tools)))
+    def count_chat(self, messages: object, tools: object = None, *, documents: object = None,
+                   template_kwargs: object = None) -> int:
+        """T_in of a chat request: ChatML turns plus the assistant generation prompt, and the
+        arguments the template gets besides them (`tools`, `documents`, the request's
+        `chat_template_kwargs`)."""
+        return sum(self._finish(self._plan_chat(messages, tools, documents=documents,
+                                                template_kwargs=template_kwargs)))
 
     def count_prompts(self, prompt: object) -> list[int]:
         """T_in of each prompt of a /v1/completions request (a list of prompts is a batch)."""
@@ -260,12 +271,15 @@ class TokenCounter:
         return (await self.count_chat_parts_async(messages, tools))[0]
 
     async def count_chat_parts_async(self, messages: object, tools: object = None, *,
-                                     scope: str = "") -> tuple[int, int]:
+                                     scope: str = "", documents: object = None,
+                                     template_kwargs: object = None) -> tuple[int, int]:
         """(T_in, the part of it guessed for non-text parts): a request may be refused on the
         counted part only (an image's real cost is the model's, often far below the guess).
         `scope` (a tenant's name) keeps its cached counts apart from everyone else's: how long
-        a count takes must not tell one tenant whether another sent the same text."""
-        plan = self._plan_chat(messages, tools, _scope(scope))
+        a count takes must not tell one tenant whether another sent the same text.
+        `documents`, `template_kwargs`: as for `count_chat`."""
+        plan = self._plan_chat(messages, tools, _scope(scope), documents=documents,
+                               template_kwargs=template_kwargs)
         return sum(await self._finish_async(plan)), plan.guessed
 
     async def count_prompts_async(self, prompt: object, *, scope: str = "") -> list[int]:
@@ -320,7 +334,8 @@ class TokenCounter:
             plan.new_slot(token_ids_length(prompt, "prompt"))
         return plan
 
-    def _plan_chat(self, messages: object, tools: object, scope: bytes = b"") -> _Plan:
+    def _plan_chat(self, messages: object, tools: object, scope: bytes = b"", *,
+                   documents: object = None, template_kwargs: object = None) -> _Plan:
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         plan = _Plan(scope=scope)
@@ -335,11 +350,27 @@ class TokenCounter:
             plan.fixed[0] += extra
             plan.guessed += extra
             self._lookup(plan, b"turn", turn, f"messages[{i}]")
+        tools_counted = False
         if tools is not None:
             rendered = render_tools(tools)
             if tools:  # the template tests `if tools`: an empty list adds nothing, like none
                 plan.fixed[0] += fmt.tools_overhead_tokens
+                tools_counted = True
                 self._lookup(plan, b"tools", rendered, "tools")
+        if documents is not None:
+            self._lookup(plan, b"template", to_json(documents, "documents"), "documents")
+        merged_tools, others = template_arguments(template_kwargs)
+        if merged_tools is not None:
+            # Rendered in place of the request's own `tools` (counted too, which errs high),
+            # with the template's instructions for tools.
+            if merged_tools and not tools_counted:
+                plan.fixed[0] += fmt.tools_overhead_tokens
+            self._lookup(plan, b"tools",
+                         render_tool_list(merged_tools, "chat_template_kwargs.tools"),
+                         "chat_template_kwargs.tools")
+        if others:
+            self._lookup(plan, b"template", to_json(others, "chat_template_kwargs"),
+                         "chat_template_kwargs")
         return plan
 
     def _render_message(self, message: object, param: str) -> tuple[str, int]:

@@ -44,10 +44,19 @@ if more): the 429 (sent within `QUEUE_ANSWER_GRACE_S` of the deadline) and its h
 the client while it still listens."""
 
 
-def _sdk_deadline_ms(value: str | None) -> int | None:
+def _sdk_deadline_ms(value: str | None, generation_s: float = 0.0) -> int | None:
     """The queue deadline an SDK's declared read timeout leaves, or None: no such header, or
     one that is not a positive number (the SDK's business, not a reason to refuse the request).
-    A timeout of t seconds leaves t - max(`SDK_TIMEOUT_MARGIN_S`, t / 10), and at least t / 2."""
+    A timeout of t seconds leaves t - max(`SDK_TIMEOUT_MARGIN_S`, t / 10) - `generation_s`,
+    and at least t / 2.
+
+    `generation_s`: how long the answer may take once the node has the request, when its first
+    byte comes only then (a whole, non-streamed answer: `whole_answer_s`). Without it the
+    queue would take all the client waits for, and a request released near its deadline
+    would be cut off by the client mid-generation, then sent again from the back of the
+    queue. The floor keeps half the wait for the queue, so that a long `max_tokens` (whose
+    estimate is a bound, far above most answers) never makes a request's deadline pass on
+    arrival."""
     if value is None:
         return None
     try:
@@ -57,15 +66,31 @@ def _sdk_deadline_ms(value: str | None) -> int | None:
     if not (seconds > 0 and math.isfinite(seconds)):
         return None
     seconds = min(seconds, MAX_CLIENT_TIMEOUT_S)
-    left = max(seconds / 2, seconds - max(SDK_TIMEOUT_MARGIN_S, seconds / 10))
+    left = max(seconds / 2,
+               seconds - max(SDK_TIMEOUT_MARGIN_S, seconds / 10) - max(0.0, generation_s))
     return max(1, math.floor(left * 1000))
 
 
-def client_deadline_ms(explicit: str | None, sdk_read_timeout: str | None) -> int | None:
+def whole_answer_s(stream: bool, steps: int, s_per_step: float) -> float:
+    """The time a request's answer may take before its first byte reaches the client: none
+    for a stream (its first token comes after the prefill), `steps` decode steps at
+    `s_per_step` for a whole answer (the gateway's `upstream_ms_per_output_token`, the
+    allowance it gives a node's silence on the same answer: `gateway.proxy`)."""
+    return 0.0 if stream else steps * s_per_step
+
+
+def client_deadline_ms(explicit: str | None, sdk_read_timeout: str | None, *,
+                       generation_s: float = 0.0) -> int | None:
     """The client's own deadline for leaving the queue: the shorter of `X-Request-Timeout` and
-    what an SDK's read timeout leaves; None when it states neither."""
-    stated = [ms for ms in (_client_timeout_ms(explicit), _sdk_deadline_ms(sdk_read_timeout))
-              if ms is not None]
+    what an SDK's read timeout leaves (`generation_s` before it kept for a whole answer's
+    generation: `_sdk_deadline_ms`); None when it states neither. `X-Request-Timeout` is the
+    wait for the queue itself, as stated, and keeps nothing back."""
+    return _shorter(_client_timeout_ms(explicit),
+                    _sdk_deadline_ms(sdk_read_timeout, generation_s))
+
+
+def _shorter(*deadlines_ms: int | None) -> int | None:
+    stated = [ms for ms in deadlines_ms if ms is not None]
     return min(stated) if stated else None
 
 
@@ -85,10 +110,28 @@ def _client_timeout_ms(value: str | None) -> int | None:
 async def _read_body(request: web.Request, timeout_ms: int) -> bytes:
     """The request's body, or 408 `request_timeout` once reading it has taken `timeout_ms`:
     a client that sends its body byte by byte would otherwise hold its connection and this
-    handler for as long as it likes."""
+    handler for as long as it likes. Over the app's `client_max_size`, 413 (aiohttp's own, as
+    `request.read()` raises it).
+
+    Read from the stream rather than with `request.read()`, which keeps the bytes on the
+    request for as long as its handler runs (a queued request's whole wait, then its answer):
+    the handler needs them only until they are parsed."""
+    limit = request.client_max_size
+    content = request.content
     try:
         async with asyncio.timeout(timeout_ms / 1000):
-            return await request.read()
+            set_chunk_size = getattr(content, "set_read_chunk_size", None)  # older aiohttp: none
+            if limit and set_chunk_size is not None:
+                # As request.read() does: a compressed body decompresses in large chunks.
+                set_chunk_size(limit)
+            chunks: list[bytes] = []
+            size = 0
+            while chunk := await content.readany():
+                chunks.append(chunk)
+                size += len(chunk)
+                if limit and size > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+            return b"".join(chunks)
     except TimeoutError:
         # The rest of the body is still on its way: the connection cannot carry another request.
         raise ApiError(408, f"The request body did not arrive within {timeout_ms / 1000:g} s.",
@@ -136,15 +179,20 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     started = loop.time()
     tenant = _tenant(gw, request)
     tier = effective_tier(tenant, request.headers.get(PRIORITY_HEADER))
-    client_timeout_ms = client_deadline_ms(request.headers.get(TIMEOUT_HEADER),
-                                           request.headers.get(SDK_READ_TIMEOUT_HEADER))
+    explicit_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
     try:
-        raw = await _read_body(request, gw.config.gateway.request_read_timeout_ms)
-        inbound = await parse_inbound(kind, raw, gw.pools, tier, tenant.name)
+        # The raw body is handed over, not kept here: parse_inbound drops it once decoded.
+        inbound = await parse_inbound(
+            kind, await _read_body(request, gw.config.gateway.request_read_timeout_ms),
+            gw.pools, tier, tenant.name)
     except ApiError:
         labels = metrics.tier_labels("none", tier, tenant.name)
         metrics.child(metrics.requests, *labels, m.INVALID).inc()
         raise
+    client_timeout_ms = _shorter(explicit_timeout_ms, _sdk_deadline_ms(
+        request.headers.get(SDK_READ_TIMEOUT_HEADER),
+        whole_answer_s(inbound.stream, inbound.steps or inbound.max_tokens,
+                       gw.upstream.whole_answer_s_per_token)))
     pool = inbound.pool
     outcome = m.REJECTED
     task_id: str | None = None

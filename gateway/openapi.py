@@ -26,8 +26,9 @@ _BACKPRESSURE_HEADERS = {
         "schema": {"type": "string", "enum": ["GREEN", "YELLOW", "RED", "UNKNOWN"]}},
     "X-Queue-Depth": {"description": "Requests queued at this request's tier or above.",
                       "schema": {"type": "integer", "minimum": 0}},
-    "X-RateLimit-Scope": {"description": "With the rate_limit_exceeded family and "
-                          "insufficient_quota: the limit that "
+    "X-RateLimit-Scope": {"description": "With the rate_limit_exceeded family, "
+                          "insufficient_quota, and capacity_exceeded for a key at its cap of "
+                          "queued requests: the limit that "
                           "refused the request ('key': the key's own; else the name of the "
                           "enclosing quota level that ran out).", "schema": {"type": "string"}},
 }
@@ -78,7 +79,8 @@ _GENERATION_ERRORS = {
                   "(request_timeout); the connection is closed."),
     "413": _error("Request body larger than the configured limit."),
     "429": _error("Backpressure: capacity_exceeded (pool saturated, queue full, queue "
-                  "timeout) or the rate_limit_exceeded family (the key's token bucket; "
+                  "timeout, or the key's cap on queued requests: X-RateLimit-Scope 'key') or "
+                  "the rate_limit_exceeded family (the key's token bucket; "
                   "rate_limit_exceeded_queued_tokens: its cap on queued tokens); or "
                   "insufficient_quota: a quota that never refills is spent (no retry hint, "
                   "x-should-retry: false, as a quota hint past 120 s also says).",

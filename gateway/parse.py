@@ -17,9 +17,13 @@ the client's `request_id` and `kv_transfer_params` are dropped, and its `cache_s
 replaced by a digest of the tenant's name and the salt, so that no tenant can name another's
 prefix-cache partition (and time its hits).
 
-A chat request's own `chat_template` is refused unless the pool sets `accept_chat_template`
-(for nodes that trust request templates): the prompt is counted with the pool's template, and
-a client's could be far longer than counted.
+A chat request's own `chat_template` (top level, or inside `chat_template_kwargs`, where vLLM
+before 0.11 took it as the template too) is refused unless the pool sets
+`accept_chat_template` (for nodes that trust request templates): the prompt is counted with
+the pool's template, and a client's could be far longer than counted. The template's other
+arguments a request sets (`documents`, `chat_template_kwargs`: vLLM merges the latter over
+`tools` and `documents`) are counted into the prompt (`gateway.estimator`), so that the
+reservation covers what the template may print of them.
 
 The answer goes back with the client's own `model` (`Inbound.reply_model`) unless the pool
 sets `echo_requested_model = false`: the client asked for the pool's name and compares the
@@ -38,6 +42,8 @@ from typing import Any, Literal
 import orjson
 
 from admission.tiers import Tier
+from gateway.answersize import whole_answer_limit
+from gateway.chatparts import TEMPLATE_ITSELF
 from gateway.errors import ApiError, bad_request, never_retry
 from gateway.estimator import InvalidRequestError, estimate_cost
 from gateway.pools import PoolRuntime
@@ -71,8 +77,6 @@ the gateway is as long as without it and reserves no more."""
 class Inbound:
     kind: Kind
     pool: PoolRuntime
-    body: dict[str, Any]
-    """The body to forward (already rewritten)."""
     stream: bool
     client_wants_usage: bool
     """The client asked for the final usage chunk itself (else the gateway strips it)."""
@@ -89,7 +93,14 @@ class Inbound:
     """The most a node can truthfully report for this request: each prompt at the context
     length, plus T_out. A node's usage is charged up to this and no further (0: no bound)."""
     payload: bytes = b""
-    """`body` serialised, as the node gets it (written once, before admission: `encode`)."""
+    """The body to forward (already rewritten), serialised as the node gets it (written once,
+    before admission: `encode`). The decoded body itself is not kept: its Python objects take
+    some 25 times its bytes (a 3.9 MB body of empty objects, 94 MB), for every request through
+    its wait in the queue and its answer."""
+    answer_limit: int = 0
+    """The most bytes the node's whole (non-streamed) answer may take
+    (`gateway.answersize.whole_answer_limit` of the forwarded body), computed while the body
+    is still at hand."""
     steps: int = 0
     """The most decode steps the node may take on it: the per-sequence limit, once per
     `ENGINE_BATCH` of its sequences (they decode in the same steps). 0: `max_tokens`."""
@@ -164,6 +175,12 @@ def _check_item_counts(kind: Kind, body: Mapping[str, Any], context_length: int)
                           f"context length); this one has {parts}.", param="messages")
 
 
+def _template_refused(param: str) -> ApiError:
+    return never_retry(400, "This deployment does not accept a request's own 'chat_template'; "
+                       "the model's template applies.", param=param,
+                       code="chat_template_not_accepted")
+
+
 def pool_of(body: Mapping[str, Any], pools: Mapping[str, PoolRuntime]) -> PoolRuntime:
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -200,6 +217,7 @@ async def parse_inbound(
     """`tenant`: the sender's name, which scopes its `cache_salt` and its token-count cache
     entries."""
     body = decode(raw)
+    del raw  # the caller keeps no other reference: the bytes go while the body is counted
     pool = pool_of(body, pools)
     settings = pool.settings
     if body.get("cache_salt") is not None:
@@ -259,20 +277,22 @@ async def parse_inbound(
             code="max_tokens_too_large",
         )
 
-    if (kind == "chat" and body.get("chat_template") is not None
-            and not settings.accept_chat_template):
+    template_kwargs = body.get("chat_template_kwargs") if kind == "chat" else None
+    if kind == "chat" and not settings.accept_chat_template:
         # The prompt is counted with the pool's template; the client's own could render the
         # same messages many times over and reserve a fraction of the KV it takes.
-        raise never_retry(400, "This deployment does not accept a request's own "
-                          "'chat_template'; the model's template applies.",
-                          param="chat_template", code="chat_template_not_accepted")
+        if body.get("chat_template") is not None:
+            raise _template_refused("chat_template")
+        if isinstance(template_kwargs, dict) and template_kwargs.get(TEMPLATE_ITSELF) is not None:
+            raise _template_refused(f"chat_template_kwargs.{TEMPLATE_ITSELF}")
     _check_item_counts(kind, body, settings.context_length)
     messages = body.get("messages")
     guessed = 0
     try:
         if kind == "chat":
             count, guessed = await pool.counter.count_chat_parts_async(
-                messages, body.get("tools"), scope=tenant)
+                messages, body.get("tools"), scope=tenant, documents=body.get("documents"),
+                template_kwargs=template_kwargs)
             prompts = [count]
         else:
             prompts = await pool.counter.count_prompts_async(body.get("prompt"), scope=tenant)
@@ -336,7 +356,6 @@ async def parse_inbound(
     return Inbound(
         kind=kind,
         pool=pool,
-        body=body,
         stream=bool(stream),
         client_wants_usage=client_wants_usage,
         prompt_tokens=estimate.t_in,
@@ -345,6 +364,8 @@ async def parse_inbound(
         max_tokens_param=param,
         usage_ceiling=len(prompts) * limit + estimate.t_out,
         payload=encode(body),
+        answer_limit=whole_answer_limit(body, prompt_tokens=estimate.t_in,
+                                        output_tokens=estimate.t_out),
         # Sequences decode together up to the engine's running batch, in waves beyond it.
         steps=per_sequence * math.ceil(sequences_per_prompt * len(prompts) / ENGINE_BATCH),
     )

@@ -45,7 +45,6 @@ import orjson
 from aiohttp import web
 
 from gateway.admit import Ticket
-from gateway.answersize import whole_answer_limit
 from gateway.clientio import ClientStalled, StallGuard, end_within
 from gateway.errors import ApiError, jittered, unavailable
 from gateway.metrics import GatewayMetrics
@@ -236,8 +235,7 @@ class Upstream:
         self, request: web.Request, upstream: NodeResponse, inbound: Inbound, ticket: Ticket,
         meter: Meter,
     ) -> web.StreamResponse:
-        limit = whole_answer_limit(inbound.body, prompt_tokens=inbound.prompt_tokens,
-                                   output_tokens=inbound.max_tokens)
+        limit = inbound.answer_limit
         try:
             body = await upstream.read(limit)
         except AnswerTooLarge:

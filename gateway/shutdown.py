@@ -7,7 +7,9 @@ On SIGTERM the gateway
 2. waits for the requests in flight, up to the timeout;
 3. answers the requests still queued (never scheduled) with 503 ``gateway_shutting_down`` and
    a retry hint, their tasks leaving the queue: the client retries on another gateway instead
-   of seeing its connection cut; they get `QUEUED_ANSWER_S` to go out;
+   of seeing its connection cut; they get `QUEUED_ANSWER_S` to go out, and a request that
+   reaches admission meanwhile (its body was still arriving, or its admit's reply was in
+   flight) gets the same answer (`gateway.admit.Admitter.answer_queued`);
 4. cancels those still running (streams longer than the timeout). The client's stream ends
    there, without ``[DONE]``: a truncated answer, which the client can tell from a whole one.
    The node's generation is aborted, and the task's finish charges what was generated and

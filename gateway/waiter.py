@@ -11,6 +11,10 @@ The check costs the same whatever the number of waiters: one ``ZMSCORE`` per poo
 over all of its waiting task ids (a task missing from its queue has left it), then one read of
 the record of each task that left. Per-request polling would cost Redis one read per waiter
 per interval, 400,000 reads a second for 100,000 queued Batch requests at 250 ms.
+
+Each pool and tier is checked on its own: one whose calls fail (its Redis shard down, a key
+an operator broke) is counted and logged (once per streak) and skipped, and the others'
+waiters are still found every interval.
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ class WakeHub:
         """Listeners (one, or one per channel) whose subscription is confirmed."""
         self.subscribed = asyncio.Event()
         self.stop = asyncio.Event()
+        self._check_failures: dict[tuple[str, Tier], FailureLog] = {}
+        """The fallback check's failures per pool and tier: one line per streak, not per
+        round (every `poll_s` for as long as it lasts)."""
 
     def expect(self, task_id: str) -> asyncio.Future[Woken]:
         """Register before admitting, so that a release published at once is not missed."""
@@ -186,10 +193,24 @@ class WakeHub:
         resolved = 0
         for (store_key, tier), ids in groups.items():
             store = stores[store_key]
-            for start in range(0, len(ids), _CHUNK):
-                left = await store.left_queue(tier, ids[start:start + _CHUNK])
-                if left:
-                    resolved += await self._read_records(store, left)
+            failures = self._check_failures.get((store.pool, tier))
+            try:
+                for start in range(0, len(ids), _CHUNK):
+                    left = await store.left_queue(tier, ids[start:start + _CHUNK])
+                    if left:
+                        resolved += await self._read_records(store, left)
+            except Exception as exc:  # this group only: the next ones are still checked
+                if self.stop.is_set():  # stopping: the connections are closing under it
+                    return resolved
+                if failures is None:
+                    failures = self._check_failures[(store.pool, tier)] = FailureLog(
+                        f"wake-up fallback check of pool {store.pool} tier {tier.label}",
+                        time.monotonic, log)
+                self.metrics.child(self.metrics.redis_errors, "poll").inc()
+                failures.failed(describe(exc))
+                continue
+            if failures is not None:
+                failures.succeeded()
         return resolved
 
     async def _read_records(self, store: PoolStore, task_ids: list[str]) -> int:

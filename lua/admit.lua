@@ -91,11 +91,16 @@
 --                _tenant.lua; -1 unknown)
 --   {'rejected', 'tenant_queued_tokens', retry_after_ms, depth, zone, queued}   queued: the
 --        tokens of the tenant's requests queued in the pool now (without this one)
+--   {'rejected', 'tenant_queue_full', retry_after_ms, depth, zone, queued}   the tenant holds
+--        its cap of queued requests in the pool (queued: how many it holds); retry_after_ms:
+--        ms until its own queue drains the tokens of the requests over the cap, and one more
+--        (their average cost each), at its own drain rate, as for tenant_queued_tokens (-1:
+--        unknown)
 --   {'rejected', 'quota', retry_after_ms, depth, zone, scope, kind}   scope: 'key' or
 --        'team:<name>', the binding level; kind: 'bucket', 'daily', 'monthly' or 'held'
 --   {'rejected', reason, 0, depth, zone, drain, red_clear_s, state_age_ms}
 --        reason: zone_red, no_node (the pool is RED because none of its nodes is usable:
---        the leader published pool_usage ''), queue_full, tenant_queue_full; the caller
+--        the leader published pool_usage ''), queue_full; the caller
 --        computes the hint from
 --        these (admission/hints.py): drain = tasks/s leaving the queues at this tier or above
 --        ('' when no leader measured it), red_clear_s = the leader's estimate of the seconds
@@ -201,8 +206,17 @@ if node == nil then
   if redis.call('ZCARD', queues[tier + 1]) >= tier_cap then
     return capacity_rejected('queue_full')
   end
-  if (tonumber(redis.call('HGET', KEYS[10], tenant) or '0') or 0) >= tenant_cap then
-    return capacity_rejected('tenant_queue_full')
+  local own = tonumber(redis.call('HGET', KEYS[10], tenant) or '0') or 0
+  if own >= tenant_cap then
+    -- The key's own cap: a place opens as its own queue drains, so the wait is that of the
+    -- tokens of as many of its requests as it holds over the cap, plus one, at its own drain
+    -- rate (its queued requests' average taken for theirs); -1 when none is queued.
+    local wait = -1
+    if own > 0 then
+      local tokens = tonumber(redis.call('HGET', tkey, 'queued_tokens') or '0') or 0
+      wait = drain_wait_ms(tkey, now, math.ceil(tokens * (own - tenant_cap + 1) / own))
+    end
+    return {'rejected', 'tenant_queue_full', wait, ahead, zone, own}
   end
   if queued_cap > 0 then
     local queued = tonumber(redis.call('HGET', tkey, 'queued_tokens') or '0') or 0

@@ -259,8 +259,15 @@ class Model:
         if node is None:
             if len(self.queues[tier]) >= self.tier_caps[tier]:
                 return ("rejected", "queue_full", drain_hint(), ahead)
-            if self.tenant_queued().get(tenant, 0) >= tenant_cap:
-                return ("rejected", "tenant_queue_full", drain_hint(), ahead)
+            own = self.tenant_queued().get(tenant, 0)
+            if own >= tenant_cap:
+                # The tokens of its requests over the cap, and one more, at their average
+                # cost, drained at the tenant's own rate (-1: nothing queued, unknown).
+                wait = -1 if own == 0 else ledger.drain_wait_ms(
+                    tenant, self.now,
+                    math.ceil(ledger.queued_tokens.get(tenant, 0) * (own - tenant_cap + 1) / own))
+                return ("rejected", "tenant_queue_full",
+                        tenant_drain_hint_ms(wait, self.default_retry_ms), ahead)
             excess = ledger.queued_tokens.get(tenant, 0) + cost - queued_cap
             if queued_cap > 0 and excess > 0:
                 wait = ledger.drain_wait_ms(tenant, self.now, excess)

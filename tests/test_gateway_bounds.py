@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -26,6 +27,7 @@ import pytest
 from aiohttp import web
 
 from admission.config import parse_config
+from admission.tiers import Tier, Zone
 from gateway.__main__ import make_runner
 from gateway.answersize import (
     ANSWER_BASE_BYTES,
@@ -36,8 +38,17 @@ from gateway.answersize import (
 )
 from gateway.app import create_app
 from gateway.nodeerrors import NODE_TEXT_LIMIT
+from gateway.parse import Inbound
 from gateway.state import GATEWAY
-from tests.gateway_harness import KEYS, POOL, config_data, hostile_gateway
+from tests.gateway_harness import (
+    BIG,
+    KEYS,
+    POOL,
+    config_data,
+    eventually,
+    hostile_gateway,
+    running_gateway,
+)
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 WAIT_S = 5.0
@@ -263,6 +274,46 @@ async def test_a_nodes_error_answer_is_read_only_up_to_its_cap(
 
 
 # --- a client's request -------------------------------------------------------------------
+
+
+async def test_a_queued_request_holds_neither_its_decoded_body_nor_its_raw_bytes(
+    redis_url: str, redis_client: Any,
+) -> None:
+    """A body's decoded objects take some 25 times its bytes (`{}` is 2 bytes of JSON and a
+    64-byte dict), and a request holds what it keeps through its whole wait in the queue and
+    its answer. While this one waits, its `Inbound` refers to no decoded object (only the
+    forwarded payload and numbers: the bound of its whole answer among them, still what the
+    body asks for), and aiohttp keeps no copy of its raw bytes on the request."""
+    body = {"model": POOL, "messages": MESSAGES, "max_tokens": 8, "logprobs": True,
+            "top_logprobs": 5, "x": [{}] * 100_000}
+    async with running_gateway(redis_url) as gw, aiohttp.ClientSession() as http:
+        await gw.publish(Zone.YELLOW, BIG, extra={"drain_2": 0})  # Batch queues, none leaves
+        answer = asyncio.ensure_future(http.post(gw.url + "/v1/chat/completions", json=body,
+                                                 headers=gw.auth("batch")))
+
+        async def queued() -> bool:
+            return await gw.queued(int(Tier.BATCH)) == 1
+
+        await eventually(queued)
+        gc.collect()
+        inbounds = [o for o in gc.get_objects() if isinstance(o, Inbound)]
+        assert len(inbounds) == 1
+        inbound = inbounds[0]
+        assert [type(o).__name__ for o in gc.get_referents(inbound)
+                if isinstance(o, (dict, list))] == []
+        assert inbound.answer_limit == whole_answer_limit(
+            {"logprobs": True}, prompt_tokens=inbound.prompt_tokens,
+            output_tokens=inbound.max_tokens)
+        assert orjson.loads(inbound.payload)["x"] == body["x"]  # forwarded as sent
+        requests = [o for o in gc.get_objects() if isinstance(o, web.BaseRequest)]
+        assert requests and all(r._read_bytes is None for r in requests)
+        del inbounds, inbound, requests
+
+        await gw.publish(Zone.GREEN, BIG)
+        await gw.release()
+        response = await asyncio.wait_for(answer, WAIT_S)
+        assert response.status == 200, await response.text()
+        response.release()
 
 
 async def _drip(writer: asyncio.StreamWriter, byte: bytes) -> None:

@@ -1,8 +1,9 @@
 """Per-tenant caps through a real gateway (real sockets, the session's redis-server, the test
 playing the scheduler): the cap on queued tokens answers the 429 protocol with a code of the
 rate_limit_exceeded family, `X-RateLimit-Scope: key` and a Retry-After from the tenant's own
-drain rate; the cap on in-flight tokens holds the tenant's next request in the queue while the
-release serves another tenant."""
+drain rate; the cap on queued requests with `capacity_exceeded`, the same scope and a
+Retry-After from the same drain; the cap on in-flight tokens holds the tenant's next request
+in the queue while the release serves another tenant."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ def adjust(data: dict[str, Any]) -> None:
          "max_queued_tokens": 1_000, "max_inflight_tokens": 1_000},
         {"name": "calm", "tier": "normal", "key_sha256": [sha(KEYS["calm"])],
          "rate": 1_000_000, "burst": 1_000, "max_queued": 100},
+        {"name": "few", "tier": "normal", "key_sha256": [sha(KEYS["few"])],
+         "rate": 1_000_000, "burst": 1_000, "max_queued": 2},
     ]
 
 
@@ -36,6 +39,7 @@ async def gw(redis_url: str, redis_client: aioredis.Redis,
     # this test only (another module counts its entries).
     monkeypatch.setitem(KEYS, "flood", "sk-test-flood")
     monkeypatch.setitem(KEYS, "calm", "sk-test-calm")
+    monkeypatch.setitem(KEYS, "few", "sk-test-few")
     async with running_gateway(redis_url, adjust=adjust) as harness:
         yield harness
 
@@ -84,6 +88,46 @@ async def test_over_its_queued_tokens_a_tenant_gets_a_429_timed_by_its_own_drain
     exact_ms = -(-excess * 1000 * 5 // cost)
     retry_ms = int(again.value.response.headers["retry-after-ms"])
     assert exact_ms <= retry_ms <= exact_ms * 1.25 * 1.1, (exact_ms, retry_ms)
+    await gw.release((0, 10, 0))
+    await asyncio.gather(*queued)
+
+
+async def test_at_its_queued_requests_cap_a_tenant_gets_a_429_of_its_own_scope_and_drain(
+        gw: Harness) -> None:
+    """The pool's own drain says nothing leaves (drain_1 = 0: a capacity hint of 60 s); the
+    key's cap of 2 queued requests is its own limit, answered by its own queue's drain."""
+    await gw.publish(Zone.YELLOW, extra={"drain_1": 0})  # Normal queues; the pool drains none
+    queued = [await _start(gw, "few", 300) for _ in range(2)]
+
+    async def at_cap() -> bool:
+        return await gw.queued(1) == 2
+
+    async def refused() -> openai.RateLimitError:
+        with pytest.raises(openai.RateLimitError) as info:
+            await gw.openai("few").chat.completions.create(
+                model="demo", messages=MESSAGES, max_tokens=300)
+        return info.value
+
+    await eventually(at_cap)
+    error = await refused()
+    headers = error.response.headers
+    body = error.response.json()["error"]
+    assert body["code"] == "capacity_exceeded"
+    assert "too many requests queued (2 now)" in body["message"]
+    assert headers["x-ratelimit-scope"] == "key"
+    assert headers["x-ratelimit-backpressure-level"] == "YELLOW"
+    assert int(headers["x-queue-depth"]) == 2
+    # Nothing of its queue drained yet: the floor (1 s), jittered upward; not the pool's 60 s.
+    assert 1_000 <= int(headers["retry-after-ms"]) <= 1_250
+    assert gw.gateway.metrics.registry.get_sample_value("kvgate_gateway_rejections_total", {
+        "pool": "demo", "tier": "normal", "reason": "tenant_queue_full"}) == 1
+    # One released (its drain: one task's cost per 5 s, decaying), one more queued: at the cap
+    # again, a place opens once one task's cost has drained, in 5 s or a little more.
+    assert len(await gw.release((0, 1, 0))) == 1
+    queued.append(await _start(gw, "few", 300))
+    await eventually(at_cap)
+    retry_ms = int((await refused()).response.headers["retry-after-ms"])
+    assert 5_000 <= retry_ms <= 5_000 * 1.25 * 1.1, retry_ms
     await gw.release((0, 10, 0))
     await asyncio.gather(*queued)
 

@@ -14,7 +14,9 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
+from typing import Any
 
+import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
@@ -96,14 +98,18 @@ async def test_a_queued_request_is_answered_at_its_deadline_while_redis_is_unrea
 
 
 SDK_TIMEOUT_S = 3.0
+MS_PER_TOKEN = 50
+"""The gateway's `upstream_ms_per_output_token` in these tests: what a whole answer's
+generation is taken to need per decode step."""
 
 
 async def test_an_sdk_that_would_give_up_gets_its_429_before_it_does(redis_url: str) -> None:
     """The OpenAI SDK declares its read timeout with every request (`x-stainless-read-timeout`).
     A request still queued when that time nears is answered with its 429 and hint while the
     client listens; before, the SDK timed out first, and with its default retries sent the
-    request again, to the back of the queue, with no hint to wait for."""
-    async with running_gateway(redis_url) as gw:
+    request again, to the back of the queue, with no hint to wait for. The answer being whole
+    (not streamed), its generation time comes off the wait too."""
+    async with running_gateway(redis_url, upstream_ms_per_output_token=MS_PER_TOKEN) as gw:
         await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})
         client = gw.openai("batch", timeout=SDK_TIMEOUT_S)
         await client.models.list()
@@ -114,9 +120,57 @@ async def test_an_sdk_that_would_give_up_gets_its_429_before_it_does(redis_url: 
                 model="demo", messages=[{"role": "user", "content": "Queue me."}],
                 max_tokens=8)
         answered_s = loop.time() - started
-        # As long as the client let it wait, less the margin for the answer's way back.
-        assert SDK_TIMEOUT_S - 0.5 <= answered_s < SDK_TIMEOUT_S, answered_s
+        # As long as the client let it wait, less the margin for the answer's way back and
+        # the time its 8 tokens may take.
+        expected_s = SDK_TIMEOUT_S - 0.5 - 8 * MS_PER_TOKEN / 1000
+        assert expected_s <= answered_s < expected_s + 0.5, answered_s
         assert info.value.code == "capacity_exceeded"
         assert int(info.value.response.headers["retry-after-ms"]) >= 1
         assert gw.gateway.metrics.registry.get_sample_value("kvgate_gateway_requests_total", {
             "pool": "demo", "tier": "batch", "outcome": "queue_timeout"}) == 1
+
+
+async def test_a_whole_answer_leaves_its_generation_time_before_the_sdks_read_timeout(
+    redis_url: str,
+) -> None:
+    """A non-streamed answer's first byte is all of it: the queue deadline an SDK's 600 s read
+    timeout leaves (540 s for a stream) loses the time the answer may take (1,000 steps at
+    `MS_PER_TOKEN`: 50 s), and never more than half the timeout (10,000 steps: 300 s). Read
+    from the tasks' deadlines in Redis, against its clock."""
+    def adjust(data: dict[str, Any]) -> None:
+        data["tiers"]["batch"]["queue_timeout_ms"] = 3_600_000  # the client's deadline binds
+        data["pools"][0]["context_length"] = 16_384
+        data["pools"][0]["max_max_tokens"] = 10_000
+
+    async with running_gateway(redis_url, adjust=adjust,
+                               upstream_ms_per_output_token=MS_PER_TOKEN,
+                               backend_options={"max_model_len": 16_384}) as gw, \
+            aiohttp.ClientSession() as http:
+        await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})
+        live = gw.gateway.settler.live
+        pending = []
+
+        async def deadline_s(stream: bool, max_tokens: int) -> float:
+            before = live.snapshot()
+            pending.append(asyncio.ensure_future(http.post(
+                gw.url + "/v1/chat/completions",
+                json={"model": "demo", "messages": [{"role": "user", "content": "Queue me."}],
+                      "max_tokens": max_tokens, "stream": stream},
+                headers={**gw.auth("batch"), "x-stainless-read-timeout": "600"})))
+
+            async def queued() -> bool:
+                return len(live.snapshot() - before) == 1
+
+            await eventually(queued)
+            [task_id] = live.snapshot() - before
+            record = await gw.task(task_id)
+            seconds, micros = await gw.redis.time()
+            return (int(record["deadline_us"]) - seconds * 1_000_000 - micros) / 1e6
+
+        for stream, max_tokens, expected in ((True, 1_000, 540), (False, 1_000, 490),
+                                             (False, 10_000, 300)):
+            left = await deadline_s(stream, max_tokens)
+            assert expected - 2 < left <= expected, (stream, max_tokens, left)
+        for request in pending:
+            request.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

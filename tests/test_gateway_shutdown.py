@@ -3,19 +3,22 @@ it are cut there, their reservations settled, and the process exits.
 
 A real gateway process, a real Redis (the `redis_url` fixture), and a node that streams one
 token every 100 ms (`InstantBackend`); the client reads the bytes itself to see where the
-stream ends.
+stream ends. The requests still on their way to the queue when the queued ones are answered
+(step 3) are timed by hand: an in-process gateway, its `answer_queued` called by the test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
+import pytest
 import redis.asyncio as aioredis
 
 from admission.config import load_config
@@ -32,7 +35,17 @@ from gateway.shutdown import (
     SETTLE_DRAIN_S,
     SETTLE_MARGIN_S,
 )
-from tests.gateway_harness import EPOCH, KEYS, eventually, serve_backend, start_gateway_process
+from gateway.state import IN_FLIGHT
+from tests.gateway_harness import (
+    BIG,
+    EPOCH,
+    KEYS,
+    Harness,
+    eventually,
+    running_gateway,
+    serve_backend,
+    start_gateway_process,
+)
 from tests.test_gateway_process import _toml
 
 TIMEOUT_S = 3.0
@@ -243,3 +256,92 @@ async def test_a_request_still_queued_at_the_timeout_gets_a_503_it_can_retry(
         "X-Request-Id" in response.headers) else None
     assert task is None or task["state"] == "cancelled"
     assert await redis_client.hgetall(store.keys.tenant_queued) == {}
+
+
+# --- requests on their way to the queue when the queued ones are answered -----------------
+
+
+async def _late_chat(http: aiohttp.ClientSession, gw: Harness, rest: asyncio.Event
+                     ) -> aiohttp.ClientResponse:
+    """A Batch chat whose body's second half is sent once `rest` is set."""
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"model": "demo", "messages": [{"role": "user", "content": "late"}], '
+        await rest.wait()
+        yield b'"max_tokens": 4}'
+
+    return await http.post(gw.url + "/v1/chat/completions", data=body(),
+                           headers={**gw.auth("batch"), "Content-Type": "application/json"})
+
+
+async def _handled(gw: Harness) -> None:
+    in_flight = gw.app[IN_FLIGHT]
+
+    async def started() -> bool:
+        return len(in_flight) == 1
+
+    await eventually(started)
+
+
+async def _told_to_retry_elsewhere(response: aiohttp.ClientResponse) -> None:
+    body = await response.json()
+    assert response.status == 503, body
+    assert body["error"]["code"] == "gateway_shutting_down"
+    assert int(response.headers["Retry-After"]) >= 1
+    assert response.headers.get("x-should-retry") != "false"
+
+
+async def test_a_request_whose_body_arrives_after_the_queued_were_answered_gets_the_503(
+    redis_url: str, redis_client: aioredis.Redis,
+) -> None:
+    """Its handler was reading the body when `answer_queued` ran: it reaches admission
+    afterwards and is answered as the queued were, without a task."""
+    async with running_gateway(redis_url) as gw, aiohttp.ClientSession() as http:
+        await gw.publish(Zone.YELLOW, BIG, extra={"drain_2": 0})  # Batch would queue
+        rest = asyncio.Event()
+        answer = asyncio.ensure_future(_late_chat(http, gw, rest))
+        await _handled(gw)
+        assert gw.gateway.admitter.answer_queued() == 0
+        rest.set()
+        response = await asyncio.wait_for(answer, 5)
+        await _told_to_retry_elsewhere(response)
+        assert "X-Request-Id" not in response.headers  # no task was written
+        assert await gw.queued(int(Tier.BATCH)) == 0
+        assert await redis_client.hgetall(gw.store.keys.tenant_queued) == {}
+
+
+@pytest.mark.parametrize("zone", [Zone.YELLOW, Zone.GREEN])
+async def test_a_request_whose_admit_was_in_flight_when_the_queued_were_answered_gets_the_503(
+    redis_factory: Callable[..., LocalRedis], zone: Zone,
+) -> None:
+    """Redis is paused (SIGSTOP) while the request's admit is on its way: `answer_queued` runs
+    before the reply comes. Queued (YELLOW) or released (GREEN) by that reply, the request is
+    answered 503 with a retry hint, its task cancelled at once: out of the queue, nothing left
+    reserved, the node never asked (what still runs is cut within `QUEUED_ANSWER_S`)."""
+    server = redis_factory()
+    async with running_gateway(server.url) as gw, aiohttp.ClientSession() as http:
+        await gw.publish(zone, BIG, extra={"drain_2": 0})
+        rest = asyncio.Event()
+        answer = asyncio.ensure_future(_late_chat(http, gw, rest))
+        await _handled(gw)
+        live = gw.gateway.settler.live
+
+        async def admitting() -> bool:
+            return len(live) == 1
+
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            rest.set()
+            await eventually(admitting)
+            assert gw.gateway.admitter.answer_queued() == 0
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        response = await asyncio.wait_for(answer, 5)
+        await _told_to_retry_elsewhere(response)
+        await gw.settled()
+        record = await gw.task(response.headers["X-Request-Id"])
+        assert record["state"] == "cancelled"
+        assert await gw.queued(int(Tier.BATCH)) == 0
+        assert await gw.redis.hgetall(gw.store.keys.tenant_queued) == {}
+        reserved = await gw.redis.hgetall(gw.store.keys.node_reserved)
+        assert all(int(v) == 0 for v in reserved.values()), reserved
+        assert gw.backends[0].received == []

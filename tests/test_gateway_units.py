@@ -13,7 +13,7 @@ from admission.config import TenantSettings
 from admission.tiers import Tier
 from gateway.auth import TenantDirectory, effective_tier
 from gateway.errors import MAX_RETRY_MS, ApiError, jittered, retry_headers
-from gateway.handlers import client_deadline_ms
+from gateway.handlers import client_deadline_ms, whole_answer_s
 from gateway.relay import Meter, Phase, SseRelay
 
 
@@ -164,6 +164,18 @@ def test_a_clients_deadline_is_the_shorter_of_its_header_and_its_sdks_read_timeo
     with pytest.raises(ApiError) as info:
         client_deadline_ms("abc", "600")
     assert info.value.status == 400
+
+
+def test_a_whole_answers_generation_comes_off_the_sdks_read_timeout() -> None:
+    """A non-streamed answer's first byte comes when it is complete: the queue leaves it the
+    time it may take, down to half the read timeout; `X-Request-Timeout` is the queue's wait
+    as stated."""
+    assert client_deadline_ms(None, "600", generation_s=100) == 440_000
+    assert client_deadline_ms(None, "600", generation_s=10_000) == 300_000
+    assert client_deadline_ms("400", "600", generation_s=100) == 400_000
+    assert client_deadline_ms("400", None, generation_s=10_000) == 400_000
+    assert whole_answer_s(True, 1_000, 0.1) == 0
+    assert whole_answer_s(False, 1_000, 0.1) == pytest.approx(100)
 
 
 def test_a_usage_with_only_its_total_is_the_nodes_count() -> None:

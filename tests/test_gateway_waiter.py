@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
+import pytest
 import redis.asyncio as aioredis
 
 from admission.outcomes import AdmitOutcome
@@ -95,3 +97,56 @@ async def test_the_subscription_comes_back_after_its_connection_is_killed(
         hub.stop.set()
         listener.cancel()
         await asyncio.gather(listener, return_exceptions=True)
+
+
+async def test_a_pool_whose_check_fails_does_not_hide_the_other_pools_releases(
+    redis_client: aioredis.Redis, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Pool "q" has a queue key of the wrong type (WRONGTYPE on every check of its Batch
+    waiters), and its waiter is checked first. Pool "p"'s release, whose wake-up is lost, is
+    still found by the fallback: the failing group is counted and logged once per streak,
+    and skipped."""
+    caplog.set_level(logging.INFO, logger="kvgate.gateway")
+    scripts = register_scripts(redis_client)
+    healthy = PoolStore(redis_client, scripts, "p", PoolPolicy(stale_after_ms=0))
+    broken = PoolStore(redis_client, scripts, "q", PoolPolicy(stale_after_ms=0))
+    await healthy.publish_state(1, Zone.YELLOW, {"n": 10_000_000})  # Batch queues in YELLOW
+    await redis_client.set(broken.keys.queue(Tier.BATCH), "not a sorted set")
+    metrics = GatewayMetrics()
+    hub = WakeHub(redis_client, ["unused"], metrics, poll_s=0.05)
+    stranded = hub.expect("q-task")
+    hub.queued("q-task", broken, Tier.BATCH)
+    tenant = TenantQuota("t", 1_000_000, 1_000_000, 1000)
+    woken = hub.expect("p-task")
+    result = await healthy.admit(task_id="p-task", tenant=tenant, tier=Tier.BATCH,
+                                 prompt_tokens=10, max_tokens=10, gateway="g",
+                                 queue_timeout_ms=60_000)
+    assert result.outcome is AdmitOutcome.QUEUED
+    hub.queued("p-task", healthy, Tier.BATCH)
+    assert len(await healthy.release(1, (0, 0, 1))) == 1  # no notify: the message is lost
+
+    poller = asyncio.create_task(hub.poll_forever())
+    try:
+        found = await asyncio.wait_for(asyncio.shield(woken), 5)
+    finally:
+        hub.stop.set()
+        await asyncio.wait_for(poller, 5)
+        hub.stop.clear()  # checked by hand below
+    assert (found.node, found.polled) == ("n", True)
+    assert not stranded.done()
+    failed = metrics.registry.get_sample_value("kvgate_gateway_redis_errors_total",
+                                               {"op": "poll"})
+    assert failed is not None and failed >= 1
+    for _ in range(3):  # the streak goes on: counted each time, not logged again
+        assert await hub.poll_once() == 0
+    assert metrics.registry.get_sample_value("kvgate_gateway_redis_errors_total",
+                                             {"op": "poll"}) == failed + 3
+    lines = [r.getMessage() for r in caplog.records if "pool q" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "ResponseError WRONGTYPE" in lines[0] and "not a sorted set" not in lines[0]
+
+    await redis_client.delete(broken.keys.queue(Tier.BATCH))  # fixed: the task left its queue
+    assert await hub.poll_once() == 1
+    assert (await stranded).state == "unknown"
+    recovered = [r.getMessage() for r in caplog.records if "pool q" in r.getMessage()]
+    assert len(recovered) == 2 and "succeeds again" in recovered[1]

@@ -65,7 +65,8 @@ func (e *APIError) Error() string {
 	return fmt.Sprintf("kvgate: %d: %s", e.StatusCode, e.Message)
 }
 
-// RateLimitError is a 429. Code tells capacity_exceeded (the fleet is full) from
+// RateLimitError is a 429. Code tells capacity_exceeded (the fleet is full, or with Scope
+// "key" the key's own queue holds its cap of requests) from
 // rate_limit_exceeded (the key's quota, for now), rate_limit_exceeded_queued_tokens (the
 // key's cap on queued tokens) and insufficient_quota (a quota that never refills, spent: not
 // worth a retry). errors.As finds it, and its APIError, in any error the Client returns.
@@ -79,8 +80,9 @@ type RateLimitError struct {
 	// absent or malformed.
 	QueueDepth int
 	// Scope is X-RateLimit-Scope, the limit that refused the request: "key" for the API
-	// key's own limits, else the name of the enclosing quota level whose quota is spent; ""
-	// when absent (a capacity refusal).
+	// key's own limits (its quota, its caps on queued requests and queued tokens), else the
+	// name of the enclosing quota level whose quota is spent; "" when absent (a refusal for
+	// the pool's capacity).
 	Scope string
 }
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from bench.burst.goodput import (
     TOKENS,
     Bound,
+    BoundExceeded,
     Offer,
     Value,
     Work,
@@ -245,5 +246,5 @@ def test_work_values_a_token_at_the_least_time_its_kind_costs() -> None:
 def test_check_refuses_a_ratio_above_one() -> None:
     bound = Bound(ceiling=100.0, offered=100.0, capacity=math.inf, node_seconds=1.0)
     assert check(100, bound) == 1.0
-    with pytest.raises(AssertionError, match="exceeds its upper bound"):
+    with pytest.raises(BoundExceeded, match="exceeds its upper bound"):
         check(101, bound)

@@ -394,9 +394,14 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
                         for i, t in enumerate(root.get("teams", list) or []))
     check_members(((f"tenants[{i}]", t.team, t.burst) for i, t in enumerate(tenants)), teams)
     redis = root.sub("redis")
-    file_url = _field(redis, RedisSettings, "url")
     if env.get("REDIS_URL"):
+        # The file's url is not used, so not judged: an empty one must not stop a deployment
+        # whose environment gives the address.
+        redis.used.add("url")
+        file_url = None
         redis = _Overridden(redis, "url", "REDIS_URL")
+    else:
+        file_url = _field(redis, RedisSettings, "url")
     gateway = root.sub("gateway")
     file_admin_token = _field(gateway, GatewaySettings, "admin_token_sha256")
     admin_token = _admin_token(env)
@@ -525,8 +530,8 @@ def startup_warnings(config: Config) -> list[str]:
             if tenant.burst <= pool.default_max_tokens:
                 warnings.append(
                     f"tenants[{i}] ({tenant.name!r}): burst {tenant.burst} is at or below "
-                    f"pools[{j}].default_max_tokens {pool.default_max_tokens}: every request "
-                    f"of it to pool {name!r} without max_tokens (prompt + "
+                    f"pools[{j}].default_max_tokens {pool.default_max_tokens}: every chat "
+                    f"request of it to pool {name!r} without max_tokens (prompt + "
                     f"{pool.default_max_tokens}) gets 400 exceeds_burst")
     poll_ms = config.scheduler.poll_interval_ms
     seen: dict[str, str] = {}

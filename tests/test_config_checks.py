@@ -158,7 +158,7 @@ def test_a_burst_at_a_pools_default_max_tokens_is_warned_about() -> None:
                {"name": "roomy", "tier": "normal", "burst": 1025}]
     assert startup_warnings(parse_config(minimal(pools=pools, tenants=tenants), env={})) == [
         "tenants[0] ('acme'): burst 1024 is at or below pools[0].default_max_tokens 1024: "
-        "every request of it to pool 'chat' without max_tokens (prompt + 1024) gets 400 "
+        "every chat request of it to pool 'chat' without max_tokens (prompt + 1024) gets 400 "
         "exceeds_burst"]
 
 
@@ -181,6 +181,13 @@ def test_an_empty_string_is_refused_not_read_as_the_default(section: str, key: s
                                                              default: str) -> None:
     assert refused(minimal(**{section: {key: ""}})) == (
         f"{section}.{key}: is empty; leave the key out for its default {default!r}")
+
+
+def test_a_file_url_the_environment_overrides_is_not_judged() -> None:
+    """A chart or an operator may leave `url = ""` in the file and give the address in
+    REDIS_URL: the file's value is not used, so it does not stop the service."""
+    config = parse_config(minimal(redis={"url": ""}), env={"REDIS_URL": "redis://h:6379/0"})
+    assert config.redis.url == "redis://h:6379/0"
 
 
 @pytest.mark.parametrize("key", ["aggregate", "projection"])

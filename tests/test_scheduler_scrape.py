@@ -110,10 +110,15 @@ def test_an_inter_token_histogram_missing_its_sum_or_count_is_absent() -> None:
     assert parse_vllm_metrics(base + count_only + _itl(v0, 0, 0.25, 10)).itl == (0.25, 10.0)
 
 
-@pytest.mark.parametrize("page", ["", 'vllm:num_requests_running{engine="0"} 1\n',
-                                  "vllm:kv_cache_usage_perc NaN\n", "vllm:kv_cache_usage_perc {\n"])
-def test_page_without_usable_usage_is_an_error(page: str) -> None:
-    with pytest.raises(MetricsError):
+COUNTS = 'vllm:num_requests_running{engine="0"} 1\nvllm:num_requests_waiting{engine="0"} 0\n'
+"""The request counts, so that the pages below fail on their usage and not on these."""
+
+
+@pytest.mark.parametrize(("page", "why"), [
+    ("", "neither"), (COUNTS, "neither"), (COUNTS + "vllm:kv_cache_usage_perc NaN\n", "is nan"),
+    (COUNTS + "vllm:kv_cache_usage_perc {\n", "unparsable")])
+def test_page_without_usable_usage_is_an_error(page: str, why: str) -> None:
+    with pytest.raises(MetricsError, match=why):
         parse_vllm_metrics(page)
 
 
@@ -122,9 +127,9 @@ def test_an_engine_whose_usage_is_not_a_number_makes_the_page_unusable(
         values: tuple[str, str]) -> None:
     """Whichever engine it is: max() keeps the first of a number and NaN, and a NaN (or -Inf)
     engine listed after a finite one was left out of the node's usage."""
-    page = "".join(f'vllm:kv_cache_usage_perc{{engine="{i}",model_name="m"}} {value}\n'
-                   for i, value in enumerate(values))
-    with pytest.raises(MetricsError):
+    page = COUNTS + "".join(f'vllm:kv_cache_usage_perc{{engine="{i}",model_name="m"}} {value}\n'
+                            for i, value in enumerate(values))
+    with pytest.raises(MetricsError, match="vllm:kv_cache_usage_perc is"):
         parse_vllm_metrics(page)
 
 

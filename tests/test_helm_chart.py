@@ -581,11 +581,24 @@ def test_schema_rejects_bad_values(case: str) -> None:
      "is longer than serviceMonitor.interval (1s)"),
     # No public registry publishes kvgate: a default name there could be anyone's image.
     ({"image": {"repository": ""}}, "image.repository is required"),
+    # What the services would refuse at start, refused at install.
+    ({"config": {"scheduler": {"release_call_ms": 500}}},
+     "config.scheduler.release_call_ms (500) must be below config.redis.socket_timeout_ms (500)"),
+    ({"config": {"redis": {"socket_timeout_ms": 20}}}, "release_call_ms (20) must be below"),
+    ({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0?sockettimeout=3"},
+                "auth": {"enabled": False}}},
+     "redis.external.url: its query parameter sockettimeout is not supported"),
 ])
 def test_combinations_that_cannot_work_fail_with_a_message(values: dict[str, Any],
                                                            message: str) -> None:
     with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
         render(values)
+
+
+def test_an_external_url_with_the_query_parameters_the_services_read_renders() -> None:
+    external = {"mode": "external", "auth": {"enabled": False},
+                "external": {"url": "redis://r:6379/0?db=1&username=kvgate"}}
+    assert one(render({"redis": external}), "Deployment", "-gateway")
 
 
 @pytest.mark.parametrize(("interval", "timeout"), [

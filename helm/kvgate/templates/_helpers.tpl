@@ -111,6 +111,22 @@ value to change (the schema checks each value alone; these need two).
 {{- if and .Values.tenants.existingSecret .Values.tenants.items }}
 {{- fail "tenants: use either tenants.items or tenants.existingSecret, not both" }}
 {{- end }}
+{{- /* The services refuse these at start (admission/config.py); refused here, a mistake shows
+       at install instead of as pods in CrashLoopBackOff. */}}
+{{- $cfg := default (dict) .Values.config }}
+{{- $call := int (default 20 (default (dict) $cfg.scheduler).release_call_ms) }}
+{{- $socket := int (default 500 (default (dict) $cfg.redis).socket_timeout_ms) }}
+{{- if ge $call $socket }}
+{{- fail (printf "config.scheduler.release_call_ms (%d) must be below config.redis.socket_timeout_ms (%d): a release call the Redis client gives up on keeps running in Redis" $call $socket) }}
+{{- end }}
+{{- if and (eq $r.mode "external") (contains "?" $r.external.url) }}
+{{- range (splitList "&" (regexReplaceAll "^[^?]*\\?" $r.external.url "")) }}
+{{- $name := (splitList "=" .) | first }}
+{{- if not (has $name (list "db" "username" "password" "ssl_cert_reqs" "ssl_check_hostname" "ssl_ca_certs" "ssl_certfile" "ssl_keyfile")) }}
+{{- fail (printf "redis.external.url: its query parameter %s is not supported: a Redis URL may carry db, username, password and, on rediss://, ssl_cert_reqs, ssl_check_hostname, ssl_ca_certs, ssl_certfile, ssl_keyfile; timeouts and the connection pool are config.redis settings" $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- $a := .Values.gateway.autoscaling }}
 {{- if $a.enabled }}
 {{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}

@@ -122,12 +122,14 @@ async def test_at_its_queued_requests_cap_a_tenant_gets_a_429_of_its_own_scope_a
     assert gw.gateway.metrics.registry.get_sample_value("kvgate_gateway_rejections_total", {
         "pool": "demo", "tier": "normal", "reason": "tenant_queue_full"}) == 1
     # One released (its drain: one task's cost per 5 s, decaying), one more queued: at the cap
-    # again, a place opens once one task's cost has drained, in 5 s or a little more.
+    # again, a place opens once one task's cost has drained, in 5 s or a little more (the
+    # drain decays with a 5 s time constant from the release: e^(t/5) more, t the seconds
+    # this test takes from the release to the refusal; up to 3.5 s on a loaded machine).
     assert len(await gw.release((0, 1, 0))) == 1
     queued.append(await _start(gw, "few", 300))
     await eventually(at_cap)
     retry_ms = int((await refused()).response.headers["retry-after-ms"])
-    assert 5_000 <= retry_ms <= 5_000 * 1.25 * 1.1, retry_ms
+    assert 5_000 <= retry_ms <= 5_000 * 1.25 * 2, retry_ms  # far from the pool's 60 s
     await gw.release((0, 10, 0))
     await asyncio.gather(*queued)
 

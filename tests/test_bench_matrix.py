@@ -397,3 +397,21 @@ def test_the_simulators_lag_is_judged_up_to_the_loads_end_not_while_the_arm_canc
     # The same lag while the load ran voids the run.
     result.samples = during[:-6] + [Sample(s.t, after[0].nodes) for s in during[-6:]]
     assert "simulator loop lag" in summarize(result, None).invalid[0]
+
+
+def test_a_record_is_judged_by_this_codes_validity_rules(tmp_path: Path) -> None:
+    """A record written before a rule holds the figures the rule reads: its tables judge it
+    by the rule (here: gateways' loops late on over 5% of their probes)."""
+    def arm(name: str, late: float) -> dict[str, Any]:
+        return {"arm": name, "valid": True, "validity": "yes (figures)", "verdicts": [],
+                "summary": {"phase_load": {"burst": {"gateway_late_share": late}}}}
+    record = {"cell": {"scale": "reduced", "mix": "chat", "size": 2, "seed": 1},
+              "arms": [arm("a", 0.0), arm("c", 0.08)]}
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "cells" / "reduced-chat-n2-s1.json").write_text(json.dumps(record))
+    (loaded,) = load_records(tmp_path, "reduced")
+    a, c = loaded["arms"]
+    assert a["valid"] and not c["valid"]
+    assert c["validity"] == ("**INVALID**: the gateways' loops ran over 5 ms late in 8.0% of "
+                             "their probes (burst) (figures)")
+

@@ -28,7 +28,7 @@ from typing import Any
 from admission.tiers import Tier
 from bench.burst.expconfig import ARM_TITLES
 from bench.burst.phaseload import LATE_S
-from bench.burst.report import ArmSummary
+from bench.burst.report import ArmSummary, late_gateways
 
 KV_BAR = 0.80
 VIP_SUCCESS_BAR = 0.9999
@@ -98,6 +98,19 @@ def engine_reference(summaries: Sequence[ArmSummary]) -> float:
 
 REFERENCED = ("vip_p99", "calm", "vip_engine")
 """The verdicts judged against arm (a)'s calm figures."""
+
+
+def apply_validity(record: dict[str, Any]) -> dict[str, Any]:
+    """A matrix cell record with each arm judged by the validity rules of this code where its
+    stored figures allow (a record written before a rule holds the figures, not the verdict):
+    an arm whose gateways ran late (`report.late_gateways`) is invalid."""
+    for arm in record["arms"]:
+        why = late_gateways(arm.get("summary", {}).get("phase_load") or {})
+        if why and arm["valid"]:
+            arm["valid"] = False
+            figures = arm["validity"].removeprefix("yes (")
+            arm["validity"] = "**INVALID**: " + "; ".join(why) + " (" + figures
+    return record
 
 
 def void_invalid_reference(record: dict[str, Any]) -> dict[str, Any]:

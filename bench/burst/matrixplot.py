@@ -27,7 +27,13 @@ matplotlib.use("Agg")  # no display: render straight to a file
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
-from bench.burst.criteria import GOODPUT_BAR, KV_BAR, VIP_RATIO_BAR, void_invalid_reference
+from bench.burst.criteria import (
+    GOODPUT_BAR,
+    KV_BAR,
+    VIP_RATIO_BAR,
+    apply_validity,
+    void_invalid_reference,
+)
 from bench.burst.expconfig import ARM_TITLES, ARMS
 from bench.burst.fallback import number
 
@@ -68,8 +74,9 @@ class Point:
 
 def load_records(out: Path, scale: str) -> list[dict[str, Any]]:
     """The cell records of `scale` in a matrix's output directory (``<out>/cells``), with no
-    verdict judged against an invalid arm (a) (criteria.void_invalid_reference)."""
-    return [void_invalid_reference(json.loads(p.read_text()))
+    verdict judged against an invalid arm (a) (criteria.void_invalid_reference), each arm judged
+    by the validity rules of this code (criteria.apply_validity)."""
+    return [void_invalid_reference(apply_validity(json.loads(p.read_text())))
             for p in sorted((out / "cells").glob(f"{scale}-*.json"))]
 
 

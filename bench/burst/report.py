@@ -241,13 +241,7 @@ def summarize(result: ArmResult, capacity: CapacityResult | None,
     if client[0] > MAX_LAGGING_SHARE:
         invalid.append(f"the load generator's loop lagged more than {s.max_send_lag_ms:.0f} ms "
                        f"in {client[0]:.1%} of the seconds")
-    # The gateways' wall milliseconds count time_scale times in every TTFT: their loops
-    # running late is the machine's, not the design's, as much as a lagging simulator.
-    for phase, load in result.phase_load.items():
-        late = load.get("gateway_late_share", 0.0)
-        if late > MAX_LAGGING_SHARE:
-            invalid.append(f"the gateways' loops ran over {LATE_S * 1000:.0f} ms late in "
-                           f"{late:.1%} of their probes ({phase})")
+    invalid += late_gateways(result.phase_load)
     running = (_mean_running(samples, 0.0, b0), _mean_running(samples, b0, b1))
     base_ttft = _ttft_values(outcomes, 0.0, b0, ts, b1)
     burst_ttft = _ttft_values(outcomes, b0, b1, ts, b1)
@@ -469,3 +463,15 @@ def markdown_table(summaries: Sequence[ArmSummary], capacity: CapacityResult | N
                 f"no long prefill ahead of a VIP chat, at the price of the throughput the "
                 f"dedicated node does not give to Batch.")
     return "\n".join(lines)
+
+
+def late_gateways(phase_load: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """Why a run is invalid for its gateways (none: valid): their loops ran more than
+    `LATE_S` late on more than `MAX_LAGGING_SHARE` of their probes in a phase. The gateways'
+    wall milliseconds count time_scale times in every TTFT, so their loops running late is the
+    machine's, not the design's, as much as a lagging simulator."""
+    return [f"the gateways' loops ran over {LATE_S * 1000:.0f} ms late in "
+            f"{load['gateway_late_share']:.1%} of their probes ({phase})"
+            for phase, load in phase_load.items()
+            if load.get("gateway_late_share", 0.0) > MAX_LAGGING_SHARE]
+

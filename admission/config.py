@@ -29,22 +29,26 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 from redis.connection import to_bool
 
+from admission.configchecks import (
+    check_admin_token,
+    check_redis_calls,
+    check_unique_pools,
+    check_unique_tenants,
+    startup_warnings,
+)
 from admission.configfields import (
     ConfigError,
     bounds_of,
     ceiling_error,
     is_sha256,
-    shown_url,
     split_address,
     url_query,
 )
 from admission.configschema import (
     DEFAULT_TIERS,
-    MIN_CONNECTIONS,
     Backend,
     Config,
     DedicatedNodes,
@@ -287,96 +291,6 @@ def _admin_token(env: Mapping[str, str]) -> str | None:
     return value
 
 
-def _earlier(seen: dict[str, int], key: str, i: int) -> int | None:
-    """The index that had `key` before `i`, or None (and `key` is recorded as `i`'s)."""
-    first = seen.setdefault(key, i)
-    return None if first == i else first
-
-
-def _check_unique_tenants(tenants: tuple[TenantSettings, ...]) -> None:
-    """Tenant names and API keys are each one tenant's: the error names both entries (in a
-    file of hundreds of tenants, "must be unique" alone sends the reader searching)."""
-    names: dict[str, int] = {}
-    keys: dict[str, int] = {}
-    for i, tenant in enumerate(tenants):
-        if (first := _earlier(names, tenant.name, i)) is not None:
-            raise ConfigError(f"tenants[{i}].name: tenant {tenant.name!r} is already defined "
-                              f"by tenants[{first}]; tenant names must be unique")
-        for j, key in enumerate(tenant.key_sha256):
-            if (owner := _earlier(keys, key, i)) is not None:
-                raise ConfigError(f"tenants[{i}].key_sha256[{j}]: also listed for tenant "
-                                  f"{tenants[owner].name!r} (tenants[{owner}]); a key may "
-                                  "belong to one tenant only")
-            if tenant.key_sha256.index(key) != j:
-                raise ConfigError(f"tenants[{i}].key_sha256[{j}]: listed twice")
-
-
-DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def _server(url: str) -> str:
-    """What makes two backend URLs one server: scheme and host in any case, the scheme's
-    default port written or not (`http://h` is `http://h:80`), the path without a trailing
-    slash, credentials aside. The URL was checked (`backend_url_error`): urlsplit reads it."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    port = parts.port or DEFAULT_PORTS.get(scheme)
-    host = (parts.hostname or "").lower()
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port}{parts.path.rstrip('/')}"
-
-
-def _check_unique_pools(pools: list[PoolSettings]) -> None:
-    """Pool names are unique, and so is each backend's URL within its pool: two entries of
-    one server would each be given its whole KV cache. (Pools may share a server: vLLM
-    serves several models, LoRA adapters, from one.)"""
-    names: dict[str, int] = {}
-    for i, pool in enumerate(pools):
-        if (first := _earlier(names, pool.name, i)) is not None:
-            raise ConfigError(f"pools[{i}].name: pool {pool.name!r} is already defined by "
-                              f"pools[{first}]; pool names must be unique")
-        urls: dict[str, int] = {}
-        for j, backend in enumerate(pool.backends):
-            if (same := _earlier(urls, _server(backend.url), j)) is not None:
-                raise ConfigError(f"pools[{i}].backends[{j}].url: {shown_url(backend.url)!r} "
-                                  f"is also pools[{i}].backends[{same}]'s; one server is one "
-                                  "backend")
-
-
-def _check_admin_token(token: str | None, where: str,
-                       tenants: tuple[TenantSettings, ...]) -> None:
-    """The admin token is no tenant's API key: that tenant's key would open the admin API.
-    The message names the tenant and never the hash, since it is printed to the log."""
-    for i, tenant in enumerate(tenants):
-        if token is not None and token in tenant.key_sha256:
-            j = tenant.key_sha256.index(token)
-            raise ConfigError(f"{where}: is also the key_sha256[{j}] of tenant {tenant.name!r} "
-                              f"(tenants[{i}]), whose API key would then open the admin API; "
-                              "give the admin a token of its own")
-
-
-def _check_redis_calls(redis: RedisSettings, scheduler: SchedulerSettings, pools: int) -> None:
-    """What one section's bounds cannot say: `release_call_ms` against the client's timeout,
-    `max_connections` against the subscriptions a gateway keeps."""
-    if scheduler.release_call_ms >= redis.socket_timeout_ms:
-        raise ConfigError(
-            f"scheduler.release_call_ms: must be below redis.socket_timeout_ms "
-            f"({redis.socket_timeout_ms}), got {scheduler.release_call_ms}: a release call "
-            "runs that long and then finishes its last release, so the leader's client would "
-            "give up on it while Redis still runs the script, and every tick would fail")
-    if redis.cluster and redis.sharded_pubsub:
-        # One subscription per pool, each on its pool's shard; the shards may share a node,
-        # and the pool is per node.
-        least = pools + MIN_CONNECTIONS - 1
-        if redis.max_connections < least:
-            raise ConfigError(
-                f"redis.max_connections: must be at least {least} with redis.cluster and "
-                f"redis.sharded_pubsub, got {redis.max_connections}: a gateway keeps one "
-                f"connection for good for each pool's wake-ups ({pools} pools), all on one "
-                "node when their shards share it, and needs the rest for its calls")
-
-
 def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> Config:
     root = _Reader(dict(data), "")
     env = os.environ if env is None else env
@@ -384,12 +298,12 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     pools = [_pool(_Reader(p, f"pools[{i}]")) for i, p in enumerate(pools_raw)]
     if not pools:
         raise ConfigError("pools: at least one [[pools]] table is required")
-    _check_unique_pools(pools)
+    check_unique_pools(pools)
     tenants = tuple(
         _section(_Reader(t, f"tenants[{i}]"), TenantSettings)
         for i, t in enumerate(root.get("tenants", list) or [])
     )
-    _check_unique_tenants(tenants)
+    check_unique_tenants(tenants)
     teams = check_teams(_section(_Reader(t, f"teams[{i}]"), TeamSettings)
                         for i, t in enumerate(root.get("teams", list) or []))
     check_members(((f"tenants[{i}]", t.team, t.burst) for i, t in enumerate(tenants)), teams)
@@ -405,7 +319,7 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     gateway = root.sub("gateway")
     file_admin_token = _field(gateway, GatewaySettings, "admin_token_sha256")
     admin_token = _admin_token(env)
-    _check_admin_token(admin_token or file_admin_token,
+    check_admin_token(admin_token or file_admin_token,
                        f"{ADMIN_TOKEN_ENV} (which overrides gateway.admin_token_sha256)"
                        if admin_token else "gateway.admin_token_sha256", tenants)
     config = Config(
@@ -419,7 +333,7 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         teams=teams,
     )
     root.done()
-    _check_redis_calls(config.redis, config.scheduler, len(config.pools))
+    check_redis_calls(config.redis, config.scheduler, len(config.pools))
     return config
 
 
@@ -495,63 +409,3 @@ def check_redis_ca(config: Config) -> None:
                 ssl.create_default_context(cafile=path)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError(f"{name} {path!r}: cannot load it ({exc})") from None
-
-
-def startup_warnings(config: Config) -> list[str]:
-    """What a gateway warns about at start: settings that are valid but turn requests away.
-
-    - No tenant with a `key_sha256`: every request gets 401.
-    - A tenant whose `burst` is below 1% of a second of its `rate`: its bucket refuses every
-      request costing more than the burst (prompt + max_tokens; 400 `exceeds_burst`), however
-      little of the rate it uses, which is rarely what such a rate was meant for.
-    - A tenant whose `burst` is at or below a pool's `default_max_tokens`: a request of it
-      without `max_tokens` costs its prompt (at least one token) plus that default, more than
-      the burst, so every such request to the pool gets 400 `exceeds_burst`.
-    - A pool without backends: no node gives it a budget, so the leader releases nothing and
-      every request to it queues until its tier's `queue_timeout_ms`.
-    - A pool whose `stale_after_ms` is below the scheduler's poll interval: the state the
-      leader publishes at each poll is older than that for part of every interval, and a
-      request then queues for the next release instead of taking the fast path.
-    - One server URL in two pools: each pool's budget counts the server's whole KV cache, so
-      together they can place twice what it holds (one vLLM server serving several models is
-      legitimate; its pools then need `capacity_tokens` that share the cache).
-    """
-    warnings = []
-    if not any(t.key_sha256 for t in config.tenants):
-        what = "no [[tenants]]" if not config.tenants else "no tenant has a key_sha256"
-        warnings.append(f"{what}: every request will get 401 (no API key can match)")
-    for i, tenant in enumerate(config.tenants):
-        if tenant.burst * 100 < tenant.rate:
-            warnings.append(
-                f"tenants[{i}] ({tenant.name!r}): burst {tenant.burst} is below 1% of its rate "
-                f"({tenant.rate} tokens/s): every request of more than {tenant.burst} tokens "
-                "(prompt + max_tokens) gets 400 exceeds_burst")
-        for j, (name, pool) in enumerate(config.pools.items()):
-            if tenant.burst <= pool.default_max_tokens:
-                warnings.append(
-                    f"tenants[{i}] ({tenant.name!r}): burst {tenant.burst} is at or below "
-                    f"pools[{j}].default_max_tokens {pool.default_max_tokens}: every chat "
-                    f"request of it to pool {name!r} without max_tokens (prompt + "
-                    f"{pool.default_max_tokens}) gets 400 exceeds_burst")
-    poll_ms = config.scheduler.poll_interval_ms
-    seen: dict[str, str] = {}
-    for i, pool in enumerate(config.pools.values()):
-        if not pool.backends:
-            warnings.append(
-                f"pools[{i}] ({pool.name!r}) has no backends: nothing is ever released to it, "
-                "and every request to it queues until its tier's queue_timeout_ms")
-        if 0 < pool.stale_after_ms < poll_ms:
-            warnings.append(
-                f"pools[{i}].stale_after_ms {pool.stale_after_ms} is below "
-                f"scheduler.poll_interval_ms {poll_ms}: between the leader's polls its state is "
-                "older than that, and requests then queue instead of taking the fast path")
-        for j, backend in enumerate(pool.backends):
-            # One pool never names a server twice (_check_unique_pools): a match is another's.
-            where = f"pools[{i}].backends[{j}]"
-            other = seen.setdefault(_server(backend.url), where)
-            if other != where:
-                warnings.append(
-                    f"{where}.url {shown_url(backend.url)!r} is also {other}'s: each pool "
-                    "counts that server's whole KV cache, so together they can place more than "
-                    "it holds (give the pools capacity_tokens that share it)")
-    return warnings

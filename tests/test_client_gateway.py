@@ -12,6 +12,7 @@ tenant is one `zone_red` rejection.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ import redis.asyncio as aioredis
 
 import kvgate_client
 from admission.tiers import Zone
+from gateway.handlers import client_deadline_ms, whole_answer_s
 from kvgate_client import (
     RETRY_COUNT_HEADER,
     AsyncKvgateClient,
@@ -34,7 +36,7 @@ from kvgate_client import (
     retrying,
 )
 from kvgate_client.budget import EARN_PER_REQUEST, MAX_TOKENS
-from kvgate_client.transport import request_timeout
+from kvgate_client.transport import read_timeout
 from tests.gateway_harness import BIG, KEYS, POOL, Harness, eventually, running_gateway, sha
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Summarise the plot of Hamlet."}]
@@ -289,9 +291,12 @@ async def test_request_beyond_the_tenants_burst_is_not_retried(
 # --- (e) the client's own timeout, declared to the gateway ------------------------------------
 
 CLIENT_TIMEOUT_S = 3.0
-# The harness's Batch tier waits 20 s in the queue; the client, 3 s. It declares the time less
-# the margin for the answer's way back, and the gateway answers within 0.2 s of that.
-DECLARED_S = float(request_timeout(CLIENT_TIMEOUT_S))
+# The harness's Batch tier waits 20 s in the queue; the client, 3 s. It declares that wait, and
+# the gateway ends the request's wait in the queue early enough for its 429 to reach the
+# client: 0.5 s (or a tenth) before, and for a whole answer earlier still by the time the
+# answer may take (`upstream_ms_per_output_token` per decode step).
+DECLARED = read_timeout(CLIENT_TIMEOUT_S)
+MAX_TOKENS_ASKED = 8
 # The 429 itself, not a retry of it: a retry would queue again.
 ONE_ATTEMPT = RetryPolicy(max_attempts=1)
 
@@ -303,38 +308,100 @@ def queue_timeouts(gw: Harness) -> int:
     return int(value or 0)
 
 
+def queue_deadline_s(gw: Harness, declared: str, *, stream: bool, max_tokens: int) -> float:
+    """The queue deadline the gateway computes for a request that declares `declared`."""
+    generation_s = whole_answer_s(stream, max_tokens,
+                                  gw.config.gateway.upstream_ms_per_output_token / 1000)
+    deadline_ms = client_deadline_ms(None, declared, generation_s=generation_s)
+    assert deadline_ms is not None
+    return deadline_ms / 1000
+
+
 @pytest.mark.parametrize("mode", ["async-stream", "sync-whole"])
 async def test_a_queued_request_gets_its_429_and_hint_before_the_client_gives_up(
     gw: Harness, mode: str
 ) -> None:
     """Without the client's declared timeout the gateway would keep the request queued for
-    its tier's 20 s, and the client would time out at 3 s with no hint to wait for."""
+    its tier's 20 s, and the client would time out at 3 s with no hint to wait for. A whole
+    answer's 429 comes earlier than a stream's: had the request been released at its
+    deadline, its answer would have had the time to be generated before the client's read
+    timeout."""
     await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})  # Batch queues for ever
     timeout = httpx.Timeout(CLIENT_TIMEOUT_S, connect=5.0)
-    loop = asyncio.get_running_loop()
-    started = loop.time()
+    # Timed from the call itself: building the client (and starting a thread) is not the wait.
     if mode == "async-stream":
         async with AsyncKvgateClient(gw.url + "/v1", KEYS["batch"], policy=ONE_ATTEMPT,
                                      timeout=timeout) as aclient:
+            started = time.monotonic()
             with pytest.raises(RateLimitError) as info:
-                await aclient.stream_chat(POOL, MESSAGES, max_tokens=8)
+                await aclient.stream_chat(POOL, MESSAGES, max_tokens=MAX_TOKENS_ASKED)
+            answered_s = time.monotonic() - started
         error = info.value
     else:
-        def run() -> RateLimitError:
+        def run() -> tuple[RateLimitError, float]:
             with KvgateClient(gw.url + "/v1", KEYS["batch"], policy=ONE_ATTEMPT,
-                              timeout=timeout) as client, \
-                    pytest.raises(RateLimitError) as raised:
-                client.chat(POOL, MESSAGES, max_tokens=8)
-            return raised.value
+                              timeout=timeout) as client:
+                started = time.monotonic()
+                with pytest.raises(RateLimitError) as raised:
+                    client.chat(POOL, MESSAGES, max_tokens=MAX_TOKENS_ASKED)
+                return raised.value, time.monotonic() - started
 
-        error = await asyncio.to_thread(run)
-    answered_s = loop.time() - started
-    assert DECLARED_S <= answered_s < CLIENT_TIMEOUT_S, answered_s
+        error, answered_s = await asyncio.to_thread(run)
+    deadline_s = queue_deadline_s(gw, DECLARED, stream=mode == "async-stream",
+                                  max_tokens=MAX_TOKENS_ASKED)
+    if mode == "sync-whole":
+        # 3 s less the margin and the time 8 tokens may take: sooner than a stream's 2.5 s.
+        assert deadline_s < queue_deadline_s(gw, DECLARED, stream=True,
+                                             max_tokens=MAX_TOKENS_ASKED)
+    assert deadline_s <= answered_s < min(CLIENT_TIMEOUT_S, deadline_s + 0.5), answered_s
     assert error.code == "capacity_exceeded" and "waited" in error.message
     assert error.retry_after_ms is not None and error.retry_after_ms >= 1
     assert error.retry_after_ms == float(error.headers["retry-after-ms"])
     assert error.request_id is not None
     assert queue_timeouts(gw) == 1
+
+
+async def test_a_whole_answer_through_the_sdk_leaves_its_generation_time_in_the_queue(
+    gw: Harness,
+) -> None:
+    """The SDK declares the client's raw read timeout: the gateway keeps back, from a
+    non-streamed request's queue deadline, the time its answer may take to generate, and
+    none from a stream's. Read from the tasks' deadlines in Redis, against its clock."""
+    await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})  # Batch queues for ever
+    wait_s, max_tokens = 10.0, 30  # below the tier's 20 s: the client's deadline binds
+    live = gw.gateway.settler.live
+    pending: list[asyncio.Future[Any]] = []
+    async with AsyncKvgateClient(gw.url + "/v1", KEYS["batch"], policy=ONE_ATTEMPT,
+                                 timeout=httpx.Timeout(wait_s, connect=5.0)) as aclient:
+
+        async def deadline_left_s(request: Awaitable[Any]) -> float:
+            before = live.snapshot()
+            pending.append(asyncio.ensure_future(request))
+
+            async def queued() -> bool:
+                return len(live.snapshot() - before) == 1
+
+            await eventually(queued)
+            [task_id] = live.snapshot() - before
+            record = await gw.task(task_id)
+            seconds, micros = await gw.redis.time()
+            return (int(record["deadline_us"]) - seconds * 1_000_000 - micros) / 1e6
+
+        try:
+            stream_left = await deadline_left_s(
+                aclient.stream_chat(POOL, MESSAGES, max_tokens=max_tokens))
+            whole_left = await deadline_left_s(
+                aclient.chat(POOL, MESSAGES, max_tokens=max_tokens))
+        finally:
+            for request in pending:
+                request.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+    declared = read_timeout(wait_s)
+    stream_s = queue_deadline_s(gw, declared, stream=True, max_tokens=max_tokens)
+    whole_s = queue_deadline_s(gw, declared, stream=False, max_tokens=max_tokens)
+    assert whole_s < stream_s - 1  # the generation allowance, beyond the tolerance below
+    assert stream_s - 1 < stream_left <= stream_s, stream_left
+    assert whole_s - 1 < whole_left <= whole_s, whole_left
 
 
 # --- (f) the 429 protocol's scope and the tenant's cap on queued tokens -----------------------

@@ -24,6 +24,7 @@ import redis.asyncio as aioredis
 
 from admission.tiers import Zone
 from bench.common.golang import CHAT_EXAMPLE, GoMissing, build
+from gateway.handlers import client_deadline_ms, whole_answer_s
 from tests.gateway_harness import BIG, KEYS, POOL, Harness, eventually, running_gateway, sha
 
 # RED with the normal tier draining at 1 task/s and nothing queued: the gateway's hint is
@@ -206,26 +207,39 @@ async def test_go_client_attempts_stay_within_1_1x_under_sustained_429s(
 
 
 GO_TIMEOUT_S = 3.0
+GO_MAX_TOKENS = 8
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 async def test_go_client_gets_its_429_and_hint_before_its_context_ends(
-    gw: Harness, chat_example: Path
+    gw: Harness, chat_example: Path, stream: bool
 ) -> None:
     """The harness's Batch tier waits 20 s in the queue; the program's context, 3 s. Each
-    attempt declares the context's time left, less the margin for the answer's way back, and
-    the gateway's 429 arrives while the program still listens."""
+    attempt declares the context's time left, and the gateway's 429 arrives while the program
+    still listens: 0.5 s (or a tenth) before it, and for a whole answer earlier still by the
+    time the answer may take to generate."""
     await gw.publish(Zone.YELLOW, capacity=BIG, extra={"drain_2": 0})  # Batch queues for ever
-    run = await finish(await start(chat_example, gw, "-timeout", f"{GO_TIMEOUT_S}s", who="batch"))
+    run = await finish(await start(
+        chat_example, gw, "-timeout", f"{GO_TIMEOUT_S}s", "-max-tokens", str(GO_MAX_TOKENS),
+        *(["-stream"] if stream else []), who="batch"))
     assert run.code == 1
     [attempt] = run.attempts
     [message] = run.other
     assert message.startswith("rate limited: code=capacity_exceeded "), message
     assert attempt["status"] == 429 and int(attempt["retry_after_ms"]) >= 1
-    declared = float(attempt["request_timeout"])
-    assert GO_TIMEOUT_S - 0.6 <= declared <= GO_TIMEOUT_S - 0.5, declared
-    assert declared <= attempt["answered_s"] - attempt["sent_s"]  # held until then ...
+    declared = float(attempt["read_timeout"])
+    assert GO_TIMEOUT_S - 0.5 < declared <= GO_TIMEOUT_S, declared  # the time left, raw
+    generation_s = whole_answer_s(stream, GO_MAX_TOKENS,
+                                  gw.config.gateway.upstream_ms_per_output_token / 1000)
+    deadline_ms = client_deadline_ms(None, attempt["read_timeout"], generation_s=generation_s)
+    stream_deadline_ms = client_deadline_ms(None, attempt["read_timeout"])
+    assert deadline_ms is not None and stream_deadline_ms is not None
+    assert (deadline_ms < stream_deadline_ms) is not stream  # a whole answer's comes sooner
+    held_s = attempt["answered_s"] - attempt["sent_s"]
+    assert deadline_ms / 1000 <= held_s < deadline_ms / 1000 + 0.5, held_s  # held until then ...
     assert attempt["answered_s"] < GO_TIMEOUT_S  # ... and answered before the context ended
-    # The hint (about 1 s) reaches past the context's deadline: no retry, the 429 is the answer.
+    # The hint (the 60 s cap: nothing drains) reaches past the context's deadline: no retry,
+    # the 429 is the answer.
     assert run.stats["outcomes"] == {"deadline": 1}
     value = gw.gateway.metrics.registry.get_sample_value(
         "kvgate_gateway_requests_total",

@@ -9,6 +9,8 @@ import httpx
 import pytest
 
 from kvgate_client import (
+    READ_TIMEOUT_HEADER,
+    REQUEST_TIMEOUT_HEADER,
     RETRY_COUNT_HEADER,
     APIStatusError,
     AsyncRetryTransport,
@@ -48,6 +50,8 @@ class Seen:
     def __init__(self, request: httpx.Request) -> None:
         self.content = request.content
         self.retry_count = request.headers.get(RETRY_COUNT_HEADER)
+        self.declared = (request.headers.get(READ_TIMEOUT_HEADER),
+                         request.headers.get(REQUEST_TIMEOUT_HEADER))
 
 
 def rejecting(
@@ -237,6 +241,24 @@ async def test_async_transport_does_not_retry_400() -> None:
     async with httpx.AsyncClient(transport=transport) as client:
         assert (await client.get("http://gw/")).status_code == 400
     assert len(seen) == 1 and t.sleeps == []
+
+
+def test_every_attempt_declares_the_clients_read_timeout() -> None:
+    """The raw read timeout, to the millisecond, rounded down (the gateway takes its own
+    margin off it); a request's own timeout counts, and a caller's header is kept."""
+    t = FakeTime()
+    handler, seen = rejecting([429])
+    client, _ = make_client(handler, t)
+    client.timeout = httpx.Timeout(5.0, read=12.3456)
+    assert client.post("/v1/completions", json={}).status_code == 200
+    assert [r.declared for r in seen] == [("12.345", None)] * 2  # retries included
+    seen.clear()
+    client.post("/v1/completions", json={}, timeout=httpx.Timeout(5.0, read=None))
+    client.post("/v1/completions", json={}, timeout=0.0005)
+    client.post("/v1/completions", json={}, timeout=1e308)  # no overflow
+    client.post("/v1/completions", json={}, headers={"X-Stainless-Read-Timeout": "30"})
+    assert [r.declared for r in seen] == [
+        (None, None), ("0.001", None), ("10000000000.000", None), ("30", None)]
 
 
 def test_retrier_and_policy_are_exclusive() -> None:

@@ -25,7 +25,7 @@ from kvgate_client import (
     RetryPolicy,
 )
 from kvgate_client.budget import EARN_PER_REQUEST, MAX_TOKENS, RETRY_COST
-from kvgate_client.transport import request_timeout
+from kvgate_client.transport import read_timeout
 
 VECTORS_PATH = Path(__file__).resolve().parents[1] / "clients" / "vectors" / "retry_policy.json"
 VECTORS: dict[str, Any] = json.loads(VECTORS_PATH.read_text())
@@ -99,4 +99,4 @@ def test_decision(case: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("case", VECTORS["request_timeout_cases"], ids=lambda c: c["name"])
 def test_request_timeout(case: dict[str, Any]) -> None:
-    assert request_timeout(case["wait_s"]) == case["expected"], case["why"]
+    assert read_timeout(case["wait_s"]) == case["expected"], case["why"]

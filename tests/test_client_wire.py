@@ -24,6 +24,7 @@ from aiohttp import web
 
 import kvgate_client
 from kvgate_client import (
+    READ_TIMEOUT_HEADER,
     REQUEST_TIMEOUT_HEADER,
     APIConnectionError,
     APIStatusError,
@@ -70,11 +71,16 @@ def chat_app(handler: Callable[[web.Request], Any]) -> web.Application:
 # --- every attempt declares the client's timeout ---------------------------------------------
 
 
-def test_every_attempt_declares_the_read_timeout_less_the_margin() -> None:
-    seen: list[str | None] = []
+def declared(request: httpx.Request) -> tuple[str | None, str | None]:
+    """What an attempt declared: the client's read timeout, and the queue's own wait."""
+    return request.headers.get(READ_TIMEOUT_HEADER), request.headers.get(REQUEST_TIMEOUT_HEADER)
+
+
+def test_every_attempt_declares_the_read_timeout() -> None:
+    seen: list[tuple[str | None, str | None]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers.get(REQUEST_TIMEOUT_HEADER))
+        seen.append(declared(request))
         if len(seen) < 3:
             return httpx.Response(429, headers={"retry-after-ms": "1"}, json={"error": {}})
         return httpx.Response(200, json={"choices": []})
@@ -84,20 +90,21 @@ def test_every_attempt_declares_the_read_timeout_less_the_margin() -> None:
     with KvgateClient("http://gw/v1", "k", retry_transport=transport,
                       timeout=httpx.Timeout(7.5, connect=1.0)) as client:
         client.chat("m", MESSAGES)
-    assert seen == ["6.750"] * 3  # 7.5 s less a tenth
-    # The default timeouts (600 s) declare 540 s: below a Batch tier's 600 s queue timeout.
+    # The raw wait, as the OpenAI SDKs declare theirs: the gateway takes its margin off it,
+    # and for a whole answer the time its generation may take.
+    assert seen == [("7.500", None)] * 3
     seen.clear()
     with KvgateClient("http://gw/v1", "k", retry_transport=RetryTransport(
             httpx.MockTransport(handler), sleep=sleeps.sleep)) as client:
         client.chat("m", MESSAGES)
-    assert seen == ["540.000"] * 3
+    assert seen == [("600.000", None)] * 3  # the default timeouts
 
 
 async def test_no_read_timeout_declares_nothing_and_a_callers_value_is_kept() -> None:
-    seen: list[str | None] = []
+    seen: list[tuple[str | None, str | None]] = []
 
     async def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers.get(REQUEST_TIMEOUT_HEADER))
+        seen.append(declared(request))
         return httpx.Response(200, json={"choices": []})
 
     transport = AsyncRetryTransport(httpx.MockTransport(handler))
@@ -105,9 +112,31 @@ async def test_no_read_timeout_declares_nothing_and_a_callers_value_is_kept() ->
                                  timeout=httpx.Timeout(None)) as aclient:
         await aclient.chat("m", MESSAGES)
     async with AsyncKvgateClient("http://gw/v1", "k", retry_transport=transport,
+                                 headers={"X-Stainless-Read-Timeout": "12"}) as aclient:
+        await aclient.chat("m", MESSAGES)
+    # The queue's own wait, set by the caller, is sent as it is, next to the client's wait.
+    async with AsyncKvgateClient("http://gw/v1", "k", retry_transport=transport,
                                  headers={"X-Request-Timeout": "12"}) as aclient:
         await aclient.chat("m", MESSAGES)
-    assert seen == [None, "12"]
+    assert seen == [(None, None), ("12", None), ("600.000", "12")]
+
+
+async def test_the_drop_in_sends_the_openai_sdks_own_read_timeout() -> None:
+    seen: list[tuple[str | None, str | None]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(declared(request))
+        return httpx.Response(200, json={
+            "id": "c", "object": "chat.completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "hello"}}]})
+
+    client = kvgate_client.async_openai(
+        base_url="http://gw/v1", api_key="k", timeout=7.5,
+        retry_transport=AsyncRetryTransport(httpx.MockTransport(handler)))
+    async with client:
+        await client.chat.completions.create(model="m", messages=MESSAGES)
+    assert seen == [("7.5", None)]  # the SDK's header, unchanged: one declaration, not two
 
 
 # --- failures that repeat on every attempt are not retried -----------------------------------

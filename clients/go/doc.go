@@ -13,9 +13,11 @@
 //     while the generation may still be running (see RetryableStatuses);
 //   - a retry budget shared by all requests of a client: each request earns 0.1 token, each
 //     retry spends one, so under sustained 429s a client adds at most about 10% more attempts;
-//   - the client's own timeout, declared on every attempt (X-Request-Timeout: the context's
-//     time left, or the response-header timeout, less a margin), so that a request still
-//     queued at the gateway when the client would give up gets its 429 and hint instead.
+//   - the client's own timeout, declared on every attempt as the OpenAI SDKs declare their
+//     read timeout (X-Stainless-Read-Timeout: the context's time left, or the response-header
+//     timeout if sooner), so that a request still queued at the gateway when the client would
+//     give up gets its 429 and hint instead, and one released has the time to generate a
+//     whole answer.
 //
 // The policy is data (Policy, the exported constants) and a pure function (BackoffDelay); the
 // decision engine (Retrier, RetryState) never sleeps and never does I/O, so it runs under an

@@ -32,9 +32,14 @@ const (
 	// proxies and the node (the gateway forwards it unread) can tell retries from first
 	// attempts.
 	HeaderRetryCount = "x-kvgate-retry-count"
-	// HeaderRequestTimeout is sent on every attempt by Transport: the seconds the client will
-	// wait for its request to leave the gateway's queue, after which the gateway answers it
-	// with a 429 and its retry hint (see Transport).
+	// HeaderReadTimeout is sent on every attempt by Transport: the seconds the client will
+	// wait for its answer, as the OpenAI SDKs declare their read timeout. The gateway ends the
+	// request's wait in its queue, with a 429 and its retry hint, early enough for that answer
+	// to reach the client, leaving a non-streamed answer the time to generate (see Transport).
+	HeaderReadTimeout = "X-Stainless-Read-Timeout"
+	// HeaderRequestTimeout is the gateway's header for the longest wait in its queue alone,
+	// in seconds, after which it answers the request with a 429 and its retry hint. Transport
+	// does not send it; a caller may.
 	HeaderRequestTimeout = "X-Request-Timeout"
 )
 

@@ -4,8 +4,8 @@ import (
 	"context"
 	"crypto/x509"
 	"errors"
+	"fmt"
 	"io"
-	"math"
 	"net"
 	"net/http"
 	"strconv"
@@ -34,14 +34,17 @@ const discardLimit = 64 << 10
 // Retrier.Begin) and its cancellation interrupts a backoff sleep, which then returns the
 // context's error.
 //
-// Every attempt tells the gateway how long the client will wait for it (X-Request-Timeout):
-// the sooner of the context's deadline and the base's ResponseHeaderTimeout (when the base is
-// an *http.Transport), less a margin for the answer's way back: 0.5 s or a tenth of it, if
-// more, and at least half of it (the margin the gateway leaves below the read timeout the
-// OpenAI SDKs declare). A request still queued at the gateway then gets its 429 and retry hint
-// while the client listens, instead of the client's timer firing first with no hint. It is
-// computed again for each attempt, from the time left; a request that carries the header
-// already keeps its own value, and one with neither a deadline nor such a timeout sends none.
+// Every attempt tells the gateway how long the client will wait for its answer, in the header
+// in which the OpenAI SDKs declare their read timeout (X-Stainless-Read-Timeout, seconds): the
+// sooner of the context's deadline and the base's ResponseHeaderTimeout (when the base is an
+// *http.Transport itself, not a wrapper around one). The gateway ends the request's wait in
+// its queue early enough for its 429 and retry hint to reach the client in that time, and,
+// the first byte of a non-streamed answer being all of it, earlier still by the time the
+// answer may take to generate. A request still queued at the gateway then gets its 429 while
+// the client listens, instead of the client's timer firing first with no hint, and a request
+// released from the queue has the time to generate its answer. The wait is computed again for
+// each attempt, from the time left; a request that carries the header already keeps its own
+// value, and one with neither a deadline nor such a timeout sends none.
 type Transport struct {
 	base    http.RoundTripper
 	retrier *Retrier
@@ -88,7 +91,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	ctx := req.Context()
 	replayable := req.Body == nil || req.Body == http.NoBody || req.GetBody != nil
 	state := t.retrier.Begin(ctx)
-	_, declared := headerValue(req.Header, HeaderRequestTimeout)
+	_, declared := headerValue(req.Header, HeaderReadTimeout)
 	attempt := req
 	for {
 		if !declared {
@@ -130,8 +133,8 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	}
 }
 
-// declareTimeout returns attempt carrying X-Request-Timeout for the time the client has left,
-// cloned first if it is the caller's request; attempt itself when no wait is bounded.
+// declareTimeout returns attempt carrying X-Stainless-Read-Timeout for the time the client has
+// left, cloned first if it is the caller's request; attempt itself when no wait is bounded.
 func (t *Transport) declareTimeout(ctx context.Context, req, attempt *http.Request) *http.Request {
 	wait, ok := time.Duration(0), false
 	if deadline, has := ctx.Deadline(); has {
@@ -146,24 +149,20 @@ func (t *Transport) declareTimeout(ctx context.Context, req, attempt *http.Reque
 	if attempt == req {
 		attempt = req.Clone(ctx)
 	}
-	attempt.Header.Set(HeaderRequestTimeout, requestTimeout(wait))
+	attempt.Header.Set(HeaderReadTimeout, readTimeout(wait))
 	return attempt
 }
 
-// requestTimeout is the X-Request-Timeout value (seconds, to the millisecond, rounded down)
-// for a client that waits wait for an answer: wait less 0.5 s or a tenth of it, and at least
-// half of it; at least 1 ms. Computed in float64 seconds, as the Python SDK does, so both
-// send the same value (clients/vectors/retry_policy.json).
-func requestTimeout(wait time.Duration) string {
-	s := wait.Seconds()
-	left := math.Max(s/2, s-math.Max(answerMargin.Seconds(), s/10))
-	ms := math.Max(1, math.Floor(left*1000))
-	return strconv.FormatFloat(ms/1000, 'f', 3, 64)
+// readTimeout is the X-Stainless-Read-Timeout value for a client that waits wait for an
+// answer: the seconds, to the millisecond, rounded down; at least 1 ms. The Python SDK sends
+// the same value for the same wait (clients/vectors/retry_policy.json).
+func readTimeout(wait time.Duration) string {
+	ms := wait.Milliseconds()
+	if ms < 1 {
+		ms = 1
+	}
+	return fmt.Sprintf("%d.%03d", ms/1000, ms%1000)
 }
-
-// answerMargin: the gateway answers a request still queued at its deadline within 0.2 s, and
-// the answer must then reach the client before its own timer fires.
-const answerMargin = 500 * time.Millisecond
 
 // retryRequest clones req with a fresh body and the retry-count header (retry: the attempts
 // sent before it).
@@ -241,8 +240,11 @@ func isCertificateError(err error) bool {
 // DefaultBase returns a new transport as NewClient and NewTransport put below their retries
 // when given no base: http.DefaultTransport's settings with more idle connections per host (a
 // client talks to one gateway), idle connections closed after 30 s, and the Python SDK's
-// timeouts: 5 s to connect, 600 s for the response headers. Wrap it to observe attempts
-// without losing those settings.
+// timeouts: 5 s to connect, 600 s for the response headers. A wrapper around it (to observe
+// attempts, say) keeps those settings, but Transport reads ResponseHeaderTimeout only from a
+// base that is an *http.Transport itself: below a wrapper, the wait each attempt declares to
+// the gateway comes from the request context's deadline alone, and a request without one
+// declares none (its tier's queue timeout applies).
 //
 // The idle timeout is below the gateway's keep-alive (gateway.keepalive_timeout_ms, 75 s by
 // default): a connection the client closes first is never one the gateway is closing while a

@@ -21,6 +21,7 @@ import (
 type seen struct {
 	body           string
 	retryCount     string
+	readTimeout    string
 	requestTimeout string
 }
 
@@ -39,7 +40,7 @@ func newScripted(t *testing.T, statuses []int, headers http.Header) *scripted {
 	s.server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		body, _ := io.ReadAll(r.Body)
 		s.mu.Lock()
-		s.seen = append(s.seen, seen{string(body), r.Header.Get(HeaderRetryCount), r.Header.Get(HeaderRequestTimeout)})
+		s.seen = append(s.seen, seen{string(body), r.Header.Get(HeaderRetryCount), r.Header.Get(HeaderReadTimeout), r.Header.Get(HeaderRequestTimeout)})
 		status := 200
 		if len(s.script) > 0 {
 			status, s.script = s.script[0], s.script[1:]
@@ -609,23 +610,31 @@ func TestEveryAttemptDeclaresTheTimeLeft(t *testing.T) {
 		if i > 0 {
 			left -= slept[i-1]
 		}
-		if want := requestTimeout(left); a.requestTimeout != want {
-			t.Fatalf("attempt %d declared %q, want %q", i, a.requestTimeout, want)
+		if want := readTimeout(left); a.readTimeout != want || a.requestTimeout != "" {
+			t.Fatalf("attempt %d declared %q (%q), want %q", i, a.readTimeout, a.requestTimeout, want)
 		}
 	}
-	if attempts[0].requestTimeout != "9.000" || req.Header.Get(HeaderRequestTimeout) != "" {
-		t.Fatal(attempts[0].requestTimeout, req.Header)
+	// The client's raw wait: the gateway takes its own margin off it.
+	if attempts[0].readTimeout != "10.000" || req.Header.Get(HeaderReadTimeout) != "" {
+		t.Fatal(attempts[0].readTimeout, req.Header)
 	}
 }
 
+// observing wraps a base transport, hiding its settings from Transport.
+type observing struct{ base http.RoundTripper }
+
+func (o observing) RoundTrip(req *http.Request) (*http.Response, error) { return o.base.RoundTrip(req) }
+
 // Without a context deadline, the base's response-header timeout bounds the wait (600 s for
-// DefaultBase: 540 s declared, below a Batch tier's 600 s queue timeout); with neither, nothing
-// is declared; a value the caller set is sent as it is.
+// DefaultBase); with neither, nothing is declared, nor below a wrapper, which hides the
+// base's timeout (the context's deadline alone then counts). A value the caller set is sent
+// as it is, and a caller's X-Request-Timeout (the wait for the queue alone) does not stop the
+// client's own wait from being declared.
 func TestTheDeclaredWaitWithoutADeadline(t *testing.T) {
 	srv := newScripted(t, nil, nil)
-	send := func(tr http.RoundTripper, h http.Header) string {
+	send := func(tr http.RoundTripper, ctx context.Context, h http.Header) seen {
 		t.Helper()
-		req, _ := http.NewRequest(http.MethodPost, srv.server.URL, strings.NewReader("{}"))
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.server.URL, strings.NewReader("{}"))
 		for k, v := range h {
 			req.Header[k] = v
 		}
@@ -635,16 +644,33 @@ func TestTheDeclaredWaitWithoutADeadline(t *testing.T) {
 		}
 		resp.Body.Close()
 		a := srv.attempts()
-		return a[len(a)-1].requestTimeout
+		return a[len(a)-1]
 	}
-	retrier := mustRetrier(t, RetrierOptions{Clock: newFakeClock()})
-	if got := send(NewTransport(nil, retrier), nil); got != "540.000" {
+	clock := newFakeClock()
+	retrier := mustRetrier(t, RetrierOptions{Clock: clock})
+	bg := context.Background()
+	if got := send(NewTransport(nil, retrier), bg, nil); got.readTimeout != "600.000" || got.requestTimeout != "" {
 		t.Fatal(got)
 	}
-	if got := send(NewTransport(&http.Transport{}, retrier), nil); got != "" {
+	if got := send(NewTransport(&http.Transport{}, retrier), bg, nil); got.readTimeout != "" {
 		t.Fatal(got)
 	}
-	if got := send(NewTransport(nil, retrier), http.Header{"X-Request-Timeout": {"12"}}); got != "12" {
+	wrapped := NewTransport(observing{DefaultBase()}, retrier)
+	if got := send(wrapped, bg, nil); got.readTimeout != "" {
+		t.Fatal(got)
+	}
+	ctx, cancel := context.WithDeadline(bg, clock.Now().Add(2500*time.Millisecond))
+	defer cancel()
+	if got := send(wrapped, ctx, nil); got.readTimeout != "2.500" {
+		t.Fatal(got)
+	}
+	for _, name := range []string{"X-Stainless-Read-Timeout", "x-stainless-read-timeout"} {
+		if got := send(NewTransport(nil, retrier), bg, http.Header{name: {"12"}}); got.readTimeout != "12" {
+			t.Fatal(name, got)
+		}
+	}
+	got := send(NewTransport(nil, retrier), bg, http.Header{"X-Request-Timeout": {"12"}})
+	if got.requestTimeout != "12" || got.readTimeout != "600.000" {
 		t.Fatal(got)
 	}
 }

@@ -225,7 +225,7 @@ func TestVectorsRequestTimeout(t *testing.T) {
 		t.Fatal(len(v.RequestTimeoutCases))
 	}
 	for _, c := range v.RequestTimeoutCases {
-		if got := requestTimeout(seconds(c.WaitS)); got != c.Expected {
+		if got := readTimeout(seconds(c.WaitS)); got != c.Expected {
 			t.Errorf("%s: %q, want %q (%s)", c.Name, got, c.Expected, c.Why)
 		}
 	}

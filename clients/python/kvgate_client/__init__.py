@@ -36,6 +36,7 @@ from .policy import (
 from .retrying import Decision, Retrier, RetryState, RetryStats
 from .transport import (
     CONNECTION_ERRORS,
+    READ_TIMEOUT_HEADER,
     REQUEST_TIMEOUT_HEADER,
     RETRY_COUNT_HEADER,
     AsyncRetryTransport,
@@ -52,6 +53,7 @@ __all__ = [
     "MAX_ATTEMPTS",
     "MAX_DELAY_S",
     "MAX_RETRY_AFTER_S",
+    "READ_TIMEOUT_HEADER",
     "REQUEST_TIMEOUT_HEADER",
     "RETRYABLE_STATUSES",
     "RETRY_COUNT_HEADER",

@@ -5,9 +5,10 @@ Working at the transport level means a retry happens only before a response is h
 once a status line below 400 (or a final error) has been returned, its body, streamed or not,
 belongs to the caller and is never replayed.
 
-Every attempt tells the gateway how long its client will wait (`X-Request-Timeout`, from the
-request's read timeout): a request still queued when that time nears gets its 429 and retry
-hint while the client listens, instead of the client timing out first with no hint at all.
+Every attempt tells the gateway how long its client will wait (`X-Stainless-Read-Timeout`, the
+request's read timeout, the header the OpenAI SDKs send): a request still queued when that time
+nears gets its 429 and retry hint while the client listens, instead of the client timing out
+first with no hint at all.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ from .retrying import CANCELED, Retrier, RetryStats
 # unread) can tell retries from first attempts.
 RETRY_COUNT_HEADER = "x-kvgate-retry-count"
 
-# Seconds this client waits for its request to leave the gateway's queue; the gateway answers
-# a request still queued then with a 429 and its retry hint. A request that already carries
+# The client's read timeout in seconds, as the OpenAI SDKs declare it: how long the client waits
+# for the first byte of the answer. The gateway ends the request's wait in its queue early
+# enough for its 429 and retry hint to reach the client in that time (0.5 s or a tenth of it
+# before), and for a whole, non-streamed answer, whose first byte comes only once all of it is
+# generated, earlier still by the time the generation may take. A request that already carries
 # the header keeps its own value.
+READ_TIMEOUT_HEADER = "x-stainless-read-timeout"
+# The gateway's header for the longest wait in its queue alone, in seconds (it keeps nothing
+# back). The transports do not send it; a caller may.
 REQUEST_TIMEOUT_HEADER = "x-request-timeout"
-# The gateway answers a request still queued at its deadline within 0.2 s of it, and the answer
-# must travel back before the client's read timeout fires: the deadline declared is the read
-# timeout less this margin, or a tenth of it if more, and at least half of it. The gateway
-# leaves the same margin below the read timeout the OpenAI SDKs declare
-# (x-stainless-read-timeout).
-ANSWER_MARGIN_S = 0.5
 
 # Failures where the request either never reached the server or the connection died before a
 # status line came back. Read and write *timeouts* are not here: the request may be running on
@@ -70,23 +71,26 @@ def retryable(exc: BaseException) -> bool:
     return True
 
 
-def request_timeout(read_timeout_s: float) -> str:
-    """The `X-Request-Timeout` value (seconds, to the millisecond, rounded down) for a client
-    that waits `read_timeout_s` for an answer: the read timeout less `ANSWER_MARGIN_S` or a
-    tenth of it, and at least half of it; at least 1 ms."""
-    left = max(read_timeout_s / 2, read_timeout_s - max(ANSWER_MARGIN_S, read_timeout_s / 10))
-    ms = max(1, math.floor(left * 1000))
+# Longer waits are declared as this: past the gateway's own cap (1e9 s) and any Go
+# time.Duration, and their milliseconds stay finite.
+MAX_DECLARED_S = 1e10
+
+
+def read_timeout(wait_s: float) -> str:
+    """The `X-Stainless-Read-Timeout` value for a client that waits `wait_s` for an answer: the
+    seconds, to the millisecond, rounded down; at least 1 ms (at most `MAX_DECLARED_S`)."""
+    ms = max(1, math.floor(min(wait_s, MAX_DECLARED_S) * 1000))
     return f"{ms / 1000:.3f}"
 
 
 def _declare_timeout(request: httpx.Request) -> None:
-    if REQUEST_TIMEOUT_HEADER in request.headers:
+    if READ_TIMEOUT_HEADER in request.headers:
         return
     timeouts = request.extensions.get("timeout")
     read = timeouts.get("read") if isinstance(timeouts, dict) else None
     # No read timeout (None) means no deadline of the client's own: the tier's applies.
     if isinstance(read, int | float) and math.isfinite(read) and read > 0:
-        request.headers[REQUEST_TIMEOUT_HEADER] = request_timeout(float(read))
+        request.headers[READ_TIMEOUT_HEADER] = read_timeout(float(read))
 
 
 def _make_retrier(

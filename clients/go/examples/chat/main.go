@@ -5,11 +5,11 @@
 //
 // With -n above 1 it sends that many requests from -concurrency goroutines sharing one client
 // (so one retry budget) and prints a JSON summary instead of the answers. With -timeout each
-// request's context ends after that long; the client tells the gateway (X-Request-Timeout), so
-// a request still queued then gets its 429 and retry hint before the context ends. With -trace
-// it writes one JSON line per attempt to stderr (when it was sent and answered, relative to the
-// start, the X-Request-Timeout it declared, its status and the gateway's 429 headers) and the
-// client's retry counters at the end.
+// request's context ends after that long; the client tells the gateway (X-Stainless-Read-Timeout),
+// so a request still queued then gets its 429 and retry hint before the context ends. With
+// -trace it writes one JSON line per attempt to stderr (when it was sent and answered, relative
+// to the start, the X-Stainless-Read-Timeout it declared, its status and the gateway's 429
+// headers) and the client's retry counters at the end.
 package main
 
 import (
@@ -192,11 +192,11 @@ func (t *tracer) RoundTrip(req *http.Request) (*http.Response, error) {
 	sent := time.Since(t.start).Seconds()
 	resp, err := t.base.RoundTrip(req)
 	line := map[string]interface{}{
-		"event":           "attempt",
-		"retry_count":     req.Header.Get(kvgate.HeaderRetryCount),
-		"request_timeout": req.Header.Get(kvgate.HeaderRequestTimeout),
-		"sent_s":          sent,
-		"answered_s":      time.Since(t.start).Seconds(),
+		"event":        "attempt",
+		"retry_count":  req.Header.Get(kvgate.HeaderRetryCount),
+		"read_timeout": req.Header.Get(kvgate.HeaderReadTimeout),
+		"sent_s":       sent,
+		"answered_s":   time.Since(t.start).Seconds(),
 	}
 	if err != nil {
 		line["error"] = err.Error()
@@ -245,7 +245,9 @@ func fail(err error) {
 
 // baseFor is the transport below the retries: nil, NewClient's own (kvgate.DefaultBase: 100
 // idle connections per host, a 5 s connect and a 600 s response-header timeout), unless
-// every attempt is traced, over a transport with the same settings.
+// every attempt is traced, over a transport with the same settings. (Below the tracer the
+// client no longer sees the response-header timeout: each attempt declares the context's
+// time left, with -timeout, and otherwise no wait.)
 func baseFor(trace bool, start time.Time) http.RoundTripper {
 	if !trace {
 		return nil

@@ -1,6 +1,7 @@
-"""Settings that are valid one by one but not together, or that the loader used to read as
-something else: each is refused at load with the key (and the other key it clashes with)
-named, or, when the configuration is valid but turns requests away, warned about at start."""
+"""Settings that are valid one by one but not together, or that a loader could read as something
+else (an empty string as the default, a URL's query as settings): each is refused at load with
+the key (and the other key it clashes with) named, or, when the configuration is valid but
+turns requests away, warned about at start."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import asyncio
 import hashlib
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Set
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,6 +198,21 @@ class Harness:
 
     async def settled(self) -> None:
         await self.gateway.settler.idle()
+
+    async def new_task_deadline_s(self, before: Set[str]) -> float:
+        """Seconds, by Redis's clock, until the deadline of the one task the gateway holds
+        that is not in `before` (a `settler.live.snapshot()` taken before sending it), once
+        it is there."""
+        live = self.gateway.settler.live
+
+        async def one_more() -> bool:
+            return len(live.snapshot() - before) == 1
+
+        await eventually(one_more)
+        [task_id] = live.snapshot() - before
+        record = await self.task(task_id)
+        seconds, micros = await self.redis.time()
+        return (int(record["deadline_us"]) - seconds * 1_000_000 - micros) / 1e6
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0,

@@ -377,15 +377,7 @@ async def test_a_whole_answer_through_the_sdk_leaves_its_generation_time_in_the_
         async def deadline_left_s(request: Awaitable[Any]) -> float:
             before = live.snapshot()
             pending.append(asyncio.ensure_future(request))
-
-            async def queued() -> bool:
-                return len(live.snapshot() - before) == 1
-
-            await eventually(queued)
-            [task_id] = live.snapshot() - before
-            record = await gw.task(task_id)
-            seconds, micros = await gw.redis.time()
-            return (int(record["deadline_us"]) - seconds * 1_000_000 - micros) / 1e6
+            return await gw.new_task_deadline_s(before)
 
         try:
             stream_left = await deadline_left_s(

@@ -17,17 +17,7 @@ from admission.config import ConfigError, parse_config, startup_warnings
 from admission.configschema import Config, GatewaySettings
 from admission.keys import PoolKeys, check_name
 from gateway.app import create_app
-
-KEY_HASH = hashlib.sha256(b"sk-test").hexdigest()
-
-
-def minimal(**overrides: Any) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        "pools": [{"name": "llama", "backends": ["http://127.0.0.1:9001/"]}],
-        "tenants": [{"name": "acme", "tier": "vip", "key_sha256": [KEY_HASH]}],
-    }
-    data.update(overrides)
-    return data
+from tests.test_config import KEY_HASH, minimal
 
 
 def refused(data: dict[str, Any], env: dict[str, str] | None = None) -> str:

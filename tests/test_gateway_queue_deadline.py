@@ -157,15 +157,7 @@ async def test_a_whole_answer_leaves_its_generation_time_before_the_sdks_read_ti
                 json={"model": "demo", "messages": [{"role": "user", "content": "Queue me."}],
                       "max_tokens": max_tokens, "stream": stream},
                 headers={**gw.auth("batch"), "x-stainless-read-timeout": "600"})))
-
-            async def queued() -> bool:
-                return len(live.snapshot() - before) == 1
-
-            await eventually(queued)
-            [task_id] = live.snapshot() - before
-            record = await gw.task(task_id)
-            seconds, micros = await gw.redis.time()
-            return (int(record["deadline_us"]) - seconds * 1_000_000 - micros) / 1e6
+            return await gw.new_task_deadline_s(before)
 
         for stream, max_tokens, expected in ((True, 1_000, 540), (False, 1_000, 490),
                                              (False, 10_000, 300)):

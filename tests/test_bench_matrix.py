@@ -239,6 +239,24 @@ def _summary(arm: str, engine_base: float, engine_burst: float,
                       vip_front_burst=front)
 
 
+def test_stalls_in_arm_a_calm_void_the_verdicts_against_it_not_the_other_arm() -> None:
+    """(a)'s calm P99 carries a stall of its load generator (150 ms; 130 without the VIP
+    requests that waited across it): (c)'s burst P99 of 170 ms passes against one, fails
+    against the other. That is the reference's doubt, not (c)'s: (c) stays valid and its
+    verdicts against (a) read n/a. A stall in (c)'s own run that decides it voids (c)."""
+    a = dataclasses.replace(_summary("a", 100.0, 300.0), vip_ttft_base=(100.0, 150.0),
+                            vip_p99_steady=(130.0, 400.0))
+    c = dataclasses.replace(_summary("c", 90.0, 115.0), vip_ttft_burst=(120.0, 170.0),
+                            vip_p99_steady=(150.0, 170.0))
+    judged = judge_all([a, c], 96.0, 2.0)
+    assert not a.invalid and not c.invalid
+    assert next(v for v in judged[1] if v.key == "vip_p99").ok is None
+    steady_a = dataclasses.replace(a, vip_p99_steady=(150.0, 400.0))
+    c_stalled = dataclasses.replace(c, vip_ttft_burst=(120.0, 190.0), invalid=[])
+    judged = judge_all([steady_a, c_stalled], 96.0, 2.0)  # (c)'s own: 190 with, 170 without
+    assert c_stalled.invalid and "load generator's stalls" in c_stalled.invalid[0]
+
+
 def test_a_p99_over_fewer_than_100_chats_says_how_few() -> None:
     """Under 100 chats the nearest rank's P99 is the largest: one request sets the bar."""
     few = dataclasses.replace(_summary("c", 90.0, 115.0), vip_samples=(43, 58))

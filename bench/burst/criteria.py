@@ -183,13 +183,16 @@ def judge_all(summaries: Sequence[ArmSummary], burst_sim_s: float, drain_factor:
               ) -> list[list[Verdict]]:
     """Every arm's verdicts. An arm whose VIP verdict turns on its load generator's own
     stalls (see ``stall_dependence``) is marked invalid here, once; the reference is taken
-    after that, so an arm (a) marked so is no reference either."""
+    after that, so an arm (a) marked so is no reference either. Where the stalls of (a)'s calm
+    decide another arm's VIP verdict (``reference_stalled``), that arm's verdicts against (a)
+    read n/a: the run is sound, its reference is not."""
     for s in sorted(summaries, key=lambda s: s.arm != "a"):
         reason = stall_dependence(s, summaries)
         if reason is not None and reason not in s.invalid:
             s.invalid.append(reason)
     ref, engine_ref = reference(summaries), engine_reference(summaries)
-    return [judge(s, ref, burst_sim_s, drain_factor, engine_ref) for s in summaries]
+    return [judge(s, None, burst_sim_s, drain_factor) if reference_stalled(s, summaries)
+            else judge(s, ref, burst_sim_s, drain_factor, engine_ref) for s in summaries]
 
 
 def stall_dependence(s: ArmSummary, summaries: Sequence[ArmSummary]) -> str | None:
@@ -197,12 +200,13 @@ def stall_dependence(s: ArmSummary, summaries: Sequence[ArmSummary]) -> str | No
 
     A stall of the load generator (its own event loop held, by a collection or a starved CPU)
     delays every timestamp it takes meanwhile, so a VIP request waiting for its first token
-    across one carries the stall in its TTFT. The verdict is judged again without those
-    requests, in this arm and in (a)'s calm reference; if it changes, the stalls decide it."""
+    across one carries the stall in its TTFT. The verdict is judged again without this arm's
+    own such requests (for arm (a), the reference, without them in its calm too); if it
+    changes, its stalls decide it. (a)'s stalls are not this arm's: ``reference_stalled``."""
     ref = reference(summaries)
-    steady_ref = next((a.vip_p99_steady[0] for a in summaries if a.arm == "a"), math.nan)
     if ref is None:
         return None
+    steady_ref = s.vip_p99_steady[0] if s.arm == "a" else ref[1]
     with_all = _ratio(s.vip_ttft_burst[1], ref[1])
     without = _ratio(s.vip_p99_steady[1], steady_ref)
     if math.isnan(with_all) or math.isnan(without):
@@ -211,6 +215,21 @@ def stall_dependence(s: ArmSummary, summaries: Sequence[ArmSummary]) -> str | No
         return None
     return (f"the VIP verdict turns on the load generator's stalls: {_x(with_all)} of (a)'s "
             f"calm, {_x(without)} without the VIP requests waiting across one")
+
+
+def reference_stalled(s: ArmSummary, summaries: Sequence[ArmSummary]) -> bool:
+    """Whether the stalls of (a)'s load generator in its calm decide this arm's VIP verdict:
+    judged against (a)'s calm P99 without the VIP requests that waited across one, it changes.
+    Never for (a) itself, whose own stalls make it invalid (``stall_dependence``)."""
+    ref = reference(summaries)
+    if s.arm == "a" or ref is None:
+        return False
+    steady_ref = next((a.vip_p99_steady[0] for a in summaries if a.arm == "a"), math.nan)
+    with_all = _ratio(s.vip_ttft_burst[1], ref[1])
+    without = _ratio(s.vip_ttft_burst[1], steady_ref)
+    if math.isnan(with_all) or math.isnan(without):
+        return False
+    return (with_all <= VIP_RATIO_BAR) != (without <= VIP_RATIO_BAR)
 
 
 def _burst_load(s: ArmSummary) -> str:

@@ -35,12 +35,13 @@ from bench.burst.matrix import (
     aggregate,
     build_parser,
     cells,
+    error_record,
     is_done,
     main,
     parse_seeds,
     render,
 )
-from bench.burst.matrixplot import load_records
+from bench.burst.matrixplot import load_records, plot_matrix
 from bench.burst.mixes import MIXES, REALISTIC, with_mix
 from bench.burst.monitor import NodeSample, Sample
 from bench.burst.points import Point
@@ -294,6 +295,23 @@ def test_a_point_runs_arm_c_at_that_setting_and_the_table_says_it_is_not_the_def
     text = render([record], "reduced")
     assert "kvgate on its shipped defaults" not in text
     assert "at l=1 (`--point`), not the shipped defaults" in text
+
+
+def test_a_cell_whose_run_failed_is_in_the_table_not_left_out(tmp_path: Path) -> None:
+    """An error in one cell's run (a service that did not start, a goodput above its bound)
+    is written as that cell's record, shown with its error and counted; --skip-done reruns it."""
+    [path] = (RESULTS / "cells").glob("reduced-chat-n2-s3.json")
+    record = json.loads(path.read_text())
+    failed = error_record(Cell("reduced", "chat", 2, 4), 12.0, "abc1234",
+                          RuntimeError("the scheduler published nothing within 30 s"))
+    text = render([record, failed], "reduced")
+    assert ("the run ended in an error, RuntimeError: the scheduler published nothing "
+            "within 30 s") in text
+    assert "| cells whose run ended in an error (left out) | 1 | 1 | 1 | 1 |" in text
+    (tmp_path / "cells").mkdir()
+    (tmp_path / "cells" / "reduced-chat-n2-s4.json").write_text(json.dumps(failed))
+    assert not is_done(tmp_path / "cells" / "reduced-chat-n2-s4.json", ["a", "c"], Point())
+    plot_matrix([record, failed], tmp_path / "m.png")  # the plot leaves it out
 
 
 def test_skip_done_skips_only_cells_recorded_with_these_arms_at_this_point(

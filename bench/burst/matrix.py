@@ -161,6 +161,16 @@ def cell_record(cell: Cell, settings: Settings, summaries: Sequence[ArmSummary],
     return record
 
 
+def error_record(cell: Cell, wall_s: float, revision: str, error: BaseException,
+                 point: Point | None = None) -> dict[str, Any]:
+    """The record of a cell whose run ended in an error (a service that did not start, the
+    load generator raising, a goodput above its bound): no arm's figures, the error, so that
+    the table shows the cell instead of leaving it out."""
+    return {"cell": dataclasses.asdict(cell), "code": revision,
+            "point": (point or Point()).label, "wall_s": wall_s, "arms": [],
+            "error": f"{type(error).__name__}: {error}"}
+
+
 def _verdict(d: dict[str, Any]) -> Verdict:
     # Non-finite figures are stored as strings ("inf", "nan"); float() reads both forms.
     return Verdict(d["key"], d["value"], d["ok"], float(d.get("number", math.nan)))
@@ -183,6 +193,12 @@ def render(records: Sequence[dict[str, Any]], scale: str,
     margin = slack(ideal, records)
     for rec in ordered(records):
         c = rec["cell"]
+        if "error" in rec:
+            parts += [f"## {c['mix']}, {c['size']} nodes, seed {c['seed']}", "",
+                      f"{rec['wall_s'] / 60:.1f} minutes wall, code {rec['code']}: the run ended "
+                      f"in an error, {rec['error']}; no figures (in no row of the aggregate but "
+                      "its last).", ""]
+            continue
         arms = [a["arm"] for a in rec["arms"]]
         judged = [[_verdict(v) for v in a["verdicts"]] for a in rec["arms"]]
         parts += [f"## {c['mix']}, {c['size']} nodes, seed {c['seed']}", "",
@@ -260,6 +276,9 @@ def aggregate(records: Sequence[dict[str, Any]],
             f"{counts[a].all_seven}/{counts[a].judged}" for a in arms) + " |")
     lines.append("| invalid runs (left out) | " + " | ".join(str(invalid[a]) for a in arms)
                  + " |")
+    failed = sum(1 for r in records if "error" in r)
+    lines.append("| cells whose run ended in an error (left out) | "
+                 + " | ".join(str(failed) for _ in arms) + " |")
     return [*lines, ""]
 
 
@@ -288,11 +307,18 @@ async def run_cells(todo: Sequence[Cell], arms: Sequence[str], out: Path, log_ro
             f"({cell.scale} scale{eta}) ===")
         settings = (point or Point()).apply(cell.settings())
         started = time.monotonic()
-        _, _, summaries = await run_experiment(settings, arms, log_root / cell.name,
-                                               progress=verbose)
-        wall = time.monotonic() - started
+        try:
+            _, _, summaries = await run_experiment(settings, arms, log_root / cell.name,
+                                                   progress=verbose)
+        except Exception as exc:  # one cell's failure is a result to report, not the end
+            wall = time.monotonic() - started
+            record = error_record(cell, wall, revision, exc, point)
+            say(f"  the run ended in an error: {record['error']} (logs: "
+                f"{log_root / cell.name})")
+        else:
+            wall = time.monotonic() - started
+            record = cell_record(cell, settings, summaries, wall, revision, point)
         spent.append(wall)
-        record = cell_record(cell, settings, summaries, wall, revision, point)
         (out / "cells" / f"{cell.name}.json").write_text(json.dumps(record, indent=1))
         for a in record["arms"]:
             met = sum(1 for v in a["verdicts"] if v["key"] in CRITERIA and v["ok"])

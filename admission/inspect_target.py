@@ -32,6 +32,7 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from redis.asyncio.connection import parse_url
 
@@ -138,7 +139,7 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
             # The file's CA path is the services' (a pod's mount); one run elsewhere names its
             # own copy.
             _check_tls(settings, ssl_ca_file, source)
-            settings = dataclasses.replace(settings, ssl_ca_file=ssl_ca_file)
+            settings = _with_ca(settings, ssl_ca_file)
             source += ", with the CA of --ssl-ca-file"
             ca_source = "--ssl-ca-file"
         return Target(settings, source, named or tuple(loaded.pools),
@@ -159,9 +160,20 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
     settings = RedisSettings(url=url, cluster=cluster)
     if ssl_ca_file is not None:
         _check_tls(settings, ssl_ca_file, source)
-        settings = dataclasses.replace(settings, ssl_ca_file=ssl_ca_file)
+        settings = _with_ca(settings, ssl_ca_file)
     return Target(settings, source, named,
                   "--pool" if named else f"every pool found ({ANY_POOL_PATTERN})")
+
+
+def _with_ca(settings: RedisSettings, ca_file: str) -> RedisSettings:
+    """`settings` with `ca_file` as the CA, also where the URL names one (`ssl_ca_certs`):
+    the URL's would win in the client, and it is the services' path (a pod's mount), which a
+    run elsewhere names its own copy of with --ssl-ca-file."""
+    parts = urlsplit(settings.url)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True)
+             if k != "ssl_ca_certs"]
+    url = urlunsplit(parts._replace(query=urlencode(query)))
+    return dataclasses.replace(settings, url=url, ssl_ca_file=ca_file)
 
 
 async def pool_has_keys(client: Any, pool: str) -> bool:

@@ -139,6 +139,12 @@ def test_with_a_config_file_the_ca_flag_overrides_it_and_the_cluster_flag_is_ref
     assert mine.settings.ssl_ca_file == "/home/me/ca.pem"
     assert mine.settings.url == "rediss://file-host:6380/0"
     assert mine.source == f"redis.url of {path}, with the CA of --ssl-ca-file"
+    # A CA named in the URL (the pod's path) would win in the client: the flag replaces it.
+    in_url = resolve_target(
+        config=None, redis_url="rediss://h:6380/0?ssl_ca_certs=/pod/ca.pem&ssl_cert_reqs=required",
+        cluster=False, ssl_ca_file="/home/me/ca.pem", pools=[], env={})
+    assert in_url.settings.url == "rediss://h:6380/0?ssl_cert_reqs=required"
+    assert in_url.settings.ssl_ca_file == "/home/me/ca.pem"
     with pytest.raises(ConfigError, match=rf"^--cluster: with --config, redis.cluster of "
                                           rf"{re.escape(str(path))} decides"):
         resolve(cluster=True)

@@ -40,7 +40,7 @@ from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.running import Indexed, prefill_tasks, tasks_by_node
 from scheduler.scrape import NodeView, Poller
 from scheduler.transitions import TransitionLog
-from scheduler.zones import RedClearance, ZoneTracker
+from scheduler.zones import RedClearance, ZoneTracker, published_zone
 
 log = logging.getLogger("kvgate.scheduler.pool")
 
@@ -194,7 +194,9 @@ class PoolScheduler:
         one the last leader published (`UsageLearner.resume`), the release
         control resumes from the prefill rates and gains the last leader published, the
         transition log starts afresh (scheduler.transitions), and the first poll waits for the
-        whole scrape timeout (connections are cold)."""
+        whole scrape timeout (connections are cold). The nodes' readings of a former term are
+        forgotten, and the zone resumes from the one the last leader published (its
+        hysteresis band decides the way down)."""
         self.policy = ReleasePolicy(self.pool.zones, self.settings.release_batch, self.clock(),
                                     self._dedicated_guests, self._holds_room)
         self.clearance.reset()
@@ -205,6 +207,7 @@ class PoolScheduler:
         # a lease lost and taken back within seconds does not forget a preemption.
         self.drains = DrainRates()
         self._preemptions.clear()
+        self.poller.forget()
         self._first_poll = True
         self._resume = True
         self.calm.restart()
@@ -404,12 +407,15 @@ class PoolScheduler:
         started = self.clock()
         first, self._first_poll = self._first_poll, False
         views = await self.poller.poll(self.first_wait_s if first else self.wait_s)
-        if all(v.metrics is None and not v.ejected for v in views):
+        if views and all(v.metrics is None and not v.ejected for v in views):
             # Nothing heard yet (a leader just took over): publishing now would say "no usable
-            # node", i.e. RED, and turn clients away for a tick. Keep the state as it is.
+            # node", i.e. RED, and turn clients away for a tick. Keep the state as it is. (A
+            # pool without backends has nothing to hear: it is published RED, no_node, so that
+            # requests are refused at once instead of queueing until their timeout.)
             return TickResult(self.tracker.zone, None, [], (0, 0, 0), (0, 0, 0))
         if self._resume:
             published = await self.store.published_state()
+            self.tracker.zone = published_zone(published, self.tracker.zone)
             if self.control is not None:
                 self.control.resume(learned_control(published))
             self.learner.resume(published_ratio(published))

@@ -350,6 +350,14 @@ class Poller:
         if self.on_scrape is not None:
             self.on_scrape(node.name, self.clock() - started, error)
 
+    def forget(self) -> None:
+        """Forget every reading (a new leadership starts): a standby's last readings may be
+        hours old, and read as the node's state they would set a zone and budgets, and reach
+        the release control as a reading it has not seen. The readings' numbering goes on,
+        so that the next one is new to whoever saw the last."""
+        for node in self.nodes:
+            node.metrics, node.ok_at, node.failures, node.last_error = None, 0.0, 0, ""
+
     async def poll(self, wait_s: float) -> list[NodeView]:
         for node in self.nodes:
             if node.inflight is None or node.inflight.done():

@@ -11,6 +11,7 @@ While the pool is RED, `RedClearance` estimates when it will leave: the gateways
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 
 from admission.config import ZoneSettings
 from admission.tiers import Zone
@@ -109,3 +110,14 @@ class RedClearance:
             return observed
         decline = 0.0 if reference is None else reference - usage
         return clearance_s(usage - self.exit_line, decline, observed)
+
+
+def published_zone(state: Mapping[str, str], default: Zone) -> Zone:
+    """The zone a leader published in the pool's state hash, or `default` where it names none:
+    a new leader's hysteresis starts from it, not from GREEN (a pool RED at a usage in the band
+    below the line would be published YELLOW) nor from a former term's zone."""
+    try:
+        return Zone(state.get("zone", ""))
+    except ValueError:
+        return default
+

@@ -52,6 +52,20 @@ async def test_the_leader_of_a_pool_with_no_usable_node_makes_admit_say_no_node(
             assert (full.outcome, full.reason) == (AdmitOutcome.REJECTED, RejectReason.ZONE_RED)
 
 
+async def test_a_pool_without_backends_is_published_red_with_no_node(
+    redis_client: Any, redis_url: str
+) -> None:
+    """Nothing to hear from is no reason to wait: without a published state every request
+    would queue until its tier's timeout before its 429."""
+    config = make_config(redis_url, [])
+    async with pool_scheduler(redis_client, config) as ps:
+        await ps.tick(1, always)
+        state = await ps.store.published_state()
+        assert state["zone"] == "RED" and state["pool_usage"] == ""
+        normal = await admit(ps.store, "a1", Tier.NORMAL, 100)
+        assert (normal.outcome, normal.reason) == (AdmitOutcome.REJECTED, RejectReason.NO_NODE)
+
+
 @pytest.fixture
 async def gw(redis_url: str, redis_client: aioredis.Redis) -> Any:
     async with running_gateway(redis_url) as harness:

@@ -120,8 +120,9 @@ def startup_warnings(config: Config) -> list[str]:
     - A tenant whose `burst` is at or below a pool's `default_max_tokens`: a request of it
       without `max_tokens` costs its prompt (at least one token) plus that default, more than
       the burst, so every such request to the pool gets 400 `exceeds_burst`.
-    - A pool without backends: no node gives it a budget, so the leader releases nothing and
-      every request to it queues until its tier's `queue_timeout_ms`.
+    - A pool without backends: no node gives it a budget, so the leader publishes it RED with no
+      usable node, and every request to it gets 429 (VIP's wait in the queue until their
+      tier's `queue_timeout_ms`).
     - A pool whose `stale_after_ms` is below the scheduler's poll interval: the state the
       leader publishes at each poll is older than that for part of every interval, and a
       request then queues for the next release instead of taking the fast path.
@@ -151,8 +152,9 @@ def startup_warnings(config: Config) -> list[str]:
     for i, pool in enumerate(config.pools.values()):
         if not pool.backends:
             warnings.append(
-                f"pools[{i}] ({pool.name!r}) has no backends: nothing is ever released to it, "
-                "and every request to it queues until its tier's queue_timeout_ms")
+                f"pools[{i}] ({pool.name!r}) has no backends: nothing is ever released to it; "
+                "it is RED with no usable node, and every request to it gets 429 (VIP's "
+                "after waiting its queue_timeout_ms)")
         if 0 < pool.stale_after_ms < poll_ms:
             warnings.append(
                 f"pools[{i}].stale_after_ms {pool.stale_after_ms} is below "

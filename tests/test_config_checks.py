@@ -156,8 +156,9 @@ def test_a_burst_at_a_pools_default_max_tokens_is_warned_about() -> None:
 def test_a_pool_without_backends_is_warned_about() -> None:
     pools = [{"name": "llama", "backends": ["http://127.0.0.1:9001"]}, {"name": "empty"}]
     assert startup_warnings(parse_config(minimal(pools=pools), env={})) == [
-        "pools[1] ('empty') has no backends: nothing is ever released to it, and every request "
-        "to it queues until its tier's queue_timeout_ms"]
+        "pools[1] ('empty') has no backends: nothing is ever released to it; it is RED with no "
+        "usable node, and every request to it gets 429 (VIP's after waiting its "
+        "queue_timeout_ms)"]
 
 
 # --- empty strings --------------------------------------------------------------------------

@@ -8,12 +8,13 @@ Definitions (also printed under the table):
 
 * success: answered in full (every forced output token, ``[DONE]`` for streams) over requests
   with a known outcome. Requests still in flight when the arm stops count as failures if they
-  were sent before the burst ended, or, VIP and Normal, if they have waited as long as their
-  tier's shipped queue timeout (simulated: 30 s and 60 s; a request held that long would be
-  refused by kvgate at a real scale, and has failed its client in any arm), and are left out
-  ("censored") only if sent after the burst and younger than that (Batch, which the lab lets
-  wait the whole window, whatever its age): the arms stop at different times, and a queue
-  that holds requests past the end must not read as success.
+  were sent before the burst ended, or, VIP and Normal streams, if they have waited for their
+  first token as long as their tier's shipped queue timeout (simulated: 30 s and 60 s; a
+  request held that long would be refused by kvgate at a real scale, and has failed its
+  client in any arm); those sent after the burst are otherwise left out ("censored": being
+  served, a Batch request, which the lab lets wait the whole window, or younger than that):
+  the arms stop at different times, and a queue that holds requests past the end must not
+  read as success.
 * TTFT: intended send time to the first content chunk, streaming VIP requests. A VIP request
   that never got a first token counts as infinitely slow (a failure is not a fast answer), so a
   P99 over a phase with more than 1% failures reads "inf".
@@ -122,13 +123,17 @@ class ArmSummary:
 
 
 def _censored(o: Outcome, burst_end: float, stopped_at: float, ts: float) -> bool:
-    """In flight at the stop, sent after the burst, and younger than its tier's shipped queue
-    timeout (simulated; Batch, which the lab lets wait the whole window, whatever its age):
-    its outcome is not known yet."""
+    """In flight at the stop, sent after the burst, and not yet a failure: served (a stream
+    with its first token, or a whole answer, which may be), Batch (which the lab lets wait
+    the whole window), or waiting for its first token for less than its tier's shipped queue
+    timeout (simulated). Its outcome is not known yet."""
     if o.finished or o.req.at < burst_end:
         return False
-    if o.req.tier is Tier.BATCH:
-        return True  # the lab lets Batch wait the whole window: deferred, not failed
+    if o.req.tier is Tier.BATCH or not o.req.stream or o.ttft is not None:
+        # Batch: the lab lets it wait the whole window (deferred, not failed). A stream with
+        # its first token is being served (a long answer on a busy node decodes for longer
+        # than any queue timeout); a whole answer's client cannot tell queued from served.
+        return True
     waited_ms = (stopped_at - o.req.at) * ts * 1000
     return waited_ms < DEFAULT_TIERS[o.req.tier].queue_timeout_ms
 

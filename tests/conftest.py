@@ -211,3 +211,17 @@ async def cluster_client(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
         yield c
     finally:
         await c.aclose()
+
+
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
+"""The environment's proxy settings, which httpx and Go's net/http read."""
+
+
+@pytest.fixture
+def no_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """The environment without proxy settings (either case), for a test to set its own."""
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    return monkeypatch
+

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
 from aiohttp.test_utils import TestServer
@@ -283,3 +284,17 @@ async def hostile_gateway(
             store = gw.pools[POOL].store
             await store.publish_state(1, Zone.GREEN, {"node-0": BIG})
             yield url, gw_app
+
+
+def queued_tokens_tenant(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, Any]], None]:
+    """A `running_gateway` adjustment adding tenant "flood" (Normal, a cap of 1,000 queued
+    tokens), whose key joins `KEYS` for the calling test only: the table is shared by every
+    test module."""
+    monkeypatch.setitem(KEYS, "flood", "sk-test-flood")
+
+    def adjust(data: dict[str, Any]) -> None:
+        data["tenants"].append(
+            {"name": "flood", "tier": "normal", "key_sha256": [sha(KEYS["flood"])],
+             "rate": 1_000_000, "burst": 1_000, "max_queued": 100, "max_queued_tokens": 1_000})
+    return adjust
+

@@ -477,7 +477,6 @@ async def test_readme_examples_run_against_the_gateway(
 # --- the environment's proxy ------------------------------------------------------------------
 
 
-PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
 
 
 class RecordingProxy:
@@ -499,14 +498,6 @@ class RecordingProxy:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handle)
         return app
-
-
-@pytest.fixture
-def no_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in PROXY_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.lower(), raising=False)
-    return monkeypatch
 
 
 def test_the_clients_go_through_the_environments_proxy(

@@ -37,7 +37,15 @@ from kvgate_client import (
 )
 from kvgate_client.budget import EARN_PER_REQUEST, MAX_TOKENS
 from kvgate_client.transport import read_timeout
-from tests.gateway_harness import BIG, KEYS, POOL, Harness, eventually, running_gateway, sha
+from tests.gateway_harness import (
+    BIG,
+    KEYS,
+    POOL,
+    Harness,
+    eventually,
+    queued_tokens_tenant,
+    running_gateway,
+)
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Summarise the plot of Hamlet."}]
 
@@ -402,14 +410,7 @@ async def test_a_whole_answer_through_the_sdk_leaves_its_generation_time_in_the_
 async def test_a_tenants_cap_on_queued_tokens_is_a_rate_limit_error_with_its_scope(
     redis_url: str, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The harness's key table is shared by every test module: the tenant joins it for this
-    # test only.
-    monkeypatch.setitem(KEYS, "flood", "sk-test-flood")
-
-    def adjust(data: dict[str, Any]) -> None:
-        data["tenants"].append(
-            {"name": "flood", "tier": "normal", "key_sha256": [sha(KEYS["flood"])],
-             "rate": 1_000_000, "burst": 1_000, "max_queued": 100, "max_queued_tokens": 1_000})
+    adjust = queued_tokens_tenant(monkeypatch)
 
     async with running_gateway(redis_url, adjust=adjust) as gw, \
             AsyncKvgateClient(gw.url + "/v1", KEYS["flood"], policy=ONE_ATTEMPT) as aclient:

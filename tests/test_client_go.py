@@ -25,7 +25,15 @@ import redis.asyncio as aioredis
 from admission.tiers import Zone
 from bench.common.golang import CHAT_EXAMPLE, GoMissing, build
 from gateway.handlers import client_deadline_ms, whole_answer_s
-from tests.gateway_harness import BIG, KEYS, POOL, Harness, eventually, running_gateway, sha
+from tests.gateway_harness import (
+    BIG,
+    KEYS,
+    POOL,
+    Harness,
+    eventually,
+    queued_tokens_tenant,
+    running_gateway,
+)
 
 # RED with the normal tier draining at 1 task/s and nothing queued: the gateway's hint is
 # (0 + 1) / 1 = 1 s, spread upward by its retry_jitter (25%). The Go client then waits
@@ -251,14 +259,7 @@ async def test_go_client_reads_the_scope_of_a_tenants_cap_on_queued_tokens(
     redis_url: str, redis_client: aioredis.Redis, chat_example: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The harness's key table is shared by every test module: the tenant joins it for this
-    # test only.
-    monkeypatch.setitem(KEYS, "flood", "sk-test-flood")
-
-    def adjust(data: dict[str, Any]) -> None:
-        data["tenants"].append(
-            {"name": "flood", "tier": "normal", "key_sha256": [sha(KEYS["flood"])],
-             "rate": 1_000_000, "burst": 1_000, "max_queued": 100, "max_queued_tokens": 1_000})
+    adjust = queued_tokens_tenant(monkeypatch)
 
     async with running_gateway(redis_url, adjust=adjust) as gw:
         await gw.publish(Zone.YELLOW)  # Normal never takes the fast path: everything queues

@@ -40,21 +40,10 @@ from kvgate_client import (
 from kvgate_client.client import DEFAULT_LIMITS, NOT_A_STREAM_PREFIX
 from kvgate_client.proxies import async_transport
 from tests.gateway_harness import serve_app
+from tests.test_client_openai import Sleeps
 from tests.test_security import make_tls_dir
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
-PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY")
-
-
-class Sleeps:
-    def __init__(self) -> None:
-        self.slept: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-
-    async def asleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
 
 
 def chunk(content: str) -> bytes:
@@ -182,14 +171,6 @@ async def test_a_certificate_that_fails_verification_is_not_retried(tmp_path: Pa
     for stats in (atransport.stats(), transport.stats()):
         assert (stats.attempts, dict(stats.outcomes)) == (1, {"error": 1})
     assert sleeps.slept == []
-
-
-@pytest.fixture
-def no_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in PROXY_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-        monkeypatch.delenv(name.lower(), raising=False)
-    return monkeypatch
 
 
 @asynccontextmanager

@@ -51,10 +51,10 @@ def _sdk_deadline_ms(value: str | None, generation_s: float = 0.0) -> int | None
     and at least t / 2.
 
     `generation_s`: how long the answer may take once the node has the request, when its first
-    byte comes only then (a whole, non-streamed answer: `whole_answer_s`). Without it the
-    queue would take all the client waits for, and a request released near its deadline
-    would be cut off by the client mid-generation, then sent again from the back of the
-    queue. The floor keeps half the wait for the queue, so that a long `max_tokens` (whose
+    byte comes only then (a whole, non-streamed answer: `gateway.parse.whole_answer_s`).
+    Without it the queue would take all the client waits for, and a request released near its
+    deadline would be cut off by the client mid-generation, then sent again from the back of
+    the queue. The floor keeps half the wait for the queue, so that a long `max_tokens` (whose
     estimate is a bound, far above most answers) never makes a request's deadline pass on
     arrival."""
     if value is None:
@@ -69,14 +69,6 @@ def _sdk_deadline_ms(value: str | None, generation_s: float = 0.0) -> int | None
     left = max(seconds / 2,
                seconds - max(SDK_TIMEOUT_MARGIN_S, seconds / 10) - max(0.0, generation_s))
     return max(1, math.floor(left * 1000))
-
-
-def whole_answer_s(stream: bool, steps: int, s_per_step: float) -> float:
-    """The time a request's answer may take before its first byte reaches the client: none
-    for a stream (its first token comes after the prefill), `steps` decode steps at
-    `s_per_step` for a whole answer (the gateway's `upstream_ms_per_output_token`, the
-    allowance it gives a node's silence on the same answer: `gateway.proxy`)."""
-    return 0.0 if stream else steps * s_per_step
 
 
 def client_deadline_ms(explicit: str | None, sdk_read_timeout: str | None, *,
@@ -191,8 +183,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise
     client_timeout_ms = _shorter(explicit_timeout_ms, _sdk_deadline_ms(
         request.headers.get(SDK_READ_TIMEOUT_HEADER),
-        whole_answer_s(inbound.stream, inbound.steps or inbound.max_tokens,
-                       gw.upstream.whole_answer_s_per_token)))
+        inbound.whole_answer_s(gw.upstream.whole_answer_s_per_token)))
     pool = inbound.pool
     outcome = m.REJECTED
     task_id: str | None = None

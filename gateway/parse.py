@@ -109,6 +109,20 @@ class Inbound:
     def cost(self) -> int:
         return self.prompt_tokens + self.max_tokens
 
+    def whole_answer_s(self, s_per_step: float) -> float:
+        """`whole_answer_s` of this request: how long its answer may take before its first
+        byte reaches the client."""
+        return whole_answer_s(self.stream, self.steps or self.max_tokens, s_per_step)
+
+
+def whole_answer_s(stream: bool, steps: int, s_per_step: float) -> float:
+    """The time a request's answer may take before its first byte reaches the client: none
+    for a stream (its first token comes after the prefill), `steps` decode steps at
+    `s_per_step` for a whole answer (the gateway's `upstream_ms_per_output_token`). Both the
+    node's silence allowance (`gateway.proxy`) and the queue deadline an SDK's read timeout
+    leaves (`gateway.handlers`) count it."""
+    return 0.0 if stream else steps * s_per_step
+
 
 def decode(raw: bytes) -> dict[str, Any]:
     try:

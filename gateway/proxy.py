@@ -169,12 +169,11 @@ class Upstream:
     ) -> web.StreamResponse:
         read_timeout_s = self.client.read_timeout_s
         meter.sent_s = asyncio.get_running_loop().time() - started
-        if not inbound.stream:
-            # A streamed answer is never quiet for long on a live node; a whole one is quiet
-            # until the last token, so a long generation must not read as a dead node. Its
-            # sequences (n, a batch's prompts) decode in the same steps: the allowance is per
-            # step, not per token of them all (n = 128 made a hung node's hold 128 times longer).
-            read_timeout_s += (inbound.steps or inbound.max_tokens) * self.whole_answer_s_per_token
+        # A streamed answer is never quiet for long on a live node; a whole one is quiet until
+        # the last token, so a long generation must not read as a dead node. Its sequences (n, a
+        # batch's prompts) decode in the same steps: the allowance is per step, not per token
+        # of them all (n = 128 made a hung node's hold 128 times longer).
+        read_timeout_s += inbound.whole_answer_s(self.whole_answer_s_per_token)
 
         def sent(on_a_connection: bool) -> None:
             # From here the node may be working on it: a client that leaves while the node has

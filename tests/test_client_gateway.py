@@ -23,7 +23,8 @@ import redis.asyncio as aioredis
 
 import kvgate_client
 from admission.tiers import Zone
-from gateway.handlers import client_deadline_ms, whole_answer_s
+from gateway.handlers import client_deadline_ms
+from gateway.parse import whole_answer_s
 from kvgate_client import (
     RETRY_COUNT_HEADER,
     AsyncKvgateClient,

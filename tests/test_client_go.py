@@ -24,7 +24,8 @@ import redis.asyncio as aioredis
 
 from admission.tiers import Zone
 from bench.common.golang import CHAT_EXAMPLE, GoMissing, build
-from gateway.handlers import client_deadline_ms, whole_answer_s
+from gateway.handlers import client_deadline_ms
+from gateway.parse import whole_answer_s
 from tests.gateway_harness import (
     BIG,
     KEYS,

@@ -13,7 +13,8 @@ from admission.config import TenantSettings
 from admission.tiers import Tier
 from gateway.auth import TenantDirectory, effective_tier
 from gateway.errors import MAX_RETRY_MS, ApiError, jittered, retry_headers
-from gateway.handlers import client_deadline_ms, whole_answer_s
+from gateway.handlers import client_deadline_ms
+from gateway.parse import whole_answer_s
 from gateway.relay import Meter, Phase, SseRelay
 
 

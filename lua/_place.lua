@@ -180,6 +180,27 @@ local function least_queued(candidates, best, cost)
   return out, top
 end
 
+-- A VIP chat's hold keeps a long prefill off its node for the objective (takes_prompt()), so
+-- that the chat's first step carries none of the document. The hold only chooses where the
+-- document goes, never whether: where it alone keeps the document off every node that could
+-- take it (each quiet node has had a VIP chat within the objective, which a steady VIP stream
+-- of a few chats a second per node makes always true), the document goes to the node whose
+-- chat was placed the longest ago (the likeliest to have had its first step), ties in name
+-- order. A hold that could refuse everywhere would hold the document's tier and every tier
+-- below it behind it for as long as VIP keeps arriving (lua/release.lua: a head that fits no
+-- node holds its tier), with KV and prefill room free.
+-- `yields`: place()'s rows {node, placement µs, group, overdraw, the tier's KV room there};
+-- `cost`: the task's tokens. Returns the row, or nil when none has the KV room.
+local function held_yield(yields, cost)
+  local pick = nil
+  for _, y in ipairs(yields) do
+    if y[5] >= cost and (pick == nil or y[2] < pick[2] or (y[2] == pick[2] and y[1] < pick[1])) then
+      pick = y
+    end
+  end
+  return pick
+end
+
 -- The node for a task of `tier` that needs `cost` tokens, or nil when none has room, and
 -- whether it goes there as a guest: the most headroom (capacity - reserved) among the nodes
 -- the task may use, dedicated nodes first (for the tiers they serve, and for guests: a node
@@ -213,7 +234,8 @@ end
 -- `light`: a light tenant's fast path, which may overdraw the prefill room (prefill_fits()).
 -- Returns the node (nil: none), whether as a guest, and the node's prefill room before this
 -- placement when only the light rule let the prompt through (an overdraw; nil otherwise, and
--- when no room is published), for prefill_taken().
+-- when no room is published), for prefill_taken(). A VIP chat's hold on long prefills
+-- chooses where the task goes, never whether (held_yield()).
 --
 -- `why` (a table, or nil): when no node takes the task, what stopped it on each node the tier
 -- has capacity on, counted by reason (why_held()): 'kv' (the node's capacity for the tier less
@@ -246,6 +268,17 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
     return rooms[node] or nil
   end
   local reserved_of = memo_fields(memo, resv_key)
+  local function reserved_at(node) return tonumber(reserved_of[node] or '0') or 0 end
+  -- The tier's KV room on a node: its ceiling there less what is reserved, less any fair
+  -- hold-back.
+  local function kv_room(node, cap)
+    local room = cap - reserved_at(node)
+    if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
+    return room
+  end
+  -- Nodes only a VIP chat's hold kept a long prefill off ({node, the chat's placement µs,
+  -- group, whether only the light rule lets it through, KV room}): see held_yield().
+  local yields = nil
   -- Rooms of the nodes with capacity for the tier, when long prefills must leave quiet nodes.
   local computes, need, quiet = nil, 0, 0
   if prefill and tier > 0 and placement.quiet > 0 then
@@ -281,9 +314,11 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
           and now - compute.vip_at < placement.vip_hold_us
         local takes = takes_prompt(compute, computes, quiet, need, node, prompt_tokens, light,
                                    held, vip_held)
-        allowed = takes
-          and lane_takes(compute, gst_key, node, prompt_tokens, cost - prompt_tokens,
-                         placement.lane_output)
+        local function lane()
+          return lane_takes(compute, gst_key, node, prompt_tokens, cost - prompt_tokens,
+                            placement.lane_output)
+        end
+        allowed = takes and lane()
         if why and not allowed then
           why_add(why, takes and 'lane' or prefill_reason(compute, prompt_tokens, light, held,
                                                           need))
@@ -292,14 +327,19 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
         overdraw = light and allowed
           and not takes_prompt(compute, computes, quiet, need, node, prompt_tokens, false,
                                held, vip_held)
+        if vip_held and not takes
+            and takes_prompt(compute, computes, quiet, need, node, prompt_tokens, light, held,
+                             false) and lane() then
+          yields = yields or {}
+          table.insert(yields, {node, compute.vip_at, group, light
+            and not takes_prompt(compute, computes, quiet, need, node, prompt_tokens, false,
+                                 held, false), kv_room(node, tonumber(caps[i + 1]) or 0)})
+        end
       end
     end
     if allowed then
-      local reserved = tonumber(reserved_of[node] or '0') or 0
-      local cap = tonumber(caps[i + 1]) or 0
-      local room = cap - reserved
-      if keep and keep > 0 and cap > 0 then room = room - math.floor(keep * cap) end
-      table.insert(candidates[group], {node, room, reserved, compute})
+      local room = kv_room(node, tonumber(caps[i + 1]) or 0)
+      table.insert(candidates[group], {node, room, reserved_at(node), compute})
       pf_rooms[node] = overdraw and compute.room or nil
       if best[group] == nil or room > best[group] then best[group] = room end
     end
@@ -329,6 +369,13 @@ local function place(cap_key, resv_key, gst_key, pc_key, stats_key, placement, t
       if not guest and tier > 0 and rooms[node] and rooms[node].lane then guest = 'lane' end
       return node, guest, pf_rooms[node]
     end
+  end
+  local pick = yields and held_yield(yields, cost)
+  if pick then
+    local node = pick[1]
+    local guest = pick[3] == 1 and not owns_dedicated
+    if not guest and rooms[node] and rooms[node].lane then guest = 'lane' end
+    return node, guest, pick[4] and rooms[node].room or nil
   end
   if why then
     for group = 1, 2 do

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from admission.config import Config
@@ -95,6 +95,9 @@ async def _admit(store: PoolStore, task_id: str, tier: Tier, prompt: int) -> tup
        objective_ms=st.sampled_from([0, 250]),
        admits=st.lists(st.tuples(st.sampled_from(list(Tier)), st.integers(1, 2_500)),
                        min_size=1, max_size=12))
+@example(rooms={"node-a": (600, 1_000, 0), "node-b": (600, 1_000, 0)}, unlimited=(),
+         keep_quiet=1, objective_ms=250,
+         admits=[(Tier.VIP, 100), (Tier.VIP, 100), (Tier.BATCH, 2_500)])
 def test_placements_follow_the_reference_room_rule(
         redis_url: str, rooms: dict[str, tuple[int, int, int]], unlimited: tuple[str, ...],
         keep_quiet: int, objective_ms: int, admits: list[tuple[Tier, int]]) -> None:
@@ -105,7 +108,8 @@ def test_placements_follow_the_reference_room_rule(
     released iff some node's room takes it by the reference rule, goes to such a node, and
     raises that node's count by its prompt; a VIP task is always released, to a node the
     reference calls least queued, and raises no count. A node without a published room takes
-    anything."""
+    anything. Where only the VIP hold refuses a task everywhere, the first such node by name
+    takes it (every hold is equally old on the stopped clock)."""
     nodes = {n: r for n, r in rooms.items() if n not in unlimited}
     caps = {n: BIG for n in {*rooms, *unlimited}}
 
@@ -145,6 +149,11 @@ def test_placements_follow_the_reference_room_rule(
                     if keep_quiet and objective_ms:
                         held.add(str(node))
                     continue
+                if not allowed:
+                    # The hold only chooses where: where it alone refuses everywhere, the node
+                    # whose VIP chat is oldest takes it (all equally old here: name order).
+                    allowed = sorted(n for n in caps
+                                     if may_place(n, prompt, rooms_now, windows, keep_quiet))[:1]
                 if not allowed:
                     assert outcome == "queued"
                     # Queued work blocks its own tier's fast path after it: start afresh.
@@ -247,6 +256,40 @@ async def test_a_vip_chat_holds_long_prefills_off_its_node_for_the_objective(
             await store.publish_state(1, Zone.GREEN, caps, extra, prefill=fresh)
             outcome, doc = await _admit(store, f"doc-{ms}", Tier.BATCH, 8_000)
             assert outcome == "released" and (doc != "node-a") is held
+
+
+async def test_a_steady_vip_stream_does_not_hold_documents_back(
+        redis_client: aioredis.Redis) -> None:
+    """Two nodes, one kept quiet, a 250 ms objective, and a VIP chat on each node within it:
+    the hold chooses where a document goes, never whether. Released by the leader, the
+    document at the head of Normal goes to the node whose chat is older, and the chat queued
+    behind it goes too (a head that fits no node would hold them both, and Batch, for as long
+    as VIP keeps arriving); the next document queues behind it there, where the other node
+    stays quiet."""
+    store = await _store(redis_client)
+    caps = {"node-a": BIG, "node-b": BIG}
+    extra = {"prefill_quiet": 1, "vip_ttft_objective_ms": 250}
+    await _at_ms(redis_client, store, 0)
+    await store.publish_state(1, Zone.GREEN, caps, extra,
+                              prefill={n: (0, 1_000) for n in caps})
+    assert (await _admit(store, "doc-1", Tier.NORMAL, 8_000))[0] == "queued"
+    assert (await _admit(store, "chat", Tier.NORMAL, 100))[0] == "queued"
+    placed = []
+    for i, ms in enumerate((100, 200)):
+        await _at_ms(redis_client, store, ms)
+        outcome, node = await _admit(store, f"vip-{i}", Tier.VIP, 300)
+        assert outcome == "released" and node is not None
+        placed.append(node)
+    older, newer = placed
+    assert older != newer, "the setup needs a VIP chat on each node"
+    await _at_ms(redis_client, store, 250)
+    released = await redis_client.hgetall(store.keys.node_prefill_released)
+    await store.publish_state(1, Zone.GREEN, caps, extra, prefill={
+        n: (int(released.get(n.encode(), 0)) + 1_000, 1_000) for n in caps})
+    got = {t.task_id: t.node for t in await store.release(1, (100, 100, 100))}
+    assert set(got) == {"doc-1", "chat"} and got["doc-1"] == older
+    await _at_ms(redis_client, store, 260)
+    assert await _admit(store, "doc-2", Tier.NORMAL, 8_000) == ("released", older)
 
 
 async def test_rooms_refill_between_polls_at_the_published_rate_up_to_the_window(

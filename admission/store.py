@@ -354,7 +354,8 @@ class PoolStore:
         for field, value in (extra or {}).items():
             args += [field, value]
         reply = await self.scripts.state(
-            keys=[k.state, k.clock, *k.tier_capacities, k.node_prefill], args=args)
+            keys=[k.state, k.clock, *k.tier_capacities, k.node_prefill,
+                  k.node_prefill_released], args=args)
         if text_of(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         return int(reply[2])

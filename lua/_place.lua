@@ -91,13 +91,15 @@ end
 -- through also counts what it took beyond `light_room`, the room place() found there
 -- (<node>:light), which the leader takes out of the rooms it publishes next
 -- (scheduler.nodestate.take_overdraw). `light_room` nil: not such a placement (place()'s third
--- result). A VIP chat takes no room, but while quiet nodes are kept (`placement.quiet`) and
--- the objective is published its placement time (<node>:vip, `now`) holds the node's long
--- prefills off for the objective (takes_prompt()).
+-- result). A VIP chat takes no room, but counts as running on the node until the leader's
+-- next publish (<node>:vips, prefill_room()), and while quiet nodes are kept
+-- (`placement.quiet`) and the objective is published its placement time (<node>:vip, `now`)
+-- holds the node's long prefills off for the objective (takes_prompt()).
 local function prefill_taken(prefill, placement, tier, node, prompt_tokens, light_room, now,
                              memo)
   memo_placed(memo, node)
   if prefill and tier == 0 then
+    memo_incr(memo, prefill.released_key, node .. ':vips', 1)
     if placement.quiet > 0 and placement.vip_hold_us > 0 then
       memo_set(memo, prefill.released_key, node .. ':vip', fmt(now))
     end
@@ -126,7 +128,7 @@ end
 -- as such), if one of them has KV room for it, else the ones with the most prefill room; the
 -- KV rules of place() then choose among them. Among the quiet ones with KV room, only those
 -- whose engine runs at most RUNNING_SLACK more sequences than the least busy (the leader
--- publishes the scraped count):
+-- publishes the scraped count; the VIP chats placed since count too, prefill_room()):
 -- every step of a decode batch costs time per sequence, and the chat's first token waits for
 -- a step or two of it, so the most KV headroom is the wrong choice where it sits beside the
 -- longest batch (long generations fill a node's batch long before its cache).

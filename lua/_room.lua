@@ -23,10 +23,11 @@
 -- has a longer backlog than the room assumed, by at most rate x (the poll and the scrape's age),
 -- which the next poll's measured backlog takes back.
 -- KEYS the caller passes for it: node_prefill HASH (<node> -> limit, tokens; <node>:window ->
--- tokens; <node>:rate -> tokens/s; <node>:running -> sequences; :at, :until -> µs) and
--- node_prefill_released HASH (<node> -> prompt tokens of Normal and Batch work released there
--- so far; <node>:vip -> µs, the last VIP placement there while quiet nodes are kept, see
--- quiet_others()). `now`: µs, Redis TIME.
+-- tokens; <node>:rate -> tokens/s; <node>:running -> sequences; <node>:vips -> the node's
+-- count of VIP placements as of the publish; :at, :until -> µs) and node_prefill_released
+-- HASH (<node> -> prompt tokens of Normal and Batch work released there so far; <node>:vip ->
+-- µs, the last VIP placement there while quiet nodes are kept, see quiet_others(); <node>:vips
+-- -> VIP placements there so far). `now`: µs, Redis TIME.
 local function prefill_of(limits_key, released_key, now)
   local f = redis.call('HMGET', limits_key, ':at', ':until')
   local at, till = tonumber(f[1]), tonumber(f[2])
@@ -37,7 +38,9 @@ local function prefill_of(limits_key, released_key, now)
 end
 
 -- {room = tokens left (may be negative), window = tokens, running = the engine's running
--- sequences at the leader's last scrape (nil: not published), lane = the node's lane cap
+-- sequences at the leader's last scrape and the VIP chats placed there since its publish
+-- (nil: not published; the scrape cannot see them, and VIP is steered by the count: without
+-- them every chat of a burst between two polls would go to the same node), lane = the node's lane cap
 -- (nil: not a lane; -1: a lane without a cap on its count; see lane_takes()), vip_at = µs of
 -- the last VIP placement recorded there (nil: none)} of a node, or nil when unlimited.
 -- A refill beyond the window is prefill time the node spent idle, which cannot be banked:
@@ -56,7 +59,12 @@ local function prefill_room(prefill, node, limits, released)
     if room + refill > window then prefill.idle[node] = room + refill - window end
     room = math.min(window, room + refill)
   end
-  return {room = room, window = window, running = tonumber(limits[node .. ':running']),
+  local running = tonumber(limits[node .. ':running'])
+  if running then
+    running = running + math.max(0, (tonumber(released[node .. ':vips']) or 0)
+      - (tonumber(limits[node .. ':vips']) or 0))
+  end
+  return {room = room, window = window, running = running,
           lane = tonumber(limits[node .. ':lane']), vip_at = tonumber(released[node .. ':vip'])}
 end
 

@@ -9,8 +9,11 @@
 -- KEYS[6]  node_prefill     HASH  node -> limit on node_prefill_released, node:window -> tokens,
 --                          node:rate -> tokens/s, node:running -> sequences, node:lane ->
 --                          the lane's cap in tasks (lanes only), :at and
---                          :until -> µs (replaced whole; optional: without KEYS[6] ARGV
---                          carries no prefill group count either; see prefill_of() in _room.lua)
+--                          :until -> µs, node:vips -> KEYS[7]'s node:vips as of this
+--                          publish (replaced whole; optional: without KEYS[6] ARGV carries no
+--                          prefill group count either; see prefill_of() in _room.lua)
+-- KEYS[7]  node_prefill_released  HASH  read only: node:vips -> VIP placements on the node so
+--                          far (prefill_taken() in _place.lua; with KEYS[6])
 --
 -- ARGV[1]  caller's fencing epoch
 -- ARGV[2]  zone: GREEN | YELLOW | RED
@@ -48,7 +51,11 @@ if KEYS[6] then
     redis.call('HSET', KEYS[6], ARGV[at], ARGV[at + 1], ARGV[at] .. ':window', ARGV[at + 2],
       ARGV[at] .. ':rate', ARGV[at + 3])
     if tonumber(ARGV[at + 4]) >= 0 then
-      redis.call('HSET', KEYS[6], ARGV[at] .. ':running', ARGV[at + 4])
+      -- The VIP chats placed from now on count as running there until the next publish
+      -- (prefill_room()): the scraped count does not see them.
+      local vips = KEYS[7] and redis.call('HGET', KEYS[7], ARGV[at] .. ':vips') or false
+      redis.call('HSET', KEYS[6], ARGV[at] .. ':running', ARGV[at + 4],
+        ARGV[at] .. ':vips', vips or '0')
     end
     if tonumber(ARGV[at + 5]) >= -1 then
       redis.call('HSET', KEYS[6], ARGV[at] .. ':lane', ARGV[at + 5])

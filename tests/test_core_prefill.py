@@ -6,6 +6,8 @@ it, and the VIP first-token counts the finish script keeps for the release contr
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -132,6 +134,7 @@ def test_placements_follow_the_reference_room_rule(
             limits = {n: released + room for n, (room, _, released) in nodes.items()}
             windows = {n: window for n, (_, window, _) in nodes.items()}
             held: set[str] = set()
+            vip_placed: Counter[str] = Counter()
             for i, (tier, prompt) in enumerate(admits):
                 outcome, node = await _admit(store, f"t{i}", tier, prompt)
                 room = {n: limits[n] - counts[n] for n in nodes}
@@ -146,6 +149,7 @@ def test_placements_follow_the_reference_room_rule(
                         most = max(room.values())
                         light = [n for n in nodes if room[n] == most]
                     assert node in light
+                    vip_placed[str(node)] += 1
                     if keep_quiet and objective_ms:
                         held.add(str(node))
                     continue
@@ -169,7 +173,10 @@ def test_placements_follow_the_reference_room_rule(
             # Each held node's VIP placement is recorded at the clock's time, and only those.
             vip = {f: v for f, v in stored.items() if f.endswith(":vip")}
             assert vip == {f"{n}:vip": FROZEN_US for n in held}
-            assert set(stored) - set(vip) <= set(counts)
+            # Each VIP placement is counted on its node (it runs there until the next scrape).
+            vips = {f: v for f, v in stored.items() if f.endswith(":vips")}
+            assert vips == {f"{n}:vips": c for n, c in vip_placed.items()}
+            assert set(stored) - set(vip) - set(vips) <= set(counts)
         finally:
             await client.aclose()
 
@@ -338,6 +345,29 @@ async def test_vip_goes_to_the_quiet_node_with_the_shorter_decode_batch(
     await store.publish_state(1, Zone.GREEN, caps, prefill={
         "node-a": (100, 1_000, 0, 0), "node-b": (1_000, 1_000, 0, 40)})
     assert await _admit(store, "vip-busy", Tier.VIP, 300) == ("released", "node-b")
+
+
+async def test_a_vip_burst_between_polls_counts_the_chats_it_placed(
+        redis_client: aioredis.Redis) -> None:
+    """Both nodes quiet, equal KV, node-a's engine running 10 sequences and node-b's 20 at
+    the last scrape, and 20 VIP chats before the next poll: each chat counts as running where
+    it was placed, so node-a takes the first ones and node-b its share once the counts are
+    within the slack (the scraped counts alone would send all 20 to node-a). The next publish
+    starts the count again from its scrape: a VIP chat then goes to node-a at 20 to 30,
+    although node-a took more of the burst."""
+    store = await _store(redis_client)
+    caps = {"node-a": BIG, "node-b": BIG}
+    await store.publish_state(1, Zone.GREEN, caps, prefill={
+        "node-a": (1_000, 1_000, 0, 10), "node-b": (1_000, 1_000, 0, 20)})
+    placed = Counter([(await _admit(store, f"vip-{i}", Tier.VIP, 300))[1] for i in range(20)])
+    assert set(placed) == {"node-a", "node-b"}
+    # Each chat went to a node within the slack of the least busy (max(4, a quarter of it)).
+    low, high = sorted((10 + placed["node-a"], 20 + placed["node-b"]))
+    assert high - low <= max(4, math.ceil(low / 4)) + 1, placed
+    assert placed["node-a"] > placed["node-b"]
+    await store.publish_state(1, Zone.GREEN, caps, prefill={
+        "node-a": (1_000, 1_000, 0, 20), "node-b": (1_000, 1_000, 0, 30)})
+    assert await _admit(store, "vip-next", Tier.VIP, 300) == ("released", "node-a")
 
 
 async def test_a_lane_takes_exactly_its_cap_of_normal_and_batch_and_vip_past_it(
@@ -617,7 +647,7 @@ async def test_the_leader_publishes_rooms_from_the_measured_backlog(
         rooms = {_s(f): int(v) for f, v in (await redis_client.hgetall(k.node_prefill)).items()}
         refill_us = REFILL_POLLS * ps.settings.poll_interval_ms * 1000
         assert rooms == {"n1": 1_000, "n1:window": 1_000, "n1:rate": 10_000, "n1:running": 1,
-                         ":at": FROZEN_US, ":until": FROZEN_US + refill_us}
+                         "n1:vips": 0, ":at": FROZEN_US, ":until": FROZEN_US + refill_us}
         assert ps.metrics.prefill_window.labels("p", "n1")._value.get() == 1_000
         assert (await _admit(ps.store, "a", Tier.NORMAL, 800))[0] == "released"
         await ps.tick(1, always)  # the counter has not moved: 800 queued for prefill

@@ -165,7 +165,16 @@ def tokenizer_error(config: Config) -> str | None:
     return None
 
 
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # In a container this process is PID 1, which the kernel spares from SIGTERM's default
+    # action: until serve() installs its handler (after the tokenizers load, which can take a
+    # minute), a pod deleted while starting would wait out its whole grace period, then be
+    # killed. Nothing is served or queued yet, so exiting at once loses nothing.
+    signal.signal(signal.SIGTERM, _exit_on_term)
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr,

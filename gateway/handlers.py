@@ -170,14 +170,18 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     started = loop.time()
     tenant = _tenant(gw, request)
-    tier = effective_tier(tenant, request.headers.get(PRIORITY_HEADER))
-    explicit_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
+    # A request refused before it names a pool is counted under pool "none", at the tier it
+    # asked for when that much was valid (the tenant's own otherwise): a client that gets
+    # every request wrong must show on the requests panel, not only in its own logs.
+    tier = tenant.tier
     try:
+        tier = effective_tier(tenant, request.headers.get(PRIORITY_HEADER))
+        explicit_timeout_ms = _client_timeout_ms(request.headers.get(TIMEOUT_HEADER))
         # The raw body is handed over, not kept here: parse_inbound drops it once decoded.
         inbound = await parse_inbound(
             kind, await _read_body(request, gw.config.gateway.request_read_timeout_ms),
             gw.pools, tier, tenant.name)
-    except ApiError:
+    except (ApiError, web.HTTPRequestEntityTooLarge):
         labels = metrics.tier_labels("none", tier, tenant.name)
         metrics.child(metrics.requests, *labels, m.INVALID).inc()
         raise

@@ -113,6 +113,26 @@ def test_the_console_script_shows_its_own_name(service: str) -> None:
     assert result.stdout.startswith(f"usage: kvgate-{service} ")
 
 
+def test_a_gateway_still_starting_exits_on_sigterm(tmp_path: Path) -> None:
+    """As PID 1 in a container, where SIGTERM's default action does nothing (stood in for by
+    ignoring it), a gateway told to stop while it loads its tokenizers exits at once with
+    128 + SIGTERM, rather than after the pod's grace period."""
+    wrapper = (
+        "import os, signal, sys, time\n"
+        "import gateway.__main__ as m\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "def loading(config):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+        "m.tokenizer_error = loading\n"
+        "sys.exit(m.main())\n")
+    config = _config(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", wrapper, "--config", str(config), "--port", "0"], cwd=ROOT,
+        capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr
+
+
 @pytest.mark.parametrize("service", SERVICES)
 async def test_a_port_in_use_is_one_line_and_exit_1(service: str, redis_url: str,
                                                     tmp_path: Path) -> None:

@@ -224,7 +224,10 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         if task_id is not None:
             exc.headers.setdefault("X-Request-Id", task_id)
         raise
-    except ConnectionResetError:
+    except (ConnectionResetError, asyncio.CancelledError):
+        # Cancelled: the client hung up while its request was queued or on its way to a node
+        # (the runner cancels the handler); the one other cancellation, at shutdown, comes after
+        # the queued requests were answered.
         outcome = m.CLIENT_GONE
         raise
     except Exception:

@@ -60,6 +60,16 @@ async def test_disconnect_while_queued_removes_the_task_at_once(
         assert await gw.redis.hget(gw.store.keys.tenant_queued, "batch") is None
         assert gw.backends[0].received[-1].body["max_tokens"] == 1  # never forwarded
         assert await gw.redis.scard(gw.store.keys.gateway_tasks_key("gw-test")) == 0
+        # Counted as the client's leaving, not as a rejection (no 429 was sent).
+        registry = gw.gateway.metrics.registry
+
+        async def counted() -> bool:  # the handler's last step, after the cancellation's
+            return registry.get_sample_value("kvgate_gateway_requests_total", {
+                "pool": "demo", "tier": "batch", "outcome": "client_gone"}) == 1
+
+        await eventually(counted)
+        assert not registry.get_sample_value("kvgate_gateway_requests_total", {
+            "pool": "demo", "tier": "batch", "outcome": "rejected"})
 
 
 async def test_disconnect_mid_stream_aborts_upstream_and_settles_partial_usage(

@@ -2,7 +2,9 @@
 
 Every loop that retries Redis calls (settling a task, and any other) asks `is_transient`
 whether to retry at all and a `RetryPolicy` how long to wait and when to stop: a permanent
-error is never retried, a transient one only within the policy's bounds.
+error is never retried, a transient one only within the policy's bounds. A gateway's admission
+asks it too: only a transient failure (an outage) may fail open or get a retryable 503; a
+permanent one is a 500 that says not to retry.
 """
 
 from __future__ import annotations

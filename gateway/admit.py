@@ -15,8 +15,10 @@ Outcomes, as the client sees them:
   task is cancelled and the client gets a 429 whose hint follows the same rule as a rejected
   admit's (`admission.hints`: the queue's drain rate, or in RED the leader's estimate of when
   the pool leaves it);
-- Redis unreachable: 503 with Retry-After (fail closed), unless the tier is in
-  `gateway.fail_open_tiers`, which goes straight to a backend, counted in a metric;
+- Redis unreachable (a transient error: `admission.errors.is_transient`): 503 with Retry-After
+  (fail closed), unless the tier is in `gateway.fail_open_tiers`, which goes straight to a
+  backend, counted in a metric; Redis refusing for good (credentials, ACL, a key of the wrong
+  type, a failing script): 500 `admission_misconfigured`, not retryable, for every tier;
 - the gateway stopping (`Admitter.answer_queued`): 503 `gateway_shutting_down` with
   Retry-After for every request queued then or reaching admission afterwards, its task
   cancelled.
@@ -35,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 from admission.config import Config, TenantSettings
-from admission.errors import REDIS_ERRORS, AdmissionError, describe
+from admission.errors import REDIS_ERRORS, AdmissionError, describe, is_transient
 from admission.failurelog import FailureLog
 from admission.outcomes import AdmitOutcome, AdmitResult, RejectReason
 from admission.store import PoolStore
@@ -46,15 +48,15 @@ from gateway.errors import (
     KEY_SCOPE,
     MAX_RETRY_MS,
     QUEUED_TOKENS_EXCEEDED,
-    RATE_LIMIT_EXCEEDED,
-    SCOPE_HEADER,
     ApiError,
+    admission_misconfigured,
     jittered,
     never_retry,
+    quota_refusal,
     too_many_requests,
     unavailable,
 )
-from gateway.metrics import QUEUE_TIMEOUT, GatewayMetrics
+from gateway.metrics import CLIENT_DEADLINE, QUEUE_TIMEOUT, GatewayMetrics
 from gateway.parse import Inbound
 from gateway.pools import PoolRuntime
 from gateway.settle import Settler
@@ -98,15 +100,12 @@ def new_task_id() -> str:
     return _random_block.take8().hex()
 
 STORE_ERRORS: tuple[type[BaseException], ...] = (*REDIS_ERRORS, TimeoutError, AdmissionError)
-"""What a call of the store raises when Redis fails: the request fails closed (503) or open.
+"""What a call of the store raises when Redis fails: the request fails closed (503) or open, or
+with a 500 when the failure is permanent.
 With Redis Cluster that includes RedisClusterException, which is no RedisError: without it an
 unreachable cluster was a 500 with a traceback per request, fail-open tiers included, and a
 gateway could not start while the cluster was down."""
 
-SDK_MAX_RETRY_AFTER_MS = 120_000
-"""The longest Retry-After the OpenAI SDKs wait for before retrying (the kvgate SDKs' default
-`max_retry_after_s` too, though their 60 s retry deadline comes first); a quota refusal whose
-refill is further away says not to retry."""
 QUEUE_ANSWER_GRACE_S = 0.2
 """After a queued request's deadline: how long its cancel and the drain hint of its 429 may
 take before the answer is sent without them (the cancel then finishes in the background)."""
@@ -165,6 +164,11 @@ class Admitter:
                                      recovered="admission store answers again")
         """Failed admits, logged once per streak: during an outage every request fails, and a
         line per request flooded the log (each is counted in redis_errors{op="admit"})."""
+        self.store_refuses = FailureLog(
+            "admission store call (refused for good: Redis credentials, ACL, keys or scripts)",
+            time.monotonic, log, recovered="admission store answers again")
+        """Permanent failures, a streak of their own: logged when they start even amid an
+        outage's transient ones."""
         self._unknown_nodes: set[str] = set()
         """Nodes a release named that this gateway's config lacks, logged once each: the
         mismatch lasts until the configs agree, and every request released there fails."""
@@ -217,6 +221,9 @@ class Admitter:
         tier_timeout_ms = timeout_ms = self.config.tiers[tier].queue_timeout_ms
         if client_timeout_ms is not None:
             timeout_ms = max(1, min(timeout_ms, client_timeout_ms))
+        # Whose deadline ends the wait: the tier's queue timeout alone is what the VIP alert
+        # on queue timeouts means, not a client that chose to wait less.
+        expiry = QUEUE_TIMEOUT if timeout_ms == tier_timeout_ms else CLIENT_DEADLINE
         if arrived is None:
             arrived = asyncio.get_running_loop().time()
         deadline = arrived + timeout_ms / 1000
@@ -243,6 +250,7 @@ class Admitter:
                 self.settler.finish(store, task_id, None, cancelled=True, labels=labels)
                 raise
             self.store_down.succeeded()
+            self.store_refuses.succeeded()
             if result.outcome is AdmitOutcome.RELEASED:
                 assert result.node is not None
                 self.metrics.child(self.metrics.tokens_reserved, *labels).inc(inbound.cost)
@@ -258,7 +266,7 @@ class Admitter:
                 if self.closing and not woken.done():
                     # Queued after `answer_queued` ran: the wait ends at once, as theirs did.
                     woken.set_result(Woken(None, SHUTTING_DOWN, False))
-                return await self._wait(task_id, woken, pool, tier, labels, deadline)
+                return await self._wait(task_id, woken, pool, tier, labels, deadline, expiry)
             live.discard(task_id)  # refused: nothing was written
             if result.outcome is AdmitOutcome.REJECTED:
                 self.metrics.child(self.metrics.rejections, *labels, str(result.reason)).inc()
@@ -301,12 +309,20 @@ class Admitter:
         labels: tuple[str, ...],
     ) -> Ticket:
         self.metrics.child(self.metrics.redis_errors, "admit").inc()
-        self.store_down.failed(describe(exc))
         pool = inbound.pool
         # If the admit ran before its reply was lost, the task is an orphan now: the lease
         # renewal's sweep cancels it once Redis answers again. (No retry loop per request
         # here: during an outage that would pile up one per rejected request.)
         self.settler.live.discard(task_id)
+        if not is_transient(exc):
+            # Redis answers, and refuses the same way every time: failing open would send a
+            # tier to the nodes unbounded for as long as nobody notices, and a 503's hint
+            # would have clients retry what only an operator fixes.
+            self.store_refuses.failed(describe(exc))
+            error = admission_misconfigured()
+            error.tag = m.MISCONFIGURED
+            raise error
+        self.store_down.failed(describe(exc))
         if tier in self.config.gateway.fail_open_tiers:
             node = pool.any_node()
             url = pool.url(node) if node is not None else None
@@ -334,49 +350,9 @@ class Admitter:
                 param=inbound.max_tokens_param,
             )
         if reason is RejectReason.QUOTA:
-            scope = result.scope or KEY_SCOPE
-            # Possessive, so that it reads before "bucket", "allowance" and "quota" alike.
-            team = scope.partition(":")[2]
-            whose = "This API key's" if scope == KEY_SCOPE else f"Team {team}'s"
-            shared = "" if scope == KEY_SCOPE else f" (shared by every key of team {team})"
-            if result.retry_after_ms is None:
-                # OpenAI's answer to a spent quota: a 429 of type insufficient_quota (the SDKs
-                # raise RateLimitError), which the header keeps them from retrying.
-                error = never_retry(
-                    429, f"{whose} token quota{shared} is exhausted and does not refill.",
-                    code="insufficient_quota", type_="insufficient_quota")
-                error.headers[SCOPE_HEADER] = scope
-                return error
-            if result.limit in ("daily", "monthly"):
-                what = (f"{whose} {result.limit} token allowance{shared} is used up: this "
-                        f"request needs {inbound.cost} tokens; the allowance resets in "
-                        f"{result.retry_after_ms} ms.")
-            elif result.limit == "held":
-                what = (f"{whose} token quota{shared} does not refill and cannot pay the "
-                        f"{inbound.cost} tokens this request needs now; requests still queued "
-                        "or running under it give back what they do not use when they end.")
-            else:
-                what = (f"Token rate limit exceeded at {scope}: "
-                        f"{whose[0].lower()}{whose[1:]} bucket{shared} cannot pay the "
-                        f"{inbound.cost} tokens this request needs; it refills enough in "
-                        f"{result.retry_after_ms} ms.")
-            # The quota's own refill (or reset) time, exact and uncapped: a capacity hint is an
-            # estimate that a fresh look may beat, a bucket's refill is arithmetic. Capped at
-            # 60 s, an SDK would come back after a minute, twice, for two more refusals.
-            refill_ms = self._hint(result.retry_after_ms, cap=None)
-            error = too_many_requests(
-                RATE_LIMIT_EXCEEDED,
-                what,
-                retry_ms=refill_ms,
-                zone=result.zone.value,
-                depth=result.depth,
-                scope=scope,
-            )
-            if refill_ms > SDK_MAX_RETRY_AFTER_MS:
-                # Past what the SDKs wait for: said outright (the OpenAI SDK stops on such a
-                # hint by itself, a client of its own may not).
-                error.headers["x-should-retry"] = "false"
-            return error
+            return quota_refusal(result.scope or KEY_SCOPE, result.limit, inbound.cost,
+                                 result.retry_after_ms, lambda ms: self._hint(ms, cap=None),
+                                 zone=result.zone.value, depth=result.depth)
         if reason is RejectReason.TENANT_QUEUED_TOKENS:
             drain_ms = result.retry_after_ms or inbound.pool.store.policy.default_retry_ms
             queued = ("" if result.queued_tokens is None
@@ -426,8 +402,10 @@ class Admitter:
         tier: Tier,
         labels: tuple[str, ...],
         deadline: float,
+        expiry: str,
     ) -> Ticket:
-        """`deadline`: loop time at which the client gets its answer if still queued."""
+        """`deadline`: loop time at which the client gets its answer if still queued; `expiry`:
+        the rejection reason it is counted under then (whose deadline it is)."""
         store = pool.store
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -469,7 +447,7 @@ class Admitter:
             )
             error.tag = m.TASK_LOST
             raise error
-        self.metrics.child(self.metrics.rejections, *labels, QUEUE_TIMEOUT).inc()
+        self.metrics.child(self.metrics.rejections, *labels, expiry).inc()
         try:
             async with asyncio.timeout_at(answer_at):
                 zone, depth, retry_ms = await self._queue_hint(store, tier)

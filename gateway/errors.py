@@ -24,6 +24,12 @@ A request that can never succeed as sent, whatever the load, gets a 4xx (a 429 o
 (kvgate_client's ``retryable_statuses`` can include them); the official SDKs read it before
 their status table. Malformed requests (bad JSON, wrong types, unknown model or key)
 are plain 4xx: no client retries those.
+
+Redis failing admission is a 503 ``admission_unavailable`` with a retry hint while the failure
+can pass (unreachable, timing out, failing over, loading: `admission.errors.is_transient`), and
+a 500 ``admission_misconfigured`` with ``x-should-retry: false`` and no hint while Redis answers
+and refuses the same way every time (wrong credentials, an ACL, a key of the wrong type, a
+failing script): only an operator ends that.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import orjson
 from aiohttp import web
@@ -145,6 +151,55 @@ def too_many_requests(
     return ApiError(429, message, code=code, retry_after_ms=retry_ms, headers=headers)
 
 
+SDK_MAX_RETRY_AFTER_MS = 120_000
+"""The longest Retry-After the OpenAI SDKs wait for before retrying (the kvgate SDKs' default
+`max_retry_after_s` too, though their 60 s retry deadline comes first); a quota refusal whose
+refill is further away says not to retry."""
+
+
+def quota_refusal(scope: str, limit: str | None, cost: int, retry_after_ms: int | None,
+                  hint: Callable[[int], int], *, zone: str, depth: int) -> ApiError:
+    """The refusal by a quota level (`scope`: key, or team:<name>) that cannot pay `cost`
+    tokens now: its `limit` (daily, monthly, held, or None: the bucket) refills or resets in
+    `retry_after_ms` (None: never); `hint` spreads that time for the headers."""
+    # Possessive, so that it reads before "bucket", "allowance" and "quota" alike.
+    team = scope.partition(":")[2]
+    whose = "This API key's" if scope == KEY_SCOPE else f"Team {team}'s"
+    shared = "" if scope == KEY_SCOPE else f" (shared by every key of team {team})"
+    if retry_after_ms is None:
+        # OpenAI's answer to a spent quota: a 429 of type insufficient_quota (the SDKs
+        # raise RateLimitError), which the header keeps them from retrying.
+        error = never_retry(
+            429, f"{whose} token quota{shared} is exhausted and does not refill.",
+            code="insufficient_quota", type_="insufficient_quota")
+        error.headers[SCOPE_HEADER] = scope
+        return error
+    if limit in ("daily", "monthly"):
+        what = (f"{whose} {limit} token allowance{shared} is used up: this "
+                f"request needs {cost} tokens; the allowance resets in "
+                f"{retry_after_ms} ms.")
+    elif limit == "held":
+        what = (f"{whose} token quota{shared} does not refill and cannot pay the "
+                f"{cost} tokens this request needs now; requests still queued "
+                "or running under it give back what they do not use when they end.")
+    else:
+        what = (f"Token rate limit exceeded at {scope}: "
+                f"{whose[0].lower()}{whose[1:]} bucket{shared} cannot pay the "
+                f"{cost} tokens this request needs; it refills enough in "
+                f"{retry_after_ms} ms.")
+    # The quota's own refill (or reset) time, exact and uncapped: a capacity hint is an
+    # estimate that a fresh look may beat, a bucket's refill is arithmetic. Capped at
+    # 60 s, an SDK would come back after a minute, twice, for two more refusals.
+    refill_ms = hint(retry_after_ms)
+    error = too_many_requests(RATE_LIMIT_EXCEEDED, what, retry_ms=refill_ms, zone=zone,
+                              depth=depth, scope=scope)
+    if refill_ms > SDK_MAX_RETRY_AFTER_MS:
+        # Past what the SDKs wait for: said outright (the OpenAI SDK stops on such a
+        # hint by itself, a client of its own may not).
+        error.headers["x-should-retry"] = "false"
+    return error
+
+
 def never_retry(status: int, message: str, *, code: str, param: str | None = None,
                 type_: str | None = None) -> ApiError:
     """A request that cannot succeed as sent, whatever the load: clients must not retry it."""
@@ -156,6 +211,17 @@ def unavailable(message: str, *, code: str, retry_ms: int, status: int = 503,
                 headers: Mapping[str, str] | None = None) -> ApiError:
     return ApiError(status, message, type_="server_error", code=code, retry_after_ms=retry_ms,
                     headers=headers)
+
+
+ADMISSION_MISCONFIGURED = "admission_misconfigured"
+
+
+def admission_misconfigured() -> ApiError:
+    """The answer while Redis refuses admission for good. Not retryable: a retry hint would
+    bring every client back, again and again, for a fault no wait repairs."""
+    return ApiError(500, "The admission service is misconfigured and refuses every request "
+                    "until an operator fixes it. Retrying will not help.", type_="server_error",
+                    code=ADMISSION_MISCONFIGURED, headers={"x-should-retry": "false"})
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:

@@ -35,21 +35,26 @@ QUEUE_TIMEOUT = "queue_timeout"
 CLIENT_GONE = "client_gone"
 UPSTREAM_ERROR = "upstream_error"
 UNAVAILABLE = "unavailable"  # Redis unreachable, failed closed
+MISCONFIGURED = "misconfigured"  # Redis refuses admission for good (credentials, ACL): 500
 FAIL_OPEN = "fail_open"
 INTERNAL_ERROR = "internal_error"
 SHUTTING_DOWN = "shutting_down"  # queued on a gateway that stopped: 503, retried elsewhere
 TASK_LOST = "task_lost"  # queued task ended by the cluster (reaped): 503
 UNKNOWN_NODE = "unknown_node"  # released to a node this gateway's config lacks: 502
 REQUEST_OUTCOMES = (OK, REJECTED, INVALID, QUEUE_TIMEOUT, CLIENT_GONE, UPSTREAM_ERROR,
-                    UNAVAILABLE, FAIL_OPEN, INTERNAL_ERROR, SHUTTING_DOWN, TASK_LOST,
-                    UNKNOWN_NODE)
+                    UNAVAILABLE, MISCONFIGURED, FAIL_OPEN, INTERNAL_ERROR, SHUTTING_DOWN,
+                    TASK_LOST, UNKNOWN_NODE)
 """The `outcome` values of kvgate_gateway_requests_total."""
 UNPARSED_POOL = "none"
 """The `pool` of a request refused before its pool was known (a body that does not parse):
 its requests_total series exist for outcome `invalid` only."""
-REJECTION_REASONS = (*(reason.value for reason in RejectReason), QUEUE_TIMEOUT)
-"""The `reason` values of kvgate_gateway_rejections_total: admission's, and the queue's
-deadline."""
+CLIENT_DEADLINE = "client_deadline"
+"""The rejection reason of a queued request whose client's deadline (`X-Request-Timeout`, an
+SDK's declared read timeout) came before its tier's queue timeout: QUEUE_TIMEOUT alone means
+the tier's whole timeout was waited, which is what the VIP queue-timeout alert reads."""
+REJECTION_REASONS = (*(reason.value for reason in RejectReason), QUEUE_TIMEOUT, CLIENT_DEADLINE)
+"""The `reason` values of kvgate_gateway_rejections_total: admission's, and the two deadlines
+of a queued request."""
 UPSTREAM_ERROR_KINDS = ("unreachable", "error", "rejected", "timeout", "broken_stream",
                         "oversized_event", "oversized_answer", "malformed_answer")
 """The `kind` values of kvgate_gateway_upstream_errors_total (gateway.proxy)."""
@@ -94,13 +99,15 @@ class GatewayMetrics:
         r = self.registry
         by_tier = ["pool", "tier"] + (["tenant"] if tenant_labels else [])
         self.requests = Counter(
-            "kvgate_gateway_requests", "Completion requests by tier and outcome.",
+            "kvgate_gateway_requests", "Completion requests by tier and outcome (misconfigured: "
+            "Redis refuses admission for good: credentials, ACL, key types, scripts; a 500).",
             [*by_tier, "outcome"], registry=r)
         self.rejections = Counter(
             "kvgate_gateway_rejections", "Requests refused by admission, by reason "
             "(quota, zone_red, no_node, queue_full, tenant_queue_full, "
             "tenant_queued_tokens, "
-            "exceeds_burst, queue_timeout).",
+            "exceeds_burst; queue_timeout: queued for the tier's whole queue timeout; "
+            "client_deadline: queued until the client's shorter deadline).",
             [*by_tier, "reason"], registry=r)
         self.auth_failures = Counter(
             "kvgate_gateway_auth_failures", "Requests refused for their API key or admin token, "
@@ -134,7 +141,8 @@ class GatewayMetrics:
             ["pool"], registry=r)
         self.fail_open = Counter(
             "kvgate_gateway_fail_open", "Requests let through unadmitted while Redis was "
-            "unreachable (gateway.fail_open_tiers).", ["pool", "tier"], registry=r)
+            "unreachable (gateway.fail_open_tiers; never while it refuses them for good).",
+            ["pool", "tier"], registry=r)
         self.redis_errors = Counter(
             "kvgate_gateway_redis_errors", "Failed Redis operations by operation.",
             ["op"], registry=r)

@@ -9,7 +9,9 @@ Calls overlap on the connection (pipelining) with no pool to size or exhaust.
 
 Failure semantics match a redis-py connection with socket timeouts: a reply that does not come
 within `socket_timeout_ms`, or a lost connection, fails every call in flight on it with
-`redis.exceptions.TimeoutError` / `ConnectionError` and the next call reconnects. A NOSCRIPT
+`redis.exceptions.TimeoutError` / `ConnectionError` and the next call reconnects. After a
+failed connect, calls fail at once for a while (a circuit breaker) with an error of the class
+the connect failed with: refused credentials stay an `AuthenticationError`. A NOSCRIPT
 reply is raised as `NoScriptError`, on which admission's one script runner
 (`admission.scripts.Script`) loads the script and retries once, as it does over redis-py.
 
@@ -165,6 +167,8 @@ class RedisMux:
         # waiting for its own connect timeout.
         self._down_until = 0.0
         self._down_s = MIN_DOWN_S
+        self._down_error: ConnectionError = ConnectionError("Redis unreachable")
+        """What the connect that opened the circuit failed with (`_circuit_open`)."""
         self._max_down_s = MAX_DOWN_S if locate is None else LOCATED_MAX_DOWN_S
         self.connects = 0
 
@@ -220,16 +224,17 @@ class RedisMux:
         loop = asyncio.get_running_loop()
         if self._connecting is None:
             if loop.time() < self._down_until:
-                raise ConnectionError("Redis unreachable (circuit open)")
+                raise self._circuit_open() from self._down_error
             self.connects += 1
             self._connecting = asyncio.ensure_future(self._open())
         connecting = self._connecting
         try:
             conn = await asyncio.shield(connecting)
-        except ConnectionError:
+        except ConnectionError as exc:
             if self._connecting is connecting:
                 self._down_until = loop.time() + self._down_s
                 self._down_s = min(self._down_s * 2, self._max_down_s)
+                self._down_error = exc
             raise
         finally:
             if connecting.done() and self._connecting is connecting:
@@ -237,6 +242,15 @@ class RedisMux:
         self._down_s = MIN_DOWN_S
         self._conn = conn
         return conn
+
+    def _circuit_open(self) -> ConnectionError:
+        """The error of a call refused while the circuit is open, raised from the failure that
+        opened it: of its class. A plain ConnectionError here turned refused
+        credentials (AuthenticationError, permanent for `is_transient`) into an outage for
+        as long as the circuit stayed open: fail-open tiers went to the nodes unadmitted,
+        settles retried for their whole deadline, and the logs named a ConnectionError."""
+        cause = self._down_error
+        return type(cause)(f"circuit open since a connect failed ({describe(cause)})")
 
     async def _call(self, conn: _Protocol, args: Sequence[bytes | str | int | float]) -> Any:
         if conn.closed or conn.transport is None:

@@ -205,7 +205,10 @@ class Settler:
     async def abandon_given_up(self, store: PoolStore, gateway_id: str) -> None:
         """Move this pool's given-up tasks out of the gateway's renewed set (`PoolStore.
         abandon`). Never raises: a task that cannot be moved now stays held, renewed, and is
-        tried again at the next round; a transient error ends this round's attempts."""
+        tried again at the next round. Any error ends this round's attempts: every call
+        touches the same keys (the gateway's sets and leases), so what refuses one task
+        refuses the rest, and a permanent error (credentials, ACL) would otherwise cost up
+        to `ABANDON_BATCH` failing calls every round for as long as nobody fixes it."""
         ids = [t for t, s in self._given_up.items() if s.pool == store.pool][:ABANDON_BATCH]
         for task_id in ids:
             try:
@@ -213,9 +216,7 @@ class Settler:
             except Exception as exc:
                 self.metrics.child(self.metrics.redis_errors, "abandon").inc()
                 log.debug("abandoning task %s failed: %s", task_id, describe(exc))
-                if is_transient(exc):
-                    return
-                continue
+                return
             del self._given_up[task_id]
             self.live.discard(task_id)
 

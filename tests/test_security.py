@@ -177,8 +177,10 @@ async def test_wrong_redis_password_fails_clearly_and_is_never_shown(
     async with running_gateway(url, wait_subscribed=False) as gw:
         status, payload, headers = await request(
             gw.url + "/v1/chat/completions", body=chat(), headers=gw.auth("normal"))
-        assert status == 503 and int(headers["Retry-After"]) >= 1
-        assert openai_error(payload)["code"] == "admission_unavailable"
+        # Refused for good: no retry would pass, so none is invited.
+        assert status == 500 and headers["x-should-retry"] == "false"
+        assert "Retry-After" not in headers
+        assert openai_error(payload)["code"] == "admission_misconfigured"
         status, ready, _ = await request(gw.url + "/readyz", method="GET")
         assert status == 503 and ready["detail"] == "redis: AuthenticationError"
         seen = [payload, ready]
@@ -233,7 +235,7 @@ async def test_gateway_and_scheduler_over_tls_with_the_configured_ca(
             status, payload, _ = await request(
                 untrusting.url + "/v1/chat/completions", body=chat(),
                 headers=untrusting.auth("vip"))
-            assert status == 503 and openai_error(payload)["code"] == "admission_unavailable"
+            assert status == 500 and openai_error(payload)["code"] == "admission_misconfigured"
 
         # The URL's own TLS parameters hold for every connection, the gateway's multiplexed
         # one (every admit) as much as the client library's (readiness, the scheduler): a

@@ -117,10 +117,13 @@ class Case:
     value: str = ""
     """How the annotations render `$value` (through humanize, humanizeDuration, ...)."""
     extra: dict[str, str] = field(default_factory=dict)
+    interval: str = "1m"
+    """Time between two samples of `series` (the chart's ServiceMonitors scrape every 15 s)."""
 
 
-def series(metric: str, instance: str, labels: str) -> str:
-    return f'{metric}{{namespace="ai", instance="{instance}"{", " if labels else ""}{labels}}}'
+def series(metric: str, instance: str, labels: str, namespace: str = "ai") -> str:
+    return (f'{metric}{{namespace="{namespace}", instance="{instance}"'
+            f'{", " if labels else ""}{labels}}}')
 
 
 def gw(metric: str, labels: str, values: str) -> dict[str, str]:
@@ -131,6 +134,18 @@ def sched(metric: str, labels: str, values: str, instance: str = "s0") -> dict[s
     return {series(metric, instance, labels): values}
 
 
+def other(metric: str, labels: str, values: str, instance: str = "x0") -> dict[str, str]:
+    """A series of another release, in namespace "b"."""
+    return {series(metric, instance, labels, "b"): values}
+
+
+GATEWAY_UP = 'job="kvgate-gateway"'
+# A release's gateways answer (their counters exist), its schedulers crash-loop from 5m: their
+# targets stay, down, and their series go stale.
+CRASH_LOOPING_SCHEDULERS = (
+    gw("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="ok"', "0+10x15")
+    | sched("kvgate_scheduler_leader", "", "1x4 stale")
+    | {series("up", "s0", 'job="kvgate-scheduler"'): "1x4 0x10"})
 BUCKETS_08 = {"0.5": "0x40", "1": "0+10x40", "+Inf": "0+10x40"}  # first tokens in 0.5-1 s
 LAG_75MS = {"0.05": "0x40", "0.1": "0+100x40", "+Inf": "0+100x40"}
 
@@ -152,16 +167,52 @@ CASES = [
     # No scheduler scraped at all: absent() has no labels to keep, not even the namespace.
     Case("KvgateNoSchedulerLeader", sched("kvgate_scheduler_epoch", "", "0x5"), "2m",
          {"namespace": ""}),
+    # A release whose schedulers are gone, while another release's lead: that one's series
+    # exist, so absent() is empty; the gateways' series name the release left without one.
+    Case("KvgateNoSchedulerLeader",
+         CRASH_LOOPING_SCHEDULERS | other("kvgate_scheduler_leader", "", "1x15")
+         | other("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="ok"',
+                 "0+10x15"), "12m", {}),
+    # No scheduler anywhere, gateways scraped: one alert, for their namespace.
+    Case("KvgateNoSchedulerLeader", CRASH_LOOPING_SCHEDULERS, "12m", {}),
+    Case("KvgateNoSchedulerLeader",
+         LEADER | gw("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="ok"',
+                     "0+10x40")
+         | other("kvgate_scheduler_leader", "", "1x40")
+         | other("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="ok"',
+                 "0+10x40"), "12m"),
     Case("KvgateRedisUnavailable", gw("kvgate_gateway_requests_total",
                                       'pool="p", tier="vip", outcome="unavailable"', "0+60x10"),
          "5m", {}, value="1"),
+    # Failing from 0m: first seen at 1m, firing 3 minutes later.
+    Case("KvgateRedisUnavailable", gw("kvgate_gateway_requests_total",
+                                      'pool="p", tier="vip", outcome="unavailable"', "0+60x10"),
+         "3m"),
     # The requests stop (the gateways left their Service) while the renewals go on failing:
     # one alert throughout, never resolved and raised again.
     *(Case("KvgateRedisUnavailable",
            gw("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="unavailable"',
               "0+60x3 180x12")
            | gw("kvgate_gateway_redis_errors_total", 'op="renew"', "0+20x15"),
-           at, {}, value=value) for at, value in (("3m", "600m"), ("9m", "333.3m"))),
+           at, {}, value=value) for at, value in (("4m", "500m"), ("9m", "333.3m"))),
+    # One request answered 503 (a Redis blip), scraped every 15 s: never a page.
+    *(Case("KvgateRedisUnavailable",
+           gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="unavailable"',
+              "0x4 1x40"), at, interval="15s") for at in ("4m", "6m")),
+    # One lease renewal failed, likewise.
+    Case("KvgateRedisUnavailable", gw("kvgate_gateway_redis_errors_total", 'op="renew"',
+                                      "0x4 1x40"), "4m", interval="15s"),
+    # Redis away for 30 s (a failover): renewals (every 3 s) and requests fail, then pass.
+    Case("KvgateRedisUnavailable",
+         gw("kvgate_gateway_redis_errors_total", 'op="renew"', "0x4 5 10 10x40")
+         | gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="unavailable"',
+              "0x4 40 80 80x40"), "5m", interval="15s"),
+    # Away for good from 1m15s, scraped every 15 s: first seen by the 2m evaluation, firing
+    # from 5m.
+    *(Case("KvgateRedisUnavailable",
+           gw("kvgate_gateway_redis_errors_total", 'op="renew"', "0x4 0+5x40"), at,
+           fires, value="333.3m", interval="15s")
+      for at, fires in (("4m", None), ("5m", {}))),
     Case("KvgateRedisUnavailable", gw("kvgate_gateway_requests_total",
                                       'pool="p", tier="vip", outcome="ok"', "0+60x10")
          | gw("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="unavailable"',
@@ -182,6 +233,18 @@ CASES = [
     # No kvgate gateway scraped at all.
     Case("KvgateGatewaysDown", {series("up", "s0", 'job="kvgate-scheduler"'): "1x10"},
          "4m", {"namespace": ""}, value="1"),
+    # A release's gateway targets are gone (scaled to 0, or not selected) while its schedulers
+    # are scraped, and another release's gateways are up: absent() sees those.
+    Case("KvgateGatewaysDown",
+         LEADER | other("up", GATEWAY_UP, "1x40", "g0") | other("kvgate_scheduler_leader", "",
+                                                                 "1x40"),
+         "4m", {}, value="1"),
+    # No gateway target anywhere, schedulers scraped: one alert, for their namespace.
+    Case("KvgateGatewaysDown", LEADER, "4m", {}, value="1"),
+    Case("KvgateGatewaysDown",
+         LEADER | {series("up", "g0", GATEWAY_UP): "1x40"}
+         | other("up", GATEWAY_UP, "1x40", "g0") | other("kvgate_scheduler_leader", "", "1x40"),
+         "4m"),
     Case("KvgateRequestsDropped", gw("kvgate_gateway_requests_total",
                                      'pool="p", tier="vip", outcome="unknown_node"', "0 0 3x10"),
          "4m", {"pool": "p", "outcome": "unknown_node"}, value="3"),
@@ -228,6 +291,19 @@ CASES = [
               'outcome="upstream_error"', "0+60x30"), "21m", {"pool": "p"}, value="10%"),
     Case("KvgateUpstreamErrors",
          gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="ok"', "0+588x30")
+         | gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", '
+              'outcome="upstream_error"', "0+12x30"), "21m"),
+    # A flood answered 429 (90/s) does not hide a node failing 10% of what reaches it.
+    Case("KvgateUpstreamErrors",
+         gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="rejected"',
+            "0+5400x30")
+         | gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="ok"', "0+540x30")
+         | gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", '
+              'outcome="upstream_error"', "0+60x30"), "21m", {"pool": "p"}, value="10%"),
+    Case("KvgateUpstreamErrors",
+         gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="rejected"',
+            "0+5400x30")
+         | gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="ok"', "0+588x30")
          | gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", '
               'outcome="upstream_error"', "0+12x30"), "21m"),
     Case("KvgateKVPreemptions", LEADER | sched("kvgate_scheduler_node_preemptions",
@@ -322,7 +398,7 @@ def test_every_alert_is_shown_to_fire_and_to_stay_quiet() -> None:
 
 
 def test_prometheus_fires_each_alert_exactly_in_its_cases(tmp_path: Path) -> None:
-    tests = [{"interval": "1m",
+    tests = [{"interval": case.interval,
               "input_series": [{"series": s, "values": v} for s, v in case.series.items()],
               "alert_rule_test": [{"eval_time": case.at, "alertname": case.alert,
                                    "exp_alerts": expected(case)}]}

@@ -212,7 +212,7 @@ def read_promql(expr: str) -> Query:
                             if lower == "by":
                                 q.output.add(toks[i][1])
                         i += 1
-            elif next_is(i + 1, "("):
+            elif next_is(i + 1, "(") and lower not in KEYWORDS:  # `a or (b)`: an operator
                 assert value in FUNCTIONS, f"unknown PromQL function {value!r} in {expr!r}"
             elif value in AGGREGATIONS:
                 pass  # `sum by (...) (...)`: the label list comes first
@@ -334,6 +334,11 @@ def test_the_promql_reader_finds_metrics_and_rejects_unknown_functions() -> None
     assert q.metrics == {"kvgate_gateway_ttft_seconds_bucket": {"pool", "tier"}, "up": set()}
     assert q.grouping == {"tier", "le", "instance"}
     assert q.output == {"tier", "le"}
+    # A set operator before a parenthesis is no function call.
+    q = read_promql('up == 0 or (group by (namespace) (kvgate_scheduler_leader) unless on '
+                    '(namespace) group by (namespace) (up{job="g"}))')
+    assert q.metrics == {"up": {"job"}, "kvgate_scheduler_leader": set()}
+    assert q.grouping == {"namespace"}
     with pytest.raises(AssertionError, match="unknown PromQL function"):
         read_promql("sum(rated(kvgate_gateway_requests_total[5m]))")
     with pytest.raises(AssertionError, match="unbalanced"):

@@ -326,3 +326,47 @@ def test_the_documented_way_to_give_the_gateways_the_nodes_api_key_renders() -> 
     assert config.pools["llama"].backend_api_key_env == "VLLM_API_KEY"
     readme = (CHART / "README.md").read_text()
     assert "backend_api_key_env: VLLM_API_KEY" in readme and "secretKeyRef" in readme
+
+
+# --- the runbook's commands against a release -------------------------------------------
+
+RUNBOOK = CHART.parent.parent / "docs" / "runbook.md"
+
+
+def test_the_runbooks_kubectl_commands_name_the_releases_objects() -> None:
+    """docs/runbook.md addresses a release's pods as deploy/<fullname>-<part> and finds them by
+    the release's instance label; its `kubectl exec` lines read the file the pod's service
+    reads."""
+    text = RUNBOOK.read_text(encoding="utf-8")
+    docs = render()
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    named = set(re.findall(r"deploy/<fullname>-([a-z]+)", text))
+    assert named == {"gateway", "scheduler"}
+    assert {f"{RELEASE}-kvgate-{part}" for part in named} == set(deployments)
+    assert "`kubectl get deploy -l app.kubernetes.io/instance=<release>`" in " ".join(text.split())
+    for d in deployments.values():
+        assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+    execs = re.findall(r"kubectl exec deploy/<fullname>-([a-z]+)(?: -c ([a-z]+))? -- "
+                       r"kvgate-inspect --config ([^\s`]+)", text)
+    assert len(execs) >= 3
+    for part, name, path in execs:
+        pod = deployments[f"{RELEASE}-kvgate-{part}"]["spec"]["template"]["spec"]
+        (c,) = [c for c in pod["containers"] if c["name"] == (name or part)]
+        assert c["args"][c["args"].index("--config") + 1] == path, (part, path)
+
+
+def test_a_node_added_rolls_gateways_and_schedulers_from_one_configmap() -> None:
+    """Why the runbook pauses one Deployment while a node is added or removed: both mount the
+    one ConfigMap, and both roll on the upgrade that changes it."""
+    values: dict[str, Any] = {"config": {"pools": [
+        {"name": "p", "backends": ["http://vllm-0:8000"]}]}}
+    before = render(values)
+    values["config"]["pools"][0]["backends"].append("http://vllm-1:8000")
+    after = render(values)
+    (cm,) = [d["metadata"]["name"] for d in after if d["kind"] == "ConfigMap"]
+    for suffix in ("-gateway", "-scheduler"):
+        assert one(before, "Deployment", suffix)["spec"]["template"] != one(
+            after, "Deployment", suffix)["spec"]["template"], suffix
+        mounted = {v["configMap"]["name"] for v in pod_of(after, suffix)["volumes"]
+                   if "configMap" in v}
+        assert mounted == {cm}, suffix

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -25,12 +26,15 @@ import helm_python as helm
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 import yaml
+from prometheus_client import generate_latest
 
 from admission import config as cfg
 from admission.controlconfig import ControlSettings
 from admission.fairconfig import FairnessSettings
 from admission.tiers import Tier
+from gateway.metrics import REJECTION_REASONS, REQUEST_OUTCOMES, GatewayMetrics
 from gateway.shutdown import SETTLE_MARGIN_S
+from tests.test_alerts import promtool
 
 CHART = Path(__file__).resolve().parent.parent / "helm" / "kvgate"
 RELEASE, NAMESPACE = "kv", "inference"
@@ -331,6 +335,34 @@ def test_a_long_release_name_still_gets_a_bundled_redis_pod() -> None:
     assert one(render(), "StatefulSet", "-redis")["metadata"]["name"] == f"{RELEASE}-kvgate-redis"
 
 
+@pytest.mark.parametrize("persistence", [False, True])
+def test_a_chart_upgrade_leaves_the_bundled_redis_pod_alone(persistence: bool,
+                                                            tmp_path: Path) -> None:
+    """A change to a StatefulSet's pod template restarts its pod, and the bundled Redis' pod
+    holds every queue (in memory only, without persistence): a new chart version or kvgate
+    version must not change it."""
+    bumped = tmp_path / "kvgate"
+    shutil.copytree(CHART, bumped, symlinks=True)
+    meta = (bumped / "Chart.yaml").read_text(encoding="utf-8")
+    assert 'version: 0.1.0\nappVersion: "0.1.0"\n' in meta
+    (bumped / "Chart.yaml").write_text(
+        meta.replace('version: 0.1.0\nappVersion: "0.1.0"\n',
+                     'version: 0.2.0+build.7\nappVersion: "0.2.0"\n'), encoding="utf-8")
+    values = with_image({"redis": {"bundled": {"persistence": {"enabled": persistence}}}})
+    releases = [helm.Chart.load(path).render(values, name=RELEASE, namespace=NAMESPACE)
+                for path in (CHART, bumped)]
+    old, new = ([d for path, text in out.items() if path.endswith(".yaml")
+                 for d in yaml.safe_load_all(text) if d] for out in releases)
+    # The bump reaches what it should: labels everywhere, and the gateways' image.
+    assert one(old, "StatefulSet", "-redis")["metadata"] != one(new, "StatefulSet", "-redis")[
+        "metadata"]
+    assert one(old, "Deployment", "-gateway")["spec"]["template"] != one(
+        new, "Deployment", "-gateway")["spec"]["template"]
+    assert one(old, "StatefulSet", "-redis")["spec"] == one(new, "StatefulSet", "-redis")["spec"]
+    labels = one(new, "StatefulSet", "-redis")["spec"]["template"]["metadata"]["labels"]
+    assert labels.items() >= one(new, "Service", "-redis")["spec"]["selector"].items()
+
+
 # --- secrets stay in Secrets ------------------------------------------------------------
 
 
@@ -515,11 +547,27 @@ def test_schema_covers_every_config_key() -> None:
 
 # --- bad values are refused before anything is deployed ----------------------------------
 
+CREDENTIALS_IN_URLS: dict[str, tuple[dict[str, Any], str]] = {
+    "password in url's query": ({"redis": {"mode": "external", "auth": {"enabled": False},
+                                           "external": {"url": "redis://r:6379/0?password=hunter2"}}},
+                                "/redis/external/url"),
+    "user name in url's query": ({"redis": {"mode": "external", "external": {
+        "url": "redis://r:6379/0?db=1&username=kvgate"}}}, "/redis/external/url"),
+    "credentials in a backend's url": ({"config": {"pools": [
+        {"name": "p", "backends": ["http://admin:hunter2@vllm-0:8000"]}]}},
+        "/config/pools/0/backends/0"),
+    "credentials in a backend table's url": ({"config": {"pools": [
+        {"name": "p", "backends": [{"name": "gpu-0", "url": "https://hunter2@vllm-0:8000"}]}]}},
+        "/config/pools/0/backends/0"),
+}
+"""Credentials in a URL would be shown in the ConfigMap, the pods' environment and the notes."""
+
 BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "plaintext key": ({"tenants": {"items": [
         {"name": "a", "tier": "vip", "key_sha256": ["sk-live-123"]}]}}, "key_sha256"),
     "credentials in url": ({"redis": {"mode": "external", "external": {
         "url": "redis://:hunter2@redis:6379/0"}}}, "/redis/external/url"),
+    **CREDENTIALS_IN_URLS,
     "url set in config": ({"config": {"redis": {"url": "redis://x"}}}, "/config/redis"),
     "typo in config": ({"config": {"gateway": {"lease_ttl": 5}}}, "/config/gateway"),
     "no standby possible": ({"scheduler": {"replicas": 0}}, "/scheduler/replicas"),
@@ -597,8 +645,42 @@ def test_combinations_that_cannot_work_fail_with_a_message(values: dict[str, Any
 
 def test_an_external_url_with_the_query_parameters_the_services_read_renders() -> None:
     external = {"mode": "external", "auth": {"enabled": False},
-                "external": {"url": "redis://r:6379/0?db=1&username=kvgate"}}
+                "external": {"url": "redis://r:6379/0?db=1"}}
     assert one(render({"redis": external}), "Deployment", "-gateway")
+
+
+@pytest.fixture(scope="module")
+def chart_without_schema(tmp_path_factory: pytest.TempPathFactory) -> helm.Chart:
+    """The chart as `helm install --skip-schema-validation` renders it."""
+    copy = tmp_path_factory.mktemp("chart") / "kvgate"
+    shutil.copytree(CHART, copy, symlinks=True)
+    (copy / "values.schema.json").unlink()
+    return helm.Chart.load(copy)
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("password in url's query", "its query parameter password would show a Redis credential"),
+    ("user name in url's query", "its query parameter username would show a Redis credential"),
+    ("credentials in url", "a user name or password before the host would show"),
+    ("credentials in a backend's url", "config.pools[0].backends[0]: a user name or password"),
+    ("credentials in a backend table's url",
+     "config.pools[0].backends[0]: a user name or password"),
+])
+def test_credentials_in_urls_are_refused_by_the_templates_too(
+    chart_without_schema: helm.Chart, case: str, message: str,
+) -> None:
+    values, _ = BAD_VALUES[case]
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)) as refused:
+        chart_without_schema.render(with_image(values), name=RELEASE, namespace=NAMESPACE)
+    assert "hunter2" not in str(refused.value)
+    assert "redis.auth" in str(refused.value) or "backend_api_key_env" in str(refused.value)
+    # The same values without the credentials render.
+    clean = json.loads(re.sub(r"(//)[^/@\"]*@|[?&](password|username)=[^&\"]*", r"\1",
+                              json.dumps(values)))
+    assert "hunter2" not in json.dumps(clean)
+    if "redis" in clean:
+        clean["redis"]["auth"] = {"enabled": False}
+    chart_without_schema.render(with_image(clean), name=RELEASE, namespace=NAMESPACE)
 
 
 @pytest.mark.parametrize(("interval", "timeout"), [
@@ -667,12 +749,102 @@ def test_prometheus_rule_holds_the_alerting_rules(base: str) -> None:
     assert doc["metadata"]["labels"]["release"] == "prometheus"
     assert doc["metadata"]["labels"]["app.kubernetes.io/component"] == "alerts"
     groups = yaml.safe_load(ALERT_RULES.read_text(encoding="utf-8"))["groups"]
-    links = 0
+    links = jobs = 0
     for group in groups:
         for rule in group["rules"]:
             rule["annotations"]["runbook_url"] = base + rule["annotations"]["runbook_url"]
             links += 1
-    assert links >= 10 and doc["spec"] == {"groups": groups}
+            jobs += rule["expr"].count(ANY_GATEWAY_JOB)
+            rule["expr"] = rule["expr"].replace(ANY_GATEWAY_JOB, f'job="{RELEASE}-kvgate-gateway"')
+    assert links >= 10 and jobs >= 1 and doc["spec"] == {"groups": groups}
+
+
+ANY_GATEWAY_JOB = 'job=~".*kvgate.*-gateway"'
+"""How the rule file, for a Prometheus configured by hand, matches the gateways' scrape job."""
+
+
+@pytest.mark.parametrize(("names", "release"), [
+    ({"fullnameOverride": "llm-admission"}, RELEASE),
+    ({"nameOverride": "gate"}, "prod"),
+    ({}, RELEASE),
+])
+def test_the_rules_match_the_gateways_job_the_service_monitor_makes(
+    names: dict[str, str], release: str, tmp_path: Path,
+) -> None:
+    """The Prometheus Operator names a ServiceMonitor's job after the Service it selects (the
+    chart sets no jobLabel): KvgateGatewaysDown must match that name, whatever the release's
+    names, or it reads no gateway as up and fires for good."""
+    values = {**names, "serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}
+    out = chart().render(with_image(values), name=release, namespace=NAMESPACE)
+    docs = [d for path, text in out.items() if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
+    svc = one(docs, "Service", "-gateway")
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor" and d["spec"]["selector"][
+        "matchLabels"].items() <= svc["metadata"]["labels"].items()]
+    assert "jobLabel" not in monitor["spec"]
+    job = svc["metadata"]["name"]
+    (rule_doc,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    rules = {r["alert"]: r for g in rule_doc["spec"]["groups"] for r in g["rules"]}
+    matchers = set(re.findall(r"job\s*(?:=~|!~|!=|=)\s*\"[^\"]*\"", rules["KvgateGatewaysDown"][
+        "expr"]))
+    assert matchers == {f'job="{job}"'}
+    assert not [r for r in rules.values() if ANY_GATEWAY_JOB in r["expr"]]
+    # Prometheus evaluates the rendered rule: this release's gateways down fire it, up keep
+    # it quiet.
+    rule_file = tmp_path / "rules.yaml"
+    rule_file.write_text(yaml.safe_dump(rule_doc["spec"]), encoding="utf-8")
+    up = f'up{{namespace="{NAMESPACE}", instance="g0", job="{job}"}}'
+    leader = f'kvgate_scheduler_leader{{namespace="{NAMESPACE}", instance="s0"}}'
+    down = {"exp_labels": {"severity": "critical", "namespace": NAMESPACE, "job": job},
+            "exp_annotations": rules["KvgateGatewaysDown"]["annotations"]}
+    assert "{{" not in json.dumps(down)  # annotations without templates, compared as they are
+    tests = [{"interval": "1m",
+              "input_series": [{"series": up, "values": samples},
+                               {"series": leader, "values": "1x10"}],
+              "alert_rule_test": [{"eval_time": "4m", "alertname": "KvgateGatewaysDown",
+                                   "exp_alerts": alerts}]}
+             for samples, alerts in (("1 1 0x10", [down]), ("1x10", []))]
+    spec = tmp_path / "test.yaml"
+    spec.write_text(yaml.safe_dump({"rule_files": [str(rule_file)], "evaluation_interval": "1m",
+                                    "tests": tests}), encoding="utf-8")
+    result = subprocess.run([promtool(), "test", "rules", str(spec)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_production_example_counts_the_series_tenant_metrics_adds() -> None:
+    """values-production.yaml turns `tenant_metrics` on and says what it costs: its formula
+    and figure are what a gateway with that config exports per tenant."""
+    text = (CHART / "values-production.yaml").read_text(encoding="utf-8")
+    comments = " ".join(line.strip().lstrip("#").strip() for line in text.splitlines()
+                        if line.strip().startswith("#"))
+    found = re.search(r"\((\d+) x pools \+ (\d+)\) per configured tenant, (\d+) here", comments)
+    assert found, "values-production.yaml no longer states the series per tenant"
+    per_pool, extra, here = map(int, found.groups())
+    parts = re.search(r"request outcome \((\d+)\), rejection reason \((\d+)\) and token counter "
+                      r"\((\d+)\)", comments)
+    assert parts, "values-production.yaml no longer says what the series per pool are"
+    outcomes, reasons, tokens = map(int, parts.groups())
+    assert (outcomes, reasons, tokens) == (len(REQUEST_OUTCOMES), len(REJECTION_REASONS), 2)
+    assert outcomes + reasons + tokens == per_pool
+    values = production_values()
+    assert values["config"]["gateway"]["tenant_metrics"] is True
+    pools = {p["name"]: [b["name"] for b in p["backends"]] for p in values["config"]["pools"]}
+
+    def tenant_series(tenants: int) -> int:
+        metrics = GatewayMetrics(tenant_labels=True, pools=pools,
+                                 tenants=[(f"t{i}", Tier.NORMAL) for i in range(tenants)])
+        exposition = generate_latest(metrics.registry).decode()
+        return len(re.findall(r'^kvgate_\w+\{[^}]*tenant="', exposition, re.MULTILINE))
+
+    assert tenant_series(1) == tenant_series(2) - tenant_series(1) == (
+        per_pool * len(pools) + extra) == here
+    example = re.search(r"(\d+) tenants: ([\d,]+) series per gateway, ([\d,]+) at (\d+) gateways",
+                        comments)
+    assert example, "values-production.yaml no longer works an example through"
+    tenants, per_gateway, total, gateways = (int(n.replace(",", "")) for n in example.groups())
+    assert gateways == values["gateway"]["autoscaling"]["maxReplicas"]
+    assert (per_gateway, total) == (tenants * here, tenants * here * gateways)
 
 
 def test_the_production_example_installs_the_alerts() -> None:

@@ -34,8 +34,17 @@ app.kubernetes.io/component: {{ .component }}
 {{/* Call with (dict "root" $ "component" "gateway"). */}}
 {{- define "kvgate.labels" -}}
 helm.sh/chart: {{ include "kvgate.chart" .root }}
-{{ include "kvgate.selectorLabels" . }}
+{{ include "kvgate.stableLabels" . }}
 app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+{{- end }}
+
+{{/*
+The labels that stay the same from one chart version to the next, for a pod template that
+must not change with them: a new label there rolls the pods, and the bundled Redis' pod holds
+every queue (in memory only, without persistence).
+*/}}
+{{- define "kvgate.stableLabels" -}}
+{{ include "kvgate.selectorLabels" . }}
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: kvgate
 {{- end }}
@@ -88,6 +97,17 @@ value to change (the schema checks each value alone; these need two).
 {{- if not $r.external.url }}
 {{- fail "redis.external.url is required when redis.mode is external" }}
 {{- end }}
+{{- /* The URL is shown in the ConfigMap, the pods' environment and the install notes: the
+       credentials come from redis.auth, through a Secret, never from the URL. */}}
+{{- if regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@" $r.external.url }}
+{{- fail "redis.external.url: a user name or password before the host would show in the ConfigMap, the pods' environment and the install notes: leave it out and set redis.auth (the password in existingSecret, an ACL user in username)" }}
+{{- end }}
+{{- range (splitList "&" (regexReplaceAll "^[^?]*\\?" $r.external.url "")) }}
+{{- $name := (splitList "=" .) | first }}
+{{- if and (contains "?" $r.external.url) (has $name (list "username" "password")) }}
+{{- fail (printf "redis.external.url: its query parameter %s would show a Redis credential in the ConfigMap, the pods' environment and the install notes: leave it out and set redis.auth (the password in existingSecret, an ACL user in username)" $name) }}
+{{- end }}
+{{- end }}
 {{- if and $r.tls.enabled (not (hasPrefix "rediss://" $r.external.url)) }}
 {{- fail "redis.tls.enabled needs a rediss:// redis.external.url" }}
 {{- end }}
@@ -122,8 +142,21 @@ value to change (the schema checks each value alone; these need two).
 {{- if and (eq $r.mode "external") (contains "?" $r.external.url) }}
 {{- range (splitList "&" (regexReplaceAll "^[^?]*\\?" $r.external.url "")) }}
 {{- $name := (splitList "=" .) | first }}
-{{- if not (has $name (list "db" "username" "password" "ssl_cert_reqs" "ssl_check_hostname" "ssl_ca_certs" "ssl_certfile" "ssl_keyfile")) }}
-{{- fail (printf "redis.external.url: its query parameter %s is not supported: a Redis URL may carry db, username, password and, on rediss://, ssl_cert_reqs, ssl_check_hostname, ssl_ca_certs, ssl_certfile, ssl_keyfile; timeouts and the connection pool are config.redis settings" $name) }}
+{{- if not (has $name (list "db" "ssl_cert_reqs" "ssl_check_hostname" "ssl_ca_certs" "ssl_certfile" "ssl_keyfile")) }}
+{{- fail (printf "redis.external.url: its query parameter %s is not supported: a Redis URL may carry db and, on rediss://, ssl_cert_reqs, ssl_check_hostname, ssl_ca_certs, ssl_certfile, ssl_keyfile; the user name and password are redis.auth settings, timeouts and the connection pool config.redis settings" $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- range $i, $pool := (default (list) $cfg.pools) }}
+{{- range $j, $backend := (default (list) $pool.backends) }}
+{{- $url := "" }}
+{{- if kindIs "string" $backend }}
+{{- $url = $backend }}
+{{- else if kindIs "map" $backend }}
+{{- $url = toString (default "" $backend.url) }}
+{{- end }}
+{{- if regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@" $url }}
+{{- fail (printf "config.pools[%d].backends[%d]: a user name or password in a backend's URL would show in the ConfigMap: leave it out; nodes started with vLLM's --api-key get the key from the variable the pool's backend_api_key_env names (set with gateway.extraEnv from a Secret)" $i $j) }}
 {{- end }}
 {{- end }}
 {{- end }}

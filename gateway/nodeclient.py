@@ -10,7 +10,8 @@ and a read timeout that fires when the node has sent nothing for that long (as a
 
 Errors: `NodeUnreachable` when no connection could be made (nothing was sent), `NodeTimeout`
 when the node went quiet, `AnswerTooLarge` when a body read whole outgrows the reader's limit,
-`NodeError` for any other failure (connection lost, malformed answer). A request that finds
+`HeadTooLarge` when the status line and headers outgrow theirs, `NodeError` for any other
+failure (connection lost, malformed answer). A request that finds
 its reused connection closed by the node before any byte of an answer is sent again once on a
 new connection: servers close idle keep-alive connections on their own schedule (vLLM's
 uvicorn after 5 s), and such a connection never reached the app.
@@ -29,12 +30,21 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["AnswerTooLarge", "NodeClient", "NodeError", "NodeResponse", "NodeTimeout",
-           "NodeUnreachable"]
+__all__ = ["AnswerTooLarge", "HeadTooLarge", "NodeClient", "NodeError", "NodeResponse",
+           "NodeTimeout", "NodeUnreachable"]
 
 PAUSE_READING_BYTES = 256 * 1024
 """A stream whose reader (the gateway's client) lags this far behind stops reading the node
 until it catches up, so a slow client costs the gateway bounded memory."""
+MAX_HEAD_BYTES = 64 << 10
+"""The most bytes of an answer's status line and headers the client takes before their end.
+vLLM's head is a few hundred bytes, a proxy's in front of it a few kilobytes; nothing else
+bounds it (llhttp parses a head of any length, httptools joins a field's pieces until its
+end, the silence timer restarts with every byte), so a node could grow the gateway without
+end before any body."""
+MAX_HEADER_FIELDS = 128
+"""The most header fields an answer may carry: vLLM sends about five. Each is a dict entry,
+and a head of tiny fields under `MAX_HEAD_BYTES` would be thousands of them."""
 
 
 class NodeError(Exception):
@@ -47,6 +57,11 @@ class NodeUnreachable(NodeError):
 
 class NodeTimeout(NodeError, TimeoutError):
     """The node sent nothing for the read timeout."""
+
+
+class HeadTooLarge(NodeError):
+    """The answer's head is over `MAX_HEAD_BYTES` or `MAX_HEADER_FIELDS`: the connection was
+    closed without reading the rest."""
 
 
 class AnswerTooLarge(NodeError):
@@ -104,6 +119,8 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}
+        self.head_bytes = 0
+        self.header_fields = 0
         self.headers_done = False
         self.keep_alive = False
         self.complete = False
@@ -125,12 +142,31 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.received_any = True
         self.last_data = self.loop.time()
+        if not self.headers_done:
+            room = MAX_HEAD_BYTES - self.head_bytes
+            if len(data) > room:
+                # The head must end within the room left; what follows it is body.
+                self._feed(data[:room])
+                if self.error is not None:
+                    return
+                if not self.headers_done:
+                    self._fail(HeadTooLarge(f"the node's answer head is over {MAX_HEAD_BYTES} "
+                                            "bytes"))
+                    return
+                data = data[room:]
+            else:
+                self.head_bytes += len(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(NodeError("the node switched protocols"))
         except httptools.HttpParserError as exc:
-            self._fail(NodeError(f"malformed answer from the node: {exc}"))
+            cause = exc.__context__  # what a callback of ours raised, if one did
+            self._fail(cause if isinstance(cause, NodeError) else NodeError(
+                f"malformed answer from the node: {exc}"))
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -151,6 +187,9 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ----------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_fields += 1
+        if self.header_fields > MAX_HEADER_FIELDS:
+            raise HeadTooLarge(f"the node's answer has over {MAX_HEADER_FIELDS} header fields")
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:

@@ -161,8 +161,10 @@ def _check_item_counts(kind: Kind, body: Mapping[str, Any], context_length: int)
     """Refuse, before a count walks them on the event loop, more prompts in a batch than
     `MAX_PROMPTS`, more messages than the context could hold (each adds its turn's markers at
     least: a 4 MB body of empty messages held the loop about half a second), and more content
-    parts in a chat than the context has tokens (no real chat comes near: an image alone costs
-    many tokens)."""
+    parts in a chat, tool definitions (`tools`, `chat_template_kwargs.tools`) or tool calls
+    (over all its messages) than the context has tokens: each of these takes at least a token
+    of the prompt, and each costs the count a step in Python (the tools a serialisation each:
+    a 3 MB body of a million empty tools held the loop over 4 s)."""
     if kind == "completion":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and (
@@ -170,6 +172,12 @@ def _check_item_counts(kind: Kind, body: Mapping[str, Any], context_length: int)
             raise bad_request(f"A batch holds at most {MAX_PROMPTS} prompts; this one has "
                               f"{len(prompt)}.", param="prompt")
         return
+    kwargs = body.get("chat_template_kwargs")
+    for param, tools in (("tools", body.get("tools")),
+                         ("chat_template_kwargs.tools",
+                          kwargs.get("tools") if isinstance(kwargs, dict) else None)):
+        if isinstance(tools, list) and len(tools) > context_length:
+            raise _too_many(f"entries in '{param}'", context_length, len(tools), param)
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
@@ -182,11 +190,26 @@ def _check_item_counts(kind: Kind, body: Mapping[str, Any], context_length: int)
             param="messages",
             code=CONTEXT_LENGTH_EXCEEDED,
         )
-    parts = sum(len(m["content"]) for m in messages
-                if isinstance(m, dict) and isinstance(m.get("content"), list))
+    parts = calls = 0
+    for message in messages:
+        if isinstance(message, dict):
+            content, tool_calls = message.get("content"), message.get("tool_calls")
+            if isinstance(content, list):
+                parts += len(content)
+            if isinstance(tool_calls, list):
+                calls += len(tool_calls)
     if parts > context_length:
         raise bad_request(f"A chat holds at most {context_length} content parts (the model's "
                           f"context length); this one has {parts}.", param="messages")
+    if calls > context_length:
+        raise _too_many("tool calls over all its messages", context_length, calls, "messages")
+
+
+def _too_many(what: str, bound: int, count: int, param: str) -> ApiError:
+    """OpenAI's own refusal of a list over its length (`array_above_max_length`)."""
+    return bad_request(f"A request may hold at most {bound} {what} (the model's context "
+                       f"length: each takes at least a token of the prompt); this one has "
+                       f"{count}.", param=param, code="array_above_max_length")
 
 
 def _template_refused(param: str) -> ApiError:

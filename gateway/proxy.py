@@ -18,7 +18,8 @@ context-length check) keeps its status, message and param, in OpenAI's error sha
 (`node_client_error`), except 401, 403 and 404: the client's key and model were valid for
 kvgate, so those refuse the gateway (its `backend_api_key_env`, its `served_model_name`) and
 become 502 `upstream_rejected`; a 200 that is no OpenAI answer (a page of another server, a
-JSON body to a streamed request) is a 502 `upstream_malformed_answer`. A failure mid-stream
+JSON body to a streamed request), and any status but 200 outside 4xx and 5xx (a redirect, a
+204), is a 502 `upstream_malformed_answer`. A failure mid-stream
 ends the stream with an error event, as vLLM itself does; a node's own error event is relayed
 in OpenAI's shape too (`node_stream_error`), so that the SDKs raise it whatever vLLM version
 sent it, and the task ends cancelled, charged what was generated. Once the request is written
@@ -147,11 +148,13 @@ class Upstream:
 
     def _malformed(self, ticket: Ticket, upstream: NodeResponse, meter: Meter,
                    what: str) -> ApiError:
-        """A 200 the gateway cannot read as an OpenAI answer: most often a node URL that leads
-        to another server (a proxy's or a load balancer's page), or a server that ignores
-        `stream`. Relayed, it would reach the SDKs as a success they fail to parse, with a
-        parse error instead of an API error. Refunded in full (the gateway cannot tell what
-        it cost, and the node it expected may have done nothing); logged once per node."""
+        """An answer the gateway cannot read as an OpenAI answer (a 200 of another shape, or a
+        status no OpenAI answer has): most often a node URL that leads to another server (a
+        proxy's or a load balancer's page or redirect), or a server that ignores `stream`.
+        Relayed, it would reach the SDKs as a success they fail to parse, with a parse error
+        instead of an API error, or as an error of the client's. Refunded in full (the
+        gateway cannot tell what it cost, and the node it expected may have done nothing);
+        logged once per node."""
         upstream.close()
         meter.phase = Phase.PENDING
         if (ticket.node, 200) not in self._logged:
@@ -214,6 +217,11 @@ class Upstream:
     async def _relay_error(
         self, upstream: NodeResponse, ticket: Ticket, meter: Meter
     ) -> web.StreamResponse:
+        if not 400 <= upstream.status <= 599:
+            # Only a node's 4xx is the request's fault, and its 5xx a failure of its own; a
+            # 1xx, another 2xx or a 3xx (a proxy redirecting http to https, a 204, a 201 with
+            # an error in it) would reach the SDKs as a bodiless success or as the client's.
+            raise self._malformed(ticket, upstream, meter, f"an HTTP {upstream.status} answer")
         try:
             body = await upstream.read_prefix(ERROR_BODY_BYTES)
         except NodeError:

@@ -20,10 +20,11 @@ skipped test into a failure, so a missing tool cannot hide a test in CI.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -35,6 +36,7 @@ from admission.keys import PoolKeys
 from admission.scripts import allow_frozen_clock
 from bench.common.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
 from tests.properties import PROFILE
+from tests.rawnode import Handler
 
 # Tests stop and move time by writing the pool clock's frozen_us; only a process that says so
 # honours it (services never do), so the suite says so before any script is registered.
@@ -225,3 +227,18 @@ def no_proxy_environment(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
         monkeypatch.delenv(name.lower(), raising=False)
     return monkeypatch
 
+
+@pytest.fixture
+async def raw_server() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
+    """Starts a raw asyncio server running a handler per connection (a misbehaving node:
+    tests.rawnode) and returns its base URL; all are closed after the test."""
+    servers: list[asyncio.Server] = []
+
+    async def start(handler: Handler) -> str:
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        servers.append(server)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    yield start
+    for server in servers:
+        server.close()

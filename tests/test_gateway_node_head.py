@@ -24,8 +24,8 @@ from gateway.app import create_app
 from gateway.nodeclient import MAX_HEAD_BYTES, MAX_HEADER_FIELDS, HeadTooLarge, NodeClient
 from gateway.state import GATEWAY
 from tests.gateway_harness import BIG, KEYS, POOL, config_data, serve_app
+from tests.rawnode import Handler, read_request
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 WAIT_S = 5.0
 """Most any request may take; a passing test takes a fraction of it. The gateway's own patience
 with a quiet node is its default (minutes), so only the head's bound can end these in time."""
@@ -35,27 +35,7 @@ ENDLESS_CAP = 8 << 20
 8 MiB while the test fails, not all the machine has."""
 
 
-async def _read_request(reader: asyncio.StreamReader) -> None:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    await reader.readexactly(length)
 
-
-@pytest.fixture
-async def raw_server() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
-    servers: list[asyncio.Server] = []
-
-    async def start(handler: Handler) -> str:
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 def _head(*, size: int | None = None, fields: int | None = None) -> bytes:
@@ -72,7 +52,7 @@ def _head(*, size: int | None = None, fields: int | None = None) -> bytes:
 
 def _answering(answer: bytes) -> Handler:
     async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(answer)
         await writer.drain()
         await reader.read()  # until the client closes
@@ -133,7 +113,7 @@ def _endless(line: Callable[[int], bytes], dropped: asyncio.Event) -> Handler:
     """A node that answers with a status line and then `line(i)` for i = 0, 1, ... up to
     `ENDLESS_CAP` bytes, never ending its head; `dropped` is set once the gateway closes."""
     async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(STATUS_LINE)
         sent, i = 0, 0
         try:
@@ -155,7 +135,7 @@ def _past_the_bound_then_silent(dropped: asyncio.Event) -> Handler:
     """One byte of head past `MAX_HEAD_BYTES` (a field that never ends), then nothing: only a
     gateway that stops at the bound answers before its silence timeout."""
     async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
+        await read_request(reader)
         writer.write(STATUS_LINE + b"X-Pad: " + b"a" * (MAX_HEAD_BYTES - len(STATUS_LINE) - 6))
         await writer.drain()
         await reader.read()

@@ -25,8 +25,8 @@ from gateway.nodeclient import (
     NodeTimeout,
     NodeUnreachable,
 )
+from tests.rawnode import Handler, read_request
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 JSON = {"Content-Type": "application/json"}
 
 
@@ -34,27 +34,7 @@ def client(read_timeout_s: float = 5.0) -> NodeClient:
     return NodeClient(connect_timeout_s=1.0, read_timeout_s=read_timeout_s)
 
 
-async def read_request(reader: asyncio.StreamReader) -> bytes:
-    head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    return head + await reader.readexactly(length)
 
-
-@pytest.fixture
-async def raw_server() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
-    servers: list[asyncio.Server] = []
-
-    async def start(handler: Handler) -> str:
-        server = await asyncio.start_server(handler, "127.0.0.1", 0)
-        servers.append(server)
-        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-
-    yield start
-    for server in servers:
-        server.close()
 
 
 @pytest.fixture

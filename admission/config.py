@@ -37,7 +37,9 @@ from admission.configchecks import (
     check_redis_calls,
     check_unique_pools,
     check_unique_tenants,
+    refuse_sentinel_password,
     startup_warnings,
+    with_sentinel_password,
 )
 from admission.configfields import (
     ConfigError,
@@ -322,8 +324,14 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     check_admin_token(admin_token or file_admin_token,
                        f"{ADMIN_TOKEN_ENV} (which overrides gateway.admin_token_sha256)"
                        if admin_token else "gateway.admin_token_sha256", tenants)
+    refuse_sentinel_password(redis.table)
+    # The Sentinels' password is given, never read from the file: it comes from the variable
+    # the file names.
+    redis_settings = with_sentinel_password(
+        _section(redis, RedisSettings, url=env.get("REDIS_URL") or file_url,
+                 sentinel_password=None), env)
     config = Config(
-        redis=_section(redis, RedisSettings, url=env.get("REDIS_URL") or file_url),
+        redis=redis_settings,
         gateway=_section(gateway, GatewaySettings,
                          admin_token_sha256=admin_token or file_admin_token),
         scheduler=_section(root.sub("scheduler"), SchedulerSettings),

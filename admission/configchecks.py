@@ -1,15 +1,18 @@
 """The checks a configuration gets as a whole, after each table passed its own: names and
 servers that must be unique, an admin token that must not be a tenant's key, a release call
-that must end before the Redis client gives up, and the start-up warnings about settings that
-are valid but turn requests away (`startup_warnings`). `admission.config.parse_config` runs
-the checks; the services log the warnings.
+that must end before the Redis client gives up, the Sentinels' credentials and their password
+read from the environment (`with_sentinel_password`), and the start-up warnings about
+settings that are valid but turn requests away (`startup_warnings`).
+`admission.config.parse_config` runs the checks; the services log the warnings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from admission.configfields import ConfigError, shown_url
+from admission.configfields import ENV_NAME, ConfigError, shown_url
 from admission.configschema import (
     MIN_CONNECTIONS,
     Config,
@@ -108,6 +111,52 @@ def check_redis_calls(redis: RedisSettings, scheduler: SchedulerSettings, pools:
                 f"redis.sharded_pubsub, got {redis.max_connections}: a gateway keeps one "
                 f"connection for good for each pool's wake-ups ({pools} pools), all on one "
                 "node when their shards share it, and needs the rest for its calls")
+
+
+SENTINEL_PASSWORD_KEY = "sentinel_password"
+"""The key a password for the Sentinels is not given by: refused with a message that names
+`sentinel_password_env` (a plain "unknown key" would leave the reader to guess)."""
+
+
+def refuse_sentinel_password(table: Mapping[str, object]) -> None:
+    """ConfigError if the `[redis]` table holds the Sentinels' password itself: a secret in the
+    file ends up in a ConfigMap, a repository, a support ticket."""
+    if SENTINEL_PASSWORD_KEY in table:
+        raise ConfigError(f"redis.{SENTINEL_PASSWORD_KEY}: a password is never written in the "
+                          "file; put it in an environment variable and name that variable in "
+                          "redis.sentinel_password_env")
+
+
+def with_sentinel_password(redis: RedisSettings, env: Mapping[str, str]) -> RedisSettings:
+    """`redis` with the Sentinels' password read from the variable `sentinel_password_env`
+    names, when the file is loaded: a variable missing from a pod fails its start with a line
+    naming it, not every connection later with a refusal of the Sentinels.
+
+    Refused, each naming its key: Sentinel credentials without `sentinel_master` (nothing
+    would use them), a user name that is empty or holds a space, a user name without a
+    password (AUTH takes both), a variable name that is no name (the password itself, pasted
+    into the file: never echoed), and a variable that is unset or empty."""
+    user, variable = redis.sentinel_username, redis.sentinel_password_env
+    for name, value in (("sentinel_username", user), ("sentinel_password_env", variable)):
+        if value is not None and redis.sentinel_master is None:
+            raise ConfigError(f"redis.{name}: only with redis.sentinel_master (it is how "
+                              "kvgate authenticates to the Sentinels; the primary's own "
+                              "credentials are redis.url's)")
+    if user is not None and (not user or any(c.isspace() for c in user)):
+        raise ConfigError("redis.sentinel_username: must be a user name without spaces")
+    if variable is None:
+        if user is not None:
+            raise ConfigError("redis.sentinel_username: needs redis.sentinel_password_env (the "
+                              "Sentinels' AUTH takes a user name with its password)")
+        return redis
+    if not ENV_NAME.fullmatch(variable):
+        raise ConfigError("redis.sentinel_password_env: must be the name of an environment "
+                          "variable (letters, digits, _), not the password itself")
+    password = env.get(variable, "")
+    if not password:
+        raise ConfigError(f"redis.sentinel_password_env: names {variable}, which is not set "
+                          "(or empty) in the environment")
+    return dataclasses.replace(redis, sentinel_password=password)
 
 
 def startup_warnings(config: Config) -> list[str]:

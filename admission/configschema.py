@@ -76,6 +76,15 @@ class RedisSettings:
     """The primary's name at the Sentinels; set: the primary is found through `sentinels`."""
     sentinels: tuple[str, ...] = ()
     """Sentinel addresses, "host:port"."""
+    sentinel_username: str | None = None
+    """The Sentinels' ACL user kvgate authenticates as; None: their default user."""
+    sentinel_password_env: str | None = None
+    """Name of the environment variable holding the Sentinels' password (their `requirepass`);
+    None: the Sentinels are contacted without AUTH (admission.configchecks reads it)."""
+    sentinel_password: str | None = field(default=None, repr=False)
+    """The password `sentinel_password_env` names, read when the file is loaded. No key of the
+    file (the loader gives it, so one written there is refused) and out of repr, lest a
+    logged settings object show it."""
 
     def sentinel_addresses(self) -> list[tuple[str, int]]:
         return [split_address(a) for a in self.sentinels]

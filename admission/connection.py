@@ -4,7 +4,7 @@ Sentinel."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -15,8 +15,15 @@ from redis.asyncio.connection import (
     UnixDomainSocketConnection,
     parse_url,
 )
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
-from redis.exceptions import ConnectionError, ReadOnlyError
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel, SentinelConnectionPool
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError,
+    NoPermissionError,
+    ReadOnlyError,
+    ResponseError,
+)
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from admission.config import RedisSettings
 from admission.errors import REDIS_ERRORS
@@ -112,6 +119,61 @@ class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's pool (connections to the current primary) with the blocking pool's bound."""
 
 
+class SentinelAuthenticationError(AuthenticationError):
+    """The Sentinels refused kvgate's credentials for them (`redis.sentinel_username`,
+    `redis.sentinel_password_env`), or wanted some and got none. Not the primary's refusal:
+    those credentials are `redis.url`'s, and the primary was not asked. An AuthenticationError,
+    so permanent for `admission.errors.is_transient`; its class names the Sentinels in logs
+    that show an error's class alone (`admission.errors.describe`)."""
+
+
+def _address(client: Any) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"{kwargs.get('host')}:{kwargs.get('port')}"
+
+
+class _Sentinels(Sentinel):
+    """redis-py's Sentinel client, but Sentinels that refuse its credentials fail the lookup
+    with one SentinelAuthenticationError. redis-py counts a refusal as it counts a Sentinel it
+    cannot reach and raises MasterNotFoundError, a plain ConnectionError, which `is_transient`
+    takes for an outage: a wrong password would send fail-open tiers to the nodes unadmitted
+    and have settles retried, under a message that says only "No master found"."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        """Where the primary is, asking the Sentinels in turn, as redis-py does. No Sentinel
+        answered and at least one refused the credentials: SentinelAuthenticationError (one
+        that is down says nothing about them; one that answered accepted them)."""
+        refused: list[str] = []
+        failed: list[str] = []
+        answered = False
+        for i, sentinel in enumerate(self.sentinels):
+            try:
+                # A dict by master name: redis-py parses the reply so in RESP2 and RESP3.
+                masters = cast(dict[str, Any], await sentinel.sentinel_masters())
+            except (AuthenticationError, NoPermissionError) as exc:
+                # The server's reply (WRONGPASS "invalid username-password pair ...", NOAUTH
+                # "HELLO must be called with the client already authenticated ..."), which
+                # never holds the password.
+                refused.append(f"{_address(sentinel)}: {exc}")
+                continue
+            except (ConnectionError, ResponseError, RedisTimeoutError) as exc:
+                failed.append(f"{_address(sentinel)}: {type(exc).__name__} {exc}")
+                continue
+            state = masters.get(service_name)
+            if state and self.check_master_state(state, service_name):
+                # The Sentinel that knew is asked first next time, as in redis-py.
+                self.sentinels[0], self.sentinels[i] = sentinel, self.sentinels[0]
+                return state["ip"], state["port"]
+            answered = True
+            failed.append(f"{_address(sentinel)}: no primary {service_name!r} up")
+        if refused and not answered:
+            raise SentinelAuthenticationError(
+                "the Sentinels refused kvgate's credentials for them (redis.sentinel_username, "
+                "redis.sentinel_password_env; the primary's own are redis.url's): "
+                + "; ".join(refused))
+        raise MasterNotFoundError(f"No master found for {service_name!r}: {'; '.join(failed)}")
+
+
 class _SentinelPrimary(aioredis.Redis):
     """The primary's client; closing it closes the connections to the Sentinels too."""
 
@@ -135,10 +197,14 @@ def _sentinel_primary(
     # given twice to master_for they were a TypeError at start.
     tls_params = {**ssl, **{k: v for k, v in params.items() if k.startswith("ssl_")}}
     params = {k: v for k, v in params.items() if not k.startswith("ssl_")}
-    # The Sentinels are reached like the primary (TLS with the same settings, or not), without
-    # its credentials.
-    sentinel_kwargs: dict[str, Any] = {**sockets, **({"ssl": True, **tls_params} if tls else {})}
-    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
+    # The Sentinels are reached like the primary (TLS with the same settings, or not), with
+    # credentials of their own: Sentinels keep a password apart from the primary's (their own
+    # `requirepass`), and many have none.
+    auth = {k: v for k, v in (("username", settings.sentinel_username),
+                              ("password", settings.sentinel_password)) if v is not None}
+    sentinel_kwargs: dict[str, Any] = {
+        **sockets, **auth, **({"ssl": True, **tls_params} if tls else {})}
+    sentinel = _Sentinels(  # type: ignore[no-untyped-call, unused-ignore]
         settings.sentinel_addresses(), sentinel_kwargs=sentinel_kwargs)
     client: aioredis.Redis = sentinel.master_for(
         settings.sentinel_master,
@@ -157,7 +223,8 @@ def _sentinel_primary(
 
 def primary_locator(client: Any) -> PrimaryLocator | None:
     """How to find the current primary of a client built by `connect` with Sentinel (asks the
-    Sentinels); None for other clients, whose address is fixed."""
+    Sentinels, with the client's credentials for them; refused: SentinelAuthenticationError);
+    None for other clients, whose address is fixed."""
     pool = getattr(client, "connection_pool", None)
     if isinstance(pool, SentinelConnectionPool):
         locate: PrimaryLocator = pool.get_master_address

@@ -20,8 +20,9 @@ connection's handshake. Only the script calls of admission go through it (`mux_s
 `Scripts.via_connection`); pub/sub, record reads, readiness and the scheduler's operations use
 the regular redis-py client. Redis Cluster is not
 multiplexed (the gateway keeps redis-py's scripts there). With Sentinel, each connect asks
-where the primary is (`locate`), and a READONLY reply (the server was demoted to a replica by a
-failover) drops the connection, so the next call reconnects to the new primary.
+where the primary is (`locate`, which authenticates to the Sentinels as redis-py's client
+does), and a READONLY reply (the server was demoted to a replica by a failover) drops the
+connection, so the next call reconnects to the new primary.
 """
 
 from __future__ import annotations
@@ -185,6 +186,11 @@ class RedisMux:
             try:
                 async with asyncio.timeout(self.connect_timeout_s):
                     host, port = await self.locate()
+            except AuthenticationError:
+                # The Sentinels refused their credentials (admission.connection's
+                # SentinelAuthenticationError): kept as is, permanent and named, where "No
+                # primary found" would read as an outage.
+                raise
             except (RedisError, OSError, TimeoutError) as exc:
                 raise ConnectionError(f"No primary found: {type(exc).__name__}") from exc
         if "path" in params:

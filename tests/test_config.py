@@ -141,6 +141,52 @@ def test_sentinel_errors_name_the_key(redis: dict[str, Any], message: str) -> No
     assert str(caught.value).startswith(message)
 
 
+SENTINELS = {"sentinel_master": "kvgate", "sentinels": ["s:26379"]}
+SENTINEL_SECRET = "s3nt1nel-pw"
+
+
+def test_the_sentinels_password_is_read_from_the_variable_the_file_names() -> None:
+    redis = parse_config(minimal(redis={
+        **SENTINELS, "url": "redis://:primary-pw@/0", "sentinel_username": "kvgate",
+        "sentinel_password_env": "SENTINEL_PW"}), env={"SENTINEL_PW": SENTINEL_SECRET}).redis
+    assert (redis.sentinel_username, redis.sentinel_password_env, redis.sentinel_password) == (
+        "kvgate", "SENTINEL_PW", SENTINEL_SECRET)
+    assert redis.url == "redis://:primary-pw@/0"  # the primary's credentials stay the URL's
+    assert SENTINEL_SECRET not in repr(redis)  # a logged settings object does not show it
+    # Unset, the Sentinels get no credentials.
+    plain = parse_config(minimal(redis=SENTINELS), env={"SENTINEL_PW": SENTINEL_SECRET}).redis
+    assert (plain.sentinel_username, plain.sentinel_password) == (None, None)
+
+
+@pytest.mark.parametrize(("redis", "env", "message"), [
+    ({"sentinel_password_env": "SENTINEL_PW"}, {"SENTINEL_PW": SENTINEL_SECRET},
+     "redis.sentinel_password_env: only with redis.sentinel_master"),
+    ({"sentinel_username": "kvgate"}, {},
+     "redis.sentinel_username: only with redis.sentinel_master"),
+    ({**SENTINELS, "sentinel_password_env": "SENTINEL_PW"}, {},
+     "redis.sentinel_password_env: names SENTINEL_PW, which is not set (or empty)"),
+    ({**SENTINELS, "sentinel_password_env": "SENTINEL_PW"}, {"SENTINEL_PW": ""},
+     "redis.sentinel_password_env: names SENTINEL_PW, which is not set (or empty)"),
+    ({**SENTINELS, "sentinel_password_env": f"{SENTINEL_SECRET}!"}, {},
+     "redis.sentinel_password_env: must be the name of an environment variable"),
+    ({**SENTINELS, "sentinel_username": "kvgate"}, {},
+     "redis.sentinel_username: needs redis.sentinel_password_env"),
+    ({**SENTINELS, "sentinel_username": "kv gate", "sentinel_password_env": "SENTINEL_PW"},
+     {"SENTINEL_PW": SENTINEL_SECRET}, "redis.sentinel_username: must be a user name"),
+    ({**SENTINELS, "sentinel_username": "", "sentinel_password_env": "SENTINEL_PW"},
+     {"SENTINEL_PW": SENTINEL_SECRET}, "redis.sentinel_username: must be a user name"),
+    ({**SENTINELS, "sentinel_password": SENTINEL_SECRET}, {},
+     "redis.sentinel_password: a password is never written in the file"),
+])
+def test_sentinel_credentials_errors_name_the_key_and_never_the_password(
+    redis: dict[str, Any], env: dict[str, str], message: str,
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        parse_config(minimal(redis=redis), env=env)
+    assert str(caught.value).startswith(message), str(caught.value)
+    assert SENTINEL_SECRET not in str(caught.value)
+
+
 def test_dedicated_nodes_must_be_backends_of_the_pool_and_name_their_tiers() -> None:
     from admission.tiers import Tier
 

@@ -516,11 +516,12 @@ def test_schema_covers_every_config_key() -> None:
     """A key added to admission.config must be added to values.schema.json (or listed here)."""
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]
     props = schema["properties"]
-    set_by_chart = {"redis": {"url", "ssl_ca_file"}, "gateway": {"host", "port", "id"},
-                    "scheduler": {"host", "port", "id"}}
+    set_by_chart = {"redis": {"url", "ssl_ca_file", "sentinel_username", "sentinel_password_env"},
+                    "gateway": {"host", "port", "id"}, "scheduler": {"host", "port", "id"}}
     # admin_token_sha256 is not written into the ConfigMap: gateway.adminToken sets it from a
-    # Secret, through the environment.
-    not_exposed = {"gateway": {"admin_token_sha256"}}
+    # Secret, through the environment. sentinel_password is no key of the file at all: the
+    # services read it from the variable sentinel_password_env names.
+    not_exposed = {"gateway": {"admin_token_sha256"}, "redis": {"sentinel_password"}}
     for section, settings in (("redis", cfg.RedisSettings), ("gateway", cfg.GatewaySettings),
                               ("scheduler", cfg.SchedulerSettings)):
         fields = {f.name for f in dataclasses.fields(settings)}
@@ -592,6 +593,13 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "sentinel without port": ({"config": {"redis": {"sentinel_master": "kv",
                                                      "sentinels": ["sentinel-0"]}}},
                               "/config/redis/sentinels/0"),
+    # The Sentinels' password comes from a Secret alone (redis.sentinelAuth.existingSecret).
+    "sentinel password in values": ({"redis": {"sentinelAuth": {"password": "hunter2"}}},
+                                    "/redis/sentinelAuth"),
+    "sentinel password in config": ({"config": {"redis": {"sentinel_password": "hunter2"}}},
+                                    "/config/redis"),
+    "sentinel password variable in config": ({"config": {"redis": {
+        "sentinel_password_env": "MY_VAR"}}}, "/config/redis"),
     "dashboard label key": ({"grafanaDashboard": {"labelKey": "grafana dashboard"}},
                             "/grafanaDashboard/labelKey"),
     "dashboard label value": ({"grafanaDashboard": {"labelValue": 1}},
@@ -636,6 +644,17 @@ def test_schema_rejects_bad_values(case: str) -> None:
     ({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0?sockettimeout=3"},
                 "auth": {"enabled": False}}},
      "redis.external.url: its query parameter sockettimeout is not supported"),
+    # A Sentinel password with nothing to use it, or a user name without one.
+    ({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0"},
+                "auth": {"enabled": False}, "sentinelAuth": {"existingSecret": "s"}}},
+     "redis.sentinelAuth.existingSecret needs config.redis.sentinel_master"),
+    ({"redis": {"sentinelAuth": {"existingSecret": "s"}},
+      "config": {"redis": {"sentinel_master": "kv", "sentinels": ["s-0:26379"]}}},
+     "the bundled Redis has none"),
+    ({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0"},
+                "auth": {"enabled": False}, "sentinelAuth": {"username": "kvgate"}},
+      "config": {"redis": {"sentinel_master": "kv", "sentinels": ["s-0:26379"]}}},
+     "redis.sentinelAuth.username needs redis.sentinelAuth.existingSecret"),
 ])
 def test_combinations_that_cannot_work_fail_with_a_message(values: dict[str, Any],
                                                            message: str) -> None:
@@ -722,6 +741,51 @@ def test_redis_behind_sentinel() -> None:
     redis = cfg.parse_config(_toml(configmap(docs)), env={}).redis
     assert redis.sentinel_master == "kvgate"
     assert redis.sentinel_addresses() == [("sentinel-0", 26379), ("fd00::1", 26379)]
+    # Without redis.sentinelAuth the Sentinels get no credentials.
+    assert (redis.sentinel_password_env, redis.sentinel_username) == (None, None)
+    c = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert "KVGATE_SENTINEL_PASSWORD" not in env_of(c)
+
+
+SENTINEL_PASSWORD = "fedcba9876543210-sentinel-not-real"
+SENTINEL_VALUES: dict[str, Any] = {
+    **WITH_TENANTS,
+    "redis": {"mode": "external", "external": {"url": "redis://unused:6379/0"},
+              "auth": {"existingSecret": "redis-auth"},
+              "sentinelAuth": {"existingSecret": "redis-sentinel", "username": "kvgate",
+                               "existingSecretPasswordKey": "sentinel-password"}},
+    "config": {**WITH_TENANTS["config"],
+               "redis": {"sentinel_master": "kvgate", "sentinels": ["sentinel-0:26379"]}},
+}
+
+
+def test_the_sentinels_password_comes_from_a_secret_through_the_environment(
+    tmp_path: Path,
+) -> None:
+    docs = render(SENTINEL_VALUES)
+    for doc in docs:
+        if doc["kind"] not in ("ServiceMonitor", "PrometheusRule"):
+            kubernetes_validate.validate(doc, K8S_VERSIONS[-1], strict=True)
+    variable = "KVGATE_SENTINEL_PASSWORD"
+    for suffix in ("-gateway", "-scheduler"):
+        pod = one(docs, "Deployment", suffix)["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            entry = env_of(c)[variable]
+            assert entry == {"name": variable, "valueFrom": {"secretKeyRef": {
+                "name": "redis-sentinel", "key": "sentinel-password"}}}, c["name"]
+    # The ConfigMap names the variable and the user, never a password; what the gateway's init
+    # container makes of it is what the services accept, given the pod's environment.
+    text = configmap(docs)
+    redis = cfg.parse_config(_toml(text), env={variable: SENTINEL_PASSWORD}).redis
+    assert (redis.sentinel_password_env, redis.sentinel_username) == (variable, "kvgate")
+    assert redis.sentinel_password == SENTINEL_PASSWORD
+    path, env = _run_init_container(docs, tmp_path)
+    pod_env = {"REDIS_URL": env["REDIS_URL"].replace("$(REDIS_PASSWORD)", "pw"),
+               variable: SENTINEL_PASSWORD}
+    assert cfg.load_config(path, env=pod_env).redis.sentinel_password == SENTINEL_PASSWORD
+    # A pod whose Secret did not fill the variable stops at start, naming it.
+    with pytest.raises(cfg.ConfigError, match=f"redis.sentinel_password_env: names {variable}"):
+        cfg.load_config(path, env={"REDIS_URL": pod_env["REDIS_URL"]})
 
 
 # --- the alerting rules ----------------------------------------------------------------

@@ -247,9 +247,15 @@ def start_sentinel(
     quorum: int = 2,
     down_after_ms: int = 1_000,
     failover_timeout_ms: int = 10_000,
+    password: str | None = None,
+    primary_password: str | None = None,
 ) -> LocalRedis:
     """A Sentinel (`redis-server CONF --sentinel`) watching the primary on `primary_port` as
-    `name`. It rewrites its own config file, so each one gets a directory of its own."""
+    `name`. It rewrites its own config file, so each one gets a directory of its own.
+
+    `password`: the Sentinel's own (`requirepass`), which its clients must AUTH with.
+    `primary_password`: the one it gives the primary (`sentinel auth-pass`); without it a
+    primary that requires one answers the Sentinel's pings NOAUTH and is soon taken for down."""
     binary = redis_server_binary()
     port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix=f"kvgate-sentinel-{port}-"))
@@ -264,6 +270,8 @@ def start_sentinel(
         f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
         f"sentinel failover-timeout {name} {failover_timeout_ms}\n"
         f"sentinel parallel-syncs {name} 1\n"
+        + (f"requirepass {password}\n" if password else "")
+        + (f"sentinel auth-pass {name} {primary_password}\n" if primary_password else "")
     )
     process = subprocess.Popen([binary, str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -272,7 +280,7 @@ def start_sentinel(
     except BaseException:
         process.kill()
         raise
-    return LocalRedis(port=port, workdir=workdir, process=process)
+    return LocalRedis(port=port, workdir=workdir, process=process, password=password)
 
 
 @dataclass

@@ -128,6 +128,18 @@ value to change (the schema checks each value alone; these need two).
 {{- fail "redis.auth.username is an ACL user of an external Redis; the bundled Redis has only the default user, so AUTH with that name would fail: leave username empty" }}
 {{- end }}
 {{- end }}
+{{- $sa := $r.sentinelAuth }}
+{{- if and $sa.username (not $sa.existingSecret) }}
+{{- fail "redis.sentinelAuth.username needs redis.sentinelAuth.existingSecret: the Sentinels' AUTH takes a user name with its password" }}
+{{- end }}
+{{- if $sa.existingSecret }}
+{{- if ne $r.mode "external" }}
+{{- fail "redis.sentinelAuth is for the Sentinels of an external Redis; the bundled Redis has none" }}
+{{- end }}
+{{- if not (default (dict) (default (dict) .Values.config).redis).sentinel_master }}
+{{- fail "redis.sentinelAuth.existingSecret needs config.redis.sentinel_master (and config.redis.sentinels): without Sentinels the password would go unused" }}
+{{- end }}
+{{- end }}
 {{- if and .Values.tenants.existingSecret .Values.tenants.items }}
 {{- fail "tenants: use either tenants.items or tenants.existingSecret, not both" }}
 {{- end }}
@@ -275,6 +287,23 @@ a password of URL-safe characters (A-Z a-z 0-9 . _ ~ -), as the chart's generate
 - name: REDIS_URL
   value: {{ $url | quote }}
 {{- end }}
+{{- with .Values.redis.sentinelAuth }}
+{{- if .existingSecret }}
+- name: {{ include "kvgate.redis.sentinelPasswordEnv" $ }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .existingSecret }}
+      key: {{ .existingSecretPasswordKey }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The variable holding the Sentinels' password (redis.sentinelAuth), named in the config's
+redis.sentinel_password_env: the services read it from there at start.
+*/}}
+{{- define "kvgate.redis.sentinelPasswordEnv" -}}
+KVGATE_SENTINEL_PASSWORD
 {{- end }}
 
 {{- define "kvgate.redis.caPath" -}}
@@ -298,6 +327,12 @@ address and ports the probes and Services use. Tenants are not here: see tenants
 {{- $_ := set $redis "url" (include "kvgate.redis.url" .) }}
 {{- if and .Values.redis.tls.enabled .Values.redis.tls.caSecret }}
 {{- $_ := set $redis "ssl_ca_file" (include "kvgate.redis.caPath" .) }}
+{{- end }}
+{{- if .Values.redis.sentinelAuth.existingSecret }}
+{{- $_ := set $redis "sentinel_password_env" (include "kvgate.redis.sentinelPasswordEnv" .) }}
+{{- with .Values.redis.sentinelAuth.username }}
+{{- $_ := set $redis "sentinel_username" . }}
+{{- end }}
 {{- end }}
 {{- $gateway := default (dict) $cfg.gateway }}
 {{- $_ := set $gateway "host" .Values.listenAddress }}

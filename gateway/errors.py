@@ -19,7 +19,8 @@ quota that never refills, spent: OpenAI's status and type for it).
 
 A request that can never succeed as sent, whatever the load, gets a 4xx (a 429 only for
 ``insufficient_quota``) with ``x-should-retry: false`` and no retry hint (`never_retry`): 400
-``context_length_exceeded``, ``max_tokens_too_large`` and ``exceeds_burst``, and 403
+``context_length_exceeded``, ``max_tokens_too_large``, ``exceeds_burst`` and
+``chat_template_not_accepted``, and 403
 ``admin_disabled``. The header is what stops a client whose policy retries 4xx
 (kvgate_client's ``retryable_statuses`` can include them); the official SDKs read it before
 their status table. Malformed requests (bad JSON, wrong types, unknown model or key)

@@ -80,9 +80,9 @@ type RateLimitError struct {
 	// absent or malformed.
 	QueueDepth int
 	// Scope is X-RateLimit-Scope, the limit that refused the request: "key" for the API
-	// key's own limits (its quota, its caps on queued requests and queued tokens), else the
-	// name of the enclosing quota level whose quota is spent; "" when absent (a refusal for
-	// the pool's capacity).
+	// key's own limits (its quota, its caps on queued requests and queued tokens), else
+	// "team:<name>" for the enclosing quota level whose quota is spent; "" when absent (a
+	// refusal for the pool's capacity).
 	Scope string
 }
 

@@ -99,7 +99,7 @@ class RateLimitError(APIStatusError):
     RED, or UNKNOWN when the gateway could not read it, as when a queued request's deadline
     passes while Redis is unreachable); `queue_depth` the tasks queued at the request's tier
     or above (`X-Queue-Depth`); `scope` the limit that refused it (`X-RateLimit-Scope`: "key"
-    for the key's own limits, else the name of the enclosing quota level). Each is None when
+    for the key's own limits, else "team:<name>" for the enclosing quota level). Each is None when
     the header is absent (`queue_depth` also when it is no count).
     """
 

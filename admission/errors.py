@@ -9,6 +9,7 @@ permanent one is a 500 that says not to retry.
 
 from __future__ import annotations
 
+import re
 import ssl
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ TRANSIENT_REPLY_CODES = frozenset({
     "ASK",
     "NOREPLICAS",   # min-replicas-to-write not met while replicas reconnect
     "OOM",          # maxmemory with noeviction: passes once memory is freed (tasks end, expire)
+    "MISCONF",      # a failed RDB or AOF write refuses writes until a write to disk succeeds
     "NOSCRIPT",     # the script cache was flushed again between load and retry
 })
 """Error codes (the first word of a Redis error reply) a retry can get past. Every other
@@ -104,6 +106,24 @@ def reply_code(exc: BaseException) -> str | None:
     return head if head.isalpha() and head.isupper() else None
 
 
+_SCRIPT_ERROR = "Error running script"
+_CODE_WORD = re.compile(r"-?\b([A-Z]{2,})\b")
+
+
+def _script_wrapped_code(message: str) -> str | None:
+    """The reply code of a command a script ran, where Redis before 7.0 wrapped it in its own
+    `ERR Error running script (call to f_...): @user_script:N: -OOM command not allowed ...`:
+    the condition is the command's (OOM, READONLY, MISCONF pass by themselves), not the
+    script's. None when the message is no such wrapper or names no transient code."""
+    at = message.find(_SCRIPT_ERROR)
+    if at < 0:
+        return None
+    for word in _CODE_WORD.findall(message[at + len(_SCRIPT_ERROR):]):
+        if word in TRANSIENT_REPLY_CODES:
+            return str(word)
+    return None
+
+
 def describe(exc: BaseException) -> str:
     """What a log line may say about a Redis error: its class and reply code, never its
     message (which can quote keys and arguments)."""
@@ -130,7 +150,8 @@ def is_transient(exc: BaseException) -> bool:
                         rexc.OutOfMemoryError, rexc.NoScriptError)):
         return True  # MovedError is an AskError
     if isinstance(exc, rexc.ResponseError):
-        return reply_code(exc) in TRANSIENT_REPLY_CODES
+        return (reply_code(exc) in TRANSIENT_REPLY_CODES
+                or _script_wrapped_code(str(exc)) in TRANSIENT_REPLY_CODES)
     if isinstance(exc, rexc.RedisClusterException):
         # No RedisError (`REDIS_ERRORS`): redis-py's cluster client raises a cluster none of
         # whose nodes answers as RedisClusterUnreachableError (newer redis-py; older: a plain

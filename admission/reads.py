@@ -267,6 +267,15 @@ def _str_map(raw: Mapping[Any, Any]) -> dict[str, str]:
     return {_text(k): _text(v) for k, v in raw.items()}
 
 
+async def vip_placements(client: Any, keys: PoolKeys) -> dict[str, int]:
+    """node -> VIP placements there so far (`<node>:vips` in node_prefill_released): what the
+    leader reads before its poll, so that the chats placed after it count as running beside
+    the reading (lua/_room.lua prefill_room)."""
+    return {name[:-len(":vips")]: count
+            for name, count in int_map(await client.hgetall(keys.node_prefill_released)).items()
+            if name.endswith(":vips")}
+
+
 async def published_state(client: Any, keys: PoolKeys) -> dict[str, str]:
     """The pool's state hash, as the last leader published it (empty: none yet)."""
     return _str_map(await client.hgetall(keys.state))

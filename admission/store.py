@@ -336,7 +336,9 @@ class PoolStore:
         one number for all three. `prefill`: node -> (limit on the node's released Normal and
         Batch prompt tokens, window[, prefill rate in tokens/s[, the engine's running
         sequences[, the lane's cap: Normal and Batch tasks alive on it, -1 for a lane without
-        a cap, -2 or absent for a node that is not a lane]]]), replacing the published prefill
+        a cap, -2 or absent for a node that is not a lane[, the node's count of VIP placements
+        (`vip_placements`) read before the running sequences were: the chats placed since
+        count as running there; -1 or absent: none counted]]]]), replacing the published prefill
         rooms (None: keep none, no node limited); each room refills at its node's rate for
         `refill_ms` after the publish (lua/_room.lua prefill_of, lane_takes)."""
         k = self.keys
@@ -350,12 +352,13 @@ class PoolStore:
             rate = more[0] if more else 0
             running = more[1] if len(more) > 1 else -1
             lane = more[2] if len(more) > 2 else -2
-            args += [node, int(limit), int(window), int(rate), int(running), int(lane)]
+            vips = more[3] if len(more) > 3 else -1
+            args += [node, int(limit), int(window), int(rate), int(running), int(lane),
+                     int(vips)]
         for field, value in (extra or {}).items():
             args += [field, value]
         reply = await self.scripts.state(
-            keys=[k.state, k.clock, *k.tier_capacities, k.node_prefill,
-                  k.node_prefill_released], args=args)
+            keys=[k.state, k.clock, *k.tier_capacities, k.node_prefill], args=args)
         if text_of(reply[0]) == "fenced":
             raise FencedError(self.pool, epoch, int(reply[1]))
         return int(reply[2])
@@ -392,6 +395,10 @@ class PoolStore:
         """Forget why the queues waited (the `held_by` hash): the leader's tick found them empty,
         and no release ran to say so (tasks also leave a queue by expiry or cancellation)."""
         await self.client.delete(self.keys.held_by)
+
+    async def vip_placements(self) -> dict[str, int]:
+        """node -> VIP placements there so far (admission.reads.vip_placements)."""
+        return await reads.vip_placements(self.client, self.keys)
 
     async def published_state(self) -> dict[str, str]:
         """The state hash as the last leader published it (admission.reads.published_state)."""

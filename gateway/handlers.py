@@ -226,9 +226,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise
     except (ConnectionResetError, asyncio.CancelledError):
         # Cancelled: the client hung up while its request was queued or on its way to a node
-        # (the runner cancels the handler); the one other cancellation, at shutdown, comes after
-        # the queued requests were answered.
-        outcome = m.CLIENT_GONE
+        # (the runner cancels the handler), or the gateway is stopping and cut it off.
+        outcome = m.SHUTTING_DOWN if gw.admitter.closing else m.CLIENT_GONE
         raise
     except Exception:
         outcome = m.INTERNAL_ERROR

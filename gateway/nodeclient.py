@@ -121,6 +121,7 @@ class _Connection(asyncio.Protocol):
         self.headers: dict[str, str] = {}
         self.head_bytes = 0
         self.header_fields = 0
+        self.interim = False
         self.headers_done = False
         self.keep_alive = False
         self.complete = False
@@ -193,7 +194,16 @@ class _Connection(asyncio.Protocol):
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (100 Continue, 103 Early Hints) before the real one, which an
+            # HTTP client skips: its fields are dropped, and the head bound keeps counting, so
+            # that the heads together, however many, stay within it.
+            self.interim = True
+            self.headers = {}
+            self.header_fields = 0
+            return
+        self.status = status
         # Asked now: llhttp's answer is not kept once the message is complete.
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
@@ -208,6 +218,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 

@@ -218,9 +218,10 @@ class Upstream:
         self, upstream: NodeResponse, ticket: Ticket, meter: Meter
     ) -> web.StreamResponse:
         if not 400 <= upstream.status <= 599:
-            # Only a node's 4xx is the request's fault, and its 5xx a failure of its own; a
-            # 1xx, another 2xx or a 3xx (a proxy redirecting http to https, a 204, a 201 with
-            # an error in it) would reach the SDKs as a bodiless success or as the client's.
+            # Only a node's 4xx is the request's fault, and its 5xx a failure of its own;
+            # another 2xx or a 3xx (a proxy redirecting http to https, a 204, a 201 with an
+            # error in it) would reach the SDKs as a bodiless success or as the client's.
+            # (Interim 1xx answers never get here: the node client skips them.)
             raise self._malformed(ticket, upstream, meter, f"an HTTP {upstream.status} answer")
         try:
             body = await upstream.read_prefix(ERROR_BODY_BYTES)

@@ -24,8 +24,8 @@
 -- which the next poll's measured backlog takes back.
 -- KEYS the caller passes for it: node_prefill HASH (<node> -> limit, tokens; <node>:window ->
 -- tokens; <node>:rate -> tokens/s; <node>:running -> sequences; <node>:vips -> the node's
--- count of VIP placements as of the publish; :at, :until -> µs) and node_prefill_released
--- HASH (<node> -> prompt tokens of Normal and Batch work released there so far; <node>:vip ->
+-- count of VIP placements when the leader read them, before its scrape; :at, :until -> µs) and
+-- node_prefill_released HASH (<node> -> prompt tokens of Normal and Batch work released there so far; <node>:vip ->
 -- µs, the last VIP placement there while quiet nodes are kept, see quiet_others(); <node>:vips
 -- -> VIP placements there so far). `now`: µs, Redis TIME.
 local function prefill_of(limits_key, released_key, now)
@@ -38,7 +38,8 @@ local function prefill_of(limits_key, released_key, now)
 end
 
 -- {room = tokens left (may be negative), window = tokens, running = the engine's running
--- sequences at the leader's last scrape and the VIP chats placed there since its publish
+-- sequences at the leader's last scrape and the VIP chats placed there since it read their
+-- count, before that scrape
 -- (nil: not published; the scrape cannot see them, and VIP is steered by the count: without
 -- them every chat of a burst between two polls would go to the same node), lane = the node's lane cap
 -- (nil: not a lane; -1: a lane without a cap on its count; see lane_takes()), vip_at = µs of
@@ -60,9 +61,11 @@ local function prefill_room(prefill, node, limits, released)
     room = math.min(window, room + refill)
   end
   local running = tonumber(limits[node .. ':running'])
-  if running then
-    running = running + math.max(0, (tonumber(released[node .. ':vips']) or 0)
-      - (tonumber(limits[node .. ':vips']) or 0))
+  local vips_then = tonumber(limits[node .. ':vips'])
+  -- Without the snapshot (a leader of a version that publishes none) nothing is added: the
+  -- count alone is every VIP chat ever placed there.
+  if running and vips_then then
+    running = running + math.max(0, (tonumber(released[node .. ':vips']) or 0) - vips_then)
   end
   return {room = room, window = window, running = running,
           lane = tonumber(limits[node .. ':lane']), vip_at = tonumber(released[node .. ':vip'])}

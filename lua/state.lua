@@ -9,11 +9,10 @@
 -- KEYS[6]  node_prefill     HASH  node -> limit on node_prefill_released, node:window -> tokens,
 --                          node:rate -> tokens/s, node:running -> sequences, node:lane ->
 --                          the lane's cap in tasks (lanes only), :at and
---                          :until -> µs, node:vips -> KEYS[7]'s node:vips as of this
---                          publish (replaced whole; optional: without KEYS[6] ARGV carries no
---                          prefill group count either; see prefill_of() in _room.lua)
--- KEYS[7]  node_prefill_released  HASH  read only: node:vips -> VIP placements on the node so
---                          far (prefill_taken() in _place.lua; with KEYS[6])
+--                          :until -> µs, node:vips -> the node's count of VIP placements
+--                          when its running sequences were read (replaced whole; optional:
+--                          without KEYS[6] ARGV carries no prefill group count either; see
+--                          prefill_of() in _room.lua)
 --
 -- ARGV[1]  caller's fencing epoch
 -- ARGV[2]  zone: GREEN | YELLOW | RED
@@ -22,7 +21,8 @@
 --          the rooms refill at their rates, then m groups (node, limit in prompt tokens, window
 --          in prompt tokens, prefill rate in tokens/s: 0, no refill, the engine's running
 --          sequences: -1, unknown, the lane's cap in Normal and Batch tasks alive on it: -2,
---          not a lane, -1, a lane without a cap)
+--          not a lane, -1, a lane without a cap, the node's count of VIP placements
+--          (node_prefill_released node:vips) read before its running sequences were: -1, none)
 -- then     field, value pairs stored into the state hash as given (drain_0..2 in tasks/s,
 --          red_clear_s in s while RED, usage figures for operators)
 --
@@ -47,15 +47,16 @@ if KEYS[6] then
   local refill_ms = tonumber(ARGV[extra_start + 1]) or 0
   redis.call('DEL', KEYS[6])
   for i = 0, m - 1 do
-    local at = extra_start + 2 + 6 * i
+    local at = extra_start + 2 + 7 * i
     redis.call('HSET', KEYS[6], ARGV[at], ARGV[at + 1], ARGV[at] .. ':window', ARGV[at + 2],
       ARGV[at] .. ':rate', ARGV[at + 3])
     if tonumber(ARGV[at + 4]) >= 0 then
-      -- The VIP chats placed from now on count as running there until the next publish
-      -- (prefill_room()): the scraped count does not see them.
-      local vips = KEYS[7] and redis.call('HGET', KEYS[7], ARGV[at] .. ':vips') or false
-      redis.call('HSET', KEYS[6], ARGV[at] .. ':running', ARGV[at + 4],
-        ARGV[at] .. ':vips', vips or '0')
+      redis.call('HSET', KEYS[6], ARGV[at] .. ':running', ARGV[at + 4])
+      -- The VIP chats placed since the count was read count as running there until the next
+      -- publish (prefill_room()): the scraped sequences do not include them.
+      if tonumber(ARGV[at + 6]) >= 0 then
+        redis.call('HSET', KEYS[6], ARGV[at] .. ':vips', ARGV[at + 6])
+      end
     end
     if tonumber(ARGV[at + 5]) >= -1 then
       redis.call('HSET', KEYS[6], ARGV[at] .. ':lane', ARGV[at + 5])
@@ -64,7 +65,7 @@ if KEYS[6] then
   if m > 0 then
     redis.call('HSET', KEYS[6], ':at', fmt(now), ':until', fmt(now + refill_ms * 1000))
   end
-  extra_start = extra_start + 2 + 6 * m
+  extra_start = extra_start + 2 + 7 * m
 end
 -- In chunks: unpack() of them all passed Lua's C stack limit (8,000 values) at a few
 -- hundred nodes, and failed after the writes above.

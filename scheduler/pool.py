@@ -95,9 +95,10 @@ class TickResult:
     """While RED: the estimated seconds until the pool leaves it (scheduler.zones)."""
     rooms: dict[str, NodeRoom] = field(default_factory=dict)
     """The release control's figures per usable node (empty when it is off)."""
-    prefill: dict[str, tuple[int, int, float, int, int]] | None = None
+    prefill: dict[str, tuple[int, int, float, int, int, int]] | None = None
     """What is published for the scripts: node -> (limit, window, refill rate, running
-    sequences, lane cap: -2 for a node that is not a lane); None when control is off."""
+    sequences, lane cap: -2 for a node that is not a lane, VIP placements counted before the
+    scrape); None when control is off."""
     shared: int = 0
     """How many of `released`, at its start, Batch's minimum share let past waiting higher
     tiers (scheduler.policy.BatchShare)."""
@@ -297,17 +298,18 @@ class PoolScheduler:
         return plans
 
     def control_rooms(self, views: list[NodeView], plans: list[NodePlan], snap: Snapshot,
-                      now: float, settled: bool, objective_ms: int, calm_p99_ms: float | None
-                      ) -> tuple[dict[str, NodeRoom],
-                                 dict[str, tuple[int, int, float, int, int]]]:
+                      now: float, settled: bool, objective_ms: int, calm_p99_ms: float | None,
+                      vips: Mapping[str, int]) -> tuple[dict[str, NodeRoom],
+                                 dict[str, tuple[int, int, float, int, int, int]]]:
         """The release control's room per usable node, and the (limit, window, refill rate,
-        running sequences, lane cap) the scripts enforce and steer VIP by (scheduler.control;
-        lua/_room.lua prefill_of, lane_takes; lua/_place.lua least_queued)."""
+        running sequences, lane cap, VIP placements read before the scrape: `vips`) the
+        scripts enforce and steer VIP by (scheduler.control; lua/_room.lua prefill_of,
+        lane_takes; lua/_place.lua least_queued)."""
         control = self.control
         if control is None:
             return {}, {}
         rooms: dict[str, NodeRoom] = {}
-        prefill: dict[str, tuple[int, int, float, int, int]] = {}
+        prefill: dict[str, tuple[int, int, float, int, int, int]] = {}
         by_name = {v.name: v for v in views}
         lanes = self.lanes(plans)
         for plan in plans:
@@ -333,7 +335,8 @@ class PoolScheduler:
             refill = 0.0 if room.reason or room.running_limit is not None else room.rate
             prefill[plan.name] = (snap.prefill_released.get(plan.name, 0) + room.room,
                                   room.window, refill, running,
-                                  -2 if room.lane_cap is None else room.lane_cap)
+                                  -2 if room.lane_cap is None else room.lane_cap,
+                                  vips.get(plan.name, 0))
         control.forget(by_name)
         return rooms, prefill
 
@@ -406,6 +409,10 @@ class PoolScheduler:
         """One poll and release; raises FencedError (step down) or Redis errors."""
         started = self.clock()
         first, self._first_poll = self._first_poll, False
+        # Read before the poll, so that a VIP chat placed after a node's scrape is counted
+        # beside it (lua/_room.lua prefill_room); one placed between this read and the scrape
+        # counts twice until the next publish, which only spreads VIP more.
+        vips = await self.store.vip_placements() if self.control is not None else {}
         views = await self.poller.poll(self.first_wait_s if first else self.wait_s)
         if views and all(v.metrics is None and not v.ejected for v in views):
             # Nothing heard yet (a leader just took over): publishing now would say "no usable
@@ -441,7 +448,7 @@ class PoolScheduler:
             result.calm_p99_ms = self.calm.calm_ms()
             result.rooms, result.prefill = self.control_rooms(
                 views, plans, snap, now, self.calm.settled(now), result.objective_ms,
-                result.calm_p99_ms)
+                result.calm_p99_ms, vips)
         if not leading():
             return result
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),

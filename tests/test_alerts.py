@@ -140,6 +140,9 @@ def other(metric: str, labels: str, values: str, instance: str = "x0") -> dict[s
 
 
 GATEWAY_UP = 'job="kvgate-gateway"'
+SCHEDULER_UP = 'job="kvgate-scheduler"'
+SCHEDULERS = {series("up", "s0", SCHEDULER_UP): "1x40"}
+"""A release's scheduler target, scraped (what KvgateGatewaysDown judges a namespace by)."""
 # A release's gateways answer (their counters exist), its schedulers crash-loop from 5m: their
 # targets stay, down, and their series go stale.
 CRASH_LOOPING_SCHEDULERS = (
@@ -230,20 +233,23 @@ CASES = [
     Case("KvgateGatewaysDown", {series("up", "g0", 'job="kvgate-gateway"'): "1x10",
                                 series("up", "i0", 'job="istio-ingressgateway"'): "0x10"},
          "4m"),
-    # No kvgate gateway scraped at all.
+    # No kvgate gateway scraped at all, the schedulers scraped: for their namespace.
     Case("KvgateGatewaysDown", {series("up", "s0", 'job="kvgate-scheduler"'): "1x10"},
+         "4m", {}, value="1"),
+    # Nothing of kvgate scraped: absent() has no labels to keep, not even the namespace.
+    Case("KvgateGatewaysDown", {series("up", "i0", 'job="istio-ingressgateway"'): "1x10"},
          "4m", {"namespace": ""}, value="1"),
     # A release's gateway targets are gone (scaled to 0, or not selected) while its schedulers
     # are scraped, and another release's gateways are up: absent() sees those.
     Case("KvgateGatewaysDown",
-         LEADER | other("up", GATEWAY_UP, "1x40", "g0") | other("kvgate_scheduler_leader", "",
-                                                                 "1x40"),
+         SCHEDULERS | other("up", GATEWAY_UP, "1x40", "g0")
+         | other("up", SCHEDULER_UP, "1x40", "s0"),
          "4m", {}, value="1"),
     # No gateway target anywhere, schedulers scraped: one alert, for their namespace.
-    Case("KvgateGatewaysDown", LEADER, "4m", {}, value="1"),
+    Case("KvgateGatewaysDown", SCHEDULERS, "4m", {}, value="1"),
     Case("KvgateGatewaysDown",
-         LEADER | {series("up", "g0", GATEWAY_UP): "1x40"}
-         | other("up", GATEWAY_UP, "1x40", "g0") | other("kvgate_scheduler_leader", "", "1x40"),
+         SCHEDULERS | {series("up", "g0", GATEWAY_UP): "1x40"}
+         | other("up", GATEWAY_UP, "1x40", "g0") | other("up", SCHEDULER_UP, "1x40", "s0"),
          "4m"),
     Case("KvgateRequestsDropped", gw("kvgate_gateway_requests_total",
                                      'pool="p", tier="vip", outcome="unknown_node"', "0 0 3x10"),

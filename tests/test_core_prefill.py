@@ -350,24 +350,41 @@ async def test_vip_goes_to_the_quiet_node_with_the_shorter_decode_batch(
 async def test_a_vip_burst_between_polls_counts_the_chats_it_placed(
         redis_client: aioredis.Redis) -> None:
     """Both nodes quiet, equal KV, node-a's engine running 10 sequences and node-b's 20 at
-    the last scrape, and 20 VIP chats before the next poll: each chat counts as running where
+    the last scrape, and 21 VIP chats before the next poll: each chat counts as running where
     it was placed, so node-a takes the first ones and node-b its share once the counts are
-    within the slack (the scraped counts alone would send all 20 to node-a). The next publish
-    starts the count again from its scrape: a VIP chat then goes to node-a at 20 to 30,
-    although node-a took more of the burst."""
+    within the slack (the scraped counts alone would send all 20 to node-a). Chats placed
+    after the leader read the counts, before it published, count as well. The next publish
+    starts the count again from its own read: a VIP chat then goes to node-a at 20 to 30,
+    although node-a took more of the burst. Without a count published (a leader of a
+    version that publishes none) nothing is added."""
     store = await _store(redis_client)
     caps = {"node-a": BIG, "node-b": BIG}
     await store.publish_state(1, Zone.GREEN, caps, prefill={
-        "node-a": (1_000, 1_000, 0, 10), "node-b": (1_000, 1_000, 0, 20)})
-    placed = Counter([(await _admit(store, f"vip-{i}", Tier.VIP, 300))[1] for i in range(20)])
-    assert set(placed) == {"node-a", "node-b"}
-    # Each chat went to a node within the slack of the least busy (max(4, a quarter of it)).
-    low, high = sorted((10 + placed["node-a"], 20 + placed["node-b"]))
-    assert high - low <= max(4, math.ceil(low / 4)) + 1, placed
-    assert placed["node-a"] > placed["node-b"]
+        "node-a": (1_000, 1_000, 0, 20, -2, 0), "node-b": (1_000, 1_000, 0, 10, -2, 0)})
+    read = await store.vip_placements()  # the leader's read, before its scrape
+    assert read == {}
+    # Placed after the read, before the publish: node-a's 20 is past the slack of node-b's 10.
+    assert await _admit(store, "early", Tier.VIP, 300) == ("released", "node-b")
     await store.publish_state(1, Zone.GREEN, caps, prefill={
-        "node-a": (1_000, 1_000, 0, 20), "node-b": (1_000, 1_000, 0, 30)})
-    assert await _admit(store, "vip-next", Tier.VIP, 300) == ("released", "node-a")
+        "node-a": (1_000, 1_000, 0, 15, -2, 0), "node-b": (1_000, 1_000, 0, 10, -2, 0)})
+    assert await store.vip_placements() == {"node-b": 1}
+    # node-b runs 11 with it: node-a's 15 is within the slack (4), and has less reserved.
+    assert await _admit(store, "vip-first", Tier.VIP, 300) == ("released", "node-a")
+    placed = Counter([(await _admit(store, f"vip-{i}", Tier.VIP, 300))[1] for i in range(20)])
+    placed["node-a"] += 1
+    assert set(placed) == {"node-a", "node-b"}
+    # Each chat went to a node within the slack of the least busy (max(4, a quarter of it)),
+    # the one placed before the publish counted on node-b.
+    low, high = sorted((15 + placed["node-a"], 10 + 1 + placed["node-b"]))
+    assert high - low <= max(4, math.ceil(low / 4)) + 1, placed
+    counts = await store.vip_placements()
+    await store.publish_state(1, Zone.GREEN, caps, prefill={
+        "node-a": (1_000, 1_000, 0, 30, -2, counts["node-a"]),
+        "node-b": (1_000, 1_000, 0, 20, -2, counts["node-b"])})
+    assert await _admit(store, "vip-next", Tier.VIP, 300) == ("released", "node-b")
+    await store.publish_state(1, Zone.GREEN, caps, prefill={
+        "node-a": (1_000, 1_000, 0, 10), "node-b": (1_000, 1_000, 0, 20)})
+    assert await _admit(store, "vip-old-leader", Tier.VIP, 300) == ("released", "node-a")
 
 
 async def test_a_lane_takes_exactly_its_cap_of_normal_and_batch_and_vip_past_it(

@@ -88,6 +88,30 @@ async def test_a_head_at_its_bounds_is_read_and_one_past_them_refused(
         await nodes.close()
 
 
+async def test_interim_answers_are_skipped_within_the_head_bound(
+    raw_server: Callable[[Handler], Awaitable[str]],
+) -> None:
+    """A 100 Continue and a 103 Early Hints before the answer are skipped, as HTTP clients
+    must, their fields dropped; the answer is the 200 after them. The heads count against one
+    bound together: a stream of interim answers ends at it like one endless head."""
+    hints = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
+    nodes = NodeClient(connect_timeout_s=1.0, read_timeout_s=WAIT_S)
+    try:
+        response = await nodes.post(
+            await raw_server(_answering(hints + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")),
+            "/v1/chat/completions", b"{}", {})
+        assert (response.status, await response.read()) == (200, b"ok")
+        assert "link" not in response.headers
+        response.release()
+        early = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
+        endless = early * (MAX_HEAD_BYTES // len(early) + 1)
+        with pytest.raises(HeadTooLarge):
+            await asyncio.wait_for(nodes.post(await raw_server(_answering(endless)),
+                                              "/v1/chat/completions", b"{}", {}), WAIT_S)
+    finally:
+        await nodes.close()
+
+
 @asynccontextmanager
 async def _gateway_before(redis_url: str, node_url: str) -> AsyncIterator[tuple[str, Any]]:
     """A gateway whose one node is at `node_url`, its pool GREEN with room."""

@@ -78,6 +78,18 @@ CLASSIFIED: list[tuple[BaseException, bool]] = [
     (rexc.BusyLoadingError("Redis is loading the dataset in memory"), True),
     (rexc.ResponseError("LOADING Redis is loading the dataset in memory"), True),
     (rexc.ResponseError("BUSY Redis is busy running a script."), True),
+    (rexc.ResponseError("MISCONF Redis is configured to save RDB snapshots, but it's "
+                        "currently unable to persist to disk."), True),
+    # Before Redis 7.0 a command's error inside a script came wrapped in the script's ERR:
+    # the command's condition decides, not the wrapper.
+    (rexc.ResponseError("Error running script (call to f_3a1b): @user_script:12: "
+                        "@user_script: 12: -OOM command not allowed when used memory > "
+                        "'maxmemory'."), True),
+    (rexc.ResponseError("ERR Error running script (call to f_3a1b): @user_script:9: "
+                        "@user_script: 9: -READONLY You can't write against a read only "
+                        "replica."), True),
+    (rexc.ResponseError("Error running script (call to f_3a1b): @user_script:4: "
+                        "user_script:4: attempt to perform arithmetic on a nil value"), False),
 ]
 
 

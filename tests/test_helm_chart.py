@@ -819,11 +819,14 @@ def test_prometheus_rule_holds_the_alerting_rules(base: str) -> None:
             rule["annotations"]["runbook_url"] = base + rule["annotations"]["runbook_url"]
             links += 1
             jobs += rule["expr"].count(ANY_GATEWAY_JOB)
-            rule["expr"] = rule["expr"].replace(ANY_GATEWAY_JOB, f'job="{RELEASE}-kvgate-gateway"')
+            rule["expr"] = rule["expr"].replace(
+                ANY_GATEWAY_JOB, f'job="{RELEASE}-kvgate-gateway"').replace(
+                ANY_SCHEDULER_JOB, f'job="{RELEASE}-kvgate-scheduler"')
     assert links >= 10 and jobs >= 1 and doc["spec"] == {"groups": groups}
 
 
 ANY_GATEWAY_JOB = 'job=~".*kvgate.*-gateway"'
+ANY_SCHEDULER_JOB = 'job=~".*kvgate.*-scheduler"'
 """How the rule file, for a Prometheus configured by hand, matches the gateways' scrape job."""
 
 
@@ -847,24 +850,30 @@ def test_the_rules_match_the_gateways_job_the_service_monitor_makes(
         "matchLabels"].items() <= svc["metadata"]["labels"].items()]
     assert "jobLabel" not in monitor["spec"]
     job = svc["metadata"]["name"]
+    scheduler_job = one(docs, "Service", "-scheduler")["metadata"]["name"]
     (rule_doc,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     rules = {r["alert"]: r for g in rule_doc["spec"]["groups"] for r in g["rules"]}
     matchers = set(re.findall(r"job\s*(?:=~|!~|!=|=)\s*\"[^\"]*\"", rules["KvgateGatewaysDown"][
         "expr"]))
-    assert matchers == {f'job="{job}"'}
+    assert matchers == {f'job="{job}"', f'job="{scheduler_job}"'}
     assert not [r for r in rules.values() if ANY_GATEWAY_JOB in r["expr"]]
     # Prometheus evaluates the rendered rule: this release's gateways down fire it, up keep
-    # it quiet.
+    # it quiet, whatever another release in another namespace runs (its schedulers up, its
+    # gateways scraped under its own job).
     rule_file = tmp_path / "rules.yaml"
     rule_file.write_text(yaml.safe_dump(rule_doc["spec"]), encoding="utf-8")
     up = f'up{{namespace="{NAMESPACE}", instance="g0", job="{job}"}}'
-    leader = f'kvgate_scheduler_leader{{namespace="{NAMESPACE}", instance="s0"}}'
+    leader = f'up{{namespace="{NAMESPACE}", instance="s0", job="{scheduler_job}"}}'
+    other_up = 'up{namespace="other", instance="g9", job="other-kvgate-gateway"}'
+    other_leader = 'up{namespace="other", instance="s9", job="other-kvgate-scheduler"}'
     down = {"exp_labels": {"severity": "critical", "namespace": NAMESPACE, "job": job},
             "exp_annotations": rules["KvgateGatewaysDown"]["annotations"]}
     assert "{{" not in json.dumps(down)  # annotations without templates, compared as they are
     tests = [{"interval": "1m",
               "input_series": [{"series": up, "values": samples},
-                               {"series": leader, "values": "1x10"}],
+                               {"series": leader, "values": "1x10"},
+                               {"series": other_up, "values": "1x10"},
+                               {"series": other_leader, "values": "1x10"}],
               "alert_rule_test": [{"eval_time": "4m", "alertname": "KvgateGatewaysDown",
                                    "exp_alerts": alerts}]}
              for samples, alerts in (("1 1 0x10", [down]), ("1x10", []))]

@@ -296,9 +296,13 @@ async def test_normal_is_queued_not_rejected_above_its_ceiling(live: Live, level
     await live.hold(level, "YELLOW")
     pending = send_all(live, "normal")
     await assert_held(live, Tier.NORMAL, pending)
-    # The room above Normal's ceiling is VIP's: VIP passes the queued Normal work.
+    # The room above Normal's ceiling is VIP's: VIP passes the queued Normal work. A VIP chat
+    # that ends between the leader's publish and its release call frees its reservation in
+    # the capacity just published, which the usage pinned here does not show falling: a
+    # Normal request may be served then (its KV would be free on a real node), never refused.
     vip = await vip_round(live)
-    assert not any(t.done() for t in pending), [t.result() for t in pending if t.done()]
+    assert all(t.result().status == 200 for t in pending if t.done()), [
+        t.result() for t in pending if t.done()]
     fell = await live.set_kv(0.72)
     answers = await asyncio.gather(*pending)
     assert [a.status for a in answers] == [200, 200], [a.body for a in answers]

@@ -39,7 +39,7 @@ from gateway import handlers
 from gateway.admin import ADMIN_POOLS_PATH, admin_pools
 from gateway.admit import STORE_ERRORS, Admitter
 from gateway.auth import AdminToken, TenantDirectory
-from gateway.errors import openai_errors
+from gateway.errors import expect_continue, openai_errors
 from gateway.estimator import ChatFormat, TokenCounter
 from gateway.metrics import GatewayMetrics
 from gateway.nodeclient import NodeClient
@@ -107,15 +107,17 @@ def create_app(
     app[ADMIN] = AdminToken(config.gateway.admin_token_sha256)
     app[BACKEND_HEADERS] = backend_credentials(config, os.environ)
     app.cleanup_ctx.append(_runtime)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/v1/models/{model}", handlers.model)
-    app.router.add_get("/healthz", handlers.healthz)
-    app.router.add_get("/readyz", handlers.readyz)
-    app.router.add_get("/metrics", handlers.metrics_endpoint)
-    app.router.add_get("/openapi.json", handlers.openapi)
-    app.router.add_get(ADMIN_POOLS_PATH, admin_pools)
+    post = functools.partial(app.router.add_post, expect_handler=expect_continue)
+    get = functools.partial(app.router.add_get, expect_handler=expect_continue)
+    post("/v1/chat/completions", handlers.chat_completions)
+    post("/v1/completions", handlers.completions)
+    get("/v1/models", handlers.models)
+    get("/v1/models/{model}", handlers.model)
+    get("/healthz", handlers.healthz)
+    get("/readyz", handlers.readyz)
+    get("/metrics", handlers.metrics_endpoint)
+    get("/openapi.json", handlers.openapi)
+    get(ADMIN_POOLS_PATH, admin_pools)
     return app
 
 

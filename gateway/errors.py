@@ -41,7 +41,7 @@ import random
 from collections.abc import Callable, Mapping
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 from aiohttp.typedefs import Handler
 
 from admission.hints import MAX_RETRY_MS as MAX_RETRY_MS  # the cap on every capacity hint
@@ -244,6 +244,23 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> web.Re
     headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
     error = ApiError(exc.status, message, code=code, headers=headers)
     return error.response()
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The routes' `Expect` handler: `100-continue` is answered as aiohttp does; any other
+    expectation is a 417 in OpenAI's shape. aiohttp runs this before the middlewares, so its own
+    refusal reached clients as plain text that no SDK parses."""
+    expect = request.headers.get("Expect", "")
+    if request.version != HttpVersion11:
+        return None
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        # Not the answer's bytes: the answer's own size starts after them.
+        request.writer.output_size = 0
+        return None
+    return ApiError(417, "The request's Expect header asks for something other than "
+                    "100-continue, which is the one expectation this server meets.",
+                    code="expectation_failed", param="Expect").response()
 
 
 @web.middleware

@@ -78,6 +78,7 @@ _GENERATION_ERRORS = {
     "408": _error("The request body did not arrive within gateway.request_read_timeout_ms "
                   "(request_timeout); the connection is closed."),
     "413": _error("Request body larger than the configured limit."),
+    "417": _error("An Expect header other than 100-continue (expectation_failed)."),
     "429": _error("Backpressure: capacity_exceeded (pool saturated, queue full, queue "
                   "timeout, or the key's cap on queued requests: X-RateLimit-Scope 'key') or "
                   "the rate_limit_exceeded family (the key's token bucket; "
@@ -89,6 +90,9 @@ _GENERATION_ERRORS = {
                                       "sent (the quota will not pay for it in any wait the "
                                       "SDKs make).", "schema": {"type": "string",
                                                                 "enum": ["false"]}}}),
+    "500": _error("admission_misconfigured: Redis refuses admission for good (credentials, "
+                  "ACL, certificate; x-should-retry: false); internal_error: the gateway's "
+                  "own failure.", _NO_RETRY),
     "502": _error("The inference node failed, or the request was routed to a node this "
                   "gateway does not know (unknown_node).", _RETRY_HEADERS),
     "503": _error("Admission store or inference node unavailable.", _RETRY_HEADERS),

@@ -397,6 +397,16 @@ def promtool() -> str:
     return found
 
 
+def promtool_passes(tmp_path: Path, rules: Path, tests: list[dict[str, Any]]) -> None:
+    """promtool's unit tests of `rules` (its `tests` entries, evaluated each minute) pass."""
+    spec = tmp_path / "alerts-test.yaml"
+    spec.write_text(yaml.safe_dump({"rule_files": [str(rules)], "evaluation_interval": "1m",
+                                    "tests": tests}), encoding="utf-8")
+    result = subprocess.run([promtool(), "test", "rules", str(spec)], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_every_alert_is_shown_to_fire_and_to_stay_quiet() -> None:
     firing = {c.alert for c in CASES if c.fires is not None}
     quiet = {c.alert for c in CASES if c.fires is None}
@@ -409,9 +419,4 @@ def test_prometheus_fires_each_alert_exactly_in_its_cases(tmp_path: Path) -> Non
               "alert_rule_test": [{"eval_time": case.at, "alertname": case.alert,
                                    "exp_alerts": expected(case)}]}
              for case in CASES]
-    spec = tmp_path / "alerts-test.yaml"
-    spec.write_text(yaml.safe_dump({"rule_files": [str(RULES)], "evaluation_interval": "1m",
-                                    "tests": tests}), encoding="utf-8")
-    result = subprocess.run([promtool(), "test", "rules", str(spec)], capture_output=True,
-                            text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
+    promtool_passes(tmp_path, RULES, tests)

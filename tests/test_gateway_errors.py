@@ -296,6 +296,25 @@ async def test_a_body_that_does_not_decode_is_400_not_500(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
+async def test_an_unknown_expectation_is_a_417_in_the_openai_shape(gw: Harness) -> None:
+    """aiohttp answers an `Expect` it does not meet before any middleware, in plain text that
+    no SDK parses: the gateway's own handler answers it in OpenAI's shape, and still sends
+    `100 Continue` for `100-continue`."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", headers={
+                **gw.auth("vip"), "Expect": 'x"G5|./'}, json={"model": "demo"}) as response:
+            assert response.status == 417
+            error = _openai_shape(await response.json())
+            assert (error["code"], error["param"]) == ("expectation_failed", "Expect")
+        async with http.get(gw.url + "/healthz", headers={"Expect": "later"}) as response:
+            assert response.status == 417
+            assert _openai_shape(await response.json())["code"] == "expectation_failed"
+        async with http.post(gw.url + "/v1/chat/completions", headers=gw.auth("vip"),
+                             json={"model": "demo", "messages": MESSAGES, "max_tokens": 2},
+                             expect100=True) as response:
+            assert response.status == 200
+
+
 async def test_a_request_routed_to_a_node_the_gateway_does_not_know_is_safe_to_retry(
         gw: Harness) -> None:
     """The scheduler's configuration names a node this gateway's does not (a rollout half

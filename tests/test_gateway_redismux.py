@@ -118,7 +118,8 @@ async def test_auth_and_database_from_the_url(
         await bad.close()
 
 
-async def _refusal(mux: RedisMux) -> Exception:
+async def refusal(mux: RedisMux) -> Exception:
+    """What the mux's next call raises (it must raise)."""
     try:
         await mux.execute("PING")
     except Exception as exc:
@@ -145,7 +146,7 @@ async def test_a_busy_or_full_server_refuses_a_new_connection_as_an_outage_not_a
             except ResponseError:
                 break
             await asyncio.sleep(0.01)
-        refused = await _refusal(db1)
+        refused = await refusal(db1)
         assert not isinstance(refused, AuthenticationError), describe(refused)
         assert isinstance(refused, ConnectionError) and is_transient(refused), describe(refused)
     finally:
@@ -161,7 +162,7 @@ async def test_a_busy_or_full_server_refuses_a_new_connection_as_an_outage_not_a
     try:
         # The server takes no client beyond those connected now (the fixture's included).
         await holder.config_set("maxclients", len(await holder.client_list()))
-        refused = await _refusal(mux)
+        refused = await refusal(mux)
         assert isinstance(refused, ConnectionError) and is_transient(refused), describe(refused)
         await holder.config_set("maxclients", 10_000)  # room again: the next connection is taken
 

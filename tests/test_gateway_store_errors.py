@@ -35,6 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.redismux import RedisMux, mux_scripts
 from gateway.settle import LiveTasks, Settler
 from tests.gateway_harness import BIG, Harness, running_gateway
+from tests.test_gateway_redismux import refusal
 
 PASSWORD = "s3cret-store"
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -100,14 +101,6 @@ def test_each_error_class_is_transient_or_permanent(exc: BaseException,
     assert is_transient(exc) is transient
 
 
-async def _raised(mux: RedisMux) -> BaseException:
-    try:
-        await mux.execute("PING")
-    except Exception as exc:
-        return exc
-    raise AssertionError("the call succeeded")
-
-
 async def test_an_open_circuit_raises_the_class_of_the_failure_that_opened_it(
     redis_factory: Callable[..., LocalRedis],
 ) -> None:
@@ -115,18 +108,18 @@ async def test_an_open_circuit_raises_the_class_of_the_failure_that_opened_it(
     wrong = RedisMux(RedisSettings(url=f"redis://:wrong@127.0.0.1:{server.port}/0"))
     dead = RedisMux(RedisSettings(url=f"redis://127.0.0.1:{free_port()}/0"))
     try:
-        refused = await _raised(wrong)
+        refused = await refusal(wrong)
         assert isinstance(refused, rexc.AuthenticationError), describe(refused)
         for _ in range(3):  # within the circuit's first 100 ms: no connect attempted
-            again = await _raised(wrong)
+            again = await refusal(wrong)
             assert isinstance(again, rexc.AuthenticationError), describe(again)
             assert "circuit open" in str(again) and again.__cause__ is refused
             assert not is_transient(again)
             assert describe(again) == "AuthenticationError"
         assert wrong.connects == 1
 
-        down = await _raised(dead)
-        again = await _raised(dead)
+        down = await refusal(dead)
+        again = await refusal(dead)
         assert type(again) is rexc.ConnectionError and "circuit open" in str(again)
         assert again.__cause__ is down and is_transient(again)
         assert dead.connects == 1
@@ -218,7 +211,7 @@ async def test_a_settle_refused_for_good_is_given_up_at_once_and_abandons_stop_t
     settler = Settler(metrics, live)
     registry = metrics.registry
     try:
-        assert isinstance(await _raised(mux), rexc.AuthenticationError)  # the circuit opens
+        assert isinstance(await refusal(mux), rexc.AuthenticationError)  # the circuit opens
         for task_id in ("a", "b", "c"):
             live.add(task_id)
             assert await settler.finish(store, task_id, 10, cancelled=False,

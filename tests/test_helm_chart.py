@@ -34,7 +34,7 @@ from admission.fairconfig import FairnessSettings
 from admission.tiers import Tier
 from gateway.metrics import REJECTION_REASONS, REQUEST_OUTCOMES, GatewayMetrics
 from gateway.shutdown import SETTLE_MARGIN_S
-from tests.test_alerts import promtool
+from tests.test_alerts import promtool_passes
 
 CHART = Path(__file__).resolve().parent.parent / "helm" / "kvgate"
 RELEASE, NAMESPACE = "kv", "inference"
@@ -877,12 +877,7 @@ def test_the_rules_match_the_gateways_job_the_service_monitor_makes(
               "alert_rule_test": [{"eval_time": "4m", "alertname": "KvgateGatewaysDown",
                                    "exp_alerts": alerts}]}
              for samples, alerts in (("1 1 0x10", [down]), ("1x10", []))]
-    spec = tmp_path / "test.yaml"
-    spec.write_text(yaml.safe_dump({"rule_files": [str(rule_file)], "evaluation_interval": "1m",
-                                    "tests": tests}), encoding="utf-8")
-    result = subprocess.run([promtool(), "test", "rules", str(spec)], capture_output=True,
-                            text=True, timeout=60, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
+    promtool_passes(tmp_path, rule_file, tests)
 
 
 def test_the_production_example_counts_the_series_tenant_metrics_adds() -> None:

@@ -38,6 +38,7 @@ from bench.common.localredis import LocalRedis, start_redis, start_sentinel
 from gateway.app import create_app
 from gateway.redismux import RedisMux
 from tests.gateway_harness import BIG, POOL, Harness, config_data, serve_backend
+from tests.test_gateway_redismux import refusal
 
 MASTER = "kvgate"
 PRIMARY_PASSWORD = "primary-pw-not-real"
@@ -89,14 +90,6 @@ def environment(secret: str | None) -> dict[str, str]:
 def settings(g: Guarded, secret: str | None, **kwargs: Any) -> RedisSettings:
     data = {"redis": redis_table(g, secret, **kwargs), "pools": [{"name": POOL}]}
     return parse_config(data, env=environment(secret)).redis
-
-
-async def raised(mux: RedisMux) -> BaseException:
-    try:
-        await mux.execute("PING")
-    except Exception as exc:
-        return exc
-    raise AssertionError("the call succeeded")
 
 
 async def next_message(pubsub: Any) -> dict[str, Any]:
@@ -153,9 +146,9 @@ async def test_sentinels_that_refuse_are_one_permanent_error_naming_them(
             await client.ping()
         with pytest.raises(SentinelAuthenticationError) as by_pubsub:
             await pubsub.subscribe("wake")
-        by_mux = await raised(mux)
+        by_mux = await refusal(mux)
         assert type(by_mux) is SentinelAuthenticationError
-        behind_circuit = await raised(mux)  # the circuit it opened keeps its class
+        behind_circuit = await refusal(mux)  # the circuit it opened keeps its class
         assert "circuit open" in str(behind_circuit) and mux.connects == 1
         for exc in (by_pool.value, by_pubsub.value, by_mux, behind_circuit):
             assert not is_transient(exc)
@@ -183,7 +176,7 @@ async def test_the_primary_is_asked_with_the_urls_credentials_not_the_sentinels(
     try:
         with pytest.raises(rexc.AuthenticationError) as by_pool:
             await client.ping()
-        by_mux = await raised(mux)
+        by_mux = await refusal(mux)
         for exc in (by_pool.value, by_mux):
             assert isinstance(exc, rexc.AuthenticationError)
             assert not isinstance(exc, SentinelAuthenticationError), describe(exc)

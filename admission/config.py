@@ -57,7 +57,6 @@ from admission.configschema import (
     EngineSettings,
     GatewaySettings,
     PoolSettings,
-    RedisSettings,
     SchedulerSettings,
     TenantSettings,
     TierSettings,
@@ -65,6 +64,7 @@ from admission.configschema import (
 )
 from admission.controlconfig import ControlSettings
 from admission.quotaconfig import TeamSettings, check_members, check_teams
+from admission.redisconfig import RedisSettings
 from admission.tiers import Tier
 
 __all__ = [

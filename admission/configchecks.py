@@ -14,13 +14,12 @@ from urllib.parse import urlsplit
 
 from admission.configfields import ENV_NAME, ConfigError, shown_url
 from admission.configschema import (
-    MIN_CONNECTIONS,
     Config,
     PoolSettings,
-    RedisSettings,
     SchedulerSettings,
     TenantSettings,
 )
+from admission.redisconfig import MIN_CONNECTIONS, RedisSettings
 
 
 def _earlier(seen: dict[str, int], key: str, i: int) -> int | None:

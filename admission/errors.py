@@ -126,9 +126,20 @@ def _script_wrapped_code(message: str) -> str | None:
 
 def describe(exc: BaseException) -> str:
     """What a log line may say about a Redis error: its class and reply code, never its
-    message (which can quote keys and arguments)."""
+    message (which can quote keys and arguments). A credential error wrapped in another
+    (a certificate that does not verify reaches callers as a ConnectionError raised from it)
+    is named too, a certificate's with OpenSSL's reason ("self-signed certificate", "Hostname
+    mismatch, certificate is not valid for 'redis'"): the line an operator reads must say what
+    to fix, not only that a connection failed."""
     code = reply_code(exc)
-    return type(exc).__name__ if code is None else f"{type(exc).__name__} {code}"
+    said = type(exc).__name__ if code is None else f"{type(exc).__name__} {code}"
+    inner = next((e for e in _causes(exc)[1:] if isinstance(e, _CREDENTIAL_ERRORS)), None)
+    if inner is None or type(inner) is type(exc):
+        return said
+    reason = getattr(inner, "verify_message", None)
+    if isinstance(reason, str) and reason:
+        return f"{said} from {type(inner).__name__} ({reason[:120]})"
+    return f"{said} from {type(inner).__name__}"
 
 
 def is_transient(exc: BaseException) -> bool:

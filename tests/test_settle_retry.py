@@ -192,6 +192,9 @@ async def test_a_cluster_or_a_certificate_is_classified_by_what_the_error_was_ra
                         await _raised(lambda: unverified_mux.execute("PING"))):
             assert isinstance(refused, REDIS_ERRORS), describe(refused)
             assert not is_transient(refused), describe(refused)
+            # The log line names the cause an operator must fix, not a bare ConnectionError.
+            assert describe(refused).startswith(f"{type(refused).__name__} from "
+                                                "SSLCertVerificationError ("), describe(refused)
     finally:
         await unverified_mux.close()
         for client in (unreachable, not_a_cluster, unverified):

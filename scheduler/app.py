@@ -4,6 +4,10 @@
 Redis reachable or not (a restart fixes neither: a standby is healthy, and one cut off from
 Redis keeps retrying); 503 once one of its loops ended (`ended_loops`), which only a restart
 repairs, so that a liveness probe restarts the replica (which resigns the lease it may hold).
+Its `redis` field says what the latest leadership call met: `{"state": "ok"}`, `"unreachable"`
+(an outage: it passes), or `"refused"` with the error's class (a wrong password, an ACL
+without the scripts' commands, a certificate that does not verify: a restart repairs none of
+these, so the probe stays 200 and the replica heals once the operator fixes the secret).
 
 `create_app` builds the application without I/O; the service starts with the app and stops
 (resigning leadership) when the app is cleaned up.

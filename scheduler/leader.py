@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from admission.errors import REDIS_ERRORS
+from admission.errors import REDIS_ERRORS, describe, is_transient
 from admission.failurelog import FailureLog
 from admission.leadership import leadership
 from admission.pubsub import MESSAGE_KINDS, announce_handover, handover_subscription
@@ -59,6 +59,12 @@ class Elector:
         """Leadership gained or lost, for metrics."""
         self.failed_at: float | None = None
         """When a leadership call last failed on a Redis error (this replica's clock)."""
+        self.last_error: str | None = None
+        """`describe` of the Redis error of the latest leadership call, None once one
+        succeeds: /healthz shows it."""
+        self.error_permanent = False
+        """Whether that error is one only an operator repairs (credentials, ACL, a
+        certificate): /healthz says "refused" instead of "unreachable"."""
         # Redis down or a wrong password: logged once per streak, not at every ttl/10 retry.
         self._failure_log = FailureLog("leadership call", clock, log,
                                        recovered="leadership calls succeed again")
@@ -85,6 +91,8 @@ class Elector:
             # Keep trying often: the lease may still be ours for a while.
             return self.ttl_s / 10
         self._failure_log.succeeded()
+        self.last_error = None
+        self.error_permanent = False
         self.holder = result.holder
         if result.leading:
             if self.epoch != result.epoch:
@@ -101,6 +109,8 @@ class Elector:
 
     def _failed(self, exc: BaseException) -> None:
         self.failed_at = self.clock()
+        self.last_error = describe(exc)
+        self.error_permanent = not is_transient(exc)
         self.on_failure()
         self._failure_log.failed(exc)
 

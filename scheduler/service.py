@@ -324,9 +324,20 @@ class SchedulerService:
             "holder": elector.holder if elector is not None else None,
             "ticks": self.ticks,
             "ended_loops": self.ended_loops,
+            "redis": _redis_health(elector),
             "pools": {
                 name: {"zone": r.zone.value, "usage": r.usage,
                        "ticks": self.pool_ticks.get(name, 0)}
                 for name, r in self.last.items()
             },
         }
+
+
+def _redis_health(elector: Elector | None) -> dict[str, Any]:
+    """What the latest leadership call met: "ok", "unreachable" (it passes when Redis is back)
+    or "refused" (a wrong password, an ACL, a certificate: the operator must act; the replica
+    keeps retrying and heals once they do), with the error's class (`describe`)."""
+    if elector is None or elector.last_error is None:
+        return {"state": "ok", "error": None}
+    return {"state": "refused" if elector.error_permanent else "unreachable",
+            "error": elector.last_error}

@@ -223,7 +223,9 @@ backends = [{{ name = "n1", url = "http://127.0.0.1:{free_port()}" }}]
     assert process.stderr is not None
     seen: list[str] = []
     try:
-        while not any("leads with epoch" in line for line in seen):
+        # The service starts (and may lead) before the listening line is logged.
+        while not (any("leads with epoch" in line for line in seen)
+                   and any("listening on" in line for line in seen)):
             line = await asyncio.wait_for(process.stderr.readline(), 30)
             assert line, seen
             seen.append(line.decode())
@@ -251,6 +253,39 @@ async def test_failed_leadership_calls_are_counted_in_a_metric() -> None:
         assert not service.leading
     finally:
         await service.stop()
+
+
+async def test_healthz_says_whether_redis_is_unreachable_or_refuses_the_credentials(
+    redis_factory: Callable[..., LocalRedis],
+) -> None:
+    """A replica with a wrong password answers /healthz 200 (a restart would not repair it)
+    but says Redis refused it, and which error; one cut off says unreachable; one that
+    leads says ok."""
+    server = redis_factory(password=PASSWORD)
+    wrong = server.url.replace(PASSWORD, "not-the-password")
+    cases = [(wrong, "refused", "AuthenticationError WRONGPASS"),
+             (f"redis://127.0.0.1:{free_port()}/0", "unreachable", "ConnectionError"),
+             (server.url, "ok", None)]
+    for url, state, error in cases:
+        config = make_config(url, [{"name": "n1", "url": "http://x"}],
+                             scheduler={"poll_interval_ms": 20})
+        app = create_app(config, me="s1")
+        service = app[SERVICE]
+        async with TestClient(TestServer(app)) as client:
+            await _settled(service, leading=state == "ok")
+            answer = await client.get("/healthz")
+            assert answer.status == 200
+            health = await answer.json()
+            assert health["redis"] == {"state": state, "error": error}, health
+            if state != "ok":
+                assert PASSWORD not in await answer.text()
+
+
+async def _settled(service: SchedulerService, *, leading: bool) -> None:
+    if leading:
+        await eventually(lambda: service.leading)
+    else:
+        await eventually(lambda: _leadership_errors(service) >= 1)
 
 
 def _leadership_errors(service: SchedulerService) -> float:

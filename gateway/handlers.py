@@ -191,6 +191,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     pool = inbound.pool
     outcome = m.REJECTED
     task_id: str | None = None
+    meter: Meter | None = None
     in_flight = metrics.child(metrics.in_flight, pool.name)
     in_flight.inc()
     try:
@@ -226,8 +227,12 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         raise
     except (ConnectionResetError, asyncio.CancelledError):
         # Cancelled: the client hung up while its request was queued or on its way to a node
-        # (the runner cancels the handler), or the gateway is stopping and cut it off.
-        outcome = m.SHUTTING_DOWN if gw.admitter.closing else m.CLIENT_GONE
+        # (the runner cancels the handler), or the gateway is stopping and cut it off; or,
+        # with the whole answer delivered, the client closed before the body's end.
+        if meter is not None and meter.phase is Phase.DONE:
+            outcome = m.OK if ticket.admitted else m.FAIL_OPEN
+        else:
+            outcome = m.SHUTTING_DOWN if gw.admitter.closing else m.CLIENT_GONE
         raise
     except Exception:
         outcome = m.INTERNAL_ERROR

@@ -269,7 +269,9 @@ async def parse_inbound(
     if options is not None:
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object.", param="stream_options")
-        if not stream:
+        if options and not stream:
+            # vLLM's rule: an empty object without streaming is accepted (some clients
+            # always send one), options that could only apply to a stream are refused.
             raise bad_request("Stream options can only be defined when `stream=True`.",
                               param="stream_options")
         include_usage = options.get("include_usage")
@@ -379,7 +381,11 @@ async def parse_inbound(
 
     requested_model = body["model"]
     body["model"] = pool.served_model
-    if requested is None:
+    if requested is None and per_sequence >= default:
+        # Where the context leaves less than the default, the field stays out: the node then
+        # takes the rest of its context by its own count. Written from the gateway's count it
+        # would be refused (a 400 naming a max_tokens the client never sent) whenever the
+        # node counts one token more, as it does with any other chat template or tokenizer.
         body["max_tokens"] = per_sequence
     client_wants_usage = False
     if stream:

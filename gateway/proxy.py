@@ -310,6 +310,9 @@ class Upstream:
                         if meter.first_byte_s is None:
                             meter.first_byte_s = loop.time() - started
                         await guard.write(response, out)
+                        if relay.ended and relay.failed is None:
+                            # Delivered, even if the client leaves before the body's end.
+                            meter.phase = Phase.DONE
             except NodeError as exc:
                 broken = True
                 kind = "timeout" if isinstance(exc, TimeoutError) else (

@@ -88,7 +88,8 @@ class SseRelay:
     """Splits an SSE byte stream into events, counts output, drops the usage-only chunk, and
     writes the client's model name into each chunk (`reply_model`, None: left as sent)."""
 
-    __slots__ = ("_cr", "_held", "_parts", "_reply_model", "_strip_usage", "failed", "meter")
+    __slots__ = ("_cr", "_held", "_parts", "_reply_model", "_strip_usage", "ended", "failed",
+                 "meter")
 
     def __init__(self, meter: Meter, *, strip_usage: bool, reply_model: str | None = None) -> None:
         self._parts: list[bytes] = []
@@ -102,6 +103,10 @@ class SseRelay:
         self.meter = meter
         self.failed: ApiError | None = None
         """The node's error event, when it sent one: the generation ended on it."""
+        self.ended = False
+        """The stream's last event (`data: [DONE]`) is among the bytes `feed` returned: once
+        they are written the client has the whole answer, whatever the connection does next
+        (the OpenAI SDK's synchronous stream closes it there, before the body's end)."""
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to send now: every complete event received so far, minus dropped ones.
@@ -163,7 +168,10 @@ class SseRelay:
         if not event.startswith(b"data:"):
             return event
         payload = event[5:].strip()
-        if payload == b"[DONE]" or not payload.startswith(b"{"):
+        if payload == b"[DONE]":
+            self.ended = True
+            return event
+        if not payload.startswith(b"{"):
             return event
         try:
             chunk = orjson.loads(payload)

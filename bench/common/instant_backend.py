@@ -78,6 +78,9 @@ class InstantBackend:
     held: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a stream reached `hold_after` and waits for `gate`."""
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    end_gate: asyncio.Event | None = None
+    """When set to an event, a stream's body ends (after `data: [DONE]`) only once it is set:
+    a node slow to end its body after its last event."""
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -213,6 +216,8 @@ async def _stream(
         if include_usage:
             tail += chunk([], _usage(prompt_tokens, produced * sequences))
         await response.write(tail + DONE)
+        if backend.end_gate is not None:
+            await backend.end_gate.wait()
         await response.write_eof()
     except (ConnectionResetError, asyncio.CancelledError):
         backend.aborted.set()

@@ -1,5 +1,6 @@
 """What the services' command lines share: the command's name as it was run, the flags that
-override the configuration file (`--port`, `--log-level`: `add_service_flags`), what the
+override the configuration file (`--port`, `--log-level`: `add_service_flags`), the offline
+check of the configuration (`--check-config`: `add_check_flag`, `config_ok`), what the
 environment overrides, and their port: bound before anything else starts (`listen`), or the
 one line a service prints when it cannot be (`listen_error`)."""
 
@@ -13,6 +14,7 @@ import socket
 import sys
 
 from admission.configfields import PORT_MAX
+from admission.configschema import Config
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """`--log-level`'s choices, taken in any case (the flag's argparse type is `str.upper`)."""
@@ -43,6 +45,23 @@ def add_service_flags(parser: argparse.ArgumentParser, port_help: str) -> None:
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
                         metavar="LEVEL", help="least severity logged to stderr: "
                         f"{', '.join(LOG_LEVELS)}, in any case (default: %(default)s)")
+
+
+def add_check_flag(parser: argparse.ArgumentParser, service: str, what: str) -> None:
+    """`--check-config`: validate the configuration as the service would at start, then exit;
+    `what` lists what the service checks besides the file and the files it names."""
+    parser.add_argument(
+        "--check-config", action="store_true",
+        help=f"load and validate the configuration as the {service} does at start ({what}), "
+             "connecting to nothing and binding nothing; print 'configuration OK: FILE (N "
+             "pools, M tenants)' and exit 0, or the error and exit 2")
+
+
+def config_ok(path: str, config: Config) -> str:
+    """The line `--check-config` prints for a valid configuration."""
+    pools, tenants = len(config.pools), len(config.tenants)
+    return (f"configuration OK: {path} ({pools} pool{'' if pools == 1 else 's'}, "
+            f"{tenants} tenant{'' if tenants == 1 else 's'})")
 
 
 def non_negative_seconds(text: str) -> float:

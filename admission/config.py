@@ -42,6 +42,7 @@ from admission.configchecks import (
     with_sentinel_password,
 )
 from admission.configfields import (
+    UNSET,
     ConfigError,
     bounds_of,
     ceiling_error,
@@ -85,6 +86,7 @@ __all__ = [
     "ZoneSettings",
     "check_mounted_files",
     "check_redis_ca",
+    "in_file",
     "load_config",
     "parse_config",
     "split_address",
@@ -189,8 +191,10 @@ def _scalar(where: str, value: Any, hint: Any) -> Any:
     if hint is str:
         return _Reader.check_kind(where, value, str)
     if hint is Tier:
+        # Outside the try: its ConfigError, a ValueError too, already names the key.
+        text = _Reader.check_kind(where, value, str)
         try:
-            return Tier.parse(_Reader.check_kind(where, value, str))
+            return Tier.parse(text)
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     raise TypeError(f"{where}: the loader reads no setting of type {hint!r}")
@@ -223,6 +227,8 @@ def _field(r: _Reader, cls: type, name: str, defaults: Any = None) -> Any:
         # Refused rather than read as the default: a template that rendered `url = ""` from
         # an unset variable would otherwise reach the local Redis without a word.
         raise ConfigError(f"{where}: is empty; leave the key out for its default {default!r}")
+    if kind is str and value == "" and UNSET in f.metadata:
+        raise ConfigError(f"{where}: is empty; leave the key out for {f.metadata[UNSET]}")
     bounds = bounds_of(f)
     problem = None if bounds is None else bounds.error(value)
     if problem is None and kind is int:
@@ -289,7 +295,7 @@ def _admin_token(env: Mapping[str, str]) -> str | None:
         return None
     if not is_sha256(value):
         raise ConfigError(f"{ADMIN_TOKEN_ENV}: must be a lowercase hex SHA-256 (of the admin "
-                          "token, never the token itself)")
+                          "token, never the token itself)", variable=ADMIN_TOKEN_ENV)
     return value
 
 
@@ -327,9 +333,14 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     refuse_sentinel_password(redis.table)
     # The Sentinels' password is given, never read from the file: it comes from the variable
     # the file names.
-    redis_settings = with_sentinel_password(
-        _section(redis, RedisSettings, url=env.get("REDIS_URL") or file_url,
-                 sentinel_password=None), env)
+    try:
+        redis_section = _section(redis, RedisSettings, url=env.get("REDIS_URL") or file_url,
+                                 sentinel_password=None)
+    except ConfigError as exc:
+        if isinstance(redis, _Overridden) and str(exc).startswith(redis.key("url")):
+            raise ConfigError(str(exc), variable=redis.variable) from None
+        raise
+    redis_settings = with_sentinel_password(redis_section, env)
     config = Config(
         redis=redis_settings,
         gateway=_section(gateway, GatewaySettings,
@@ -357,7 +368,21 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None) -> Confi
         raise ConfigError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return parse_config(data, env)
+    try:
+        return parse_config(data, env)
+    except ConfigError as exc:
+        raise in_file(path, exc) from None
+
+
+def in_file(path: str | Path, error: ConfigError) -> ConfigError:
+    """`error` naming the file before the key (`/etc/kvgate/config.toml: gateway.port: ...`),
+    as its syntax errors do: the services' log names the key, and a reader with several files
+    (a ConfigMap, a Secret's tenants, a local copy) needs to know which one holds it. An error
+    about an environment variable's value (`REDIS_URL`, ...) is returned as it is: the file
+    holds nothing wrong."""
+    if error.variable is not None:
+        return error
+    return ConfigError(f"{path}: {error}")
 
 
 def check_mounted_files(config: Config) -> None:

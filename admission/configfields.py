@@ -3,11 +3,11 @@
 A settings dataclass (admission.configschema, admission.controlconfig, admission.fairconfig,
 admission.quotaconfig) declares each key as a field whose annotation is the key's type and
 whose default is the key's default; `at_least`, `between`, `optional_between`, `tcp_port` and
-`one_of` add the bounds a value must keep. The loader (admission.config) reads every field
-from the file by those declarations alone, so a default or a bound is written once, next to
-the setting it belongs to. Every integer setting also has a ceiling its declaration need not
-repeat (`ceiling_error`), and the checks of values that several settings share (URLs,
-addresses, hashes) are here too.
+`one_of` add the bounds a value must keep, and `optional_text` refuses an optional string's
+`""`. The loader (admission.config) reads every field from the file by those declarations
+alone, so a default or a bound is written once, next to the setting it belongs to. Every
+integer setting also has a ceiling its declaration need not repeat (`ceiling_error`), and the
+checks of values that several settings share (URLs, addresses, hashes) are here too.
 
 A class may also declare
 
@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import SplitResult, parse_qs, urlsplit
 
+from redis.connection import FALSE_STRINGS
+
 KeyName = Callable[[str], str]
 """The full name of a setting of the table being read, e.g. "yellow" -> "pools[0].zones.yellow"."""
 
@@ -37,6 +39,13 @@ BOUNDS = "kvgate.bounds"
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message names the key."""
+
+    def __init__(self, message: str, *, variable: str | None = None) -> None:
+        super().__init__(message)
+        self.variable = variable
+        """The environment variable whose value is at fault (`REDIS_URL`), or None when the
+        file is: an error about a variable does not name the file (admission.config.in_file),
+        which holds nothing wrong."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +118,18 @@ def one_of(default: str, *others: str) -> str:
     return field(default=default, metadata={BOUNDS: Bounds(choices=(default, *others))})
 
 
+UNSET = "kvgate.unset"
+"""The field metadata key holding what an optional string setting left out means."""
+
+
+def optional_text(unset: str) -> str | None:
+    """A string setting, unset (None) by default, whose `""` is refused: `unset` says what
+    leaving it out means, for the message. Without the refusal an empty path reads the current
+    directory (a tokenizer) or means the default silently (a CA file: the system's CAs), which
+    a template that rendered an unset variable as `""` would otherwise get."""
+    return field(default=None, metadata={UNSET: unset})
+
+
 def required_at_least(minimum: int) -> Any:
     """An integer setting of at least `minimum` with no default of its own (the caller
     supplies the defaults, as `admission.configschema.DEFAULT_TIERS` does per tier)."""
@@ -135,12 +156,43 @@ def ceiling_error(name: str, value: int) -> str | None:
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """("host", port) of "host:port" ("[v6::addr]:port" for IPv6); ValueError if malformed."""
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{address!r} is not host:port")
+    """("host", port) of "host:port" ("[v6::addr]:port" for IPv6); ValueError saying what is
+    wrong if malformed. Checked when the file is loaded: the Sentinel client would otherwise
+    take `redis://h:26379` as host `redis` and fail each connection, at run time."""
+    parts = _address_parts(address)
+    if isinstance(parts, str):
+        raise ValueError(f"{address!r} is not host:port: {parts}")
+    return parts
+
+
+def _address_parts(address: str) -> tuple[str, int] | str:
+    """("host", port) of `address`, or what is wrong with it."""
+    if "://" in address:
+        return ("leave out the scheme (whether the Sentinels are reached with TLS is "
+                "redis.url's scheme)")
+    if any(c.isspace() for c in address):
+        return "it contains a space"
+    if address.startswith("["):
+        host, close, rest = address[1:].partition("]")
+        if not close or "[" in host or "]" in rest:
+            return "unbalanced brackets (an IPv6 address is written [v6addr]:port)"
+        if rest and not rest.startswith(":"):
+            return "the port must follow the bracketed address ([v6addr]:port)"
+        port = rest[1:]
+    else:
+        if "[" in address or "]" in address:
+            return "unbalanced brackets (an IPv6 address is written [v6addr]:port)"
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            return "no port"
+        if ":" in host:
+            return "an IPv6 address goes in brackets ([v6addr]:port)"
+    if not port:
+        return "no port"
+    if not host:
+        return "no host"
+    if not (port.isascii() and port.isdigit()) or not 0 < int(port) <= PORT_MAX:
+        return f"port {port!r} is not a number from 1 to {PORT_MAX}"
     return host, int(port)
 
 
@@ -205,6 +257,14 @@ def url_query(url: str) -> dict[str, str]:
     return {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
 
 
+BOOLEAN_WORDS = frozenset({*FALSE_STRINGS, "1", "T", "TRUE", "Y", "YES", "ON"})
+"""The words a URL's boolean may be, in upper case: redis-py's false ones and their true
+counterparts."""
+
+MAX_DATABASE = 2**31 - 1
+"""The highest database number Redis can have (its `databases` setting is an int)."""
+
+
 def _tls_query_error(url: str, query: dict[str, str]) -> str | None:
     for name in query:
         if not name.startswith("ssl_"):
@@ -217,6 +277,11 @@ def _tls_query_error(url: str, query: dict[str, str]) -> str | None:
     reqs = query.get("ssl_cert_reqs")
     if reqs is not None and reqs not in ("none", "optional", "required"):  # as redis-py reads
         return f"ssl_cert_reqs {reqs!r} must be {TLS_QUERY['ssl_cert_reqs']}"
+    check = query.get("ssl_check_hostname")
+    if check is not None and check.upper() not in BOOLEAN_WORDS:
+        # redis-py reads any word but its false ones as true: `flase` would check the name.
+        return (f"ssl_check_hostname {check!r} must be true or false (or 1, 0, yes, no, on, "
+                "off, in any case)")
     if "ssl_keyfile" in query and "ssl_certfile" not in query:
         return "ssl_keyfile needs ssl_certfile (the certificate the key belongs to)"
     return None
@@ -244,8 +309,9 @@ def backend_url_error(url: str) -> str | None:
     """Why `url` cannot be a backend's address (the text after the key), or None.
 
     The services append the API paths to it (`/v1/chat/completions`, `/metrics`), so it is a
-    server's root: a path is allowed only as a reverse proxy's prefix, never ending in `/v1`,
-    and a query or fragment would end up before the appended path."""
+    server's root: a path is allowed only as a reverse proxy's prefix (`/vllm/node-1`), never
+    holding a `v1` segment or ending in `metrics`, and a query or fragment would end up before
+    the appended path."""
     if not url.startswith(("http://", "https://")):
         return "must be an http:// or https:// URL"
     parts = _split(url)
@@ -258,10 +324,21 @@ def backend_url_error(url: str) -> str | None:
     if parts.query or parts.fragment or url.endswith(("?", "#")):
         return (f"{shown_url(url)!r}: a query or fragment is not allowed (expected "
                 "http://HOST:PORT)")
-    if parts.path.rstrip("/").endswith("/v1"):
-        return (f"{shown_url(url)!r}: leave out the /v1 (the gateway appends "
-                "/v1/chat/completions and the scheduler /metrics to the server's root)")
+    endpoint = _endpoint_path(parts.path)
+    if endpoint:
+        return (f"{shown_url(url)!r}: leave out the {endpoint}: the URL is the server's base, "
+                "to which the gateway appends /v1/chat/completions and the scheduler /metrics")
     return _port_error(url)
+
+
+def _endpoint_path(path: str) -> str:
+    """The part of a backend URL's path that is an API's, not a reverse proxy's prefix: from a
+    `v1` segment on, or a last segment `metrics` ("" if none). Accepted, a whole endpoint's URL
+    would be appended to: every request would go to `.../v1/chat/completions/v1/...`."""
+    segments = path.rstrip("/").split("/")
+    if "v1" in segments:
+        return "/".join(["", *segments[segments.index("v1"):]])
+    return "/metrics" if segments[-1] == "metrics" else ""
 
 
 def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
@@ -269,9 +346,11 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
     False when the host is found elsewhere (Sentinel), so the URL may leave it out.
 
     What the Redis client would otherwise do silently is refused: a database that is not a
-    number (read as database 0), a URL without a host (read as localhost), a query parameter
-    other than `URL_QUERY` and `TLS_QUERY` (handed to every connection as is). The message never
-    shows the URL's password: the services print it, and their output ends up in logs."""
+    number (read as database 0) or above `MAX_DATABASE`, a URL without a host (read as
+    localhost), a space in the host, a unix:// URL naming a host (ignored), a query parameter
+    other than `URL_QUERY` and `TLS_QUERY` (handed to every connection as is), a boolean that
+    is not one of `BOOLEAN_WORDS` (read as true). The message never shows the URL's password:
+    the services print it, and their output ends up in logs."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         return "must start with redis://, rediss:// or unix://"
     parts = _split(url)
@@ -282,7 +361,11 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
     if problem is not None:
         return problem
     shown = repr(shown_url(url))
+    address = parts.netloc.rpartition("@")[2]
     if url.startswith("unix://"):
+        if address:
+            return (f"{shown} names host {address!r}, which a unix:// URL would ignore "
+                    "(expected unix:///path/to/redis.sock)")
         if not parts.path:
             return f"{shown} names no socket path (expected unix:///path/to/redis.sock)"
         db = query.get("db", "0")
@@ -293,6 +376,8 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
             return ("its user name or password holds a '/', '?' or '#', which ends the address "
                     "there: percent-encode those characters, or use a password of URL-safe "
                     "characters (A-Z a-z 0-9 . _ ~ -)")
+        if any(c.isspace() for c in address):
+            return f"{shown}: its host contains a space"
         if needs_host and not parts.hostname:
             return f"{shown} names no host (expected redis://HOST:PORT/DB)"
         problem = _port_error(url)
@@ -303,7 +388,10 @@ def redis_url_error(url: str, *, needs_host: bool = True) -> str | None:
     problem = _query_error(query)
     if problem is not None:
         return problem
-    if not db.isdigit():
+    if not (db.isascii() and db.isdigit()):
         return (f"database {db!r} is not a database number (the path is the database: "
                 "redis://HOST:PORT/0)")
+    if len(db.lstrip("0")) > len(str(MAX_DATABASE)) or int(db) > MAX_DATABASE:
+        return (f"database {db} is out of range: Redis numbers its databases from 0 to "
+                f"{MAX_DATABASE}")
     return None

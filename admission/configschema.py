@@ -28,6 +28,7 @@ from admission.configfields import (
     one_of,
     optional_at_least,
     optional_between,
+    optional_text,
     required_at_least,
     tcp_port,
 )
@@ -78,8 +79,8 @@ class ZoneSettings:
     """VIP's ceiling, between `kv_target` and `red` (None: `red`): the room between the two is
     VIP's alone, so a VIP chat finds a node in every zone while any node is below it."""
     batch_ceiling: float | None = optional_between(0.0, 1.0)
-    """Batch's ceiling, at most `kv_target` (None: `yellow`, or `kv_target` if lower): Batch
-    never takes the room Normal and VIP are placed in."""
+    """Batch's ceiling, above 0 and at most `kv_target` (None: `yellow`, or `kv_target` if
+    lower): Batch never takes the room Normal and VIP are placed in."""
     yellow_normal_rate: float = between(0.0, 1e6, 20.0)
     """Normal releases per second allowed in YELLOW."""
     batch_trickle_rate: float = between(0.0, 1e6, 0.0)
@@ -122,6 +123,9 @@ class ZoneSettings:
         if not self.kv_target > 0:
             raise ConfigError(f"{key('kv_target')}: must be above 0, or no Normal or Batch "
                               "work would ever be placed")
+        if self.batch_ceiling is not None and not self.batch_ceiling > 0:
+            raise ConfigError(f"{key('batch_ceiling')}: must be above 0, or no Batch work "
+                              "would ever be placed")
         # Each tier's ceiling is at most the next higher tier's: a setting that let Batch or
         # Normal fill the room VIP is placed in would break strict tiers.
         vip, normal, batch = self.ceilings()
@@ -229,7 +233,7 @@ class PoolSettings:
     context_length: int = at_least(1, 32_768)
     default_max_tokens: int = at_least(1, 1_024)
     max_max_tokens: int = at_least(1, 8_192)
-    tokenizer: str | None = None
+    tokenizer: str | None = optional_text("the bundled Qwen2 tokenizer")
     """Path to tokenizer.json(.gz); None = the shipped Qwen2 tokenizer."""
     default_system_prompt: str | None = None
     pass_priority: bool = False
@@ -242,14 +246,14 @@ class PoolSettings:
     """Give each tenant its own partition of the nodes' prefix cache: a request without a
     `cache_salt` is sent with one derived from its tenant (vLLM V1 engines; V0 refuses the
     field). Off: unsalted requests of all tenants share the cache."""
-    served_model_name: str | None = None
+    served_model_name: str | None = optional_text("the pool's name")
     """The model name the backends serve (vLLM --served-model-name); None = the pool name.
     The gateway writes it into the forwarded request's `model`."""
     echo_requested_model: bool = True
     """Write the name the client asked for (the pool's name) into each response's `model`,
     whole bodies and every streamed chunk; False passes the backend's served name through."""
     stale_after_ms: int = at_least(0, 2_000)
-    backend_ca_file: str | None = None
+    backend_ca_file: str | None = optional_text("the system's CAs only")
     """PEM bundle of the CA that signed the backends' https certificates (a private CA);
     trusted beside the system's CAs. None: the system's CAs only."""
     backend_api_key_env: str | None = None

@@ -9,6 +9,7 @@ the table by them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from admission.configfields import ConfigError, KeyName, at_least, between
@@ -91,3 +92,19 @@ class ControlSettings:
         if self.window_min_tokens > self.window_max_tokens:
             raise ConfigError(f"{key('window_min_tokens')}: must be at most "
                               f"{key('window_max_tokens')}")
+        if 0 < self.max_engine_running < self.running_min:
+            raise ConfigError(
+                f"{key('running_min')}: must be at most {key('max_engine_running')} "
+                f"({self.max_engine_running}), got {self.running_min}: the running limit is "
+                "never below running_min, so a node would be bounded by max_engine_running "
+                "before the limit ever applied")
+        if not self.lane_nodes:
+            # As [pools.dedicated] refuses its guests' bounds without guests: a setting that
+            # does nothing is more likely a forgotten lane_nodes than an intent.
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for name, what in (("lane_slowdown", "sizes the lanes' cap"),
+                               ("lane_output", "bounds what a lane takes"),
+                               ("lane_on_miss", "times the lanes' cap")):
+                if getattr(self, name) != defaults[name]:
+                    raise ConfigError(f"{key(name)}: {what}, so it needs lane_nodes (0: no "
+                                      "lanes)")

@@ -14,6 +14,7 @@ from admission.configfields import (
     ConfigError,
     KeyName,
     at_least,
+    optional_text,
     redis_url_error,
     split_address,
 )
@@ -39,7 +40,7 @@ class RedisSettings:
     With `cluster` and `sharded_pubsub` a gateway holds one subscription per pool, each on its
     pool's shard (admission.config checks the pools' number against this)."""
     pool_timeout_ms: int = at_least(1, 1_000)
-    ssl_ca_file: str | None = None
+    ssl_ca_file: str | None = optional_text("the system's CAs")
     cluster: bool = False
     sharded_pubsub: bool = False
     sentinel_master: str | None = None

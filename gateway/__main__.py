@@ -9,6 +9,9 @@ The listening sockets are bound before the app starts (tokenizers, Redis): a por
 use, or an address the host does not have, ends the process at once with one line on stderr
 and exit status 1. An invalid configuration, a pool's tokenizer that cannot be loaded
 included, ends it with one line and exit status 2.
+
+``--check-config`` runs the same checks and exits (0 and ``configuration OK: ...`` on stdout,
+or 2 and the error), without binding or connecting: a file can be checked before a rollout.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from admission.cli import (
     GATEWAY_ENVIRONMENT_HELP,
+    add_check_flag,
     add_service_flags,
+    config_ok,
     listen,
     listen_error,
     non_negative_seconds,
@@ -39,6 +44,7 @@ from admission.config import (
     Config,
     ConfigError,
     check_mounted_files,
+    in_file,
     load_config,
     startup_warnings,
 )
@@ -94,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after SIGTERM, how long requests in flight may run before they are "
                         f"cancelled; the process exits at most {SETTLE_MARGIN_S:g} s later "
                         "(default: %(default)s)")
+    add_check_flag(p, "gateway", "the CA files, the backends' API key variables, the --id "
+                   "and the tokenizers it names")
     return p
 
 
@@ -169,6 +177,19 @@ def _exit_on_term(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _checked(path: str, config: Config) -> int:
+    """`--check-config`'s end, once the checks before the port's binding passed: the
+    tokenizers (loaded, as at start) and the start-up warnings, which a check shows too."""
+    problem = tokenizer_error(config)
+    if problem is not None:
+        print(f"configuration error: {path}: {problem}", file=sys.stderr)
+        return 2
+    for warning in startup_warnings(config):
+        log.warning("%s", warning)
+    print(config_ok(path, config), flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # In a container this process is PID 1, which the kernel spares from SIGTERM's default
     # action: until serve() installs its handler (after the tokenizers load, which can take a
@@ -182,15 +203,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         config = load_config(args.config)
-        check_mounted_files(config)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
     try:
+        check_mounted_files(config)
         app = create_app(config, gateway_id=args.id)
-    except ValueError as exc:
+    except ConfigError as exc:  # a CA file or an API key's variable the file names
+        print(f"configuration error: {in_file(args.config, exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # the --id flag's
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    if args.check_config:
+        return _checked(args.config, config)
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
     try:
@@ -202,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if problem is not None:
         for sock in sockets:
             sock.close()
-        print(f"configuration error: {problem}", file=sys.stderr)
+        print(f"configuration error: {args.config}: {problem}", file=sys.stderr)
         return 2
     for warning in startup_warnings(config):
         log.warning("%s", warning)

@@ -49,16 +49,17 @@ def backend_credentials(config: Config, env: Mapping[str, str]) -> dict[str, dic
     configuration error at start: every request would otherwise reach the nodes without it
     and be refused there."""
     headers: dict[str, dict[str, str]] = {}
-    for name, pool in config.pools.items():
+    for i, (name, pool) in enumerate(config.pools.items()):
         variable = pool.backend_api_key_env
         if variable is None:
             headers[name] = {}
             continue
         key = env.get(variable, "").strip()
         if not key:
-            raise ConfigError(f"pools {name}: backend_api_key_env names {variable}, which is "
+            raise ConfigError(f"pools[{i}].backend_api_key_env: names {variable}, which is "
                               "not set (or empty) in the gateway's environment")
         if any(c in key for c in "\r\n"):
-            raise ConfigError(f"pools {name}: {variable} holds a line break")
+            raise ConfigError(f"{variable}: holds a line break (the API key of pools[{i}], "
+                              "whose backend_api_key_env names it)", variable=variable)
         headers[name] = {"Authorization": f"Bearer {key}"}
     return headers

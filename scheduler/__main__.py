@@ -2,8 +2,10 @@
 
 The HTTP port is bound first: a port already in use, or an address the host does not have,
 ends the process with one line on stderr and exit status 1 before the replica joins the leader
-election. SIGTERM and SIGINT stop the loops and resign leadership before anything else, so a
-standby takes over at once; the HTTP server closes after that.
+election. An invalid configuration ends it with one line and exit status 2; ``--check-config``
+runs the same checks and exits (0 and ``configuration OK: ...`` on stdout, or 2 and the
+error), without binding or connecting. SIGTERM and SIGINT stop the loops and resign leadership
+before anything else, so a standby takes over at once; the HTTP server closes after that.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from aiohttp import web
 
 from admission.cli import (
     ENVIRONMENT_HELP,
+    add_check_flag,
     add_service_flags,
+    config_ok,
     listen,
     listen_error,
     program_name,
 )
-from admission.config import Config, ConfigError, check_mounted_files, load_config
+from admission.config import Config, ConfigError, check_mounted_files, in_file, load_config
 from scheduler.app import SERVICE, create_app
 
 log = logging.getLogger("kvgate.scheduler")
@@ -43,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--id", help="replica id (default: scheduler.id, else host-pid-random)")
     parser.add_argument("--host", help="listen address (default: scheduler.host)")
     add_service_flags(parser, "listen port (default: scheduler.port; 0 to 65535, 0: a free port)")
+    add_check_flag(parser, "scheduler", "the CA files it names")
     return parser
 
 
@@ -77,10 +82,17 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = load_config(args.config)
-        check_mounted_files(config)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    try:
+        check_mounted_files(config)
+    except ConfigError as exc:
+        print(f"configuration error: {in_file(args.config, exc)}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        print(config_ok(args.config, config), flush=True)
+        return 0
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     if overrides:
         config = dataclasses.replace(

@@ -137,7 +137,8 @@ def test_a_pool_key_missing_from_the_environment_stops_the_gateway_at_start(
     data = config_data(redis_url, ["http://127.0.0.1:9"])
     _pool_of("http://127.0.0.1:9", VARIABLE)(data)
     with pytest.raises(ConfigError,
-                       match=f"backend_api_key_env names {VARIABLE}, which is not set"):
+                       match=rf"^pools\[0\]\.backend_api_key_env: names {VARIABLE}, which is "
+                             "not set"):
         create_app(parse_config(data, env={}), gateway_id="gw-test")
 
 

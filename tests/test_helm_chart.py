@@ -600,6 +600,10 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
                                     "/config/redis"),
     "sentinel password variable in config": ({"config": {"redis": {
         "sentinel_password_env": "MY_VAR"}}}, "/config/redis"),
+    # An empty path or name the services refuse rather than read as unset.
+    **{f"empty {key}": ({"config": {"pools": [{"name": "p", "backends": [], key: ""}]}},
+                        f"/config/pools/0/{key}")
+       for key in ("tokenizer", "served_model_name", "backend_ca_file")},
     "dashboard label key": ({"grafanaDashboard": {"labelKey": "grafana dashboard"}},
                             "/grafanaDashboard/labelKey"),
     "dashboard label value": ({"grafanaDashboard": {"labelValue": 1}},
@@ -666,6 +670,44 @@ def test_an_external_url_with_the_query_parameters_the_services_read_renders() -
     external = {"mode": "external", "auth": {"enabled": False},
                 "external": {"url": "redis://r:6379/0?db=1"}}
     assert one(render({"redis": external}), "Deployment", "-gateway")
+
+
+@pytest.mark.parametrize("url", ["redis://r:6379/0?", "redis://r:6379/0?&db=1"])
+def test_an_external_url_with_an_empty_query_renders_as_the_services_accept_it(
+    url: str, tmp_path: Path,
+) -> None:
+    docs = render({"redis": {"mode": "external", "auth": {"enabled": False},
+                             "external": {"url": url}}})
+    path, env = _run_init_container(docs, tmp_path)
+    assert env["REDIS_URL"] == url
+    assert cfg.load_config(path, env={"REDIS_URL": url}).redis.url == url
+
+
+@pytest.mark.parametrize(("values", "where", "shown"), [
+    ({"config": {"gateway": {"lease_ttl_ms": 1e20}}}, "config.gateway.lease_ttl_ms",
+     "100000000000000000000"),
+    # 2^53 + 1 is no float64: Helm holds 2^53, which the services would have been given.
+    ({"config": {"gateway": {"max_body_bytes": 2**53 + 1}}}, "config.gateway.max_body_bytes",
+     "9007199254740992"),
+    ({"config": {"pools": [{"name": "a", "backends": []}, {
+        "name": "b", "backends": [{"name": "n", "url": "http://v:8000",
+                                   "capacity_tokens": 2**63}]}]}},
+     "config.pools[1].backends[0].capacity_tokens", "9223372036854775808"),
+    ({"tenants": {"items": [{"name": "t", "tier": "vip", "key_sha256": [], "rate": -1e19}]}},
+     "tenants.items[0].rate", "-10000000000000000000"),
+])
+def test_an_integer_beyond_what_helm_holds_exactly_fails_the_render_naming_it(
+    chart_without_schema: helm.Chart, values: dict[str, Any], where: str, shown: str,
+) -> None:
+    """Rendered, it became another number: 1e20 was written as -9223372036854775808."""
+    with pytest.raises(helm.HelmRenderError) as refused:
+        chart_without_schema.render(with_image(values), name=RELEASE, namespace=NAMESPACE)
+    assert f"{where}: {shown} is beyond 2^53 - 1 (9007199254740991)" in str(refused.value)
+
+
+def test_the_largest_exact_integer_is_written_as_it_is() -> None:
+    text = configmap(render({"config": {"gateway": {"max_body_bytes": 2**53 - 1}}}))
+    assert _toml(text)["gateway"]["max_body_bytes"] == 2**53 - 1
 
 
 @pytest.fixture(scope="module")

@@ -320,5 +320,6 @@ def test_the_gateway_process_exits_2_with_one_line_on_a_bad_tokenizer(tmp_path: 
                           env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
-        f"configuration error: pools[0].tokenizer: cannot read '{tmp_path / 'nope.json'}' "
+        f"configuration error: {config}: pools[0].tokenizer: cannot read "
+        f"'{tmp_path / 'nope.json'}' "
         "(No such file or directory)"]

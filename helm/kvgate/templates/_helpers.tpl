@@ -154,7 +154,8 @@ value to change (the schema checks each value alone; these need two).
 {{- if and (eq $r.mode "external") (contains "?" $r.external.url) }}
 {{- range (splitList "&" (regexReplaceAll "^[^?]*\\?" $r.external.url "")) }}
 {{- $name := (splitList "=" .) | first }}
-{{- if not (has $name (list "db" "ssl_cert_reqs" "ssl_check_hostname" "ssl_ca_certs" "ssl_certfile" "ssl_keyfile")) }}
+{{- /* An empty query (`/0?`) or parameter (`?&db=1`) is nothing to the services' parser. */}}
+{{- if and . (not (has $name (list "db" "ssl_cert_reqs" "ssl_check_hostname" "ssl_ca_certs" "ssl_certfile" "ssl_keyfile"))) }}
 {{- fail (printf "redis.external.url: its query parameter %s is not supported: a Redis URL may carry db and, on rediss://, ssl_cert_reqs, ssl_check_hostname, ssl_ca_certs, ssl_certfile, ssl_keyfile; the user name and password are redis.auth settings, timeouts and the connection pool config.redis settings" $name) }}
 {{- end }}
 {{- end }}
@@ -350,14 +351,19 @@ address and ports the probes and Services use. Tenants are not here: see tenants
 {{- $_ := set $cfg "scheduler" $scheduler -}}
 # kvgate configuration rendered by the Helm chart {{ include "kvgate.chart" . }}.
 # REDIS_URL (from a Secret) overrides redis.url; tenants live in a Secret (tenants.toml).
-{{ include "kvgate.toml.table" (dict "path" "" "map" $cfg) | trim }}
+{{ include "kvgate.toml.table" (dict "path" "" "map" $cfg "where" "config") | trim }}
 {{- end }}
 
 {{/* [[tenants]] tables only, so that the file can be appended to config.toml. */}}
 {{- define "kvgate.tenants.toml" -}}
 # kvgate tenants: API keys as SHA-256 hex only.
 {{- if .Values.tenants.items }}
-{{ include "kvgate.toml.table" (dict "path" "" "map" (dict "tenants" .Values.tenants.items)) | trim }}
+{{- /* One [[tenants]] table per item, each named in messages as its values (tenants.items[i]). */}}
+{{- $tables := "" }}
+{{- range $i, $tenant := .Values.tenants.items }}
+{{- $tables = printf "%s\n\n[[tenants]]%s" $tables (include "kvgate.toml.table" (dict "path" "tenants" "map" $tenant "where" (printf "tenants.items[%d]" $i))) }}
+{{- end }}
+{{ $tables | trim }}
 {{- end }}
 {{- end }}
 

@@ -33,28 +33,49 @@ array of tables ([[pools.backends]]) attach to its latest element, as TOML speci
 {{- end }}
 {{- end }}
 
+{{/*
+Call with (dict "v" $value "where" "config.gateway.port"): `where` is the value's place in
+values.yaml, for the message that refuses it.
+
+An integral number above 2^53 - 1 is refused: Helm holds every number of values.yaml as a
+float64, which above that no longer holds each integer (2^53 + 1 reads as 2^53), and past
+2^63 int64 wraps it (1e20 would be written as -9223372036854775808). The services refuse any
+integer above 2^53 - 1 anyway (docs/configuration.md), so nothing valid is lost.
+*/}}
 {{- define "kvgate.toml.value" -}}
-{{- $v := . }}
+{{- $v := .v }}
+{{- $where := .where }}
 {{- if kindIs "string" $v }}{{ toJson $v }}
 {{- else if kindIs "bool" $v }}{{ $v }}
 {{- else if or (kindIs "float64" $v) (kindIs "float32" $v) }}
-{{- if eq (floor $v) (float64 $v) }}{{ printf "%d" (int64 $v) }}{{ else }}{{ $v }}{{ end }}
-{{- else if or (kindIs "int" $v) (kindIs "int64" $v) (kindIs "int32" $v) (kindIs "uint64" $v) }}{{ $v }}
-{{- else if kindIs "slice" $v }}[{{ range $i, $e := $v }}{{ if $i }}, {{ end }}{{ include "kvgate.toml.value" $e }}{{ end }}]
-{{- else if kindIs "map" $v }}{ {{- range $i, $k := keys $v | sortAlpha }}{{ if $i }},{{ end }} {{ include "kvgate.toml.key" $k }} = {{ include "kvgate.toml.value" (get $v $k) }}{{ end }} }
-{{- else }}{{ fail (printf "config: cannot write %v (%s) as TOML" $v (kindOf $v)) }}
+{{- if eq (floor $v) (float64 $v) }}
+{{- if or (gt (float64 $v) 9007199254740991.0) (lt (float64 $v) -9007199254740991.0) }}
+{{- fail (printf "%s: %.0f is beyond 2^53 - 1 (9007199254740991): every number of values.yaml is a float64, which holds no larger integer exactly, and the services accept none larger" $where $v) }}
+{{- end }}
+{{- printf "%d" (int64 $v) }}{{ else }}{{ $v }}{{ end }}
+{{- else if or (kindIs "int" $v) (kindIs "int64" $v) (kindIs "int32" $v) (kindIs "uint64" $v) }}
+{{- if gt $v 9007199254740991 }}
+{{- fail (printf "%s: %v is above 2^53 - 1 (9007199254740991), the largest integer the services accept" $where $v) }}
+{{- end }}{{ $v }}
+{{- else if kindIs "slice" $v }}[{{ range $i, $e := $v }}{{ if $i }}, {{ end }}{{ include "kvgate.toml.value" (dict "v" $e "where" (printf "%s[%d]" $where $i)) }}{{ end }}]
+{{- else if kindIs "map" $v }}{ {{- range $i, $k := keys $v | sortAlpha }}{{ if $i }},{{ end }} {{ include "kvgate.toml.key" $k }} = {{ include "kvgate.toml.value" (dict "v" (get $v $k) "where" (printf "%s.%s" $where $k)) }}{{ end }} }
+{{- else }}{{ fail (printf "%s: cannot write %v (%s) as TOML" $where $v (kindOf $v)) }}
 {{- end }}
 {{- end }}
 
-{{/* Call with (dict "path" "pools" "map" $table); path "" is the document root. */}}
+{{/*
+Call with (dict "path" "pools" "map" $table "where" "config.pools[0]"); path "" is the
+document root. `where` is the table's place in values.yaml, for messages.
+*/}}
 {{- define "kvgate.toml.table" -}}
 {{- $path := .path }}
 {{- $m := .map }}
+{{- $where := .where }}
 {{- $names := keys $m | sortAlpha }}
 {{- range $k := $names }}
 {{- $v := get $m $k }}
 {{- if not (or (kindIs "invalid" $v) (kindIs "map" $v) (include "kvgate.toml.isTableArray" $v)) }}
-{{ include "kvgate.toml.key" $k }} = {{ include "kvgate.toml.value" $v }}
+{{ include "kvgate.toml.key" $k }} = {{ include "kvgate.toml.value" (dict "v" $v "where" (printf "%s.%s" $where $k)) }}
 {{- end }}
 {{- end }}
 {{- range $k := $names }}
@@ -66,7 +87,7 @@ array of tables ([[pools.backends]]) attach to its latest element, as TOML speci
 
 [{{ $sub }}]
 {{- end }}
-{{- include "kvgate.toml.table" (dict "path" $sub "map" $v) }}
+{{- include "kvgate.toml.table" (dict "path" $sub "map" $v "where" (printf "%s.%s" $where $k)) }}
 {{- end }}
 {{- end }}
 {{- range $k := $names }}
@@ -74,10 +95,10 @@ array of tables ([[pools.backends]]) attach to its latest element, as TOML speci
 {{- $sub := include "kvgate.toml.key" $k }}
 {{- if $path }}{{ $sub = printf "%s.%s" $path $sub }}{{ end }}
 {{- if include "kvgate.toml.isTableArray" $v }}
-{{- range $e := $v }}
+{{- range $i, $e := $v }}
 
 [[{{ $sub }}]]
-{{- include "kvgate.toml.table" (dict "path" $sub "map" $e) }}
+{{- include "kvgate.toml.table" (dict "path" $sub "map" $e "where" (printf "%s.%s[%d]" $where $k $i)) }}
 {{- end }}
 {{- end }}
 {{- end }}

@@ -427,7 +427,7 @@ def _run_init_container(docs: list[dict[str, Any]], tmp: Path) -> tuple[Path, di
     command = init["command"]
     assert command[:2] == ["python", "-c"]
     subprocess.run([sys.executable, "-c", command[2], *map(on_disk, command[3:])],
-                   check=True, timeout=20)
+                   check=True, timeout=20, capture_output=True, text=True)
     gw = next(c for c in pod["containers"] if c["name"] == "gateway")
     config_path = gw["args"][gw["args"].index("--config") + 1]
     return Path(on_disk(config_path)), {e["name"]: e.get("value", "") for e in gw["env"]}
@@ -670,6 +670,28 @@ def test_an_external_url_with_the_query_parameters_the_services_read_renders() -
     external = {"mode": "external", "auth": {"enabled": False},
                 "external": {"url": "redis://r:6379/0?db=1"}}
     assert one(render({"redis": external}), "Deployment", "-gateway")
+
+
+@pytest.mark.parametrize(("tenants", "said"), [
+    (f'tenants = [{{ name = "t", tier = "vip", key_sha256 = ["{HASHES[0]}"] }}]',
+     "write each tenant as a [[tenants]] table"),
+    (f'[[tenants]]\nname = "t"\ntier = "vip"\nkey_sha256 = ["{HASHES[0]}"]\n'
+     '[[teams]]\nname = "x"\n', "holds teams; it may hold [[tenants]] tables only"),
+    ('[[tenants]\nname = "t"\n', "not valid TOML"),
+])
+def test_a_tenants_secret_is_checked_alone_before_it_is_joined(
+    tenants: str, said: str, tmp_path: Path,
+) -> None:
+    """An existing tenants Secret is appended to config.toml: an inline `tenants = [...]`
+    would then be read as a key of the configuration's last table (the gateway's error named
+    a backend), and teams there would reach the gateways and never the schedulers. The init
+    container refuses both, naming the Secret, and the pod does not start."""
+    docs = render(VARIANTS["production"]())
+    docs.append({"kind": "Secret", "metadata": {"name": "kvgate-tenants"}, "data": {
+        "tenants.toml": base64.b64encode(tenants.encode()).decode()}})
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        _run_init_container(docs, tmp_path)
+    assert "tenants Secret" in failed.value.stderr and said in failed.value.stderr
 
 
 @pytest.mark.parametrize("url", ["redis://r:6379/0?", "redis://r:6379/0?&db=1"])

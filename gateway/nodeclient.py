@@ -40,8 +40,9 @@ MAX_HEAD_BYTES = 64 << 10
 """The most bytes of an answer's status line and headers the client takes before their end.
 vLLM's head is a few hundred bytes, a proxy's in front of it a few kilobytes; nothing else
 bounds it (llhttp parses a head of any length, httptools joins a field's pieces until its
-end, the silence timer restarts with every byte), so a node could grow the gateway without
-end before any body."""
+end), so a node could grow the gateway without end before any body. In time, a head is bound
+by the silence limit: only a head's end restarts it, not its bytes one by one (a node sending
+a byte a little more often than the limit would otherwise hold the request for 64 Ki limits)."""
 MAX_HEADER_FIELDS = 128
 """The most header fields an answer may carry: vLLM sends about five. Each is a dict entry,
 and a head of tiny fields under `MAX_HEAD_BYTES` would be thousands of them."""
@@ -120,6 +121,8 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers: dict[str, str] = {}
         self.head_bytes = 0
+        self.heads = 0
+        """Heads ended so far, interim ones included."""
         self.header_fields = 0
         self.interim = False
         self.headers_done = False
@@ -142,22 +145,27 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
-        self.last_data = self.loop.time()
-        if not self.headers_done:
-            room = MAX_HEAD_BYTES - self.head_bytes
-            if len(data) > room:
-                # The head must end within the room left; what follows it is body.
-                self._feed(data[:room])
-                if self.error is not None:
-                    return
-                if not self.headers_done:
-                    self._fail(HeadTooLarge(f"the node's answer head is over {MAX_HEAD_BYTES} "
-                                            "bytes"))
-                    return
-                data = data[room:]
-            else:
-                self.head_bytes += len(data)
+        if self.headers_done:
+            self.last_data = self.loop.time()
+            self._feed(data)
+            return
+        heads = self.heads
+        room = MAX_HEAD_BYTES - self.head_bytes
+        if len(data) > room:
+            # The head must end within the room left; what follows it is body.
+            self._feed(data[:room])
+            if self.error is not None:
+                return
+            if not self.headers_done:
+                self._fail(HeadTooLarge(f"the node's answer head is over {MAX_HEAD_BYTES} "
+                                        "bytes"))
+                return
+            data = data[room:]
+        else:
+            self.head_bytes += len(data)
         self._feed(data)
+        if self.heads != heads:
+            self.last_data = self.loop.time()  # a head ended: the node is answering
 
     def _feed(self, data: bytes) -> None:
         try:
@@ -194,6 +202,7 @@ class _Connection(asyncio.Protocol):
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self.heads += 1
         status = self.parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints) before the real one, which an

@@ -1,10 +1,10 @@
 """What a node's answer head (status line and header fields) can make a gateway hold, on raw
 asyncio servers over loopback and the session's redis-server.
 
-The head is read up to `MAX_HEAD_BYTES` and `MAX_HEADER_FIELDS`: a node that sends more (or
-never ends its head, which the silence timer alone would allow for ever, as every byte restarts
-it) fails the request as soon as it goes past, with `HeadTooLarge`; its connection is dropped,
-and the client gets the 502 of any node that answers something unreadable, refunded.
+The head is read up to `MAX_HEAD_BYTES` and `MAX_HEADER_FIELDS`: a node that sends more fails
+the request as soon as it goes past, with `HeadTooLarge`; its connection is dropped, and the
+client gets the 502 of any node that answers something unreadable, refunded. In time a head is
+bound by the silence limit, which its bytes one by one do not restart (only a head's end).
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ import pytest
 from admission.config import parse_config
 from admission.tiers import Zone
 from gateway.app import create_app
-from gateway.nodeclient import MAX_HEAD_BYTES, MAX_HEADER_FIELDS, HeadTooLarge, NodeClient
+from gateway.nodeclient import (
+    MAX_HEAD_BYTES,
+    MAX_HEADER_FIELDS,
+    HeadTooLarge,
+    NodeClient,
+    NodeTimeout,
+)
 from gateway.state import GATEWAY
 from tests.gateway_harness import BIG, KEYS, POOL, config_data, serve_app
 from tests.rawnode import Handler, read_request
@@ -108,6 +114,47 @@ async def test_interim_answers_are_skipped_within_the_head_bound(
         with pytest.raises(HeadTooLarge):
             await asyncio.wait_for(nodes.post(await raw_server(_answering(endless)),
                                               "/v1/chat/completions", b"{}", {}), WAIT_S)
+    finally:
+        await nodes.close()
+
+
+async def test_a_head_sent_a_byte_at_a_time_is_bound_by_the_silence_limit(
+    raw_server: Callable[[Handler], Awaitable[str]],
+) -> None:
+    """A node that sends its head a byte at a time, each a little sooner than the silence
+    limit, never ending it: each byte restarted the limit, so the request was held until the
+    head's byte bound, 64 Ki limits later. Only a head's end counts as the node answering; a
+    head whose bytes come slowly but end in time is read."""
+    limit_s = 1.5
+
+    def trickling(head: bytes, pause_s: float) -> Handler:
+        async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            try:
+                for byte in head:
+                    writer.write(bytes([byte]))
+                    await writer.drain()
+                    await asyncio.sleep(pause_s)
+                await reader.read()
+            except ConnectionError:
+                pass
+            writer.close()
+        return node
+
+    nodes = NodeClient(connect_timeout_s=1.0, read_timeout_s=limit_s)
+    try:
+        endless = STATUS_LINE + b"X-Pad: " + b"a" * 10_000
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(NodeTimeout):
+            await asyncio.wait_for(nodes.post(await raw_server(trickling(endless, 0.05)),
+                                              "/v1/chat/completions", b"{}", {}), WAIT_S)
+        assert loop.time() - started < limit_s + 1.0
+        whole = STATUS_LINE + b"Content-Length: 2\r\n\r\nok"  # 40 bytes within the limit
+        response = await nodes.post(await raw_server(trickling(whole, 0.005)),
+                                    "/v1/chat/completions", b"{}", {})
+        assert (response.status, await response.read()) == (200, b"ok")
+        response.release()
     finally:
         await nodes.close()
 

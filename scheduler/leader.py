@@ -43,11 +43,15 @@ class Elector:
         *,
         clock: Callable[[], float] = time.monotonic,
         on_failure: Callable[[], object] = lambda: None,
+        on_change: Callable[[], object] = lambda: None,
     ) -> None:
         self.client = client
         self.on_failure = on_failure
         """Called once per leadership call that failed on a Redis error (the metric's counter:
         the log says it once per streak, admission.failurelog)."""
+        self.on_change = on_change
+        """Called when this replica starts or stops leading (the service's metrics: its loops
+        are not running while it is a standby, so they cannot notice a step-down)."""
         self.scripts = scripts
         self.me = me
         self.ttl_s = ttl_ms / 1000
@@ -88,6 +92,10 @@ class Elector:
             result = await leadership(self.client, self.scripts, self.me, int(self.ttl_s * 1000))
         except REDIS_ERRORS as exc:  # a Redis Cluster none of whose nodes answers included
             self._failed(exc)
+            if self.epoch is not None and not self.leading:
+                # Our own clock ended the lease (no renewal got through): a step-down like
+                # any other, said and counted now rather than when Redis answers again.
+                self.step_down("lease lapsed: Redis did not answer the renewals")
             # Keep trying often: the lease may still be ours for a while.
             return self.ttl_s / 10
         self._failure_log.succeeded()
@@ -95,12 +103,15 @@ class Elector:
         self.error_permanent = False
         self.holder = result.holder
         if result.leading:
-            if self.epoch != result.epoch:
+            changed = self.epoch != result.epoch
+            if changed:
                 log.info("%s leads with epoch %d", self.me, result.epoch)
                 self.changes += 1
             self.epoch = result.epoch
             self.deadline = sent + self.ttl_s * (1 - SAFETY)
             self._leading_event.set()
+            if changed:
+                self.on_change()
             return self.ttl_s / 3
         if self.epoch is not None:
             self.step_down(f"lease held by {result.holder}")
@@ -115,13 +126,16 @@ class Elector:
         self._failure_log.failed(exc)
 
     def step_down(self, why: str) -> None:
-        if self.epoch is not None:
+        was = self.epoch
+        if was is not None:
             level = logging.INFO if why == "resigning" else logging.WARNING
-            log.log(level, "%s steps down from epoch %d: %s", self.me, self.epoch, why)
+            log.log(level, "%s steps down from epoch %d: %s", self.me, was, why)
             self.changes += 1
         self.epoch = None
         self.deadline = 0.0
         self._leading_event.clear()
+        if was is not None:
+            self.on_change()
 
     async def wait_leading(self) -> int:
         """Wait until this replica leads; returns the epoch."""

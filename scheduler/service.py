@@ -130,7 +130,8 @@ class SchedulerService:
                 sharded_pubsub=self.config.redis.sharded_pubsub, clock=self.clock,
             ))
         self.elector = Elector(self.client, self.scripts, self.me, s.leader_ttl_ms,
-                               clock=self.clock, on_failure=self.metrics.leadership_errors.inc)
+                               clock=self.clock, on_failure=self.metrics.leadership_errors.inc,
+                               on_change=self._sync_leader_metrics)
         self._tasks = [
             asyncio.create_task(self.elector.run(), name="elector"),
             *(asyncio.create_task(self._tick_loop(pool), name=f"ticks:{pool.name}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import generate_latest
 
@@ -281,6 +283,36 @@ async def test_healthz_says_whether_redis_is_unreachable_or_refuses_the_credenti
                 assert PASSWORD not in await answer.text()
 
 
+async def test_a_lease_lapsed_in_an_outage_is_a_step_down_said_and_counted_at_once(
+    redis_factory: Callable[..., LocalRedis], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A leader whose renewals stop getting through stops leading by its own clock; that
+    step-down was neither logged nor counted in kvgate_scheduler_leadership_changes_total
+    until Redis answered again (the metric was synced by the pool loops, which wait while
+    the replica is a standby)."""
+    server = redis_factory()
+    config = make_config(server.url, [{"name": "n1", "url": "http://x"}],
+                         scheduler={"poll_interval_ms": 20, "leader_ttl_ms": 300})
+    service = SchedulerService(config, me="s1")
+    caplog.set_level(logging.INFO, logger="kvgate.scheduler.leader")
+    await service.start()
+    try:
+        await eventually(lambda: service.leading)
+        assert _sample(service, "kvgate_scheduler_leadership_changes_total") == 1
+        server.stop()
+        await eventually(
+            lambda: _sample(service, "kvgate_scheduler_leadership_changes_total") == 2)
+        assert _sample(service, "kvgate_scheduler_leader") == 0
+        assert any("steps down" in r.getMessage() and "lease lapsed" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        await service.stop()
+
+
+def _sample(service: SchedulerService, name: str) -> float:
+    return service.metrics.registry.get_sample_value(name) or 0.0
+
+
 async def _settled(service: SchedulerService, *, leading: bool) -> None:
     if leading:
         await eventually(lambda: service.leading)
@@ -289,8 +321,7 @@ async def _settled(service: SchedulerService, *, leading: bool) -> None:
 
 
 def _leadership_errors(service: SchedulerService) -> float:
-    value = service.metrics.registry.get_sample_value("kvgate_scheduler_leadership_errors_total")
-    return value or 0.0
+    return _sample(service, "kvgate_scheduler_leadership_errors_total")
 
 
 async def test_an_unreachable_redis_cluster_is_an_outage_not_the_end_of_the_replica() -> None:

@@ -77,7 +77,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _wrong_type(reply: Any) -> bool:
+def wrong_type_reply(reply: Any) -> bool:
     # In the reply's text, not at its start: a cluster pipeline may prefix the command.
     return isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply)
 
@@ -97,7 +97,7 @@ async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
                 pipe.hgetall(name)
             replies = await pipe.execute(raise_on_error=False)
         for name, raw in zip(chunk, replies, strict=True):
-            if _wrong_type(raw):
+            if wrong_type_reply(raw):
                 continue
             if isinstance(raw, BaseException):
                 raise raw

@@ -28,6 +28,7 @@ from admission.inspect_fair import (
     month_index,
     read_fair,
     scan_hashes,
+    wrong_type_reply,
 )
 from admission.keys import PoolKeys, SchedulerKeys
 from admission.reads import Held, held_map, redis_time_us
@@ -85,8 +86,9 @@ class QueueView:
 @dataclass(frozen=True, slots=True)
 class GatewayView:
     gateway: str
-    lease_expiry_us: int
-    lease_left_us: int
+    lease_expiry_us: int | None
+    """None: the lease's score is no finite number (written by hand)."""
+    lease_left_us: int | None
     """Negative: the lease expired and the reaper has not returned its tasks yet."""
     live_tasks: int
     """Queued or released tasks the gateway holds in this pool."""
@@ -138,6 +140,9 @@ class PoolView:
     stats: dict[str, int]
     fairness: FairView | None = None
     """Fair release and quota levels (admission.inspect_fair)."""
+    wrong_type_keys: list[str] = field(default_factory=list)
+    """The pool's keys that hold another type than kvgate writes (by hand, with redis-cli),
+    read as empty."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,23 +267,39 @@ async def read_pool(client: Any, pool: str,
     keys = PoolKeys(pool)
     cluster = isinstance(client, RedisCluster)
     # MULTI makes one consistent snapshot; every key here shares the pool's hash tag.
+    read: list[tuple[str, Any]] = []
+    """Per command: its key, and what it reads as when the key holds another type."""
     async with client.pipeline(transaction=True) as pipe:
         if not cluster:  # a keyless TIME cannot join a cluster transaction
             pipe.time()
+            read.append(("", None))
         for key in (keys.state, keys.node_capacity, keys.node_reserved, keys.node_guests):
             pipe.hgetall(key)
+            read.append((key, {}))
         for queue in keys.queues:
             pipe.zcard(queue)
             pipe.zrange(queue, 0, 0, withscores=True)
+            read += [(queue, 0), (queue, [])]
         pipe.zrange(keys.leases, 0, -1, withscores=True)
-        pipe.hgetall(keys.tenant_queued)
-        pipe.hgetall(keys.stats)
-        pipe.hgetall(keys.held_by)
-        pipe.hgetall(keys.tier_capacity(Tier.NORMAL))
-        pipe.hgetall(keys.tier_capacity(Tier.BATCH))
+        read.append((keys.leases, []))
+        for key in (keys.tenant_queued, keys.stats, keys.held_by,
+                    keys.tier_capacity(Tier.NORMAL), keys.tier_capacity(Tier.BATCH)):
+            pipe.hgetall(key)
+            read.append((key, {}))
         if frozen_clock_allowed():
             pipe.hget(keys.clock, "frozen_us")
-        replies = list(await pipe.execute())
+            read.append((keys.clock, None))
+        replies = list(await pipe.execute(raise_on_error=False))
+    # A key of another type (written by hand with redis-cli) is read as empty and named, not
+    # allowed to fail the whole snapshot: kvgate-inspect is what an operator runs then.
+    wrong_type: list[str] = []
+    for i, ((key, empty), reply) in enumerate(zip(read, replies, strict=True)):
+        if wrong_type_reply(reply):
+            if key not in wrong_type:
+                wrong_type.append(key)
+            replies[i] = empty
+        elif isinstance(reply, BaseException):
+            raise reply
     redis_now = (await redis_time_us(client, keys.state) if cluster
                  else _time_us(replies.pop(0)))
     state_raw, cap_raw, res_raw, guests_raw = replies[:4]
@@ -301,17 +322,18 @@ async def read_pool(client: Any, pool: str,
         head = queue_replies[2 * tier + 1]
         oldest, wait = None, None
         if head:
-            oldest, wait = _text(head[0][0]), now - int(head[0][1])
+            score = _score(head[0][1])
+            oldest, wait = _text(head[0][0]), None if score is None else now - score
         queues.append(QueueView(tier.label, depth, oldest, wait,
                                 held.get(tier.label) if depth else None))
     queued = sum(q.depth for q in queues)
 
-    leases = [(_text(g), int(score)) for g, score in leases_raw]
+    leases = [(_text(g), _score(score)) for g, score in leases_raw]
     async with client.pipeline(transaction=False) as pipe:
         for gateway, _ in leases:
             pipe.scard(keys.gateway_tasks_key(gateway))
         live = [int(n) for n in await pipe.execute()] if leases else []
-    gateways = [GatewayView(g, expiry, expiry - now, n)
+    gateways = [GatewayView(g, expiry, None if expiry is None else expiry - now, n)
                 for (g, expiry), n in zip(leases, live, strict=True)]
 
     queued_by_tenant = {k: _int(v) or 0 for k, v in _hash(queued_raw).items()}
@@ -343,7 +365,15 @@ async def read_pool(client: Any, pool: str,
         stats={k: v for k, v in ((k, _int(v)) for k, v in _hash(stats_raw).items())
                if v is not None},
         fairness=fairness,
+        wrong_type_keys=wrong_type,
     )
+
+
+def _score(value: Any) -> int | None:
+    """A sorted set's score as µs; None when it is no finite number (`ZADD key +inf x` by
+    hand: int() of it would end the read with an OverflowError)."""
+    number = float(value)
+    return int(number) if math.isfinite(number) else None
 
 
 def _time_us(reply: Any) -> int:

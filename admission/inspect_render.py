@@ -122,6 +122,9 @@ def render_pool(p: PoolView) -> list[str]:
         f"  drain {drain}"
         + "".join(f"  {k} {v}" for k, v in sorted(p.state.items()) if v != ""),
     ]
+    if p.wrong_type_keys:
+        lines.append("  WARNING keys of another type than kvgate writes, read as empty: "
+                     + ", ".join(p.wrong_type_keys))
     lines += table(
         ["node", "capacity v/n/b", "reserved", "headroom v/n/b", "usage", "projected",
          "prefill room", "dedicated", "guests", "out"],
@@ -143,7 +146,9 @@ def render_pool(p: PoolView) -> list[str]:
     if p.gateways:
         lines += table(["gateway", "live tasks", "lease left"],
                        ([g.gateway, str(g.live_tasks),
-                         _duration(g.lease_left_us) + (" EXPIRED" if g.lease_left_us < 0 else "")]
+                         _duration(g.lease_left_us) + (
+                             " EXPIRED" if g.lease_left_us is not None and g.lease_left_us < 0
+                             else "")]
                         for g in p.gateways))
     else:
         lines.append("  no gateway holds a lease (a gateway holds one only while it has requests)")

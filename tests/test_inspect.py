@@ -260,6 +260,39 @@ async def test_fields_that_are_no_finite_number_read_as_unknown(
     json.loads(snap.to_json(), parse_constant=refuse)
     assert "pool insp  zone YELLOW" in inspect.render(snap)
 
+    # Scores too: int() of +inf ended the read (kvgate-inspect's traceback, the admin API's 500).
+    await redis_client.zadd(keys.leases, {"gw-hand": float("inf")})
+    await redis_client.zadd(keys.queue(Tier.VIP), {"t-hand": float("-inf")})
+    snap = await inspect.snapshot(redis_client, [POOL])
+    (p,) = snap.pools
+    assert next(g for g in p.gateways if g.gateway == "gw-hand").lease_left_us is None
+    assert (p.queues[0].oldest_task, p.queues[0].oldest_wait_us) == ("t-hand", None)
+    json.loads(snap.to_json(), parse_constant=refuse)
+    assert "gw-hand" in inspect.render(snap)
+
+
+async def test_a_key_of_another_type_is_named_and_the_other_pools_still_shown(
+    redis_client: aioredis.Redis,
+) -> None:
+    """A pool key overwritten by hand with another type (`SET kvg:{p}:stats oops`) made the
+    pool's MULTI fail with WRONGTYPE, and kvgate-inspect showed no pool at all and said Redis
+    could not be read. The key is read as empty and named; every other pool is shown."""
+    await populate(redis_client)
+    other = PoolStore(redis_client, register_scripts(redis_client), "other", PoolPolicy())
+    await redis_client.hset(other.keys.state, "zone", "GREEN")
+    await redis_client.set(other.keys.stats, "oops")
+    await redis_client.set(other.keys.queue(Tier.BATCH), "oops")
+    snap = await inspect.snapshot(redis_client, [POOL, "other"])
+    mine, broken = snap.pools
+    assert mine.wrong_type_keys == [] and mine.nodes == (
+        await inspect.snapshot(redis_client, [POOL])).pools[0].nodes
+    assert broken.wrong_type_keys == [other.keys.queue(Tier.BATCH), other.keys.stats]
+    assert broken.zone == "GREEN" and broken.stats == {} and broken.queues[2].depth == 0
+    text = inspect.render(snap)
+    assert "read as empty: " + other.keys.queue(Tier.BATCH) in text
+    assert [q.depth for q in mine.queues] == [q.depth for q in (
+        await inspect.snapshot(redis_client, [POOL])).pools[0].queues]
+
 
 async def test_the_light_tenants_yellow_credit_is_shown(redis_client: aioredis.Redis) -> None:
     w = World(redis_client)

@@ -17,7 +17,8 @@ connection), both with Retry-After, and the reservation refunded. A node's own 4
 context-length check) keeps its status, message and param, in OpenAI's error shape
 (`node_client_error`), except 401, 403 and 404: the client's key and model were valid for
 kvgate, so those refuse the gateway (its `backend_api_key_env`, its `served_model_name`) and
-become 502 `upstream_rejected`; a 200 that is no OpenAI answer (a page of another server, a
+become 502 `upstream_rejected`, as does the 400 of an engine refusing the `priority` that
+`pass_priority` wrote; a 200 that is no OpenAI answer (a page of another server, a
 JSON body to a streamed request), and any status but 200 outside 4xx and 5xx (a redirect, a
 204), is a 502 `upstream_malformed_answer`. A failure mid-stream
 ends the stream with an error event, as vLLM itself does; a node's own error event is relayed
@@ -73,6 +74,10 @@ _DONE = b"data: [DONE]\n\n"
 NODE_REJECTIONS = frozenset({401, 403, 404})
 """A node's statuses that mean the gateway, not the client, is refused: its credentials, or the
 model name it writes into the request."""
+PRIORITY_REFUSED = "priority scheduling is not enabled"
+"""In vLLM's 400 to a `priority` sent to an engine without `--scheduling-policy priority`
+("Got priority 1 but Priority scheduling is not enabled."): with `pass_priority` the gateway
+wrote that field, so the 400 is the deployment's, not the client's."""
 
 
 def forwarded_headers(request: web.Request, task_id: str,
@@ -128,17 +133,19 @@ class Upstream:
             error.headers["x-should-retry"] = "true"
         return error
 
-    def _rejected(self, ticket: Ticket, status: int, message: str | None) -> ApiError:
-        """A node that refuses the gateway's request as unauthorized or unknown: the client's
+    def _rejected(self, ticket: Ticket, status: int, message: str | None,
+                  check: str = "the pool's backend_api_key_env and served_model_name against "
+                  "the node's --api-key and --served-model-name") -> ApiError:
+        """A node that refuses what the gateway itself added to the request: the client's
         key and model were valid for kvgate, so the node's status would blame the client.
         The pool's credentials (`backend_api_key_env`) or its `served_model_name` disagree
-        with the node's; logged once per node and status, counted each time."""
+        with the node's (401, 403, 404), or the tier sent as `priority` to a node without
+        priority scheduling; logged once per node and status, counted each time."""
         if (ticket.node, status) not in self._logged:
             self._logged.add((ticket.node, status))
             log.error("pool %s: node %s refused the gateway's request with HTTP %d (%s): check "
-                      "the pool's backend_api_key_env and served_model_name against the node's "
-                      "--api-key and --served-model-name", ticket.pool.name, ticket.node, status,
-                      message or "no message")
+                      "%s", ticket.pool.name, ticket.node, status, message or "no message",
+                      check)
         return self._failed(
             ticket, "rejected", 502,
             f"The inference node refused the gateway's request (HTTP {status}): a server-side "
@@ -230,6 +237,11 @@ class Upstream:
         meter.phase = Phase.PENDING  # nothing generated: refund in full
         if upstream.status in NODE_REJECTIONS:
             raise self._rejected(ticket, upstream.status, error_message(body))
+        if upstream.status == 400 and ticket.pool.settings.pass_priority:
+            message = error_message(body)
+            if message is not None and PRIORITY_REFUSED in message.lower():
+                raise self._rejected(ticket, 400, message, "the pool's pass_priority: the "
+                                     "node needs --scheduling-policy priority for it")
         if upstream.status >= 500 or upstream.status == 429:
             message = error_message(body) or f"HTTP {upstream.status}"
             raise self._failed(ticket, "error", 502,

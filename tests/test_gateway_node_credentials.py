@@ -19,6 +19,8 @@ from aiohttp import web
 
 from admission.config import ConfigError, parse_config
 from admission.tiers import Zone
+from bench.sim.cluster import serve_node
+from bench.sim.config import SimConfig
 from gateway.app import create_app
 from gateway.state import METRICS
 from tests.gateway_harness import BIG, KEYS, POOL, Harness, config_data, running_gateway, serve_app
@@ -124,6 +126,35 @@ async def test_a_node_refusing_the_model_or_the_gateway_is_a_502_not_the_clients
     assert refused.value.status_code == 502
     assert refused.value.code == "upstream_rejected"
     assert f"HTTP {status}" in refused.value.message
+
+
+async def test_an_engine_refusing_the_priority_the_gateway_wrote_is_a_502_naming_pass_priority(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With `pass_priority` the gateway writes the tier as vLLM's `priority`; an engine
+    without `--scheduling-policy priority` refuses it with a 400 (here the simulator, which
+    answers as vLLM does), which blamed the client for the deployment's setting. VIP's
+    priority is 0, which such an engine accepts: only the lower tiers were refused."""
+    caplog.set_level(logging.ERROR, logger="kvgate.gateway")
+    fcfs = SimConfig(model=POOL, num_gpu_blocks=2001, max_model_len=4096, time_scale=1000.0)
+
+    def passing_priority(url: str) -> Callable[[dict[str, Any]], None]:
+        def adjust(data: dict[str, Any]) -> None:
+            _pool_of(url, None)(data)
+            data["pools"][0]["pass_priority"] = True
+        return adjust
+
+    async with serve_node(fcfs) as node, running_gateway(
+            redis_url, adjust=passing_priority(node.url)) as gw:
+        await gw.publish(Zone.GREEN, BIG)
+        assert (await _chat(gw)).choices  # VIP: priority 0
+        with pytest.raises(openai.InternalServerError) as refused:
+            await gw.openai("batch").chat.completions.create(
+                model=POOL, messages=[{"role": "user", "content": "Hi."}], max_tokens=4)
+    assert refused.value.status_code == 502 and refused.value.code == "upstream_rejected"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    logged = [r.getMessage() for r in caplog.records if "refused the gateway" in r.getMessage()]
+    assert len(logged) == 1 and "pass_priority" in logged[0], logged
 
 
 @pytest.mark.parametrize("value", [None, "", "  "])

@@ -326,13 +326,17 @@ class Upstream:
                             # Delivered, even if the client leaves before the body's end.
                             meter.phase = Phase.DONE
             except NodeError as exc:
-                broken = True
-                kind = "timeout" if isinstance(exc, TimeoutError) else (
-                    "oversized_event" if isinstance(exc, EventTooLarge) else "broken_stream")
-                self.metrics.child(
-                    self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
-                log.warning("task %s: stream from node %s broke off (%s)", ticket.task_id,
-                            ticket.node, type(exc).__name__)
+                # After its last event the answer is whole: a connection that then breaks
+                # (or stays open past the silence limit) costs the client nothing.
+                broken = not relay.ended
+                if broken:
+                    kind = "timeout" if isinstance(exc, TimeoutError) else (
+                        "oversized_event" if isinstance(exc, EventTooLarge) else
+                        "broken_stream")
+                    self.metrics.child(
+                        self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
+                    log.warning("task %s: stream from node %s broke off (%s)", ticket.task_id,
+                                ticket.node, type(exc).__name__)
             tail = relay.flush()
             if broken:
                 # The node broke off inside an event (its tail: an event begun, never ended):

@@ -20,6 +20,7 @@ from kvgate_client import (
     RetryBudget,
     RetryPolicy,
     RetryTransport,
+    StreamError,
 )
 from kvgate_client.retrying import BUDGET, DEADLINE, NOT_RETRYABLE, SERVER_SAID_NO
 
@@ -282,7 +283,7 @@ def one_answer(response: Callable[[], httpx.Response]) -> KvgateClient:
 def test_a_success_status_without_the_apis_json_is_an_invalid_response() -> None:
     """A portal's page or a cut body behind a 200 is a KvgateError that carries the status
     and the text, not a JSONDecodeError from deep inside the client."""
-    for body in ("<html>captive portal</html>", '{"choices": [', "[1, 2]"):
+    for body in ("<html>captive portal</html>", '{"choices": [', "[1, 2]", "null"):
         with one_answer(lambda body=body: httpx.Response(200, text=body, headers={  # type: ignore[misc]
                 "x-request-id": "task-7"})) as client, \
                 pytest.raises(InvalidResponseError) as info:
@@ -312,3 +313,18 @@ def test_a_body_that_cannot_be_decoded_is_a_kvgate_error() -> None:
         with pytest.raises(KvgateError), client.stream_chat(
                 "m", [{"role": "user", "content": "hi"}]) as stream:
             list(stream)
+
+
+def test_a_leading_bom_is_no_part_of_the_first_event_and_a_null_event_is_an_error() -> None:
+    """The SSE grammar allows a BOM before the first line; an event that is JSON but no object
+    is no chunk. The Go SDK draws the same lines."""
+    body = ('\ufeffdata: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+            "data: null\n\ndata: [DONE]\n\n")
+    with one_answer(lambda: httpx.Response(200, content=body.encode(), headers={
+            "content-type": "text/event-stream", "x-request-id": "t-9"})) as client, \
+            client.stream_chat("m", [{"role": "user", "content": "hi"}]) as stream:
+        chunks = iter(stream)
+        assert next(chunks)["choices"][0]["delta"]["content"] == "a"
+        with pytest.raises(StreamError) as info:
+            next(chunks)
+    assert info.value.payload is None and info.value.request_id == "t-9"

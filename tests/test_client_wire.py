@@ -1,8 +1,9 @@
 """The Python SDK at the edges of HTTP, over real loopback servers (aiohttp, or a bare socket
 server where aiohttp cannot play the part): the timeout each attempt declares, a certificate
-that fails verification, proxies that cannot be reached or refuse the tunnel, redirects,
+that fails verification, proxies that cannot be reached or refuse the tunnel, a connection
+closed without a reply and replies that break HTTP, redirects,
 streams that are no event stream or end before `data: [DONE]`, and what a 429's headers say
-when its body says nothing.
+when its body says nothing, or something else.
 
 Sync clients run in a worker thread while the servers keep serving in the test's event loop.
 Backoff sleeps are injected and only recorded: nothing waits for a hint.
@@ -87,6 +88,24 @@ def test_every_attempt_declares_the_read_timeout() -> None:
             httpx.MockTransport(handler), sleep=sleeps.sleep)) as client:
         client.chat("m", MESSAGES)
     assert seen == [("600.000", None)] * 3  # the default timeouts
+
+
+@pytest.mark.parametrize(("timeout", "expected"), [
+    (1.005, "1.005"), (2.01, "2.010"), (0.1, "0.100"), (2.675, "2.675"), (59.999, "59.999")])
+def test_a_decimal_read_timeout_is_declared_to_its_last_millisecond(
+        timeout: float, expected: str) -> None:
+    """1.005 * 1000 is 1004.9999999999999 in binary: a bare floor would declare 1.004, a
+    millisecond less than the client waits (and than the Go SDK declares for 1005 ms)."""
+    seen: list[tuple[str | None, str | None]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(declared(request))
+        return httpx.Response(200, json={"choices": []})
+
+    with KvgateClient("http://gw/v1", "k", timeout=timeout,
+                      retry_transport=RetryTransport(httpx.MockTransport(handler))) as client:
+        client.chat("m", MESSAGES)
+    assert seen == [(expected, None)]
 
 
 async def test_no_read_timeout_declares_nothing_and_a_callers_value_is_kept() -> None:
@@ -230,6 +249,82 @@ async def test_a_proxy_that_cannot_be_reached_is_retried(
     stats = atransport.stats()
     assert (stats.attempts, dict(stats.outcomes)) == (3, {"max_attempts": 1})
     assert len(sleeps.slept) == 2
+
+
+# --- only a connection closed without a reply is retried --------------------------------------
+
+
+OK_REPLY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n"
+            b"Connection: close\r\n\r\n{\"choices\": []}")
+
+
+@asynccontextmanager
+async def raw_server(replies: list[bytes]) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """Answers the n-th connection with replies[n] (the last one after them) once it has read
+    the request, then closes it; yields its URL and the replies sent."""
+    sent: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reply = replies[min(len(sent), len(replies) - 1)]
+        sent.append(reply)
+        head = await reader.readuntil(b"\r\n\r\n")
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                await reader.readexactly(int(value))
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}/v1", sent
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_connection_closed_without_a_reply_is_retried() -> None:
+    """The server read the request and closed before any status line (httpx's "Server
+    disconnected without sending a response"): as a kept-alive connection closed under it."""
+    sleeps = Sleeps()
+    async with raw_server([b"", b"", OK_REPLY]) as (url, sent):
+        transport = AsyncRetryTransport(sleep=sleeps.asleep)
+        async with AsyncKvgateClient(url, "k", retry_transport=transport) as aclient:
+            assert await aclient.chat("m", MESSAGES) == {"choices": []}
+    assert len(sent) == 3 and len(sleeps.slept) == 2
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 abc Weird\r\nfoo\r\n\r\n",  # a status code that is no number
+    b"HTTP/1.1 200 OK\r\nbad header line\r\n\r\n",
+])
+async def test_a_reply_that_breaks_http_is_not_retried(reply: bytes) -> None:
+    """A reply came, so the request may have run: sending it again could run it twice. The Go
+    SDK does not retry these either."""
+    sleeps = Sleeps()
+    async with raw_server([reply, OK_REPLY]) as (url, sent):
+        transport = AsyncRetryTransport(sleep=sleeps.asleep)
+        async with AsyncKvgateClient(url, "k", retry_transport=transport) as aclient:
+            with pytest.raises(APIConnectionError) as info:
+                await aclient.chat("m", MESSAGES)
+    assert isinstance(info.value.__cause__, httpx.RemoteProtocolError)
+    assert sent == [reply]
+    async with raw_server([reply, OK_REPLY]) as (url, sent):
+
+        def run() -> RetryTransport:
+            sync_transport = RetryTransport(sleep=sleeps.sleep)
+            with KvgateClient(url, "k", retry_transport=sync_transport) as client, \
+                    pytest.raises(APIConnectionError):
+                client.chat("m", MESSAGES)
+            return sync_transport
+
+        sync_transport = await asyncio.to_thread(run)
+    assert sent == [reply]
+    for stats in (transport.stats(), sync_transport.stats()):
+        assert (stats.attempts, dict(stats.outcomes)) == (1, {"error": 1})
+    assert sleeps.slept == []
 
 
 # --- redirects are not followed --------------------------------------------------------------
@@ -379,5 +474,35 @@ def test_a_429s_headers_fill_what_its_body_leaves_out() -> None:
     assert isinstance(bare, RateLimitError)
     assert (bare.retry_after_ms, bare.scope, bare.backpressure_level, bare.queue_depth) == (
         2000.0, None, None, None)
-    assert both.retry_after_ms == 900.0  # the body's own value first
+    assert both.retry_after_ms == 1500.0  # the headers first, as the retry policy reads them
     assert not isinstance(unavailable, RateLimitError) and unavailable.retry_after_ms == 3000.0
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({"retry-after-ms": "1200"}, 1200.0),
+    ({"Retry-After": "2"}, 2000.0),
+    ({"retry-after-ms": "soon"}, 3000.0),  # no hint in the headers: the body's
+    ({}, 3000.0),
+])
+def test_the_reported_wait_reads_the_headers_first(
+        headers: dict[str, str], expected: float) -> None:
+    """The wait the error reports is the one the retry policy read; the Go SDK's RetryAfter
+    takes the same order."""
+    answer = httpx.Response(429, headers=headers, json={
+        "error": {"code": "capacity_exceeded", "retry_after_ms": 3000}})
+    transport = RetryTransport(answering(answer), policy=RetryPolicy(max_attempts=1))
+    with KvgateClient("http://gw/v1", "k", retry_transport=transport) as client, \
+            pytest.raises(RateLimitError) as info:
+        client.chat("m", MESSAGES)
+    assert info.value.retry_after_ms == expected
+
+
+@pytest.mark.parametrize("retry_after_ms", [-5, True, "3000", None])
+def test_a_body_wait_that_is_no_wait_is_none(retry_after_ms: Any) -> None:
+    """As the Go SDK, which reads only a number, and a negative one as none."""
+    answer = httpx.Response(429, json={"error": {"retry_after_ms": retry_after_ms}})
+    transport = RetryTransport(answering(answer), policy=RetryPolicy(max_attempts=1))
+    with KvgateClient("http://gw/v1", "k", retry_transport=transport) as client, \
+            pytest.raises(RateLimitError) as info:
+        client.chat("m", MESSAGES)
+    assert info.value.retry_after_ms is None

@@ -77,6 +77,24 @@ func NewClient(baseURL string, o ClientOptions) *Client {
 
 func noRedirects(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
+// String describes the client without its API key, which a log line or a panic's dump of a
+// struct holding the client would otherwise carry: only whether one is set. The headers of
+// ClientOptions.Header are left out too, since they may carry credentials of their own.
+func (c Client) String() string {
+	key := "none"
+	if c.apiKey != "" {
+		key = "redacted"
+	}
+	return fmt.Sprintf("kvgate.Client{baseURL: %q, apiKey: %s}", c.baseURL, key)
+}
+
+// GoString is String: %#v must not print the key either.
+func (c Client) GoString() string { return c.String() }
+
+// Format prints String for every verb: without it, fmt would print the fields themselves for
+// verbs that do not look for a Stringer (%d, %x, ...), the key among them.
+func (c Client) Format(f fmt.State, verb rune) { _, _ = io.WriteString(f, c.String()) }
+
 // HTTPClient returns the *http.Client the client sends with (its Transport is Transport()).
 func (c *Client) HTTPClient() *http.Client { return c.http }
 
@@ -290,7 +308,10 @@ func (c *Client) post(ctx context.Context, path string, body []byte, out interfa
 	if err != nil {
 		return nil, &ConnectionError{Err: err} // the body broke off
 	}
-	if err := json.Unmarshal(raw, out); err != nil {
+	err = json.Unmarshal(raw, out)
+	// json.Unmarshal reads null into a struct as nothing at all: the caller would get an answer
+	// with no choices and no error, where the Python SDK raises InvalidResponseError.
+	if err != nil || bytes.Equal(bytes.TrimSpace(raw), []byte("null")) {
 		if len(raw) > maxErrorBody {
 			raw = raw[:maxErrorBody]
 		}
@@ -359,8 +380,8 @@ func newStream[T any](resp *http.Response) *Stream[T] {
 
 // Recv returns the next event as soon as it has arrived; io.EOF after the data: [DONE] event.
 // A broken connection gives a *ConnectionError, and so does a body that ends before
-// [DONE] (its Err is ErrIncompleteStream); an error event gives a *StreamError; none is
-// retried.
+// [DONE] (its Err is ErrIncompleteStream); an error event, or one that is not a JSON object
+// (data: null among them), gives a *StreamError; none is retried.
 func (s *Stream[T]) Recv() (T, error) {
 	var zero T
 	data, err := s.sse.next()
@@ -371,7 +392,9 @@ func (s *Stream[T]) Recv() (T, error) {
 		return zero, &ConnectionError{Err: err}
 	}
 	var probe map[string]json.RawMessage
-	if json.Unmarshal([]byte(data), &probe) != nil {
+	// A null event decodes into a nil map without an error, and into T as a zero chunk: it is
+	// no chunk, and a caller indexing Choices would panic on it.
+	if json.Unmarshal([]byte(data), &probe) != nil || probe == nil {
 		return zero, newStreamError(json.RawMessage(data), s.resp.Header)
 	}
 	// OpenAI-compatible servers may send "error": null in a normal chunk: only a value is one.

@@ -647,3 +647,131 @@ func TestErrorsCarryTheRequestIDAndTheErrorEventsFields(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// The SSE grammar allows a byte order mark before the stream's first line; left on that line it
+// would hide the first event's field name, and the first chunk would be lost. The Python SDK
+// strips it too; a later one is no BOM but part of its line.
+func TestALeadingByteOrderMarkIsNotPartOfTheFirstEvent(t *testing.T) {
+	in := "\ufeffdata: a\n\n\ufeffdata: b\n\ndata: c\n\ndata: [DONE]\n\n"
+	for _, r := range []io.Reader{strings.NewReader(in), iotest.OneByteReader(strings.NewReader(in))} {
+		if got := readEvents(t, newSSEReader(r)); strings.Join(got, "|") != "a|c" {
+			t.Fatalf("%q", got)
+		}
+	}
+	g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+		w.Header().Set("Content-Type", "text/event-stream")
+		fmt.Fprint(w, "\ufeffdata: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"first\"}}]}\n\ndata: [DONE]\n\n")
+	})
+	stream, err := newTestClient(t, g, newFakeClock()).ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	if chunk, err := stream.Recv(); err != nil || len(chunk.Choices) != 1 || chunk.Choices[0].Delta.Content != "first" {
+		t.Fatalf("%+v %v", chunk, err)
+	}
+	if _, err := stream.Recv(); err != io.EOF {
+		t.Fatal(err)
+	}
+}
+
+// An event whose payload is JSON but no object (null above all, which decodes into a chunk as
+// nothing) is no chunk: a caller's loop would index an empty Choices. Python raises
+// StreamError for it too.
+func TestAnEventThatIsNotAJSONObjectIsAStreamError(t *testing.T) {
+	for _, data := range []string{"null", " null ", "42", `"text"`, "[1]"} {
+		g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			w.Header().Set("X-Request-Id", "t-9")
+			fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", data)
+		})
+		c := newTestClient(t, g, newFakeClock())
+		chat, err := c.ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		chunk, err := chat.Recv()
+		chat.Close()
+		var se *StreamError
+		if !errors.As(err, &se) || strings.TrimSpace(string(se.Payload)) != strings.TrimSpace(data) || se.RequestID != "t-9" {
+			t.Fatalf("%q: %T %v %+v", data, err, err, chunk)
+		}
+		completion, err := c.CompletionStream(context.Background(), CompletionRequest{Model: "m"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = completion.Recv()
+		completion.Close()
+		if !errors.As(err, &se) {
+			t.Fatalf("%q: %T %v", data, err, err)
+		}
+	}
+}
+
+// A 200 whose body is null is no answer, though json.Unmarshal reads it into a struct without
+// an error; Python raises InvalidResponseError for it too.
+func TestASuccessWhoseBodyIsNullIsAnInvalidResponse(t *testing.T) {
+	for _, raw := range []string{"null", " null\n"} {
+		g := newFakeGateway(t, func(w http.ResponseWriter, body map[string]interface{}, n int) {
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("X-Request-Id", "t-3")
+			fmt.Fprint(w, raw)
+		})
+		c := newTestClient(t, g, newFakeClock())
+		answer, err := c.ChatCompletion(context.Background(), ChatCompletionRequest{Model: "m"})
+		var ire *InvalidResponseError
+		if !errors.As(err, &ire) || ire.StatusCode != 200 || string(ire.Body) != raw || ire.RequestID != "t-3" ||
+			!strings.Contains(err.Error(), "not the expected JSON") {
+			t.Fatalf("%q: %T %v %+v", raw, err, err, answer)
+		}
+		if _, err := c.Completion(context.Background(), CompletionRequest{Model: "m"}); !errors.As(err, &ire) {
+			t.Fatalf("%q: %T %v", raw, err, err)
+		}
+	}
+}
+
+// The wait an error reports is the one the retry policy read: the headers first, then the
+// body's retry_after_ms. Python's retry_after_ms takes the same order.
+func TestTheReportedWaitReadsTheHeadersFirst(t *testing.T) {
+	now := time.Unix(1_700_000_000, 0)
+	body := []byte(`{"error": {"code": "capacity_exceeded", "retry_after_ms": 3000}}`)
+	for _, c := range []struct {
+		header http.Header
+		want   time.Duration
+	}{
+		{http.Header{"Retry-After-Ms": {"1200"}}, 1200 * time.Millisecond},
+		{http.Header{"Retry-After": {"2"}}, 2 * time.Second},
+		{http.Header{"Retry-After-Ms": {"soon"}}, 3 * time.Second}, // no hint in the headers
+		{http.Header{}, 3 * time.Second},
+	} {
+		var rl *RateLimitError
+		if err := newAPIError(429, c.header, body, now); !errors.As(err, &rl) || rl.RetryAfter != c.want {
+			t.Fatalf("%v: %v, want %v", c.header, err, c.want)
+		}
+	}
+}
+
+// A client printed with any verb, on its own or inside a struct, shows no API key: a log line
+// or a dump of a struct holding the client would otherwise carry it.
+func TestAPrintedClientRedactsItsAPIKey(t *testing.T) {
+	const key = "sk-secret-1234"
+	c := NewClient("http://gw/v1", ClientOptions{APIKey: key, Header: http.Header{"Authorization": {"Bearer " + key}}})
+	holder := struct{ Client Client }{*c}
+	for _, verb := range []string{"%v", "%+v", "%#v", "%s", "%q", "%x", "%d"} {
+		for _, arg := range []interface{}{c, *c, holder, &holder} {
+			got := fmt.Sprintf(verb, arg)
+			if strings.Contains(got, key) || strings.Contains(got, fmt.Sprintf("%x", key)) ||
+				!strings.Contains(got, "redacted") {
+				t.Fatalf("%s of %T: %s", verb, arg, got)
+			}
+		}
+	}
+	if got := c.String(); got != `kvgate.Client{baseURL: "http://gw/v1", apiKey: redacted}` {
+		t.Fatal(got)
+	}
+	t.Setenv("KVGATE_API_KEY", "")
+	t.Setenv("OPENAI_API_KEY", "")
+	if got := fmt.Sprint(NewClient("http://gw/v1", ClientOptions{})); got != `kvgate.Client{baseURL: "http://gw/v1", apiKey: none}` {
+		t.Fatal(got)
+	}
+}

@@ -109,8 +109,9 @@ func (e *ConnectionError) Unwrap() error { return e.Err }
 var ErrIncompleteStream = errors.New("kvgate: the stream ended without [DONE]")
 
 // InvalidResponseError is a success status whose body is not what the API answers with: a
-// proxy's or portal's page, a body cut short, or, for a stream, a body that is no event stream
-// (its Content-Type is not text/event-stream: a page, or a server that ignored "stream").
+// proxy's or portal's page, a body cut short, JSON that is not an object (null included), or,
+// for a stream, a body that is no event stream (its Content-Type is not text/event-stream: a
+// page, or a server that ignored "stream").
 type InvalidResponseError struct {
 	// StatusCode is the response's HTTP status.
 	StatusCode int
@@ -123,7 +124,7 @@ type InvalidResponseError struct {
 	// Expected says what the body should have been: "the expected JSON", or "an event
 	// stream" with the Content-Type the response had instead.
 	Expected string
-	// Err is the decoder's error, nil when the body was not decoded.
+	// Err is the decoder's error; nil when the body was not decoded, or decoded as null.
 	Err error
 }
 

@@ -3,6 +3,7 @@ package kvgate
 import (
 	"math"
 	"net/http"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -71,10 +72,11 @@ type Hints struct {
 
 // ParseRetryAfter returns the wait the headers ask for. Precedence follows the official
 // OpenAI SDKs: retry-after-ms first (the precise value kvgate's gateway computes), then
-// Retry-After as seconds (fractions allowed), then Retry-After as an HTTP date, measured from
-// now (a date in the past means 0). Negative, NaN and malformed values are ignored (a bad
-// retry-after-ms falls back to Retry-After); +Inf and values too large for a Duration give
-// Forever. Lookups are case-insensitive for canonical http.Header maps.
+// Retry-After as seconds (fractions allowed), then Retry-After as an HTTP date in one of RFC
+// 9110's three formats (see parseHTTPDate), measured from now (a date in the past means 0).
+// Negative, NaN and malformed values are ignored (a bad retry-after-ms falls back to
+// Retry-After); +Inf and values too large for a Duration give Forever. Lookups are
+// case-insensitive for canonical http.Header maps.
 func ParseRetryAfter(h http.Header, now time.Time) (time.Duration, bool) {
 	if raw, ok := headerValue(h, HeaderRetryAfterMs); ok {
 		if ms, ok := parseNumber(raw); ok {
@@ -88,8 +90,8 @@ func ParseRetryAfter(h http.Header, now time.Time) (time.Duration, bool) {
 	if s, ok := parseNumber(raw); ok {
 		return fromFloat(s * float64(time.Second)), true
 	}
-	when, err := parseHTTPDate(strings.TrimSpace(raw))
-	if err != nil {
+	when, ok := parseHTTPDate(raw, now)
+	if !ok {
 		return 0, false
 	}
 	if d := when.Sub(now); d > 0 {
@@ -162,15 +164,73 @@ func fromFloat(ns float64) time.Duration {
 	return time.Duration(math.Round(ns))
 }
 
-// parseHTTPDate accepts the three formats of RFC 9110 (http.ParseTime) and, leniently, a
-// numeric zone instead of GMT.
-func parseHTTPDate(s string) (time.Time, error) {
-	t, err := http.ParseTime(s)
-	if err == nil {
-		return t, nil
+// The formats of RFC 9110's HTTP-date (section 5.6.7), case-sensitive as its grammar is: the
+// IMF-fixdate senders use, and the obsolete RFC 850 and asctime dates a recipient must still
+// accept. The Python SDK matches the same patterns (kvgate_client/hints.py).
+const (
+	httpDay     = `(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)`
+	httpDayLong = `(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)`
+	httpMonth   = `(?P<month>Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)`
+	httpTime    = `(?P<hour>[0-9]{2}):(?P<minute>[0-9]{2}):(?P<second>[0-9]{2})`
+)
+
+var httpDateFormats = []*regexp.Regexp{
+	regexp.MustCompile(`^` + httpDay + `, (?P<day>[0-9]{2}) ` + httpMonth + ` (?P<year>[0-9]{4}) ` + httpTime + ` GMT$`),
+	regexp.MustCompile(`^` + httpDayLong + `, (?P<day>[0-9]{2})-` + httpMonth + `-(?P<yy>[0-9]{2}) ` + httpTime + ` GMT$`),
+	regexp.MustCompile(`^` + httpDay + ` ` + httpMonth + ` (?P<day>[0-9]{2}| [0-9]) ` + httpTime + ` (?P<year>[0-9]{4})$`),
+}
+
+const httpMonths = "JanFebMarAprMayJunJulAugSepOctNovDec"
+
+// parseHTTPDate reads an HTTP date in one of RFC 9110's formats and nothing else: no date
+// without its weekday, no zone but GMT (none in asctime), no two-digit year but RFC 850's;
+// http.ParseTime and time.Parse would also take one-digit hours, fractions of a second and
+// names in any case, which the Python SDK refuses. The weekday is not checked against the
+// date (neither SDK does). An RFC 850 year is the year ending in its two digits that is at
+// most 50 years after now's and less than 50 before it, since RFC 9110 reads a date more than
+// 50 years ahead as one in the past. The seconds may be 60, a leap second: the next minute's
+// first.
+func parseHTTPDate(raw string, now time.Time) (time.Time, bool) {
+	s := strings.Trim(raw, " \t") // the OWS around a field value
+	for _, re := range httpDateFormats {
+		m := re.FindStringSubmatch(s)
+		if m == nil {
+			continue
+		}
+		field := func(name string) int {
+			n, _ := strconv.Atoi(strings.TrimLeft(m[re.SubexpIndex(name)], " "))
+			return n
+		}
+		month := strings.Index(httpMonths, m[re.SubexpIndex("month")])/3 + 1
+		var year int
+		if re.SubexpIndex("yy") >= 0 {
+			current := now.UTC().Year()
+			year = current + ((field("yy")-current)%100+100)%100
+			if year > current+50 {
+				year -= 100
+			}
+		} else {
+			year = field("year")
+		}
+		day, hour, minute, second := field("day"), field("hour"), field("minute"), field("second")
+		if day < 1 || day > daysIn(year, month) || hour > 23 || minute > 59 || second > 60 {
+			return time.Time{}, false
+		}
+		return time.Date(year, time.Month(month), day, hour, minute, second, 0, time.UTC), true
 	}
-	if t2, err2 := time.Parse(time.RFC1123Z, s); err2 == nil {
-		return t2, nil
+	return time.Time{}, false
+}
+
+// daysIn is the number of days of a month in the proleptic Gregorian calendar.
+func daysIn(year, month int) int {
+	switch month {
+	case 2:
+		if year%4 == 0 && (year%100 != 0 || year%400 == 0) {
+			return 29
+		}
+		return 28
+	case 4, 6, 9, 11:
+		return 30
 	}
-	return t, err
+	return 31
 }

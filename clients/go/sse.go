@@ -11,6 +11,10 @@ import (
 // sseDone is the data of the event that ends an OpenAI-style stream.
 const sseDone = "[DONE]"
 
+// sseBOM is a byte order mark, which the SSE grammar allows once before the stream's first
+// line; left on that line it would hide the first field's name.
+const sseBOM = "\ufeff"
+
 // maxSSELine bounds one line of a stream (a chunk of a few tokens is well under 1 KiB).
 const maxSSELine = 4 << 20
 
@@ -21,9 +25,10 @@ var errLineTooLong = errors.New("kvgate: stream line longer than 4 MiB")
 // "\n"), reading only as much of the body as the next event needs: each event reaches the
 // caller as soon as its blank line has arrived.
 type sseReader struct {
-	sc   *bufio.Scanner
-	data []string
-	done bool
+	sc      *bufio.Scanner
+	data    []string
+	done    bool
+	started bool
 }
 
 func newSSEReader(r io.Reader) *sseReader {
@@ -76,7 +81,12 @@ func (s *sseReader) next() (string, error) {
 		return "", io.EOF
 	}
 	for s.sc.Scan() {
-		if data, ok := s.feed(s.sc.Text()); ok {
+		line := s.sc.Text()
+		if !s.started {
+			s.started = true
+			line = strings.TrimPrefix(line, sseBOM)
+		}
+		if data, ok := s.feed(line); ok {
 			return s.emit(data)
 		}
 	}

@@ -190,9 +190,11 @@ func discard(resp *http.Response) {
 // alive connection the server closed as the request went out, or an EOF before the response.
 // Timeouts after the connection was made (a read or response-header timeout) and canceled
 // contexts are not: the request may be running on a GPU, and a second copy doubles the load
-// exactly when the fleet is slow. Nor are failures that repeat on every attempt: a server's
-// (or an https proxy's) certificate that fails verification, and a proxy that refuses the
-// tunnel (its CONNECT answered 407, 403, 502). The Python SDK draws the same lines.
+// exactly when the fleet is slow. Nor is a reply that breaks HTTP (a malformed status line or
+// header): a reply came, so the request may have run. Nor are failures that repeat on every
+// attempt: a server's (or an https proxy's) certificate that fails verification, and a proxy
+// that refuses the tunnel (its CONNECT answered 407, 403, 502). The Python SDK draws the same
+// lines.
 func IsConnectionError(err error) bool {
 	if err == nil || errors.Is(err, context.Canceled) || isCertificateError(err) {
 		return false

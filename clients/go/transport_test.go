@@ -1,6 +1,7 @@
 package kvgate
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -333,6 +334,76 @@ func TestConnectionErrorsAreRetried(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != 200 || calls != 3 || len(clock.slept()) != 2 {
 		t.Fatal(resp.StatusCode, calls, clock.slept())
+	}
+}
+
+// rawServer answers the n-th connection with replies[n] (the last one after them) once it has
+// read the request, then closes it; it returns its URL and the replies sent so far.
+func rawServer(t *testing.T, replies ...string) (string, func() []string) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var sent []string
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			i := len(sent)
+			if i >= len(replies) {
+				i = len(replies) - 1
+			}
+			reply := replies[i]
+			sent = append(sent, reply)
+			mu.Unlock()
+			if req, err := http.ReadRequest(bufio.NewReader(conn)); err == nil {
+				_, _ = io.Copy(io.Discard, req.Body)
+				_, _ = io.WriteString(conn, reply)
+			}
+			conn.Close()
+		}
+	}()
+	t.Cleanup(func() { ln.Close() })
+	return "http://" + ln.Addr().String(), func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), sent...)
+	}
+}
+
+const okReply = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+
+// A server that read the request and closed before any status line (net/http's EOF; httpx's
+// "Server disconnected without sending a response") is retried; one whose reply breaks HTTP
+// is not: a reply came, so the request may have run. The Python SDK draws the same lines.
+func TestOnlyAConnectionClosedWithoutAReplyIsRetried(t *testing.T) {
+	url, sent := rawServer(t, "", "", okReply)
+	clock := newFakeClock()
+	tr := newTestTransport(t, clock, nil, nil)
+	resp := post(t, tr, url, "{}")
+	resp.Body.Close()
+	if resp.StatusCode != 200 || len(sent()) != 3 || len(clock.slept()) != 2 {
+		t.Fatal(resp.StatusCode, sent(), clock.slept())
+	}
+	for _, reply := range []string{
+		"HTTP/1.1 abc Weird\r\nfoo\r\n\r\n", // a status code that is no number
+		"HTTP/1.1 200 OK\r\nbad header line\r\n\r\n",
+	} {
+		url, sent := rawServer(t, reply, okReply)
+		tr := newTestTransport(t, newFakeClock(), nil, nil)
+		req, _ := http.NewRequest(http.MethodPost, url, strings.NewReader("{}"))
+		_, err := tr.RoundTrip(req)
+		if err == nil || IsConnectionError(err) {
+			t.Fatalf("%q: %v", reply, err)
+		}
+		if st := tr.Stats(); st.Attempts != 1 || st.Outcomes[OutcomeError] != 1 || len(sent()) != 1 {
+			t.Fatalf("%q: %+v %q", reply, st, sent())
+		}
 	}
 }
 

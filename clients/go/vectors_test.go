@@ -225,7 +225,10 @@ func TestVectorsRequestTimeout(t *testing.T) {
 		t.Fatal(len(v.RequestTimeoutCases))
 	}
 	for _, c := range v.RequestTimeoutCases {
-		if got := readTimeout(seconds(c.WaitS)); got != c.Expected {
+		// To the nearest nanosecond, as a Go caller spells the wait (1005 * time.Millisecond):
+		// seconds() truncates, and 1.005 * 1e9 is 1004999999.9999999 in binary.
+		wait := time.Duration(math.Round(c.WaitS * float64(time.Second)))
+		if got := readTimeout(wait); got != c.Expected {
 			t.Errorf("%s: %q, want %q (%s)", c.Name, got, c.Expected, c.Why)
 		}
 	}

@@ -43,9 +43,10 @@ class APIStatusError(KvgateError):
     `code`, `type` and `param` are the body's (None when absent); `request_id` is the
     gateway's `X-Request-Id`, which names the task in its logs (None when the request was
     refused before admission, as a 4xx for a malformed or impossible request is; every
-    answer of the admission step, a 429 included, carries one). `retry_after_ms` is the
-    body's `retry_after_ms`, else the `retry-after-ms` / `Retry-After` headers' wait, else
-    None. A redirect (3xx: the client follows none) names its `Location` in `message`.
+    answer of the admission step, a 429 included, carries one). `retry_after_ms` is the wait
+    the `retry-after-ms` / `Retry-After` headers ask for, else the body's `retry_after_ms`
+    (a number >= 0), else None. A redirect (3xx: the client follows none) names its
+    `Location` in `message`.
     """
 
     def __init__(self, status_code: int, body: Any, headers: Mapping[str, str]) -> None:
@@ -67,10 +68,11 @@ class APIStatusError(KvgateError):
                             "the client at the new address)")
         else:
             self.message = str(message) if message is not None else f"HTTP {status_code}"
-        retry_ms = err.get("retry_after_ms")
-        self.retry_after_ms: float | None = (
-            float(retry_ms) if isinstance(retry_ms, int | float) else _header_retry_ms(headers)
-        )
+        # Headers first: they are what the retry policy waited on, so the wait reported is
+        # the one the policy honoured; the Go SDK reads them in the same order.
+        self.retry_after_ms: float | None = _header_retry_ms(headers)
+        if self.retry_after_ms is None:
+            self.retry_after_ms = _body_retry_ms(err.get("retry_after_ms"))
         super().__init__(f"{status_code} {self.code or ''}: {self.message}".replace(" :", ":"))
 
 
@@ -149,6 +151,18 @@ def _str_or_none(value: Any) -> str | None:
 
 def _stripped(value: str | None) -> str | None:
     return None if value is None else value.strip()
+
+
+def _body_retry_ms(value: Any) -> float | None:
+    # bool is an int to isinstance, and a negative or NaN wait is no wait: the hint parser
+    # ignores such headers, and the Go SDK such bodies.
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        ms = float(value)
+    except OverflowError:  # an integer past any float: no usable wait
+        return None
+    return ms if ms >= 0 else None
 
 
 def _header_retry_ms(headers: Mapping[str, str]) -> float | None:

@@ -1,13 +1,15 @@
 """Parsing the server's retry hints: `retry-after-ms`, `Retry-After`, `x-should-retry`.
 
 Precedence follows the official OpenAI SDKs: `retry-after-ms` first (the precise value the
-gateway computes), then `Retry-After` as seconds, then `Retry-After` as an HTTP date.
+gateway computes), then `Retry-After` as seconds, then `Retry-After` as an HTTP date in one of
+RFC 9110's three formats (`parse_http_date`).
 """
 
 from __future__ import annotations
 
-import email.utils
 import math
+import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -69,17 +71,78 @@ def parse_retry_after(
     if seconds is not None:
         return seconds if math.isfinite(seconds) else _FOREVER
     # RFC 9110 also allows an HTTP date; a date in the past means "now".
-    try:
-        parsed = email.utils.parsedate_tz(raw)
-        if parsed is None:
-            return None
-        when = float(email.utils.mktime_tz(parsed))
-    except (ValueError, OverflowError):
-        # parsedate_tz accepts any digits, but the time functions hold only years up to 9999
-        # and a C long of seconds: such a date is no usable hint (the Go SDK's parser refuses
-        # it too). Raised from here, it would escape the transport with the response unclosed.
+    now = wall_clock()
+    when = parse_http_date(raw, now=now)
+    if when is None:
         return None
-    return max(0.0, when - wall_clock())
+    return max(0.0, when - now)
+
+
+# The formats of RFC 9110's HTTP-date (section 5.6.7), case-sensitive as its grammar is: the
+# IMF-fixdate senders use, and the obsolete RFC 850 and asctime dates a recipient must still
+# accept. The Go SDK matches the same patterns (clients/go/hints.go). [0-9], not \d, which
+# also matches other scripts' digits.
+_DAY = "(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
+_DAY_LONG = "(?:Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday)"
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_MONTH = f"(?P<month>{'|'.join(_MONTHS)})"
+_TIME = "(?P<hour>[0-9]{2}):(?P<minute>[0-9]{2}):(?P<second>[0-9]{2})"
+_HTTP_DATE_FORMATS = (
+    re.compile(f"{_DAY}, (?P<day>[0-9]{{2}}) {_MONTH} (?P<year>[0-9]{{4}}) {_TIME} GMT"),
+    re.compile(f"{_DAY_LONG}, (?P<day>[0-9]{{2}})-{_MONTH}-(?P<yy>[0-9]{{2}}) {_TIME} GMT"),
+    re.compile(f"{_DAY} {_MONTH} (?P<day>[0-9]{{2}}| [0-9]) {_TIME} (?P<year>[0-9]{{4}})"),
+)
+_DAYS_IN_MONTH = (31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+
+
+def parse_http_date(raw: str, *, now: float) -> float | None:
+    """The Unix time of an HTTP date in one of RFC 9110's formats, or None for anything else.
+
+    No date without its weekday, no zone but GMT (none in asctime), no two-digit year but RFC
+    850's: `email.utils.parsedate_tz` takes all of those, and the Go SDK refuses them. The
+    weekday is not checked against the date (neither SDK does). An RFC 850 year is the year
+    ending in its two digits that is at most 50 years after `now`'s and less than 50 before
+    it, since RFC 9110 reads a date more than 50 years ahead as one in the past. The seconds
+    may be 60, a leap second: the next minute's first.
+    """
+    text = raw.strip(" \t")  # the OWS around a field value
+    for pattern in _HTTP_DATE_FORMATS:
+        match = pattern.fullmatch(text)
+        if match is not None:
+            break
+    else:
+        return None
+    fields = match.groupdict()
+    month = _MONTHS.index(fields["month"]) + 1
+    if fields.get("yy") is not None:
+        current = time.gmtime(now).tm_year
+        year = current + (int(fields["yy"]) - current) % 100
+        if year > current + 50:
+            year -= 100
+    else:
+        year = int(fields["year"])
+    day, hour = int(fields["day"]), int(fields["hour"])
+    minute, second = int(fields["minute"]), int(fields["second"])
+    if not 1 <= day <= _days_in(year, month) or hour > 23 or minute > 59 or second > 60:
+        return None
+    return float(_days_from_civil(year, month, day) * 86400 + hour * 3600 + minute * 60 + second)
+
+
+def _days_in(year: int, month: int) -> int:
+    leap = year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)
+    return 29 if month == 2 and leap else _DAYS_IN_MONTH[month - 1]
+
+
+def _days_from_civil(year: int, month: int, day: int) -> int:
+    """Days from 1970-01-01 to a proleptic Gregorian date (Howard Hinnant's algorithm), for
+    any 4-digit year: datetime holds none before year 1."""
+    if month <= 2:
+        year -= 1
+    era = year // 400
+    year_of_era = year - era * 400
+    day_of_year = (153 * ((month + 9) % 12) + 2) // 5 + day - 1
+    day_of_era = year_of_era * 365 + year_of_era // 4 - year_of_era // 100 + day_of_year
+    return era * 146097 + day_of_era - 719468
 
 
 def parse_should_retry(headers: Mapping[str, str]) -> bool | None:

@@ -47,7 +47,8 @@ REQUEST_TIMEOUT_HEADER = "x-request-timeout"
 # be reached is a ConnectError (retried: the request reached no one); one that refuses the
 # tunnel (a CONNECT answered 407, 403, 502) is an httpx.ProxyError, not retried, as a TLS
 # certificate the client does not trust is not (see `retryable`): each fails the same way
-# every time, so a retry only delays the error.
+# every time, so a retry only delays the error. A RemoteProtocolError is retried only when the
+# server closed the connection without answering (see `retryable`).
 CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -56,11 +57,23 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
     httpx.RemoteProtocolError,
 )
 
+# httpcore's message (HTTP/1.1) for a connection the server closed before any response: a
+# kept-alive connection it closed as the request went out, or a server that died reading it.
+# httpcore has no type of its own for it; every other RemoteProtocolError is a reply that came
+# but broke the protocol (a malformed status line or header), so the request may have run.
+# (httpcore parses nothing before a head is whole, so a close after part of one reads the same
+# and is retried; the Go SDK, which parses the status line as it comes, may refuse those.)
+NO_RESPONSE = "Server disconnected without sending a response"
+
 
 def retryable(exc: BaseException) -> bool:
     """Whether a connection error is worth another attempt: not when the server's (or the
     proxy's) certificate failed verification, which httpx reports as a ConnectError caused by
-    ssl.SSLCertVerificationError. The Go SDK draws the same line (IsConnectionError)."""
+    ssl.SSLCertVerificationError, nor when the server answered something that is not HTTP (a
+    RemoteProtocolError other than a connection closed without a response). The Go SDK draws
+    the same lines (IsConnectionError)."""
+    if isinstance(exc, httpx.RemoteProtocolError) and not str(exc).startswith(NO_RESPONSE):
+        return False
     seen: set[int] = set()
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
@@ -79,7 +92,9 @@ MAX_DECLARED_S = 1e10
 def read_timeout(wait_s: float) -> str:
     """The `X-Stainless-Read-Timeout` value for a client that waits `wait_s` for an answer: the
     seconds, to the millisecond, rounded down; at least 1 ms (at most `MAX_DECLARED_S`)."""
-    ms = max(1, math.floor(min(wait_s, MAX_DECLARED_S) * 1000))
+    # A decimal wait is seldom exact in binary (1.005 * 1000 is 1004.9999999999999): rounding
+    # to the nanosecond, the Go SDK's resolution, before the floor keeps 1.005 s at 1005 ms.
+    ms = max(1, math.floor(round(min(wait_s, MAX_DECLARED_S) * 1000, 6)))
     return f"{ms / 1000:.3f}"
 
 

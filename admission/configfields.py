@@ -331,13 +331,21 @@ def backend_url_error(url: str) -> str | None:
     return _port_error(url)
 
 
+API_PATHS = ("chat", "completions", "models", "embeddings", "responses")
+"""What follows `v1` in the OpenAI API's paths: a `v1` segment before one of these (or last)
+starts an endpoint, while a proxy's prefix may hold `v1` elsewhere (the Kubernetes API
+server's service proxy: `/api/v1/namespaces/<ns>/services/<svc>/proxy`)."""
+
+
 def _endpoint_path(path: str) -> str:
     """The part of a backend URL's path that is an API's, not a reverse proxy's prefix: from a
-    `v1` segment on, or a last segment `metrics` ("" if none). Accepted, a whole endpoint's URL
-    would be appended to: every request would go to `.../v1/chat/completions/v1/...`."""
+    last `v1` segment or one followed by an OpenAI API path (`API_PATHS`), or a last segment
+    `metrics` ("" if none). Accepted, a whole endpoint's URL would be appended to: every
+    request would go to `.../v1/chat/completions/v1/...`."""
     segments = path.rstrip("/").split("/")
-    if "v1" in segments:
-        return "/".join(["", *segments[segments.index("v1"):]])
+    for i, segment in enumerate(segments):
+        if segment == "v1" and (i == len(segments) - 1 or segments[i + 1] in API_PATHS):
+            return "/".join(["", *segments[i:]])
     return "/metrics" if segments[-1] == "metrics" else ""
 
 

@@ -3,19 +3,23 @@
 T_in is the real token count of the prompt (the pool's tokenizer, chat template applied);
 T_out is the client's `max_completion_tokens` / `max_tokens` times the number of sequences, or
 the pool's default, which is then written into the forwarded body so that the reservation is a
-true bound. Prompts that cannot fit the context (by their counted tokens: the guess for images
-and other non-text parts is the node's to judge) get vLLM's own 400 messages; these, and a
-`max_tokens` over the pool's `max_max_tokens`, can never succeed as sent and say so with
-`x-should-retry: false` (a malformed request is a plain 400: no client retries one).
+true bound; a chat whose context leaves less than the default gets none written (the node takes
+the rest of its context by its own count, which a count of the gateway's could overshoot by a
+token) and reserves the rest of the context its counted text leaves. Prompts that cannot fit
+the context (by their counted tokens: the guess for images and other non-text parts is the
+node's to judge) get vLLM's own 400 messages; these, and a `max_tokens` over the pool's
+`max_max_tokens`, can never succeed as sent and say so with `x-should-retry: false` (a
+malformed request is a plain 400: no client retries one).
 
 The forwarded body differs from the client's in these places only: `model` (the served name),
-`max_tokens` (when defaulted), `stream_options.include_usage` (always on when streaming, so
-the gateway learns exact usage), `priority` (the tier, when the pool passes it; a client's
-own `priority` is never forwarded, or it could raise itself inside the engine), and the
-engine's fields that belong to the operator, not to one tenant among many (`ENGINE_ONLY`):
-the client's `request_id` and `kv_transfer_params` are dropped, and its `cache_salt` is
-replaced by a digest of the tenant's name and the salt, so that no tenant can name another's
-prefix-cache partition (and time its hits).
+`max_tokens` (when defaulted, where the context leaves room for the default),
+`stream_options.include_usage` (always on when streaming, so the gateway learns exact usage),
+`priority` (the tier, when the pool passes it; a client's own `priority` is never forwarded, or
+it could raise itself inside the engine), and the engine's fields that belong to the operator,
+not to one tenant among many (`ENGINE_ONLY`): the client's `request_id` and
+`kv_transfer_params` are dropped, and its `cache_salt` is replaced by a digest of the tenant's
+name and the salt, so that no tenant can name another's prefix-cache partition (and time its
+hits).
 
 A chat request's own `chat_template` (top level, or inside `chat_template_kwargs`, where vLLM
 before 0.11 took it as the template too) is refused unless the pool sets
@@ -370,6 +374,15 @@ async def parse_inbound(
     room = limit - max(prompts)
     per_sequence = (max(1, requested) if requested is not None
                     else min(default, room if room >= 1 else limit - longest))
+    # A chat near the context's end: written from the gateway's count, the default would be
+    # refused whenever the node counts one token more (another template, another tokenizer),
+    # a 400 naming a max_tokens the client never sent. None is written, and the node takes
+    # the rest of its context by its own count: what the counted text leaves (images' guess
+    # aside) bounds it, so that is reserved, and it bounds the usage charged. A completion
+    # keeps its own: vLLM's default there is 16 whatever the room, which it would refuse.
+    node_sized = requested is None and kind == "chat" and per_sequence < default
+    if node_sized:
+        per_sequence = limit - longest
     estimate = estimate_cost(
         # No prompt holds more than the context: a guess past it (a thousand tiny images)
         # would reserve tokens no node could ever hold.
@@ -381,11 +394,7 @@ async def parse_inbound(
 
     requested_model = body["model"]
     body["model"] = pool.served_model
-    if requested is None and per_sequence >= default:
-        # Where the context leaves less than the default, the field stays out: the node then
-        # takes the rest of its context by its own count. Written from the gateway's count it
-        # would be refused (a 400 naming a max_tokens the client never sent) whenever the
-        # node counts one token more, as it does with any other chat template or tokenizer.
+    if requested is None and not node_sized:
         body["max_tokens"] = per_sequence
     client_wants_usage = False
     if stream:

@@ -74,6 +74,8 @@ class Elector:
                                        recovered="leadership calls succeed again")
         self._leading_event = asyncio.Event()
         self._wake = asyncio.Event()
+        self._lapsed: int | None = None
+        """The epoch whose lease lapsed by this replica's clock during a Redis stall."""
 
     @property
     def failures(self) -> int:
@@ -95,6 +97,7 @@ class Elector:
             if self.epoch is not None and not self.leading:
                 # Our own clock ended the lease (no renewal got through): a step-down like
                 # any other, said and counted now rather than when Redis answers again.
+                self._lapsed = self.epoch
                 self.step_down("lease lapsed: Redis did not answer the renewals")
             # Keep trying often: the lease may still be ours for a while.
             return self.ttl_s / 10
@@ -104,9 +107,15 @@ class Elector:
         self.holder = result.holder
         if result.leading:
             changed = self.epoch != result.epoch
-            if changed:
+            if changed and result.epoch == self._lapsed:
+                # The lease outlived the stall in Redis: no one else led, so one change (the
+                # lapse) for the blip, not two, which the flapping alert would count.
+                log.info("%s leads again with epoch %d (its lease lapsed by its own clock "
+                         "only)", self.me, result.epoch)
+            elif changed:
                 log.info("%s leads with epoch %d", self.me, result.epoch)
                 self.changes += 1
+            self._lapsed = None
             self.epoch = result.epoch
             self.deadline = sent + self.ttl_s * (1 - SAFETY)
             self._leading_event.set()

@@ -50,9 +50,9 @@ class SchedulerMetrics:
         self.gc_pause = gc_pause_histogram(p, r)
         self.epoch = Gauge(p + "epoch", "Fencing epoch of this replica's leadership (0: none).",
                            registry=r)
-        self.leadership_changes = Counter(p + "leadership_changes",
-                                          "Leadership gained or lost by this replica.",
-                                          registry=r)
+        self.leadership_changes = Counter(
+            p + "leadership_changes", "Leadership gained or lost by this replica (a lease "
+            "lapsed by its clock in a Redis stall and then resumed counts once).", registry=r)
         self.leadership_errors = Counter(p + "leadership_errors",
                                          "Leadership calls (acquire or renew) that failed on a "
                                          "Redis error.", registry=r)

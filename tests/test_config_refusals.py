@@ -47,8 +47,12 @@ def test_a_backend_url_naming_an_endpoint_is_refused(url: str, endpoint: str) ->
         "/metrics")
 
 
-@pytest.mark.parametrize("url", ["http://proxy:8080/vllm/node-1", "http://h:8000/v1beta",
-                                 "http://h:8000/metrics-proxy/node-1", "http://h:8000/api/v10/"])
+@pytest.mark.parametrize("url", [
+    "http://proxy:8080/vllm/node-1", "http://h:8000/v1beta",
+    "https://kube-apiserver:6443/api/v1/namespaces/ml/services/vllm:8000/proxy",
+    "http://proxy/llm/v1/node-a", "http://h:8000/metrics-proxy/node-1",
+    "http://h:8000/api/v10/",
+])
 def test_a_reverse_proxys_prefix_stays_valid(url: str) -> None:
     config = parse_config(minimal(pools=[{"name": "p", "backends": [url]}]), env={})
     assert config.pools["p"].backends[0].url == url.rstrip("/")

@@ -403,12 +403,15 @@ def _run_init_container(docs: list[dict[str, Any]], tmp: Path) -> tuple[Path, di
     """Lay out the gateway pod's volumes in `tmp` and run its init container's command."""
     pod = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]
-    sources: dict[str, dict[str, str]] = {}
+    sources: dict[str, dict[str, bytes]] = {}
     for vol in pod["volumes"]:
         if "configMap" in vol:
-            sources[vol["name"]] = one(docs, "ConfigMap", "-config")["data"]
+            sources[vol["name"]] = {name: text.encode() for name, text in
+                                    one(docs, "ConfigMap", "-config")["data"].items()}
         elif "secret" in vol and vol["name"] == "tenants":
-            data = secret_strings(docs)
+            # The Secret's bytes as a pod gets them, whatever their encoding.
+            data = {f"{d['metadata']['name']}/{k}": base64.b64decode(v) for d in docs
+                    if d["kind"] == "Secret" for k, v in d.get("data", {}).items()}
             ref = vol["secret"]
             sources["tenants"] = {item["path"]: data[f"{ref['secretName']}/{item['key']}"]
                                   for item in ref["items"]}
@@ -417,7 +420,7 @@ def _run_init_container(docs: list[dict[str, Any]], tmp: Path) -> tuple[Path, di
         folder = tmp / m["name"]
         folder.mkdir()
         for fname, content in sources.get(m["name"], {}).items():
-            (folder / fname).write_text(content, encoding="utf-8")
+            (folder / fname).write_bytes(content)
         remap[m["mountPath"]] = str(folder)
 
     def on_disk(path: str) -> str:
@@ -692,6 +695,30 @@ def test_a_tenants_secret_is_checked_alone_before_it_is_joined(
     with pytest.raises(subprocess.CalledProcessError) as failed:
         _run_init_container(docs, tmp_path)
     assert "tenants Secret" in failed.value.stderr and said in failed.value.stderr
+
+
+def test_a_tenants_secret_with_a_bom_is_read_and_one_not_in_utf8_refused(
+    tmp_path: Path,
+) -> None:
+    """An editor's byte order mark is no TOML statement (it was refused as one); Latin-1
+    text is named as such (it ended the init container in a traceback)."""
+    table = f'[[tenants]]\nname = "t"\ntier = "vip"\nkey_sha256 = ["{HASHES[0]}"]\n'
+    cases = ((b"\xef\xbb\xbf" + table.encode(), None),
+             (table.replace('"t"', '"caf\xe9"').encode("latin-1"), "not UTF-8 text"))
+    for i, (data, said) in enumerate(cases):
+        docs = render(VARIANTS["production"]())
+        docs.append({"kind": "Secret", "metadata": {"name": "kvgate-tenants"},
+                     "data": {"tenants.toml": base64.b64encode(data).decode()}})
+        folder = tmp_path / str(i)
+        folder.mkdir()
+        if said is None:
+            path, env = _run_init_container(docs, folder)
+            pod_env = {"REDIS_URL": env["REDIS_URL"].replace("$(REDIS_PASSWORD)", "pw")}
+            assert [t.name for t in cfg.load_config(path, env=pod_env).tenants] == ["t"]
+        else:
+            with pytest.raises(subprocess.CalledProcessError) as failed:
+                _run_init_container(docs, folder)
+            assert said in failed.value.stderr and "Traceback" not in failed.value.stderr
 
 
 @pytest.mark.parametrize("url", ["redis://r:6379/0?", "redis://r:6379/0?&db=1"])

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from admission.errors import FencedError
 from admission.failurelog import FAILURE_LOG_EVERY_S
@@ -18,7 +20,7 @@ from admission.keys import SchedulerKeys
 from admission.leadership import leadership
 from admission.scripts import register_scripts
 from admission.tiers import Tier, Zone
-from bench.common.localredis import LocalRedis
+from bench.common.localredis import LocalRedis, free_port
 from scheduler.leader import SAFETY, Elector
 from scheduler.service import SchedulerService, default_id
 from tests.scheduler_stub import FakeClock, FakeVllm, admit, eventually, make_config, serve_fake
@@ -62,6 +64,38 @@ async def test_leader_stops_by_its_own_clock_before_the_lease_ends(redis_client:
     # Redis still holds the lease for this replica; it no longer trusts it.
     assert not a.leading
     assert (await redis_client.get(SchedulerKeys().leader)) == b"a"
+
+
+async def test_a_lease_lapsed_in_a_stall_is_one_change_and_regaining_it_none(
+    redis_client: Any, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Renewals that fail until the replica's own deadline passes: it steps down (said and
+    counted at once, its metrics told). When Redis answers again and the lease outlived the
+    stall there, it leads again with the same epoch: no one else led, so that is no second
+    change (two per blip would page KvgateLeadershipFlapping on a flaky network)."""
+    clock = FakeClock()
+    told: list[bool] = []
+    scripts = register_scripts(redis_client)
+    # A lease long enough to outlive, in Redis's real time, the failing calls' own retries.
+    a = Elector(redis_client, scripts, "a", 30_000, clock=clock)
+    a.on_change = lambda: told.append(a.leading)
+    caplog.set_level(logging.INFO, logger="kvgate.scheduler.leader")
+    await a.attempt()
+    epoch = a.epoch
+    assert a.leading and a.changes == 1 and told == [True]
+    unreachable = aioredis.Redis(port=free_port(), retry=Retry(NoBackoff(), 0))
+    try:
+        a.client, a.scripts = unreachable, register_scripts(unreachable)  # as in an outage
+        clock.advance(30.0 * (1 - SAFETY) + 0.01)
+        await a.attempt()
+    finally:
+        a.client, a.scripts = redis_client, scripts
+        await unreachable.aclose()
+    assert not a.leading and a.epoch is None and a.changes == 2 and told == [True, False]
+    assert any("lease lapsed" in r.getMessage() for r in caplog.records)
+    await a.attempt()  # the lease is still "a"'s in Redis (its TTL runs in real time)
+    assert a.leading and a.epoch == epoch and a.changes == 2 and told == [True, False, True]
+    assert any("leads again with epoch" in r.getMessage() for r in caplog.records)
 
 
 async def test_resignation_hands_over_at_once(redis_client: Any) -> None:

@@ -54,8 +54,8 @@ integer above 2^53 - 1 anyway (docs/configuration.md), so nothing valid is lost.
 {{- end }}
 {{- printf "%d" (int64 $v) }}{{ else }}{{ $v }}{{ end }}
 {{- else if or (kindIs "int" $v) (kindIs "int64" $v) (kindIs "int32" $v) (kindIs "uint64" $v) }}
-{{- if gt $v 9007199254740991 }}
-{{- fail (printf "%s: %v is above 2^53 - 1 (9007199254740991), the largest integer the services accept" $where $v) }}
+{{- if or (gt $v 9007199254740991) (lt $v -9007199254740991) }}
+{{- fail (printf "%s: %v is beyond 2^53 - 1 (9007199254740991), the largest integer the services accept" $where $v) }}
 {{- end }}{{ $v }}
 {{- else if kindIs "slice" $v }}[{{ range $i, $e := $v }}{{ if $i }}, {{ end }}{{ include "kvgate.toml.value" (dict "v" $e "where" (printf "%s[%d]" $where $i)) }}{{ end }}]
 {{- else if kindIs "map" $v }}{ {{- range $i, $k := keys $v | sortAlpha }}{{ if $i }},{{ end }} {{ include "kvgate.toml.key" $k }} = {{ include "kvgate.toml.value" (dict "v" (get $v $k) "where" (printf "%s.%s" $where $k)) }}{{ end }} }

@@ -13,6 +13,7 @@ The same figures with redis-cli, for a tenant `acme` of pool `P` in Normal::
     redis-cli HGETALL 'kvg:{P}:tenant:acme'            vt_1, weight, queued_tokens, ...
     redis-cli ZRANGE 'kvg:{P}:flows:normal' 0 -1 WITHSCORES    backlogged, least first
     redis-cli ZRANGE 'kvg:{P}:flow:normal:acme' 0 -1   its queued tasks, oldest first
+    redis-cli ZRANGE 'kvg:{P}:inflight' 0 -1 WITHSCORES   tenants with tokens in flight
     redis-cli HGETALL 'kvg:{P}:quota:research'          a team's bucket and allowances
 
 Tenant and level keys are found with SCAN (never KEYS), as buckets are.
@@ -21,6 +22,7 @@ Tenant and level keys are found with SCAN (never KEYS), as buckets are.
 from __future__ import annotations
 
 import datetime
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -152,14 +154,26 @@ def tenant_view(name: str, h: Mapping[str, str], flows: Sequence[Mapping[str, in
                           cap or None, release_rate(h, now_us))
 
 
-async def read_fair(client: Any, keys: PoolKeys, now_us: int, month: int) -> FairView:
-    """`month`: the current UTC month as the scripts count it (year x 12 + month - 1)."""
+async def read_fair(client: Any, keys: PoolKeys, now_us: int, month: int,
+                    wrong_type: list[str] | None = None) -> FairView:
+    """`month`: the current UTC month as the scripts count it (year x 12 + month - 1). A key
+    of another type (written by hand) reads as empty and is added to `wrong_type`."""
+    read = [*(keys.flows(tier) for tier in Tier), keys.vtime]
     async with client.pipeline(transaction=False) as pipe:
         for tier in Tier:
             pipe.zrange(keys.flows(tier), 0, -1, withscores=True)
         pipe.hgetall(keys.vtime)
-        reply = list(await pipe.execute())
-    flows = [{_text(m): int(s) for m, s in rows} for rows in reply[:3]]
+        reply = list(await pipe.execute(raise_on_error=False))
+    for i, (key, raw) in enumerate(zip(read, reply, strict=True)):
+        if wrong_type_reply(raw):
+            reply[i] = {} if key == keys.vtime else []
+            if wrong_type is not None:
+                wrong_type.append(key)
+        elif isinstance(raw, BaseException):
+            raise raw
+    # A score that is no finite number (by hand: ZADD ... +inf) reads as 0, not an OverflowError.
+    flows = [{_text(m): int(s) if math.isfinite(s) else 0 for m, s in rows}
+             for rows in reply[:3]]
     vtime_raw = {_text(k): _text(v) for k, v in reply[3].items()}
     vtime = [int(_num(vtime_raw.get(t.label))) for t in Tier]
     tenants = await scan_hashes(client, keys.tenant_key(""))

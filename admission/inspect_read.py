@@ -329,10 +329,19 @@ async def read_pool(client: Any, pool: str,
     queued = sum(q.depth for q in queues)
 
     leases = [(_text(g), _score(score)) for g, score in leases_raw]
-    async with client.pipeline(transaction=False) as pipe:
-        for gateway, _ in leases:
-            pipe.scard(keys.gateway_tasks_key(gateway))
-        live = [int(n) for n in await pipe.execute()] if leases else []
+    live: list[int] = []
+    if leases:
+        async with client.pipeline(transaction=False) as pipe:
+            for gateway, _ in leases:
+                pipe.scard(keys.gateway_tasks_key(gateway))
+            counts = await pipe.execute(raise_on_error=False)
+        for (gateway, _), count in zip(leases, counts, strict=True):
+            if wrong_type_reply(count):
+                wrong_type.append(keys.gateway_tasks_key(gateway))
+                count = 0
+            elif isinstance(count, BaseException):
+                raise count
+            live.append(int(count))
     gateways = [GatewayView(g, expiry, None if expiry is None else expiry - now, n)
                 for (g, expiry), n in zip(leases, live, strict=True)]
 
@@ -351,7 +360,7 @@ async def read_pool(client: Any, pool: str,
         else:
             views.append(_tenant_view(name, None, queued_n, False))
 
-    fairness = await read_fair(client, keys, now, month_index(now))
+    fairness = await read_fair(client, keys, now, month_index(now), wrong_type)
     return PoolView(
         pool=pool, now_us=now, clock="redis" if frozen is None else "frozen",
         zone=state.get("zone"), epoch=_int(state.get("epoch")), updated_us=updated,

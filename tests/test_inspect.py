@@ -282,11 +282,19 @@ async def test_a_key_of_another_type_is_named_and_the_other_pools_still_shown(
     await redis_client.hset(other.keys.state, "zone", "GREEN")
     await redis_client.set(other.keys.stats, "oops")
     await redis_client.set(other.keys.queue(Tier.BATCH), "oops")
+    await redis_client.set(other.keys.vtime, "oops")
+    await redis_client.set(other.keys.flows(Tier.VIP), "oops")
+    await redis_client.zadd(other.keys.flows(Tier.NORMAL), {"t": float("inf")})
+    await redis_client.zadd(other.keys.leases, {"gw-x": 10**18})
+    await redis_client.set(other.keys.gateway_tasks_key("gw-x"), "oops")
     snap = await inspect.snapshot(redis_client, [POOL, "other"])
     mine, broken = snap.pools
     assert mine.wrong_type_keys == [] and mine.nodes == (
         await inspect.snapshot(redis_client, [POOL])).pools[0].nodes
-    assert broken.wrong_type_keys == [other.keys.queue(Tier.BATCH), other.keys.stats]
+    assert broken.wrong_type_keys == [
+        other.keys.queue(Tier.BATCH), other.keys.stats, other.keys.gateway_tasks_key("gw-x"),
+        other.keys.flows(Tier.VIP), other.keys.vtime]
+    assert [(g.gateway, g.live_tasks) for g in broken.gateways] == [("gw-x", 0)]
     assert broken.zone == "GREEN" and broken.stats == {} and broken.queues[2].depth == 0
     text = inspect.render(snap)
     assert "read as empty: " + other.keys.queue(Tier.BATCH) in text

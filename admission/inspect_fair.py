@@ -13,7 +13,7 @@ The same figures with redis-cli, for a tenant `acme` of pool `P` in Normal::
     redis-cli HGETALL 'kvg:{P}:tenant:acme'            vt_1, weight, queued_tokens, ...
     redis-cli ZRANGE 'kvg:{P}:flows:normal' 0 -1 WITHSCORES    backlogged, least first
     redis-cli ZRANGE 'kvg:{P}:flow:normal:acme' 0 -1   its queued tasks, oldest first
-    redis-cli ZRANGE 'kvg:{P}:inflight' 0 -1 WITHSCORES   tenants with tokens in flight
+    redis-cli ZRANGE 'kvg:{P}:tenant_inflight' 0 -1 WITHSCORES   tenants in flight
     redis-cli HGETALL 'kvg:{P}:quota:research'          a team's bucket and allowances
 
 Tenant and level keys are found with SCAN (never KEYS), as buckets are.

@@ -14,8 +14,8 @@ Key names are plain words so operators can read them with redis-cli, for example
 The Lua scripts build the names of keys they discover at run time (a task id popped from a
 queue) from the same ``prefix`` the Python side passes in; `lua/_lib.lua` mirrors the suffixes
 of `task_key`, `bucket_key`, `gateway_tasks_key`, `running`, `node_guests`,
-`node_guest_pace`, `tenant_key`, `flows`, `flow`, `light`, `vtime` and `quota_key`, and a test
-checks that they agree.
+`node_guest_pace`, `tenant_key`, `flows`, `flow`, `light`, `vtime`, `tenant_inflight` and
+`quota_key`, and a test checks that they agree.
 """
 
 from __future__ import annotations
@@ -198,6 +198,15 @@ class PoolKeys:
         """HASH tier label -> virtual time: the counter of the last flow served in that tier,
         what a tenant's counter is lifted to when it becomes backlogged in an idle tier."""
         return self.prefix + "vtime"
+
+    @property
+    def tenant_inflight(self) -> str:
+        """ZSET tenant -> tokens reserved by its released, unfinished tasks (`inflight_tokens`
+        in its hash): the tenants with tokens in flight, whose figures the leader's metrics
+        read beside the backlogged flows without a SCAN of every tenant hash. The scripts
+        write each change's result (`lua/_tenant.lua`, inflight_index()) and remove a tenant
+        at 0."""
+        return self.prefix + "tenant_inflight"
 
     def tenant_key(self, tenant: str) -> str:
         """HASH of one tenant in this pool: vt_0..vt_2 (virtual counters per tier, in

@@ -9,8 +9,9 @@ each in one round trip, so that no service names a key or sends a command of its
   members `running_member` parses: the services never see a member's format);
 - `left_queue` and `task_states`: the gateway's fallback check of its queued requests;
 - `gateway_tasks`: the tasks a gateway holds in the pool (its orphan sweep);
-- `read_fairness`: the backlogged flows, their tenants and the quota levels, for the leader's
-  metrics (three round trips, about once a second, off every request's path).
+- `read_fairness`: the backlogged flows, the tenants with tokens in flight, their hashes and
+  the quota levels, for the leader's metrics (three round trips, about once a second, off
+  every request's path).
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ class FairReading:
     backlogged: tuple[dict[str, float], dict[str, float], dict[str, float]]
     """Per tier: the backlogged tenants and their virtual counters, in tokens at weight 1."""
     tenants: dict[str, dict[str, str]]
-    """The hashes of those tenants (weight, queued_tokens, inflight_tokens, drain, ...)."""
+    """The hashes of those tenants and of the tenants with tokens in flight (the pool's
+    `tenant_inflight` index), queued or not (weight, queued_tokens, inflight_tokens, drain, ...)."""
     levels: dict[str, dict[str, str]]
     """The quota levels asked for, by name: their bucket hashes (empty: never debited)."""
 
@@ -295,14 +297,17 @@ async def redis_time_us(client: Any, key: str) -> int:
 
 
 async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> FairReading:
-    """Two pipelined reads: the backlogged flows of every tier, the levels' buckets (and the
-    pool clock's frozen_us in a process that enabled the test clock); then the hashes of the
-    tenants found in the flows."""
+    """Two pipelined reads: the backlogged flows of every tier, the tenants in flight, the
+    levels' buckets (and the pool clock's frozen_us in a process that enabled the test clock);
+    then the hashes of the tenants found in the flows or in flight. A tenant with tokens in
+    flight and none queued is in no flow: without the index its tokens would be in no series,
+    not even `_other`'s."""
     server_now = await redis_time_us(client, keys.state)
     frozen_read = frozen_clock_allowed()
     async with client.pipeline(transaction=False) as pipe:
         for tier in Tier:
             pipe.zrange(keys.flows(tier), 0, -1, withscores=True)
+        pipe.zrange(keys.tenant_inflight, 0, -1)
         for level in levels:
             pipe.hgetall(keys.quota_key(level))
         if frozen_read:
@@ -311,7 +316,7 @@ async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> F
     flows = tuple({_text(m): float(s) / VT_SCALE for m, s in rows} for rows in reply[:3])
     frozen = reply.pop() if frozen_read else None
     now = int(frozen) if frozen is not None else server_now
-    names = sorted(set().union(*flows))
+    names = sorted(set().union(*flows, (_text(m) for m in reply[3])))
     tenants: dict[str, dict[str, str]] = {}
     if names:
         async with client.pipeline(transaction=False) as pipe:
@@ -320,7 +325,7 @@ async def read_fairness(client: Any, keys: PoolKeys, levels: Sequence[str]) -> F
             tenants = {n: _str_map(raw) for n, raw in zip(names, await pipe.execute(),
                                                           strict=True)}
     return FairReading(now, (flows[0], flows[1], flows[2]), tenants,
-                       {lvl: _str_map(raw) for lvl, raw in zip(levels, reply[3:], strict=True)})
+                       {lvl: _str_map(raw) for lvl, raw in zip(levels, reply[4:], strict=True)})
 
 
 def finite_number(raw: str | None, default: float = 0.0) -> float:

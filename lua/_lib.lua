@@ -9,7 +9,7 @@
 -- token amounts in whole tokens, except a bucket's level, kept in micro-tokens so that
 -- refill (rate tokens/s x elapsed µs) stays an exact integer.
 -- Dynamic key suffixes below mirror admission/keys.py (task:, bucket:, gateway:, running,
--- node_guests, node_guest_pace, tenant:, flows:, flow:, vtime, quota:, light:).
+-- node_guests, node_guest_pace, tenant:, flows:, flow:, vtime, quota:, light:, tenant_inflight).
 
 local TIER_QUEUE_COUNT = 3
 local TIER_LABELS = {'vip', 'normal', 'batch'}
@@ -77,7 +77,8 @@ for _, name in ipairs(PLACEMENT_FIELDS) do table.insert(ADMIT_STATE_FIELDS, name
 table.insert(ADMIT_STATE_FIELDS, 'pool_usage')
 -- A task record's fields the scripts act on (load_task()).
 local TASK_FIELDS = {'state', 'tenant', 'tier', 'cost', 'node', 'gateway', 'deadline_us',
-  'prompt_tokens', 'max_tokens', 'guest', 'charge', 'levels', 'quota_day', 'lift_epoch'}
+  'prompt_tokens', 'max_tokens', 'guest', 'charge', 'levels', 'quota_day', 'quota_month',
+  'lift_epoch'}
 
 -- What a capacity 429's retry hint is computed from (admission/hints.py), as admit.lua and
 -- hint.lua report it: the tasks queued at `tier` or above; their drain rate in tasks/s, the sum
@@ -114,6 +115,7 @@ end
 local function vtime_key(prefix) return prefix .. 'vtime' end
 local function quota_key(prefix, level) return prefix .. 'quota:' .. level end
 local function light_key(prefix, tier) return prefix .. 'light:' .. TIER_LABELS[tier + 1] end
+local function inflight_key(prefix) return prefix .. 'tenant_inflight' end
 
 -- A released task's entry in the running index: what the scheduler needs to project how the
 -- node's KV usage will grow (names never contain spaces: admission/keys.py check_name).

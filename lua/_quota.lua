@@ -7,8 +7,9 @@
 -- call, and is refused when any of them cannot pay. Each level may also have a daily and a
 -- monthly allowance of tokens (UTC days and months of Redis TIME), kept in its bucket's hash:
 -- day (days since 1970-01-01) and day_used, month (year x 12 + month - 1) and month_used. A
--- task records the day it was admitted (quota_day) when an allowance applies, so that its
--- refund at the end goes back to that period only if it is still the current one. Each
+-- task records the day and the month each level counted it in (quota_day, quota_month: one
+-- per level, period_of()) when an allowance applies, so that its refund at the end goes back
+-- to that period only if the level still counts in it (task_credit()). Each
 -- level's hash also counts `held`: the tokens its live tasks (queued or released) reserved
 -- there, whose unused part comes back when they end. A bucket that never refills (rate 0)
 -- is only out for good once what it holds and `held` together cannot pay: until then its
@@ -105,7 +106,9 @@ local function level_short(lvl, now, cost)
 end
 
 -- A level pays `cost`: its bucket is debited, the task's reservation is held there until it
--- ends (task_credit()), and its allowances count it.
+-- ends (task_credit()), and its allowances count it. Returns the day and month they counted it
+-- in, nil and nil for a level without allowances: after the clock stepped back these are the
+-- later periods, not the clock's, and only they tell the refund where the tokens went.
 local function level_debit(lvl, now, cost)
   bucket_store(lvl.key, lvl.level - cost * 1000000, now, lvl.rate, lvl.burst)
   redis.call('HINCRBY', lvl.key, 'held', cost)
@@ -116,23 +119,45 @@ local function level_debit(lvl, now, cost)
     redis.call('HSET', lvl.key, 'day', fmt(day), 'day_used',
       fmt(period_used(f, 'day', day) + cost), 'month', fmt(month), 'month_used',
       fmt(period_used(f, 'month', month) + cost))
+    return day, month
+  end
+  return nil, nil
+end
+
+-- Give `tokens` back to a level (negative takes more): its bucket, and each of its allowances
+-- whose period the task was counted in (`day`, `month`; nil: none) is still the one the level
+-- counts in now (period_of(): the later one while the clock is behind a step back).
+local function level_credit(key, now, tokens, day, month)
+  bucket_credit(key, now, tokens)
+  if day == nil and month == nil then return end
+  local f = redis.call('HMGET', key, 'day', 'day_used', 'month', 'month_used')
+  local today = math.floor(now / DAY_US)
+  if day ~= nil and tonumber(f[1]) == day and period_of(f, 'day', today) == day then
+    redis.call('HSET', key, 'day_used', fmt(math.max(0, (tonumber(f[2]) or 0) - tokens)))
+  end
+  if month ~= nil and tonumber(f[3]) == month
+      and period_of(f, 'month', month_of_day(today)) == month then
+    redis.call('HSET', key, 'month_used', fmt(math.max(0, (tonumber(f[4]) or 0) - tokens)))
   end
 end
 
--- Give `tokens` back to a level (negative takes more): its bucket, and its allowances when the
--- task was admitted in the current period (`task_day`: the day it was admitted, or nil).
-local function level_credit(key, now, tokens, task_day)
-  bucket_credit(key, now, tokens)
-  if task_day == nil then return end
-  local f = redis.call('HMGET', key, 'day', 'day_used', 'month', 'month_used')
-  local day = math.floor(now / DAY_US)
-  if task_day == day and tonumber(f[1]) == day then
-    redis.call('HSET', key, 'day_used', fmt(math.max(0, (tonumber(f[2]) or 0) - tokens)))
+-- The words of a task's space-separated field, or an empty list when it has none.
+local function words_of(text)
+  local out = {}
+  if text then
+    for word in string.gmatch(text, '%S+') do table.insert(out, word) end
   end
-  local month = month_of_day(day)
-  if month_of_day(task_day) == month and tonumber(f[3]) == month then
-    redis.call('HSET', key, 'month_used', fmt(math.max(0, (tonumber(f[4]) or 0) - tokens)))
-  end
+  return out
+end
+
+-- The periods level `i` of a task counted it in (1: the key's own, then its record's levels in
+-- order): day and month, nil for a level without allowances ('-'). A record from before the
+-- periods were kept per level holds one day, the clock's at its admit, for every level, and
+-- no month: that day's.
+local function task_periods(days, months, i)
+  local day = tonumber(days[i] or days[1])
+  if months == nil then return day, day and month_of_day(day) end
+  return day, tonumber(months[i])
 end
 
 -- A level no longer holds a task of `cost` (it ended). A task admitted before levels counted
@@ -144,16 +169,16 @@ end
 -- A task ended: its tenant and enclosing levels (its record's levels: names, space-separated)
 -- get `tokens` back and no longer hold its reservation.
 local function task_credit(prefix, task, now, tokens)
-  local task_day = tonumber(task.quota_day)
+  local days = words_of(task.quota_day)
+  local months = task.quota_month and words_of(task.quota_month) or nil
   local cost = tonumber(task.cost) or 0
   local keys = {bucket_key(prefix, task.tenant)}
-  if task.levels then
-    for name in string.gmatch(task.levels, '%S+') do
-      table.insert(keys, quota_key(prefix, name))
-    end
+  for _, name in ipairs(words_of(task.levels)) do
+    table.insert(keys, quota_key(prefix, name))
   end
-  for _, key in ipairs(keys) do
-    level_credit(key, now, tokens, task_day)
+  for i, key in ipairs(keys) do
+    local day, month = task_periods(days, months, i)
+    level_credit(key, now, tokens, day, month)
     level_unhold(key, cost)
   end
 end

@@ -1,5 +1,6 @@
--- _tenant.lua: what the scripts keep per tenant: tokens in flight, the decayed drain rate, the
--- queued count, and fair release within a tier (virtual counters, flows, the light view).
+-- _tenant.lua: what the scripts keep per tenant: tokens in flight (and the pool's index of the
+-- tenants with some), the decayed drain rate, the queued count, and fair release within a tier
+-- (virtual counters, flows, the light view).
 -- Prepended to every script, after the files before it in admission/scripts.py LIBRARY (each
 -- uses only what those define); not a script of its own. Units as in _lib.lua.
 
@@ -15,9 +16,24 @@ local DRAIN_WAIT_MAX_MS = 1000000000
 -- release judges a tenant's share of the in-flight tokens against (fair_view()).
 local LIGHT_SCAN = 8
 
+-- The pool's index of tenants with tokens in flight (inflight_key()) follows `after`, a
+-- tenant's in-flight tokens just written: the leader's metrics read the tenants with nothing
+-- queued from it, where a SCAN of every tenant hash each second would cost too much on a large
+-- keyspace. Written as the absolute value the hash holds, not as an increment: a tenant with
+-- tokens in flight before the index existed (an upgrade) joins it, with the right figure, at
+-- its next change.
+local function inflight_index(prefix, tenant, after)
+  if after > 0 then
+    redis.call('ZADD', inflight_key(prefix), fmt(after), tenant)
+  else
+    redis.call('ZREM', inflight_key(prefix), tenant)
+  end
+end
+
 -- A tenant's tokens reserved by its released, unfinished tasks (`inflight_tokens` in its hash).
 local function inflight_add(prefix, tenant, cost)
-  redis.call('HINCRBY', tenant_key(prefix, tenant), 'inflight_tokens', cost)
+  inflight_index(prefix, tenant,
+    redis.call('HINCRBY', tenant_key(prefix, tenant), 'inflight_tokens', cost))
 end
 
 -- A tenant's drain: the tokens released from its queue, each decayed by exp(-age / DRAIN_TAU_US)
@@ -55,9 +71,9 @@ end
 
 local function inflight_done(prefix, tenant, cost)
   local tkey = tenant_key(prefix, tenant)
-  if redis.call('HINCRBY', tkey, 'inflight_tokens', -cost) <= 0 then
-    redis.call('HDEL', tkey, 'inflight_tokens')
-  end
+  local after = redis.call('HINCRBY', tkey, 'inflight_tokens', -cost)
+  if after <= 0 then redis.call('HDEL', tkey, 'inflight_tokens') end
+  inflight_index(prefix, tenant, after)
 end
 
 local function tenant_dequeued(tq_key, tenant)

@@ -47,8 +47,10 @@
 -- ARGV[14] stale_after_ms: no fast path if the scheduler's state is older (0 = do not check)
 -- ARGV[15] the tier's own queue timeout (ms); a task queued with exactly that timeout gets no
 --          deadlines entry (optional: absent or 0 indexes every queued task)
--- ARGV[16] key prefix of the pool: the tenant's hash, flows, flow and vtime keys are built
---          from it ("Fair release" in _tenant.lua)
+-- ARGV[16] key prefix of the pool: the tenant's hash, flows, flow, vtime, light, quota and
+--          tenant_inflight keys are built from it ("Fair release" in _tenant.lua; the ZSET
+--          tenant_inflight, tenant -> its in-flight tokens, lists the tenants with some:
+--          inflight_index() there)
 -- ARGV[17] '1': the pool releases in fair order (the fast path then follows it, below);
 --          '2': fair order, and releases hold room back for light tenants (fairness
 --          headroom above 0: a light tenant's fast path may then overdraw the prefill room,
@@ -228,7 +230,15 @@ if node == nil then
   end
 end
 
-for _, lvl in ipairs(levels) do level_debit(lvl, now, cost) end
+-- Kept per level ('-': no allowances), in the order task_credit() reads them back: after the
+-- clock stepped back, one level may count the task in the later day another key's request
+-- began there while the key's own still counts in the earlier one.
+local days, months = {}, {}
+for _, lvl in ipairs(levels) do
+  local day, month = level_debit(lvl, now, cost)
+  table.insert(days, day and fmt(day) or '-')
+  table.insert(months, month and fmt(month) or '-')
+end
 redis.call('ZADD', KEYS[9], fmt(now + lease_ms * 1000), gateway)
 redis.call('SADD', KEYS[14], id)
 -- No enqueue time in the record: while queued it is the task's score in its queue, and the
@@ -236,7 +246,10 @@ redis.call('SADD', KEYS[14], id)
 redis.call('HSET', KEYS[12], 'state', 'queued', 'tenant', tenant, 'tier', tier, 'cost', cost,
   'prompt_tokens', ARGV[5], 'max_tokens', ARGV[6], 'gateway', gateway)
 if #names > 0 then redis.call('HSET', KEYS[12], 'levels', table.concat(names, ' ')) end
-if allowances then redis.call('HSET', KEYS[12], 'quota_day', fmt(math.floor(now / DAY_US))) end
+if allowances then
+  redis.call('HSET', KEYS[12], 'quota_day', table.concat(days, ' '), 'quota_month',
+    table.concat(months, ' '))
+end
 
 if node then
   reserve_node(KEYS[4], node, cost)

@@ -17,7 +17,9 @@
 --                                counters the leader's release control reads
 --                                (scheduler/control.py, scheduler/calm.py)
 --
--- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index and node_guests keys)
+-- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index, node_guests, quota,
+--          tenant, flows, flow and tenant_inflight keys; the ZSET tenant_inflight: tenant -> its
+--          in-flight tokens, inflight_index() in _tenant.lua)
 -- ARGV[2]  task id
 -- ARGV[3]  real usage, prompt + generated tokens; -1 = unknown (the client got nothing it can
 --          use, so the tenant is refunded in full and nothing is learned from it)

@@ -8,7 +8,9 @@
 -- KEYS[8]  tenant_queued    HASH
 -- KEYS[9]  stats            HASH
 --
--- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index and node_guests keys)
+-- ARGV[1]  key prefix of the pool (task, bucket, gateway, running index, node_guests, quota,
+--          tenant, flows, flow and tenant_inflight keys; the ZSET tenant_inflight: tenant -> its
+--          in-flight tokens, inflight_index() in _tenant.lua)
 -- ARGV[2]  at most this many tasks handled in this call (bounds the script's run time)
 -- ARGV[3]  retention (s) of finished records
 --

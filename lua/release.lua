@@ -41,11 +41,13 @@
 --                                'behind <tier>' (a higher tier's head waits, and no task
 --                                overtakes it)
 --
--- ARGV[1]  key prefix of the pool (for task, bucket, gateway, running, node_guests,
---          node_guest_pace, tenant, flows, flow and vtime keys: the running index ZSET
---          'node prompt max id' -> released µs gets each released task, the HASH node_guests
---          counts the guests alive on each dedicated node or lane, the HASH node_guest_pace
---          holds when a paced one takes its next; the fair keys: "Fair release" in _tenant.lua)
+-- ARGV[1]  key prefix of the pool (for task, bucket, quota, gateway, running, node_guests,
+--          node_guest_pace, tenant, flows, flow, vtime, light and tenant_inflight keys: the
+--          running index ZSET 'node prompt max id' -> released µs gets each released task, the
+--          HASH node_guests counts the guests alive on each dedicated node or lane, the HASH
+--          node_guest_pace holds when a paced one takes its next, the ZSET tenant_inflight maps
+--          each tenant with tokens in flight to them (inflight_index() in _tenant.lua); the fair
+--          keys: "Fair release" in _tenant.lua)
 -- ARGV[2]  caller's fencing epoch
 -- ARGV[3..5] at most this many releases of VIP, Normal, Batch in this call (the zone policy)
 -- ARGV[6]  retention (s) of finished task records

@@ -1,7 +1,8 @@
 """The leader's fairness and quota metrics: per tenant and team, with bounded label sets.
 
-About once a second the leader reads each pool's backlogged flows, their tenants' hashes and
-the configured teams' buckets (`PoolStore.read_fairness`) and exports:
+About once a second the leader reads each pool's backlogged flows, the tenants with tokens in
+flight (the pool's `tenant_inflight` index), those tenants' hashes and the configured teams'
+buckets (`PoolStore.read_fairness`) and exports:
 
 - `kvgate_scheduler_fair_backlogged_tenants{pool, tier}`: tenants with work queued;
 - `kvgate_scheduler_fair_share{pool, tier, tenant}`: the tenant's weight over the weights of
@@ -12,12 +13,14 @@ the configured teams' buckets (`PoolStore.read_fairness`) and exports:
   `{pool, tenant}`: its queued and in-flight reservations, and the tokens/s released from its
   queue (decayed over 5 s: the rate the 429's hint uses);
 - `kvgate_scheduler_quota_level_tokens` and `..._burst_tokens` `{pool, team}`: each configured
-  team's bucket, refilled to now.
+  team's bucket, refilled to now; full, at the configured burst, until its first request
+  writes it (the scripts' bucket starts full).
 
-Bounded labels: the tenants of a pool are its `TOP_TENANTS` backlogged tenants with the most
-queued and in-flight tokens, the others summed under tenant="_other" (their share and lag are
-not summed: a sum of those means nothing); teams are the configured ones. Series of tenants
-that left the top are removed, and a replica that stops leading drops them all.
+Bounded labels: the tenants of a pool are its `TOP_TENANTS` tenants, among those with work
+queued or tokens in flight, with the most queued and in-flight tokens, the others summed under
+tenant="_other" (their share and lag are not summed: a sum of those means nothing); teams are
+the configured ones. Series of tenants that left the top are removed, and a replica that stops
+leading drops them all.
 """
 
 from __future__ import annotations
@@ -75,7 +78,11 @@ class FairMetrics:
         gauge.labels(*labels).set(value)
         seen.add((gauge, labels))
 
-    def observe(self, pool: str, reading: FairReading) -> None:
+    def observe(self, pool: str, reading: FairReading,
+                bursts: Mapping[str, float] | None = None) -> None:
+        """`bursts`: each configured team's burst, for the teams of `reading.levels` whose
+        bucket was never written in the pool: a team no request has used yet is exported at
+        it, as full as its first request finds it, rather than missing from its dashboard."""
         seen: set[tuple[Gauge, tuple[str, ...]]] = set()
         tenants = reading.tenants
         load = {name: _num(h.get("queued_tokens")) + _num(h.get("inflight_tokens"))
@@ -110,6 +117,9 @@ class FairMetrics:
             if tokens is not None:
                 self._set(seen, self.level, (pool, team), tokens)
                 self._set(seen, self.burst, (pool, team), _num(h.get("burst")))
+            elif bursts is not None and team in bursts:
+                self._set(seen, self.level, (pool, team), float(bursts[team]))
+                self._set(seen, self.burst, (pool, team), float(bursts[team]))
         self._drop(self._series.get(pool, set()) - seen)
         self._series[pool] = seen
 

@@ -291,6 +291,7 @@ class SchedulerService:
     async def _fair_metrics_loop(self) -> None:
         assert self.elector is not None
         teams = tuple(sorted(self.config.teams))
+        bursts = {name: team.burst for name, team in self.config.teams.items()}
         while True:
             await asyncio.sleep(FAIR_METRICS_INTERVAL_S)
             if not self.elector.leading:
@@ -304,7 +305,7 @@ class SchedulerService:
                     failures.failed(exc)
                     continue
                 failures.succeeded()
-                self.metrics.fair.observe(pool.name, reading)
+                self.metrics.fair.observe(pool.name, reading, bursts)
 
     async def reap(self, pool: PoolScheduler) -> None:
         for _ in range(REAP_CALLS):

@@ -2,8 +2,9 @@
 lua/_tenant.lua), used by tests/model.py and the fairness property tests.
 
 The scripts keep, per pool: each tenant's virtual counter per tier, the tier's virtual time,
-the tenant's weight, queued and in-flight tokens, and the backlogged flows (a mirror of the
-counters of the tenants with work queued in the tier). The model keeps the counters and the
+the tenant's weight, queued and in-flight tokens, the backlogged flows (a mirror of the
+counters of the tenants with work queued in the tier) and the index of the tenants in flight (a
+mirror of their in-flight tokens). The model keeps the counters and the
 rest in dicts and derives the flows from the tier's queue, which holds the same tasks in the
 same order (FIFO within a tenant is FIFO within the tier restricted to that tenant).
 
@@ -273,7 +274,9 @@ async def read_fair(client: Any, keys: PoolKeys, tenants: Sequence[str]) -> dict
         for tier in Tier:
             pipe.zrange(keys.light(tier), 0, -1, withscores=True)
         pipe.hgetall(keys.vtime)
+        pipe.zrange(keys.tenant_inflight, 0, -1, withscores=True)
         reply = list(await pipe.execute())
+    index = {_s(m): int(score) for m, score in reply.pop()}
     vt: dict[tuple[int, str], int] = {}
     weight: dict[str, str] = {}
     queued: dict[str, int] = {}
@@ -301,7 +304,8 @@ async def read_fair(client: Any, keys: PoolKeys, tenants: Sequence[str]) -> dict
              for tier, rows in enumerate(reply[len(tenants) + 3:len(tenants) + 6]) if rows}
     vtime = {int(Tier.parse(_s(k))): int(_s(v)) for k, v in reply[-1].items()}
     return {"vt": vt, "weight": weight, "queued_tokens": queued, "inflight_tokens": inflight,
-            "inflight_cap": caps, "drain": drain, "flows": flows, "light": light, "vtime": vtime}
+            "inflight_cap": caps, "drain": drain, "flows": flows, "light": light, "vtime": vtime,
+            "inflight_index": index}
 
 
 def expected_fair(ledger: FairLedger, queues: Sequence[Sequence[str]],
@@ -314,4 +318,7 @@ def expected_fair(ledger: FairLedger, queues: Sequence[Sequence[str]],
             "inflight_tokens": dict(ledger.inflight_tokens),
             "inflight_cap": dict(ledger.inflight_cap), "drain": dict(ledger.drain), "flows": flows,
             "light": {t: dict(m) for t, m in ledger.light.items() if m},
-            "vtime": {t: v for t, v in ledger.vtime.items()}}
+            "vtime": {t: v for t, v in ledger.vtime.items()},
+            # The pool's index of tenants in flight holds each one's in-flight tokens, and no
+            # tenant with none (the metrics read it instead of scanning every tenant hash).
+            "inflight_index": dict(ledger.inflight_tokens)}

@@ -45,8 +45,9 @@ class ModelTask:
     """Its tenant's lifts in its tier when it was charged (`lift_epoch`)."""
     levels: tuple[str, ...] = ()
     """The buckets of the enclosing quota levels it paid at ('team:<name>')."""
-    quota_day: int | None = None
-    """The day it was admitted, when an allowance applied."""
+    quota_periods: tuple[quotamodel.Periods, ...] = ()
+    """The day and month each level it paid at (its tenant's first) counted it in, when an
+    allowance applied (`quota_day`, `quota_month`); empty: none did."""
 
 
 @dataclass
@@ -171,8 +172,9 @@ class Model:
         return out
 
     def credit(self, task: ModelTask, tokens: int) -> None:
-        for key in (task.tenant, *task.levels):
-            quotamodel.credit(self.buckets, key, self.now, tokens, task.quota_day)
+        for i, key in enumerate((task.tenant, *task.levels)):
+            periods = task.quota_periods[i] if task.quota_periods else (None, None)
+            quotamodel.credit(self.buckets, key, self.now, tokens, periods)
 
     def _unreserve(self, node: str, cost: int) -> None:
         left = self.reserved.get(node, 0) - cost
@@ -273,12 +275,12 @@ class Model:
                 wait = ledger.drain_wait_ms(tenant, self.now, excess)
                 return ("rejected", "tenant_queued_tokens",
                         tenant_drain_hint_ms(wait, self.default_retry_ms), ahead)
-        quotamodel.debit(self.buckets, levels, current, self.now, cost)
+        periods = quotamodel.debit(self.buckets, levels, current, self.now, cost)
         self.leases[gateway] = self.now + self.lease_ttl_ms * 1000
         task = ModelTask(tenant, tier, cost, gateway, TaskState.QUEUED, prompt=prompt,
                          levels=tuple(lvl.key for lvl in levels[1:]))
         if any(lvl.daily or lvl.monthly for lvl in levels):
-            task.quota_day = self.now // quotamodel.DAY_US
+            task.quota_periods = tuple(periods)
         self.tasks[tid] = task
         if node is not None:
             task.state, task.node, task.releases = TaskState.RELEASED, node, 1

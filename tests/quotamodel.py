@@ -47,6 +47,12 @@ def next_month_day(day: int) -> int:
     return (datetime.date(year, month, 1) - EPOCH).days
 
 
+def period_of(stored: int | None, index: int) -> int:
+    """The period an allowance counts in (period_of() in lua/_quota.lua): the clock's, or the
+    next one when that is the one stored (the clock stepped back across its start)."""
+    return stored if stored is not None and stored == index + 1 else index
+
+
 @dataclass(frozen=True)
 class Level:
     """One level a request pays at: its bucket's name in the model (the tenant's name, or
@@ -84,7 +90,7 @@ def short(buckets: dict[str, Bucket], lvl: Level, now: int, cost: int, held: int
             wait = math.ceil((need - level) / lvl.rate / 1000)
         elif level + held * MICRO >= need:
             wait, kind = 0, "held"
-    day = now // DAY_US
+    day = period_of(bucket.day if bucket is not None else None, now // DAY_US)
     if lvl.daily > 0:
         used = bucket.day_used if bucket is not None and bucket.day == day else 0
         if used + cost > lvl.daily:
@@ -92,10 +98,12 @@ def short(buckets: dict[str, Bucket], lvl: Level, now: int, cost: int, held: int
             if wait is None or (wait >= 0 and w > wait):
                 wait, kind = w, "daily"
     if lvl.monthly > 0:
-        month = month_of_day(day)
+        month = period_of(bucket.month if bucket is not None else None, month_of_day(now // DAY_US))
         used = bucket.month_used if bucket is not None and bucket.month == month else 0
         if used + cost > lvl.monthly:
-            w = math.ceil((next_month_day(day) * DAY_US - now) / 1000)
+            year, m = divmod(month, 12)
+            first = (datetime.date(year, m + 1, 1) - EPOCH).days
+            w = math.ceil((next_month_day(first) * DAY_US - now) / 1000)
             if wait is None or (wait >= 0 and w > wait):
                 wait, kind = w, "monthly"
     return wait, kind, level
@@ -119,10 +127,15 @@ def binding(buckets: dict[str, Bucket], levels: Sequence[Level], now: int, cost:
     return found, found_wait, found_kind, current
 
 
+Periods = tuple[int | None, int | None]
+"""The day and month a level's allowances counted a task in; (None, None): it has none."""
+
+
 def debit(buckets: dict[str, Bucket], levels: Sequence[Level], current: Sequence[int],
-          now: int, cost: int) -> None:
-    day = now // DAY_US
-    month = month_of_day(day)
+          now: int, cost: int) -> list[Periods]:
+    """Every level pays; the periods each counted the task in (what the task records as
+    quota_day and quota_month, one per level)."""
+    periods: list[Periods] = []
     for lvl, level in zip(levels, current, strict=True):
         old = buckets.get(lvl.key)
         bucket = Bucket(level - cost * MICRO, now, lvl.rate, lvl.burst)
@@ -130,24 +143,30 @@ def debit(buckets: dict[str, Bucket], levels: Sequence[Level], current: Sequence
             bucket.day, bucket.day_used = old.day, old.day_used
             bucket.month, bucket.month_used = old.month, old.month_used
         if lvl.daily > 0 or lvl.monthly > 0:
+            day = period_of(bucket.day, now // DAY_US)
+            month = period_of(bucket.month, month_of_day(now // DAY_US))
             day_used = bucket.day_used if bucket.day == day else 0
             month_used = bucket.month_used if bucket.month == month else 0
             bucket.day, bucket.day_used = day, day_used + cost
             bucket.month, bucket.month_used = month, month_used + cost
+            periods.append((day, month))
+        else:
+            periods.append((None, None))
         buckets[lvl.key] = bucket
+    return periods
 
 
 def credit(buckets: dict[str, Bucket], key: str, now: int, tokens: int,
-           task_day: int | None) -> None:
+           periods: Periods) -> None:
+    """A task ends: `tokens` back to the level's bucket, and to each allowance whose period
+    the task counted in there (`periods`) is still the one the level counts in."""
     bucket = buckets[key]
     level = bucket.level_at(now) + tokens * MICRO
     bucket.level = max(0, min(level, bucket.burst * MICRO))
     bucket.updated_us = now
-    if task_day is None:
-        return
-    day = now // DAY_US
-    if task_day == day and bucket.day == day:
+    day, month = periods
+    if day is not None and bucket.day == day and period_of(bucket.day, now // DAY_US) == day:
         bucket.day_used = max(0, bucket.day_used - tokens)
-    month = month_of_day(day)
-    if month_of_day(task_day) == month and bucket.month == month:
+    if month is not None and bucket.month == month and period_of(
+            bucket.month, month_of_day(now // DAY_US)) == month:
         bucket.month_used = max(0, bucket.month_used - tokens)

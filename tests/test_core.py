@@ -267,7 +267,7 @@ async def test_lua_key_formats_match_the_key_schema(store: PoolStore,
     assert await redis_client.smembers(keys.gateway_tasks_key("gw-9")) == set()
     for name in ("task", "bucket", "gateway"):
         assert f"prefix .. '{name}:'" in script_source("release")
-    for key in (keys.running, keys.node_guests, keys.node_guest_pace):
+    for key in (keys.running, keys.node_guests, keys.node_guest_pace, keys.tenant_inflight):
         assert f"prefix .. '{key.removeprefix(keys.prefix)}'" in script_source("release")
 
 

@@ -240,6 +240,18 @@ class CoreMachine(RuleBasedStateMachine):
         if target > self.model.now:
             self.advance_time((target - self.model.now) // 1000)
 
+    @rule(ms=st.integers(1, 4_000), across=st.booleans())
+    def clock_steps_back(self, ms: int, across: bool) -> None:
+        """Redis's clock steps back (a failover to a replica whose clock is behind, an NTP
+        step) by `ms`; `across`: to `ms` before the last midnight, when that was at most 10 s
+        ago (after `advance_to_a_new_period`, often a month's end too), so that tasks are
+        admitted and end while the allowances count in the later period."""
+        midnight = self.model.now // DAY_US * DAY_US
+        if across and self.model.now - midnight <= 10_000_000:
+            ms += (self.model.now - midnight) // 1000
+        self.model.now -= ms * 1000
+        self.run(self.client.hset(self.store.keys.clock, "frozen_us", self.model.now))
+
     @rule(zone=st.sampled_from(list(Zone)),
           caps=st.dictionaries(st.sampled_from(NODES),
                                st.integers(0, 1500) | st.tuples(*[st.integers(0, 1500)] * 3),
@@ -295,7 +307,8 @@ class CoreMachine(RuleBasedStateMachine):
                         name.removeprefix("team:"))
                     pipe.hmget(key, "micro_tokens", "day", "day_used", "month", "month_used")
                 for tid in ids:
-                    pipe.hmget(k.task_key(tid), "state", "node", "cost")
+                    pipe.hmget(k.task_key(tid), "state", "node", "cost", "quota_day",
+                               "quota_month")
                 pipe.hgetall(k.node_guests)
                 pipe.zrange(k.running, 0, -1)
                 pipe.hgetall(k.node_guest_pace)
@@ -329,8 +342,14 @@ class CoreMachine(RuleBasedStateMachine):
         assert {_s(a): int(b) for a, b in snap[-3].items()} == m.guests()
         # Paced guests: when each dedicated node takes its next one, to the µs.
         assert {_s(a): int(b) for a, b in snap[-1].items()} == m.guest_paced_until
-        for tid, (state, node, cost) in zip(ids, task_rows, strict=True):
+        for tid, (state, node, cost, day, month) in zip(ids, task_rows, strict=True):
             assert _s(state) == m.tasks[tid].state.value, tid
+            # The periods each level counted the task in, which its refund goes back to.
+            periods = m.tasks[tid].quota_periods
+            assert tuple(None if v is None else _s(v) for v in (day, month)) == (
+                (None, None) if not periods else tuple(
+                    " ".join("-" if p[j] is None else str(p[j]) for p in periods)
+                    for j in (0, 1))), tid
             if _s(state) == "released":
                 from_tasks[_s(node)] = from_tasks.get(_s(node), 0) + int(cost)
                 released[tid] = (_s(node), int(cost))

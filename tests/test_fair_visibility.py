@@ -81,7 +81,8 @@ async def test_metrics_per_tenant_and_team(redis_client: aioredis.Redis) -> None
     store = await world(redis_client)
     registry = CollectorRegistry()
     metrics = FairMetrics(registry)
-    metrics.observe(POOL, await store.read_fairness(["crew", "unused"]))
+    metrics.observe(POOL, await store.read_fairness(["crew", "unused"]),
+                    {"crew": CREW.burst, "unused": 7_000})
     share = _samples(registry, "kvgate_scheduler_fair_share")
     assert share == {(POOL, "normal", "heavy"): 0.6, (POOL, "normal", "light"): 0.2,
                      (POOL, "normal", "solo"): 0.2}
@@ -90,8 +91,12 @@ async def test_metrics_per_tenant_and_team(redis_client: aioredis.Redis) -> None
     assert _samples(registry, "kvgate_scheduler_fair_inflight_tokens")[(POOL, "heavy")] == 1_000
     assert _samples(registry, "kvgate_scheduler_fair_release_rate_tokens")[
         (POOL, "heavy")] == 200.0
-    # Only a team that was debited has a bucket to show.
-    assert _samples(registry, "kvgate_scheduler_quota_level_tokens") == {(POOL, "crew"): 46_000}
+    # A configured team no request has used yet shows its bucket as its first request finds
+    # it: full, at its configured burst.
+    assert _samples(registry, "kvgate_scheduler_quota_level_tokens") == {
+        (POOL, "crew"): 46_000, (POOL, "unused"): 7_000}
+    assert _samples(registry, "kvgate_scheduler_quota_level_burst_tokens") == {
+        (POOL, "crew"): 50_000, (POOL, "unused"): 7_000}
     metrics.forget()
     assert _samples(registry, "kvgate_scheduler_fair_share") == {}
 
@@ -113,3 +118,49 @@ async def test_tenant_labels_are_bounded(redis_client: aioredis.Redis) -> None:
     assert queued[(POOL, OTHER)] == 10 * sum(range(1, 6))  # the five smallest, summed
     assert (POOL, f"t{n - 1:02d}") in queued and (POOL, "t00") not in queued
     assert len(_samples(registry, "kvgate_scheduler_fair_share")) == TOP_TENANTS
+
+
+async def test_tenants_in_flight_with_nothing_queued_are_counted(
+        redis_client: aioredis.Redis) -> None:
+    """A tenant whose requests all run, none queued, is in no backlogged flow: its in-flight
+    tokens are still exported, under its own name in the top or summed in `_other`, read from
+    the pool's index of tenants in flight (no SCAN of the tenant hashes)."""
+    store = PoolStore(redis_client, register_scripts(redis_client), POOL, PoolPolicy())
+    await store.publish_state(1, Zone.YELLOW, {"gpu": 100_000})  # VIP runs, Batch queues
+    for name, tokens in (("busy", 2_400), ("small", 30)):
+        got = await store.admit(task_id=name, tenant=quota(name), tier=Tier.VIP,
+                                prompt_tokens=tokens // 2, max_tokens=tokens // 2, gateway="gw",
+                                queue_timeout_ms=60_000)
+        assert got.outcome.value == "released"
+    assert await redis_client.zrange(store.keys.tenant_inflight, 0, -1, withscores=True) == [
+        (b"small", 30.0), (b"busy", 2_400.0)]
+    for i in range(TOP_TENANTS):  # each queues more than `small` holds in flight
+        await store.admit(task_id=f"q{i}", tenant=quota(f"q{i:02d}"), tier=Tier.BATCH,
+                          prompt_tokens=50, max_tokens=0, gateway="gw", queue_timeout_ms=60_000)
+    registry = CollectorRegistry()
+    metrics = FairMetrics(registry)
+    metrics.observe(POOL, await store.read_fairness())
+    inflight = _samples(registry, "kvgate_scheduler_fair_inflight_tokens")
+    queued = _samples(registry, "kvgate_scheduler_fair_queued_tokens")
+    assert (inflight[(POOL, "busy")], queued[(POOL, "busy")]) == (2_400, 0)
+    assert (POOL, "small") not in inflight and inflight[(POOL, OTHER)] == 30
+    assert queued[(POOL, OTHER)] == 50  # q19, left out of the top (ties go by name)
+    assert len(inflight) == TOP_TENANTS + 1
+
+    # The index follows each change and keeps no tenant at 0: ended, a tenant leaves it, and
+    # nothing of it is left once no tenant is in flight.
+    await store.settle("busy", 100)
+    assert await redis_client.zscore(store.keys.tenant_inflight, "busy") is None
+    metrics.observe(POOL, await store.read_fairness())
+    assert (POOL, "busy") not in _samples(registry, "kvgate_scheduler_fair_inflight_tokens")
+    await store.cancel("small")
+    assert await redis_client.exists(store.keys.tenant_inflight) == 0
+
+    # A tenant in flight before the index existed (an upgrade) joins it at its next change, at
+    # the total its hash holds.
+    await store.admit(task_id="old", tenant=quota("old"), tier=Tier.VIP, prompt_tokens=500,
+                      max_tokens=500, gateway="gw", queue_timeout_ms=60_000)
+    await redis_client.delete(store.keys.tenant_inflight)
+    await store.admit(task_id="new", tenant=quota("old"), tier=Tier.VIP, prompt_tokens=100,
+                      max_tokens=100, gateway="gw", queue_timeout_ms=60_000)
+    assert await redis_client.zscore(store.keys.tenant_inflight, "old") == 1_200

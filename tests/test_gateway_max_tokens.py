@@ -10,7 +10,7 @@ from admission.tiers import Zone
 from gateway.estimator import ChatFormat, TokenCounter
 from tests.gateway_harness import running_gateway
 
-MESSAGES = [{"role": "user", "content": "Say hi."}]
+MESSAGES: list[Any] = [{"role": "user", "content": "Say hi."}]
 CONTEXT = 4096
 """The harness's pools' context_length and its backend's max_model_len."""
 

@@ -16,6 +16,7 @@ succeed, and what the message says.
 from __future__ import annotations
 
 import asyncio
+import datetime
 from typing import Any
 
 import aiohttp
@@ -26,7 +27,7 @@ from admission import inspect
 from admission.config import ConfigError, parse_config
 from admission.outcomes import AdmitOutcome, RejectReason
 from admission.scripts import register_scripts
-from admission.store import PoolPolicy, PoolStore, TenantQuota
+from admission.store import PoolPolicy, PoolStore, QuotaLevel, TenantQuota
 from admission.tiers import Tier, Zone
 from tests.gateway_harness import (
     POOL,
@@ -39,6 +40,7 @@ from tests.gateway_harness import (
 )
 
 S = 1_000_000
+DAY_US = 86_400 * S
 
 BURST = 1_000
 OUT = 600
@@ -208,6 +210,61 @@ async def test_a_daily_allowance_survives_the_clock_stepping_back_across_midnigh
     assert ahead.outcome is AdmitOutcome.RELEASED
     back = await admit("set-right", midnight + day_us + S, 700)  # the next day: 800 of 1,000
     assert back.outcome is AdmitOutcome.RELEASED
+
+
+async def test_unused_tokens_go_back_to_the_period_each_level_counted_them_in(
+        redis_client: aioredis.Redis) -> None:
+    """The clock steps back across a midnight that is also a month's end: a request admitted
+    then counts in the later day and month wherever they had begun (its key's, and its team's
+    when another key's request began them there) and in the earlier ones elsewhere; its unused
+    tokens go back to those same periods. Read as the clock's day, the tokens the request did
+    not use never came back to the later day and month, which kept them as used."""
+    store = PoolStore(redis_client, register_scripts(redis_client), "stepback-refund",
+                      PoolPolicy())
+    crew = QuotaLevel("crew", rate=1_000_000, burst=1_000_000, daily_tokens=100_000,
+                      monthly_tokens=1_000_000)
+
+    def tenant(name: str) -> TenantQuota:
+        return TenantQuota(name, rate=1_000_000, burst=1_000_000, max_queued=1,
+                           daily_tokens=20_000, monthly_tokens=200_000, levels=(crew,))
+
+    early, late = tenant("early"), tenant("late")
+    midnight = int(datetime.datetime(2031, 3, 1, tzinfo=datetime.UTC).timestamp()) * S
+    day, month = midnight // DAY_US, 2031 * 12 + 2  # 1 March 2031, and March's index
+    await store.publish_state(1, Zone.GREEN, {"gpu": 10**6})
+
+    async def admit(task_id: str, quota: TenantQuota, at_us: int) -> None:
+        await redis_client.hset(store.keys.clock, "frozen_us", at_us)
+        got = await store.admit(task_id=task_id, tenant=quota, tier=Tier.NORMAL,
+                                prompt_tokens=100, max_tokens=900, gateway="gw",
+                                queue_timeout_ms=1_000)
+        assert got.outcome is AdmitOutcome.RELEASED
+
+    async def used(key: str) -> list[int]:
+        fields = await redis_client.hmget(key, "day", "day_used", "month", "month_used")
+        return [int(v or -1) for v in fields]
+
+    await admit("early-before", early, midnight - 10 * S)  # February's last day
+    await admit("late-after", late, midnight + S)  # begins March 1st for late and the team
+    await admit("early-back", early, midnight - 2 * S)  # the clock stepped back
+    await admit("late-back", late, midnight - 2 * S)
+    record = await redis_client.hmget(store.keys.task_key("early-back"), "quota_day",
+                                      "quota_month")
+    assert record == [f"{day - 1} {day}".encode(), f"{month - 1} {month}".encode()]
+    assert await used(store.keys.bucket_key("late")) == [day, 2_000, month, 2_000]
+    assert await used(store.keys.quota_key("crew")) == [day, 3_000, month, 3_000]
+    await store.settle("early-back", 100)
+    await store.settle("late-back", 100)
+    assert await used(store.keys.bucket_key("early")) == [day - 1, 1_100, month - 1, 1_100]
+    assert await used(store.keys.bucket_key("late")) == [day, 1_100, month, 1_100]
+    assert await used(store.keys.quota_key("crew")) == [day, 1_200, month, 1_200]
+    # Past midnight again: what February's day and month did not use stays there.
+    await redis_client.hset(store.keys.clock, "frozen_us", midnight + 5 * S)
+    await store.settle("early-before", 100)
+    await store.settle("late-after", 100)
+    assert await used(store.keys.bucket_key("early")) == [day - 1, 1_100, month - 1, 1_100]
+    assert await used(store.keys.bucket_key("late")) == [day, 200, month, 200]
+    assert await used(store.keys.quota_key("crew")) == [day, 300, month, 300]
 
 
 def test_duplicate_tenants_and_keys_name_both_entries() -> None:

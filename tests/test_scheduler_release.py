@@ -191,8 +191,11 @@ async def test_normal_and_batch_between_polls_stay_under_their_own_ceilings(
     (`kv_target`), and both are reached."""
     fakes = [FakeVllm(usage=0.0, running=0), FakeVllm(usage=0.05, running=10)]
     async with serve_fake(fakes[0]) as u1, serve_fake(fakes[1]) as u2:
+        # Batch fills the nodes to the YELLOW line, where Normal's fast path is paced
+        # (`yellow_normal_rate`): unpaced here, so that how much Normal reaches its ceiling
+        # does not depend on how fast the machine runs the admits.
         config = make_config(redis_url, [{"name": "n1", "url": u1}, {"name": "n2", "url": u2}],
-                             zones={"projection": "final"})
+                             zones={"projection": "final", "yellow_normal_rate": 1e6})
         async with pool_scheduler(redis_client, config) as ps:
             costs = [700 + (i * 7919) % 4_300 for i in range(80)]
             ids = [f"b{i}" for i in range(len(costs))]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,18 @@ async def test_a_certificate_that_fails_verification_is_not_retried(tmp_path: Pa
 
 
 @asynccontextmanager
+async def _listening(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                      Awaitable[None]]) -> AsyncIterator[str]:
+    """A raw server on loopback running `handle` per connection; yields its base URL."""
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@asynccontextmanager
 async def refusing_proxy() -> AsyncIterator[tuple[str, list[bytes]]]:
     """A forward proxy that answers every CONNECT with 407; yields its URL and the request
     lines it received."""
@@ -206,13 +218,8 @@ async def refusing_proxy() -> AsyncIterator[tuple[str, list[bytes]]]:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", lines
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with _listening(handle) as url:
+        yield url, lines
 
 
 async def test_a_proxy_that_refuses_the_tunnel_is_not_retried(
@@ -276,13 +283,8 @@ async def raw_server(replies: list[bytes]) -> AsyncIterator[tuple[str, list[byte
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}/v1", sent
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with _listening(handle) as url:
+        yield url + "/v1", sent
 
 
 async def test_a_connection_closed_without_a_reply_is_retried() -> None:

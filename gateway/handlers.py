@@ -15,7 +15,9 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from admission.config import TenantSettings
+from admission.errors import describe
 from admission.scripts import ensure_ready
+from admission.tiers import Tier
 from gateway import metrics as m
 from gateway.admit import STORE_ERRORS
 from gateway.auth import PRIORITY_HEADER, effective_tier
@@ -285,11 +287,18 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """503 unless Redis answers, holds the scripts, and runs one for each pool's keys, as the
+    admits do: a user whose ACL lacks EVALSHA or the pools' keys passes a PING and a SCRIPT
+    EXISTS, and a gateway reporting ready would answer every request 500
+    `admission_misconfigured` (a rolling update with such a Secret would replace every
+    healthy pod instead of stopping at the first one)."""
     gw = request.app[GATEWAY]
     try:
         await ensure_ready(gw.redis, gw.scripts)
+        for pool in gw.pools.values():
+            await pool.store.queue_view(Tier.VIP)  # read-only (hint.lua)
     except STORE_ERRORS as exc:
-        body = {"status": "not ready", "detail": f"redis: {type(exc).__name__}"}
+        body = {"status": "not ready", "detail": f"redis: {describe(exc)}"}
         return web.Response(status=503, body=orjson.dumps(body),
                             content_type="application/json")
     return web.Response(body=b'{"status":"ready"}', content_type="application/json")

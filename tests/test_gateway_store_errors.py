@@ -164,6 +164,11 @@ async def test_a_redis_that_refuses_for_good_is_a_500_for_every_tier_not_a_fail_
             assert _sample(registry, "kvgate_gateway_requests_total", pool="demo", tier=tier,
                            outcome="unavailable") == 0
         assert _sample(registry, "kvgate_gateway_redis_errors_total", op="admit") == 5
+        # Not ready either, whichever the refusal: a PING and SCRIPT EXISTS pass the ACL that
+        # refuses scripts, so readiness runs one on each pool's keys as the admits do.
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/readyz") as ready:
+            assert ready.status == 503
+            assert logged in (await ready.json())["detail"]
     lines = [r.getMessage() for r in caplog.records
              if r.getMessage().startswith("admission store call")]
     assert len(lines) == 1 and logged in lines[0], lines  # once for the streak, its class

@@ -182,7 +182,7 @@ async def test_wrong_redis_password_fails_clearly_and_is_never_shown(
         assert "Retry-After" not in headers
         assert openai_error(payload)["code"] == "admission_misconfigured"
         status, ready, _ = await request(gw.url + "/readyz", method="GET")
-        assert status == 503 and ready["detail"] == "redis: AuthenticationError"
+        assert status == 503 and ready["detail"] == "redis: AuthenticationError WRONGPASS"
         seen = [payload, ready]
         async with scheduler_for(gw.config, "sched-wrong-pw") as scheduler:
             async def refused() -> bool:

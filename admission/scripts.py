@@ -154,8 +154,8 @@ async def load_scripts(client: Any, scripts: Scripts) -> None:
 
 
 async def ensure_ready(client: Any, scripts: Scripts) -> None:
-    """Redis answers and holds every script (loading those it lost); raises when it cannot."""
-    await client.ping()
+    """Redis answers and holds every script (loading those it lost); raises when it cannot.
+    SCRIPT EXISTS is the check that it answers (a PING first was one more round trip)."""
     present = await client.script_exists(*(s.sha for s in scripts.all()))
     if not all(present):
         await load_scripts(client, scripts)

@@ -80,6 +80,13 @@ def _check(service: str, path: Path, *args: str, **env: str) -> subprocess.Compl
                           timeout=120, check=False, env={"PATH": "/usr/bin:/bin", **env})
 
 
+def _refused(service: str, path: Path, *args: str, **env: str) -> str:
+    """The stderr of a check that must fail (exit 2)."""
+    done = _check(service, path, *args, **env)
+    assert done.returncode == 2, done
+    return done.stderr
+
+
 def _untouched(watched: tuple[socket.socket, ...]) -> None:
     with pytest.raises(BlockingIOError):
         watched[0].accept()
@@ -112,20 +119,17 @@ def test_the_files_the_configuration_names_are_loaded(service: str, tmp_path: Pa
                                                       watched: tuple[socket.socket, ...]) -> None:
     missing = tmp_path / "ca.pem"
     path = _config(tmp_path, watched, pool=f'backend_ca_file = "{missing}"')
-    done = _check(service, path)
-    assert done.returncode == 2
-    assert done.stderr.startswith(f"configuration error: {path}: pools[0].backend_ca_file "
-                                  f"'{missing}': cannot load it"), done.stderr
+    refusal = _refused(service, path)
+    assert refusal.startswith(f"configuration error: {path}: pools[0].backend_ca_file "
+                              f"'{missing}': cannot load it"), refusal
 
 
 @pytest.mark.parametrize("service", SERVICES)
 def test_the_variables_the_service_reads_are_checked(service: str, tmp_path: Path,
                                                      watched: tuple[socket.socket, ...]) -> None:
     path = _config(tmp_path, watched)
-    done = _check(service, path, REDIS_URL="redis://127.0.0.1:1/x")
-    assert done.returncode == 2
     # The variable's value is at fault, not the file: the file is not named.
-    assert done.stderr.splitlines() == [
+    assert _refused(service, path, REDIS_URL="redis://127.0.0.1:1/x").splitlines() == [
         "configuration error: REDIS_URL (which overrides redis.url): database 'x' is not a "
         "database number (the path is the database: redis://HOST:PORT/0)"]
 
@@ -134,9 +138,7 @@ def test_the_gateway_checks_the_backends_key_variable_the_scheduler_never_reads(
     tmp_path: Path, watched: tuple[socket.socket, ...],
 ) -> None:
     path = _config(tmp_path, watched, pool=f'backend_api_key_env = "{KEY_VARIABLE}"')
-    done = _check("gateway", path)
-    assert done.returncode == 2
-    assert done.stderr.splitlines() == [
+    assert _refused("gateway", path).splitlines() == [
         f"configuration error: {path}: pools[0].backend_api_key_env: names {KEY_VARIABLE}, "
         "which is not set (or empty) in the gateway's environment"]
     assert _check("gateway", path, **{KEY_VARIABLE: "sk-1"}).returncode == 0
@@ -149,13 +151,10 @@ def test_the_gateway_loads_the_tokenizers_and_checks_its_id(
 ) -> None:
     missing = tmp_path / "tokenizer.json"
     path = _config(tmp_path, watched, pool=f'tokenizer = "{missing}"')
-    done = _check("gateway", path)
-    assert done.returncode == 2
-    assert done.stderr.splitlines() == [
+    assert _refused("gateway", path).splitlines() == [
         f"configuration error: {path}: pools[0].tokenizer: cannot read '{missing}' (No such "
         "file or directory)"]
     assert _check("scheduler", path).returncode == 0
-    done = _check("gateway", _config(tmp_path, watched), "--id", "gw 1")
-    assert done.returncode == 2
-    assert done.stderr.startswith("configuration error: --id (the gateway id): gateway name "
-                                  "'gw 1' must be"), done.stderr
+    refusal = _refused("gateway", _config(tmp_path, watched), "--id", "gw 1")
+    assert refusal.startswith("configuration error: --id (the gateway id): gateway name "
+                              "'gw 1' must be"), refusal

@@ -26,6 +26,7 @@ from gateway.nodeclient import (
     MAX_HEADER_FIELDS,
     HeadTooLarge,
     NodeClient,
+    NodeResponse,
     NodeTimeout,
 )
 from gateway.state import GATEWAY
@@ -56,6 +57,11 @@ def _head(*, size: int | None = None, fields: int | None = None) -> bytes:
     return STATUS_LINE + declared + b"X-Pad: " + b"a" * (size - frame) + b"\r\n\r\n"
 
 
+async def _post(nodes: NodeClient, url: str) -> NodeResponse:
+    """A chat request to the node at `url`, its head awaited at most `WAIT_S`."""
+    return await asyncio.wait_for(nodes.post(url, "/v1/chat/completions", b"{}", {}), WAIT_S)
+
+
 def _answering(answer: bytes) -> Handler:
     async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
@@ -83,13 +89,11 @@ async def test_a_head_at_its_bounds_is_read_and_one_past_them_refused(
         assert head(0).count(b"\r\n") == 1 + MAX_HEADER_FIELDS + 1
     nodes = NodeClient(connect_timeout_s=1.0, read_timeout_s=WAIT_S)
     try:
-        response = await nodes.post(await raw_server(_answering(head(0) + b"ok")),
-                                    "/v1/chat/completions", b"{}", {})
+        response = await _post(nodes, await raw_server(_answering(head(0) + b"ok")))
         assert (response.status, await response.read()) == (200, b"ok")
         response.release()
         with pytest.raises(HeadTooLarge):
-            await asyncio.wait_for(nodes.post(await raw_server(_answering(head(1) + b"ok")),
-                                              "/v1/chat/completions", b"{}", {}), WAIT_S)
+            await _post(nodes, await raw_server(_answering(head(1) + b"ok")))
     finally:
         await nodes.close()
 
@@ -103,17 +107,15 @@ async def test_interim_answers_are_skipped_within_the_head_bound(
     hints = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
     nodes = NodeClient(connect_timeout_s=1.0, read_timeout_s=WAIT_S)
     try:
-        response = await nodes.post(
-            await raw_server(_answering(hints + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")),
-            "/v1/chat/completions", b"{}", {})
+        answer = hints + b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+        response = await _post(nodes, await raw_server(_answering(answer)))
         assert (response.status, await response.read()) == (200, b"ok")
         assert "link" not in response.headers
         response.release()
         early = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n"
         endless = early * (MAX_HEAD_BYTES // len(early) + 1)
         with pytest.raises(HeadTooLarge):
-            await asyncio.wait_for(nodes.post(await raw_server(_answering(endless)),
-                                              "/v1/chat/completions", b"{}", {}), WAIT_S)
+            await _post(nodes, await raw_server(_answering(endless)))
     finally:
         await nodes.close()
 
@@ -147,12 +149,10 @@ async def test_a_head_sent_a_byte_at_a_time_is_bound_by_the_silence_limit(
         loop = asyncio.get_running_loop()
         started = loop.time()
         with pytest.raises(NodeTimeout):
-            await asyncio.wait_for(nodes.post(await raw_server(trickling(endless, 0.05)),
-                                              "/v1/chat/completions", b"{}", {}), WAIT_S)
+            await _post(nodes, await raw_server(trickling(endless, 0.05)))
         assert loop.time() - started < limit_s + 1.0
         whole = STATUS_LINE + b"Content-Length: 2\r\n\r\nok"  # 40 bytes within the limit
-        response = await nodes.post(await raw_server(trickling(whole, 0.005)),
-                                    "/v1/chat/completions", b"{}", {})
+        response = await _post(nodes, await raw_server(trickling(whole, 0.005)))
         assert (response.status, await response.read()) == (200, b"ok")
         response.release()
     finally:

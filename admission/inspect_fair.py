@@ -84,6 +84,22 @@ def wrong_type_reply(reply: Any) -> bool:
     return isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply)
 
 
+def read_as_empty(read: Sequence[tuple[str, Any]], replies: list[Any],
+                  wrong_type: list[str] | None) -> None:
+    """Replies of a pipeline run with `raise_on_error=False`, in place: where a command's key
+    (`read`: per command, its key and what it reads as when empty) holds another type (one
+    written by hand with redis-cli), the empty value, the key added to `wrong_type`; any other
+    error raised. kvgate-inspect is what an operator runs then: one such key must not fail
+    the whole snapshot."""
+    for i, ((key, empty), reply) in enumerate(zip(read, replies, strict=True)):
+        if wrong_type_reply(reply):
+            replies[i] = empty
+            if wrong_type is not None and key not in wrong_type:
+                wrong_type.append(key)
+        elif isinstance(reply, BaseException):
+            raise reply
+
+
 async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
     """Every hash whose key starts with `prefix`, by the rest of its key: SCAN (never KEYS),
     then HGETALL in pipelined chunks. A key of another type under the prefix (one written by
@@ -158,19 +174,13 @@ async def read_fair(client: Any, keys: PoolKeys, now_us: int, month: int,
                     wrong_type: list[str] | None = None) -> FairView:
     """`month`: the current UTC month as the scripts count it (year x 12 + month - 1). A key
     of another type (written by hand) reads as empty and is added to `wrong_type`."""
-    read = [*(keys.flows(tier) for tier in Tier), keys.vtime]
+    read: list[tuple[str, Any]] = [*((keys.flows(tier), []) for tier in Tier), (keys.vtime, {})]
     async with client.pipeline(transaction=False) as pipe:
         for tier in Tier:
             pipe.zrange(keys.flows(tier), 0, -1, withscores=True)
         pipe.hgetall(keys.vtime)
         reply = list(await pipe.execute(raise_on_error=False))
-    for i, (key, raw) in enumerate(zip(read, reply, strict=True)):
-        if wrong_type_reply(raw):
-            reply[i] = {} if key == keys.vtime else []
-            if wrong_type is not None:
-                wrong_type.append(key)
-        elif isinstance(raw, BaseException):
-            raise raw
+    read_as_empty(read, reply, wrong_type)
     # A score that is no finite number (by hand: ZADD ... +inf) reads as 0, not an OverflowError.
     flows = [{_text(m): int(s) if math.isfinite(s) else 0 for m, s in rows}
              for rows in reply[:3]]

@@ -26,9 +26,9 @@ from admission.inspect_fair import (
     FairView,
     allowance_used,
     month_index,
+    read_as_empty,
     read_fair,
     scan_hashes,
-    wrong_type_reply,
 )
 from admission.keys import PoolKeys, SchedulerKeys
 from admission.reads import Held, held_map, redis_time_us
@@ -290,16 +290,8 @@ async def read_pool(client: Any, pool: str,
             pipe.hget(keys.clock, "frozen_us")
             read.append((keys.clock, None))
         replies = list(await pipe.execute(raise_on_error=False))
-    # A key of another type (written by hand with redis-cli) is read as empty and named, not
-    # allowed to fail the whole snapshot: kvgate-inspect is what an operator runs then.
     wrong_type: list[str] = []
-    for i, ((key, empty), reply) in enumerate(zip(read, replies, strict=True)):
-        if wrong_type_reply(reply):
-            if key not in wrong_type:
-                wrong_type.append(key)
-            replies[i] = empty
-        elif isinstance(reply, BaseException):
-            raise reply
+    read_as_empty(read, replies, wrong_type)
     redis_now = (await redis_time_us(client, keys.state) if cluster
                  else _time_us(replies.pop(0)))
     state_raw, cap_raw, res_raw, guests_raw = replies[:4]
@@ -334,14 +326,9 @@ async def read_pool(client: Any, pool: str,
         async with client.pipeline(transaction=False) as pipe:
             for gateway, _ in leases:
                 pipe.scard(keys.gateway_tasks_key(gateway))
-            counts = await pipe.execute(raise_on_error=False)
-        for (gateway, _), count in zip(leases, counts, strict=True):
-            if wrong_type_reply(count):
-                wrong_type.append(keys.gateway_tasks_key(gateway))
-                count = 0
-            elif isinstance(count, BaseException):
-                raise count
-            live.append(int(count))
+            counts = list(await pipe.execute(raise_on_error=False))
+        read_as_empty([(keys.gateway_tasks_key(g), 0) for g, _ in leases], counts, wrong_type)
+        live = [int(n) for n in counts]
     gateways = [GatewayView(g, expiry, None if expiry is None else expiry - now, n)
                 for (g, expiry), n in zip(leases, live, strict=True)]
 

@@ -372,17 +372,18 @@ async def parse_inbound(
     # the guess leaves no room, on the counted part: the node then judges (a 400 the client can
     # act on, rather than a one-token answer cut short).
     room = limit - max(prompts)
-    per_sequence = (max(1, requested) if requested is not None
-                    else min(default, room if room >= 1 else limit - longest))
+    fits = room if room >= 1 else limit - longest
     # A chat near the context's end: written from the gateway's count, the default would be
     # refused whenever the node counts one token more (another template, another tokenizer),
     # a 400 naming a max_tokens the client never sent. None is written, and the node takes
     # the rest of its context by its own count: what the counted text leaves (images' guess
     # aside) bounds it, so that is reserved, and it bounds the usage charged. A completion
     # keeps its own: vLLM's default there is 16 whatever the room, which it would refuse.
-    node_sized = requested is None and kind == "chat" and per_sequence < default
-    if node_sized:
-        per_sequence = limit - longest
+    node_sized = requested is None and kind == "chat" and fits < default
+    if requested is not None:
+        per_sequence = max(1, requested)
+    else:
+        per_sequence = limit - longest if node_sized else min(default, fits)
     estimate = estimate_cost(
         # No prompt holds more than the context: a guess past it (a thousand tiny images)
         # would reserve tokens no node could ever hold.

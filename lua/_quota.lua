@@ -155,9 +155,11 @@ end
 -- periods were kept per level holds one day, the clock's at its admit, for every level, and
 -- no month: that day's.
 local function task_periods(days, months, i)
-  local day = tonumber(days[i] or days[1])
-  if months == nil then return day, day and month_of_day(day) end
-  return day, tonumber(months[i])
+  if months == nil then
+    local day = tonumber(days[1])
+    return day, day and month_of_day(day)
+  end
+  return tonumber(days[i]), tonumber(months[i])
 end
 
 -- A level no longer holds a task of `cost` (it ended). A task admitted before levels counted

@@ -88,9 +88,6 @@ func (c Client) String() string {
 	return fmt.Sprintf("kvgate.Client{baseURL: %q, apiKey: %s}", c.baseURL, key)
 }
 
-// GoString is String: %#v must not print the key either.
-func (c Client) GoString() string { return c.String() }
-
 // Format prints String for every verb: without it, fmt would print the fields themselves for
 // verbs that do not look for a Stringer (%d, %x, ...), the key among them.
 func (c Client) Format(f fmt.State, verb rune) { _, _ = io.WriteString(f, c.String()) }

@@ -75,7 +75,8 @@ class FairView:
     levels: list[LevelView]
 
 
-def _text(value: Any) -> str:
+def as_text(value: Any) -> str:
+    """A reply's bytes (or any value) as text."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -106,7 +107,7 @@ async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
     hand with redis-cli, `SET kvg:{p}:tenant:x 1`) is no record of kvgate's and is left out:
     its WRONGTYPE would fail the whole snapshot, and `kvgate-inspect` and the admin API
     would show no pool at all. Any other error still fails the read."""
-    names = [_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
+    names = [as_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
     out: dict[str, dict[str, str]] = {}
     for start in range(0, len(names), SCAN_COUNT):
         chunk = names[start:start + SCAN_COUNT]
@@ -120,7 +121,7 @@ async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
             if isinstance(raw, BaseException):
                 raise raw
             if raw:  # it may vanish between SCAN and HGETALL
-                out[name[len(prefix):]] = {_text(k): _text(v) for k, v in raw.items()}
+                out[name[len(prefix):]] = {as_text(k): as_text(v) for k, v in raw.items()}
     return out
 
 
@@ -182,9 +183,9 @@ async def read_fair(client: Any, keys: PoolKeys, now_us: int, month: int,
         reply = list(await pipe.execute(raise_on_error=False))
     read_as_empty(read, reply, wrong_type)
     # A score that is no finite number (by hand: ZADD ... +inf) reads as 0, not an OverflowError.
-    flows = [{_text(m): int(s) if math.isfinite(s) else 0 for m, s in rows}
+    flows = [{as_text(m): int(s) if math.isfinite(s) else 0 for m, s in rows}
              for rows in reply[:3]]
-    vtime_raw = {_text(k): _text(v) for k, v in reply[3].items()}
+    vtime_raw = {as_text(k): as_text(v) for k, v in reply[3].items()}
     vtime = [int(_num(vtime_raw.get(t.label))) for t in Tier]
     tenants = await scan_hashes(client, keys.tenant_key(""))
     levels = await scan_hashes(client, keys.quota_key(""))

@@ -25,6 +25,7 @@ from admission.config import TenantSettings
 from admission.inspect_fair import (
     FairView,
     allowance_used,
+    as_text,
     month_index,
     read_as_empty,
     read_fair,
@@ -161,12 +162,8 @@ class Snapshot:
         return json.dumps(asdict(self), sort_keys=True)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _hash(raw: Mapping[Any, Any]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
+    return {as_text(k): as_text(v) for k, v in raw.items()}
 
 
 def _int(value: str | None) -> int | None:
@@ -222,8 +219,8 @@ async def read_scheduler(client: Any) -> SchedulerView:
         pipe.get(k.epoch)
         leader, pttl, epoch = await pipe.execute()
     return SchedulerView(
-        leader=None if leader is None else _text(leader),
-        epoch=(None if epoch is None else _int(_text(epoch))) or 0,
+        leader=None if leader is None else as_text(leader),
+        epoch=(None if epoch is None else _int(as_text(epoch))) or 0,
         lease_left_ms=int(pttl) if leader is not None and int(pttl) >= 0 else None,
     )
 
@@ -315,12 +312,12 @@ async def read_pool(client: Any, pool: str,
         oldest, wait = None, None
         if head:
             score = _score(head[0][1])
-            oldest, wait = _text(head[0][0]), None if score is None else now - score
+            oldest, wait = as_text(head[0][0]), None if score is None else now - score
         queues.append(QueueView(tier.label, depth, oldest, wait,
                                 held.get(tier.label) if depth else None))
     queued = sum(q.depth for q in queues)
 
-    leases = [(_text(g), _score(score)) for g, score in leases_raw]
+    leases = [(as_text(g), _score(score)) for g, score in leases_raw]
     live: list[int] = []
     if leases:
         async with client.pipeline(transaction=False) as pipe:

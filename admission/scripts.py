@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 from redis.exceptions import NoScriptError
 
-SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon", "hint")
+SCRIPT_NAMES = ("admit", "release", "finish", "renew", "reap", "state", "leader", "abandon", "hint",
+                "forget")
 LIBRARY = ("_lib", "_quota", "_room", "_place", "_tenant", "_task")
 """The helpers every script starts with: units, key names, clocks and token buckets; quota
 levels; placement and the prefill room; per-tenant accounting and fair release; the end of a
@@ -107,6 +108,7 @@ class Scripts:
     leader: Script
     abandon: Script
     hint: Script
+    forget: Script
 
     def all(self) -> tuple[Script, ...]:
         return tuple(getattr(self, name) for name in SCRIPT_NAMES)

@@ -87,7 +87,11 @@ def sources_at(revision: str | None) -> dict[str, str]:
         check=True).stdout.split())
     lib = "local TEST_CLOCK = false\n" + "\n".join(
         show(f"lua/{part}.lua") for part in LIBRARY if f"lua/{part}.lua" in present)
-    return {name: lib + "\n" + show(f"lua/{name}.lua") for name in SCRIPT_NAMES}
+    # A script the revision does not have (added later) is never run by the benchmark's
+    # calls; it gets a body that says so if it were.
+    absent = "return redis.error_reply('no such script at this revision')"
+    return {name: lib + "\n" + (show(f"lua/{name}.lua") if f"lua/{name}.lua" in present
+                                else absent) for name in SCRIPT_NAMES}
 
 
 def scripts_of(sources: dict[str, str], transport: Any) -> Scripts:

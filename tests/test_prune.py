@@ -1,0 +1,264 @@
+"""`kvgate-prune` against a real Redis populated through the admission core's own calls.
+
+The pool clock is frozen (`frozen_us`), so "idle for two days" is a clock setting, not a wait;
+the command in this process honours it as the scripts do (`allow_frozen_clock`, conftest).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from admission import inspect, prune
+from admission.config import ConfigError
+from admission.leadership import leadership
+from admission.outcomes import AdmitOutcome
+from admission.scripts import register_scripts
+from admission.store import PoolPolicy, PoolStore, QuotaLevel, TenantQuota
+from admission.tiers import Tier, Zone
+
+POOL = "prn"
+T0 = 10**15
+S = 1_000_000
+DAY = 86_400 * S
+ENG = QuotaLevel("eng", rate=100, burst=100_000)
+OLD = QuotaLevel("oldteam", rate=100, burst=100_000)
+BUSY = QuotaLevel("busyteam", rate=100, burst=100_000)
+
+
+def quota(name: str, *levels: QuotaLevel) -> TenantQuota:
+    return TenantQuota(name, rate=100, burst=10_000, max_queued=10, levels=levels)
+
+
+ACME = quota("acme", ENG)
+GONE = quota("gone", OLD)
+INFLIGHT = quota("inflight", BUSY)
+QUEUED = quota("queued")
+RECENT = quota("recent")
+
+
+class World:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.store = PoolStore(client, register_scripts(client), POOL, PoolPolicy())
+        self.keys = self.store.keys
+        self.epoch = 0
+
+    async def at(self, us: int) -> None:
+        await self.client.hset(self.keys.clock, "frozen_us", us)
+
+    async def admit(self, task: str, tenant: TenantQuota, tier: Tier = Tier.VIP) -> AdmitOutcome:
+        result = await self.store.admit(
+            task_id=task, tenant=tenant, tier=tier, prompt_tokens=100, max_tokens=100,
+            gateway="gw-1", queue_timeout_ms=10 * DAY // 1000)
+        return result.outcome
+
+    async def state(self, zone: Zone) -> None:
+        await self.store.publish_state(self.epoch, zone, {"gpu-0": 1_000_000}, {})
+
+
+async def populate(client: Any) -> World:
+    """At T0 + 2 days: acme (configured, team eng) and gone (removed, team oldteam) ended two
+    days ago; inflight (removed, team busyteam) has a task running; queued (removed) has one
+    queued; recent (removed) ended an hour ago."""
+    w = World(client)
+    w.epoch = (await leadership(client, w.store.scripts, "sched-a", 60_000)).epoch
+    await w.at(T0)
+    await w.state(Zone.YELLOW)
+    # gone's Normal task waits in the queue and the leader releases it: its fairness hash.
+    assert await w.admit("g", GONE, Tier.NORMAL) is AdmitOutcome.QUEUED
+    assert [t.task_id for t in await w.store.release(w.epoch, (0, 1, 0))] == ["g"]
+    await w.state(Zone.GREEN)
+    for task, tenant in (("a", ACME), ("i", INFLIGHT)):
+        assert await w.admit(task, tenant) is AdmitOutcome.RELEASED
+    for task in ("a", "g"):
+        await w.store.settle(task, 150)
+    # A light view's entry, as the fast path leaves one in a busy tier.
+    await client.zadd(w.keys.light(Tier.NORMAL), {"gone": T0})
+    await w.at(T0 + 2 * DAY - 3600 * S)
+    assert await w.admit("r", RECENT) is AdmitOutcome.RELEASED
+    await w.store.settle("r", 150)
+    await w.state(Zone.YELLOW)
+    assert await w.admit("q", QUEUED, Tier.BATCH) is AdmitOutcome.QUEUED
+    await w.at(T0 + 2 * DAY)
+    return w
+
+
+def write_config(path: Path, redis_url: str, tenants: bool = True,
+                 cluster: bool = False) -> str:
+    text = (f'[redis]\nurl = "{redis_url}"\ncluster = {str(cluster).lower()}\n\n'
+            f'[[pools]]\nname = "{POOL}"\n'
+            'backends = ["http://127.0.0.1:1"]\n\n'
+            '[[teams]]\nname = "eng"\nrate = 100\nburst = 100000\n\n')
+    if tenants:
+        text += ('[[tenants]]\nname = "acme"\ntier = "vip"\nrate = 100\nburst = 10000\n'
+                 'team = "eng"\n')
+    path.write_text(text)
+    return str(path)
+
+
+async def run(config: str, *flags: str) -> tuple[int, dict[tuple[str, str], tuple[str, str]]]:
+    """prune's run() in this process (so it sees the frozen clock), its JSON read back as
+    (kind, name) -> (verdict, reason)."""
+    args = prune.parse_args(["--config", config, "--json", *flags])
+    out: list[str] = []
+    code = await prune.run(args, {}, out.append)
+    doc = json.loads("".join(out))
+    return code, {(v["kind"], v["name"]): (v["verdict"], v["reason"]) for v in doc["verdicts"]}
+
+
+async def key_names(client: Any) -> set[str]:
+    return {k.decode() async for k in client.scan_iter(match="kvg:*")}
+
+
+async def test_dry_run_judges_each_removed_name_and_deletes_nothing(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    w = await populate(redis_client)
+    before = await key_names(redis_client)
+    code, verdicts = await run(write_config(tmp_path / "c.toml", redis_url))
+    assert code == 0
+    assert verdicts == {
+        ("tenant", "gone"): ("forgettable", ""),
+        ("tenant", "inflight"): ("kept", "in_flight"),
+        ("tenant", "queued"): ("kept", "queued"),
+        ("tenant", "recent"): ("kept", "recent"),
+        ("team", "oldteam"): ("forgettable", ""),
+        ("team", "busyteam"): ("kept", "held"),
+    }
+    assert await key_names(redis_client) == before
+    assert {w.keys.bucket_key("gone"), w.keys.tenant_key("gone"),
+            w.keys.quota_key("oldteam")} <= before
+
+
+async def test_apply_deletes_only_what_nothing_alive_needs(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    w = await populate(redis_client)
+    config = write_config(tmp_path / "c.toml", redis_url)
+    code, verdicts = await run(config, "--apply")
+    assert code == 0
+    assert verdicts[("tenant", "gone")] == ("forgotten", "")
+    assert verdicts[("team", "oldteam")] == ("forgotten", "")
+    names = await key_names(redis_client)
+    k = w.keys
+    assert not {k.bucket_key("gone"), k.tenant_key("gone"), k.quota_key("oldteam")} & names
+    assert await redis_client.zscore(k.light(Tier.NORMAL), "gone") is None
+    # The configured tenant and team, and every removed name with something alive, stay.
+    assert {k.bucket_key("acme"), k.quota_key("eng"), k.bucket_key("inflight"),
+            k.quota_key("busyteam"), k.bucket_key("queued"), k.bucket_key("recent")} <= names
+
+    # Their ends write the buckets (refunds): kept as recent at first, gone once idle.
+    await w.store.settle("i", 150)
+    await w.store.cancel("q")
+    code, verdicts = await run(config, "--apply", "--min-idle", "1")
+    assert verdicts[("tenant", "inflight")] == ("kept", "recent")
+    assert verdicts[("tenant", "recent")] == ("forgotten", "")  # ended an hour ago
+    await w.at(T0 + 2 * DAY + 2 * S)
+    code, verdicts = await run(config, "--apply", "--min-idle", "1")
+    assert verdicts == {
+        ("tenant", "inflight"): ("forgotten", ""),
+        ("tenant", "queued"): ("forgotten", ""),
+        ("team", "busyteam"): ("forgotten", ""),
+    }
+    left = {n.removeprefix(k.prefix).split(":")[0] + ":" + n.split(":")[-1]
+            for n in await key_names(redis_client)
+            if n.startswith((k.prefix + "bucket:", k.prefix + "tenant:", k.prefix + "quota:"))}
+    assert left == {"bucket:acme", "quota:eng"}
+    # Nothing left to judge: a second run lists nothing.
+    assert await run(config, "--apply") == (0, {})
+
+
+async def test_a_name_configured_again_starts_with_a_full_bucket(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    w = await populate(redis_client)
+    await run(write_config(tmp_path / "c.toml", redis_url), "--apply")
+    await w.state(Zone.GREEN)
+    assert await w.admit("g2", GONE) is AdmitOutcome.RELEASED
+    bucket = await redis_client.hget(w.keys.bucket_key("gone"), "micro_tokens")
+    assert bucket is not None and int(bucket) == (10_000 - 200) * S
+
+
+async def test_a_task_ending_after_its_keys_were_forgotten_leaves_no_key(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    """A task alive across the deletion (one admitted before `held` was counted, here its
+    field removed by hand) ends against absent keys: its refund writes nothing back."""
+    w = await populate(redis_client)
+    await redis_client.hdel(w.keys.bucket_key("inflight"), "held")
+    await redis_client.hdel(w.keys.quota_key("busyteam"), "held")
+    await redis_client.zrem(w.keys.tenant_inflight, "inflight")
+    await redis_client.hdel(w.keys.tenant_key("inflight"), "inflight_tokens")
+    code, verdicts = await run(write_config(tmp_path / "c.toml", redis_url), "--apply")
+    assert code == 0
+    assert verdicts[("tenant", "inflight")] == ("forgotten", "")
+    assert verdicts[("team", "busyteam")] == ("forgotten", "")
+    assert (await w.store.settle("i", 150)).outcome == "settled"
+    names = await key_names(redis_client)
+    assert not {w.keys.bucket_key("inflight"), w.keys.quota_key("busyteam"),
+                w.keys.tenant_key("inflight")} & names
+
+
+async def test_a_file_without_tenants_is_refused(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    w = await populate(redis_client)
+    before = await key_names(redis_client)
+    config = write_config(tmp_path / "c.toml", redis_url, tenants=False)
+    with pytest.raises(ConfigError, match="defines no"):
+        await prune.run(prune.parse_args(["--config", config, "--apply", "--min-idle", "1"]), {})
+    assert await key_names(redis_client) == before
+    assert w.keys.bucket_key("acme") in before
+
+
+def test_the_refusal_names_the_file(tmp_path: Path, redis_url: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config = write_config(tmp_path / "sched.toml", redis_url, tenants=False)
+    assert prune.main(["--config", config]) == inspect.EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert f"kvgate-prune: {config} defines no [[tenants]]" in err
+
+
+def test_config_is_required_and_min_idle_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in ([], ["--config", "x.toml", "--min-idle", "nan"]):
+        with pytest.raises(SystemExit) as exited:
+            prune.main(argv)
+        assert exited.value.code == 2
+    assert "--min-idle" in capsys.readouterr().err
+
+
+async def test_table_says_what_would_be_deleted(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    await populate(redis_client)
+    args = prune.parse_args(["--config", write_config(tmp_path / "c.toml", redis_url)])
+    out: list[str] = []
+    assert await prune.run(args, {}, out.append) == 0
+    lines = "".join(out).splitlines()
+    assert lines[0].split() == ["pool", "kind", "name", "verdict", "idle", "keys"]
+    rows = {tuple(line.split()[1:3]): line for line in lines[1:-1]}
+    assert "forgettable" in rows[("tenant", "gone")] and "48.0 h" in rows[("tenant", "gone")]
+    assert "kept (in_flight)" in rows[("tenant", "inflight")]
+    assert lines[-1] == "2 would be deleted with --apply, 4 kept"
+
+
+async def test_a_hand_written_key_is_named_not_run(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    w = await populate(redis_client)
+    await redis_client.hset(w.keys.prefix + "bucket:bad name", "x", 1)
+    code, verdicts = await run(write_config(tmp_path / "c.toml", redis_url), "--apply")
+    assert code == 0 and ("tenant", "bad name") not in verdicts
+    assert "'bad name'" in capsys.readouterr().err
+    assert await redis_client.exists(w.keys.prefix + "bucket:bad name") == 1
+
+
+async def test_on_a_redis_cluster(cluster_client: RedisCluster, tmp_path: Path) -> None:
+    """Every key of a pool lives in one slot; SCAN finds them across the masters."""
+    w = await populate(cluster_client)
+    node = cluster_client.get_default_node()
+    config = write_config(tmp_path / "c.toml", f"redis://{node.host}:{node.port}/0",
+                          cluster=True)
+    code, verdicts = await run(config, "--apply")
+    assert code == 0 and verdicts[("tenant", "gone")] == ("forgotten", "")
+    assert await cluster_client.exists(w.keys.bucket_key("gone")) == 0

@@ -116,6 +116,21 @@ class FinishResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ForgetResult:
+    """`lua/forget.lua`'s verdict on one tenant's or quota level's keys."""
+
+    verdict: str
+    """'forgotten' (deleted), 'forgettable' (would be: a dry run) or 'kept'."""
+    reason: str
+    """Why kept: 'queued', 'in_flight', 'held', 'recent' or 'absent'; '' otherwise."""
+    idle_us: int | None
+    """µs since the last write its keys record (None: they record none, or it was kept
+    before they were read)."""
+    keys: int
+    """Keys deleted (or that would be)."""
+
+
+@dataclass(frozen=True, slots=True)
 class ReapResult:
     reaped: int
     expired: int

@@ -50,9 +50,9 @@ from admission.inspect_target import (
     choose_pools,
     resolve_target,
 )
-from admission.keys import NAME_PATTERN, PoolKeys, check_name
-from admission.scripts import Script, frozen_clock_allowed, script_source
-from admission.tiers import Tier
+from admission.keys import NAME_PATTERN, check_name
+from admission.scripts import register_scripts
+from admission.store import PoolPolicy, PoolStore
 
 DEFAULT_MIN_IDLE_S = 86_400.0
 """Keys written less than a day ago are kept: longer than any rolling update, and a name in use
@@ -84,27 +84,21 @@ async def names_under(client: Any, prefix: str, foreign: set[str]) -> set[str]:
     return found
 
 
-async def prune_pool(client: Any, forget: Script, pool: str, tenants: set[str],
-                     teams: set[str], min_idle_s: float, apply: bool,
-                     foreign: set[str]) -> list[Verdict]:
-    """Judge (and with `apply`, forget) every tenant and team of `pool` with keys in Redis
-    that is not in `tenants` or `teams`."""
-    keys = PoolKeys(pool)
+async def prune_pool(store: PoolStore, tenants: set[str], teams: set[str], min_idle_s: float,
+                     apply: bool, foreign: set[str]) -> list[Verdict]:
+    """Judge (and with `apply`, forget) every tenant and team of the store's pool with keys in
+    Redis that is not in `tenants` or `teams`."""
+    keys, client = store.keys, store.client
     stale_tenants = (await names_under(client, keys.bucket_key(""), foreign)
                      | await names_under(client, keys.tenant_key(""), foreign)) - tenants
     stale_teams = await names_under(client, keys.quota_key(""), foreign) - teams
-    fixed = [keys.clock, keys.tenant_queued, keys.tenant_inflight,
-             *(keys.light(tier) for tier in Tier)]
     out = []
     for kind, names in (("tenant", stale_tenants), ("team", stale_teams)):
         for name in sorted(names):
-            reply = await forget(keys=fixed, args=[
-                keys.prefix, "tenant" if kind == "tenant" else "level", name,
-                int(min_idle_s * 1_000_000), "1" if apply else "0"])
-            verdict, reason, idle_us, count = (as_text(reply[0]), as_text(reply[1]),
-                                               int(reply[2]), int(reply[3]))
-            out.append(Verdict(pool, kind, name, verdict, reason,
-                               None if idle_us < 0 else idle_us / 1e6, count))
+            got = await store.forget("tenant" if kind == "tenant" else "level", name,
+                                     int(min_idle_s * 1_000_000), apply)
+            out.append(Verdict(store.pool, kind, name, got.verdict, got.reason,
+                               None if got.idle_us is None else got.idle_us / 1e6, got.keys))
     return out
 
 
@@ -173,15 +167,16 @@ async def run(args: argparse.Namespace, env: Mapping[str, str],
          f"{len(target.teams)} teams of {args.config}")
     check_ca(target)
     client = connect(target.settings)
-    forget = Script("forget", script_source("forget", frozen_clock_allowed()), client)
+    scripts = register_scripts(client)
     try:
         pools = await choose_pools(client, target, _say)
         foreign: set[str] = set()
         verdicts: list[Verdict] = []
         for pool in pools:
             verdicts += await prune_pool(
-                client, forget, pool, {t.name for t in target.tenants}, set(target.teams),
-                args.min_idle, args.apply, foreign)
+                PoolStore(client, scripts, pool, PoolPolicy()),
+                {t.name for t in target.tenants}, set(target.teams), args.min_idle,
+                args.apply, foreign)
     except REDIS_ERRORS as exc:
         _say(f"cannot use Redis at {target.address}: {exc or type(exc).__name__}")
         return EXIT_REDIS

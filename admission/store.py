@@ -19,6 +19,7 @@ from admission.keys import PoolKeys, abandoned_lease, check_name
 from admission.outcomes import (
     AdmitResult,
     FinishResult,
+    ForgetResult,
     ReapResult,
     Released,
     ReleasedTask,
@@ -390,6 +391,20 @@ class PoolStore:
         """What the leader plans a tick from (admission.reads.read_tick)."""
         return await reads.read_tick(self.client, self.keys, control=control, running=running,
                                      guests=guests)
+
+    async def forget(self, kind: str, name: str, min_idle_us: int, apply: bool) -> ForgetResult:
+        """Delete a tenant's (`kind` 'tenant') or a quota level's ('level') keys in this pool if
+        nothing alive needs them and none was written in the last `min_idle_us`; with `apply`
+        False, only judge (lua/forget.lua; `kvgate-prune` runs it for names the configuration
+        no longer has)."""
+        check_name("tenant" if kind == "tenant" else "team", name)
+        k = self.keys
+        reply = await self.scripts.forget(
+            keys=[k.clock, k.tenant_queued, k.tenant_inflight, *(k.light(t) for t in Tier)],
+            args=[self._prefix, kind, name, max(0, min_idle_us), "1" if apply else "0"])
+        idle = int(reply[2])
+        return ForgetResult(text_of(reply[0]), text_of(reply[1]), None if idle < 0 else idle,
+                            int(reply[3]))
 
     async def clear_held(self) -> None:
         """Forget why the queues waited (the `held_by` hash): the leader's tick found them empty,

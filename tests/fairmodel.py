@@ -70,6 +70,26 @@ class FairLedger:
     light: dict[int, dict[str, int]] = field(default_factory=dict)
     """tier -> tenant -> µs the fast path last admitted it beside a backlog (light:<tier>)."""
 
+    def _books(self) -> tuple[dict[str, Any], ...]:
+        return (self.weight, self.queued_tokens, self.inflight_tokens, self.inflight_cap,
+                self.drain)
+
+    def knows(self, tenant: str) -> bool:
+        """Whether the tenant's hash exists: a field of it is stored."""
+        return (any(t == tenant for book in (self.vt, self.lifts, self.liftroom)
+                    for _, t in book)
+                or any(tenant in book for book in self._books()))
+
+    def forget(self, tenant: str) -> None:
+        """Its hash and its light entries deleted (lua/forget.lua)."""
+        for tiered in (self.vt, self.lifts, self.liftroom):
+            for key in [k for k in tiered if k[1] == tenant]:
+                del tiered[key]
+        for book in self._books():
+            book.pop(tenant, None)
+        for light in self.light.values():
+            light.pop(tenant, None)
+
     def drain_now(self, tenant: str, now: int) -> float | None:
         if tenant not in self.drain:
             return None

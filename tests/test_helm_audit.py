@@ -336,7 +336,7 @@ RUNBOOK = CHART.parent.parent / "docs" / "runbook.md"
 def test_the_runbooks_kubectl_commands_name_the_releases_objects() -> None:
     """docs/runbook.md addresses a release's pods as deploy/<fullname>-<part> and finds them by
     the release's instance label; its `kubectl exec` lines read the file the pod's service
-    reads."""
+    reads (kvgate-inspect's and kvgate-prune's)."""
     text = RUNBOOK.read_text(encoding="utf-8")
     docs = render()
     deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
@@ -347,8 +347,8 @@ def test_the_runbooks_kubectl_commands_name_the_releases_objects() -> None:
     for d in deployments.values():
         assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     execs = re.findall(r"kubectl exec deploy/<fullname>-([a-z]+)(?: -c ([a-z]+))? -- "
-                       r"kvgate-inspect --config ([^\s`]+)", text)
-    assert len(execs) >= 3
+                       r"kvgate-(?:inspect|prune) --config ([^\s`]+)", text)
+    assert len(execs) >= 4
     for part, name, path in execs:
         pod = deployments[f"{RELEASE}-kvgate-{part}"]["spec"]["template"]["spec"]
         (c,) = [c for c in pod["containers"] if c["name"] == (name or part)]

@@ -310,7 +310,7 @@ async def test_a_stream_gets_no_allowance_for_its_length(
 async def test_a_vip_streams_first_token_is_counted_for_its_node(gw: Harness) -> None:
     """The release control's signal: with the leader's objective in the state hash, a streamed
     VIP answer counts one first token on its node (within the objective: none over it); a
-    Normal one and a non-streamed VIP one count nothing (tests/test_core_prefill.py counts
+    Normal one and a non-streamed VIP one count nothing (tests/test_core_prefill_control.py counts
     those over the objective)."""
     await gw.publish(Zone.GREEN, extra={"vip_ttft_objective_ms": 60_000})
     stream = await gw.openai("vip").chat.completions.create(

@@ -2,7 +2,7 @@
 disruption budgets and autoscaling, probe settings the API server refuses, tokenizer volumes,
 the admin token's Secret, and the README's table of values.
 
-Rendering, validation and the config check are those of tests/test_helm_chart.py.
+Rendering, validation and the config check are those of tests/helm_support.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 from admission import config as cfg
 from gateway.app import create_app as gateway_app
 from scheduler.app import create_app as scheduler_app
-from tests.test_helm_chart import (
+from tests.helm_support import (
     CHART,
     K8S_VERSIONS,
     NAMESPACE,

@@ -4,8 +4,9 @@
 cache: released tasks hold prompt + output tokens from their release until they end (decode
 time after their prefill), and a release happens only if the task fits both the KV line and the
 published prefill room, by the rule the scripts apply (`fits`, the same as `prefill_fits` in
-lua/_place.lua, checked against the scripts in tests/test_core_prefill.py). VIP chats arrive at a
-fixed rate, pass no room, and report their time to first token to the controller when they end.
+lua/_place.lua, checked against the scripts in tests/test_core_prefill_room.py). VIP chats
+arrive at a fixed rate, pass no room, and report their time to first token to the controller when
+they end.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class ReaderGone(Exception):
     it, the write's BrokenPipeError (an OSError) was reported as Redis failing to be read."""
 
 
-def _write(text: str) -> None:
+def write_stdout(text: str) -> None:
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -81,7 +81,7 @@ def _write(text: str) -> None:
         raise ReaderGone from None
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """Points stdout at /dev/null: what its buffer still holds would fail again when the
     interpreter flushes it at exit ("Exception ignored ... BrokenPipeError")."""
     with contextlib.suppress(OSError, ValueError):  # no descriptor (a captured stdout)
@@ -176,17 +176,17 @@ async def _show(client: Any, target: Target, args: argparse.Namespace) -> int:
             # screen cleared, lest the last frame read as the current one.
             failed = True
             if clear:
-                _write("\x1b[H\x1b[2J")
+                write_stdout("\x1b[H\x1b[2J")
             _say(f"refresh {refreshes + 1} failed: {_cannot_read(target, exc)}; "
                  f"trying again in {interval:g} s")
         else:
             out = snap.to_json() + "\n" if args.json else render(snap, target.address)
-            _write(("\x1b[H\x1b[2J" if clear else "") + out)
+            write_stdout(("\x1b[H\x1b[2J" if clear else "") + out)
         refreshes += 1
         if frames is not None and refreshes >= frames:
             return EXIT_REDIS if failed else 0
         if not clear and not args.json and not failed:
-            _write("\n")
+            write_stdout("\n")
         await asyncio.sleep(interval)
 
 
@@ -204,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say(str(exc))
         return EXIT_REDIS
     except ReaderGone:
-        _silence_stdout()
+        silence_stdout()
         return 0
     except OSError as exc:  # Redis errors became Unreadable: this is the config file
         _say(str(exc))

@@ -122,10 +122,11 @@ class ForgetResult:
     verdict: str
     """'forgotten' (deleted), 'forgettable' (would be: a dry run) or 'kept'."""
     reason: str
-    """Why kept: 'queued', 'in_flight', 'held', 'recent' or 'absent'; '' otherwise."""
+    """Why kept: 'queued', 'in_flight', 'held', 'wrong_type', 'spent', 'recent' or 'absent';
+    '' otherwise."""
     idle_us: int | None
-    """µs since the last write its keys record (None: they record none, or it was kept
-    before they were read)."""
+    """µs since the last write its keys record (None: they record none, or it was kept for
+    something alive before they were read)."""
     keys: int
     """Keys deleted (or that would be)."""
 

@@ -8,18 +8,23 @@ allowances. So removing a tenant or a team from the configuration leaves its key
 `kvgate-inspect` keeps listing them. This command finds, in each pool, the tenants and teams
 with keys in Redis that the file given with ``--config`` does not define, and deletes their
 keys, one name at a time with `lua/forget.lua`, which keeps a name that still has anything
-alive (a task queued or in flight, tokens held by a live task) or that was written less than
-``--min-idle`` ago (a gateway that still has it configured: a rolling update not yet done,
-another deployment on the same pool). Without ``--apply`` it only says what it would delete.
+alive (a task queued or in flight, tokens held by a live task), whose bucket or allowance is
+spent (below its burst, or used in the current day or month: deleted, a tenant configured
+again would find them fresh; ``--spent`` deletes those too), or that was written less than
+``--min-idle`` ago (a gateway still admitting for it: a rolling update not yet done). Without
+``--apply`` it only says what it would delete.
 
-The file must be the gateways' own, with their tenants: the tenants it defines are what is
-kept. A file that defines none (the schedulers' configuration, which holds no tenants) is
+The file must name every tenant and team that any gateway using these pools has: what it
+defines is kept, and a name another deployment serves on the same pool would be judged as
+removed (the idle time guards it only while its requests pass: a refused request writes
+nothing). A file that defines no tenant (the schedulers' configuration, which holds none) is
 refused rather than read as "every tenant was removed". In the Helm chart the gateways' file
 is joined from the ConfigMap and the tenants Secret at start; run the command in a gateway
-pod, against that joined file.
+pod, against that joined file. Its script deletes keys: the Redis user needs ``DEL`` within
+scripts besides ``SCAN`` and ``EVALSHA``.
 
-A name that comes back (the tenant is configured again) starts afresh: a full bucket, no
-fairness history, and a team's allowances of the day and the month unused.
+A name that comes back starts afresh: a full bucket, unused allowances (which is why spent
+ones are kept), and fairness counters at the tier's floor, as any new tenant's.
 """
 
 from __future__ import annotations
@@ -27,11 +32,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from redis.exceptions import NoPermissionError
 
 from admission.config import ConfigError
 from admission.connection import connect
@@ -40,7 +48,9 @@ from admission.inspect import (
     EXIT_CONFIG,
     EXIT_NOTHING,
     EXIT_REDIS,
-    seconds_argument,
+    ReaderGone,
+    silence_stdout,
+    write_stdout,
 )
 from admission.inspect_fair import as_text
 from admission.inspect_target import (
@@ -59,6 +69,10 @@ DEFAULT_MIN_IDLE_S = 86_400.0
 by some gateway writes its bucket at every admit."""
 
 
+MAX_MIN_IDLE_S = 10 * 365 * 86_400.0
+"""The longest --min-idle taken (ten years): far past any key's age, and exact in µs."""
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     pool: str
@@ -68,56 +82,78 @@ class Verdict:
     verdict: str
     """'forgotten' (deleted), 'forgettable' (would be, with --apply) or 'kept'."""
     reason: str
-    """Why kept: 'queued', 'in_flight', 'held', 'recent' or 'absent' (gone meanwhile)."""
+    """Why kept: 'queued', 'in_flight', 'held', 'wrong_type', 'spent', 'recent' or 'absent'
+    (gone meanwhile)."""
     idle_s: float | None
     """Seconds since the keys' last recorded write (None: they record none)."""
     keys: int
 
 
 async def names_under(client: Any, prefix: str, foreign: set[str]) -> set[str]:
-    """The names after `prefix` of the keys that start with it (one SCAN); a name that is no
-    valid tenant or team name (a key written by hand) goes to `foreign`, never to a script."""
+    """The names after `prefix` of the keys that start with it (one SCAN); the key of a name
+    that is no valid tenant or team name (written by hand) goes to `foreign`, never to a
+    script."""
     found: set[str] = set()
     async for raw in client.scan_iter(match=prefix + "*", count=SCAN_COUNT):
-        name = as_text(raw)[len(prefix):]
-        (found if NAME_PATTERN.fullmatch(name) else foreign).add(name)
+        key = as_text(raw)
+        name = key[len(prefix):]
+        if NAME_PATTERN.fullmatch(name):
+            found.add(name)
+        else:
+            foreign.add(key)
     return found
 
 
-async def prune_pool(store: PoolStore, tenants: set[str], teams: set[str], min_idle_s: float,
-                     apply: bool, foreign: set[str]) -> list[Verdict]:
-    """Judge (and with `apply`, forget) every tenant and team of the store's pool with keys in
-    Redis that is not in `tenants` or `teams`."""
+async def prune_pool(store: PoolStore, tenants: set[str], teams: set[str], args: Any,
+                     out: list[Verdict], foreign: set[str]) -> None:
+    """Judge (and with `args.apply`, forget) every tenant and team of the store's pool with
+    keys in Redis that is not in `tenants` or `teams`, appending each verdict to `out` as it
+    is made (a run that fails part way still reports what it deleted)."""
     keys, client = store.keys, store.client
     stale_tenants = (await names_under(client, keys.bucket_key(""), foreign)
                      | await names_under(client, keys.tenant_key(""), foreign)) - tenants
     stale_teams = await names_under(client, keys.quota_key(""), foreign) - teams
-    out = []
     for kind, names in (("tenant", stale_tenants), ("team", stale_teams)):
         for name in sorted(names):
             got = await store.forget("tenant" if kind == "tenant" else "level", name,
-                                     int(min_idle_s * 1_000_000), apply)
+                                     int(args.min_idle * 1_000_000), args.apply, args.spent)
             out.append(Verdict(store.pool, kind, name, got.verdict, got.reason,
                                None if got.idle_us is None else got.idle_us / 1e6, got.keys))
-    return out
+
+
+def idle_argument(text: str) -> float:
+    """--min-idle's argparse type: finite seconds from 0 to `MAX_MIN_IDLE_S`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value <= MAX_MIN_IDLE_S):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 0 to {MAX_MIN_IDLE_S:.0f}, got {text!r}")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvgate-prune", description=__doc__.split("\n\n")[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"exit status: 0: judged (and with --apply, deleted); {EXIT_REDIS}: Redis "
-               f"unreachable or failing; {EXIT_CONFIG}: bad flags or configuration; "
-               f"{EXIT_NOTHING}: Redis holds no kvgate key of those pools.")
+        epilog=f"exit status: 0: judged (and with --apply, deleted), whatever was kept; "
+               f"{EXIT_REDIS}: Redis unreachable or failing (what was judged before is "
+               f"printed); {EXIT_CONFIG}: bad flags or configuration; {EXIT_NOTHING}: Redis "
+               "holds no kvgate key of those pools.")
     parser.add_argument("--config", required=True,
                         help="the gateways' TOML file, with their [[tenants]] and [[teams]]: "
                              "what it defines is kept (REDIS_URL overrides its redis.url)")
     parser.add_argument("--pool", action="append", default=[],
-                        help="pool to prune (repeatable; default: the file's pools)")
+                        help="pool to prune (repeatable; default: the file's pools; a pool "
+                             "no longer in the file is pruned only when named)")
     parser.add_argument("--ssl-ca-file", help="CA bundle instead of the file's redis.ssl_ca_file")
-    parser.add_argument("--min-idle", type=seconds_argument, default=DEFAULT_MIN_IDLE_S,
+    parser.add_argument("--min-idle", type=idle_argument, default=DEFAULT_MIN_IDLE_S,
                         metavar="SECONDS",
                         help="keep keys written less than SECONDS ago (default: one day)")
+    parser.add_argument("--spent", action="store_true",
+                        help="also delete a spent bucket or allowance (a tenant or team "
+                             "configured again would then find it fresh)")
     parser.add_argument("--apply", action="store_true",
                         help="delete; without it, only say what would be deleted")
     parser.add_argument("--json", action="store_true", help="one JSON document")
@@ -134,15 +170,22 @@ def _say(message: str) -> None:
     print(f"kvgate-prune: {message}", file=sys.stderr, flush=True)
 
 
+def idle_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size, below in (("s", 1, 120), ("min", 60, 3_600), ("h", 3_600, 3 * 86_400)):
+        if seconds < below:
+            return f"{seconds / size:.0f} {unit}" if unit == "s" else f"{seconds / size:.1f} {unit}"
+    return f"{seconds / 86_400:.1f} d"
+
+
 def render(verdicts: Sequence[Verdict], apply: bool) -> str:
     if not verdicts:
         return "nothing to prune: every tenant and team with keys is in the configuration\n"
     rows = [("pool", "kind", "name", "verdict", "idle", "keys")]
     for v in verdicts:
-        idle = ("-" if v.idle_s is None else f"{v.idle_s / 3600:.1f} h"
-                if v.idle_s < 3 * 86_400 else f"{v.idle_s / 86_400:.1f} d")
         what = v.verdict + (f" ({v.reason})" if v.reason else "")
-        rows.append((v.pool, v.kind, v.name, what, idle, str(v.keys)))
+        rows.append((v.pool, v.kind, v.name, what, idle_text(v.idle_s), str(v.keys)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]
@@ -154,8 +197,18 @@ def render(verdicts: Sequence[Verdict], apply: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _refusal(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    # Outside a script an ACL refusal is a NoPermissionError; inside one, an error reply that
+    # says so in words.
+    if isinstance(exc, NoPermissionError) or "NOPERM" in text or "user executing" in text:
+        text += (" (the Redis user needs SCAN, EVALSHA and DEL within scripts: the gateways' "
+                 "own scripts never delete a key, so their user may lack DEL)")
+    return text
+
+
 async def run(args: argparse.Namespace, env: Mapping[str, str],
-              write: Callable[[str], object] = sys.stdout.write) -> int:
+              write: Callable[[str], object] = write_stdout) -> int:
     target = resolve_target(config=args.config, redis_url=None, cluster=False,
                             ssl_ca_file=args.ssl_ca_file, pools=args.pool, env=env)
     if not target.tenants:
@@ -163,32 +216,40 @@ async def run(args: argparse.Namespace, env: Mapping[str, str],
             f"{args.config} defines no [[tenants]]: every tenant would count as removed. Name "
             "the gateways' file with their tenants (in the Helm chart, the file joined in a "
             "gateway pod)")
-    _say(f"{target.announce()}; keeping the {len(target.tenants)} tenants and "
-         f"{len(target.teams)} teams of {args.config}")
+    _say(f"{target.announce()}; keeping what {args.config} defines (tenants: "
+         f"{len(target.tenants)}, teams: {len(target.teams)})")
     check_ca(target)
     client = connect(target.settings)
     scripts = register_scripts(client)
+    verdicts: list[Verdict] = []
+    foreign: set[str] = set()
+    code = 0
     try:
         pools = await choose_pools(client, target, _say)
-        foreign: set[str] = set()
-        verdicts: list[Verdict] = []
         for pool in pools:
-            verdicts += await prune_pool(
-                PoolStore(client, scripts, pool, PoolPolicy()),
-                {t.name for t in target.tenants}, set(target.teams), args.min_idle,
-                args.apply, foreign)
+            await prune_pool(PoolStore(client, scripts, pool, PoolPolicy()),
+                             {t.name for t in target.tenants}, set(target.teams), args,
+                             verdicts, foreign)
     except REDIS_ERRORS as exc:
-        _say(f"cannot use Redis at {target.address}: {exc or type(exc).__name__}")
-        return EXIT_REDIS
+        if not verdicts:
+            _say(f"cannot use Redis at {target.address}: {_refusal(exc)}")
+            return EXIT_REDIS
+        # What was deleted before the failure is said, not lost with it.
+        _say(f"stopped after {len(verdicts)} names: Redis at {target.address}: "
+             f"{_refusal(exc)}")
+        code = EXIT_REDIS
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        _say(f"interrupted after {len(verdicts)} names")
+        code = 130
     finally:
         await client.aclose()
     if foreign:
         _say(f"left alone {len(foreign)} keys whose name is no tenant's or team's (written by "
-             f"hand?): {', '.join(repr(n) for n in sorted(foreign)[:5])}")
-    out = (json.dumps({"applied": args.apply, "verdicts": [asdict(v) for v in verdicts]})
-           + "\n") if args.json else render(verdicts, args.apply)
-    write(out)
-    return 0
+             f"hand?): {', '.join(repr(k) for k in sorted(foreign)[:5])}")
+    write(json.dumps({"applied": args.apply, "verdicts": [asdict(v) for v in verdicts],
+                      "foreign_keys": sorted(foreign), "complete": code == 0}) + "\n"
+          if args.json else render(verdicts, args.apply))
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -201,9 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NothingFound as exc:
         _say(str(exc))
         return EXIT_NOTHING
-    except OSError as exc:  # the config file or the CA
-        _say(str(exc))
-        return EXIT_CONFIG
+    except ReaderGone:
+        silence_stdout()
+        return 0
     except KeyboardInterrupt:
         return 130
 

@@ -392,16 +392,19 @@ class PoolStore:
         return await reads.read_tick(self.client, self.keys, control=control, running=running,
                                      guests=guests)
 
-    async def forget(self, kind: str, name: str, min_idle_us: int, apply: bool) -> ForgetResult:
+    async def forget(self, kind: str, name: str, min_idle_us: int, apply: bool,
+                     spent: bool = False) -> ForgetResult:
         """Delete a tenant's (`kind` 'tenant') or a quota level's ('level') keys in this pool if
-        nothing alive needs them and none was written in the last `min_idle_us`; with `apply`
-        False, only judge (lua/forget.lua; `kvgate-prune` runs it for names the configuration
-        no longer has)."""
+        nothing alive needs them, they hold nothing fresh keys would not (a spent bucket or
+        allowance; `spent` True deletes those too) and none was written in the last
+        `min_idle_us`; with `apply` False, only judge (lua/forget.lua; `kvgate-prune` runs it
+        for names the configuration no longer has)."""
         check_name("tenant" if kind == "tenant" else "team", name)
         k = self.keys
         reply = await self.scripts.forget(
             keys=[k.clock, k.tenant_queued, k.tenant_inflight, *(k.light(t) for t in Tier)],
-            args=[self._prefix, kind, name, max(0, min_idle_us), "1" if apply else "0"])
+            args=[self._prefix, kind, name, max(0, min_idle_us), "1" if apply else "0",
+                  "1" if spent else "0"])
         idle = int(reply[2])
         return ForgetResult(text_of(reply[0]), text_of(reply[1]), None if idle < 0 else idle,
                             int(reply[3]))

@@ -434,19 +434,18 @@ class Model:
                     expired += 1
         return reaped, expired, returned
 
-    def forget(self, kind: str, name: str, min_idle_us: int,
-               apply: bool) -> tuple[str, str, int, int]:
+    def forget(self, kind: str, name: str, min_idle_us: int, apply: bool,
+               spent: bool = False) -> tuple[str, str, int, int]:
         """lua/forget.lua: (verdict, reason, idle µs or -1, keys) for a tenant's keys or a
-        quota level's ('level'); with `apply`, a name with nothing alive, idle long enough,
-        loses its bucket (and a tenant its fairness record), as if it had never been seen."""
+        quota level's ('level'); with `apply`, a name with nothing alive, nothing spent (unless
+        `spent`) and idle long enough loses its bucket (and a tenant its fairness record), as
+        if it had never been seen."""
         key = name if kind == "tenant" else "team:" + name
         if kind == "tenant":
             if self.tenant_queued().get(name):
                 return "kept", "queued", -1, 0
             if self.ledger.inflight_tokens.get(name, 0) > 0:
                 return "kept", "in_flight", -1, 0
-        if self.held().get(key, 0) > 0:
-            return "kept", "held", -1, 0
         bucket = self.buckets.get(key)
         times = [] if bucket is None else [bucket.updated_us]
         record = kind == "tenant" and self.ledger.knows(name)
@@ -456,6 +455,10 @@ class Model:
         keys = int(bucket is not None) + int(record)
         if keys == 0:
             return "kept", "absent", idle, 0
+        if self.held().get(key, 0) > 0:
+            return "kept", "held", idle, 0
+        if not spent and bucket is not None and quotamodel.spent(bucket, self.now):
+            return "kept", "spent", idle, 0
         if times and self.now - max(times) < min_idle_us:
             return "kept", "recent", idle, 0
         if not apply:

@@ -170,3 +170,14 @@ def credit(buckets: dict[str, Bucket], key: str, now: int, tokens: int,
     if month is not None and bucket.month == month and period_of(
             bucket.month, month_of_day(now // DAY_US)) == month:
         bucket.month_used = max(0, bucket.month_used - tokens)
+
+
+def spent(bucket: Bucket, now: int) -> bool:
+    """Whether a bucket holds what a fresh one would not (lua/forget.lua): a level below its
+    burst at `now`, or an allowance used in the period it counts in now."""
+    today = now // DAY_US
+    day = period_of(bucket.day, today)
+    month = period_of(bucket.month, month_of_day(today))
+    return (bucket.level_at(now) < bucket.burst * MICRO
+            or (bucket.day == day and bucket.day_used > 0)
+            or (bucket.month == month and bucket.month_used > 0))

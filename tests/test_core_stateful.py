@@ -225,15 +225,15 @@ class CoreMachine(RuleBasedStateMachine):
         assert not got.more
 
     @rule(name=st.sampled_from(BUCKETS), min_idle_ms=st.sampled_from([0, 0, 1_000, 60_000]),
-          apply=st.booleans())
-    def forget(self, name: str, min_idle_ms: int, apply: bool) -> None:
+          apply=st.booleans(), spent=st.booleans())
+    def forget(self, name: str, min_idle_ms: int, apply: bool, spent: bool) -> None:
         """kvgate-prune on a name as if it had left the configuration: only one with nothing
-        alive and idle long enough loses its keys, and it comes back (the next admit) as a
-        name never seen, in Redis as in the model."""
+        alive, nothing spent (unless `spent`) and idle long enough loses its keys, and it comes
+        back (the next admit) as a name never seen, in Redis as in the model."""
         kind, plain = ("level", name.removeprefix("team:")) if name.startswith("team:") else (
             "tenant", name)
-        expected = self.model.forget(kind, plain, min_idle_ms * 1000, apply)
-        got = self.run(self.store.forget(kind, plain, min_idle_ms * 1000, apply))
+        expected = self.model.forget(kind, plain, min_idle_ms * 1000, apply, spent)
+        got = self.run(self.store.forget(kind, plain, min_idle_ms * 1000, apply, spent))
         assert (got.verdict, got.reason, -1 if got.idle_us is None else got.idle_us,
                 got.keys) == expected
 

@@ -6,7 +6,10 @@ the command in this process honours it as the scripts do (`allow_frozen_clock`, 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ DAY = 86_400 * S
 ENG = QuotaLevel("eng", rate=100, burst=100_000)
 OLD = QuotaLevel("oldteam", rate=100, burst=100_000)
 BUSY = QuotaLevel("busyteam", rate=100, burst=100_000)
+MONTHLY = QuotaLevel("monthlyteam", rate=100, burst=100_000, monthly_tokens=1_000_000)
 
 
 def quota(name: str, *levels: QuotaLevel) -> TenantQuota:
@@ -40,6 +44,8 @@ GONE = quota("gone", OLD)
 INFLIGHT = quota("inflight", BUSY)
 QUEUED = quota("queued")
 RECENT = quota("recent")
+PREPAID = TenantQuota("prepaid", rate=0, burst=10_000, max_queued=10, levels=(MONTHLY,))
+"""A bucket that never refills (a prepaid balance), in a team with a monthly allowance."""
 
 
 class World:
@@ -65,7 +71,8 @@ class World:
 async def populate(client: Any) -> World:
     """At T0 + 2 days: acme (configured, team eng) and gone (removed, team oldteam) ended two
     days ago; inflight (removed, team busyteam) has a task running; queued (removed) has one
-    queued; recent (removed) ended an hour ago."""
+    queued; recent (removed) ended an hour ago; prepaid (removed, team monthlyteam) spent part
+    of its balance and of its team's month two days ago (T0 + 2 days is in the same month)."""
     w = World(client)
     w.epoch = (await leadership(client, w.store.scripts, "sched-a", 60_000)).epoch
     await w.at(T0)
@@ -74,9 +81,9 @@ async def populate(client: Any) -> World:
     assert await w.admit("g", GONE, Tier.NORMAL) is AdmitOutcome.QUEUED
     assert [t.task_id for t in await w.store.release(w.epoch, (0, 1, 0))] == ["g"]
     await w.state(Zone.GREEN)
-    for task, tenant in (("a", ACME), ("i", INFLIGHT)):
+    for task, tenant in (("a", ACME), ("i", INFLIGHT), ("p", PREPAID)):
         assert await w.admit(task, tenant) is AdmitOutcome.RELEASED
-    for task in ("a", "g"):
+    for task in ("a", "g", "p"):
         await w.store.settle(task, 150)
     # A light view's entry, as the fast path leaves one in a busy tier.
     await client.zadd(w.keys.light(Tier.NORMAL), {"gone": T0})
@@ -127,8 +134,10 @@ async def test_dry_run_judges_each_removed_name_and_deletes_nothing(
         ("tenant", "inflight"): ("kept", "in_flight"),
         ("tenant", "queued"): ("kept", "queued"),
         ("tenant", "recent"): ("kept", "recent"),
+        ("tenant", "prepaid"): ("kept", "spent"),
         ("team", "oldteam"): ("forgettable", ""),
         ("team", "busyteam"): ("kept", "held"),
+        ("team", "monthlyteam"): ("kept", "spent"),
     }
     assert await key_names(redis_client) == before
     assert {w.keys.bucket_key("gone"), w.keys.tenant_key("gone"),
@@ -163,11 +172,19 @@ async def test_apply_deletes_only_what_nothing_alive_needs(
         ("tenant", "inflight"): ("forgotten", ""),
         ("tenant", "queued"): ("forgotten", ""),
         ("team", "busyteam"): ("forgotten", ""),
+        ("tenant", "prepaid"): ("kept", "spent"),
+        ("team", "monthlyteam"): ("kept", "spent"),
     }
-    left = {n.removeprefix(k.prefix).split(":")[0] + ":" + n.split(":")[-1]
-            for n in await key_names(redis_client)
+    left = {n.removeprefix(k.prefix) for n in await key_names(redis_client)
             if n.startswith((k.prefix + "bucket:", k.prefix + "tenant:", k.prefix + "quota:"))}
-    assert left == {"bucket:acme", "quota:eng"}
+    assert left == {"bucket:acme", "quota:eng", "bucket:prepaid", "quota:monthlyteam"}
+    # A spent balance and a month's allowance in use stay, unless --spent says otherwise.
+    code, verdicts = await run(config, "--apply", "--min-idle", "0")
+    assert verdicts == {("tenant", "prepaid"): ("kept", "spent"),
+                        ("team", "monthlyteam"): ("kept", "spent")}
+    code, verdicts = await run(config, "--apply", "--min-idle", "0", "--spent")
+    assert verdicts == {("tenant", "prepaid"): ("forgotten", ""),
+                        ("team", "monthlyteam"): ("forgotten", "")}
     # Nothing left to judge: a second run lists nothing.
     assert await run(config, "--apply") == (0, {})
 
@@ -182,23 +199,20 @@ async def test_a_name_configured_again_starts_with_a_full_bucket(
     assert bucket is not None and int(bucket) == (10_000 - 200) * S
 
 
-async def test_a_task_ending_after_its_keys_were_forgotten_leaves_no_key(
+async def test_a_task_ending_after_its_team_was_forgotten_leaves_no_key(
         redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
-    """A task alive across the deletion (one admitted before `held` was counted, here its
-    field removed by hand) ends against absent keys: its refund writes nothing back."""
+    """A task admitted before levels counted `held` (here its fields removed by hand) keeps its
+    tenant (in flight) but not its team; ending against the team's absent hash, its refund
+    writes nothing back (bucket_credit() in lua/_lib.lua needs the bucket's rate)."""
     w = await populate(redis_client)
     await redis_client.hdel(w.keys.bucket_key("inflight"), "held")
     await redis_client.hdel(w.keys.quota_key("busyteam"), "held")
-    await redis_client.zrem(w.keys.tenant_inflight, "inflight")
-    await redis_client.hdel(w.keys.tenant_key("inflight"), "inflight_tokens")
     code, verdicts = await run(write_config(tmp_path / "c.toml", redis_url), "--apply")
     assert code == 0
-    assert verdicts[("tenant", "inflight")] == ("forgotten", "")
+    assert verdicts[("tenant", "inflight")] == ("kept", "in_flight")
     assert verdicts[("team", "busyteam")] == ("forgotten", "")
     assert (await w.store.settle("i", 150)).outcome == "settled"
-    names = await key_names(redis_client)
-    assert not {w.keys.bucket_key("inflight"), w.keys.quota_key("busyteam"),
-                w.keys.tenant_key("inflight")} & names
+    assert await redis_client.exists(w.keys.quota_key("busyteam")) == 0
 
 
 async def test_a_file_without_tenants_is_refused(
@@ -221,11 +235,18 @@ def test_the_refusal_names_the_file(tmp_path: Path, redis_url: str,
 
 
 def test_config_is_required_and_min_idle_checked(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in ([], ["--config", "x.toml", "--min-idle", "nan"]):
+    for argv in ([], *(["--config", "x.toml", "--min-idle", v]
+                       for v in ("nan", "inf", "-1", "1e303", "x"))):
         with pytest.raises(SystemExit) as exited:
             prune.main(argv)
         assert exited.value.code == 2
     assert "--min-idle" in capsys.readouterr().err
+    assert prune.parse_args(["--config", "x.toml", "--min-idle", "0"]).min_idle == 0
+
+
+def test_idle_times_read_in_their_unit() -> None:
+    assert [prune.idle_text(s) for s in (None, 0, 59.4, 150, 5400, 86_400 * 2, 86_400 * 30)] == [
+        "-", "0 s", "59 s", "2.5 min", "1.5 h", "48.0 h", "30.0 d"]
 
 
 async def test_table_says_what_would_be_deleted(
@@ -238,19 +259,83 @@ async def test_table_says_what_would_be_deleted(
     assert lines[0].split() == ["pool", "kind", "name", "verdict", "idle", "keys"]
     rows = {tuple(line.split()[1:3]): line for line in lines[1:-1]}
     assert "forgettable" in rows[("tenant", "gone")] and "48.0 h" in rows[("tenant", "gone")]
+    assert "kept (spent)" in rows[("tenant", "prepaid")]
     assert "kept (in_flight)" in rows[("tenant", "inflight")]
-    assert lines[-1] == "2 would be deleted with --apply, 4 kept"
+    assert lines[-1] == "2 would be deleted with --apply, 6 kept"
 
 
-async def test_a_hand_written_key_is_named_not_run(
+async def test_hand_written_keys_are_named_and_the_run_goes_on(
         redis_client: aioredis.Redis, redis_url: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
+    """A key whose name is no tenant's is never given to the script; one of a valid name that
+    is no hash (`SET ... 1`) is kept as such; the names after both are judged as usual."""
     w = await populate(redis_client)
     await redis_client.hset(w.keys.prefix + "bucket:bad name", "x", 1)
-    code, verdicts = await run(write_config(tmp_path / "c.toml", redis_url), "--apply")
-    assert code == 0 and ("tenant", "bad name") not in verdicts
-    assert "'bad name'" in capsys.readouterr().err
-    assert await redis_client.exists(w.keys.prefix + "bucket:bad name") == 1
+    await redis_client.set(w.keys.bucket_key("mmm"), 1)
+    args = prune.parse_args(["--config", write_config(tmp_path / "c.toml", redis_url),
+                             "--apply", "--json"])
+    out: list[str] = []
+    assert await prune.run(args, {}, out.append) == 0
+    doc = json.loads("".join(out))
+    verdicts = {(v["kind"], v["name"]): (v["verdict"], v["reason"]) for v in doc["verdicts"]}
+    assert ("tenant", "bad name") not in verdicts
+    assert verdicts[("tenant", "mmm")] == ("kept", "wrong_type")
+    assert verdicts[("tenant", "recent")] == ("kept", "recent")  # after "mmm"
+    assert doc["foreign_keys"] == [w.keys.prefix + "bucket:bad name"] and doc["complete"]
+    assert "bucket:bad name'" in capsys.readouterr().err
+    assert await redis_client.exists(w.keys.prefix + "bucket:bad name",
+                                     w.keys.bucket_key("mmm")) == 2
+
+
+async def test_a_run_refused_part_way_reports_what_it_deleted(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A Redis user that may delete the buckets of names starting with 'g' only (ACL key
+    patterns): gone is deleted, the next deletion is refused; the table still lists gone, and
+    the error says which permission is missing."""
+    w = await populate(redis_client)
+    await redis_client.hdel(w.keys.tenant_key("gone"), *await redis_client.hkeys(
+        w.keys.tenant_key("gone")))  # gone's bucket alone, so one DEL pattern covers it
+    k = w.keys
+    # A script's declared keys need write access (EVALSHA may write them); what it deletes,
+    # too. Everything else of the pool is readable.
+    admin: Any = redis_client
+    await admin.execute_command(
+        "ACL", "SETUSER", "pruner", "on", ">pw", "+@all", f"~{k.prefix}bucket:g*",
+        f"~{k.prefix}quota:o*", f"~{k.prefix}light:*", f"~{k.clock}", f"~{k.tenant_queued}",
+        f"~{k.tenant_inflight}", f"%R~{k.prefix}*")
+    url = redis_url.replace("redis://", "redis://pruner:pw@")
+    args = prune.parse_args(["--config", write_config(tmp_path / "c.toml", url), "--apply",
+                             "--min-idle", "1"])
+    out: list[str] = []
+    try:
+        assert await prune.run(args, {}, out.append) == inspect.EXIT_REDIS
+    finally:
+        await admin.execute_command("ACL", "DELUSER", "pruner")
+    table = "".join(out)
+    assert "tenant  gone" in table and "forgotten" in table
+    err = capsys.readouterr().err
+    # gone, inflight (kept), prepaid (kept), queued (kept); then recent's DEL is refused.
+    assert "stopped after 4 names" in err and "DEL within scripts" in err
+    assert await redis_client.exists(k.bucket_key("gone")) == 0
+    assert await redis_client.exists(k.bucket_key("recent")) == 1
+
+
+async def test_a_reader_that_stops_early_ends_it_quietly(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path) -> None:
+    await populate(redis_client)
+    config = write_config(tmp_path / "c.toml", redis_url)
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "admission.prune", "--config", config, stdout=write,
+            stderr=asyncio.subprocess.PIPE)
+    finally:
+        os.close(write)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"Broken pipe" not in err
 
 
 async def test_on_a_redis_cluster(cluster_client: RedisCluster, tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from admission.config import ConfigError
@@ -190,27 +190,33 @@ async def _show(client: Any, target: Target, args: argparse.Namespace) -> int:
         await asyncio.sleep(interval)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def run_cli(command: Callable[[], Coroutine[Any, Any, int]], say: Callable[[str], None]) -> int:
+    """Runs a command line tool's coroutine to its exit status, or to the status of what ended
+    it, said through `say` (kvgate-inspect's and kvgate-prune's statuses mean the same)."""
     try:
-        return asyncio.run(run(args, os.environ))
+        return asyncio.run(command())
     except ConfigError as exc:
-        _say(str(exc))
+        say(str(exc))
         return EXIT_CONFIG
     except NothingFound as exc:
-        _say(str(exc))
+        say(str(exc))
         return EXIT_NOTHING
     except Unreadable as exc:
-        _say(str(exc))
+        say(str(exc))
         return EXIT_REDIS
     except ReaderGone:
         silence_stdout()
         return 0
     except OSError as exc:  # Redis errors became Unreadable: this is the config file
-        _say(str(exc))
+        say(str(exc))
         return EXIT_CONFIG
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_cli(lambda: run(args, os.environ), _say)
 
 
 if __name__ == "__main__":

@@ -48,14 +48,12 @@ from admission.inspect import (
     EXIT_CONFIG,
     EXIT_NOTHING,
     EXIT_REDIS,
-    ReaderGone,
-    silence_stdout,
+    run_cli,
     write_stdout,
 )
 from admission.inspect_fair import as_text
 from admission.inspect_target import (
     SCAN_COUNT,
-    NothingFound,
     check_ca,
     choose_pools,
     resolve_target,
@@ -254,19 +252,7 @@ async def run(args: argparse.Namespace, env: Mapping[str, str],
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        return asyncio.run(run(args, os.environ))
-    except ConfigError as exc:
-        _say(str(exc))
-        return EXIT_CONFIG
-    except NothingFound as exc:
-        _say(str(exc))
-        return EXIT_NOTHING
-    except ReaderGone:
-        silence_stdout()
-        return 0
-    except KeyboardInterrupt:
-        return 130
+    return run_cli(lambda: run(args, os.environ), _say)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ A field that is no finite number (written by hand with redis-cli) reads as unkno
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -112,6 +113,9 @@ class TenantView:
     """Tokens of its own daily allowance used today (None: no allowance counted in the pool):
     a tenant refused by its allowance may have a full bucket."""
     month_used: int | None = None
+    configured: bool | None = None
+    """Whether the configuration read names the tenant (None: none was read): keys of one it
+    does not name stay until `kvgate-prune` deletes them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +347,8 @@ async def read_pool(client: Any, pool: str,
             views.append(_tenant_view(name, (t.burst * MICRO, t.rate, t.burst), queued_n, False))
         else:
             views.append(_tenant_view(name, None, queued_n, False))
+    if configured:
+        views = [dataclasses.replace(v, configured=v.tenant in configured) for v in views]
 
     fairness = await read_fair(client, keys, now, month_index(now), wrong_type)
     return PoolView(

@@ -155,9 +155,13 @@ def render_pool(p: PoolView) -> list[str]:
     if p.tenants:
         lines += table(["tenant", "tokens", "burst", "% of burst", "rate/s", "queued",
                         "used today", "used this month"],
-                       ([t.tenant, _num(t.tokens, "{:.1f}"), _num(t.burst), _num(t.percent),
+                       ([t.tenant + (" *" if t.configured is False else ""),
+                         _num(t.tokens, "{:.1f}"), _num(t.burst), _num(t.percent),
                          _num(t.rate), str(t.queued), _num(t.day_used), _num(t.month_used)]
                         for t in p.tenants))
+        if any(t.configured is False for t in p.tenants):
+            lines.append("  * not in the configuration read: its keys stay until kvgate-prune "
+                         "deletes them")
     if p.fairness is not None:
         lines += render_fair(p.fairness, table)
     return lines

@@ -125,6 +125,7 @@ def check_populated(snap: inspect.Snapshot) -> None:
     assert (etl.micro_tokens, etl.tokens, etl.percent, etl.queued, etl.rate, etl.burst) == (
         45_030 * S, 45_030.0, 90.06, 2, 10, 50_000)
     assert (idle.bucket, idle.tokens, idle.percent, idle.burst) == (False, 2_000.0, 100.0, 2_000)
+    assert [t.configured for t in (acme, etl, idle)] == [False, False, True]
     assert p.stats == {"released_0": 1, "released_1": 1, "fast_path": 1, "settled": 1,
                        "settled_cost": 1500, "settled_usage": 700}
     # The JSON document carries the same numbers.
@@ -365,8 +366,11 @@ async def test_table_renders_every_section(redis_client: aioredis.Redis) -> None
                             "-", "0", "stale"]
     assert row("batch") == ["batch", "2", "3.0", "s", "c", "-"]
     assert row("gw-2") == ["gw-2", "2", "7.0", "s"]
-    assert row("acme") == ["acme", "9300.0", "10000", "93.0", "100", "0", "-", "-"]
+    # Read with IDLE alone as the configuration: acme's and etl's keys are a removed tenant's.
+    assert row("acme") == ["acme", "*", "9300.0", "10000", "93.0", "100", "0", "-", "-"]
     assert row("idle") == ["idle", "2000.0", "2000", "100.0", "5", "0", "-", "-"]
+    assert ("  * not in the configuration read: its keys stay until kvgate-prune deletes them"
+            in lines)
     assert "  in flight: 1 tasks, 500 tokens reserved; queued: 2" in lines
 
 

@@ -128,7 +128,10 @@ async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
 def _period(h: Mapping[str, str], kind: str, index: int) -> int | None:
     if kind not in h:
         return None
-    return int(_num(h.get(kind + "_used"))) if int(_num(h.get(kind), -1)) == index else 0
+    # The period the scripts count in: the clock's, or the next one when that is the one
+    # stored (the clock stepped back across its start: period_of() in lua/_quota.lua).
+    stored = int(_num(h.get(kind), -1))
+    return int(_num(h.get(kind + "_used"))) if stored in (index, index + 1) else 0
 
 
 def allowance_used(h: Mapping[str, str], now_us: int, month: int

@@ -67,6 +67,8 @@ class Target:
     """Who named `settings.ssl_ca_file`: the flag, or the file's key."""
     teams: tuple[str, ...] = ()
     """The file's `[[teams]]` (quota levels), by name."""
+    configured_pools: tuple[str, ...] = ()
+    """The file's pools (`pools` may name others, with --pool)."""
 
     @property
     def address(self) -> str:
@@ -146,7 +148,7 @@ def resolve_target(*, config: str | None, redis_url: str | None, cluster: bool,
             ca_source = "--ssl-ca-file"
         return Target(settings, source, named or tuple(loaded.pools),
                       "--pool" if named else f"the pools of {config}", loaded.tenants,
-                      ca_source, tuple(loaded.teams))
+                      ca_source, tuple(loaded.teams), tuple(loaded.pools))
     if redis_url == "":
         # `--redis-url "$REDIS_URL"` in a shell where it is unset: falling back to REDIS_URL or
         # the default would read another server than the one the flag was meant to name.

@@ -14,6 +14,11 @@ again would find them fresh; ``--spent`` deletes those too), or that was written
 ``--min-idle`` ago (a gateway still admitting for it: a rolling update not yet done). Without
 ``--apply`` it only says what it would delete.
 
+A pool the file no longer configures (a model taken out of service) is named on stderr; with
+``--retired-pools`` it is judged and deleted whole (`admission.retire`: kept while a gateway's
+lease there is unexpired, anything wrote to it less than ``--min-idle`` ago, or, unless
+``--spent``, a bucket of it is spent).
+
 The file must name every tenant and team that any gateway using these pools has: what it
 defines is kept, and a name another deployment serves on the same pool would be judged as
 removed (the idle time guards it only while its requests pass: a refused request writes
@@ -56,9 +61,11 @@ from admission.inspect_target import (
     SCAN_COUNT,
     check_ca,
     choose_pools,
+    discover_pools,
     resolve_target,
 )
 from admission.keys import NAME_PATTERN, check_name
+from admission.retire import judge_pool
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore
 
@@ -75,13 +82,14 @@ MAX_MIN_IDLE_S = 10 * 365 * 86_400.0
 class Verdict:
     pool: str
     kind: str
-    """'tenant' or 'team'."""
+    """'tenant', 'team' or 'pool' (a retired one, judged whole)."""
     name: str
     verdict: str
     """'forgotten' (deleted), 'forgettable' (would be, with --apply) or 'kept'."""
     reason: str
     """Why kept: 'queued', 'in_flight', 'held', 'wrong_type', 'spent', 'recent' or 'absent'
-    (gone meanwhile)."""
+    (gone meanwhile); for a pool, 'leased' (a gateway holds work there), 'recent' or
+    'spent'."""
     idle_s: float | None
     """Seconds since the keys' last recorded write (None: they record none)."""
     keys: int
@@ -152,6 +160,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--spent", action="store_true",
                         help="also delete a spent bucket or allowance (a tenant or team "
                              "configured again would then find it fresh)")
+    parser.add_argument("--retired-pools", action="store_true",
+                        help="also judge, and with --apply delete whole, the pools found in "
+                             "Redis that the file does not configure (admission.retire)")
     parser.add_argument("--apply", action="store_true",
                         help="delete; without it, only say what would be deleted")
     parser.add_argument("--json", action="store_true", help="one JSON document")
@@ -224,10 +235,24 @@ async def run(args: argparse.Namespace, env: Mapping[str, str],
     code = 0
     try:
         pools = await choose_pools(client, target, _say)
+        configured = set(target.configured_pools)
         for pool in pools:
+            if pool not in configured:
+                continue  # named with --pool: judged whole below
             await prune_pool(PoolStore(client, scripts, pool, PoolPolicy()),
                              {t.name for t in target.tenants}, set(target.teams), args,
                              verdicts, foreign)
+        retired = ([p for p in pools if p not in configured] if args.pool else
+                   [p for p in await discover_pools(client) if p not in configured])
+        if retired and not args.retired_pools:
+            _say(f"pools in Redis that {args.config} does not configure: "
+                 f"{', '.join(retired)} (--retired-pools judges them)")
+        for pool in retired if args.retired_pools else ():
+            got = await judge_pool(client, pool, int(args.min_idle * 1_000_000), args.spent,
+                                   args.apply)
+            verdicts.append(Verdict(pool, "pool", pool, got.verdict, got.reason,
+                                    None if got.idle_us is None else got.idle_us / 1e6,
+                                    got.keys))
     except REDIS_ERRORS as exc:
         if not verdicts:
             _say(f"cannot use Redis at {target.address}: {_refusal(exc)}")

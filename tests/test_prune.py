@@ -347,3 +347,60 @@ async def test_on_a_redis_cluster(cluster_client: RedisCluster, tmp_path: Path) 
     code, verdicts = await run(config, "--apply")
     assert code == 0 and verdicts[("tenant", "gone")] == ("forgotten", "")
     assert await cluster_client.exists(w.keys.bucket_key("gone")) == 0
+
+
+async def retired_pool(client: Any, at_us: int, tenant: TenantQuota = GONE,
+                       settle: bool = True) -> PoolStore:
+    """A pool `old`, not in the configuration, where `tenant` was served at `at_us`; its clock
+    is frozen at T0 + 2 days, as the configured pool's."""
+    store = PoolStore(client, register_scripts(client), "old", PoolPolicy())
+    await client.hset(store.keys.clock, "frozen_us", at_us)
+    await store.publish_state(0, Zone.GREEN, {"gpu-9": 1_000_000}, {})
+    assert (await store.admit(task_id="o1", tenant=tenant, tier=Tier.VIP, prompt_tokens=100,
+                              max_tokens=100, gateway="gw-old",
+                              queue_timeout_ms=60_000)).outcome is AdmitOutcome.RELEASED
+    if settle:
+        await store.settle("o1", 150)
+    await client.hset(store.keys.clock, "frozen_us", T0 + 2 * DAY)
+    return store
+
+
+async def test_a_retired_pool_is_deleted_whole_when_asked(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    w = await populate(redis_client)
+    old = await retired_pool(redis_client, T0)
+    config = write_config(tmp_path / "c.toml", redis_url)
+    # Without --retired-pools it is named on stderr and left alone.
+    code, verdicts = await run(config, "--apply")
+    assert code == 0 and not any(kind == "pool" for kind, _ in verdicts)
+    assert "pools in Redis that" in capsys.readouterr().err
+    assert await redis_client.exists(old.keys.state) == 1
+    code, verdicts = await run(config, "--retired-pools")
+    assert verdicts[("pool", "old")] == ("forgettable", "")
+    code, verdicts = await run(config, "--retired-pools", "--apply")
+    assert verdicts[("pool", "old")] == ("forgotten", "")
+    assert not [k async for k in redis_client.scan_iter(match="kvg:{old}:*")]
+    # The configured pool's keys are its own, untouched.
+    assert await redis_client.exists(w.keys.bucket_key("acme"), w.keys.quota_key("eng")) == 2
+
+
+@pytest.mark.parametrize(("case", "flags", "expected"), [
+    ("leased", (), ("kept", "leased")),
+    ("recent", ("--min-idle", "7200"), ("kept", "recent")),
+    ("spent", (), ("kept", "spent")),
+    ("spent", ("--spent",), ("forgotten", "")),
+])
+async def test_a_retired_pool_is_kept_while_anything_needs_it(
+        redis_client: aioredis.Redis, redis_url: str, tmp_path: Path, case: str,
+        flags: tuple[str, ...], expected: tuple[str, str]) -> None:
+    """A gateway holding a task there (its lease unexpired: written a second ago, with no
+    settle), a write an hour ago against a least idle time of two, a prepaid balance spent."""
+    await populate(redis_client)
+    at = {"leased": T0 + 2 * DAY - S, "recent": T0 + 2 * DAY - 3600 * S, "spent": T0}[case]
+    old = await retired_pool(redis_client, at, PREPAID if case == "spent" else GONE,
+                             settle=case != "leased")
+    _, verdicts = await run(write_config(tmp_path / "c.toml", redis_url), "--retired-pools",
+                            "--apply", *flags)
+    assert verdicts[("pool", "old")] == expected
+    assert await redis_client.exists(old.keys.state) == (expected[0] == "kept")

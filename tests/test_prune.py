@@ -19,8 +19,10 @@ from redis.asyncio.cluster import RedisCluster
 
 from admission import inspect, prune
 from admission.config import ConfigError
+from admission.inspect_fair import allowance_used, month_index
 from admission.leadership import leadership
 from admission.outcomes import AdmitOutcome
+from admission.retire import is_spent
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore, QuotaLevel, TenantQuota
 from admission.tiers import Tier, Zone
@@ -404,3 +406,15 @@ async def test_a_retired_pool_is_kept_while_anything_needs_it(
                             "--apply", *flags)
     assert verdicts[("pool", "old")] == expected
     assert await redis_client.exists(old.keys.state) == (expected[0] == "kept")
+
+
+def test_an_allowance_counts_in_the_later_period_after_the_clock_stepped_back() -> None:
+    """As period_of() in lua/_quota.lua: a day stored one ahead of the clock's (the clock
+    stepped back across midnight) is the one the scripts count in, so it is in use and spent;
+    one stored two ahead, or behind, is not."""
+    day = (T0 + 2 * DAY) // DAY
+    now = T0 + 2 * DAY
+    for stored, used in ((day, 5), (day + 1, 5), (day + 2, 0), (day - 1, 0)):
+        h = {"day": str(stored), "day_used": "5"}
+        assert allowance_used(h, now, month_index(now))[0] == used, stored
+        assert is_spent(h, now) is (used > 0)

@@ -135,12 +135,16 @@ def jittered(retry_ms: int, jitter: float, rng: random.Random, *,
     `jitter` of a minute: clients a day away need not come back hours late to be spread).
 
     Upward only: a quota hint is the bucket's exact refill time, and coming back sooner
-    would only earn another 429.
+    would only earn another 429. A capped hint whose spread would pass the cap starts lower
+    instead (at cap / (1 + jitter)): clamped, every client told to wait that long would be
+    told the cap to the millisecond, and would come back together. Such a hint is an
+    estimate already cut short by the cap, not an exact time.
     """
     base = max(1, retry_ms)
-    spread = base if cap is not None else min(base, MAX_RETRY_MS)
-    hint = math.ceil(base + spread * jitter * rng.random())
-    return hint if cap is None else min(cap, hint)
+    if cap is None:
+        return math.ceil(base + min(base, MAX_RETRY_MS) * jitter * rng.random())
+    base = min(base, cap / (1 + jitter))
+    return max(1, min(cap, math.ceil(base + base * jitter * rng.random())))
 
 
 def too_many_requests(

@@ -12,9 +12,11 @@ Errors: `NodeUnreachable` when no connection could be made (nothing was sent), `
 when the node went quiet, `AnswerTooLarge` when a body read whole outgrows the reader's limit,
 `HeadTooLarge` when the status line and headers outgrow theirs, `NodeError` for any other
 failure (connection lost, malformed answer). A request that finds
-its reused connection closed by the node before any byte of an answer is sent again once on a
-new connection: servers close idle keep-alive connections on their own schedule (vLLM's
-uvicorn after 5 s), and such a connection never reached the app.
+its reused connection closed by the node before any byte of an answer, within
+`STALE_CLOSE_S` of its sending, is sent again once on a new connection: servers close idle
+keep-alive connections on their own schedule (vLLM's uvicorn after 5 s), and such a connection
+never reached the app. A later close is the node failing while it worked on the request (a
+whole answer sends no byte before its end): sent again, it would be generated twice.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ bounds it (llhttp parses a head of any length, httptools joins a field's pieces 
 end), so a node could grow the gateway without end before any body. In time, a head is bound
 by the silence limit: only a head's end restarts it, not its bytes one by one (a node sending
 a byte a little more often than the limit would otherwise hold the request for 64 Ki limits)."""
+STALE_CLOSE_S = 0.5
+"""How soon after a request is written on a reused connection the node's close of it still
+means it closed the connection as idle, before reading the request: the close is then already
+on its way, and is seen within the event loop's lag. Later, the node had the request."""
 MAX_HEADER_FIELDS = 128
 """The most header fields an answer may carry: vLLM sends about five. Each is a dict entry,
 and a head of tiny fields under `MAX_HEAD_BYTES` would be thousands of them."""
@@ -134,6 +140,7 @@ class _Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.last_data = 0.0
+        self.sent_at = 0.0
         self._waiter: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -259,7 +266,7 @@ class _Connection(asyncio.Protocol):
     def start(self, request: bytes, read_timeout_s: float) -> None:
         self._reset()
         assert self.transport is not None
-        self.last_data = self.loop.time()
+        self.last_data = self.sent_at = self.loop.time()
         self.transport.write(request)
         self._timer = self.loop.call_later(read_timeout_s, self._check_quiet, read_timeout_s)
 
@@ -455,7 +462,8 @@ class NodeClient:
             try:
                 return await self._exchange(conn, request, quiet_s, on_sent)
             except NodeError as exc:
-                if conn.received_any or isinstance(exc, NodeTimeout):
+                if (conn.received_any or isinstance(exc, NodeTimeout)
+                        or conn.loop.time() - conn.sent_at > STALE_CLOSE_S):
                     raise
                 # Closed by the node while idle, before it read the request: send it anew.
                 if on_sent is not None:

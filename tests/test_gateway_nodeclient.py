@@ -20,6 +20,7 @@ from bench.common.localredis import free_port
 from gateway.app import _node_client
 from gateway.nodeclient import (
     PAUSE_READING_BYTES,
+    STALE_CLOSE_S,
     NodeClient,
     NodeError,
     NodeTimeout,
@@ -211,6 +212,41 @@ async def test_a_kept_alive_connection_closed_by_the_node_is_replaced(
         await nodes.close()
     assert nodes.connects == connections == 2
     assert [request.rsplit(b"\r\n\r\n", 1)[1] for request in answered] == [b"1", b"2"]
+
+
+async def test_a_kept_alive_connection_closed_while_the_node_works_is_not_sent_again(
+    raw_server: Callable[[Handler], Awaitable[str]],
+) -> None:
+    """A node that reads the request on a kept connection and fails later, before any byte
+    of its answer (a whole answer sends none until its end), had the request: the close is a
+    node error, and the request is not generated a second time elsewhere on the node."""
+    received: list[bytes] = []
+    hang_up = asyncio.Event()
+
+    async def fails_while_working(reader: asyncio.StreamReader,
+                                  writer: asyncio.StreamWriter) -> None:
+        received.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        received.append(await read_request(reader))
+        await hang_up.wait()  # working on it, then the node dies
+        writer.close()
+
+    url = await raw_server(fails_while_working)
+    nodes = client()
+    try:
+        first = await nodes.post(url, "/v1/completions", b"1", JSON)
+        assert await first.read() == b"ok"
+        first.release()
+        asyncio.get_running_loop().call_later(STALE_CLOSE_S * 2, hang_up.set)
+        told: list[bool] = []
+        with pytest.raises(NodeError, match="closed the connection"):
+            await nodes.post(url, "/v1/completions", b"2", JSON, on_sent=told.append)
+        assert told == [True]
+    finally:
+        await nodes.close()
+    assert nodes.connects == 1
+    assert [request.rsplit(b"\r\n\r\n", 1)[1] for request in received] == [b"1", b"2"]
 
 
 async def test_a_node_breaking_off_an_answer_fails_it_without_retry(

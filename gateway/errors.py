@@ -143,8 +143,8 @@ def jittered(retry_ms: int, jitter: float, rng: random.Random, *,
     base = max(1, retry_ms)
     if cap is None:
         return math.ceil(base + min(base, MAX_RETRY_MS) * jitter * rng.random())
-    base = min(base, cap / (1 + jitter))
-    return max(1, min(cap, math.ceil(base + base * jitter * rng.random())))
+    low = min(base, cap / (1 + jitter))
+    return max(1, min(cap, math.ceil(low + low * jitter * rng.random())))
 
 
 def too_many_requests(

@@ -50,7 +50,14 @@ from gateway.admit import Ticket
 from gateway.clientio import ClientStalled, StallGuard, end_within
 from gateway.errors import ApiError, jittered, unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.nodeclient import AnswerTooLarge, NodeClient, NodeError, NodeResponse, NodeUnreachable
+from gateway.nodeclient import (
+    AnswerTooLarge,
+    NodeClient,
+    NodeError,
+    NodeResponse,
+    NodeTimeout,
+    NodeUnreachable,
+)
 from gateway.nodeerrors import ERROR_BODY_BYTES, error_message, node_client_error
 from gateway.parse import Inbound
 from gateway.relay import EventTooLarge, Meter, Phase, SseRelay, rename_model
@@ -201,6 +208,10 @@ class Upstream:
             meter.phase = Phase.PENDING
             raise self._failed(ticket, "unreachable", 503,
                                "The inference node is unreachable. Please retry.") from None
+        except NodeTimeout as exc:
+            meter.phase = Phase.PENDING
+            raise self._failed(ticket, "timeout", 502,
+                               f"The inference node timed out: {exc}. Please retry.") from None
         except NodeError as exc:
             meter.phase = Phase.PENDING
             raise self._failed(ticket, "error", 502,
@@ -263,6 +274,9 @@ class Upstream:
             raise self._failed(ticket, "oversized_answer", 502,
                                f"The inference node's answer exceeded {limit} bytes, more than "
                                "this request can produce. Please retry.") from None
+        except NodeTimeout as exc:
+            raise self._failed(ticket, "timeout", 502,
+                               f"The inference node timed out: {exc}. Please retry.") from None
         except NodeError:
             raise self._failed(ticket, "error", 502,
                                "The inference node broke off its answer. Please retry.") from None
@@ -314,7 +328,7 @@ class Upstream:
         guard = StallGuard(request, patience_s)
         try:
             await response.prepare(request)
-            broken = False
+            broken, quiet = False, ""
             try:
                 async for data in upstream.iter_any():
                     out = relay.feed(data)
@@ -330,7 +344,8 @@ class Upstream:
                 # (or stays open past the silence limit) costs the client nothing.
                 broken = not relay.ended
                 if broken:
-                    kind = "timeout" if isinstance(exc, TimeoutError) else (
+                    quiet = str(exc) if isinstance(exc, TimeoutError) else ""
+                    kind = "timeout" if quiet else (
                         "oversized_event" if isinstance(exc, EventTooLarge) else
                         "broken_stream")
                     self.metrics.child(
@@ -343,8 +358,12 @@ class Upstream:
                 # dropped, as it can never be completed. Sent before the error event, it would
                 # run into it and make one event that is not JSON, on which the SDKs raise a
                 # JSON decoding error instead of the API error that follows.
-                error = ApiError(502, "The inference node broke off the stream.",
-                                 type_="server_error", code="upstream_broken_stream")
+                # A node gone quiet says so, as the same failure of a whole answer does.
+                error = (ApiError(502, f"The inference node timed out: {quiet}; the stream "
+                                  "was cut.", type_="server_error", code="upstream_timeout")
+                         if quiet else
+                         ApiError(502, "The inference node broke off the stream.",
+                                  type_="server_error", code="upstream_broken_stream"))
                 tail = b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
             if tail:
                 await guard.write(response, tail)

@@ -50,3 +50,12 @@ class FailureLog:
             self.log.info("%s after %d failed in %.1f s", self.recovered, self.failures,
                           self.clock() - self._since)
             self.failures = 0
+
+    def ended(self, why: str) -> None:
+        """The streak ends without a success (`why`: the replica stopped leading, and its loop
+        no longer runs): said once, so that the line of a later success counts its own
+        streak, not one spanning the time nothing was tried."""
+        if self.failures:
+            self.log.info("%s: %d failed in %.1f s, until %s", self.what, self.failures,
+                          self.clock() - self._since, why)
+            self.failures = 0

@@ -200,6 +200,8 @@ class SchedulerService:
         self.metrics.epoch.set((self.elector.epoch or 0) if leading else 0)
         if not leading:
             self.metrics.forget_pools()
+            for failures in self._failure_logs.values():
+                failures.ended("this replica stopped leading")
         delta = self.elector.changes - self._changes_seen
         if delta > 0:
             self.metrics.leadership_changes.inc(delta)

@@ -453,7 +453,7 @@ class Admitter:
                 zone, depth, retry_ms = await self._queue_hint(store, tier)
         except TimeoutError:
             self.metrics.child(self.metrics.redis_errors, "drain_hint").inc()
-            zone, depth, retry_ms = "UNKNOWN", 0, store.policy.default_retry_ms
+            zone, depth, retry_ms = self._unknown_hint(store)
         error = too_many_requests(
             CAPACITY_EXCEEDED,
             f"The request waited {waited:.1f} s in the queue without being scheduled. "
@@ -465,12 +465,19 @@ class Admitter:
         error.tag = QUEUE_TIMEOUT
         raise error
 
-    async def _queue_hint(self, store: PoolStore, tier: Tier) -> tuple[str, int, int]:
+    async def _queue_hint(self, store: PoolStore, tier: Tier) -> tuple[str, int | None, int]:
         """(zone, tasks queued at `tier` or above, hint in ms before jitter), by the rule of a
         rejected admit's hint."""
         try:
             view = await store.queue_view(tier)
         except STORE_ERRORS:
             self.metrics.child(self.metrics.redis_errors, "drain_hint").inc()
-            return "UNKNOWN", 0, store.policy.default_retry_ms
+            return self._unknown_hint(store)
         return view.zone.value, view.ahead, store.retry_hint_ms(view, tier)
+
+    def _unknown_hint(self, store: PoolStore) -> tuple[str, None, int]:
+        """A queue's hint while its Redis cannot be read: no zone, no depth (0 would read as an
+        empty queue), and no sooner than the 503 `admission_unavailable` of the same outage
+        tells new requests to come back."""
+        return "UNKNOWN", None, max(store.policy.default_retry_ms,
+                                    self.config.gateway.unavailable_retry_ms)

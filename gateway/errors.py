@@ -148,9 +148,14 @@ def jittered(retry_ms: int, jitter: float, rng: random.Random, *,
 
 
 def too_many_requests(
-    code: str, message: str, *, retry_ms: int, zone: str, depth: int, scope: str | None = None
+    code: str, message: str, *, retry_ms: int, zone: str, depth: int | None,
+    scope: str | None = None,
 ) -> ApiError:
-    headers = {"X-RateLimit-Backpressure-Level": zone, "X-Queue-Depth": str(depth)}
+    """`depth` None: unknown (Redis could not be read), and the header is left out rather
+    than reading 0 with a deep queue."""
+    headers = {"X-RateLimit-Backpressure-Level": zone}
+    if depth is not None:
+        headers["X-Queue-Depth"] = str(depth)
     if scope is not None:
         headers[SCOPE_HEADER] = scope
     return ApiError(429, message, code=code, retry_after_ms=retry_ms, headers=headers)

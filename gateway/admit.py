@@ -48,6 +48,7 @@ from gateway.errors import (
     KEY_SCOPE,
     MAX_RETRY_MS,
     QUEUED_TOKENS_EXCEEDED,
+    SHUTDOWN_RETRY_MS,
     ApiError,
     admission_misconfigured,
     jittered,
@@ -132,8 +133,6 @@ class Ticket:
 
 SHUTTING_DOWN = "shutting_down"
 """The state a queued request's wait ends with when its gateway stops (`answer_queued`)."""
-SHUTDOWN_RETRY_MS = 1000
-"""Retry hint of that 503: the other gateways are up, the request only needs a new one."""
 
 
 class Admitter:

@@ -128,6 +128,11 @@ def retry_headers(retry_ms: int) -> dict[str, str]:
     return {"Retry-After": str(max(1, math.ceil(retry_ms / 1000))), "retry-after-ms": str(retry_ms)}
 
 
+SHUTDOWN_RETRY_MS = 1000
+"""Retry hint of a stopping gateway's 503 `gateway_shutting_down`: the other gateways are up,
+the request only needs a new one."""
+
+
 def jittered(retry_ms: int, jitter: float, rng: random.Random, *,
              cap: int | None = MAX_RETRY_MS) -> int:
     """`retry_ms` spread upward by 0..`jitter` of itself, at least 1 ms, at most `cap` (60 s

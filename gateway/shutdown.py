@@ -11,8 +11,10 @@ On SIGTERM the gateway
    reaches admission meanwhile (its body was still arriving, or its admit's reply was in
    flight) gets the same answer (`gateway.admit.Admitter.answer_queued`);
 4. cancels those still running (streams longer than the timeout). The client's stream ends
-   there, without ``[DONE]``: a truncated answer, which the client can tell from a whole one.
-   The node's generation is aborted, and the task's finish charges what was generated and
+   there, without ``[DONE]``: a truncated answer, which the client can tell from a whole one;
+   a request no byte of whose answer went out yet (a whole answer still being generated) gets
+   the 503 ``gateway_shutting_down`` instead of a connection closed without an answer. The
+   node's generation is aborted, and the task's finish charges what was generated and
    returns the rest of the reservation;
 5. settles what is left and closes (the app's cleanup): finishes still failing against Redis
    get `SETTLE_DRAIN_S`, then are left to the lease reaper;
@@ -37,6 +39,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+
+from gateway.errors import SHUTDOWN_RETRY_MS, unavailable
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -67,6 +71,7 @@ class InFlight:
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._cutting = False
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -79,6 +84,17 @@ class InFlight:
         self._tasks.add(task)
         try:
             return await handler(request)
+        except asyncio.CancelledError:
+            if not self._cutting or request.writer.output_size:
+                raise  # the client left, or its answer had begun: nothing more to say
+            # Cut by the shutdown before any byte of its answer went out: an answer the
+            # client can act on (retry, on another gateway) rather than a connection closed
+            # without one, which clients see as a network failure.
+            task.uncancel()
+            return unavailable(
+                "This gateway is shutting down and cut the request before its answer. "
+                "Please retry: another gateway takes it.", code="gateway_shutting_down",
+                retry_ms=SHUTDOWN_RETRY_MS).response()
         finally:
             self._tasks.discard(task)
 
@@ -92,6 +108,7 @@ class InFlight:
         """Cancel every request still running, then wait up to `grace_s` for them to end;
         how many did not (they ignored the cancellation)."""
         tasks = set(self._tasks)
+        self._cutting = True
         for task in tasks:
             task.cancel()
         if tasks:

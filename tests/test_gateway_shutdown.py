@@ -123,7 +123,8 @@ class Stream:
 async def test_sigterm_cuts_streams_at_the_timeout_settles_and_exits(
     redis_url: str, redis_client: aioredis.Redis, tmp_path: Path
 ) -> None:
-    backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS)
+    backend = InstantBackend(model="demo", token_interval_ms=TOKEN_MS,
+                             whole_answer_delay_ms=LONG_TOKENS * TOKEN_MS)
     async with serve_backend(backend) as backend_url:
         config, store = await _pool(tmp_path, backend_url, redis_client, room=1_000_000)
         async with gateway_process(config, redis_url) as (process, url), \
@@ -132,6 +133,13 @@ async def test_sigterm_cuts_streams_at_the_timeout_settles_and_exits(
             await long.started()
             short = Stream(http, url, SHORT_TOKENS)
             await short.started()
+            # A whole answer the node works on for 20 s: silent until its end.
+            whole_answer = asyncio.create_task(http.post(url + "/v1/completions", json={
+                "model": "demo", "prompt": "hello", "max_tokens": LONG_TOKENS}))
+            async def at_the_node() -> bool:
+                return len(backend.received) == 3
+
+            await eventually(at_the_node)
             sent_at = time.monotonic()
             process.send_signal(signal.SIGTERM)
 
@@ -166,6 +174,12 @@ async def test_sigterm_cuts_streams_at_the_timeout_settles_and_exits(
         assert TIMEOUT_S - 0.2 <= took < TIMEOUT_S + HEALTHY_EXIT_S, took
         # The node's generation was aborted, not left running.
         await asyncio.wait_for(backend.aborted.wait(), 5)
+        # The whole answer, cut with no byte of it sent, gets an answer it can retry on,
+        # not a connection closed without one.
+        response = await whole_answer
+        error = (await response.json())["error"]
+        assert (response.status, error["code"]) == (503, "gateway_shutting_down"), error
+        assert int(response.headers["retry-after-ms"]) > 0
 
     # Nothing is left reserved: both tasks ended in Redis before the process exited.
     whole, cut = await store.task(short.task_id), await store.task(long.task_id)

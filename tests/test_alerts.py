@@ -184,6 +184,26 @@ CASES = [
          | other("kvgate_scheduler_leader", "", "1x40")
          | other("kvgate_gateway_requests_total", 'pool="p", tier="vip", outcome="ok"',
                  "0+10x40"), "12m"),
+    # One of two scheduler replicas down from 2m: not yet at 11m, firing from 12m.
+    *(Case("KvgateSchedulerNoStandby",
+           {series("up", "s0", SCHEDULER_UP): "1x20", series("up", "s1", SCHEDULER_UP): "1 1 0x20"},
+           at, fires) for at, fires in (("11m", None), ("12m", {"job": "kvgate-scheduler"}))),
+    # One deleted and not replaced: its target gone (stale), not down.
+    Case("KvgateSchedulerNoStandby",
+         {series("up", "s0", SCHEDULER_UP): "1x20", series("up", "s1", SCHEDULER_UP): "1 1 stale"},
+         "15m", {"job": "kvgate-scheduler"}),
+    Case("KvgateSchedulerNoStandby",
+         {series("up", "s0", SCHEDULER_UP): "1x20", series("up", "s1", SCHEDULER_UP): "1x20"},
+         "15m"),
+    # One of three down: a standby is left.
+    Case("KvgateSchedulerNoStandby",
+         {series("up", "s0", SCHEDULER_UP): "1x20", series("up", "s1", SCHEDULER_UP): "1x20",
+          series("up", "s2", SCHEDULER_UP): "0x20"}, "15m"),
+    # All down is KvgateNoSchedulerLeader's; gateways up do not count as schedulers.
+    Case("KvgateSchedulerNoStandby",
+         {series("up", "s0", SCHEDULER_UP): "0x20", series("up", "s1", SCHEDULER_UP): "0x20",
+          series("up", "g0", GATEWAY_UP): "1x20", series("up", "g1", GATEWAY_UP): "1x20"},
+         "15m"),
     Case("KvgateRedisUnavailable", gw("kvgate_gateway_requests_total",
                                       'pool="p", tier="vip", outcome="unavailable"', "0+60x10"),
          "5m", {}, value="1"),
@@ -251,6 +271,17 @@ CASES = [
          SCHEDULERS | {series("up", "g0", GATEWAY_UP): "1x40"}
          | other("up", GATEWAY_UP, "1x40", "g0") | other("up", SCHEDULER_UP, "1x40", "s0"),
          "4m"),
+    # A gateway SIGKILLed: its 31 tasks reaped about a lease TTL later, counted by the leader
+    # (the standby's series stays at 0). Then quiet once the reap is out of the window.
+    Case("KvgateGatewayTasksReaped",
+         sched("kvgate_scheduler_reaped_total", 'pool="p", kind="reaped"', "0 0 31x20")
+         | sched("kvgate_scheduler_reaped_total", 'pool="p", kind="reaped"', "0x20", "s1"),
+         "4m", {"pool": "p"}, value="31"),
+    Case("KvgateGatewayTasksReaped",
+         sched("kvgate_scheduler_reaped_total", 'pool="p", kind="reaped"', "0 31x30"), "21m"),
+    # Queued tasks expired by the reaper are no gateway's death.
+    Case("KvgateGatewayTasksReaped",
+         sched("kvgate_scheduler_reaped_total", 'pool="p", kind="expired"', "0+5x20"), "10m"),
     Case("KvgateRequestsDropped", gw("kvgate_gateway_requests_total",
                                      'pool="p", tier="vip", outcome="unknown_node"', "0 0 3x10"),
          "4m", {"pool": "p", "outcome": "unknown_node"}, value="3"),
@@ -291,6 +322,15 @@ CASES = [
     Case("KvgateNodeRefusesGateway", gw("kvgate_gateway_upstream_errors_total",
                                         'pool="p", node="n1", kind="timeout"', "0+60x10"),
          "7m"),
+    # A stuck engine: the requests placed on it time out together, the upstream timeout after.
+    Case("KvgateNodeTimeouts", gw("kvgate_gateway_upstream_errors_total",
+                                  'pool="p", node="n1", kind="timeout"', "0 0 4x20"),
+         "4m", {"pool": "p", "node": "n1"}, value="4"),
+    Case("KvgateNodeTimeouts", gw("kvgate_gateway_upstream_errors_total",
+                                  'pool="p", node="n1", kind="timeout"', "0 1x30"), "21m"),
+    Case("KvgateNodeTimeouts", gw("kvgate_gateway_upstream_errors_total",
+                                  'pool="p", node="n1", kind="broken_stream"', "0+3x20"),
+         "10m"),
     Case("KvgateUpstreamErrors",
          gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", outcome="ok"', "0+540x30")
          | gw("kvgate_gateway_requests_total", 'pool="p", tier="normal", '

@@ -14,10 +14,11 @@ again would find them fresh; ``--spent`` deletes those too), or that was written
 ``--min-idle`` ago (a gateway still admitting for it: a rolling update not yet done). Without
 ``--apply`` it only says what it would delete.
 
-A pool the file no longer configures (a model taken out of service) is named on stderr; with
-``--retired-pools`` it is judged and deleted whole (`admission.retire`: kept while a gateway's
-lease there is unexpired, anything wrote to it less than ``--min-idle`` ago, or, unless
-``--spent``, a bucket of it is spent).
+A pool the file no longer configures (a model taken out of service) is named on stderr; named
+with ``--pool`` and ``--retired-pools``, it is judged and deleted whole (`admission.retire`:
+kept while the schedulers' leader publishes it, a gateway's lease there is unexpired, it was
+written less than ``--min-idle`` ago, and never less than an hour, or, unless ``--spent``, a
+bucket of it is spent).
 
 The file must name every tenant and team that any gateway using these pools has: what it
 defines is kept, and a name another deployment serves on the same pool would be judged as
@@ -65,7 +66,7 @@ from admission.inspect_target import (
     resolve_target,
 )
 from admission.keys import NAME_PATTERN, check_name
-from admission.retire import judge_pool
+from admission.retire import POOL_MIN_IDLE_S, judge_pool
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore
 
@@ -161,12 +162,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="also delete a spent bucket or allowance (a tenant or team "
                              "configured again would then find it fresh)")
     parser.add_argument("--retired-pools", action="store_true",
-                        help="also judge, and with --apply delete whole, the pools found in "
-                             "Redis that the file does not configure (admission.retire)")
+                        help="judge, and with --apply delete whole, the pools named with "
+                             "--pool that the file does not configure (admission.retire)")
     parser.add_argument("--apply", action="store_true",
                         help="delete; without it, only say what would be deleted")
     parser.add_argument("--json", action="store_true", help="one JSON document")
     args = parser.parse_args(argv)
+    if args.retired_pools and not args.pool:
+        parser.error("--retired-pools: name the pools to retire with --pool (a whole pool "
+                     "goes only when named)")
     for pool in args.pool:
         try:
             check_name("pool", pool)
@@ -209,10 +213,14 @@ def render(verdicts: Sequence[Verdict], apply: bool) -> str:
 def _refusal(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     # Outside a script an ACL refusal is a NoPermissionError; inside one, an error reply that
-    # says so in words.
-    if isinstance(exc, NoPermissionError) or "NOPERM" in text or "user executing" in text:
-        text += (" (the Redis user needs SCAN, EVALSHA and DEL within scripts: the gateways' "
-                 "own scripts never delete a key, so their user may lack DEL)")
+    # says so in words, which differ between Redis versions.
+    lowered = text.lower()
+    if isinstance(exc, NoPermissionError) or any(
+            words in lowered for words in ("noperm", "user executing", "acl failure",
+                                           "no permissions")):
+        text += (" (the Redis user needs SCAN, HGETALL, HGET, ZRANGE, TIME and EVALSHA, and "
+                 "within scripts TYPE and DEL; UNLINK for --retired-pools. The gateways' own "
+                 "scripts never delete a key, so their user may lack DEL)")
     return text
 
 
@@ -242,14 +250,17 @@ async def run(args: argparse.Namespace, env: Mapping[str, str],
             await prune_pool(PoolStore(client, scripts, pool, PoolPolicy()),
                              {t.name for t in target.tenants}, set(target.teams), args,
                              verdicts, foreign)
-        retired = ([p for p in pools if p not in configured] if args.pool else
-                   [p for p in await discover_pools(client) if p not in configured])
-        if retired and not args.retired_pools:
-            _say(f"pools in Redis that {args.config} does not configure: "
-                 f"{', '.join(retired)} (--retired-pools judges them)")
-        for pool in retired if args.retired_pools else ():
-            got = await judge_pool(client, pool, int(args.min_idle * 1_000_000), args.spent,
-                                   args.apply)
+        # A whole pool goes only when named: pools found in Redis and not in the file are
+        # listed, never judged unasked.
+        named = [p for p in pools if p not in configured] if args.pool else []
+        unnamed = [p for p in await discover_pools(client)
+                   if p not in configured and p not in named]
+        if unnamed:
+            _say(f"pools in Redis that {args.config} does not configure: {', '.join(unnamed)} "
+                 "(name one with --pool and --retired-pools to judge it whole)")
+        for pool in named if args.retired_pools else ():
+            got = await judge_pool(client, pool, int(max(args.min_idle, POOL_MIN_IDLE_S)
+                                                      * 1_000_000), args.spent, args.apply)
             verdicts.append(Verdict(pool, "pool", pool, got.verdict, got.reason,
                                     None if got.idle_us is None else got.idle_us / 1e6,
                                     got.keys))

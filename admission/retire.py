@@ -1,17 +1,21 @@
 """A retired pool: one whose keys are in Redis but which the configuration no longer has (its
-model was taken out of service), judged and deleted whole by `kvgate-prune --retired-pools`.
+model was taken out of service), judged and deleted whole by `kvgate-prune --retired-pools`
+when named with ``--pool``.
 
 Nothing serves such a pool once every gateway and scheduler has rolled: no leader publishes
 its state or reaps its tasks, so its keys (queues, task records, buckets, fairness and quota
-hashes, the state) stay for good. A task of it can only be alive while some gateway still
-holds it, and a gateway that holds tasks renews its lease in the pool; so the pool is kept
-while any lease in it is unexpired. It is also kept while anything wrote to it less than the
-least idle time ago (the leader publishes the state every poll, an admit writes its tenant's
-bucket): another deployment sharing this Redis may serve it with its own configuration. And,
-as a tenant's keys are, while a bucket or quota of it is spent, unless spent ones may go too.
+hashes, the state) stay for good. It is kept while the schedulers' leader still publishes it
+(its state carries the current fencing epoch: a scheduler whose configuration still has the
+pool), while any gateway's lease in it is unexpired (a gateway holding work there renews it;
+an idle one holds none), while anything of it was written less than the least idle time ago
+(never less than `POOL_MIN_IDLE_S`: its buckets, tenants' drains, the state, the queue
+clock), and, as a tenant's keys are, while a bucket or quota of it is spent, unless spent ones
+may go too.
 
 The keys are deleted by SCAN and UNLINK in batches, not in one atomic step: there is no
-script's worth of declared keys to name, and nothing writes to a retired pool.
+script's worth of declared keys to name. A gateway that still admits for the pool between the
+judgement and the deletion would lose what it wrote; the idle floor and the epoch check are
+what make that a configuration mistake rather than a race.
 """
 
 from __future__ import annotations
@@ -23,9 +27,13 @@ from typing import Any
 from admission.inspect_fair import allowance_used, as_text, month_index, scan_hashes
 from admission.inspect_read import bucket_level
 from admission.inspect_target import SCAN_COUNT, pool_pattern
-from admission.keys import PoolKeys
+from admission.keys import PoolKeys, SchedulerKeys
 from admission.reads import redis_time_us
 from admission.scripts import frozen_clock_allowed
+
+POOL_MIN_IDLE_S = 3_600.0
+"""The least idle time a whole pool is judged by, whatever --min-idle says: a pool's deletion
+takes every key it has, not one tenant's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,9 +41,10 @@ class PoolJudgement:
     verdict: str
     """'forgotten' (deleted), 'forgettable' (would be) or 'kept'."""
     reason: str
-    """Why kept: 'leased' (a gateway holds work there), 'recent' (written less than the least
-    idle time ago) or 'spent' (a bucket or quota below its burst or with an allowance in use);
-    '' otherwise."""
+    """Why kept: 'published' (the leader's state carries the current epoch), 'leased' (a
+    gateway holds work there), 'recent' (written less than the least idle time ago, or after
+    now: a clock stepped back) or 'spent' (a bucket or quota below its burst or with an
+    allowance in use); '' otherwise."""
     idle_us: int | None
     """µs since the last write its keys record (None: none recorded)."""
     keys: int
@@ -64,20 +73,26 @@ async def judge_pool(client: Any, pool: str, min_idle_us: int, spent: bool,
     """Whether `pool`'s keys may go (see the module's doc), and with `apply`, their deletion."""
     keys = PoolKeys(pool)
     now = await _now_us(client, keys)
+    published, current = await client.hget(keys.state, "epoch"), await client.get(
+        SchedulerKeys().epoch)
+    if published is not None and current is not None and as_text(published) == as_text(current):
+        return PoolJudgement("kept", "published", None, 0)
     leases = await client.zrange(keys.leases, 0, -1, withscores=True)
     if any(score > now for _, score in leases):
         return PoolJudgement("kept", "leased", None, 0)
     hashes = {**await scan_hashes(client, keys.bucket_key("")),
               **{"quota:" + k: h for k, h in (await scan_hashes(client, keys.quota_key("")))
                  .items()}}
-    writes = [int(h["updated_us"]) for h in hashes.values()
-              if h.get("updated_us", "").isdigit()]
+    tenants = await scan_hashes(client, keys.tenant_key(""))
+    writes = [int(h[field]) for group, field in ((hashes, "updated_us"), (tenants, "drain_us"))
+              for h in group.values() if h.get(field, "").isdigit()]
     for key, field in ((keys.state, "updated_us"), (keys.clock, "last_us")):
         raw = await client.hget(key, field)
         if raw is not None and as_text(raw).isdigit():
             writes.append(int(raw))
     idle = max(0, now - max(writes)) if writes else None
-    if idle is not None and idle < min_idle_us:
+    # As lua/forget.lua: a write after now (the clock stepped back) is recent.
+    if writes and now - max(writes) < min_idle_us:
         return PoolJudgement("kept", "recent", idle, 0)
     if not spent and any(is_spent(h, now) for h in hashes.values()):
         return PoolJudgement("kept", "spent", idle, 0)

@@ -318,7 +318,7 @@ async def test_a_run_refused_part_way_reports_what_it_deleted(
     assert "tenant  gone" in table and "forgotten" in table
     err = capsys.readouterr().err
     # gone, inflight (kept), prepaid (kept), queued (kept); then recent's DEL is refused.
-    assert "stopped after 4 names" in err and "DEL within scripts" in err
+    assert "stopped after 4 names" in err and "within scripts TYPE and DEL" in err
     assert await redis_client.exists(k.bucket_key("gone")) == 0
     assert await redis_client.exists(k.bucket_key("recent")) == 1
 
@@ -373,14 +373,17 @@ async def test_a_retired_pool_is_deleted_whole_when_asked(
     w = await populate(redis_client)
     old = await retired_pool(redis_client, T0)
     config = write_config(tmp_path / "c.toml", redis_url)
-    # Without --retired-pools it is named on stderr and left alone.
+    # Unnamed, it is listed on stderr and left alone, with or without --apply.
     code, verdicts = await run(config, "--apply")
     assert code == 0 and not any(kind == "pool" for kind, _ in verdicts)
     assert "pools in Redis that" in capsys.readouterr().err
     assert await redis_client.exists(old.keys.state) == 1
-    code, verdicts = await run(config, "--retired-pools")
+    with pytest.raises(SystemExit):
+        prune.parse_args(["--config", config, "--retired-pools"])  # which pool?
+    named = ("--pool", POOL, "--pool", "old", "--retired-pools")
+    code, verdicts = await run(config, *named)
     assert verdicts[("pool", "old")] == ("forgettable", "")
-    code, verdicts = await run(config, "--retired-pools", "--apply")
+    code, verdicts = await run(config, *named, "--apply")
     assert verdicts[("pool", "old")] == ("forgotten", "")
     assert not [k async for k in redis_client.scan_iter(match="kvg:{old}:*")]
     # The configured pool's keys are its own, untouched.
@@ -388,22 +391,29 @@ async def test_a_retired_pool_is_deleted_whole_when_asked(
 
 
 @pytest.mark.parametrize(("case", "flags", "expected"), [
+    ("published", (), ("kept", "published")),
     ("leased", (), ("kept", "leased")),
     ("recent", ("--min-idle", "7200"), ("kept", "recent")),
+    ("half_hour", ("--min-idle", "0"), ("kept", "recent")),  # a pool's floor: an hour
     ("spent", (), ("kept", "spent")),
     ("spent", ("--spent",), ("forgotten", "")),
 ])
 async def test_a_retired_pool_is_kept_while_anything_needs_it(
         redis_client: aioredis.Redis, redis_url: str, tmp_path: Path, case: str,
         flags: tuple[str, ...], expected: tuple[str, str]) -> None:
-    """A gateway holding a task there (its lease unexpired: written a second ago, with no
-    settle), a write an hour ago against a least idle time of two, a prepaid balance spent."""
-    await populate(redis_client)
-    at = {"leased": T0 + 2 * DAY - S, "recent": T0 + 2 * DAY - 3600 * S, "spent": T0}[case]
+    """A leader that still publishes it (its state carries the current epoch), a gateway
+    holding a task there (its lease unexpired: written a second ago, with no settle), a write
+    an hour ago against a least idle time of two, one half an hour ago against none, a prepaid
+    balance spent."""
+    w = await populate(redis_client)
+    at = {"published": T0, "leased": T0 + 2 * DAY - S, "recent": T0 + 2 * DAY - 3600 * S,
+          "half_hour": T0 + 2 * DAY - 1800 * S, "spent": T0}[case]
     old = await retired_pool(redis_client, at, PREPAID if case == "spent" else GONE,
                              settle=case != "leased")
-    _, verdicts = await run(write_config(tmp_path / "c.toml", redis_url), "--retired-pools",
-                            "--apply", *flags)
+    if case == "published":
+        await old.publish_state(w.epoch, Zone.GREEN, {"gpu-9": 1_000_000}, {})
+    _, verdicts = await run(write_config(tmp_path / "c.toml", redis_url), "--pool", "old",
+                            "--retired-pools", "--apply", *flags)
     assert verdicts[("pool", "old")] == expected
     assert await redis_client.exists(old.keys.state) == (expected[0] == "kept")
 

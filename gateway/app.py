@@ -93,7 +93,8 @@ def create_app(
     option if the id cannot be one (the config's own was checked when it was loaded, but a
     Config built in code was not)."""
     gid = _gateway_id(config, gateway_id)
-    in_flight = InFlight()  # outermost: shutdown waits for, then cancels, whole requests
+    # Outermost: shutdown waits for, then cancels, whole requests.
+    in_flight = InFlight(config.gateway.retry_jitter)
     app = web.Application(
         client_max_size=config.gateway.max_body_bytes,
         middlewares=[in_flight.middleware, openai_errors],

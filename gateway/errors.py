@@ -9,6 +9,7 @@ jitter so that clients rejected together do not return together::
     retry-after-ms: 3500                    read first by the official OpenAI SDKs
     X-RateLimit-Backpressure-Level: RED     the pool's load zone
     X-Queue-Depth: 142                      tasks queued at the request's tier or above
+                                            (absent when Redis could not be read)
     X-RateLimit-Scope: key                  which limit refused it (a tenant's own limits:
                                             key; a quota of an enclosing level: its name)
 

@@ -24,7 +24,8 @@ _BACKPRESSURE_HEADERS = {
     "X-RateLimit-Backpressure-Level": {
         "description": "Load zone of the model pool.",
         "schema": {"type": "string", "enum": ["GREEN", "YELLOW", "RED", "UNKNOWN"]}},
-    "X-Queue-Depth": {"description": "Requests queued at this request's tier or above.",
+    "X-Queue-Depth": {"description": "Requests queued at this request's tier or above; "
+                      "absent when the gateway could not read the queue (level UNKNOWN).",
                       "schema": {"type": "integer", "minimum": 0}},
     "X-RateLimit-Scope": {"description": "With the rate_limit_exceeded family, "
                           "insufficient_quota, and capacity_exceeded for a key at its cap of "

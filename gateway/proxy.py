@@ -140,6 +140,11 @@ class Upstream:
             error.headers["x-should-retry"] = "true"
         return error
 
+    def _timed_out(self, ticket: Ticket, exc: NodeTimeout) -> ApiError:
+        """The node sent nothing for the silence limit, before or inside a whole answer."""
+        return self._failed(ticket, "timeout", 502,
+                            f"The inference node timed out: {exc}. Please retry.")
+
     def _rejected(self, ticket: Ticket, status: int, message: str | None,
                   check: str = "the pool's backend_api_key_env and served_model_name against "
                   "the node's --api-key and --served-model-name") -> ApiError:
@@ -210,8 +215,7 @@ class Upstream:
                                "The inference node is unreachable. Please retry.") from None
         except NodeTimeout as exc:
             meter.phase = Phase.PENDING
-            raise self._failed(ticket, "timeout", 502,
-                               f"The inference node timed out: {exc}. Please retry.") from None
+            raise self._timed_out(ticket, exc) from None
         except NodeError as exc:
             meter.phase = Phase.PENDING
             raise self._failed(ticket, "error", 502,
@@ -275,8 +279,7 @@ class Upstream:
                                f"The inference node's answer exceeded {limit} bytes, more than "
                                "this request can produce. Please retry.") from None
         except NodeTimeout as exc:
-            raise self._failed(ticket, "timeout", 502,
-                               f"The inference node timed out: {exc}. Please retry.") from None
+            raise self._timed_out(ticket, exc) from None
         except NodeError:
             raise self._failed(ticket, "error", 502,
                                "The inference node broke off its answer. Please retry.") from None
@@ -328,7 +331,7 @@ class Upstream:
         guard = StallGuard(request, patience_s)
         try:
             await response.prepare(request)
-            broken, quiet = False, ""
+            broken, quiet = False, None
             try:
                 async for data in upstream.iter_any():
                     out = relay.feed(data)
@@ -344,8 +347,8 @@ class Upstream:
                 # (or stays open past the silence limit) costs the client nothing.
                 broken = not relay.ended
                 if broken:
-                    quiet = str(exc) if isinstance(exc, TimeoutError) else ""
-                    kind = "timeout" if quiet else (
+                    quiet = exc if isinstance(exc, NodeTimeout) else None
+                    kind = "timeout" if quiet is not None else (
                         "oversized_event" if isinstance(exc, EventTooLarge) else
                         "broken_stream")
                     self.metrics.child(
@@ -361,7 +364,7 @@ class Upstream:
                 # A node gone quiet says so, as the same failure of a whole answer does.
                 error = (ApiError(502, f"The inference node timed out: {quiet}; the stream "
                                   "was cut.", type_="server_error", code="upstream_timeout")
-                         if quiet else
+                         if quiet is not None else
                          ApiError(502, "The inference node broke off the stream.",
                                   type_="server_error", code="upstream_broken_stream"))
                 tail = b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE

@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import SHUTDOWN_RETRY_MS, unavailable
+from gateway.errors import SHUTDOWN_RETRY_MS, jittered, unavailable
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -69,9 +70,12 @@ class InFlight:
     """The requests being handled, as tasks, so shutdown can wait for them and then cancel
     them: the middleware registers each request's task for as long as its handler runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, jitter: float = 0.0) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cutting = False
+        self.jitter = jitter
+        """`gateway.retry_jitter`, spreading the retry hints of the 503s the cut answers."""
+        self._rng = random.Random()
 
     def __len__(self) -> int:
         return len(self._tasks)
@@ -91,10 +95,12 @@ class InFlight:
             # client can act on (retry, on another gateway) rather than a connection closed
             # without one, which clients see as a network failure.
             task.uncancel()
-            return unavailable(
+            error = unavailable(
                 "This gateway is shutting down and cut the request before its answer. "
                 "Please retry: another gateway takes it.", code="gateway_shutting_down",
-                retry_ms=SHUTDOWN_RETRY_MS).response()
+                retry_ms=jittered(SHUTDOWN_RETRY_MS, self.jitter, self._rng),
+                headers={"Connection": "close"})  # the retry must take another connection
+            return error.response()
         finally:
             self._tasks.discard(task)
 

@@ -103,6 +103,14 @@ def seconds_argument(text: str) -> float:
     return value
 
 
+def pool_argument(text: str) -> str:
+    """`--pool`'s argparse type: a valid pool name, else a usage error (exit 2)."""
+    try:
+        return check_name("pool", text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="kvgate-inspect", description=__doc__.split("\n\n")[1] if __doc__ else None,
@@ -111,7 +119,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--config", help="the services' TOML file (Redis settings, pools, tenants)")
     src.add_argument("--redis-url",
                      help="Redis URL (default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
-    parser.add_argument("--pool", action="append", default=[],
+    parser.add_argument("--pool", action="append", default=[], type=pool_argument,
                         help="pool to show (repeatable; default: all configured or found)")
     parser.add_argument("--cluster", action="store_true",
                         help="--redis-url or REDIS_URL is a Redis Cluster (with --config, the "
@@ -126,11 +134,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.count is not None and args.count < 1:
         parser.error("--count must be at least 1")
-    for pool in args.pool:
-        try:
-            check_name("pool", pool)
-        except ValueError as exc:
-            parser.error(str(exc))
     return args
 
 

@@ -54,6 +54,7 @@ from admission.inspect import (
     EXIT_CONFIG,
     EXIT_NOTHING,
     EXIT_REDIS,
+    pool_argument,
     run_cli,
     write_stdout,
 )
@@ -65,7 +66,7 @@ from admission.inspect_target import (
     discover_pools,
     resolve_target,
 )
-from admission.keys import NAME_PATTERN, check_name
+from admission.keys import NAME_PATTERN
 from admission.retire import POOL_MIN_IDLE_S, judge_pool
 from admission.scripts import register_scripts
 from admission.store import PoolPolicy, PoolStore
@@ -151,7 +152,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", required=True,
                         help="the gateways' TOML file, with their [[tenants]] and [[teams]]: "
                              "what it defines is kept (REDIS_URL overrides its redis.url)")
-    parser.add_argument("--pool", action="append", default=[],
+    parser.add_argument("--pool", action="append", default=[], type=pool_argument,
                         help="pool to prune (repeatable; default: the file's pools; a pool "
                              "no longer in the file is pruned only when named)")
     parser.add_argument("--ssl-ca-file", help="CA bundle instead of the file's redis.ssl_ca_file")
@@ -171,11 +172,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.retired_pools and not args.pool:
         parser.error("--retired-pools: name the pools to retire with --pool (a whole pool "
                      "goes only when named)")
-    for pool in args.pool:
-        try:
-            check_name("pool", pool)
-        except ValueError as exc:
-            parser.error(str(exc))
     return args
 
 

@@ -118,7 +118,7 @@ import math
 from collections.abc import Hashable, Iterable, Mapping
 
 from admission.controlconfig import ControlSettings
-from scheduler.nodestate import NodeRoom, NodeState, take_overdraw
+from scheduler.nodestate import NodeRoom, NodeState, engine_restarted, take_overdraw
 
 MODEL_SHARE = 0.5
 """Share of the objective the queue ahead of a VIP chat may take; the rest is for the chat's
@@ -220,7 +220,10 @@ class ReleaseControl:
             return True
         done, dt = prompt_total - last[0], read_at - last[1]
         if done < 0:
-            return True  # the engine restarted: its counter starts again
+            # The engine restarted (its counter starts again): a replaced node is learned
+            # anew, not with its predecessor's figures (a stuck one's 3 s step lasted 30 s).
+            engine_restarted(s, float(self.settings.prefill_tokens_per_s))
+            return True
         sample = done / dt
         alpha = 1.0 - math.exp(-dt / self.rate_tau_s)
         # The counter moves in whole prompts, as each one's prefill ends: one interval's rate

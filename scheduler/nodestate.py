@@ -85,6 +85,18 @@ class NodeState:
     """The cap last computed for the node as a lane (an idle lane keeps it, at least 1)."""
 
 
+def engine_restarted(s: NodeState, rate: float) -> None:
+    """The node's engine started again (its prompt counter went back): what was learned of the
+    engine before it (the rate and gain, the step times at calm and at best, a lane's cap) was
+    the old process's, perhaps a stuck one now replaced by a healthy one, and is learned afresh
+    from `rate`, the configured one. Kept: the readings just taken, and what the scripts count
+    (VIP reports, overdraws, the tasks seen)."""
+    s.rate, s.gain, s.observed = rate, 1.0, 0.0
+    s.step_s = s.calm_step_s = s.min_step_s = None
+    s.calm_polls, s.calm_at = 0, None
+    s.lane_cap = 1
+
+
 def take_overdraw(s: NodeState, overdrawn: int | None, room: int) -> int:
     """How much of `room` pays back light tenants' overdraws (lua/_room.lua prefill_fits): the
     room bounds the queue ahead of a VIP chat, and on a node that prefills faster than the

@@ -267,9 +267,10 @@ def test_the_rate_is_learned_only_while_the_node_has_prefill_queued() -> None:
     for i in range(200):
         slow.update("n", tasks=[], now=i * POLL_S, prompt_total=i * POLL_S * 8_000, seq=i)
     assert 7_000 < slow.node("n").rate <= 8_000
-    # A counter that went back (the engine restarted) is not a rate.
+    # A counter that went back (the engine restarted) is not a rate, and the new engine is
+    # learned afresh, from the configured rate (test_an_engine_that_restarted_is_learned_afresh).
     room = control.update("n", tasks=[], now=301 * POLL_S, prompt_total=0.0, seq=301)
-    assert abs(room.rate - MU) / MU < 0.05
+    assert room.rate == 50_000
 
 
 def test_an_idle_reading_does_not_clear_a_prompt_still_on_its_way_to_the_engine() -> None:
@@ -403,6 +404,27 @@ def test_resume_seeds_rate_and_gain_and_forgets_the_rest() -> None:
     assert (control.node("c").rate, control.node("c").gain) == (4_000.0, 1.0)
     assert control.node("c").calm_step_s is None
     assert control.node("old").backlog == 0.0
+
+
+def _learned(node: NodeState) -> tuple[float, float, float | None, float | None]:
+    return node.rate, node.gain, node.calm_step_s, node.min_step_s
+
+
+def test_an_engine_that_restarted_is_learned_afresh() -> None:
+    """A node replaced by a new process (its prompt counter goes back) loses what was learned
+    of the old one (a stuck engine's 3.36 s calm step and the low rate and gain that kept its
+    window at the minimum), and starts from the configured rate; a counter that only grows
+    keeps it."""
+    control = ReleaseControl(ControlSettings(prefill_tokens_per_s=10_000))
+    node = control.node("n")
+    node.rate, node.gain, node.calm_step_s, node.min_step_s = 150.0, 0.2, 3.36, 3.0
+    control.update("n", tasks=[], now=1.0, prompt_total=5_000.0, read_at=1.0, seq=1)
+    control.update("n", tasks=[], now=2.0, prompt_total=5_000.0, read_at=2.0, seq=2)
+    assert (node.calm_step_s, node.min_step_s) == (3.36, 3.0)
+    node.rate, node.gain = 150.0, 0.2
+    control.update("n", tasks=[], now=3.0, prompt_total=40.0, read_at=3.0, seq=3)
+    assert _learned(node) == (10_000.0, 1.0, None, None)
+    assert node.counter == (40.0, 3.0)  # the new process's reading: the next rate's start
 
 
 def test_learned_control_reads_the_published_fields() -> None:

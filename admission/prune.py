@@ -206,6 +206,12 @@ def render(verdicts: Sequence[Verdict], apply: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _unsure(args: argparse.Namespace) -> str:
+    """What a run that stopped part way cannot say: a deletion whose reply was lost."""
+    return ("; the name being judged then may have been deleted without a reply: run again "
+            "to see what is left" if args.apply else "")
+
+
 def _refusal(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     # Outside a script an ACL refusal is a NoPermissionError; inside one, an error reply that
@@ -262,14 +268,14 @@ async def run(args: argparse.Namespace, env: Mapping[str, str],
                                     got.keys))
     except REDIS_ERRORS as exc:
         if not verdicts:
-            _say(f"cannot use Redis at {target.address}: {_refusal(exc)}")
+            _say(f"cannot use Redis at {target.address}: {_refusal(exc)}{_unsure(args)}")
             return EXIT_REDIS
         # What was deleted before the failure is said, not lost with it.
         _say(f"stopped after {len(verdicts)} names: Redis at {target.address}: "
-             f"{_refusal(exc)}")
+             f"{_refusal(exc)}{_unsure(args)}")
         code = EXIT_REDIS
     except (KeyboardInterrupt, asyncio.CancelledError):
-        _say(f"interrupted after {len(verdicts)} names")
+        _say(f"interrupted after {len(verdicts)} names{_unsure(args)}")
         code = 130
     finally:
         await client.aclose()

@@ -94,17 +94,7 @@ func TestAnErrorMemberThatIsNullIsNoError(t *testing.T) {
 		fmt.Fprint(w, "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"b\"}}], \"error\" :  null }\n\n")
 		fmt.Fprint(w, "data: {\"error\": {\"message\": \"engine died\", \"code\": \"x\"}}\n\n")
 	})
-	stream, err := newTestClient(t, g, newFakeClock()).ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stream.Close()
-	for _, want := range []string{"a", "b"} {
-		if chunk, err := stream.Recv(); err != nil || chunk.Choices[0].Delta.Content != want {
-			t.Fatalf("want %q: %+v %v", want, chunk, err)
-		}
-	}
-	_, err = stream.Recv()
+	err := errorAfter(t, newTestClient(t, g, newFakeClock()), "a", "b")
 	var se *StreamError
 	if !errors.As(err, &se) || se.Code != "x" || se.Message != "engine died" {
 		t.Fatalf("%T %v", err, err)
@@ -151,17 +141,7 @@ func TestAStreamThatEndsBeforeDoneIsIncomplete(t *testing.T) {
 		fmt.Fprint(w, "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"b\"}}]}\n\n")
 	})
 	c := newTestClient(t, g, newFakeClock())
-	stream, err := c.ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer stream.Close()
-	for _, want := range []string{"a", "b"} {
-		if chunk, err := stream.Recv(); err != nil || chunk.Choices[0].Delta.Content != want {
-			t.Fatalf("want %q: %+v %v", want, chunk, err)
-		}
-	}
-	_, err = stream.Recv()
+	err := errorAfter(t, c, "a", "b")
 	var ce *ConnectionError
 	if !errors.As(err, &ce) || !errors.Is(err, ErrIncompleteStream) || !strings.Contains(err.Error(), "without [DONE]") {
 		t.Fatalf("%T %v", err, err)
@@ -202,4 +182,22 @@ func TestAnEventThatIsNotAJSONObjectIsAStreamError(t *testing.T) {
 			t.Fatalf("%q: %T %v", data, err, err)
 		}
 	}
+}
+
+// errorAfter opens a chat stream through c, reads chunks whose contents are wants, in order,
+// and returns what the next Recv fails with.
+func errorAfter(t *testing.T, c *Client, wants ...string) error {
+	t.Helper()
+	stream, err := c.ChatCompletionStream(context.Background(), ChatCompletionRequest{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer stream.Close()
+	for _, want := range wants {
+		if chunk, err := stream.Recv(); err != nil || chunk.Choices[0].Delta.Content != want {
+			t.Fatalf("want %q: %+v %v", want, chunk, err)
+		}
+	}
+	_, err = stream.Recv()
+	return err
 }

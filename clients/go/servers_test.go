@@ -2,7 +2,8 @@
 // loopback: scripted (answers a list of statuses in turn, then 200, recording what each attempt
 // carried), sseServer (streams events one at a time, each only when the test asks for it) and
 // fakeGateway (answers as kvgate's gateway does, recording the bodies and headers it got); the
-// Transport and Client built on them with a fake clock, and chunkWait, the bound on every wait
+// Transport and Client built on them with a fake clock, counted (numbers the requests it gets,
+// for a test's own handler), and chunkWait, the bound on every wait
 // of the tests that check a stream reaches the caller chunk by chunk.
 
 package kvgate
@@ -68,6 +69,33 @@ func (s *scripted) attempts() []seen {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return append([]seen(nil), s.seen...)
+}
+
+// counted is a real HTTP server on loopback that numbers the requests it gets (from 1), hands
+// each to handle with its number, and says how many came (calls).
+type counted struct {
+	mu sync.Mutex
+	n  int
+	*httptest.Server
+}
+
+func newCounted(t *testing.T, handle func(w http.ResponseWriter, r *http.Request, n int)) *counted {
+	c := &counted{}
+	c.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		c.mu.Lock()
+		c.n++
+		n := c.n
+		c.mu.Unlock()
+		handle(w, r, n)
+	}))
+	t.Cleanup(c.Close)
+	return c
+}
+
+func (c *counted) calls() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n
 }
 
 func newTestTransport(t *testing.T, clock *fakeClock, policy *Policy, budget *Budget) *Transport {

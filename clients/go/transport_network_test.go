@@ -24,27 +24,20 @@ import (
 )
 
 func TestConnectionErrorsAreRetried(t *testing.T) {
-	var mu sync.Mutex
-	calls := 0
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		calls++
-		n := calls
-		mu.Unlock()
+	srv := newCounted(t, func(w http.ResponseWriter, r *http.Request, n int) {
 		if n <= 2 { // the connection dies before a status line
 			conn, _, _ := w.(http.Hijacker).Hijack()
 			conn.Close()
 			return
 		}
 		fmt.Fprint(w, "ok")
-	}))
-	defer srv.Close()
+	})
 	clock := newFakeClock()
 	tr := newTestTransport(t, clock, nil, nil)
 	resp := post(t, tr, srv.URL, "{}")
 	resp.Body.Close()
-	if resp.StatusCode != 200 || calls != 3 || len(clock.slept()) != 2 {
-		t.Fatal(resp.StatusCode, calls, clock.slept())
+	if resp.StatusCode != 200 || srv.calls() != 3 || len(clock.slept()) != 2 {
+		t.Fatal(resp.StatusCode, srv.calls(), clock.slept())
 	}
 }
 
@@ -155,15 +148,9 @@ func TestDialTimeoutsAreRetried(t *testing.T) {
 
 func TestTimeoutsAreNotRetried(t *testing.T) {
 	release := make(chan struct{})
-	var mu sync.Mutex
-	calls := 0
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		calls++
-		mu.Unlock()
+	srv := newCounted(t, func(w http.ResponseWriter, r *http.Request, n int) {
 		<-release // the request is "running on a GPU"
-	}))
-	defer srv.Close()
+	})
 	defer close(release)
 	base := http.DefaultTransport.(*http.Transport).Clone()
 	base.ResponseHeaderTimeout = 50 * time.Millisecond
@@ -173,10 +160,8 @@ func TestTimeoutsAreNotRetried(t *testing.T) {
 	if err == nil || IsConnectionError(err) {
 		t.Fatal(err)
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if calls != 1 || tr.Stats().Outcomes[OutcomeError] != 1 {
-		t.Fatal(calls, tr.Stats().Outcomes)
+	if srv.calls() != 1 || tr.Stats().Outcomes[OutcomeError] != 1 {
+		t.Fatal(srv.calls(), tr.Stats().Outcomes)
 	}
 }
 
@@ -257,15 +242,9 @@ func TestACertificateThatFailsVerificationIsNotRetried(t *testing.T) {
 // A proxy that cannot be reached is a connection error (the request reached no one); one that
 // refuses the tunnel answers the same on every attempt. The Python SDK draws the same lines.
 func TestProxiesThatCannotBeReachedAreRetriedOnesThatRefuseAreNot(t *testing.T) {
-	var mu sync.Mutex
-	connects := 0
-	refusing := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		connects++
-		mu.Unlock()
+	refusing := newCounted(t, func(w http.ResponseWriter, r *http.Request, n int) {
 		w.WriteHeader(http.StatusProxyAuthRequired)
-	}))
-	defer refusing.Close()
+	})
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -286,10 +265,8 @@ func TestProxiesThatCannotBeReachedAreRetriedOnesThatRefuseAreNot(t *testing.T) 
 			t.Fatalf("%s: %v %+v", c.proxy, err, tr.Stats())
 		}
 	}
-	mu.Lock()
-	defer mu.Unlock()
-	if connects != 1 {
-		t.Fatal(connects)
+	if refusing.calls() != 1 {
+		t.Fatal(refusing.calls())
 	}
 }
 

@@ -11,9 +11,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 )
@@ -208,27 +206,19 @@ func TestAStreamIsPassedThroughChunkByChunk(t *testing.T) {
 }
 
 func TestNoRetryOnceTheBodyBelongsToTheCaller(t *testing.T) {
-	var mu sync.Mutex
-	calls := 0
-	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		mu.Lock()
-		calls++
-		mu.Unlock()
+	srv := newCounted(t, func(w http.ResponseWriter, r *http.Request, n int) {
 		w.Header().Set("Content-Length", "100")
 		w.WriteHeader(200)
 		fmt.Fprint(w, "partial")
 		w.(http.Flusher).Flush()
 		conn, _, _ := w.(http.Hijacker).Hijack()
 		conn.Close() // the connection dies in the middle of the body
-	}))
-	defer srv.Close()
+	})
 	tr := newTestTransport(t, newFakeClock(), nil, nil)
 	resp := post(t, tr, srv.URL, "{}")
 	_, err := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	mu.Lock()
-	defer mu.Unlock()
-	if err == nil || calls != 1 || tr.Stats().Attempts != 1 {
-		t.Fatal(err, calls, tr.Stats())
+	if err == nil || srv.calls() != 1 || tr.Stats().Attempts != 1 {
+		t.Fatal(err, srv.calls(), tr.Stats())
 	}
 }

@@ -103,25 +103,30 @@ def read_as_empty(read: Sequence[tuple[str, Any]], replies: list[Any],
 
 async def scan_hashes(client: Any, prefix: str) -> dict[str, dict[str, str]]:
     """Every hash whose key starts with `prefix`, by the rest of its key: SCAN (never KEYS),
-    then HGETALL in pipelined chunks. A key of another type under the prefix (one written by
-    hand with redis-cli, `SET kvg:{p}:tenant:x 1`) is no record of kvgate's and is left out:
-    its WRONGTYPE would fail the whole snapshot, and `kvgate-inspect` and the admin API
-    would show no pool at all. Any other error still fails the read."""
+    then `read_hashes`."""
     names = [as_text(k) async for k in client.scan_iter(match=prefix + "*", count=SCAN_COUNT)]
+    return {key[len(prefix):]: h for key, h in (await read_hashes(client, names)).items()}
+
+
+async def read_hashes(client: Any, keys: Sequence[str]) -> dict[str, dict[str, str]]:
+    """The hashes at `keys`, by key: HGETALL in pipelined chunks. A key of another type (one
+    written by hand with redis-cli, `SET kvg:{p}:tenant:x 1`) is no record of kvgate's and is
+    left out: its WRONGTYPE would fail the whole snapshot, and `kvgate-inspect` and the admin
+    API would show no pool at all. Any other error still fails the read."""
     out: dict[str, dict[str, str]] = {}
-    for start in range(0, len(names), SCAN_COUNT):
-        chunk = names[start:start + SCAN_COUNT]
+    for start in range(0, len(keys), SCAN_COUNT):
+        chunk = keys[start:start + SCAN_COUNT]
         async with client.pipeline(transaction=False) as pipe:
-            for name in chunk:
-                pipe.hgetall(name)
+            for key in chunk:
+                pipe.hgetall(key)
             replies = await pipe.execute(raise_on_error=False)
-        for name, raw in zip(chunk, replies, strict=True):
+        for key, raw in zip(chunk, replies, strict=True):
             if wrong_type_reply(raw):
                 continue
             if isinstance(raw, BaseException):
                 raise raw
             if raw:  # it may vanish between SCAN and HGETALL
-                out[name[len(prefix):]] = {as_text(k): as_text(v) for k, v in raw.items()}
+                out[key] = {as_text(k): as_text(v) for k, v in raw.items()}
     return out
 
 

@@ -64,6 +64,7 @@ from admission.inspect_target import (
     check_ca,
     choose_pools,
     discover_pools,
+    pool_pattern,
     resolve_target,
 )
 from admission.keys import NAME_PATTERN
@@ -97,16 +98,20 @@ class Verdict:
     keys: int
 
 
-async def names_under(client: Any, prefix: str, foreign: set[str]) -> set[str]:
-    """The names after `prefix` of the keys that start with it (one SCAN); the key of a name
-    that is no valid tenant or team name (written by hand) goes to `foreign`, never to a
+async def names_by_prefix(client: Any, pool: str, prefixes: Sequence[str],
+                          foreign: set[str]) -> dict[str, set[str]]:
+    """The names after each of `prefixes` of the pool's keys that start with it, from one
+    SCAN of the pool's keys (one pass over the keyspace, not one per prefix); the key of a
+    name that is no valid tenant or team name (written by hand) goes to `foreign`, never to a
     script."""
-    found: set[str] = set()
-    async for raw in client.scan_iter(match=prefix + "*", count=SCAN_COUNT):
+    found: dict[str, set[str]] = {prefix: set() for prefix in prefixes}
+    async for raw in client.scan_iter(match=pool_pattern(pool), count=SCAN_COUNT):
         key = as_text(raw)
-        name = key[len(prefix):]
-        if NAME_PATTERN.fullmatch(name):
-            found.add(name)
+        prefix = next((p for p in prefixes if key.startswith(p)), None)
+        if prefix is None:
+            continue
+        if NAME_PATTERN.fullmatch(key[len(prefix):]):
+            found[prefix].add(key[len(prefix):])
         else:
             foreign.add(key)
     return found
@@ -117,10 +122,11 @@ async def prune_pool(store: PoolStore, tenants: set[str], teams: set[str], args:
     """Judge (and with `args.apply`, forget) every tenant and team of the store's pool with
     keys in Redis that is not in `tenants` or `teams`, appending each verdict to `out` as it
     is made (a run that fails part way still reports what it deleted)."""
-    keys, client = store.keys, store.client
-    stale_tenants = (await names_under(client, keys.bucket_key(""), foreign)
-                     | await names_under(client, keys.tenant_key(""), foreign)) - tenants
-    stale_teams = await names_under(client, keys.quota_key(""), foreign) - teams
+    keys = store.keys
+    bucket, record, quota = keys.bucket_key(""), keys.tenant_key(""), keys.quota_key("")
+    found = await names_by_prefix(store.client, store.pool, (bucket, record, quota), foreign)
+    stale_tenants = (found[bucket] | found[record]) - tenants
+    stale_teams = found[quota] - teams
     for kind, names in (("tenant", stale_tenants), ("team", stale_teams)):
         for name in sorted(names):
             got = await store.forget("tenant" if kind == "tenant" else "level", name,

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from admission.inspect_fair import allowance_used, as_text, month_index, scan_hashes
+from admission.inspect_fair import allowance_used, as_text, month_index, read_hashes
 from admission.inspect_read import bucket_level
 from admission.inspect_target import SCAN_COUNT, pool_pattern
 from admission.keys import PoolKeys, SchedulerKeys
@@ -73,31 +73,32 @@ async def judge_pool(client: Any, pool: str, min_idle_us: int, spent: bool,
     """Whether `pool`'s keys may go (see the module's doc), and with `apply`, their deletion."""
     keys = PoolKeys(pool)
     now = await _now_us(client, keys)
-    published, current = await client.hget(keys.state, "epoch"), await client.get(
-        SchedulerKeys().epoch)
+    published, state_at = await client.hmget(keys.state, "epoch", "updated_us")
+    current = await client.get(SchedulerKeys().epoch)
     if published is not None and current is not None and as_text(published) == as_text(current):
         return PoolJudgement("kept", "published", None, 0)
     leases = await client.zrange(keys.leases, 0, -1, withscores=True)
     if any(score > now for _, score in leases):
         return PoolJudgement("kept", "leased", None, 0)
-    hashes = {**await scan_hashes(client, keys.bucket_key("")),
-              **{"quota:" + k: h for k, h in (await scan_hashes(client, keys.quota_key("")))
-                 .items()}}
-    tenants = await scan_hashes(client, keys.tenant_key(""))
-    writes = [int(h[field]) for group, field in ((hashes, "updated_us"), (tenants, "drain_us"))
-              for h in group.values() if h.get(field, "").isdigit()]
-    for key, field in ((keys.state, "updated_us"), (keys.clock, "last_us")):
-        raw = await client.hget(key, field)
+    # One SCAN of the pool's keys: what its buckets and tenants say, and what goes.
+    found = [as_text(k) async for k in client.scan_iter(match=pool_pattern(pool),
+                                                       count=SCAN_COUNT)]
+    buckets = (keys.bucket_key(""), keys.quota_key(""))
+    read = await read_hashes(client, [k for k in found
+                                      if k.startswith((*buckets, keys.tenant_key("")))])
+    levels = [h for k, h in read.items() if k.startswith(buckets)]
+    tenants = [h for k, h in read.items() if not k.startswith(buckets)]
+    writes = [int(h[field]) for group, field in ((levels, "updated_us"), (tenants, "drain_us"))
+              for h in group if h.get(field, "").isdigit()]
+    for raw in (state_at, await client.hget(keys.clock, "last_us")):
         if raw is not None and as_text(raw).isdigit():
-            writes.append(int(raw))
+            writes.append(int(as_text(raw)))
     idle = max(0, now - max(writes)) if writes else None
     # As lua/forget.lua: a write after now (the clock stepped back) is recent.
     if writes and now - max(writes) < min_idle_us:
         return PoolJudgement("kept", "recent", idle, 0)
-    if not spent and any(is_spent(h, now) for h in hashes.values()):
+    if not spent and any(is_spent(h, now) for h in levels):
         return PoolJudgement("kept", "spent", idle, 0)
-    found = [as_text(k) async for k in client.scan_iter(match=pool_pattern(pool),
-                                                       count=SCAN_COUNT)]
     if not apply:
         return PoolJudgement("forgettable", "", idle, len(found))
     deleted = 0

@@ -54,6 +54,7 @@ from gateway.errors import (
     jittered,
     never_retry,
     quota_refusal,
+    shutting_down,
     too_many_requests,
     unavailable,
 )
@@ -190,11 +191,8 @@ class Admitter:
         return len(pending)
 
     def _shutting_down(self) -> ApiError:
-        error = unavailable(
-            "This gateway is shutting down and had not scheduled the request yet. Please "
-            "retry: another gateway takes it.",
-            code="gateway_shutting_down", retry_ms=self._hint(SHUTDOWN_RETRY_MS),
-        )
+        error = shutting_down("had not scheduled the request yet",
+                              self._hint(SHUTDOWN_RETRY_MS))
         error.tag = m.SHUTTING_DOWN
         return error
 

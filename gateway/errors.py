@@ -229,6 +229,15 @@ def unavailable(message: str, *, code: str, retry_ms: int, status: int = 503,
                     headers=headers)
 
 
+def shutting_down(what: str, retry_ms: int,
+                  headers: Mapping[str, str] | None = None) -> ApiError:
+    """A stopping gateway's 503 `gateway_shutting_down` for a request it will not answer
+    (`what` it had done with it): retryable at once, on another gateway."""
+    return unavailable(f"This gateway is shutting down and {what}. Please retry: another "
+                       "gateway takes it.", code="gateway_shutting_down", retry_ms=retry_ms,
+                       headers=headers)
+
+
 ADMISSION_MISCONFIGURED = "admission_misconfigured"
 
 

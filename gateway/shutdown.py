@@ -41,7 +41,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.errors import SHUTDOWN_RETRY_MS, jittered, unavailable
+from gateway.errors import SHUTDOWN_RETRY_MS, jittered, shutting_down
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -95,12 +95,11 @@ class InFlight:
             # client can act on (retry, on another gateway) rather than a connection closed
             # without one, which clients see as a network failure.
             task.uncancel()
-            error = unavailable(
-                "This gateway is shutting down and cut the request before its answer. "
-                "Please retry: another gateway takes it.", code="gateway_shutting_down",
-                retry_ms=jittered(SHUTDOWN_RETRY_MS, self.jitter, self._rng),
-                headers={"Connection": "close"})  # the retry must take another connection
-            return error.response()
+            return shutting_down(
+                "cut the request before its answer",
+                jittered(SHUTDOWN_RETRY_MS, self.jitter, self._rng),
+                {"Connection": "close"},  # the retry must take another connection
+            ).response()
         finally:
             self._tasks.discard(task)
 

@@ -40,6 +40,9 @@ from admission.redisconfig import RedisSettings
 from admission.store import PoolPolicy, TenantQuota
 from admission.tiers import Tier
 
+MIN_STUCK_AFTER_MS = 1_000
+"""The shortest `[scheduler] stuck_after_ms` besides 0 (off)."""
+
 
 def _check_name(key: KeyName, name: str, kind: str, value: str) -> None:
     try:
@@ -421,6 +424,16 @@ class SchedulerSettings:
     """Half-life of the learned usage/reservation ratio (older settles weigh less)."""
     preemption_cooldown_ms: int = at_least(0, 10_000)
     """After a node reports a preemption, no overcommit on it for this long."""
+    stuck_after_ms: int = at_least(0, 30_000)
+    """A node whose engine holds requests and moves none of its token counters for this long
+    is ejected until it moves (scheduler.scrape); 0: never."""
+
+    def check(self, key: KeyName) -> None:
+        if 0 < self.stuck_after_ms < MIN_STUCK_AFTER_MS:
+            raise ConfigError(
+                f"{key('stuck_after_ms')}: must be 0 (off) or at least {MIN_STUCK_AFTER_MS}, "
+                f"got {self.stuck_after_ms}: a busy engine's counters rest for a step, or "
+                "for a long prompt's whole prefill, and a node judged stuck gets no new work")
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from admission.inspect_fair import (
     scan_hashes,
 )
 from admission.keys import PoolKeys, SchedulerKeys
-from admission.reads import Held, held_map, redis_time_us
+from admission.reads import Held, held_map, parse_nodes_out, redis_time_us
 from admission.scripts import frozen_clock_allowed
 from admission.store import MICRO
 from admission.tiers import Tier
@@ -242,9 +242,7 @@ def _nodes(state: dict[str, str], capacity: Mapping[str, str],
     for name in [f for f in state if ":" in f]:
         kind, node = name.split(":", 1)
         per_node.setdefault(node, {})[kind] = state.pop(name)
-    out_reasons = dict(
-        item.split(":", 1) for item in state.get("nodes_out", "").split(",") if ":" in item
-    )
+    out_reasons = parse_nodes_out(state.get("nodes_out", ""))
     dedicated = set(state.get("dedicated_nodes", "").split())
     closed = set(state.get("dedicated_guests_closed", "").split())
     views = []

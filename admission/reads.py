@@ -278,6 +278,21 @@ async def vip_placements(client: Any, keys: PoolKeys) -> dict[str, int]:
             if name.endswith(":vips")}
 
 
+NODE_STUCK = "stuck"
+"""The `nodes_out` reason of a node whose engine the leader judged stuck (its /metrics answers,
+it holds requests, it counts no token): the gateways end the requests it holds."""
+
+
+def parse_nodes_out(raw: str) -> dict[str, str]:
+    """The state's `nodes_out` field ("node:reason,node:reason") as node -> reason."""
+    return dict(item.split(":", 1) for item in raw.split(",") if ":" in item)
+
+
+async def nodes_out(client: Any, keys: PoolKeys) -> dict[str, str]:
+    """The nodes the last leader took out of the pool, and why (one field of the state)."""
+    return parse_nodes_out(_text(await client.hget(keys.state, "nodes_out")))
+
+
 async def published_state(client: Any, keys: PoolKeys) -> dict[str, str]:
     """The pool's state hash, as the last leader published it (empty: none yet)."""
     return _str_map(await client.hgetall(keys.state))

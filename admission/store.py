@@ -418,6 +418,10 @@ class PoolStore:
         """node -> VIP placements there so far (admission.reads.vip_placements)."""
         return await reads.vip_placements(self.client, self.keys)
 
+    async def nodes_out(self) -> dict[str, str]:
+        """Node -> why the last leader took it out (admission.reads.nodes_out)."""
+        return await reads.nodes_out(self.client, self.keys)
+
     async def published_state(self) -> dict[str, str]:
         """The state hash as the last leader published it (admission.reads.published_state)."""
         return await reads.published_state(self.client, self.keys)

@@ -61,6 +61,7 @@ from gateway.state import (
     SETTLE_DRAIN,
     Gateway,
 )
+from gateway.stucknodes import cut_stuck_requests
 from gateway.waiter import WakeHub
 
 log = logging.getLogger("kvgate.gateway")
@@ -200,6 +201,11 @@ async def _runtime(app: web.Application) -> AsyncIterator[None]:
             renew_leases(stores, gid, config.gateway.renew_interval_ms / 1000, settler,
                          stop_renewing),
             name="kvgate-renew",
+        ),
+        asyncio.create_task(
+            cut_stuck_requests(pools, nodes, metrics, config.gateway.renew_interval_ms / 1000,
+                               stop_renewing),
+            name="kvgate-stuck-nodes",
         ),
     ]
     log.info("gateway %s serving pools %s, Redis %s", gid, ", ".join(sorted(pools)),

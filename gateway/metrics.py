@@ -55,7 +55,7 @@ the tier's whole timeout was waited, which is what the VIP queue-timeout alert r
 REJECTION_REASONS = (*(reason.value for reason in RejectReason), QUEUE_TIMEOUT, CLIENT_DEADLINE)
 """The `reason` values of kvgate_gateway_rejections_total: admission's, and the two deadlines
 of a queued request."""
-UPSTREAM_ERROR_KINDS = ("unreachable", "error", "rejected", "timeout", "broken_stream",
+UPSTREAM_ERROR_KINDS = ("unreachable", "error", "rejected", "timeout", "stuck", "broken_stream",
                         "oversized_event", "oversized_answer", "malformed_answer")
 """The `kind` values of kvgate_gateway_upstream_errors_total (gateway.proxy)."""
 
@@ -69,7 +69,8 @@ _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 AUTH_FAILURES = ("missing_api_key", "invalid_api_key", "missing_admin_token",
                  "invalid_admin_token")
 """The `reason` values of kvgate_gateway_auth_failures_total (the 401s' error codes)."""
-REDIS_OPS = ("admit", "settle", "abandon", "renew", "poll", "subscribe", "drain_hint", "admin")
+REDIS_OPS = ("admit", "settle", "abandon", "renew", "poll", "subscribe", "drain_hint", "admin",
+             "nodes_out")
 """The `op` values of kvgate_gateway_redis_errors_total."""
 SETTLE_OPS = ("settle", "cancel")
 GIVE_UP_REASONS = ("permanent", "deadline")

@@ -10,9 +10,10 @@ and a read timeout that fires when the node has sent nothing for that long (as a
 
 Errors: `NodeUnreachable` when no connection could be made (nothing was sent), `NodeTimeout`
 when the node went quiet, `AnswerTooLarge` when a body read whole outgrows the reader's limit,
-`HeadTooLarge` when the status line and headers outgrow theirs, `NodeError` for any other
-failure (connection lost, malformed answer). A request that finds
-its reused connection closed by the node before any byte of an answer, within
+`HeadTooLarge` when the status line and headers outgrow theirs, `NodeStuck` (a `NodeTimeout`)
+when the gateway ended the exchange because the pool's leader judged the node stuck
+(`NodeClient.cut`), `NodeError` for any other failure (connection lost, malformed answer).
+A request that finds its reused connection closed by the node before any byte of an answer, within
 `STALE_CLOSE_S` of its sending, is sent again once on a new connection: servers close idle
 keep-alive connections on their own schedule (vLLM's uvicorn after 5 s), and such a connection
 never reached the app. A later close is the node failing while it worked on the request (a
@@ -33,7 +34,7 @@ from urllib.parse import urlsplit
 import httptools
 
 __all__ = ["AnswerTooLarge", "HeadTooLarge", "NodeClient", "NodeError", "NodeResponse",
-           "NodeTimeout", "NodeUnreachable"]
+           "NodeStuck", "NodeTimeout", "NodeUnreachable"]
 
 PAUSE_READING_BYTES = 256 * 1024
 """A stream whose reader (the gateway's client) lags this far behind stops reading the node
@@ -64,6 +65,11 @@ class NodeUnreachable(NodeError):
 
 class NodeTimeout(NodeError, TimeoutError):
     """The node sent nothing for the read timeout."""
+
+
+class NodeStuck(NodeTimeout):
+    """Ended by `NodeClient.cut`: the node's engine was judged stuck, and this exchange had
+    been silent long enough to be one of its victims. Handled as a timeout that came early."""
 
 
 class HeadTooLarge(NodeError):
@@ -121,6 +127,9 @@ class _Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.idle_in: list[_Connection] | None = None
         """The pool list holding this connection while it waits for a request."""
+        self.busy_in: set[_Connection] | None = None
+        """The client's set of connections carrying a request to this origin, while it
+        carries one (`NodeClient.cut` looks there)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -260,6 +269,7 @@ class _Connection(asyncio.Protocol):
     def abort(self) -> None:
         self.closed = True
         self._cancel_timer()
+        self.leave_busy()
         if self.transport is not None:
             self.transport.abort()
 
@@ -280,6 +290,11 @@ class _Connection(asyncio.Protocol):
         else:
             self._timer = self.loop.call_later(
                 read_timeout_s - quiet_for, self._check_quiet, read_timeout_s)
+
+    def leave_busy(self) -> None:
+        if self.busy_in is not None:
+            self.busy_in.discard(self)
+            self.busy_in = None
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -405,9 +420,30 @@ class NodeClient:
         self.keepalive_s = keepalive_s
         self._ssl_context = ssl_context
         self._idle: dict[_Origin, list[_Connection]] = {}
+        self._busy: dict[_Origin, set[_Connection]] = {}
         self.connects = 0
 
+    def busy(self, base_url: str) -> int:
+        """Requests in flight to the node at `base_url`."""
+        return len(self._busy.get(_origin(base_url), ()))
+
+    def cut(self, base_url: str, quiet_s: float, why: str) -> int:
+        """End every exchange with the node at `base_url` that has received nothing for
+        `quiet_s` or longer (counted from its sending, or from its last byte): each reader
+        raises `NodeStuck(why)` as it would a timeout, and the connection is closed, which
+        tells the node to drop the request. One that is receiving is left to finish: the
+        verdict may be a moment older than the node's recovery. Returns how many were ended."""
+        busy = self._busy.get(_origin(base_url))
+        if not busy:
+            return 0
+        now = asyncio.get_running_loop().time()
+        ended = [c for c in busy if not c.complete and now - c.last_data >= quiet_s]
+        for conn in ended:
+            conn._fail(NodeStuck(why))
+        return len(ended)
+
     def _keep(self, conn: _Connection) -> None:
+        conn.leave_busy()
         conn.idle_since = conn.loop.time()
         conn.idle_in = self._idle.setdefault(conn.origin, [])
         conn.idle_in.append(conn)
@@ -473,6 +509,8 @@ class NodeClient:
     async def _exchange(self, conn: _Connection, request: bytes, read_timeout_s: float,
                         on_sent: Callable[[bool], None] | None = None) -> NodeResponse:
         conn.start(request, read_timeout_s)
+        busy = conn.busy_in = self._busy.setdefault(conn.origin, set())
+        busy.add(conn)
         if on_sent is not None:
             on_sent(True)
         try:

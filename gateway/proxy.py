@@ -55,6 +55,7 @@ from gateway.nodeclient import (
     NodeClient,
     NodeError,
     NodeResponse,
+    NodeStuck,
     NodeTimeout,
     NodeUnreachable,
 )
@@ -141,7 +142,14 @@ class Upstream:
         return error
 
     def _timed_out(self, ticket: Ticket, exc: NodeTimeout) -> ApiError:
-        """The node sent nothing for the silence limit, before or inside a whole answer."""
+        """The node sent nothing for the silence limit, before or inside a whole answer; or
+        the gateway ended the exchange on a node the leader judged stuck, which the client
+        may send again at once: the node is out of the pool, so a retry lands elsewhere, and
+        the closed connection tells it to drop the request."""
+        if isinstance(exc, NodeStuck):
+            return self._failed(ticket, "stuck", 502,
+                                f"The inference node is stuck ({exc}); your request was ended "
+                                "there and may be sent again.", retry=True)
         return self._failed(ticket, "timeout", 502,
                             f"The inference node timed out: {exc}. Please retry.")
 
@@ -279,6 +287,8 @@ class Upstream:
                                f"The inference node's answer exceeded {limit} bytes, more than "
                                "this request can produce. Please retry.") from None
         except NodeTimeout as exc:
+            if isinstance(exc, NodeStuck):
+                meter.phase = Phase.PENDING  # nothing came of it: the client pays nothing
             raise self._timed_out(ticket, exc) from None
         except NodeError:
             raise self._failed(ticket, "error", 502,
@@ -348,7 +358,8 @@ class Upstream:
                 broken = not relay.ended
                 if broken:
                     quiet = exc if isinstance(exc, NodeTimeout) else None
-                    kind = "timeout" if quiet is not None else (
+                    kind = ("stuck" if isinstance(exc, NodeStuck) else "timeout"
+                            ) if quiet is not None else (
                         "oversized_event" if isinstance(exc, EventTooLarge) else
                         "broken_stream")
                     self.metrics.child(
@@ -362,7 +373,10 @@ class Upstream:
                 # run into it and make one event that is not JSON, on which the SDKs raise a
                 # JSON decoding error instead of the API error that follows.
                 # A node gone quiet says so, as the same failure of a whole answer does.
-                error = (ApiError(502, f"The inference node timed out: {quiet}; the stream "
+                error = (ApiError(502, f"The inference node is stuck ({quiet}); the stream "
+                                  "was cut.", type_="server_error", code="upstream_stuck")
+                         if isinstance(quiet, NodeStuck) else
+                         ApiError(502, f"The inference node timed out: {quiet}; the stream "
                                   "was cut.", type_="server_error", code="upstream_timeout")
                          if quiet is not None else
                          ApiError(502, "The inference node broke off the stream.",

@@ -84,6 +84,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import NamedTuple
 
+from admission.reads import NODE_STUCK
 from scheduler.scrape import NodeView
 
 PRIOR_TOKENS = 50_000.0
@@ -296,7 +297,7 @@ class NodePlan:
     stale: bool
     ejected: bool
     reason: str
-    """Why the node gets no new work ('' when it may): ejected, no_capacity, stale."""
+    """Why the node gets no new work ('' when it may): ejected, stuck, no_capacity, stale."""
     tier_budgets: tuple[int, int, int] | None = None
     """What VIP, Normal and Batch may each reserve, every tier up to its own ceiling (the first
     is `budget`); None: `budget` for every tier."""
@@ -327,7 +328,8 @@ def plan_node(
     engine (`[pools.engine] dispatch_ms`). The plan's `budget` is VIP's."""
     capacity = view.capacity or 0
     if view.ejected or view.metrics is None or capacity <= 0:
-        reason = "ejected" if view.ejected else ("no_capacity" if capacity <= 0 else "stale")
+        reason = (NODE_STUCK if view.stuck else "ejected") if view.ejected else (
+            "no_capacity" if capacity <= 0 else "stale")
         # A node never heard from, or of unknown size, gets no work and no say in the zone.
         return NodePlan(view.name, capacity, math.nan, math.nan, reserved, None, factor,
                         view.stale, view.ejected, reason)

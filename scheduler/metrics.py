@@ -115,6 +115,9 @@ class SchedulerMetrics:
                                    "one).", ["pool"], registry=r)
         self.ejected = Gauge(p + "node_ejected", "1 while the node is ejected.",
                              ["pool", "node"], registry=r)
+        self.stuck = Gauge(p + "node_stuck", "1 while the node is ejected because its engine "
+                           "holds requests and counts no token (stuck_after_ms).",
+                           ["pool", "node"], registry=r)
         self.preemptions = Gauge(p + "node_preemptions",
                                  "vllm:num_preemptions_total as last scraped.",
                                  ["pool", "node"], registry=r)
@@ -187,6 +190,7 @@ class SchedulerMetrics:
             self.budget.labels(pool, p.name).set(p.budget if p.budget is not None else 0)
             self.reserved.labels(pool, p.name).set(p.reserved)
             self.ejected.labels(pool, p.name).set(1 if p.ejected else 0)
+            self.stuck.labels(pool, p.name).set(1 if p.reason == "stuck" else 0)
 
     def set_rooms(self, pool: str, rooms: Mapping[str, NodeRoom]) -> None:
         """The release control's figures per node. A node the tick gave no room (ejected, or
@@ -221,7 +225,7 @@ class SchedulerMetrics:
         read as a reset."""
         self.fair.forget()
         for gauge in (self.zone, self.pool_usage, self.usage_ratio, self.kv_usage,
-                      self.projected, self.budget, self.reserved, self.ejected,
+                      self.projected, self.budget, self.reserved, self.ejected, self.stuck,
                       self.preemptions, self.queue_depth, self.queue_held, self.drain,
                       *self._room_gauges, self.vip_objective):
             gauge.clear()

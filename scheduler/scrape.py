@@ -12,6 +12,18 @@ Names: `vllm:kv_cache_usage_perc` (V1, vLLM >= 0.10) is read first, the V0 name
 decode step time comes from `vllm:inter_token_latency_seconds` (vLLM >= 0.11), or the older
 `vllm:time_per_output_token_seconds`: only their `_sum` and `_count`.
 
+A stuck engine (it holds requests and makes no progress, while its API server still answers
+`/metrics`) is found from the same page: its token counters (`vllm:prompt_tokens_total`,
+`vllm:generation_tokens_total`, the inter-token histogram's `_count`) stop moving while it
+reports requests running or waiting. A busy engine moves one of them at every step: a decode
+step counts a token for each running sequence, and a prompt is counted when its prefill ends,
+so only a prefill alone in the engine and longer than `stuck_after_ms` (a prompt of hundreds of
+thousands of tokens) is silent for that long. A node so read is ejected like one whose scrapes
+fail (`NodeView.stuck`), and rejoins at the first reading whose counters moved (a restarted
+engine's counters start again, which is a move) or that shows it idle. A page with neither the
+generated-token counter nor the histogram shows no decode progress, and such a node is never
+judged stuck.
+
 A server running several engines (data parallel) exposes one sample per `engine` label:
 usage is the highest engine's (conservative), counts and capacities are summed.
 
@@ -47,6 +59,7 @@ WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions"
 CACHE_INFO = "vllm:cache_config_info"
 PROMPT_TOKENS = "vllm:prompt_tokens"
+GENERATION_TOKENS = "vllm:generation_tokens"
 ITL_V1 = "vllm:inter_token_latency_seconds"
 ITL_V0 = "vllm:time_per_output_token_seconds"
 DEFAULT_BLOCK_SIZE = 16
@@ -67,6 +80,7 @@ that status), is an open set and appears with its first occurrence."""
 log = logging.getLogger("kvgate.scheduler.scrape")
 
 _NAMES = (USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, CACHE_INFO, PROMPT_TOKENS,
+          GENERATION_TOKENS,
           *(name + part for name in (ITL_V1, ITL_V0) for part in ("_sum", "_count")))
 _WANTED = tuple(
     prefix + name for name in _NAMES for prefix in ("", "# HELP ", "# TYPE ")
@@ -131,6 +145,24 @@ class NodeMetrics:
     itl: tuple[float, float] | None = None
     """(sum in seconds, count) of the inter-token latency histogram, None when the page lacks
     it: their rates' ratio is the node's mean decode step time (scheduler.control)."""
+    generation_tokens: float | None = None
+    """vllm:generation_tokens_total (tokens generated so far), None when the page lacks it."""
+
+    @property
+    def progress(self) -> tuple[float | None, float | None, float | None]:
+        """The counters a working engine moves: prompt tokens, generated tokens, decoded
+        tokens of the inter-token histogram."""
+        return (self.prompt_tokens, self.generation_tokens,
+                None if self.itl is None else self.itl[1])
+
+    @property
+    def shows_decoding(self) -> bool:
+        """The page counts decoded tokens: a running sequence moves it at every step."""
+        return self.generation_tokens is not None or self.itl is not None
+
+    @property
+    def busy(self) -> bool:
+        return self.running > 0 or self.waiting > 0
 
 
 def _select(text: str) -> str:
@@ -151,6 +183,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     counted: set[str] = set()
     preemptions: float | None = None
     prompt_tokens: float | None = None
+    generation_tokens: float | None = None
     itl: dict[str, list[float]] = {ITL_V1: [0.0, 0.0], ITL_V0: [0.0, 0.0]}
     seen_itl: dict[str, set[str]] = {ITL_V1: set(), ITL_V0: set()}
     capacity = 0
@@ -174,6 +207,8 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
                 preemptions = (preemptions or 0.0) + sample.value
             elif name == PROMPT_TOKENS + "_total":
                 prompt_tokens = (prompt_tokens or 0.0) + sample.value
+            elif name == GENERATION_TOKENS + "_total":
+                generation_tokens = (generation_tokens or 0.0) + sample.value
             elif name.rpartition("_")[0] in itl:
                 # Only the _sum and _count lines are selected (not the buckets): summed over
                 # engines, the ratio of their rates is the mean over every decoded token.
@@ -222,6 +257,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
         block_size=block_size or DEFAULT_BLOCK_SIZE,
         prompt_tokens=_finite(prompt_tokens),
         itl=step if step is not None and all(map(math.isfinite, step)) else None,
+        generation_tokens=_finite(generation_tokens),
     )
 
 
@@ -242,6 +278,11 @@ class NodeState:
     last_error: str = ""
     seq: int = 0
     """Successful scrapes so far: a new value means a new reading."""
+    progress: tuple[float | None, float | None, float | None] | None = None
+    """The engine's token counters at the last reading (NodeMetrics.progress)."""
+    moved_at: float = 0.0
+    """Monotonic time of the last reading at which the engine moved a token counter or held
+    no request (or of its first reading)."""
     inflight: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -270,6 +311,11 @@ class NodeView:
     seq: int
     """Number of the reading (see NodeState.seq)."""
     error: str
+    still_s: float = 0.0
+    """How long the engine has held requests without moving a token counter (0 while it moves,
+    is idle, or its page counts no decoded token)."""
+    stuck: bool = False
+    """Still for `stuck_after_s` or longer: ejected (no work goes to it) until it moves."""
 
 
 ScrapeHook = Callable[[str, float, str | None], None]
@@ -292,6 +338,7 @@ class Poller:
         timeout_s: float,
         stale_after_s: float,
         eject_after: int,
+        stuck_after_s: float = 0.0,
         on_scrape: ScrapeHook | None = None,
         clock: Callable[[], float] = time.monotonic,
         pool: str = "",
@@ -310,6 +357,8 @@ class Poller:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.stale_after_s = stale_after_s
         self.eject_after = eject_after
+        self.stuck_after_s = stuck_after_s
+        """0: no node is ever judged stuck."""
         self.on_scrape = on_scrape
         self.clock = clock
 
@@ -343,6 +392,10 @@ class Poller:
         if error is None:
             node.failures, node.ok_at, node.last_error = 0, self.clock(), ""
             node.seq += 1
+            m = node.metrics
+            if m is not None and (m.progress != node.progress or not m.busy):
+                node.moved_at = node.ok_at
+            node.progress = None if m is None else m.progress
             self._oversized[node.name].succeeded()
         else:
             node.failures += 1
@@ -357,6 +410,7 @@ class Poller:
         so that the next one is new to whoever saw the last."""
         for node in self.nodes:
             node.metrics, node.ok_at, node.failures, node.last_error = None, 0.0, 0, ""
+            node.progress, node.moved_at = None, 0.0
 
     async def poll(self, wait_s: float) -> list[NodeView]:
         for node in self.nodes:
@@ -368,16 +422,24 @@ class Poller:
         return [self.view(node) for node in self.nodes]
 
     def view(self, node: NodeState) -> NodeView:
-        age = self.clock() - node.ok_at if node.metrics is not None else float("inf")
+        now = self.clock()
+        m = node.metrics
+        age = now - node.ok_at if m is not None else float("inf")
+        # Measured to now, not to the last reading: a node whose scrapes then fail stays stuck
+        # (and is ejected for the failures too) rather than rejoining on an old reading.
+        still = now - node.moved_at if m is not None and m.busy and m.shows_decoding else 0.0
+        stuck = self.stuck_after_s > 0 and still >= self.stuck_after_s
         return NodeView(
             name=node.name,
-            metrics=node.metrics,
+            metrics=m,
             capacity=node.capacity,
-            stale=node.metrics is None or node.failures > 0 or age > self.stale_after_s,
-            ejected=node.failures >= self.eject_after,
+            stale=m is None or node.failures > 0 or age > self.stale_after_s,
+            ejected=node.failures >= self.eject_after or stuck,
             age_s=age,
             seq=node.seq,
             error=node.last_error,
+            still_s=still,
+            stuck=stuck,
         )
 
     async def close(self) -> None:

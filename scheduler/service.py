@@ -119,6 +119,7 @@ class SchedulerService:
                 timeout_s=s.scrape_timeout_ms / 1000,
                 stale_after_s=(s.scrape_timeout_ms + s.poll_interval_ms) / 1000,
                 eject_after=s.eject_after_failures,
+                stuck_after_s=s.stuck_after_ms / 1000,
                 on_scrape=self._scrape_hook(pool.name),
                 clock=self.clock,
                 pool=pool.name,

@@ -1,6 +1,6 @@
 """The leader's log of what changes in a pool, one line per change and never one per poll:
-a node ejected (its scrapes failed `eject_after_failures` times in a row) and back, and the
-pool entering and leaving RED.
+a node ejected (its scrapes failed `eject_after_failures` times in a row, or its engine is
+stuck: scheduler.scrape) and back, and the pool entering and leaving RED.
 
 The gauges (`kvgate_scheduler_node_ejected`, `kvgate_scheduler_zone`) say the same at every
 scrape; these lines say when, and why, for whoever reads the leader's log. A new leadership
@@ -25,10 +25,13 @@ class TransitionLog:
         self.eject_after = eject_after
         self.red = red
         self.ejected: set[str] = set()
+        self.stuck: set[str] = set()
+        """Of the ejected, those ejected as stuck (their rejoining is logged as a move)."""
         self.in_red = False
 
     def reset(self) -> None:
         self.ejected.clear()
+        self.stuck.clear()
         self.in_red = False
 
     def observe(self, views: Iterable[NodeView], zone: Zone, usage: float | None) -> None:
@@ -37,13 +40,26 @@ class TransitionLog:
         for view in views:
             if view.ejected and view.name not in self.ejected:
                 self.ejected.add(view.name)
-                log.warning("pool %s: node %s ejected after %d failed scrapes in a row "
-                            "(last: %s); no work goes to it until it answers", self.pool,
-                            view.name, self.eject_after, view.error or "unknown")
+                if view.stuck and view.metrics is not None:
+                    self.stuck.add(view.name)
+                    log.warning("pool %s: node %s ejected as stuck: its engine holds %d "
+                                "running and %d waiting requests and has counted no token for "
+                                "%.0f s; no work goes to it until it counts one or is idle",
+                                self.pool, view.name, view.metrics.running,
+                                view.metrics.waiting, view.still_s)
+                else:
+                    log.warning("pool %s: node %s ejected after %d failed scrapes in a row "
+                                "(last: %s); no work goes to it until it answers", self.pool,
+                                view.name, self.eject_after, view.error or "unknown")
             elif not view.ejected and view.name in self.ejected:
                 self.ejected.discard(view.name)
-                log.info("pool %s: node %s answers again and rejoins the pool", self.pool,
-                         view.name)
+                if view.name in self.stuck:
+                    self.stuck.discard(view.name)
+                    log.info("pool %s: node %s moves again and rejoins the pool", self.pool,
+                             view.name)
+                else:
+                    log.info("pool %s: node %s answers again and rejoins the pool", self.pool,
+                             view.name)
         red = zone is Zone.RED
         if red and not self.in_red:
             why = ("no usable node" if usage is None

@@ -7,6 +7,13 @@ is killed) and, optionally, streams that stop after some tokens until the client
 Prints ``instant backend listening on http://HOST:PORT`` once it serves, like the instant
 backend. Every generation it receives is counted in ``chaos:requests_total`` on /metrics, by
 X-Request-Id, so a test can tell whether a task reached a node twice.
+
+Its page reports the generations in flight as running, and counts each one answered in
+``vllm:generation_tokens_total``. ``POST /chaos/stuck`` makes it a stuck engine whose API
+server still answers: no generation answers again (those in flight and those that come wait
+until their client leaves), and the page is frozen as a hung vLLM engine's is (its counts
+stop changing, so the requests held stay counted as running after their clients leave, and
+each new one adds to them).
 """
 
 from __future__ import annotations
@@ -27,23 +34,58 @@ from bench.common.instant_backend import InstantBackend
 SEEN: Final = web.AppKey("chaos_seen", collections.Counter)
 
 
+class Engine:
+    """What the page reports beyond the instant backend's, and the stuck switch."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.answered = 0
+        self.stuck = asyncio.Event()
+        self.held = 0
+        """Generations in flight when it got stuck, and every one since."""
+
+
 def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Application:
     backend = InstantBackend(model=model, hold_after=hold_after, record=False)
     app = backend.app()
     seen: collections.Counter[str] = collections.Counter()
     app[SEEN] = seen
+    engine = Engine()
+
+    async def stuck(request: web.Request) -> web.Response:
+        if not engine.stuck.is_set():
+            engine.held = engine.active
+            engine.stuck.set()
+        return web.json_response({"held": engine.held})
+
+    app.router.add_post("/chaos/stuck", stuck)
 
     @web.middleware
     async def delay(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/") and request.method == "POST":
             seen[request.headers.get("X-Request-Id", "")] += 1
-            if delay_s:
-                await asyncio.sleep(delay_s)
+            engine.active += 1
+            try:
+                if engine.stuck.is_set():
+                    engine.held += 1
+                if delay_s:
+                    await asyncio.sleep(delay_s)
+                if engine.stuck.is_set():
+                    await asyncio.Event().wait()  # until the client leaves
+                response = await handler(request)
+                engine.answered += 1
+                return response
+            finally:
+                engine.active -= 1
         elif request.path == "/metrics":
+            backend.running = engine.held if engine.stuck.is_set() else engine.active
             response = await handler(request)
             assert isinstance(response, web.Response) and response.text is not None
             twice = sum(1 for n in seen.values() if n > 1)
             response.text = (response.text
+                             + "# TYPE vllm:generation_tokens counter\n"
+                             + f'vllm:generation_tokens_total{{engine="0",model_name="{model}"}} '
+                             + f"{float(engine.answered)}\n"
                              + "# TYPE chaos:requests counter\n"
                              + f"chaos:requests_total {sum(seen.values())}\n"
                              + "# TYPE chaos:tasks_seen_twice gauge\n"

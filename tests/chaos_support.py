@@ -36,12 +36,11 @@ def chaos_config(redis_url: str, backends: list[str], *, capacity_tokens: int | 
                  gateway: dict[str, Any] | None = None,
                  scheduler: dict[str, Any] | None = None,
                  redis: dict[str, Any] | None = None) -> dict[str, Any]:
-    data = config_data(redis_url, backends, lease_ttl_ms=LEASE_TTL_MS,
-                       renew_interval_ms=RENEW_MS, wake_fallback_ms=FALLBACK_MS,
-                       upstream_timeout_ms=UPSTREAM_TIMEOUT_MS,
-                       upstream_ms_per_output_token=UPSTREAM_MS_PER_OUTPUT_TOKEN,
-                       access_log=False,
-                       **(gateway or {}))
+    data = config_data(redis_url, backends, **{
+        "lease_ttl_ms": LEASE_TTL_MS, "renew_interval_ms": RENEW_MS,
+        "wake_fallback_ms": FALLBACK_MS, "upstream_timeout_ms": UPSTREAM_TIMEOUT_MS,
+        "upstream_ms_per_output_token": UPSTREAM_MS_PER_OUTPUT_TOKEN, "access_log": False,
+        **(gateway or {})})
     data["redis"].update(redis or {})
     data["scheduler"] = {
         "poll_interval_ms": POLL_MS, "leader_ttl_ms": LEADER_TTL_MS,
@@ -73,6 +72,8 @@ class Outcome:
     code: str | None = None
     task_id: str | None = None
     retry_after: str | None = None
+    should_retry: str | None = None
+    """The answer's `x-should-retry` header, if any."""
 
     @property
     def seconds(self) -> float:
@@ -125,7 +126,8 @@ async def send(http: aiohttp.ClientSession, url: str, who: str, body: dict[str, 
                     code = json.loads(payload)["error"]["code"]
             return Outcome(tag, started, time.monotonic(), time.time(), response.status,
                            code=code, task_id=response.headers.get("X-Request-Id"),
-                           retry_after=response.headers.get("Retry-After"))
+                           retry_after=response.headers.get("Retry-After"),
+                           should_retry=response.headers.get("x-should-retry"))
     except (aiohttp.ClientError, TimeoutError) as exc:
         return Outcome(tag, started, time.monotonic(), time.time(), None,
                        error=type(exc).__name__)

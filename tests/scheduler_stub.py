@@ -45,6 +45,8 @@ class FakeVllm:
     """vllm:prompt_tokens_total; None: not on the page."""
     itl: tuple[float, float] | None = None
     """(sum, count) of vllm:inter_token_latency_seconds; None: not on the page."""
+    generation_tokens: float | None = None
+    """vllm:generation_tokens_total; None: not on the page."""
     body: bytes | None = None
     """Served as the page instead of `render()` (malformed or odd pages), as UTF-8 text."""
 
@@ -84,6 +86,10 @@ class FakeVllm:
             lines += ["# HELP vllm:prompt_tokens Number of prefill tokens processed.",
                       "# TYPE vllm:prompt_tokens counter",
                       f"vllm:prompt_tokens_total{{{labels}}} {self.prompt_tokens}"]
+        if self.generation_tokens is not None:
+            lines += ["# HELP vllm:generation_tokens Number of generation tokens processed.",
+                      "# TYPE vllm:generation_tokens counter",
+                      f"vllm:generation_tokens_total{{{labels}}} {self.generation_tokens}"]
         if self.num_gpu_blocks is not None:
             engine = "" if self.v0 else 'engine="0",'
             lines += [
@@ -203,7 +209,8 @@ async def pool_scheduler(
             pool.backends, session,
             timeout_s=SCRAPE_WAIT_S,
             stale_after_s=(settings.scrape_timeout_ms + settings.poll_interval_ms) / 1000,
-            eject_after=settings.eject_after_failures, clock=clock,
+            eject_after=settings.eject_after_failures,
+            stuck_after_s=settings.stuck_after_ms / 1000, clock=clock,
         )
         store = PoolStore(client, register_scripts(client), pool.name,
                           config.pool_policy(pool.name))

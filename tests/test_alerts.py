@@ -316,6 +316,17 @@ CASES = [
     # A standby's last figures (its scrape failed, so Prometheus still holds them) are not read.
     Case("KvgateNodeEjected", LEADER | sched("kvgate_scheduler_node_ejected",
                                              'pool="p", node="n1"', "1x10", "s1"), "8m"),
+    # Stuck from 2m: its own alert from 3m; never KvgateNodeEjected, which it also sets.
+    Case("KvgateNodeStuck", LEADER | sched("kvgate_scheduler_node_stuck",
+                                           'pool="p", node="n1"', "0 0 1x10"), "2m30s"),
+    Case("KvgateNodeStuck", LEADER | sched("kvgate_scheduler_node_stuck",
+                                           'pool="p", node="n1"', "0 0 1x10"), "3m",
+         {"pool": "p", "node": "n1"}),
+    Case("KvgateNodeEjected", LEADER | sched("kvgate_scheduler_node_ejected",
+                                             'pool="p", node="n1"', "0 0 1x10")
+         | sched("kvgate_scheduler_node_stuck", 'pool="p", node="n1"', "0 0 1x10"), "9m"),
+    Case("KvgateNodeStuck", LEADER | sched("kvgate_scheduler_node_stuck",
+                                           'pool="p", node="n1"', "1x10", "s1"), "5m"),
     Case("KvgateNodeRefusesGateway", gw("kvgate_gateway_upstream_errors_total",
                                         'pool="p", node="n1", kind="rejected"', "0+60x10"),
          "7m", {"pool": "p", "node": "n1"}),

@@ -1,0 +1,135 @@
+"""A stuck engine, with real processes (`python -m gateway`, `python -m scheduler`, two
+`tests.chaos_backend` nodes, a private redis-server): one node's engine stops answering while
+its /metrics still answers, frozen as a hung vLLM engine's page is. The leader ejects it after
+`stuck_after_ms`, and the gateway ends the requests the node holds with a 502 the client may
+send again, long before the upstream timeout; new requests go to the other node; the budget is
+conserved."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from admission.keys import PoolKeys
+from bench.common.localredis import LocalRedis
+from gateway.stucknodes import CUT_QUIET_S
+from tests.chaos_support import (
+    POLL_MS,
+    RENEW_MS,
+    Load,
+    Row,
+    answered,
+    assert_conserved,
+    chaos_config,
+    metric,
+    report,
+    run_for,
+    settled,
+    task_records,
+)
+from tests.gateway_harness import POOL
+from tests.live import Processes
+
+pytestmark = pytest.mark.slow
+
+KEYS_OF = PoolKeys(POOL)
+STUCK_AFTER_MS = 1_000
+UPSTREAM_TIMEOUT_MS = 60_000
+
+
+@pytest.fixture
+async def procs() -> AsyncIterator[Processes]:
+    processes = Processes()
+    try:
+        yield processes
+    finally:
+        await asyncio.to_thread(processes.cleanup)
+
+
+async def until(check: Callable[[], Any], within_s: float, interval_s: float = 0.02) -> float:
+    start = time.monotonic()
+    while not await check():
+        if time.monotonic() - start > within_s:
+            raise AssertionError(f"condition not met within {within_s} s")
+        await asyncio.sleep(interval_s)
+    return time.monotonic() - start
+
+
+async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
+    redis_factory: Callable[..., LocalRedis], procs: Processes
+) -> None:
+    server = redis_factory()
+    redis: Any = aioredis.Redis.from_url(server.url)
+    try:
+        nodes = [procs.chaos_backend(f"node-{i}", delay_ms=100) for i in range(2)]
+        config = procs.write_config(chaos_config(
+            server.url, [url for _, url in nodes],
+            gateway={"upstream_timeout_ms": UPSTREAM_TIMEOUT_MS},
+            scheduler={"stuck_after_ms": STUCK_AFTER_MS}))
+        scheduler = procs.scheduler(config, "sched")
+        gateway = procs.gateway(config, "gw")
+
+        async def both_in() -> bool:
+            return bool(await redis.hlen(KEYS_OF.node_capacity) == 2)
+
+        await until(both_in, 10)
+        load = Load(gateway.url, "vip", "vip", workers=6, pace_s=0.02, timeout_s=30.0)
+        stop = asyncio.Event()
+        background = await run_for([load], 5.0, stop)
+        await asyncio.sleep(1.0)
+        async with aiohttp.ClientSession() as http, \
+                http.post(nodes[0][1] + "/chaos/stuck") as response:
+            assert response.status == 200
+            held_at_start = (await response.json())["held"]
+        broken = time.monotonic()
+
+        async def ejected() -> bool:
+            out = await redis.hget(KEYS_OF.state, "nodes_out")
+            capacity = {k.decode() for k in await redis.hkeys(KEYS_OF.node_capacity)}
+            return out == b"node-0:stuck" and capacity == {"node-1"}
+
+        ejected_after = await until(ejected, 10, 0.01)
+        await background
+        await settled(redis, 10)
+        states = await assert_conserved(redis)
+        records = await task_records(redis)
+        stuck_errors = await metric(gateway.url, "kvgate_gateway_upstream_errors_total",
+                                    kind="stuck")
+        still_out = await redis.hget(KEYS_OF.state, "nodes_out")
+        stuck_gauge = await metric(f"http://127.0.0.1:{scheduler.port}",
+                                   "kvgate_scheduler_node_stuck", node="node-0")
+    finally:
+        await redis.aclose()
+    assert answered(load.results)
+    failed = [r for r in load.results if r.status != 200]
+    assert failed, "no request was held by the stuck node"
+    assert {(r.status, r.code, r.should_retry) for r in failed} == {
+        (502, "upstream_stuck", "true")}
+    assert {records[r.task_id or ""]["node"] for r in failed} == {"node-0"}
+    assert all(records[r.task_id or ""]["state"] == "cancelled" for r in failed)
+    # Judged stuck after stuck_after_ms, published within a poll, the held requests ended at
+    # the gateway's next round once silent for CUT_QUIET_S: seconds, not the upstream timeout.
+    slowest = max(r.ended for r in failed) - broken
+    bound = STUCK_AFTER_MS / 1000 + CUT_QUIET_S + 2 * RENEW_MS / 1000 + 10 * POLL_MS / 1000 + 1.0
+    assert slowest <= bound < UPSTREAM_TIMEOUT_MS / 1000, (slowest, bound)
+    assert stuck_errors == len(failed)
+    later = [r for r in load.results if r.started > broken + ejected_after + 0.1]
+    assert later and all(r.status == 200 and records[r.task_id or ""]["node"] == "node-1"
+                         for r in later)
+    # The engine stays frozen (its page too): the node stays out.
+    assert still_out == b"node-0:stuck" and stuck_gauge == 1
+    report(Row("backend engine stuck (its /metrics answers, frozen)",
+               f"2 nodes x 100 ms per request, 6 VIP workers ({len(load.results)} requests), "
+               f"stuck_after_ms {STUCK_AFTER_MS}, upstream timeout {UPSTREAM_TIMEOUT_MS} ms",
+               "ejected as stuck; the requests it held answered 502 upstream_stuck "
+               "(x-should-retry: true) and refunded; traffic continues on the other node",
+               {"ejected after (s)": round(ejected_after, 3),
+                "held when it got stuck": held_at_start, "ended (502)": len(failed),
+                "slowest end after the break (s)": round(slowest, 3),
+                "answered 200 after ejection": len(later), "task states": states}))

@@ -1,0 +1,170 @@
+"""A stuck engine: its /metrics answers, it holds requests, and it counts no token. The leader
+ejects it after `stuck_after_ms` (no new work, no say in the zone, `nodes_out` says `stuck`)
+and takes it back at the first reading that moved or shows it idle."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AsyncExitStack
+from typing import Any
+
+import pytest
+
+from admission.config import ConfigError, parse_config
+from admission.tiers import Tier
+from scheduler.scrape import parse_vllm_metrics
+from tests.scheduler_stub import (
+    FakeClock,
+    FakeVllm,
+    always,
+    make_config,
+    pool_scheduler,
+    queue_tasks,
+    serve_fake,
+    state,
+)
+
+STUCK_AFTER_MS = 5_000
+
+
+def busy(**kw: Any) -> FakeVllm:
+    """A node with two requests running and its token counters on the page."""
+    return FakeVllm(usage=0.3, running=2, prompt_tokens=1_000.0, generation_tokens=400.0,
+                    itl=(4.0, 398.0), **kw)
+
+
+def test_the_generated_token_counter_is_read() -> None:
+    m = parse_vllm_metrics(busy().render())
+    assert m.generation_tokens == 400.0
+    assert m.progress == (1_000.0, 400.0, 398.0)
+    assert m.shows_decoding and m.busy
+    bare = parse_vllm_metrics(FakeVllm(usage=0.3, running=2, prompt_tokens=5.0).render())
+    assert bare.generation_tokens is None and not bare.shows_decoding
+
+
+async def _ticks(redis_client: Any, redis_url: str, fakes: dict[str, FakeVllm],
+                 steps: list[tuple[float, dict[str, dict[str, Any]]]],
+                 scheduler: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Tick a pool of `fakes` once, then once after each step (seconds to advance, changes to
+    the fakes' fields); each tick's plans' reasons, node_capacity and nodes_out."""
+    clock = FakeClock()
+    out: list[dict[str, Any]] = []
+    urls: dict[str, str] = {}
+    async with AsyncExitStack() as stack:
+        for name, fake in fakes.items():
+            urls[name] = await stack.enter_async_context(serve_fake(fake))
+        config = make_config(redis_url, [{"name": n, "url": u} for n, u in urls.items()],
+                             scheduler={"stuck_after_ms": STUCK_AFTER_MS, **(scheduler or {})})
+        ps = await stack.enter_async_context(pool_scheduler(redis_client, config, clock=clock))
+        for seconds, changes in [(0.0, {}), *steps]:
+            clock.advance(seconds)
+            for name, fields in changes.items():
+                for field, value in fields.items():
+                    setattr(fakes[name], field, value)
+            result = await ps.tick(1, always)
+            capacity = await redis_client.hgetall(ps.store.keys.node_capacity)
+            out.append({
+                "reasons": {p.name: p.reason for p in result.plans},
+                "capacity": sorted(k.decode() for k in capacity),
+                "nodes_out": (await state(ps.store)).get("nodes_out", ""),
+                "stuck_gauge": {p.name: ps.metrics.stuck.labels("p", p.name)._value.get()
+                                for p in result.plans},
+                "ejected_gauge": {p.name: ps.metrics.ejected.labels("p", p.name)._value.get()
+                                  for p in result.plans},
+            })
+    return out
+
+
+async def test_a_busy_node_whose_counters_rest_is_ejected_as_stuck_and_rejoins_when_they_move(
+    redis_client: Any, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.scheduler.pool")
+    stuck, healthy = busy(), busy()
+    ticks = await _ticks(redis_client, redis_url, {"n1": stuck, "n2": healthy}, [
+        (4.9, {"n2": {"generation_tokens": 500.0}}),
+        (0.1, {"n2": {"generation_tokens": 600.0}}),
+        (1.0, {"n2": {"generation_tokens": 700.0}}),
+        (1.0, {"n1": {"generation_tokens": 401.0}}),
+    ])
+    assert [t["reasons"]["n1"] for t in ticks] == ["", "", "stuck", "stuck", ""]
+    assert [t["reasons"]["n2"] for t in ticks] == [""] * 5
+    assert [t["capacity"] for t in ticks] == [["n1", "n2"]] * 2 + [["n2"]] * 2 + [["n1", "n2"]]
+    assert [t["nodes_out"] for t in ticks] == ["", "", "n1:stuck", "n1:stuck", ""]
+    assert [t["stuck_gauge"]["n1"] for t in ticks] == [0, 0, 1, 1, 0]
+    assert [t["ejected_gauge"]["n1"] for t in ticks] == [0, 0, 1, 1, 0]
+    lines = [r.getMessage() for r in caplog.records if "n1" in r.getMessage()]
+    assert lines == [
+        "pool p: node n1 ejected as stuck: its engine holds 2 running and 0 waiting requests "
+        "and has counted no token for 5 s; no work goes to it until it counts one or is idle",
+        "pool p: node n1 moves again and rejoins the pool",
+    ]
+
+
+@pytest.mark.parametrize(("what", "changes"), [
+    ("its prompt counter moves (a prefill ended)", {"prompt_tokens": 1_500.0}),
+    ("its inter-token histogram moves (a decode step)", {"itl": (4.1, 399.0)}),
+    ("it is idle", {"running": 0}),
+    ("its counters start again (the engine restarted)",
+     {"prompt_tokens": 0.0, "generation_tokens": 0.0, "itl": (0.0, 0.0)}),
+])
+async def test_any_move_or_an_idle_reading_keeps_a_node_in(
+    redis_client: Any, redis_url: str, what: str, changes: dict[str, Any]
+) -> None:
+    ticks = await _ticks(redis_client, redis_url, {"n1": busy()}, [
+        (4.0, {"n1": changes}), (4.0, {}),
+    ])
+    assert [t["reasons"]["n1"] for t in ticks] == ["", "", ""], what
+
+
+async def test_waiting_requests_alone_count_as_held(redis_client: Any, redis_url: str) -> None:
+    ticks = await _ticks(redis_client, redis_url, {"n1": busy(waiting=3)}, [
+        (0.0, {"n1": {"running": 0}}), (5.0, {}),
+    ])
+    assert [t["reasons"]["n1"] for t in ticks] == ["", "", "stuck"]
+
+
+@pytest.mark.parametrize(("what", "fake", "scheduler"), [
+    ("the page counts no decoded token", FakeVllm(usage=0.3, running=2, prompt_tokens=9.0),
+     None),
+    ("stuck_after_ms is 0", busy(), {"stuck_after_ms": 0}),
+])
+async def test_no_node_is_judged_stuck_when(redis_client: Any, redis_url: str, what: str,
+                                            fake: FakeVllm,
+                                            scheduler: dict[str, Any] | None) -> None:
+    ticks = await _ticks(redis_client, redis_url, {"n1": fake}, [(60.0, {})],
+                         scheduler=scheduler)
+    assert [t["reasons"]["n1"] for t in ticks] == ["", ""], what
+
+
+async def test_a_stuck_node_gets_no_queued_work_and_the_other_node_takes_it(
+    redis_client: Any, redis_url: str
+) -> None:
+    clock = FakeClock()
+    stuck, healthy = busy(), FakeVllm(usage=0.1, generation_tokens=0.0)
+    async with serve_fake(stuck) as u1, serve_fake(healthy) as u2:
+        config = make_config(redis_url, [{"name": "n1", "url": u1}, {"name": "n2", "url": u2}],
+                             scheduler={"stuck_after_ms": STUCK_AFTER_MS})
+        async with pool_scheduler(redis_client, config, clock=clock) as ps:
+            await ps.tick(1, always)
+            clock.advance(STUCK_AFTER_MS / 1000)
+            await queue_tasks(ps.store, [(f"v{i}", Tier.VIP, 1_000) for i in range(6)])
+            result = await ps.tick(1, always)
+            assert {t.task_id for t in result.released} == {f"v{i}" for i in range(6)}
+            placed = {t.node for t in result.released}
+            assert placed == {"n2"}, placed
+
+
+def test_stuck_after_ms_below_a_second_is_refused_and_0_turns_it_off() -> None:
+    def parse(scheduler: dict[str, Any]) -> Any:
+        return parse_config({"redis": {"url": "redis://x"}, "scheduler": scheduler,
+                             "pools": [{"name": "p", "backends": [
+                                 {"name": "n1", "url": "http://127.0.0.1:1"}]}]}, env={})
+
+    assert parse({}).scheduler.stuck_after_ms == 30_000
+    assert parse({"stuck_after_ms": 0}).scheduler.stuck_after_ms == 0
+    assert parse({"stuck_after_ms": 1_000}).scheduler.stuck_after_ms == 1_000
+    with pytest.raises(ConfigError, match=r"scheduler\.stuck_after_ms: must be 0 \(off\) or at "
+                                          r"least 1000, got 999"):
+        parse({"stuck_after_ms": 999})
+    with pytest.raises(ConfigError, match=r"stuck_after_ms: must be >= 0"):
+        parse({"stuck_after_ms": -1})

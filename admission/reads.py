@@ -280,7 +280,7 @@ async def vip_placements(client: Any, keys: PoolKeys) -> dict[str, int]:
 
 NODE_STUCK = "stuck"
 """The `nodes_out` reason of a node whose engine the leader judged stuck (its /metrics answers,
-it holds requests, it counts no token): the gateways end the requests it holds."""
+it holds requests, its page does not change): the gateways end the requests it holds."""
 
 
 def parse_nodes_out(raw: str) -> dict[str, str]:

@@ -173,7 +173,7 @@ class _Connection(asyncio.Protocol):
             if self.error is not None:
                 return
             if not self.headers_done:
-                self._fail(HeadTooLarge(f"the node's answer head is over {MAX_HEAD_BYTES} "
+                self.fail(HeadTooLarge(f"the node's answer head is over {MAX_HEAD_BYTES} "
                                         "bytes"))
                 return
             data = data[room:]
@@ -187,10 +187,10 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(NodeError("the node switched protocols"))
+            self.fail(NodeError("the node switched protocols"))
         except httptools.HttpParserError as exc:
             cause = exc.__context__  # what a callback of ours raised, if one did
-            self._fail(cause if isinstance(cause, NodeError) else NodeError(
+            self.fail(cause if isinstance(cause, NodeError) else NodeError(
                 f"malformed answer from the node: {exc}"))
 
     def eof_received(self) -> bool:
@@ -207,7 +207,7 @@ class _Connection(asyncio.Protocol):
             self.complete = True  # a body delimited by the end of the connection
             self._wake()
         elif not self.complete:
-            self._fail(NodeError("the node closed the connection"))
+            self.fail(NodeError("the node closed the connection"))
 
     # -- httptools callbacks ----------------------------------------------------------------
 
@@ -260,7 +260,8 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _fail(self, error: NodeError) -> None:
+    def fail(self, error: NodeError) -> None:
+        """End the exchange with `error`: the reader raises it, the connection is closed."""
         if self.error is None:
             self.error = error
         self.abort()
@@ -286,7 +287,7 @@ class _Connection(asyncio.Protocol):
             self._timer = None
         elif quiet_for >= read_timeout_s:
             self._timer = None
-            self._fail(NodeTimeout(f"the node sent nothing for {read_timeout_s:g} s"))
+            self.fail(NodeTimeout(f"the node sent nothing for {read_timeout_s:g} s"))
         else:
             self._timer = self.loop.call_later(
                 read_timeout_s - quiet_for, self._check_quiet, read_timeout_s)
@@ -439,7 +440,7 @@ class NodeClient:
         now = asyncio.get_running_loop().time()
         ended = [c for c in busy if not c.complete and now - c.last_data >= quiet_s]
         for conn in ended:
-            conn._fail(NodeStuck(why))
+            conn.fail(NodeStuck(why))
         return len(ended)
 
     def _keep(self, conn: _Connection) -> None:

@@ -341,7 +341,7 @@ class Upstream:
         guard = StallGuard(request, patience_s)
         try:
             await response.prepare(request)
-            broken, quiet = False, None
+            broken: ApiError | None = None
             try:
                 async for data in upstream.iter_any():
                     out = relay.feed(data)
@@ -355,33 +355,20 @@ class Upstream:
             except NodeError as exc:
                 # After its last event the answer is whole: a connection that then breaks
                 # (or stays open past the silence limit) costs the client nothing.
-                broken = not relay.ended
-                if broken:
-                    quiet = exc if isinstance(exc, NodeTimeout) else None
-                    kind = ("stuck" if isinstance(exc, NodeStuck) else "timeout"
-                            ) if quiet is not None else (
-                        "oversized_event" if isinstance(exc, EventTooLarge) else
-                        "broken_stream")
+                if not relay.ended:
+                    kind = _stream_failure(exc)
+                    broken = _stream_error(kind, exc)
                     self.metrics.child(
                         self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
                     log.warning("task %s: stream from node %s broke off (%s)", ticket.task_id,
                                 ticket.node, type(exc).__name__)
             tail = relay.flush()
-            if broken:
+            if broken is not None:
                 # The node broke off inside an event (its tail: an event begun, never ended):
                 # dropped, as it can never be completed. Sent before the error event, it would
                 # run into it and make one event that is not JSON, on which the SDKs raise a
                 # JSON decoding error instead of the API error that follows.
-                # A node gone quiet says so, as the same failure of a whole answer does.
-                error = (ApiError(502, f"The inference node is stuck ({quiet}); the stream "
-                                  "was cut.", type_="server_error", code="upstream_stuck")
-                         if isinstance(quiet, NodeStuck) else
-                         ApiError(502, f"The inference node timed out: {quiet}; the stream "
-                                  "was cut.", type_="server_error", code="upstream_timeout")
-                         if quiet is not None else
-                         ApiError(502, "The inference node broke off the stream.",
-                                  type_="server_error", code="upstream_broken_stream"))
-                tail = b"data: " + orjson.dumps(error.body()) + b"\n\n" + _DONE
+                tail = b"data: " + orjson.dumps(broken.body()) + b"\n\n" + _DONE
             if tail:
                 await guard.write(response, tail)
             await end_within(request, response, patience_s)
@@ -397,6 +384,28 @@ class Upstream:
         if relay.failed is not None:
             log.warning("task %s: node %s ended the stream with an error (%s)", ticket.task_id,
                         ticket.node, relay.failed.code or relay.failed.status)
-        elif not broken:
+        elif broken is None:
             meter.phase = Phase.DONE
         return response
+
+
+def _stream_failure(exc: NodeError) -> str:
+    """The `kind` counted for a stream the node failed before its end."""
+    if isinstance(exc, NodeStuck):
+        return "stuck"
+    if isinstance(exc, NodeTimeout):
+        return "timeout"
+    return "oversized_event" if isinstance(exc, EventTooLarge) else "broken_stream"
+
+
+def _stream_error(kind: str, exc: NodeError) -> ApiError:
+    """The error event that ends such a stream: a node gone quiet, or judged stuck, says so,
+    as the same failure of a whole answer does."""
+    if kind == "stuck":
+        return ApiError(502, f"The inference node is stuck ({exc}); the stream was cut.",
+                        type_="server_error", code="upstream_stuck")
+    if kind == "timeout":
+        return ApiError(502, f"The inference node timed out: {exc}; the stream was cut.",
+                        type_="server_error", code="upstream_timeout")
+    return ApiError(502, "The inference node broke off the stream.", type_="server_error",
+                    code="upstream_broken_stream")

@@ -1,9 +1,9 @@
 """Ending the requests a stuck node holds.
 
-The pool's leader ejects a node whose engine holds requests and counts no token for
-`scheduler.stuck_after_ms` (scheduler.scrape): no new work goes there. The requests the node
-already holds would each wait out `gateway.upstream_timeout_ms` of silence (10 minutes by
-default), and a VIP chat among them with it. Each gateway therefore reads, every
+The pool's leader ejects a node whose engine holds requests while its /metrics page does not
+change for `scheduler.stuck_after_ms` (scheduler.scrape): no new work goes there. The requests
+the node already holds would each wait out `gateway.upstream_timeout_ms` of silence (10
+minutes by default), and a VIP chat among them with it. Each gateway therefore reads, every
 `renew_interval_ms` and only for a pool in which it has requests in flight, which nodes the
 leader published as stuck (`nodes_out`), and ends its exchanges with them that have been silent
 for `CUT_QUIET_S` or longer (gateway.nodeclient `NodeClient.cut`). Each client gets a 502
@@ -72,7 +72,7 @@ async def cut_stuck_requests(
                 if reason != NODE_STUCK or url is None:
                     continue
                 ended = client.cut(url, CUT_QUIET_S, f"pool {name}'s leader judged node {node} "
-                                   "stuck: its engine counts no token")
+                                   "stuck: its engine makes no progress")
                 if ended:
                     log.warning("pool %s: node %s is stuck: ended %d requests it held",
                                 name, node, ended)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from admission.config import Config
-from admission.reads import HELD_REASONS, Held
+from admission.reads import HELD_REASONS, NODE_STUCK, Held
 from admission.servicemetrics import gc_pause_histogram, lag_histogram, no_created_series
 from admission.tiers import Tier, Zone
 from scheduler.budget import NodePlan
@@ -116,7 +116,7 @@ class SchedulerMetrics:
         self.ejected = Gauge(p + "node_ejected", "1 while the node is ejected.",
                              ["pool", "node"], registry=r)
         self.stuck = Gauge(p + "node_stuck", "1 while the node is ejected because its engine "
-                           "holds requests and counts no token (stuck_after_ms).",
+                           "holds requests and its page does not change (stuck_after_ms).",
                            ["pool", "node"], registry=r)
         self.preemptions = Gauge(p + "node_preemptions",
                                  "vllm:num_preemptions_total as last scraped.",
@@ -190,7 +190,7 @@ class SchedulerMetrics:
             self.budget.labels(pool, p.name).set(p.budget if p.budget is not None else 0)
             self.reserved.labels(pool, p.name).set(p.reserved)
             self.ejected.labels(pool, p.name).set(1 if p.ejected else 0)
-            self.stuck.labels(pool, p.name).set(1 if p.reason == "stuck" else 0)
+            self.stuck.labels(pool, p.name).set(1 if p.reason == NODE_STUCK else 0)
 
     def set_rooms(self, pool: str, rooms: Mapping[str, NodeRoom]) -> None:
         """The release control's figures per node. A node the tick gave no room (ejected, or

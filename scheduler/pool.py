@@ -20,7 +20,7 @@ from typing import Any
 
 from admission.config import PoolSettings, SchedulerSettings
 from admission.outcomes import ReleasedTask
-from admission.reads import Held
+from admission.reads import NODE_STUCK, Held
 from admission.store import PoolStore
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -413,6 +413,9 @@ class PoolScheduler:
         # beside it (lua/_room.lua prefill_room); one placed between this read and the scrape
         # counts twice until the next publish, which only spreads VIP more.
         vips = await self.store.vip_placements() if self.control is not None else {}
+        if self._resume:
+            out = await self.store.nodes_out()
+            self.poller.inherit_stuck(n for n, why in out.items() if why == NODE_STUCK)
         views = await self.poller.poll(self.first_wait_s if first else self.wait_s)
         if views and all(v.metrics is None and not v.ejected for v in views):
             # Nothing heard yet (a leader just took over): publishing now would say "no usable

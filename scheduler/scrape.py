@@ -13,26 +13,20 @@ decode step time comes from `vllm:inter_token_latency_seconds` (vLLM >= 0.11), o
 `vllm:time_per_output_token_seconds`: only their `_sum` and `_count`.
 
 A stuck engine (it holds requests and makes no progress, while its API server still answers
-`/metrics`) is found from the same page: its token counters (`vllm:prompt_tokens_total`,
-`vllm:generation_tokens_total`, the inter-token histogram's `_count`) stop moving while it
-reports requests running or waiting. A busy engine moves one of them at every step: a decode
-step counts a token for each running sequence, and a prompt is counted when its prefill ends,
-so only a prefill alone in the engine and longer than `stuck_after_ms` (a prompt of hundreds of
-thousands of tokens) is silent for that long. A node so read is ejected like one whose scrapes
-fail (`NodeView.stuck`), and rejoins at the first reading whose counters moved (a restarted
-engine's counters start again, which is a move) or that shows it idle. A page with neither the
-generated-token counter nor the histogram shows no decode progress, and such a node is never
-judged stuck.
-
-A server running several engines (data parallel) exposes one sample per `engine` label:
-usage is the highest engine's (conservative), counts and capacities are summed.
-
-A usage, running or waiting figure that is missing, or not a finite number (NaN before an
-engine reports), makes the page unusable, a failed scrape like an unparsable one (reason
-`parse`); a counter that is not finite (preemptions, prompt tokens, the inter-token histogram)
-is read as absent, and so is an inter-token histogram without both its `_sum` and its `_count`.
-A page larger than `MAX_PAGE_BYTES` is not read to its end (reason `oversized`).
-A scrape never raises: whatever fails counts as a failed scrape of the node.
+`/metrics`) is found from the same page. vLLM's engine sends its scheduler's figures (KV usage,
+running and waiting counts) with every step, outputs or not, and its token counters
+(`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, the inter-token histogram's
+`_count`) as tokens come out; an engine hung inside a step sends nothing, and its page freezes.
+So a node whose page reports requests running or waiting and has not changed in any of these
+figures for `stuck_after_ms` is judged stuck (`NodeView.stuck`): a decode step moves the token
+counters, and a long prompt's prefill, which moves no counter until it ends, allocates cache
+blocks for each chunk and so moves the KV usage. Only good readings count: a node whose scrapes
+fail is ejected for that, not judged stuck, and one stuck at its last good reading stays stuck.
+It rejoins at the first reading that changed (a restarted engine's counters start again) or
+shows it idle. A page with neither the generated-token counter nor the histogram is never
+judged stuck: it is not a vLLM page this judgement was made for. Neither is one engine of a
+data-parallel server among others that still move (the page sums their counters), nor an
+engine that froze while idle (its frozen page says it holds nothing).
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -149,11 +143,11 @@ class NodeMetrics:
     """vllm:generation_tokens_total (tokens generated so far), None when the page lacks it."""
 
     @property
-    def progress(self) -> tuple[float | None, float | None, float | None]:
-        """The counters a working engine moves: prompt tokens, generated tokens, decoded
-        tokens of the inter-token histogram."""
-        return (self.prompt_tokens, self.generation_tokens,
-                None if self.itl is None else self.itl[1])
+    def progress(self) -> tuple[float | None, ...]:
+        """What a working engine changes as it steps (module docstring): usage, counts,
+        preemptions, prompt tokens, generated tokens, the inter-token histogram's count."""
+        return (self.kv_usage, self.running, self.waiting, self.preemptions, self.prompt_tokens,
+                self.generation_tokens, None if self.itl is None else self.itl[1])
 
     @property
     def shows_decoding(self) -> bool:
@@ -278,11 +272,14 @@ class NodeState:
     last_error: str = ""
     seq: int = 0
     """Successful scrapes so far: a new value means a new reading."""
-    progress: tuple[float | None, float | None, float | None] | None = None
-    """The engine's token counters at the last reading (NodeMetrics.progress)."""
+    progress: tuple[float | None, ...] | None = None
+    """The engine's figures at the last reading (NodeMetrics.progress)."""
     moved_at: float = 0.0
-    """Monotonic time of the last reading at which the engine moved a token counter or held
-    no request (or of its first reading)."""
+    """Monotonic time of the last reading at which the engine's figures changed or it held no
+    request (or of its first reading)."""
+    inherit_stuck: bool = False
+    """The last leader published the node stuck: its first reading here, if busy, counts as
+    already still for `stuck_after_s` (Poller.inherit_stuck)."""
     inflight: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -394,7 +391,9 @@ class Poller:
             node.seq += 1
             m = node.metrics
             if m is not None and (m.progress != node.progress or not m.busy):
-                node.moved_at = node.ok_at
+                inherited = node.inherit_stuck and node.progress is None and m.busy
+                node.moved_at = node.ok_at - (self.stuck_after_s if inherited else 0.0)
+            node.inherit_stuck = False
             node.progress = None if m is None else m.progress
             self._oversized[node.name].succeeded()
         else:
@@ -410,7 +409,16 @@ class Poller:
         so that the next one is new to whoever saw the last."""
         for node in self.nodes:
             node.metrics, node.ok_at, node.failures, node.last_error = None, 0.0, 0, ""
-            node.progress, node.moved_at = None, 0.0
+            node.progress, node.moved_at, node.inherit_stuck = None, 0.0, False
+
+    def inherit_stuck(self, names: Iterable[str]) -> None:
+        """Nodes the last leader published as stuck, for a new leader: each stays stuck from
+        its first reading here if that reading shows it busy, and rejoins as soon as a reading
+        changes. Without it a new leader would put a frozen node back for `stuck_after_s`."""
+        wanted = set(names)
+        for node in self.nodes:
+            if node.name in wanted and node.progress is None:
+                node.inherit_stuck = True
 
     async def poll(self, wait_s: float) -> list[NodeView]:
         for node in self.nodes:
@@ -425,9 +433,10 @@ class Poller:
         now = self.clock()
         m = node.metrics
         age = now - node.ok_at if m is not None else float("inf")
-        # Measured to now, not to the last reading: a node whose scrapes then fail stays stuck
-        # (and is ejected for the failures too) rather than rejoining on an old reading.
-        still = now - node.moved_at if m is not None and m.busy and m.shows_decoding else 0.0
+        # To the last good reading, not to now: a node whose scrapes fail says nothing about its
+        # engine (a network split, a slow /metrics) and is ejected for the failures alone.
+        still = node.ok_at - node.moved_at if m is not None and m.busy and m.shows_decoding \
+            else 0.0
         stuck = self.stuck_after_s > 0 and still >= self.stuck_after_s
         return NodeView(
             name=node.name,

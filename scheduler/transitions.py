@@ -38,16 +38,21 @@ class TransitionLog:
         """Log what changed since the last call: a WARNING for each node newly ejected and for
         the pool entering RED, an INFO for each node back and for the pool leaving RED."""
         for view in views:
-            if view.ejected and view.name not in self.ejected:
+            frozen = view.metrics if view.stuck else None
+            # Logged again when the reason changes (failed scrapes <-> stuck): the line in the
+            # log must say why the node is out now.
+            if view.ejected and (view.name not in self.ejected or (frozen is not None) != (
+                    view.name in self.stuck)):
                 self.ejected.add(view.name)
-                if view.stuck and view.metrics is not None:
+                if frozen is not None:
                     self.stuck.add(view.name)
                     log.warning("pool %s: node %s ejected as stuck: its engine holds %d "
-                                "running and %d waiting requests and has counted no token for "
-                                "%.0f s; no work goes to it until it counts one or is idle",
-                                self.pool, view.name, view.metrics.running,
-                                view.metrics.waiting, view.still_s)
+                                "running and %d waiting requests and its page has not changed "
+                                "for %.0f s; no work goes to it until it changes or is idle",
+                                self.pool, view.name, frozen.running, frozen.waiting,
+                                view.still_s)
                 else:
+                    self.stuck.discard(view.name)
                     log.warning("pool %s: node %s ejected after %d failed scrapes in a row "
                                 "(last: %s); no work goes to it until it answers", self.pool,
                                 view.name, self.eject_after, view.error or "unknown")

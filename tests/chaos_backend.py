@@ -10,10 +10,10 @@ X-Request-Id, so a test can tell whether a task reached a node twice.
 
 Its page reports the generations in flight as running, and counts each one answered in
 ``vllm:generation_tokens_total``. ``POST /chaos/stuck`` makes it a stuck engine whose API
-server still answers: no generation answers again (those in flight and those that come wait
-until their client leaves), and the page is frozen as a hung vLLM engine's is (its counts
-stop changing, so the requests held stay counted as running after their clients leave, and
-each new one adds to them).
+server still answers, as a vLLM engine hung inside a step: once a generation is in flight (it
+waits for one), no generation answers again (those in flight and those that come wait until
+their client leaves), and the page is frozen as it was then (the requests it held stay counted
+as running after their clients leave; those that come are not counted).
 """
 
 from __future__ import annotations
@@ -42,7 +42,11 @@ class Engine:
         self.answered = 0
         self.stuck = asyncio.Event()
         self.held = 0
-        """Generations in flight when it got stuck, and every one since."""
+        """Generations in flight when it got stuck: the frozen page's running count."""
+        self.answered_then = 0
+        """Generations answered when it got stuck: the frozen page's counter."""
+        self.in_flight = asyncio.Event()
+        """Set while a generation is in flight."""
 
 
 def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Application:
@@ -54,7 +58,8 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
 
     async def stuck(request: web.Request) -> web.Response:
         if not engine.stuck.is_set():
-            engine.held = engine.active
+            await engine.in_flight.wait()
+            engine.held, engine.answered_then = engine.active, engine.answered
             engine.stuck.set()
         return web.json_response({"held": engine.held})
 
@@ -65,9 +70,8 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
         if request.path.startswith("/v1/") and request.method == "POST":
             seen[request.headers.get("X-Request-Id", "")] += 1
             engine.active += 1
+            engine.in_flight.set()
             try:
-                if engine.stuck.is_set():
-                    engine.held += 1
                 if delay_s:
                     await asyncio.sleep(delay_s)
                 if engine.stuck.is_set():
@@ -77,15 +81,19 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
                 return response
             finally:
                 engine.active -= 1
+                if not engine.active:
+                    engine.in_flight.clear()
         elif request.path == "/metrics":
-            backend.running = engine.held if engine.stuck.is_set() else engine.active
+            frozen = engine.stuck.is_set()
+            backend.running = engine.held if frozen else engine.active
+            answered = engine.answered_then if frozen else engine.answered
             response = await handler(request)
             assert isinstance(response, web.Response) and response.text is not None
             twice = sum(1 for n in seen.values() if n > 1)
             response.text = (response.text
                              + "# TYPE vllm:generation_tokens counter\n"
                              + f'vllm:generation_tokens_total{{engine="0",model_name="{model}"}} '
-                             + f"{float(engine.answered)}\n"
+                             + f"{float(answered)}\n"
                              + "# TYPE chaos:requests counter\n"
                              + f"chaos:requests_total {sum(seen.values())}\n"
                              + "# TYPE chaos:tasks_seen_twice gauge\n"

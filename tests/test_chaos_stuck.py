@@ -82,7 +82,11 @@ async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
         load = Load(gateway.url, "vip", "vip", workers=6, pace_s=0.02, timeout_s=30.0)
         stop = asyncio.Event()
         background = await run_for([load], 5.0, stop)
-        await asyncio.sleep(1.0)
+
+        async def serving() -> bool:
+            return sum(1 for r in load.results if r.status == 200) >= 20
+
+        await until(serving, 10)
         async with aiohttp.ClientSession() as http, \
                 http.post(nodes[0][1] + "/chaos/stuck") as response:
             assert response.status == 200

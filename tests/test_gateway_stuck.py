@@ -21,7 +21,7 @@ from gateway import stucknodes
 from gateway.state import GATEWAY
 from tests.gateway_harness import BIG, KEYS, POOL, hostile_gateway
 
-QUIET_S = 0.2
+QUIET_S = 0.5
 ROUND_MS = 100
 
 
@@ -34,6 +34,15 @@ def chunk(content: str) -> bytes:
     event = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": POOL,
              "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}]}
     return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+async def headed(request: web.Request) -> web.StreamResponse:
+    """A stuck engine that had sent a whole answer's head (a proxy in front of it may)."""
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(request)
+    await asyncio.Event().wait()
+    return response
 
 
 async def frozen(request: web.Request) -> web.StreamResponse:
@@ -104,6 +113,24 @@ async def test_a_whole_answer_held_by_a_stuck_node_ends_in_a_502_to_send_again(
         assert await reserved(gw) == 0
         errors = gw.metrics.child(gw.metrics.upstream_errors, POOL, "node-0", "stuck")
         assert errors._value.get() == 1
+
+
+async def test_a_whole_answer_cut_after_its_head_costs_the_client_nothing(
+    redis_url: str
+) -> None:
+    async with gateway(redis_url, headed, "node-0:stuck") as (url, gw), \
+            aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/chat/completions", json=body(False),
+                             headers=HEADERS) as response:
+            payload = await response.json()
+            assert (response.status, response.headers["x-should-retry"]) == (502, "true")
+            task_id = response.headers["X-Request-Id"]
+        assert payload["error"]["code"] == "upstream_stuck"
+        await gw.settler.idle()
+        record = await gw.pools[POOL].store.task(task_id)
+        assert record is not None
+        assert (record["state"], int(record.get("usage", 0))) == ("cancelled", 0)
+        assert await reserved(gw) == 0
 
 
 async def test_a_stream_held_by_a_stuck_node_ends_with_an_error_event(redis_url: str) -> None:

@@ -1,6 +1,6 @@
-"""A stuck engine: its /metrics answers, it holds requests, and it counts no token. The leader
-ejects it after `stuck_after_ms` (no new work, no say in the zone, `nodes_out` says `stuck`)
-and takes it back at the first reading that moved or shows it idle."""
+"""A stuck engine: its /metrics answers, it holds requests, and its page does not change.
+The leader ejects it after `stuck_after_ms` (no new work, no say in the zone, `nodes_out` says
+`stuck`) and takes it back at the first reading that changed or shows it idle."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def busy(**kw: Any) -> FakeVllm:
 def test_the_generated_token_counter_is_read() -> None:
     m = parse_vllm_metrics(busy().render())
     assert m.generation_tokens == 400.0
-    assert m.progress == (1_000.0, 400.0, 398.0)
+    assert m.progress == (0.3, 2, 0, 0.0, 1_000.0, 400.0, 398.0)
     assert m.shows_decoding and m.busy
     bare = parse_vllm_metrics(FakeVllm(usage=0.3, running=2, prompt_tokens=5.0).render())
     assert bare.generation_tokens is None and not bare.shows_decoding
@@ -95,12 +95,15 @@ async def test_a_busy_node_whose_counters_rest_is_ejected_as_stuck_and_rejoins_w
     lines = [r.getMessage() for r in caplog.records if "n1" in r.getMessage()]
     assert lines == [
         "pool p: node n1 ejected as stuck: its engine holds 2 running and 0 waiting requests "
-        "and has counted no token for 5 s; no work goes to it until it counts one or is idle",
+        "and its page has not changed for 5 s; no work goes to it until it changes or is idle",
         "pool p: node n1 moves again and rejoins the pool",
     ]
 
 
 @pytest.mark.parametrize(("what", "changes"), [
+    ("its KV usage moves (a long prompt's prefill allocates blocks chunk by chunk)",
+     {"usage": 0.31}),
+    ("its waiting count changes", {"waiting": 1}),
     ("its prompt counter moves (a prefill ended)", {"prompt_tokens": 1_500.0}),
     ("its inter-token histogram moves (a decode step)", {"itl": (4.1, 399.0)}),
     ("it is idle", {"running": 0}),
@@ -168,3 +171,51 @@ def test_stuck_after_ms_below_a_second_is_refused_and_0_turns_it_off() -> None:
         parse({"stuck_after_ms": 999})
     with pytest.raises(ConfigError, match=r"stuck_after_ms: must be >= 0"):
         parse({"stuck_after_ms": -1})
+
+
+async def test_failed_scrapes_eject_a_node_for_the_failures_not_as_stuck(
+    redis_client: Any, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scrapes that fail say nothing of the engine (a network split, a slow /metrics): the
+    node is ejected for them, and judged stuck only once a good reading shows its page
+    unchanged for stuck_after_ms; both are logged, as the reason changes."""
+    caplog.set_level(logging.INFO, logger="kvgate.scheduler.pool")
+    ticks = await _ticks(redis_client, redis_url, {"n1": busy(), "n2": busy()}, [
+        (1.0, {"n1": {"status": 503}}),
+        *[(1.0, {"n2": {"generation_tokens": 400.0 + 10 * i}}) for i in range(1, 9)],
+        (1.0, {"n1": {"status": 200}, "n2": {"generation_tokens": 500.0}}),
+    ])
+    assert [t["reasons"]["n1"] for t in ticks] == ["", "stale", "stale"] + ["ejected"] * 7 + [
+        "stuck"]
+    assert [t["stuck_gauge"]["n1"] for t in ticks] == [0] * 10 + [1]
+    lines = [r.getMessage() for r in caplog.records if "n1" in r.getMessage()]
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "node n1 ejected after 3 failed scrapes in a row (last", "node n1 ejected as stuck"]
+
+
+async def test_a_new_leader_keeps_a_node_published_stuck_out_until_its_page_changes(
+    redis_client: Any, redis_url: str
+) -> None:
+    clock = FakeClock()
+    frozen_node, idle_node = busy(), busy()
+    async with serve_fake(frozen_node) as u1, serve_fake(idle_node) as u2:
+        config = make_config(redis_url, [{"name": "n1", "url": u1}, {"name": "n2", "url": u2}],
+                             scheduler={"stuck_after_ms": STUCK_AFTER_MS})
+        async with pool_scheduler(redis_client, config, clock=clock) as ps:
+            await ps.tick(1, always)
+            clock.advance(STUCK_AFTER_MS / 1000)
+            result = await ps.tick(1, always)
+            assert {p.name: p.reason for p in result.plans} == {"n1": "stuck", "n2": "stuck"}
+            ps.new_term()  # another replica leads: it has read neither node yet
+            idle_node.running = 0
+            result = await ps.tick(2, always)
+            assert {p.name: p.reason for p in result.plans} == {"n1": "stuck", "n2": ""}
+            assert (await state(ps.store))["nodes_out"] == "n1:stuck"
+            frozen_node.generation_tokens = 401.0
+            clock.advance(0.05)
+            result = await ps.tick(2, always)
+            assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}
+            # Not published stuck: a new term judges it afresh, in until stuck_after_ms.
+            ps.new_term()
+            result = await ps.tick(3, always)
+            assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}

@@ -17,16 +17,17 @@ A stuck engine (it holds requests and makes no progress, while its API server st
 running and waiting counts) with every step, outputs or not, and its token counters
 (`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, the inter-token histogram's
 `_count`) as tokens come out; an engine hung inside a step sends nothing, and its page freezes.
-So a node whose page reports requests running or waiting and has not changed in any of these
-figures for `stuck_after_ms` is judged stuck (`NodeView.stuck`): a decode step moves the token
-counters, and a long prompt's prefill, which moves no counter until it ends, allocates cache
-blocks for each chunk and so moves the KV usage. Only good readings count: a node whose scrapes
-fail is ejected for that, not judged stuck, and one stuck at its last good reading stays stuck.
-It rejoins at the first reading that changed (a restarted engine's counters start again) or
-shows it idle. A page with neither the generated-token counter nor the histogram is never
-judged stuck: it is not a vLLM page this judgement was made for. Neither is one engine of a
-data-parallel server among others that still move (the page sums their counters), nor an
-engine that froze while idle (its frozen page says it holds nothing).
+So a node is judged stuck (`NodeView.stuck`) when one of its engines (a data-parallel server
+labels each one's samples with `engine`) reports requests running or waiting and has not
+changed any of these figures for `stuck_after_ms`: a decode step moves the token counters, and
+a long prompt's prefill, which moves no counter until it ends, allocates cache blocks for each
+chunk and so moves the KV usage. One hung engine is enough: the server sends it its share of
+the requests. Only good readings count: a node whose scrapes fail is ejected for that, not
+judged stuck, and one stuck at its last good reading stays stuck. It rejoins at the first
+reading at which every engine that holds requests has changed (a restarted engine's counters
+start again). A page with neither the generated-token counter nor the histogram is never
+judged stuck: it is not a vLLM page this judgement was made for; nor is an engine that froze
+while idle (its frozen page says it holds nothing).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -142,21 +144,37 @@ class NodeMetrics:
     generation_tokens: float | None = None
     """vllm:generation_tokens_total (tokens generated so far), None when the page lacks it."""
 
-    @property
-    def progress(self) -> tuple[float | None, ...]:
-        """What a working engine changes as it steps (module docstring): usage, counts,
-        preemptions, prompt tokens, generated tokens, the inter-token histogram's count."""
-        return (self.kv_usage, self.running, self.waiting, self.preemptions, self.prompt_tokens,
-                self.generation_tokens, None if self.itl is None else self.itl[1])
+    engines: tuple[EngineFigures, ...] = ()
+    """Each engine's figures that change as it steps (a data-parallel server has several)."""
 
     @property
     def shows_decoding(self) -> bool:
         """The page counts decoded tokens: a running sequence moves it at every step."""
         return self.generation_tokens is not None or self.itl is not None
 
-    @property
-    def busy(self) -> bool:
-        return self.running > 0 or self.waiting > 0
+
+
+class EngineFigures(NamedTuple):
+    """What one engine of a server changes as it steps (module docstring): its samples of the
+    usage, the counts, preemptions, prompt and generated tokens, the inter-token histogram's
+    count, each summed over its other labels."""
+
+    engine: str
+    """The `engine` label ("" on a page without one)."""
+    busy: bool
+    """It reports requests running or waiting."""
+    figures: tuple[tuple[str, float], ...]
+
+
+_PROGRESS = frozenset((USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, PREEMPTIONS + "_total",
+                       PROMPT_TOKENS + "_total", GENERATION_TOKENS + "_total", ITL_V1 + "_count",
+                       ITL_V0 + "_count"))
+
+
+def _engines(per_engine: dict[str, dict[str, float]]) -> tuple[EngineFigures, ...]:
+    return tuple(EngineFigures(label, values.get(RUNNING, 0.0) + values.get(WAITING, 0.0) > 0,
+                               tuple(sorted(values.items())))
+                 for label, values in sorted(per_engine.items()))
 
 
 def _select(text: str) -> str:
@@ -182,6 +200,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     seen_itl: dict[str, set[str]] = {ITL_V1: set(), ITL_V0: set()}
     capacity = 0
     block_size: int | None = None
+    per_engine: dict[str, dict[str, float]] = {}
     try:
         families = list(text_string_to_metric_families(_select(text)))
     except ValueError as exc:
@@ -189,6 +208,9 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
     for family in families:
         for sample in family.samples:
             name = sample.name
+            if name in _PROGRESS:
+                figures = per_engine.setdefault(sample.labels.get("engine", ""), {})
+                figures[name] = figures.get(name, 0.0) + sample.value
             if name in usage:
                 usage[name].append(sample.value)
             elif name == RUNNING:
@@ -252,6 +274,7 @@ def parse_vllm_metrics(text: str) -> NodeMetrics:
         prompt_tokens=_finite(prompt_tokens),
         itl=step if step is not None and all(map(math.isfinite, step)) else None,
         generation_tokens=_finite(generation_tokens),
+        engines=_engines(per_engine),
     )
 
 
@@ -272,11 +295,11 @@ class NodeState:
     last_error: str = ""
     seq: int = 0
     """Successful scrapes so far: a new value means a new reading."""
-    progress: tuple[float | None, ...] | None = None
-    """The engine's figures at the last reading (NodeMetrics.progress)."""
-    moved_at: float = 0.0
-    """Monotonic time of the last reading at which the engine's figures changed or it held no
-    request (or of its first reading)."""
+    progress: dict[str, EngineFigures] | None = None
+    """Its engines' figures at the last reading, by engine label."""
+    moved_at: dict[str, float] = field(default_factory=dict)
+    """Per engine, the monotonic time of the last reading at which its figures changed or it
+    held no request (or of its first reading)."""
     inherit_stuck: bool = False
     """The last leader published the node stuck: its first reading here, if busy, counts as
     already still for `stuck_after_s` (Poller.inherit_stuck)."""
@@ -389,18 +412,30 @@ class Poller:
         if error is None:
             node.failures, node.ok_at, node.last_error = 0, self.clock(), ""
             node.seq += 1
-            m = node.metrics
-            if m is not None and (m.progress != node.progress or not m.busy):
-                inherited = node.inherit_stuck and node.progress is None and m.busy
-                node.moved_at = node.ok_at - (self.stuck_after_s if inherited else 0.0)
-            node.inherit_stuck = False
-            node.progress = None if m is None else m.progress
+            self._moves(node)
             self._oversized[node.name].succeeded()
         else:
             node.failures += 1
             node.last_error = error
         if self.on_scrape is not None:
             self.on_scrape(node.name, self.clock() - started, error)
+
+    def _moves(self, node: NodeState) -> None:
+        """Note which engines' figures changed at this (good) reading."""
+        m, last = node.metrics, node.progress
+        if m is None:
+            return
+        moved: dict[str, float] = {}
+        for engine in m.engines:
+            before = None if last is None else last.get(engine.engine)
+            if last is None and node.inherit_stuck and engine.busy:
+                moved[engine.engine] = node.ok_at - self.stuck_after_s
+            elif engine != before or not engine.busy:
+                moved[engine.engine] = node.ok_at
+            else:
+                moved[engine.engine] = node.moved_at[engine.engine]
+        node.moved_at, node.inherit_stuck = moved, False
+        node.progress = {e.engine: e for e in m.engines}
 
     def forget(self) -> None:
         """Forget every reading (a new leadership starts): a standby's last readings may be
@@ -409,7 +444,7 @@ class Poller:
         so that the next one is new to whoever saw the last."""
         for node in self.nodes:
             node.metrics, node.ok_at, node.failures, node.last_error = None, 0.0, 0, ""
-            node.progress, node.moved_at, node.inherit_stuck = None, 0.0, False
+            node.progress, node.moved_at, node.inherit_stuck = None, {}, False
 
     def inherit_stuck(self, names: Iterable[str]) -> None:
         """Nodes the last leader published as stuck, for a new leader: each stays stuck from
@@ -435,8 +470,8 @@ class Poller:
         age = now - node.ok_at if m is not None else float("inf")
         # To the last good reading, not to now: a node whose scrapes fail says nothing about its
         # engine (a network split, a slow /metrics) and is ejected for the failures alone.
-        still = node.ok_at - node.moved_at if m is not None and m.busy and m.shows_decoding \
-            else 0.0
+        still = max((node.ok_at - node.moved_at[e.engine] for e in m.engines if e.busy),
+                    default=0.0) if m is not None and m.shows_decoding else 0.0
         stuck = self.stuck_after_s > 0 and still >= self.stuck_after_s
         return NodeView(
             name=node.name,

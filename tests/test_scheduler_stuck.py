@@ -12,7 +12,7 @@ import pytest
 
 from admission.config import ConfigError, parse_config
 from admission.tiers import Tier
-from scheduler.scrape import parse_vllm_metrics
+from scheduler.scrape import EngineFigures, parse_vllm_metrics
 from tests.scheduler_stub import (
     FakeClock,
     FakeVllm,
@@ -35,9 +35,12 @@ def busy(**kw: Any) -> FakeVllm:
 
 def test_the_generated_token_counter_is_read() -> None:
     m = parse_vllm_metrics(busy().render())
-    assert m.generation_tokens == 400.0
-    assert m.progress == (0.3, 2, 0, 0.0, 1_000.0, 400.0, 398.0)
-    assert m.shows_decoding and m.busy
+    assert m.generation_tokens == 400.0 and m.shows_decoding
+    assert m.engines == (EngineFigures("0", True, (
+        ("vllm:generation_tokens_total", 400.0), ("vllm:inter_token_latency_seconds_count", 398.0),
+        ("vllm:kv_cache_usage_perc", 0.3), ("vllm:num_preemptions_total", 0.0),
+        ("vllm:num_requests_running", 2.0), ("vllm:num_requests_waiting", 0.0),
+        ("vllm:prompt_tokens_total", 1_000.0))),)
     bare = parse_vllm_metrics(FakeVllm(usage=0.3, running=2, prompt_tokens=5.0).render())
     assert bare.generation_tokens is None and not bare.shows_decoding
 
@@ -219,3 +222,29 @@ async def test_a_new_leader_keeps_a_node_published_stuck_out_until_its_page_chan
             ps.new_term()
             result = await ps.tick(3, always)
             assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}
+
+
+def two_engines(first: FakeVllm, second: FakeVllm) -> bytes:
+    """One data-parallel server's page: `first` as engine 0, `second` as engine 1."""
+    other = [line.replace('engine="0"', 'engine="1"') for line in second.render().splitlines()
+             if not line.startswith("#") and "cache_config_info" not in line]
+    return (first.render() + "\n".join(other) + "\n").encode()
+
+
+async def test_one_hung_engine_of_a_data_parallel_server_makes_the_node_stuck(
+    redis_client: Any, redis_url: str
+) -> None:
+    hung, moving = busy(), busy()
+    server = FakeVllm(body=two_engines(hung, moving))
+
+    def step(tokens: float, hung_tokens: float = 400.0) -> dict[str, dict[str, Any]]:
+        moving.generation_tokens, hung.generation_tokens = tokens, hung_tokens
+        return {"n1": {"body": two_engines(hung, moving)}}
+
+    m = parse_vllm_metrics(server.body.decode() if server.body else "")
+    assert [(e.engine, e.busy) for e in m.engines] == [("0", True), ("1", True)]
+    assert m.running == 4
+    ticks = await _ticks(redis_client, redis_url, {"n1": server}, [
+        (2.5, step(500.0)), (2.5, step(600.0)), (1.0, step(700.0, hung_tokens=401.0)),
+    ])
+    assert [t["reasons"]["n1"] for t in ticks] == ["", "", "stuck", ""]

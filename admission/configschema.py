@@ -425,15 +425,16 @@ class SchedulerSettings:
     preemption_cooldown_ms: int = at_least(0, 10_000)
     """After a node reports a preemption, no overcommit on it for this long."""
     stuck_after_ms: int = at_least(0, 30_000)
-    """A node whose engine holds requests and moves none of its token counters for this long
-    is ejected until it moves (scheduler.scrape); 0: never."""
+    """A node whose engine holds requests and changes none of its figures for this long, with
+    a task kvgate released there as long ago, is ejected until they change (scheduler.stuck);
+    0: never."""
 
     def check(self, key: KeyName) -> None:
         if 0 < self.stuck_after_ms < MIN_STUCK_AFTER_MS:
             raise ConfigError(
                 f"{key('stuck_after_ms')}: must be 0 (off) or at least {MIN_STUCK_AFTER_MS}, "
-                f"got {self.stuck_after_ms}: a busy engine's counters rest for a step, or "
-                "for a long prompt's whole prefill, and a node judged stuck gets no new work")
+                f"got {self.stuck_after_ms}: a busy engine's figures rest for a step or two, "
+                "and a node judged stuck gets no new work")
 
 
 @dataclass(frozen=True, slots=True)

@@ -293,6 +293,17 @@ async def nodes_out(client: Any, keys: PoolKeys) -> dict[str, str]:
     return parse_nodes_out(_text(await client.hget(keys.state, "nodes_out")))
 
 
+async def nodes_holding_tasks_older_than(client: Any, keys: PoolKeys, age_us: int) -> set[str]:
+    """The nodes of the tasks in the running index released `age_us` ago or more by the pool
+    clock (Redis TIME, or the frozen_us of a test that froze it): tasks kvgate released there
+    that have not ended."""
+    now_us = await redis_time_us(client, keys.state)
+    if frozen_clock_allowed() and (frozen := await client.hget(keys.clock, "frozen_us")):
+        now_us = int(frozen)
+    members = await client.zrangebyscore(keys.running, "-inf", now_us - age_us)
+    return {entry.node for raw in members if (entry := running_member(raw, 0)) is not None}
+
+
 async def published_state(client: Any, keys: PoolKeys) -> dict[str, str]:
     """The pool's state hash, as the last leader published it (empty: none yet)."""
     return _str_map(await client.hgetall(keys.state))

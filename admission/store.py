@@ -418,6 +418,11 @@ class PoolStore:
         """node -> VIP placements there so far (admission.reads.vip_placements)."""
         return await reads.vip_placements(self.client, self.keys)
 
+    async def nodes_holding_tasks_older_than(self, age_us: int) -> set[str]:
+        """Nodes with a task released `age_us` ago or more, not yet ended (admission.reads
+        .nodes_holding_tasks_older_than)."""
+        return await reads.nodes_holding_tasks_older_than(self.client, self.keys, age_us)
+
     async def nodes_out(self) -> dict[str, str]:
         """Node -> why the last leader took it out (admission.reads.nodes_out)."""
         return await reads.nodes_out(self.client, self.keys)

@@ -33,6 +33,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from gateway.nodefailures import (
+    AnswerTooLarge,
+    HeadTooLarge,
+    NodeError,
+    NodeStuck,
+    NodeTimeout,
+    NodeUnreachable,
+)
+
 __all__ = ["AnswerTooLarge", "HeadTooLarge", "NodeClient", "NodeError", "NodeResponse",
            "NodeStuck", "NodeTimeout", "NodeUnreachable"]
 
@@ -53,37 +62,6 @@ on its way, and is seen within the event loop's lag. Later, the node had the req
 MAX_HEADER_FIELDS = 128
 """The most header fields an answer may carry: vLLM sends about five. Each is a dict entry,
 and a head of tiny fields under `MAX_HEAD_BYTES` would be thousands of them."""
-
-
-class NodeError(Exception):
-    """The node failed to give a complete answer."""
-
-
-class NodeUnreachable(NodeError):
-    """No connection to the node could be made; the request was not sent."""
-
-
-class NodeTimeout(NodeError, TimeoutError):
-    """The node sent nothing for the read timeout."""
-
-
-class NodeStuck(NodeTimeout):
-    """Ended by `NodeClient.cut`: the node's engine was judged stuck, and this exchange had
-    been silent long enough to be one of its victims. Handled as a timeout that came early."""
-
-
-class HeadTooLarge(NodeError):
-    """The answer's head is over `MAX_HEAD_BYTES` or `MAX_HEADER_FIELDS`: the connection was
-    closed without reading the rest."""
-
-
-class AnswerTooLarge(NodeError):
-    """The body is longer than `NodeResponse.read`'s limit: the rest was not read, and the
-    connection was closed (which also stops the node's generation)."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"the node's answer is over {limit} bytes")
-        self.limit = limit
 
 
 @dataclass(frozen=True, slots=True)

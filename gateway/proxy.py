@@ -358,6 +358,8 @@ class Upstream:
                 if not relay.ended:
                     kind = _stream_failure(exc)
                     broken = _stream_error(kind, exc)
+                    if kind == "stuck" and meter.first_byte_s is None:
+                        meter.phase = Phase.PENDING  # nothing came of it: nothing to pay
                     self.metrics.child(
                         self.metrics.upstream_errors, ticket.pool.name, ticket.node, kind).inc()
                     log.warning("task %s: stream from node %s broke off (%s)", ticket.task_id,

@@ -234,6 +234,11 @@ class PoolScheduler:
                         reading.vip_reports, reading.vip_histogram, prefill, reading.guests,
                         reading.held)
 
+    async def _aged_nodes(self) -> set[str]:
+        """The nodes holding a task released `stuck_after_ms` ago or more (scheduler.stuck)."""
+        return await self.store.nodes_holding_tasks_older_than(
+            self.settings.stuck_after_ms * 1000)
+
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
         refuses it in a pipeline): frozen_us when a test froze it, else the Redis time our last
@@ -415,7 +420,7 @@ class PoolScheduler:
         vips = await self.store.vip_placements() if self.control is not None else {}
         if self._resume:
             out = await self.store.nodes_out()
-            self.poller.inherit_stuck(n for n, why in out.items() if why == NODE_STUCK)
+            self.poller.stuck.inherit(n for n, why in out.items() if why == NODE_STUCK)
         views = await self.poller.poll(self.first_wait_s if first else self.wait_s)
         if views and all(v.metrics is None and not v.ejected for v in views):
             # Nothing heard yet (a leader just took over): publishing now would say "no usable
@@ -431,6 +436,7 @@ class PoolScheduler:
             self.learner.resume(published_ratio(published))
         self._resume = False
         snap = await self.read_snapshot()
+        views = await self.poller.judge_stuck(views, self._aged_nodes)
         now = self.clock()
         plans = self.plan(views, snap, now)
         usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes,

@@ -12,22 +12,8 @@ Names: `vllm:kv_cache_usage_perc` (V1, vLLM >= 0.10) is read first, the V0 name
 decode step time comes from `vllm:inter_token_latency_seconds` (vLLM >= 0.11), or the older
 `vllm:time_per_output_token_seconds`: only their `_sum` and `_count`.
 
-A stuck engine (it holds requests and makes no progress, while its API server still answers
-`/metrics`) is found from the same page. vLLM's engine sends its scheduler's figures (KV usage,
-running and waiting counts) with every step, outputs or not, and its token counters
-(`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, the inter-token histogram's
-`_count`) as tokens come out; an engine hung inside a step sends nothing, and its page freezes.
-So a node is judged stuck (`NodeView.stuck`) when one of its engines (a data-parallel server
-labels each one's samples with `engine`) reports requests running or waiting and has not
-changed any of these figures for `stuck_after_ms`: a decode step moves the token counters, and
-a long prompt's prefill, which moves no counter until it ends, allocates cache blocks for each
-chunk and so moves the KV usage. One hung engine is enough: the server sends it its share of
-the requests. Only good readings count: a node whose scrapes fail is ejected for that, not
-judged stuck, and one stuck at its last good reading stays stuck. It rejoins at the first
-reading at which every engine that holds requests has changed (a restarted engine's counters
-start again). A page with neither the generated-token counter nor the histogram is never
-judged stuck: it is not a vLLM page this judgement was made for; nor is an engine that froze
-while idle (its frozen page says it holds nothing).
+Each engine's figures that change as it steps (`EngineFigures`, by the `engine` label of its
+samples) are kept for judging a node stuck (scheduler.stuck).
 """
 
 from __future__ import annotations
@@ -35,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -47,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from admission.config import Backend
 from admission.failurelog import FailureLog
+from scheduler.stuck import StuckWatch
 
 USAGE_V1 = "vllm:kv_cache_usage_perc"
 USAGE_V0 = "vllm:gpu_cache_usage_perc"
@@ -172,8 +160,11 @@ _PROGRESS = frozenset((USAGE_V1, USAGE_V0, RUNNING, WAITING, PREEMPTIONS, PREEMP
 
 
 def _engines(per_engine: dict[str, dict[str, float]]) -> tuple[EngineFigures, ...]:
+    # A figure that is not finite is left out: NaN never equals the next reading's NaN, and
+    # would read as a change at every scrape.
     return tuple(EngineFigures(label, values.get(RUNNING, 0.0) + values.get(WAITING, 0.0) > 0,
-                               tuple(sorted(values.items())))
+                               tuple(sorted((k, v) for k, v in values.items()
+                                            if math.isfinite(v))))
                  for label, values in sorted(per_engine.items()))
 
 
@@ -295,14 +286,6 @@ class NodeState:
     last_error: str = ""
     seq: int = 0
     """Successful scrapes so far: a new value means a new reading."""
-    progress: dict[str, EngineFigures] | None = None
-    """Its engines' figures at the last reading, by engine label."""
-    moved_at: dict[str, float] = field(default_factory=dict)
-    """Per engine, the monotonic time of the last reading at which its figures changed or it
-    held no request (or of its first reading)."""
-    inherit_stuck: bool = False
-    """The last leader published the node stuck: its first reading here, if busy, counts as
-    already still for `stuck_after_s` (Poller.inherit_stuck)."""
     inflight: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -326,16 +309,17 @@ class NodeView:
     stale: bool
     """The newest scrape failed or is overdue: the stale policy applies."""
     ejected: bool
-    """Failed `eject_after` scrapes in a row: no work goes to it until it answers again."""
+    """Failed `eject_after` scrapes in a row, or stuck: no work goes to it until it answers
+    again, or changes."""
     age_s: float
     seq: int
     """Number of the reading (see NodeState.seq)."""
     error: str
     still_s: float = 0.0
-    """How long the engine has held requests without moving a token counter (0 while it moves,
-    is idle, or its page counts no decoded token)."""
+    """How long its stillest engine that holds requests has not changed its figures, to the
+    last good reading (scheduler.stuck)."""
     stuck: bool = False
-    """Still for `stuck_after_s` or longer: ejected (no work goes to it) until it moves."""
+    """Judged stuck (scheduler.stuck): ejected until its still engines change."""
 
 
 ScrapeHook = Callable[[str, float, str | None], None]
@@ -377,8 +361,7 @@ class Poller:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.stale_after_s = stale_after_s
         self.eject_after = eject_after
-        self.stuck_after_s = stuck_after_s
-        """0: no node is ever judged stuck."""
+        self.stuck = StuckWatch(stuck_after_s)
         self.on_scrape = on_scrape
         self.clock = clock
 
@@ -412,30 +395,14 @@ class Poller:
         if error is None:
             node.failures, node.ok_at, node.last_error = 0, self.clock(), ""
             node.seq += 1
-            self._moves(node)
+            if node.metrics is not None:
+                self.stuck.reading(node.name, node.metrics, node.ok_at)
             self._oversized[node.name].succeeded()
         else:
             node.failures += 1
             node.last_error = error
         if self.on_scrape is not None:
             self.on_scrape(node.name, self.clock() - started, error)
-
-    def _moves(self, node: NodeState) -> None:
-        """Note which engines' figures changed at this (good) reading."""
-        m, last = node.metrics, node.progress
-        if m is None:
-            return
-        moved: dict[str, float] = {}
-        for engine in m.engines:
-            before = None if last is None else last.get(engine.engine)
-            if last is None and node.inherit_stuck and engine.busy:
-                moved[engine.engine] = node.ok_at - self.stuck_after_s
-            elif engine != before or not engine.busy:
-                moved[engine.engine] = node.ok_at
-            else:
-                moved[engine.engine] = node.moved_at[engine.engine]
-        node.moved_at, node.inherit_stuck = moved, False
-        node.progress = {e.engine: e for e in m.engines}
 
     def forget(self) -> None:
         """Forget every reading (a new leadership starts): a standby's last readings may be
@@ -444,16 +411,7 @@ class Poller:
         so that the next one is new to whoever saw the last."""
         for node in self.nodes:
             node.metrics, node.ok_at, node.failures, node.last_error = None, 0.0, 0, ""
-            node.progress, node.moved_at, node.inherit_stuck = None, {}, False
-
-    def inherit_stuck(self, names: Iterable[str]) -> None:
-        """Nodes the last leader published as stuck, for a new leader: each stays stuck from
-        its first reading here if that reading shows it busy, and rejoins as soon as a reading
-        changes. Without it a new leader would put a frozen node back for `stuck_after_s`."""
-        wanted = set(names)
-        for node in self.nodes:
-            if node.name in wanted and node.progress is None:
-                node.inherit_stuck = True
+        self.stuck.forget()
 
     async def poll(self, wait_s: float) -> list[NodeView]:
         for node in self.nodes:
@@ -468,11 +426,8 @@ class Poller:
         now = self.clock()
         m = node.metrics
         age = now - node.ok_at if m is not None else float("inf")
-        # To the last good reading, not to now: a node whose scrapes fail says nothing about its
-        # engine (a network split, a slow /metrics) and is ejected for the failures alone.
-        still = max((node.ok_at - node.moved_at[e.engine] for e in m.engines if e.busy),
-                    default=0.0) if m is not None and m.shows_decoding else 0.0
-        stuck = self.stuck_after_s > 0 and still >= self.stuck_after_s
+        still = self.stuck.still_s(node.name, m, node.ok_at)
+        stuck = self.stuck.stuck(node.name, still)
         return NodeView(
             name=node.name,
             metrics=m,
@@ -485,6 +440,19 @@ class Poller:
             still_s=still,
             stuck=stuck,
         )
+
+    async def judge_stuck(self, views: list[NodeView],
+                          aged: Callable[[], Awaitable[set[str]]]) -> list[NodeView]:
+        """`views` with the candidates for stuck judged (scheduler.stuck): `aged` reads the
+        nodes holding a task released `stuck_after_ms` ago or more, only if there is one."""
+        candidates = {v.name for v in views if self.stuck.candidate(v.name, v.still_s)}
+        if not candidates:
+            return views
+        held = candidates & await aged()
+        for name in held:
+            self.stuck.judge(name)
+        return [dataclasses.replace(v, stuck=True, ejected=True) if v.name in held else v
+                for v in views]
 
     async def close(self) -> None:
         tasks = [n.inflight for n in self.nodes if n.inflight is not None and not n.inflight.done()]

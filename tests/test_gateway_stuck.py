@@ -45,6 +45,15 @@ async def headed(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def head_only(request: web.Request) -> web.StreamResponse:
+    """A stuck engine that sent a stream's head (vLLM sends it at once) and no token."""
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await asyncio.Event().wait()
+    return response
+
+
 async def frozen(request: web.Request) -> web.StreamResponse:
     """A stuck engine: a stream gets its head and one token, a whole answer nothing."""
     body = await request.json()
@@ -146,6 +155,22 @@ async def test_a_stream_held_by_a_stuck_node_ends_with_an_error_event(redis_url:
         assert events[2:] == ["[DONE]"]
         await gw.settler.idle()
         assert await reserved(gw) == 0
+
+
+async def test_a_stream_cut_before_its_first_token_costs_nothing(redis_url: str) -> None:
+    async with gateway(redis_url, head_only, "node-0:stuck") as (url, gw), \
+            aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/chat/completions", json=body(True),
+                             headers=HEADERS) as response:
+            task_id = response.headers["X-Request-Id"]
+            text = (await response.read()).decode()
+        events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+        assert json.loads(events[0])["error"]["code"] == "upstream_stuck"
+        assert events[1:] == ["[DONE]"]
+        await gw.settler.idle()
+        record = await gw.pools[POOL].store.task(task_id)
+        assert record is not None
+        assert (record["state"], int(record.get("usage", 0))) == ("cancelled", 0)
 
 
 async def test_a_stream_that_receives_is_not_ended_even_on_a_node_published_stuck(

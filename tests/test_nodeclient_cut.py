@@ -99,11 +99,9 @@ async def test_cut_ends_the_silent_exchanges_and_leaves_those_that_receive(
         async for first in silent.iter_any():  # the head and first event arrived
             assert first.startswith(b"data: t0")
             break
-        loop = asyncio.get_running_loop()
-        quiet_from = loop.time()
+        assert nodes.cut(url, 0.2, "judged stuck") == 0  # silent for less than 0.2 s
         await asyncio.sleep(0.3)
         assert nodes.cut(url, 0.2, "judged stuck") == 1
-        assert loop.time() - quiet_from >= 0.2
         with pytest.raises(NodeStuck, match="judged stuck") as info:
             async for _ in silent.iter_any():
                 pass

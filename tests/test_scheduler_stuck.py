@@ -5,7 +5,8 @@ The leader ejects it after `stuck_after_ms` (no new work, no say in the zone, `n
 from __future__ import annotations
 
 import logging
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -45,22 +46,62 @@ def test_the_generated_token_counter_is_read() -> None:
     assert bare.generation_tokens is None and not bare.shows_decoding
 
 
-async def _ticks(redis_client: Any, redis_url: str, fakes: dict[str, FakeVllm],
-                 steps: list[tuple[float, dict[str, dict[str, Any]]]],
-                 scheduler: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Tick a pool of `fakes` once, then once after each step (seconds to advance, changes to
-    the fakes' fields); each tick's plans' reasons, node_capacity and nodes_out."""
-    clock = FakeClock()
-    out: list[dict[str, Any]] = []
-    urls: dict[str, str] = {}
+class PoolClock:
+    """The test's clock and the pool's (Redis) clock, frozen and moved together."""
+
+    def __init__(self, client: Any, store: Any) -> None:
+        self.local = FakeClock()
+        self.client, self.store = client, store
+        self.us = 0
+
+    async def start(self) -> None:
+        seconds, micros = await self.client.time()
+        self.us = seconds * 1_000_000 + micros
+        await self.client.hset(self.store.keys.clock, "frozen_us", self.us)
+
+    async def advance(self, seconds: float) -> None:
+        self.local.advance(seconds)
+        self.us += int(seconds * 1_000_000)
+        await self.client.hset(self.store.keys.clock, "frozen_us", self.us)
+
+    async def hold_task(self, node: str) -> None:
+        """A task released to `node` now and not ended: the running index's member as the
+        scripts write it ("node prompt max task"), scored by its release time."""
+        await self.client.zadd(self.store.keys.running, {f"{node} 100 100 held-{node}": self.us})
+
+
+@asynccontextmanager
+async def stuck_pool(redis_client: Any, redis_url: str, fakes: dict[str, FakeVllm],
+                     scheduler: dict[str, Any] | None = None
+                     ) -> AsyncIterator[tuple[Any, PoolClock]]:
+    """A pool scheduler over `fakes` (stuck_after_ms 5 s unless `scheduler` says otherwise),
+    ticked by the test on a clock it moves with the pool's."""
     async with AsyncExitStack() as stack:
-        for name, fake in fakes.items():
-            urls[name] = await stack.enter_async_context(serve_fake(fake))
+        urls = {name: await stack.enter_async_context(serve_fake(fake))
+                for name, fake in fakes.items()}
         config = make_config(redis_url, [{"name": n, "url": u} for n, u in urls.items()],
                              scheduler={"stuck_after_ms": STUCK_AFTER_MS, **(scheduler or {})})
-        ps = await stack.enter_async_context(pool_scheduler(redis_client, config, clock=clock))
+        clock = PoolClock(redis_client, None)
+        ps = await stack.enter_async_context(
+            pool_scheduler(redis_client, config, clock=clock.local))
+        clock.store = ps.store
+        await clock.start()
+        yield ps, clock
+
+
+async def _ticks(redis_client: Any, redis_url: str, fakes: dict[str, FakeVllm],
+                 steps: list[tuple[float, dict[str, dict[str, Any]]]],
+                 scheduler: dict[str, Any] | None = None,
+                 tasks_on: tuple[str, ...] = ("n1",)) -> list[dict[str, Any]]:
+    """Tick a pool of `fakes` once, then once after each step (seconds to advance, changes to
+    the fakes' fields); each tick's plans' reasons, node_capacity and nodes_out. The nodes of
+    `tasks_on` hold a task kvgate released before the first tick."""
+    out: list[dict[str, Any]] = []
+    async with stuck_pool(redis_client, redis_url, fakes, scheduler) as (ps, clock):
+        for node in tasks_on:
+            await clock.hold_task(node)
         for seconds, changes in [(0.0, {}), *steps]:
-            clock.advance(seconds)
+            await clock.advance(seconds)
             for name, fields in changes.items():
                 for field, value in fields.items():
                     setattr(fakes[name], field, value)
@@ -145,19 +186,16 @@ async def test_no_node_is_judged_stuck_when(redis_client: Any, redis_url: str, w
 async def test_a_stuck_node_gets_no_queued_work_and_the_other_node_takes_it(
     redis_client: Any, redis_url: str
 ) -> None:
-    clock = FakeClock()
-    stuck, healthy = busy(), FakeVllm(usage=0.1, generation_tokens=0.0)
-    async with serve_fake(stuck) as u1, serve_fake(healthy) as u2:
-        config = make_config(redis_url, [{"name": "n1", "url": u1}, {"name": "n2", "url": u2}],
-                             scheduler={"stuck_after_ms": STUCK_AFTER_MS})
-        async with pool_scheduler(redis_client, config, clock=clock) as ps:
-            await ps.tick(1, always)
-            clock.advance(STUCK_AFTER_MS / 1000)
-            await queue_tasks(ps.store, [(f"v{i}", Tier.VIP, 1_000) for i in range(6)])
-            result = await ps.tick(1, always)
-            assert {t.task_id for t in result.released} == {f"v{i}" for i in range(6)}
-            placed = {t.node for t in result.released}
-            assert placed == {"n2"}, placed
+    fakes = {"n1": busy(), "n2": FakeVllm(usage=0.1, generation_tokens=0.0)}
+    async with stuck_pool(redis_client, redis_url, fakes) as (ps, clock):
+        await clock.hold_task("n1")
+        await ps.tick(1, always)
+        await clock.advance(STUCK_AFTER_MS / 1000)
+        await queue_tasks(ps.store, [(f"v{i}", Tier.VIP, 1_000) for i in range(6)])
+        result = await ps.tick(1, always)
+        assert {t.task_id for t in result.released} == {f"v{i}" for i in range(6)}
+        placed = {t.node for t in result.released}
+        assert placed == {"n2"}, placed
 
 
 def test_stuck_after_ms_below_a_second_is_refused_and_0_turns_it_off() -> None:
@@ -199,29 +237,28 @@ async def test_failed_scrapes_eject_a_node_for_the_failures_not_as_stuck(
 async def test_a_new_leader_keeps_a_node_published_stuck_out_until_its_page_changes(
     redis_client: Any, redis_url: str
 ) -> None:
-    clock = FakeClock()
     frozen_node, idle_node = busy(), busy()
-    async with serve_fake(frozen_node) as u1, serve_fake(idle_node) as u2:
-        config = make_config(redis_url, [{"name": "n1", "url": u1}, {"name": "n2", "url": u2}],
-                             scheduler={"stuck_after_ms": STUCK_AFTER_MS})
-        async with pool_scheduler(redis_client, config, clock=clock) as ps:
-            await ps.tick(1, always)
-            clock.advance(STUCK_AFTER_MS / 1000)
-            result = await ps.tick(1, always)
-            assert {p.name: p.reason for p in result.plans} == {"n1": "stuck", "n2": "stuck"}
-            ps.new_term()  # another replica leads: it has read neither node yet
-            idle_node.running = 0
-            result = await ps.tick(2, always)
-            assert {p.name: p.reason for p in result.plans} == {"n1": "stuck", "n2": ""}
-            assert (await state(ps.store))["nodes_out"] == "n1:stuck"
-            frozen_node.generation_tokens = 401.0
-            clock.advance(0.05)
-            result = await ps.tick(2, always)
-            assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}
-            # Not published stuck: a new term judges it afresh, in until stuck_after_ms.
-            ps.new_term()
-            result = await ps.tick(3, always)
-            assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}
+    async with stuck_pool(redis_client, redis_url, {"n1": frozen_node, "n2": idle_node}) as (
+            ps, clock):
+        await clock.hold_task("n1")
+        await clock.hold_task("n2")
+        await ps.tick(1, always)
+        await clock.advance(STUCK_AFTER_MS / 1000)
+        result = await ps.tick(1, always)
+        assert {p.name: p.reason for p in result.plans} == {"n1": "stuck", "n2": "stuck"}
+        ps.new_term()  # another replica leads: it has read neither node yet
+        idle_node.running = 0
+        result = await ps.tick(2, always)
+        assert {p.name: p.reason for p in result.plans} == {"n1": "stuck", "n2": ""}
+        assert (await state(ps.store))["nodes_out"] == "n1:stuck"
+        frozen_node.generation_tokens = 401.0
+        await clock.advance(0.05)
+        result = await ps.tick(2, always)
+        assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}
+        # Not published stuck: a new term judges it afresh, in until stuck_after_ms.
+        ps.new_term()
+        result = await ps.tick(3, always)
+        assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}
 
 
 def two_engines(first: FakeVllm, second: FakeVllm) -> bytes:
@@ -248,3 +285,29 @@ async def test_one_hung_engine_of_a_data_parallel_server_makes_the_node_stuck(
         (2.5, step(500.0)), (2.5, step(600.0)), (1.0, step(700.0, hung_tokens=401.0)),
     ])
     assert [t["reasons"]["n1"] for t in ticks] == ["", "", "stuck", ""]
+
+
+async def test_a_page_that_counts_requests_kvgate_does_not_hold_is_not_stuck(
+    redis_client: Any, redis_url: str
+) -> None:
+    """vLLM's page can keep counting requests that were all aborted, with no step to correct
+    it (an idle engine takes none). Without a task of kvgate's released there long enough
+    ago, such a node is left in: judged stuck, it would get no work and never change."""
+    ticks = await _ticks(redis_client, redis_url, {"n1": busy()}, [(60.0, {})], tasks_on=())
+    assert [t["reasons"]["n1"] for t in ticks] == ["", ""]
+
+
+async def test_once_stuck_a_node_stays_out_after_kvgate_s_tasks_there_end(
+    redis_client: Any, redis_url: str
+) -> None:
+    """The gateways end the tasks a stuck node holds: the node must stay out while its page
+    stays frozen, not come back to take new work and hold it."""
+    async with stuck_pool(redis_client, redis_url, {"n1": busy()}) as (ps, clock):
+        await clock.hold_task("n1")
+        await ps.tick(1, always)
+        await clock.advance(STUCK_AFTER_MS / 1000)
+        assert [p.reason for p in (await ps.tick(1, always)).plans] == ["stuck"]
+        await redis_client.delete(ps.store.keys.running)  # the gateways ended them
+        for _ in range(3):
+            await clock.advance(1.0)
+            assert [p.reason for p in (await ps.tick(1, always)).plans] == ["stuck"]

@@ -10,6 +10,7 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,16 @@ async def run_for(loads: list[Load], seconds: float, stop: asyncio.Event | None 
     loop = asyncio.get_running_loop()
     loop.call_later(seconds, stop.set)
     return asyncio.ensure_future(asyncio.gather(*(load.run(stop) for load in loads)))
+
+
+async def until(check: Callable[[], Any], within_s: float, interval_s: float = 0.02) -> float:
+    """Until the awaitable `check()` is true; returns the seconds it took."""
+    start = time.monotonic()
+    while not await check():
+        if time.monotonic() - start > within_s:
+            raise AssertionError(f"condition not met within {within_s} s")
+        await asyncio.sleep(interval_s)
+    return time.monotonic() - start
 
 
 def answered(results: list[Outcome]) -> bool:

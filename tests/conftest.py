@@ -35,6 +35,7 @@ from redis.asyncio.cluster import RedisCluster
 from admission.keys import PoolKeys
 from admission.scripts import allow_frozen_clock
 from bench.common.localredis import LocalCluster, LocalRedis, start_cluster, start_redis
+from tests.live import Processes
 from tests.properties import PROFILE
 from tests.rawnode import Handler
 
@@ -191,6 +192,17 @@ def redis_factory() -> Iterator[Callable[..., LocalRedis]]:
     for server in started:
         server.stop()
         shutil.rmtree(server.workdir, ignore_errors=True)
+
+
+@pytest.fixture
+async def procs() -> AsyncIterator[Processes]:
+    """Service processes (gateways, schedulers, vLLM stand-ins) the test starts; all are
+    stopped, and their files removed, afterwards."""
+    processes = Processes()
+    try:
+        yield processes
+    finally:
+        await asyncio.to_thread(processes.cleanup)
 
 
 @pytest.fixture(scope="module")

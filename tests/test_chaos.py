@@ -17,7 +17,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -46,31 +46,13 @@ from tests.chaos_support import (
     settled,
     stats,
     task_records,
+    until,
 )
 from tests.gateway_harness import KEYS, POOL, open_held_stream
 from tests.live import Processes, sigkill
 
 pytestmark = pytest.mark.slow
 KEYS_OF = PoolKeys(POOL)
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[Processes]:
-    processes = Processes()
-    try:
-        yield processes
-    finally:
-        await asyncio.to_thread(processes.cleanup)
-
-
-async def until(check: Callable[[], Any], within_s: float, interval_s: float = 0.02) -> float:
-    """Until the awaitable `check()` is true; returns the seconds it took."""
-    start = time.monotonic()
-    while not await check():
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"condition not met within {within_s} s")
-        await asyncio.sleep(interval_s)
-    return time.monotonic() - start
 
 
 async def leader(redis: Any) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -32,6 +32,7 @@ from tests.chaos_support import (
     run_for,
     settled,
     task_records,
+    until,
 )
 from tests.gateway_harness import POOL
 from tests.live import Processes
@@ -41,24 +42,6 @@ pytestmark = pytest.mark.slow
 KEYS_OF = PoolKeys(POOL)
 STUCK_AFTER_MS = 1_000
 UPSTREAM_TIMEOUT_MS = 60_000
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[Processes]:
-    processes = Processes()
-    try:
-        yield processes
-    finally:
-        await asyncio.to_thread(processes.cleanup)
-
-
-async def until(check: Callable[[], Any], within_s: float, interval_s: float = 0.02) -> float:
-    start = time.monotonic()
-    while not await check():
-        if time.monotonic() - start > within_s:
-            raise AssertionError(f"condition not met within {within_s} s")
-        await asyncio.sleep(interval_s)
-    return time.monotonic() - start
 
 
 async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(

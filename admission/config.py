@@ -35,6 +35,7 @@ from redis.connection import to_bool
 from admission.configchecks import (
     check_admin_token,
     check_redis_calls,
+    check_stuck_after,
     check_unique_pools,
     check_unique_tenants,
     refuse_sentinel_password,
@@ -353,6 +354,7 @@ def parse_config(data: Mapping[str, Any], env: Mapping[str, str] | None = None) 
     )
     root.done()
     check_redis_calls(config.redis, config.scheduler, len(config.pools))
+    check_stuck_after(config.gateway, config.scheduler)
     return config
 
 

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from admission.configfields import ENV_NAME, ConfigError, shown_url
 from admission.configschema import (
     Config,
+    GatewaySettings,
     PoolSettings,
     SchedulerSettings,
     TenantSettings,
@@ -89,6 +90,20 @@ def check_admin_token(token: str | None, where: str,
             raise ConfigError(f"{where}: is also the key_sha256[{j}] of tenant {tenant.name!r} "
                               f"(tenants[{i}]), whose API key would then open the admin API; "
                               "give the admin a token of its own")
+
+
+def check_stuck_after(gateway: GatewaySettings, scheduler: SchedulerSettings) -> None:
+    """`stuck_after_ms` against the time a dead gateway's tasks stay in the running index: a
+    node is judged stuck only while a task of kvgate's released there that long ago has not
+    ended (scheduler.stuck), and a gateway that dies leaves its tasks there, their requests
+    gone from the node, until its lease expires and the reaper runs."""
+    held = gateway.lease_ttl_ms + scheduler.reap_interval_ms
+    if scheduler.stuck_after_ms and scheduler.stuck_after_ms <= held:
+        raise ConfigError(
+            f"scheduler.stuck_after_ms: must be above gateway.lease_ttl_ms + "
+            f"scheduler.reap_interval_ms ({held}), or 0, got {scheduler.stuck_after_ms}: the "
+            "tasks of a gateway that died stay in the running index that long, and would make "
+            "a healthy idle node look stuck")
 
 
 def check_redis_calls(redis: RedisSettings, scheduler: SchedulerSettings, pools: int) -> None:

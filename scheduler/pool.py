@@ -44,6 +44,10 @@ from scheduler.zones import RedClearance, ZoneTracker, published_zone
 
 log = logging.getLogger("kvgate.scheduler.pool")
 
+AGED_READ_S = 1.0
+"""Without the running index read by the tick, how often the nodes holding old tasks are read
+while a node is a candidate for stuck (scheduler.stuck)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
@@ -125,8 +129,19 @@ class PoolScheduler:
         me: str,
         sharded_pubsub: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        may_judge_stuck: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
+        self.may_judge_stuck = may_judge_stuck
+        """False while a dead gateway's tasks may still be in the running index past a lease
+        (the reaper held back after Redis failures): no node is judged stuck then
+        (scheduler.stuck)."""
+        self._inherit = True
+        """The next tick reads which nodes the last leader published stuck (once per term)."""
+        self._index_now_us: int | None = None
+        """The pool clock when this tick read the running index (None: not read)."""
+        self._aged: tuple[float, set[str]] | None = None
+        """The last read of the nodes holding old tasks, and when (monotonic)."""
         self.pool = pool
         self.settings = settings
         self.poller = poller
@@ -210,7 +225,8 @@ class PoolScheduler:
         self._preemptions.clear()
         self.poller.forget()
         self._first_poll = True
-        self._resume = True
+        self._resume = self._inherit = True
+        self._aged = None
         self.calm.restart()
 
     async def read_snapshot(self) -> Snapshot:
@@ -223,8 +239,9 @@ class PoolScheduler:
             guests=control and self.pool.control.lane_nodes > 0)
         running: dict[str, list[RunningTask]] = {}
         prefill: dict[str, list[tuple[Any, int, float]]] = {}
+        self._index_now_us = None
         if reading.running is not None:
-            now_us = await self._redis_now_us(reading.frozen_us)
+            now_us = self._index_now_us = await self._redis_now_us(reading.frozen_us)
             running, self._indexed = tasks_by_node(reading.running, now_us, self._indexed,
                                                    self.pool.engine)
             if control:
@@ -235,9 +252,18 @@ class PoolScheduler:
                         reading.held)
 
     async def _aged_nodes(self) -> set[str]:
-        """The nodes holding a task released `stuck_after_ms` ago or more (scheduler.stuck)."""
-        return await self.store.nodes_holding_tasks_older_than(
-            self.settings.stuck_after_ms * 1000)
+        """The nodes holding a task released `stuck_after_ms` ago or more (scheduler.stuck):
+        from the running index this tick read, if it read it; else read, at most once a
+        second (a candidate that never holds such a task would read it at every tick)."""
+        age_us = self.settings.stuck_after_ms * 1000
+        if self._index_now_us is not None:
+            cutoff = self._index_now_us - age_us
+            return {e.node for e in self._indexed.values()
+                    if e is not None and e.released_us <= cutoff}
+        now = self.clock()
+        if self._aged is None or now - self._aged[0] >= AGED_READ_S:
+            self._aged = (now, await self.store.nodes_holding_tasks_older_than(age_us))
+        return self._aged[1]
 
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
@@ -418,9 +444,10 @@ class PoolScheduler:
         # beside it (lua/_room.lua prefill_room); one placed between this read and the scrape
         # counts twice until the next publish, which only spreads VIP more.
         vips = await self.store.vip_placements() if self.control is not None else {}
-        if self._resume:
+        if self._inherit:
             out = await self.store.nodes_out()
             self.poller.stuck.inherit(n for n, why in out.items() if why == NODE_STUCK)
+            self._inherit = False
         views = await self.poller.poll(self.first_wait_s if first else self.wait_s)
         if views and all(v.metrics is None and not v.ejected for v in views):
             # Nothing heard yet (a leader just took over): publishing now would say "no usable
@@ -436,7 +463,8 @@ class PoolScheduler:
             self.learner.resume(published_ratio(published))
         self._resume = False
         snap = await self.read_snapshot()
-        views = await self.poller.judge_stuck(views, self._aged_nodes)
+        if self.may_judge_stuck():
+            views = await self.poller.judge_stuck(views, self._aged_nodes)
         now = self.clock()
         plans = self.plan(views, snap, now)
         usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes,

@@ -449,6 +449,10 @@ class Poller:
         if not candidates:
             return views
         held = candidates & await aged()
+        # A scrape that ended during the read may show the node moving again.
+        nodes = {n.name: n for n in self.nodes}
+        held = {name for name in held if self.stuck.candidate(
+            name, self.stuck.still_s(name, nodes[name].metrics, nodes[name].ok_at))}
         for name in held:
             self.stuck.judge(name)
         return [dataclasses.replace(v, stuck=True, ejected=True) if v.name in held else v

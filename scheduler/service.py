@@ -12,6 +12,7 @@ once per tick.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -129,6 +130,7 @@ class SchedulerService:
             self.pools.append(PoolScheduler(
                 store, pool, s, poller, self.metrics, me=self.me,
                 sharded_pubsub=self.config.redis.sharded_pubsub, clock=self.clock,
+                may_judge_stuck=functools.partial(self.reaping_allowed, pool.name),
             ))
         self.elector = Elector(self.client, self.scripts, self.me, s.leader_ttl_ms,
                                clock=self.clock, on_failure=self.metrics.leadership_errors.inc,

@@ -173,6 +173,7 @@ def make_config(
     dedicated: Mapping[str, Any] | None = None,
     pool_extra: Mapping[str, Any] | None = None,
     control: Mapping[str, Any] | None = None,
+    gateway: Mapping[str, Any] | None = None,
 ) -> Config:
     """A one-pool configuration. The release control is off unless `control` is given: the
     tests using this stub are about KV budgets, zones and order, and their tasks' prompts are
@@ -180,6 +181,7 @@ def make_config(
     return parse_config(
         {
             "redis": {"url": redis_url},
+            "gateway": dict(gateway or {}),
             "scheduler": dict(scheduler or {}),
             "pools": [{"name": pool, "backends": list(backends), "zones": dict(zones or {}),
                        "dedicated": dict(dedicated or {}),

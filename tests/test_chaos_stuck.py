@@ -40,7 +40,7 @@ from tests.live import Processes
 pytestmark = pytest.mark.slow
 
 KEYS_OF = PoolKeys(POOL)
-STUCK_AFTER_MS = 1_000
+STUCK_AFTER_MS = 1_500
 UPSTREAM_TIMEOUT_MS = 60_000
 
 

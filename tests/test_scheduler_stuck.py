@@ -5,6 +5,7 @@ The leader ejects it after `stuck_after_ms` (no new work, no say in the zone, `n
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from admission.config import ConfigError, parse_config
 from admission.tiers import Tier
 from scheduler.scrape import EngineFigures, parse_vllm_metrics
+from scheduler.stuck import StuckWatch
 from tests.scheduler_stub import (
     FakeClock,
     FakeVllm,
@@ -26,12 +28,14 @@ from tests.scheduler_stub import (
 )
 
 STUCK_AFTER_MS = 5_000
+SHORT_LEASE = {"lease_ttl_ms": 2_000, "renew_interval_ms": 500}
+"""A dead gateway's tasks are reaped within 3 s (lease and reap interval): below 5 s."""
 
 
 def busy(**kw: Any) -> FakeVllm:
     """A node with two requests running and its token counters on the page."""
-    return FakeVllm(usage=0.3, running=2, prompt_tokens=1_000.0, generation_tokens=400.0,
-                    itl=(4.0, 398.0), **kw)
+    return FakeVllm(**{"usage": 0.3, "running": 2, "prompt_tokens": 1_000.0,
+                       "generation_tokens": 400.0, "itl": (4.0, 398.0), **kw})
 
 
 def test_the_generated_token_counter_is_read() -> None:
@@ -80,7 +84,8 @@ async def stuck_pool(redis_client: Any, redis_url: str, fakes: dict[str, FakeVll
         urls = {name: await stack.enter_async_context(serve_fake(fake))
                 for name, fake in fakes.items()}
         config = make_config(redis_url, [{"name": n, "url": u} for n, u in urls.items()],
-                             scheduler={"stuck_after_ms": STUCK_AFTER_MS, **(scheduler or {})})
+                             scheduler={"stuck_after_ms": STUCK_AFTER_MS, **(scheduler or {})},
+                             gateway=SHORT_LEASE)
         clock = PoolClock(redis_client, None)
         ps = await stack.enter_async_context(
             pool_scheduler(redis_client, config, clock=clock.local))
@@ -198,20 +203,29 @@ async def test_a_stuck_node_gets_no_queued_work_and_the_other_node_takes_it(
         assert placed == {"n2"}, placed
 
 
-def test_stuck_after_ms_below_a_second_is_refused_and_0_turns_it_off() -> None:
-    def parse(scheduler: dict[str, Any]) -> Any:
+def test_stuck_after_ms_is_0_or_above_a_second_and_a_dead_gateway_s_lease() -> None:
+    def parse(scheduler: dict[str, Any], gateway: dict[str, Any] | None = None) -> Any:
         return parse_config({"redis": {"url": "redis://x"}, "scheduler": scheduler,
+                             "gateway": gateway or {},
                              "pools": [{"name": "p", "backends": [
                                  {"name": "n1", "url": "http://127.0.0.1:1"}]}]}, env={})
 
     assert parse({}).scheduler.stuck_after_ms == 30_000
     assert parse({"stuck_after_ms": 0}).scheduler.stuck_after_ms == 0
-    assert parse({"stuck_after_ms": 1_000}).scheduler.stuck_after_ms == 1_000
+    short = {"lease_ttl_ms": 500, "renew_interval_ms": 200}
+    assert parse({"stuck_after_ms": 1_000, "reap_interval_ms": 100}, short
+                 ).scheduler.stuck_after_ms == 1_000
     with pytest.raises(ConfigError, match=r"scheduler\.stuck_after_ms: must be 0 \(off\) or at "
                                           r"least 1000, got 999"):
         parse({"stuck_after_ms": 999})
     with pytest.raises(ConfigError, match=r"stuck_after_ms: must be >= 0"):
         parse({"stuck_after_ms": -1})
+    # The defaults' lease (10 s) and reap interval (1 s): a dead gateway's tasks stay 11 s.
+    with pytest.raises(ConfigError, match=r"scheduler\.stuck_after_ms: must be above "
+                                          r"gateway\.lease_ttl_ms \+ scheduler\.reap_interval_ms "
+                                          r"\(11000\), or 0, got 11000"):
+        parse({"stuck_after_ms": 11_000})
+    assert parse({"stuck_after_ms": 11_001}).scheduler.stuck_after_ms == 11_001
 
 
 async def test_failed_scrapes_eject_a_node_for_the_failures_not_as_stuck(
@@ -259,6 +273,9 @@ async def test_a_new_leader_keeps_a_node_published_stuck_out_until_its_page_chan
         ps.new_term()
         result = await ps.tick(3, always)
         assert {p.name: p.reason for p in result.plans} == {"n1": "", "n2": ""}
+        await clock.advance(STUCK_AFTER_MS / 1000)
+        result = await ps.tick(3, always)
+        assert {p.name: p.reason for p in result.plans} == {"n1": "stuck", "n2": ""}
 
 
 def two_engines(first: FakeVllm, second: FakeVllm) -> bytes:
@@ -311,3 +328,64 @@ async def test_once_stuck_a_node_stays_out_after_kvgate_s_tasks_there_end(
         for _ in range(3):
             await clock.advance(1.0)
             assert [p.reason for p in (await ps.tick(1, always)).plans] == ["stuck"]
+
+
+async def test_the_task_must_be_as_old_as_the_stillness(redis_client: Any, redis_url: str) -> None:
+    async with stuck_pool(redis_client, redis_url, {"n1": busy()}) as (ps, clock):
+        reasons = [(await ps.tick(1, always)).plans[0].reason]
+        await clock.advance(4.0)
+        await clock.hold_task("n1")
+        for seconds in (1.0, 3.0, 0.9, 0.1):
+            await clock.advance(seconds)
+            reasons.append((await ps.tick(1, always)).plans[0].reason)
+    # Still from 0 s; the task released at 4 s is old enough at 9 s, not before.
+    assert reasons == ["", "", "", "", "stuck"]
+
+
+async def test_a_stuck_node_whose_scrapes_fail_stays_stuck_until_its_page_changes(
+    redis_client: Any, redis_url: str
+) -> None:
+    ticks = await _ticks(redis_client, redis_url, {"n1": busy()}, [
+        (5.0, {}), (1.0, {"n1": {"status": 503}}), (1.0, {}), (1.0, {}), (1.0, {}),
+        (1.0, {"n1": {"status": 200}}), (1.0, {"n1": {"generation_tokens": 401.0}}),
+    ])
+    assert [t["reasons"]["n1"] for t in ticks] == ["", "stuck"] + ["stuck"] * 5 + [""]
+
+
+async def test_no_node_is_judged_while_the_reaper_is_held_back(
+    redis_client: Any, redis_url: str
+) -> None:
+    """After Redis failures the reaper waits a lease: a dead gateway's tasks may stay in the
+    running index past stuck_after_ms, and must not make a node look stuck."""
+    async with stuck_pool(redis_client, redis_url, {"n1": busy()}) as (ps, clock):
+        await clock.hold_task("n1")
+        allowed = False
+        ps.may_judge_stuck = lambda: allowed
+        await ps.tick(1, always)
+        await clock.advance(STUCK_AFTER_MS / 1000)
+        assert [p.reason for p in (await ps.tick(1, always)).plans] == [""]
+        allowed = True
+        assert [p.reason for p in (await ps.tick(1, always)).plans] == ["stuck"]
+
+
+def test_a_new_leader_that_read_a_node_before_learning_it_was_stuck_keeps_it_out() -> None:
+    """A scrape begun in the earlier term may end before the new leader reads nodes_out."""
+    watch = StuckWatch(5.0)
+    page = parse_vllm_metrics(busy().render())
+    watch.reading("n1", page, 100.0)
+    watch.inherit(["n1"])
+    still = watch.still_s("n1", page, 100.0)
+    assert still == 5.0 and watch.stuck("n1", still)
+    watch.reading("n1", parse_vllm_metrics(busy(generation_tokens=401.0).render()), 100.05)
+    assert not watch.stuck("n1", watch.still_s("n1", page, 100.05))
+
+
+def test_a_figure_that_is_not_a_number_is_left_out_of_the_engine_s_figures() -> None:
+    page = parse_vllm_metrics(FakeVllm(usage=0.3, running=2, prompt_tokens=math.nan,
+                                       generation_tokens=400.0).render())
+    [engine] = page.engines
+    assert "vllm:prompt_tokens_total" not in dict(engine.figures)
+    watch = StuckWatch(5.0)
+    watch.reading("n1", page, 100.0)
+    watch.reading("n1", page, 106.0)
+    assert watch.still_s("n1", page, 106.0) == 6.0

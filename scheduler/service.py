@@ -130,7 +130,7 @@ class SchedulerService:
             self.pools.append(PoolScheduler(
                 store, pool, s, poller, self.metrics, me=self.me,
                 sharded_pubsub=self.config.redis.sharded_pubsub, clock=self.clock,
-                may_judge_stuck=functools.partial(self.reaping_allowed, pool.name),
+                may_judge_stuck=functools.partial(self.judging_allowed, pool.name),
             ))
         self.elector = Elector(self.client, self.scripts, self.me, s.leader_ttl_ms,
                                clock=self.clock, on_failure=self.metrics.leadership_errors.inc,
@@ -269,14 +269,23 @@ class SchedulerService:
         calls hold back only its own reaping (`pool`; None: every pool's count): another
         pool's keys may live on another shard, or fail for a reason of their own, and one pool
         failing every tick must not leave every other pool's dead gateways unreaped."""
+        return self._quiet_for(pool, self.config.gateway.lease_ttl_ms / 1000)
+
+    def judging_allowed(self, pool: str) -> bool:
+        """Whether the pool may judge a node stuck (scheduler.stuck): not until the reaper has
+        had its lease's wait and one interval to run after Redis failures, so that no dead
+        gateway's task left in the running index passes for a task the node still holds."""
+        return self._quiet_for(pool, (self.config.gateway.lease_ttl_ms
+                                      + self.settings.reap_interval_ms) / 1000)
+
+    def _quiet_for(self, pool: str | None, seconds: float) -> bool:
+        """No Redis failure of `pool` (None: of any pool) nor of a leadership call for
+        `seconds`."""
         failed: list[float | None] = (list(self._redis_failed_at.values()) if pool is None
                                       else [self._redis_failed_at.get(pool)])
         failed.append(self.elector.failed_at if self.elector else None)
         failures = [t for t in failed if t is not None]
-        if not failures:
-            return True
-        grace = self.config.gateway.lease_ttl_ms / 1000
-        return self.clock() - max(failures) >= grace
+        return not failures or self.clock() - max(failures) >= seconds
 
     async def _reap_loop(self) -> None:
         assert self.elector is not None

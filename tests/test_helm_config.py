@@ -130,6 +130,16 @@ def test_scheduler_pod_config_is_accepted(variant: str) -> None:
     assert config.tenants == ()
 
 
+def test_a_long_lease_renders_with_stuck_judging_off_and_the_services_accept_it() -> None:
+    """`stuck_after_ms = 0` is off, not unset: the chart's check must not read it as the
+    default (30 s), which a 60 s lease would fail."""
+    docs = render({"config": {"gateway": {"lease_ttl_ms": 60_000, "renew_interval_ms": 3_000},
+                              "scheduler": {"stuck_after_ms": 0}}})
+    text = next(iter(one(docs, "ConfigMap", "-config")["data"].values()))
+    config = cfg.parse_config(_toml(text), env={})
+    assert (config.gateway.lease_ttl_ms, config.scheduler.stuck_after_ms) == (60_000, 0)
+
+
 def test_backends_behind_a_private_ca_get_it_mounted_and_named_on_every_pool() -> None:
     values = {**WITH_TENANTS, "backendTls": {"caSecret": "vllm-ca", "caSecretKey": "bundle.pem"},
               "config": {"pools": [*WITH_TENANTS["config"]["pools"],

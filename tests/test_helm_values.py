@@ -138,6 +138,12 @@ def test_schema_rejects_bad_values(case: str) -> None:
     ({"config": {"scheduler": {"release_call_ms": 500}}},
      "config.scheduler.release_call_ms (500) must be below config.redis.socket_timeout_ms (500)"),
     ({"config": {"redis": {"socket_timeout_ms": 20}}}, "release_call_ms (20) must be below"),
+    ({"config": {"gateway": {"lease_ttl_ms": 30000, "renew_interval_ms": 3000}}},
+     "config.scheduler.stuck_after_ms (30000) must be above config.gateway.lease_ttl_ms + "
+     "config.scheduler.reap_interval_ms (31000), or 0"),
+    ({"config": {"scheduler": {"stuck_after_ms": 5000, "reap_interval_ms": 500}}},
+     "stuck_after_ms (5000) must be above config.gateway.lease_ttl_ms + "
+     "config.scheduler.reap_interval_ms (10500)"),
     ({"redis": {"mode": "external", "external": {"url": "redis://r:6379/0?sockettimeout=3"},
                 "auth": {"enabled": False}}},
      "redis.external.url: its query parameter sockettimeout is not supported"),

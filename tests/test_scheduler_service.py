@@ -142,6 +142,18 @@ def test_reaper_waits_one_lease_after_redis_failed() -> None:
     assert service.reaping_allowed("p")
 
 
+def test_no_node_is_judged_stuck_until_the_reaper_has_had_its_wait_and_a_pass() -> None:
+    now = [100.0]
+    config = make_config("redis://127.0.0.1:1/0", [{"name": "n1", "url": "http://x"}])
+    service = SchedulerService(config, me="s1", clock=lambda: now[0])
+    assert service.judging_allowed("p")
+    service._redis_failed_at["p"] = now[0]
+    now[0] += config.gateway.lease_ttl_ms / 1000
+    assert service.reaping_allowed("p") and not service.judging_allowed("p")
+    now[0] += config.scheduler.reap_interval_ms / 1000
+    assert service.judging_allowed("p")
+
+
 async def test_stopping_survives_a_lost_cancel() -> None:
     """A loop whose first cancel is swallowed (as Python 3.11's wait_for can) still stops."""
     from scheduler.service import cancel_until_done

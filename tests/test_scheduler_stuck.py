@@ -21,6 +21,7 @@ from tests.scheduler_stub import (
     FakeVllm,
     always,
     make_config,
+    one_node_poller,
     pool_scheduler,
     queue_tasks,
     serve_fake,
@@ -389,3 +390,54 @@ def test_a_figure_that_is_not_a_number_is_left_out_of_the_engine_s_figures() -> 
     watch.reading("n1", page, 100.0)
     watch.reading("n1", page, 106.0)
     assert watch.still_s("n1", page, 106.0) == 6.0
+
+
+async def test_without_the_running_index_read_the_old_tasks_are_read_for_the_candidates(
+    redis_client: Any, redis_url: str
+) -> None:
+    """With the final projection and the release control off, the tick does not read the
+    running index: the nodes holding old tasks are read from Redis, at most once a second."""
+    async with AsyncExitStack() as stack:
+        url = await stack.enter_async_context(serve_fake(busy()))
+        config = make_config(redis_url, [{"name": "n1", "url": url}],
+                             scheduler={"stuck_after_ms": STUCK_AFTER_MS},
+                             zones={"projection": "final"}, gateway=SHORT_LEASE)
+        clock = PoolClock(redis_client, None)
+        ps = await stack.enter_async_context(
+            pool_scheduler(redis_client, config, clock=clock.local))
+        clock.store = ps.store
+        await clock.start()
+        await ps.tick(1, always)
+        await clock.advance(STUCK_AFTER_MS / 1000)
+        assert [p.reason for p in (await ps.tick(1, always)).plans] == [""]  # no task there
+        await clock.advance(0.5)
+        await clock.hold_task("n1")
+        # Held now: not old enough yet.
+        assert [p.reason for p in (await ps.tick(1, always)).plans] == [""]
+        await clock.advance(STUCK_AFTER_MS / 1000)
+        assert [p.reason for p in (await ps.tick(1, always)).plans] == ["stuck"]
+
+
+async def test_a_node_whose_page_moves_during_the_read_is_not_judged() -> None:
+    fake = busy()
+    async with one_node_poller(fake, timeout_s=1.0, eject_after=3) as (poller, _):
+        poller.stuck = StuckWatch(0.0001)
+        views = await poller.poll(1.0)
+        views = await poller.poll(1.0)
+        assert views[0].still_s > 0
+
+        async def moved_meanwhile() -> set[str]:
+            fake.generation_tokens = 401.0
+            await poller.poll(1.0)  # a scrape that ends while the tick reads Redis
+            return {"n1"}
+
+        judged = await poller.judge_stuck(views, moved_meanwhile)
+        assert not judged[0].stuck and not judged[0].ejected
+
+        async def still_meanwhile() -> set[str]:
+            await poller.poll(1.0)
+            return {"n1"}
+
+        await poller.poll(1.0)
+        judged = await poller.judge_stuck(await poller.poll(1.0), still_meanwhile)
+        assert judged[0].stuck and judged[0].ejected  # unchanged: judged

@@ -151,6 +151,14 @@ value to change (the schema checks each value alone; these need two).
 {{- if ge $call $socket }}
 {{- fail (printf "config.scheduler.release_call_ms (%d) must be below config.redis.socket_timeout_ms (%d): a release call the Redis client gives up on keeps running in Redis" $call $socket) }}
 {{- end }}
+{{- $sched := default (dict) $cfg.scheduler }}
+{{- /* `default` would read a 0 (off) as unset: hasKey tells them apart. */}}
+{{- $stuck := 30000 }}
+{{- if hasKey $sched "stuck_after_ms" }}{{- $stuck = int $sched.stuck_after_ms }}{{- end }}
+{{- $held := add (int (default 10000 (default (dict) $cfg.gateway).lease_ttl_ms)) (int (default 1000 $sched.reap_interval_ms)) }}
+{{- if and (ne $stuck 0) (le $stuck $held) }}
+{{- fail (printf "config.scheduler.stuck_after_ms (%d) must be above config.gateway.lease_ttl_ms + config.scheduler.reap_interval_ms (%d), or 0: a dead gateway's tasks stay in the running index that long and would make a healthy idle node look stuck" $stuck $held) }}
+{{- end }}
 {{- if and (eq $r.mode "external") (contains "?" $r.external.url) }}
 {{- range (splitList "&" (regexReplaceAll "^[^?]*\\?" $r.external.url "")) }}
 {{- $name := (splitList "=" .) | first }}

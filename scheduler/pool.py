@@ -133,8 +133,8 @@ class PoolScheduler:
     ) -> None:
         self.store = store
         self.may_judge_stuck = may_judge_stuck
-        """False while a dead gateway's tasks may still be in the running index past a lease
-        (the reaper held back after Redis failures): no node is judged stuck then
+        """False while a dead gateway's tasks may still be in the running index (the reaper held
+        back after Redis failures, or not yet run since): no node is judged stuck then
         (scheduler.stuck)."""
         self._inherit = True
         """The next tick reads which nodes the last leader published stuck (once per term)."""

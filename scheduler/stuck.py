@@ -19,12 +19,13 @@ A node is judged stuck when both hold:
   requests' clients left would be judged stuck, and, given no work, never change again. A
   dead gateway's tasks stay in the index until its lease expires and the reaper runs, so
   `stuck_after_ms` must be longer than that (admission.configchecks), and no node is judged
-  while the reaper is held back after Redis failures (`PoolScheduler.may_judge_stuck`).
+  until a lease and one reap interval have passed since the last Redis failure
+  (`PoolScheduler.may_judge_stuck`, scheduler.service `judging_allowed`).
 
 Once judged, it stays stuck while such an engine stays unchanged, whether or not kvgate still
 has tasks there (the gateways end them once `nodes_out` says so: gateway.stucknodes), and
-while its scrapes fail (its stillness is measured to its last good reading). It
-rejoins at the first reading at which every engine that holds requests has changed, or none
+while its scrapes fail (its stillness is measured to its last good reading). It rejoins at
+the first reading at which every engine that holds requests has changed, or none
 holds any (a restarted engine's counters start again). A new leader keeps a node the last one
 published stuck out from its first reading, if that reading shows an engine holding requests,
 until it changes (`inherit`). Never judged stuck: a page with neither the generated-token

@@ -446,7 +446,7 @@ class PoolScheduler:
         vips = await self.store.vip_placements() if self.control is not None else {}
         if self._inherit:
             out = await self.store.nodes_out()
-            self.poller.stuck.inherit(n for n, why in out.items() if why == NODE_STUCK)
+            self.poller.stuck_watch.inherit(n for n, why in out.items() if why == NODE_STUCK)
             self._inherit = False
         views = await self.poller.poll(self.first_wait_s if first else self.wait_s)
         if views and all(v.metrics is None and not v.ejected for v in views):

@@ -361,7 +361,7 @@ class Poller:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.stale_after_s = stale_after_s
         self.eject_after = eject_after
-        self.stuck = StuckWatch(stuck_after_s)
+        self.stuck_watch = StuckWatch(stuck_after_s)
         self.on_scrape = on_scrape
         self.clock = clock
 
@@ -396,7 +396,7 @@ class Poller:
             node.failures, node.ok_at, node.last_error = 0, self.clock(), ""
             node.seq += 1
             if node.metrics is not None:
-                self.stuck.reading(node.name, node.metrics, node.ok_at)
+                self.stuck_watch.reading(node.name, node.metrics, node.ok_at)
             self._oversized[node.name].succeeded()
         else:
             node.failures += 1
@@ -411,7 +411,7 @@ class Poller:
         so that the next one is new to whoever saw the last."""
         for node in self.nodes:
             node.metrics, node.ok_at, node.failures, node.last_error = None, 0.0, 0, ""
-        self.stuck.forget()
+        self.stuck_watch.forget()
 
     async def poll(self, wait_s: float) -> list[NodeView]:
         for node in self.nodes:
@@ -426,8 +426,8 @@ class Poller:
         now = self.clock()
         m = node.metrics
         age = now - node.ok_at if m is not None else float("inf")
-        still = self.stuck.still_s(node.name, m, node.ok_at)
-        stuck = self.stuck.stuck(node.name, still)
+        still = self.stuck_watch.still_s(node.name, m, node.ok_at)
+        stuck = self.stuck_watch.stuck(node.name, still)
         return NodeView(
             name=node.name,
             metrics=m,
@@ -445,16 +445,16 @@ class Poller:
                           aged: Callable[[], Awaitable[set[str]]]) -> list[NodeView]:
         """`views` with the candidates for stuck judged (scheduler.stuck): `aged` reads the
         nodes holding a task released `stuck_after_ms` ago or more, only if there is one."""
-        candidates = {v.name for v in views if self.stuck.candidate(v.name, v.still_s)}
+        candidates = {v.name for v in views if self.stuck_watch.candidate(v.name, v.still_s)}
         if not candidates:
             return views
         held = candidates & await aged()
         # A scrape that ended during the read may show the node moving again.
         nodes = {n.name: n for n in self.nodes}
-        held = {name for name in held if self.stuck.candidate(
-            name, self.stuck.still_s(name, nodes[name].metrics, nodes[name].ok_at))}
+        held = {name for name in held if self.stuck_watch.candidate(
+            name, self.stuck_watch.still_s(name, nodes[name].metrics, nodes[name].ok_at))}
         for name in held:
-            self.stuck.judge(name)
+            self.stuck_watch.judge(name)
         return [dataclasses.replace(v, stuck=True, ejected=True) if v.name in held else v
                 for v in views]
 

@@ -18,3 +18,15 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
     return head + await reader.readexactly(length)
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+"""A whole answer of two bytes that keeps the connection."""
+
+
+async def answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bytes:
+    """Read one request and answer it with `OK`; returns the request."""
+    request = await read_request(reader)
+    writer.write(OK)
+    await writer.drain()
+    return request

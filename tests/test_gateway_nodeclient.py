@@ -26,7 +26,7 @@ from gateway.nodeclient import (
     NodeTimeout,
     NodeUnreachable,
 )
-from tests.rawnode import Handler, read_request
+from tests.rawnode import Handler, answer_ok, read_request
 
 JSON = {"Content-Type": "application/json"}
 
@@ -189,9 +189,7 @@ async def test_a_kept_alive_connection_closed_by_the_node_is_replaced(
                                   writer: asyncio.StreamWriter) -> None:
         nonlocal connections
         connections += 1
-        answered.append(await read_request(reader))
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
+        answered.append(await answer_ok(reader, writer))
         await read_request(reader)  # the next request on this connection: dropped unanswered
         writer.close()
 
@@ -225,9 +223,7 @@ async def test_a_kept_alive_connection_closed_while_the_node_works_is_not_sent_a
 
     async def fails_while_working(reader: asyncio.StreamReader,
                                   writer: asyncio.StreamWriter) -> None:
-        received.append(await read_request(reader))
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-        await writer.drain()
+        received.append(await answer_ok(reader, writer))
         received.append(await read_request(reader))
         await hang_up.wait()  # working on it, then the node dies
         writer.close()

@@ -10,10 +10,9 @@ import pytest
 
 from gateway.nodeclient import STALE_CLOSE_S, NodeClient, NodeError, NodeStuck, NodeTimeout
 from tests.gateway_harness import eventually
-from tests.rawnode import Handler, read_request
+from tests.rawnode import OK, Handler, answer_ok, read_request
 
 JSON = {"Content-Type": "application/json"}
-OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 STREAM_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                b"Transfer-Encoding: chunked\r\n\r\n")
 
@@ -129,9 +128,7 @@ async def test_an_exchange_cut_on_a_reused_connection_is_not_sent_again(
     received: list[bytes] = []
 
     async def node(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        received.append(await read_request(reader))
-        writer.write(OK)
-        await writer.drain()
+        received.append(await answer_ok(reader, writer))
         received.append(await read_request(reader))
         await reader.read()
 

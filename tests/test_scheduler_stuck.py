@@ -421,7 +421,7 @@ async def test_without_the_running_index_read_the_old_tasks_are_read_for_the_can
 async def test_a_node_whose_page_moves_during_the_read_is_not_judged() -> None:
     fake = busy()
     async with one_node_poller(fake, timeout_s=1.0, eject_after=3) as (poller, _):
-        poller.stuck = StuckWatch(0.0001)
+        poller.stuck_watch = StuckWatch(0.0001)
         views = await poller.poll(1.0)
         views = await poller.poll(1.0)
         assert views[0].still_s > 0

@@ -17,7 +17,7 @@ each in one round trip, so that no service names a key or sends a command of its
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -293,15 +293,27 @@ async def nodes_out(client: Any, keys: PoolKeys) -> dict[str, str]:
     return parse_nodes_out(_text(await client.hget(keys.state, "nodes_out")))
 
 
-async def nodes_holding_tasks_older_than(client: Any, keys: PoolKeys, age_us: int) -> set[str]:
-    """The nodes of the tasks in the running index released `age_us` ago or more by the pool
-    clock (Redis TIME, or the frozen_us of a test that froze it): tasks kvgate released there
-    that have not ended."""
+def latest_by_node(releases: Iterable[tuple[str, int]], cutoff_us: int) -> dict[str, int]:
+    """Of (node, released_us) pairs, each node's latest release at or before `cutoff_us`."""
+    latest: dict[str, int] = {}
+    for node, released_us in releases:
+        if released_us <= cutoff_us and released_us > latest.get(node, -1):
+            latest[node] = released_us
+    return latest
+
+
+async def latest_releases_older_than(client: Any, keys: PoolKeys, age_us: int
+                                     ) -> tuple[int, dict[str, int]]:
+    """The pool clock now (Redis TIME, or the frozen_us of a test that froze it), µs, and for
+    each node holding a task in the running index released `age_us` ago or more, the latest
+    such release: tasks kvgate released there that have not ended."""
     now_us = await redis_time_us(client, keys.state)
     if frozen_clock_allowed() and (frozen := await client.hget(keys.clock, "frozen_us")):
         now_us = int(frozen)
-    members = await client.zrangebyscore(keys.running, "-inf", now_us - age_us)
-    return {entry.node for raw in members if (entry := running_member(raw, 0)) is not None}
+    members = await client.zrangebyscore(keys.running, "-inf", now_us - age_us, withscores=True)
+    return now_us, latest_by_node(
+        ((entry.node, entry.released_us) for raw, score in members
+         if (entry := running_member(raw, score)) is not None), now_us - age_us)
 
 
 async def published_state(client: Any, keys: PoolKeys) -> dict[str, str]:

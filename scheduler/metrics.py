@@ -116,7 +116,8 @@ class SchedulerMetrics:
         self.ejected = Gauge(p + "node_ejected", "1 while the node is ejected.",
                              ["pool", "node"], registry=r)
         self.stuck = Gauge(p + "node_stuck", "1 while the node is ejected because its engine "
-                           "holds requests and its page does not change (stuck_after_ms).",
+                           "holds requests, or was sent some, and its page does not change "
+                           "(stuck_after_ms).",
                            ["pool", "node"], registry=r)
         self.preemptions = Gauge(p + "node_preemptions",
                                  "vllm:num_preemptions_total as last scraped.",

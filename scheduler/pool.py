@@ -20,7 +20,7 @@ from typing import Any
 
 from admission.config import PoolSettings, SchedulerSettings
 from admission.outcomes import ReleasedTask
-from admission.reads import NODE_STUCK, Held
+from admission.reads import NODE_STUCK, Held, latest_by_node
 from admission.store import PoolStore
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -39,6 +39,7 @@ from scheduler.nodestate import NodeRoom, learned_control
 from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.running import Indexed, prefill_tasks, tasks_by_node
 from scheduler.scrape import NodeView, Poller
+from scheduler.stuck import ClockMatch
 from scheduler.transitions import TransitionLog
 from scheduler.zones import RedClearance, ZoneTracker, published_zone
 
@@ -140,7 +141,11 @@ class PoolScheduler:
         """The next tick reads which nodes the last leader published stuck (once per term)."""
         self._index_now_us: int | None = None
         """The pool clock when this tick read the running index (None: not read)."""
-        self._aged: tuple[float, set[str]] | None = None
+        self._aged: tuple[float, dict[str, int]] | None = None
+        """The last read of old tasks' latest releases (`_aged_nodes`): when (monotonic), and
+        the releases."""
+        self.clock_match = ClockMatch()
+        """The pool clock on ours, for judging a frozen page (scheduler.stuck)."""
         """The last read of the nodes holding old tasks, and when (monotonic)."""
         self.pool = pool
         self.settings = settings
@@ -242,6 +247,7 @@ class PoolScheduler:
         self._index_now_us = None
         if reading.running is not None:
             now_us = self._index_now_us = await self._redis_now_us(reading.frozen_us)
+            self.clock_match.sample(now_us, self.clock())
             running, self._indexed = tasks_by_node(reading.running, now_us, self._indexed,
                                                    self.pool.engine)
             if control:
@@ -251,19 +257,24 @@ class PoolScheduler:
                         reading.vip_reports, reading.vip_histogram, prefill, reading.guests,
                         reading.held)
 
-    async def _aged_nodes(self) -> set[str]:
-        """The nodes holding a task released `stuck_after_ms` ago or more (scheduler.stuck):
-        from the running index this tick read, if it read it; else read, at most once a
-        second (a candidate that never holds such a task would read it at every tick)."""
+    async def _aged_nodes(self) -> dict[str, float]:
+        """For each node holding a task released `stuck_after_ms` ago or more, the latest such
+        release, on this process's monotonic clock (scheduler.stuck): from the running index
+        this tick read, if it read it; else read, at most once a second (a candidate that
+        never holds such a task would read it at every tick)."""
         age_us = self.settings.stuck_after_ms * 1000
         if self._index_now_us is not None:
-            cutoff = self._index_now_us - age_us
-            return {e.node for e in self._indexed.values()
-                    if e is not None and e.released_us <= cutoff}
-        now = self.clock()
-        if self._aged is None or now - self._aged[0] >= AGED_READ_S:
-            self._aged = (now, await self.store.nodes_holding_tasks_older_than(age_us))
-        return self._aged[1]
+            latest = latest_by_node(((e.node, e.released_us) for e in self._indexed.values()
+                                     if e is not None), self._index_now_us - age_us)
+        else:
+            now = self.clock()
+            if self._aged is None or now - self._aged[0] >= AGED_READ_S:
+                now_us, releases = await self.store.latest_releases_older_than(age_us)
+                self.clock_match.sample(now_us, self.clock())
+                self._aged = (now, releases)
+            latest = self._aged[1]
+        return {node: at for node, released_us in latest.items()
+                if (at := self.clock_match.local(released_us)) is not None}
 
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
@@ -278,6 +289,7 @@ class PoolScheduler:
             return int(frozen)
         if self._redis_at is None:
             self._redis_at = (await self.store.redis_time_us(), self.clock())
+            self.clock_match.sample(*self._redis_at)
         redis_us, local_s = self._redis_at
         return redis_us + int((self.clock() - local_s) * 1_000_000)
 
@@ -492,6 +504,7 @@ class PoolScheduler:
                                                     self._extra(result), result.prefill,
                                                     refill_ms=self.refill_ms)
         self._redis_at = (written_us, self.clock())
+        self.clock_match.sample(*self._redis_at)
         result.published = True
         if not leading() or not any(snap.depths):
             self.policy.share_observe(zone, (), False)  # nothing waits: Batch is owed nothing

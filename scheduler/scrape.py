@@ -320,6 +320,11 @@ class NodeView:
     last good reading (scheduler.stuck)."""
     stuck: bool = False
     """Judged stuck (scheduler.stuck): ejected until its still engines change."""
+    frozen_s: float = 0.0
+    """How long none of its page has changed, to the last good reading (scheduler.stuck)."""
+    frozen: bool = False
+    """Judged stuck as a frozen page (scheduler.stuck): a request sent after the page's last
+    change left no trace on it; ejected until the page changes."""
 
 
 ScrapeHook = Callable[[str, float, str | None], None]
@@ -428,6 +433,7 @@ class Poller:
         age = now - node.ok_at if m is not None else float("inf")
         still = self.stuck_watch.still_s(node.name, m, node.ok_at)
         stuck = self.stuck_watch.stuck(node.name, still)
+        frozen_s = self.stuck_watch.frozen_s(node.name, m, node.ok_at)
         return NodeView(
             name=node.name,
             metrics=m,
@@ -439,24 +445,36 @@ class Poller:
             error=node.last_error,
             still_s=still,
             stuck=stuck,
+            frozen_s=frozen_s,
+            frozen=self.stuck_watch.frozen(node.name),
         )
 
     async def judge_stuck(self, views: list[NodeView],
-                          aged: Callable[[], Awaitable[set[str]]]) -> list[NodeView]:
-        """`views` with the candidates for stuck judged (scheduler.stuck): `aged` reads the
-        nodes holding a task released `stuck_after_ms` ago or more, only if there is one."""
-        candidates = {v.name for v in views if self.stuck_watch.candidate(v.name, v.still_s)}
-        if not candidates:
+                          aged: Callable[[], Awaitable[dict[str, float]]]) -> list[NodeView]:
+        """`views` with the candidates for stuck judged (scheduler.stuck): `aged` reads, for
+        each node holding a task released `stuck_after_ms` ago or more, the latest such
+        release (monotonic, this process's clock); read only if there is a candidate."""
+        watch = self.stuck_watch
+        busy = {v.name for v in views if watch.candidate(v.name, v.still_s)}
+        frozen = {v.name for v in views if watch.frozen_candidate(v.name, v.frozen_s)}
+        if not busy and not frozen:
             return views
-        held = candidates & await aged()
+        held = await aged()
         # A scrape that ended during the read may show the node moving again.
         nodes = {n.name: n for n in self.nodes}
-        held = {name for name in held if self.stuck_watch.candidate(
-            name, self.stuck_watch.still_s(name, nodes[name].metrics, nodes[name].ok_at))}
-        for name in held:
-            self.stuck_watch.judge(name)
-        return [dataclasses.replace(v, stuck=True, ejected=True) if v.name in held else v
-                for v in views]
+        judged: set[str] = set()
+        for name in busy & held.keys():
+            node = nodes[name]
+            if watch.candidate(name, watch.still_s(name, node.metrics, node.ok_at)):
+                watch.judge(name)
+                judged.add(name)
+        for name in (frozen & held.keys()) - judged:
+            node = nodes[name]
+            if watch.frozen_candidate(name, watch.frozen_s(name, node.metrics, node.ok_at)) \
+                    and watch.judge_frozen(name, held[name]):
+                judged.add(name)
+        return [dataclasses.replace(v, stuck=True, ejected=True, frozen=watch.frozen(v.name))
+                if v.name in judged else v for v in views]
 
     async def close(self) -> None:
         tasks = [n.inflight for n in self.nodes if n.inflight is not None and not n.inflight.done()]

@@ -28,19 +28,40 @@ while its scrapes fail (its stillness is measured to its last good reading). It 
 the first reading at which every engine that holds requests has changed, or none
 holds any (a restarted engine's counters start again). A new leader keeps a node the last one
 published stuck out from its first reading, if that reading shows an engine holding requests,
-until it changes (`inherit`). Never judged stuck: a page with neither the generated-token
-counter nor the histogram (not a page this judgement was made for), and an engine that froze
-while idle (its frozen page says it holds nothing).
+until it changes (`inherit`).
+
+An engine that froze while idle says it holds nothing, and its page stays still: a healthy
+idle engine's does too. What tells them apart is a request sent to it: an engine that takes
+one steps, and its token counters move. So a node is also judged stuck, as a frozen page,
+when none of its page has changed for `stuck_after_ms` and it holds a task kvgate released
+more than `FROZEN_SLACK_S` after the page last changed and at least `stuck_after_ms` ago. A
+reading that shows a request's work ends after its release, so a request the engine took
+leaves the page's last change after its release, however slowly its client reads the answer.
+It stays stuck until the page changes. Not judged that way: a data-parallel server whose other
+engines go on stepping (the page changes; which engine a request went to is not on it), and a
+page with neither the generated-token counter nor the histogram (a request of one token could
+leave no trace between two readings). Nor does a new leader inherit a frozen page that shows
+nothing held: the first requests it sends there are judged afresh.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.scrape import EngineFigures, NodeMetrics
+
+FROZEN_SLACK_S = 0.1
+"""A task counts against a frozen page only if released this long after its last change: the
+release is stamped on the pool clock (Redis TIME) and the change on the leader's, matched by
+`ClockMatch` to within the fastest answer of its recent samples."""
+CLOCK_SAMPLES_S = 10.0
+"""How long a `ClockMatch` sample is kept: long enough to hold one that came back fast, short
+enough that the two clocks' rates (NTP slews Redis's by at most 0.05%) cannot part them by
+more than a few milliseconds."""
 
 
 @dataclass(slots=True)
@@ -55,6 +76,12 @@ class _Node:
     """The last leader published it stuck (`StuckWatch.inherit`)."""
     stuck: bool = False
     """Judged stuck, until its still engines change."""
+    changed_at: float = 0.0
+    """When (monotonic) the page last changed (any engine's figures, busy or not), or was
+    first read."""
+    frozen_since: float | None = None
+    """Judged stuck as a frozen page (`judge_frozen`): the `changed_at` it was judged on. It
+    stays stuck until the page changes."""
 
 
 class StuckWatch:
@@ -77,8 +104,11 @@ class StuckWatch:
                 moved[engine.engine] = at
             else:
                 moved[engine.engine] = node.moved_at[engine.engine]
+        progress = {e.engine: e for e in m.engines}
+        if progress != last:
+            node.changed_at = at
         node.moved_at, node.inherit, node.read_at = moved, False, at
-        node.progress = {e.engine: e for e in m.engines}
+        node.progress = progress
 
     def still_s(self, name: str, m: NodeMetrics | None, last_good: float) -> float:
         """How long the node's stillest engine that holds requests has not changed, to its
@@ -89,14 +119,31 @@ class StuckWatch:
         return max((last_good - node.moved_at.get(e.engine, last_good)
                     for e in m.engines if e.busy), default=0.0)
 
+    def frozen_s(self, name: str, m: NodeMetrics | None, last_good: float) -> float:
+        """How long none of the node's page has changed, to its last good reading (0 for a
+        page that counts no decoded token)."""
+        node = self._nodes.get(name)
+        if node is None or m is None or not m.shows_decoding or node.progress is None:
+            return 0.0
+        return last_good - node.changed_at
+
     def stuck(self, name: str, still_s: float) -> bool:
         """Judged stuck and still so."""
         node = self._nodes.get(name)
         if node is None or not node.stuck:
             return False
-        if self.after_s <= 0 or still_s < self.after_s:
-            node.stuck = False
+        if node.frozen_since is not None:
+            moved = node.changed_at != node.frozen_since
+        else:
+            moved = still_s < self.after_s
+        if self.after_s <= 0 or moved:
+            node.stuck, node.frozen_since = False, None
         return node.stuck
+
+    def frozen(self, name: str) -> bool:
+        """Judged stuck as a frozen page, and still so."""
+        node = self._nodes.get(name)
+        return node is not None and node.stuck and node.frozen_since is not None
 
     def candidate(self, name: str, still_s: float) -> bool:
         """Still long enough to be judged stuck, not judged yet: `judge` it with the pool's
@@ -110,6 +157,22 @@ class StuckWatch:
         node = self._nodes.get(name)
         if node is not None:
             node.stuck = True
+
+    def frozen_candidate(self, name: str, frozen_s: float) -> bool:
+        """A page that has not changed for `after_s`, not judged yet: `judge_frozen` it with
+        the latest release among the node's tasks released `after_s` ago or more."""
+        node = self._nodes.get(name)
+        return (self.after_s > 0 and frozen_s >= self.after_s
+                and node is not None and not node.stuck)
+
+    def judge_frozen(self, name: str, latest_release: float) -> bool:
+        """Judged stuck if `latest_release` (monotonic, the leader's clock) came more than
+        FROZEN_SLACK_S after the page last changed; whether it was."""
+        node = self._nodes.get(name)
+        if node is None or latest_release <= node.changed_at + FROZEN_SLACK_S:
+            return False
+        node.stuck, node.frozen_since = True, node.changed_at
+        return True
 
     def inherit(self, names: Iterable[str]) -> None:
         """Nodes the last leader published stuck, for a new leader: stuck from its first
@@ -128,3 +191,35 @@ class StuckWatch:
 
     def forget(self) -> None:
         self._nodes.clear()
+
+
+class ClockMatch:
+    """The pool clock (Redis TIME, µs) on this process's monotonic clock, for comparing a
+    task's release with the time of a reading.
+
+    Each sample pairs a Redis time with the local clock read once its answer was in: late by
+    the answer's way and by the event loop's lag, never early. So each sample's offset (local
+    minus pool) is at least the true one, and the least offset of recent samples is the
+    closest; a release matched with it comes no later than it was, the side on which a frozen
+    page is judged less often, never more."""
+
+    def __init__(self, keep_s: float = CLOCK_SAMPLES_S) -> None:
+        self.keep_s = keep_s
+        self._samples: deque[tuple[float, float]] = deque()
+        """(local time, offset), offsets increasing: a sample with a larger offset than a
+        later one's can never be the least again, and is dropped."""
+
+    def sample(self, pool_us: int, local_s: float) -> None:
+        offset = local_s - pool_us / 1_000_000
+        while self._samples and self._samples[-1][1] >= offset:
+            self._samples.pop()
+        self._samples.append((local_s, offset))
+        while self._samples[0][0] < local_s - self.keep_s:
+            self._samples.popleft()
+
+    def local(self, pool_us: int) -> float | None:
+        """`pool_us` on the local clock; None before the first sample."""
+        if not self._samples:
+            return None
+        return pool_us / 1_000_000 + self._samples[0][1]
+

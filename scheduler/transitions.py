@@ -44,7 +44,13 @@ class TransitionLog:
             if view.ejected and (view.name not in self.ejected or (frozen is not None) != (
                     view.name in self.stuck)):
                 self.ejected.add(view.name)
-                if frozen is not None:
+                if frozen is not None and view.frozen:
+                    self.stuck.add(view.name)
+                    log.warning("pool %s: node %s ejected as stuck: its page has not changed "
+                                "for %.0f s, not even for the requests sent to it since; no "
+                                "work goes to it until its page changes", self.pool, view.name,
+                                view.frozen_s)
+                elif frozen is not None:
                     self.stuck.add(view.name)
                     log.warning("pool %s: node %s ejected as stuck: its engine holds %d "
                                 "running and %d waiting requests and its page has not changed "

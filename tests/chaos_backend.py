@@ -14,6 +14,9 @@ server still answers, as a vLLM engine hung inside a step: once a generation is 
 waits for one), no generation answers again (those in flight and those that come wait until
 their client leaves), and the page is frozen as it was then (the requests it held stay counted
 as running after their clients leave; those that come are not counted).
+``POST /chaos/stuck?idle=1`` freezes it the same way at a moment it holds no generation (it
+waits for one), as a vLLM engine that hung between two requests: its frozen page says it holds
+nothing, and every generation that comes waits until its client leaves.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class Engine:
         """Generations answered when it got stuck: the frozen page's counter."""
         self.in_flight = asyncio.Event()
         """Set while a generation is in flight."""
+        self.idle = asyncio.Event()
+        """Set while none is."""
+        self.idle.set()
 
 
 def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Application:
@@ -58,7 +64,11 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
 
     async def stuck(request: web.Request) -> web.Response:
         if not engine.stuck.is_set():
-            await engine.in_flight.wait()
+            if request.query.get("idle"):
+                while engine.active:  # one may come between the event and this task's turn
+                    await engine.idle.wait()
+            else:
+                await engine.in_flight.wait()
             engine.held, engine.answered_then = engine.active, engine.answered
             engine.stuck.set()
         return web.json_response({"held": engine.held})
@@ -71,6 +81,7 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
             seen[request.headers.get("X-Request-Id", "")] += 1
             engine.active += 1
             engine.in_flight.set()
+            engine.idle.clear()
             try:
                 if delay_s:
                     await asyncio.sleep(delay_s)
@@ -83,6 +94,7 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
                 engine.active -= 1
                 if not engine.active:
                     engine.in_flight.clear()
+                    engine.idle.set()
         elif request.path == "/metrics":
             frozen = engine.stuck.is_set()
             backend.running = engine.held if frozen else engine.active

@@ -1,9 +1,10 @@
 """A stuck engine, with real processes (`python -m gateway`, `python -m scheduler`, two
 `tests.chaos_backend` nodes, a private redis-server): one node's engine stops answering while
-its /metrics still answers, frozen as a hung vLLM engine's page is. The leader ejects it after
-`stuck_after_ms`, and the gateway ends the requests the node holds with a 502 the client may
-send again, long before the upstream timeout; new requests go to the other node; the budget is
-conserved."""
+its /metrics still answers, frozen as a hung vLLM engine's page is, either inside a step (its
+page says it holds requests) or between two requests (its page says it holds none). The leader
+ejects it after `stuck_after_ms`, and the gateway ends the requests the node holds with a 502
+the client may send again, long before the upstream timeout; new requests go to the other
+node; the budget is conserved."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import redis.asyncio as aioredis
 from admission.keys import PoolKeys
 from bench.common.localredis import LocalRedis
 from gateway.stucknodes import CUT_QUIET_S
+from scheduler.stuck import FROZEN_SLACK_S
 from tests.chaos_support import (
     POLL_MS,
     RENEW_MS,
@@ -44,8 +46,9 @@ STUCK_AFTER_MS = 1_500
 UPSTREAM_TIMEOUT_MS = 60_000
 
 
+@pytest.mark.parametrize("idle", [False, True], ids=["inside a step", "between requests"])
 async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
-    redis_factory: Callable[..., LocalRedis], procs: Processes
+    redis_factory: Callable[..., LocalRedis], procs: Processes, idle: bool
 ) -> None:
     server = redis_factory()
     redis: Any = aioredis.Redis.from_url(server.url)
@@ -71,7 +74,7 @@ async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
 
         await until(serving, 10)
         async with aiohttp.ClientSession() as http, \
-                http.post(nodes[0][1] + "/chaos/stuck") as response:
+                http.post(nodes[0][1] + "/chaos/stuck" + ("?idle=1" if idle else "")) as response:
             assert response.status == 200
             held_at_start = (await response.json())["held"]
         broken = time.monotonic()
@@ -102,8 +105,11 @@ async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
     assert all(records[r.task_id or ""]["state"] == "cancelled" for r in failed)
     # Judged stuck after stuck_after_ms, published within a poll, the held requests ended at
     # the gateway's next round once silent for CUT_QUIET_S: seconds, not the upstream timeout.
+    # Frozen while idle, it is judged on a request sent more than FROZEN_SLACK_S after its
+    # page last changed (the next one the load sends it: within a second more).
     slowest = max(r.ended for r in failed) - broken
-    bound = STUCK_AFTER_MS / 1000 + CUT_QUIET_S + 2 * RENEW_MS / 1000 + 10 * POLL_MS / 1000 + 1.0
+    bound = (STUCK_AFTER_MS / 1000 + CUT_QUIET_S + 2 * RENEW_MS / 1000 + 10 * POLL_MS / 1000
+             + 1.0 + (FROZEN_SLACK_S + 1.0 if idle else 0.0))
     assert slowest <= bound < UPSTREAM_TIMEOUT_MS / 1000, (slowest, bound)
     assert stuck_errors == len(failed)
     later = [r for r in load.results if r.started > broken + ejected_after + 0.1]
@@ -111,7 +117,11 @@ async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
                          for r in later)
     # The engine stays frozen (its page too): the node stays out.
     assert still_out == b"node-0:stuck" and stuck_gauge == 1
-    report(Row("backend engine stuck (its /metrics answers, frozen)",
+    if idle:
+        assert held_at_start == 0
+    report(Row("backend engine stuck " + ("between requests (its /metrics answers, frozen "
+                                          "idle)" if idle else
+                                          "(its /metrics answers, frozen)"),
                f"2 nodes x 100 ms per request, 6 VIP workers ({len(load.results)} requests), "
                f"stuck_after_ms {STUCK_AFTER_MS}, upstream timeout {UPSTREAM_TIMEOUT_MS} ms",
                "ejected as stuck; the requests it held answered 502 upstream_stuck "

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from typing import Any
 
 import pytest
@@ -17,7 +16,6 @@ from admission.tiers import Tier
 from scheduler.scrape import EngineFigures, parse_vllm_metrics
 from scheduler.stuck import StuckWatch
 from tests.scheduler_stub import (
-    FakeClock,
     FakeVllm,
     always,
     make_config,
@@ -27,16 +25,7 @@ from tests.scheduler_stub import (
     serve_fake,
     state,
 )
-
-STUCK_AFTER_MS = 5_000
-SHORT_LEASE = {"lease_ttl_ms": 2_000, "renew_interval_ms": 500}
-"""A dead gateway's tasks are reaped within 3 s (lease and reap interval): below 5 s."""
-
-
-def busy(**kw: Any) -> FakeVllm:
-    """A node with two requests running and its token counters on the page."""
-    return FakeVllm(**{"usage": 0.3, "running": 2, "prompt_tokens": 1_000.0,
-                       "generation_tokens": 400.0, "itl": (4.0, 398.0), **kw})
+from tests.stuck_support import SHORT_LEASE, STUCK_AFTER_MS, PoolClock, busy, stuck_pool
 
 
 def test_the_generated_token_counter_is_read() -> None:
@@ -49,50 +38,6 @@ def test_the_generated_token_counter_is_read() -> None:
         ("vllm:prompt_tokens_total", 1_000.0))),)
     bare = parse_vllm_metrics(FakeVllm(usage=0.3, running=2, prompt_tokens=5.0).render())
     assert bare.generation_tokens is None and not bare.shows_decoding
-
-
-class PoolClock:
-    """The test's clock and the pool's (Redis) clock, frozen and moved together."""
-
-    def __init__(self, client: Any, store: Any) -> None:
-        self.local = FakeClock()
-        self.client, self.store = client, store
-        self.us = 0
-
-    async def start(self) -> None:
-        seconds, micros = await self.client.time()
-        self.us = seconds * 1_000_000 + micros
-        await self.client.hset(self.store.keys.clock, "frozen_us", self.us)
-
-    async def advance(self, seconds: float) -> None:
-        self.local.advance(seconds)
-        self.us += int(seconds * 1_000_000)
-        await self.client.hset(self.store.keys.clock, "frozen_us", self.us)
-
-    async def hold_task(self, node: str) -> None:
-        """A task released to `node` now and not ended: the running index's member as the
-        scripts write it ("node prompt max task"), scored by its release time."""
-        await self.client.zadd(self.store.keys.running, {f"{node} 100 100 held-{node}": self.us})
-
-
-@asynccontextmanager
-async def stuck_pool(redis_client: Any, redis_url: str, fakes: dict[str, FakeVllm],
-                     scheduler: dict[str, Any] | None = None
-                     ) -> AsyncIterator[tuple[Any, PoolClock]]:
-    """A pool scheduler over `fakes` (stuck_after_ms 5 s unless `scheduler` says otherwise),
-    ticked by the test on a clock it moves with the pool's."""
-    async with AsyncExitStack() as stack:
-        urls = {name: await stack.enter_async_context(serve_fake(fake))
-                for name, fake in fakes.items()}
-        config = make_config(redis_url, [{"name": n, "url": u} for n, u in urls.items()],
-                             scheduler={"stuck_after_ms": STUCK_AFTER_MS, **(scheduler or {})},
-                             gateway=SHORT_LEASE)
-        clock = PoolClock(redis_client, None)
-        ps = await stack.enter_async_context(
-            pool_scheduler(redis_client, config, clock=clock.local))
-        clock.store = ps.store
-        await clock.start()
-        yield ps, clock
 
 
 async def _ticks(redis_client: Any, redis_url: str, fakes: dict[str, FakeVllm],
@@ -426,17 +371,17 @@ async def test_a_node_whose_page_moves_during_the_read_is_not_judged() -> None:
         views = await poller.poll(1.0)
         assert views[0].still_s > 0
 
-        async def moved_meanwhile() -> set[str]:
+        async def moved_meanwhile() -> dict[str, float]:
             fake.generation_tokens = 401.0
             await poller.poll(1.0)  # a scrape that ends while the tick reads Redis
-            return {"n1"}
+            return {"n1": 0.0}
 
         judged = await poller.judge_stuck(views, moved_meanwhile)
         assert not judged[0].stuck and not judged[0].ejected
 
-        async def still_meanwhile() -> set[str]:
+        async def still_meanwhile() -> dict[str, float]:
             await poller.poll(1.0)
-            return {"n1"}
+            return {"n1": 0.0}
 
         await poller.poll(1.0)
         judged = await poller.judge_stuck(await poller.poll(1.0), still_meanwhile)

@@ -428,6 +428,10 @@ class SchedulerSettings:
     """A node whose engine holds requests and changes none of its figures for this long, with
     a task kvgate released there as long ago, is ejected until they change (scheduler.stuck);
     0: never."""
+    probe_still_nodes: bool = True
+    """Send a one-token completion to a node whose page has not changed for `stuck_after_ms`
+    while it shows work or is judged stuck, so that a live engine steps and its page tells the
+    truth again (scheduler.probe); never while `stuck_after_ms` is 0."""
 
     def check(self, key: KeyName) -> None:
         if 0 < self.stuck_after_ms < MIN_STUCK_AFTER_MS:

@@ -23,6 +23,7 @@ from admission.tiers import Tier, Zone
 from scheduler.budget import NodePlan
 from scheduler.fairmetrics import FairMetrics
 from scheduler.nodestate import NodeRoom
+from scheduler.probe import PROBE_OUTCOMES
 from scheduler.scrape import SCRAPE_FAILURES
 
 no_created_series()
@@ -140,6 +141,9 @@ class SchedulerMetrics:
                            ["pool", "tier"], registry=r)
         self.scrape_errors = Counter(p + "scrape_errors", "Failed scrapes per node and reason.",
                                      ["pool", "node", "reason"], registry=r)
+        self.probes = Counter(p + "probes", "Probes of nodes whose page stood still "
+                              "(scheduler.probe), per node and outcome.",
+                              ["pool", "node", "outcome"], registry=r)
         self.scrape_duration = Histogram(p + "scrape_duration_seconds",
                                          "Time to scrape one node's /metrics.",
                                          ["pool", "node"], buckets=_FAST, registry=r)
@@ -173,6 +177,8 @@ class SchedulerMetrics:
         for node in nodes:
             for reason in SCRAPE_FAILURES:
                 self.scrape_errors.labels(pool, node, reason)
+            for outcome in PROBE_OUTCOMES:
+                self.probes.labels(pool, node, outcome)
             if stale_policy is not None:
                 self.stale.labels(pool, node, stale_policy)
 

@@ -37,6 +37,7 @@ from scheduler.control import REFILL_POLLS, ReleaseControl
 from scheduler.metrics import ZONE_LEVEL, SchedulerMetrics
 from scheduler.nodestate import NodeRoom, learned_control
 from scheduler.policy import DrainRates, ReleasePolicy
+from scheduler.probe import Prober
 from scheduler.running import Indexed, prefill_tasks, tasks_by_node
 from scheduler.scrape import NodeView, Poller
 from scheduler.stuck import ClockMatch
@@ -131,9 +132,12 @@ class PoolScheduler:
         sharded_pubsub: bool = False,
         clock: Callable[[], float] = time.monotonic,
         may_judge_stuck: Callable[[], bool] = lambda: True,
+        prober: Prober | None = None,
     ) -> None:
         self.store = store
         self.may_judge_stuck = may_judge_stuck
+        self.prober = prober
+        """Probes the nodes whose page stands still (scheduler.probe); None: off."""
         """False while a dead gateway's tasks may still be in the running index (the reaper held
         back after Redis failures, or not yet run since): no node is judged stuck then
         (scheduler.stuck)."""
@@ -477,6 +481,8 @@ class PoolScheduler:
         snap = await self.read_snapshot()
         if self.may_judge_stuck():
             views = await self.poller.judge_stuck(views, self._aged_nodes)
+        if self.prober is not None:
+            self.prober.start(views)
         now = self.clock()
         plans = self.plan(views, snap, now)
         usage = pool_usage(plans, self.pool.zones.aggregate, self.pool.dedicated.nodes,

@@ -34,6 +34,7 @@ from admission.store import PoolStore
 from scheduler.leader import Elector
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import PoolScheduler, TickResult
+from scheduler.probe import Prober, probe_headers
 from scheduler.scrape import Poller
 
 log = logging.getLogger("kvgate.scheduler")
@@ -127,10 +128,16 @@ class SchedulerService:
             )
             store = PoolStore(self.client, self.scripts, pool.name,
                               self.config.pool_policy(pool.name))
+            prober = None
+            if s.stuck_after_ms and s.probe_still_nodes:
+                prober = Prober(pool, self.session, s.stuck_after_ms / 1000,
+                                headers=probe_headers(pool, os.environ),
+                                on_probe=self._probe_hook(pool.name), clock=self.clock)
             self.pools.append(PoolScheduler(
                 store, pool, s, poller, self.metrics, me=self.me,
                 sharded_pubsub=self.config.redis.sharded_pubsub, clock=self.clock,
                 may_judge_stuck=functools.partial(self.judging_allowed, pool.name),
+                prober=prober,
             ))
         self.elector = Elector(self.client, self.scripts, self.me, s.leader_ttl_ms,
                                clock=self.clock, on_failure=self.metrics.leadership_errors.inc,
@@ -167,6 +174,11 @@ class SchedulerService:
         brings them back."""
         return [task.get_name() for task in self._tasks if task.done()]
 
+    def _probe_hook(self, pool: str) -> Callable[[str, str], None]:
+        def hook(node: str, outcome: str) -> None:
+            self.metrics.probes.labels(pool, node, outcome).inc()
+        return hook
+
     def _scrape_hook(self, pool: str) -> Callable[[str, float, str | None], None]:
         def hook(node: str, seconds: float, error: str | None) -> None:
             self.metrics.scrape_duration.labels(pool, node).observe(seconds)
@@ -188,6 +200,8 @@ class SchedulerService:
             self._sync_leader_metrics()
         for pool in self.pools:
             await pool.poller.close()
+            if pool.prober is not None:
+                await pool.prober.close()
         self.pools = []
         if self.session is not None:
             await self.session.close()

@@ -16,7 +16,9 @@ their client leaves), and the page is frozen as it was then (the requests it hel
 as running after their clients leave; those that come are not counted).
 ``POST /chaos/stuck?idle=1`` freezes it the same way at a moment it holds no generation (it
 waits for one), as a vLLM engine that hung between two requests: its frozen page says it holds
-nothing, and every generation that comes waits until its client leaves.
+nothing, and every generation that comes waits until its client leaves. ``POST
+/chaos/resume`` lets generations that come answer again, as an engine paused, not hung; its
+page stays frozen until it answers one, since vLLM's page changes only at a step.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class Engine:
         """Set while a generation is in flight."""
         self.idle = asyncio.Event()
         """Set while none is."""
+        self.frozen_page = False
+        """The page shows what it showed when it got stuck: from then until it answers a
+        generation."""
         self.idle.set()
 
 
@@ -71,9 +76,15 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
                 await engine.in_flight.wait()
             engine.held, engine.answered_then = engine.active, engine.answered
             engine.stuck.set()
+            engine.frozen_page = True
         return web.json_response({"held": engine.held})
 
+    async def resume(request: web.Request) -> web.Response:
+        engine.stuck.clear()
+        return web.json_response({"frozen_page": engine.frozen_page})
+
     app.router.add_post("/chaos/stuck", stuck)
+    app.router.add_post("/chaos/resume", resume)
 
     @web.middleware
     async def delay(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -89,6 +100,7 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
                     await asyncio.Event().wait()  # until the client leaves
                 response = await handler(request)
                 engine.answered += 1
+                engine.frozen_page = False
                 return response
             finally:
                 engine.active -= 1
@@ -96,7 +108,7 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
                     engine.in_flight.clear()
                     engine.idle.set()
         elif request.path == "/metrics":
-            frozen = engine.stuck.is_set()
+            frozen = engine.frozen_page
             backend.running = engine.held if frozen else engine.active
             answered = engine.answered_then if frozen else engine.answered
             response = await handler(request)

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from admission.config import Config, parse_config
 from admission.outcomes import AdmitOutcome, AdmitResult
@@ -104,8 +105,10 @@ class FakeVllm:
 
 
 @asynccontextmanager
-async def serve_fake(fake: FakeVllm, tls: ssl.SSLContext | None = None) -> AsyncIterator[str]:
-    """Serve `fake` on a free loopback port (https with `tls`); yields the base URL."""
+async def serve_fake(fake: FakeVllm, tls: ssl.SSLContext | None = None,
+                     completions: Handler | None = None) -> AsyncIterator[str]:
+    """Serve `fake` on a free loopback port (https with `tls`), and `completions` as its
+    POST /v1/completions if given; yields the base URL."""
 
     async def handler(request: web.Request) -> web.Response:
         fake.scrapes += 1
@@ -119,6 +122,8 @@ async def serve_fake(fake: FakeVllm, tls: ssl.SSLContext | None = None) -> Async
 
     app = web.Application()
     app.router.add_get("/metrics", handler)
+    if completions is not None:
+        app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+from aiohttp.typedefs import Handler
+
 from tests.scheduler_stub import FakeClock, FakeVllm, make_config, pool_scheduler, serve_fake
 
 STUCK_AFTER_MS = 5_000
@@ -46,16 +48,20 @@ class PoolClock:
 
 @asynccontextmanager
 async def stuck_pool(redis_client: Any, redis_url: str, fakes: dict[str, FakeVllm],
-                     scheduler: dict[str, Any] | None = None
+                     scheduler: dict[str, Any] | None = None,
+                     completions: dict[str, Handler] | None = None,
+                     pool_extra: dict[str, Any] | None = None
                      ) -> AsyncIterator[tuple[Any, PoolClock]]:
     """A pool scheduler over `fakes` (stuck_after_ms 5 s unless `scheduler` says otherwise),
-    ticked by the test on a clock it moves with the pool's."""
+    ticked by the test on a clock it moves with the pool's; `completions`: the
+    POST /v1/completions handlers of some fakes."""
     async with AsyncExitStack() as stack:
-        urls = {name: await stack.enter_async_context(serve_fake(fake))
+        urls = {name: await stack.enter_async_context(
+                    serve_fake(fake, completions=(completions or {}).get(name)))
                 for name, fake in fakes.items()}
         config = make_config(redis_url, [{"name": n, "url": u} for n, u in urls.items()],
                              scheduler={"stuck_after_ms": STUCK_AFTER_MS, **(scheduler or {})},
-                             gateway=SHORT_LEASE)
+                             gateway=SHORT_LEASE, pool_extra=pool_extra)
         clock = PoolClock(redis_client, None)
         ps = await stack.enter_async_context(
             pool_scheduler(redis_client, config, clock=clock.local))

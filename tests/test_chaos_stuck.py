@@ -130,3 +130,95 @@ async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
                 "held when it got stuck": held_at_start, "ended (502)": len(failed),
                 "slowest end after the break (s)": round(slowest, 3),
                 "answered 200 after ejection": len(later), "task states": states}))
+
+
+async def test_a_stuck_engine_that_runs_again_rejoins_through_a_probe(
+    redis_factory: Callable[..., LocalRedis], procs: Processes
+) -> None:
+    """An engine paused, not hung: once it runs again its page stays frozen (vLLM's changes
+    only at a step, and the gateways ended the requests it held), so only the leader's probe
+    (scheduler.probe) makes it step and brings the node back."""
+    server = redis_factory()
+    redis: Any = aioredis.Redis.from_url(server.url)
+    try:
+        nodes = [procs.chaos_backend(f"node-{i}", delay_ms=100) for i in range(2)]
+        config = procs.write_config(chaos_config(
+            server.url, [url for _, url in nodes],
+            gateway={"upstream_timeout_ms": UPSTREAM_TIMEOUT_MS},
+            scheduler={"stuck_after_ms": STUCK_AFTER_MS}))
+        scheduler = procs.scheduler(config, "sched")
+        gateway = procs.gateway(config, "gw")
+
+        async def capacity() -> set[str]:
+            return {k.decode() for k in await redis.hkeys(KEYS_OF.node_capacity)}
+
+        async def both_in() -> bool:
+            return await capacity() == {"node-0", "node-1"}
+
+        await until(both_in, 10)
+        load = Load(gateway.url, "vip", "vip", workers=6, pace_s=0.02, timeout_s=30.0)
+        stop = asyncio.Event()
+        background = await run_for([load], 30.0, stop)
+
+        async def serving() -> bool:
+            return sum(1 for r in load.results if r.status == 200) >= 20
+
+        await until(serving, 10)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(nodes[0][1] + "/chaos/stuck") as response:
+                assert response.status == 200
+
+            async def ejected() -> bool:
+                return bool(await redis.hget(KEYS_OF.state, "nodes_out") == b"node-0:stuck")
+
+            await until(ejected, 10, 0.01)
+
+            async def held_ended() -> bool:
+                return any(r.code == "upstream_stuck" for r in load.results)
+
+            await until(held_ended, 10, 0.01)
+            leader = f"http://127.0.0.1:{scheduler.port}"
+
+            async def probe_timed_out() -> bool:
+                return bool(await metric(leader, "kvgate_scheduler_probes_total",
+                                         node="node-0", outcome="timeout") >= 1)
+
+            # Paused a while: the first probe gets no answer, and the node stays out.
+            await until(probe_timed_out, 10, 0.05)
+            assert await redis.hget(KEYS_OF.state, "nodes_out") == b"node-0:stuck"
+            async with http.post(nodes[0][1] + "/chaos/resume") as response:
+                assert (await response.json())["frozen_page"] is True
+            rejoined_after = await until(both_in, 10, 0.01)
+            rejoined = time.monotonic()
+
+            async def node_0_serves() -> bool:
+                records = await task_records(redis)
+                return any(r.status == 200 and r.started > rejoined
+                           and records.get(r.task_id or "", {}).get("node") == "node-0"
+                           for r in load.results)
+
+            await until(node_0_serves, 10, 0.05)
+        stop.set()
+        await background
+        await settled(redis, 10)
+        states = await assert_conserved(redis)
+        probes_ok = await metric(leader, "kvgate_scheduler_probes_total", node="node-0",
+                                 outcome="ok")
+        probes_timeout = await metric(leader, "kvgate_scheduler_probes_total", node="node-0",
+                                      outcome="timeout")
+    finally:
+        await redis.aclose()
+    # Probed every stuck_after_ms while stuck: the next probe came within one interval of
+    # the resume, answered after the stand-in's 100 ms, and the node rejoined at the next
+    # reading.
+    assert rejoined_after <= STUCK_AFTER_MS / 1000 + 10 * POLL_MS / 1000 + 1.0
+    assert probes_ok == 1 and probes_timeout >= 1
+    report(Row("backend engine paused, then running again (its page frozen until a step)",
+               f"2 nodes x 100 ms per request, 6 VIP workers ({len(load.results)} requests), "
+               f"stuck_after_ms {STUCK_AFTER_MS}",
+               "ejected as stuck; probed every stuck_after_ms (no answer while paused); once "
+               "it runs again, the next probe makes it step and it rejoins; requests reach it "
+               "again",
+               {"rejoined after the resume (s)": round(rejoined_after, 3),
+                "probes answered": probes_ok, "probes timed out": probes_timeout,
+                "task states": states}))

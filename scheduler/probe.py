@@ -1,0 +1,189 @@
+"""Probing a node whose page stands still while it shows work: one completion of one token,
+sent by the leader, so that a live engine takes a step and its page tells the truth again.
+
+An idle vLLM engine takes no step, and its page changes only at a step. So a page can freeze
+with figures that are no longer true:
+
+- **A page left stale by aborted requests.** When every request a node held is aborted at
+  once (their clients left), its page can go on reporting them running and its KV cache
+  nearly full (vLLM issues #22545 and #29928, in vLLM's tracker). kvgate counts that usage as
+  the node's (foreign work it must leave room for), gives the node no work, and with no work
+  no step runs to correct the page: without a probe the node is lost until its server
+  restarts.
+- **A node judged stuck whose engine was only paused** (a weight update, a long pause of its
+  process). The gateways end the requests it held, which aborts them; once the engine runs
+  again it has nothing to step on, and its page stays as it froze (scheduler.stuck: a stuck
+  node rejoins only when its page changes).
+
+So the leader probes a node whose page none of whose figures has changed for
+`stuck_after_ms`, read well (not failing, not stale), that is judged stuck or shows requests
+running or waiting, or KV usage above 0; then again every `stuck_after_ms` while that lasts.
+A live engine answers within a step, its figures change at once, and the node is judged on
+them: a stale page is corrected, a stuck node rejoins. A hung engine does not answer: the
+probe is given up after `PROBE_TIMEOUT_S` (or `stuck_after_ms`, if shorter), which closes the
+connection and tells vLLM to drop it, and changes nothing. A probe's answer never decides
+anything by itself: a data-parallel server sends it to one of its engines, and the page says
+which engines moved.
+
+The probe is `POST /v1/completions` with the pool's served model name, the prompt ".", and
+`max_tokens` 1, and the pool's backend API key (`backend_api_key_env`) when the scheduler's
+environment holds it. One at a time per node. Outcomes are counted in
+`kvgate_scheduler_probes_total{outcome}`; a failing one is logged once per streak (a 401,
+403 or 404 is `refused`: the scheduler lacks the key, or the model name is wrong).
+`scheduler.probe_still_nodes = false` turns probing off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from admission.failurelog import FailureLog
+
+if TYPE_CHECKING:
+    from admission.config import PoolSettings
+    from scheduler.scrape import NodeView
+
+log = logging.getLogger("kvgate.scheduler.probe")
+
+PROBE_TIMEOUT_S = 10.0
+"""Longest wait for a probe's answer: a live engine answers one token within a step or two,
+however busy (a probe waits in its queue like any request)."""
+PROBE_OUTCOMES = ("ok", "refused", "error", "timeout", "connect")
+"""`ok`: answered 200; `refused`: 401, 403 or 404 (credentials or model name); `error`: any
+other status; `timeout`: no answer within the timeout; `connect`: no connection."""
+PROBE_PROMPT = "."
+MAX_ANSWER_BYTES = 64 * 1024
+"""A probe's answer is read up to this many bytes (one token's completion is a few hundred)."""
+
+ProbeHook = Callable[[str, str], None]
+"""Called after every probe with (node, outcome)."""
+
+
+def probe_headers(pool: PoolSettings, env: Mapping[str, str]) -> dict[str, str]:
+    """The probe's headers: the pool's backend API key when the variable its
+    `backend_api_key_env` names is set here (the gateways refuse to start without it; a
+    scheduler without it still scrapes, and its probes are refused and logged)."""
+    headers = {"Content-Type": "application/json", "User-Agent": "kvgate-scheduler-probe"}
+    variable = pool.backend_api_key_env
+    key = env.get(variable, "").strip() if variable else ""
+    if key and not any(c in key for c in "\r\n"):
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
+def wants_probe(view: NodeView, after_s: float) -> bool:
+    """Whether the node's page has stood still for `after_s` while it shows work (the module
+    docstring), on a good, fresh reading."""
+    m = view.metrics
+    if m is None or view.stale or (view.ejected and not view.stuck):
+        return False
+    if view.frozen_s < after_s:
+        return False
+    return view.stuck or m.running + m.waiting > 0 or m.kv_usage > 0
+
+
+class Prober:
+    """One pool's probes (the module docstring); `after_s` as the pool's stuck_after_ms."""
+
+    def __init__(self, pool: PoolSettings, session: aiohttp.ClientSession, after_s: float, *,
+                 headers: Mapping[str, str], on_probe: ProbeHook | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        self.pool = pool
+        self.session = session
+        self.after_s = after_s
+        self.headers = dict(headers)
+        self.on_probe = on_probe
+        self.clock = clock
+        self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, after_s))
+        self.urls = {b.name: b.url for b in pool.backends}
+        self._started: dict[str, float] = {}
+        """node -> when its last probe started (this process's clock)."""
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._last: dict[str, str] = {}
+        """node -> its last probe's outcome (a run of answered probes is logged once)."""
+        self._logs = {
+            name: FailureLog(f"pool {pool.name}: probe of node {name}", clock, log,
+                             recovered=f"pool {pool.name}: node {name} answers probes again")
+            for name in self.urls}
+
+    def due(self, views: Sequence[NodeView]) -> list[str]:
+        """The nodes to probe now: wanted, none in flight, none started `after_s` ago."""
+        now = self.clock()
+        return [v.name for v in views
+                if v.name in self.urls and wants_probe(v, self.after_s)
+                and v.name not in self._inflight
+                and now - self._started.get(v.name, -float("inf")) >= self.after_s]
+
+    def start(self, views: Sequence[NodeView]) -> list[str]:
+        """Start the due probes (not awaited: a hung node's probe must not hold the tick);
+        the nodes probed."""
+        nodes = self.due(views)
+        by_name = {v.name: v for v in views}
+        for name in nodes:
+            self._started[name] = self.clock()
+            task = asyncio.create_task(self._probe(by_name[name]), name=f"probe:{name}")
+            self._inflight[name] = task
+            task.add_done_callback(functools.partial(self._ended, name))
+        return nodes
+
+    def _ended(self, name: str, _: asyncio.Task[None]) -> None:
+        self._inflight.pop(name, None)
+
+    async def _probe(self, view: NodeView) -> None:
+        name = view.name
+        body = {"model": self.pool.served_model_name or self.pool.name,
+                "prompt": PROBE_PROMPT, "max_tokens": 1}
+        headers = {**self.headers, "X-Request-Id": f"kvgate-probe-{uuid.uuid4().hex[:16]}"}
+        started = self.clock()
+        outcome, detail = "ok", ""
+        try:
+            async with self.session.post(self.urls[name] + "/v1/completions", json=body,
+                                         headers=headers, timeout=self.timeout) as response:
+                await response.content.read(MAX_ANSWER_BYTES)
+                if response.status in (401, 403, 404):
+                    outcome = "refused"
+                    detail = (f"HTTP {response.status} (the scheduler needs the pool's "
+                              "backend_api_key_env variable and served_model_name, as the "
+                              "gateways do)")
+                elif response.status != 200:
+                    outcome, detail = "error", f"HTTP {response.status}"
+        except TimeoutError:
+            outcome, detail = "timeout", f"no answer in {self.timeout.total:g} s"
+        except aiohttp.ClientError as exc:
+            outcome, detail = "connect", type(exc).__name__
+        if self.on_probe is not None:
+            self.on_probe(name, outcome)
+        if outcome == "ok":
+            self._logs[name].succeeded()
+            if self._last.get(name) != "ok" and view.metrics is not None:
+                m = view.metrics
+                log.info("pool %s: probed node %s, whose page had not changed for %.0f s "
+                         "(%s; %d running, %d waiting, KV usage %.1f%%): answered in %.2f s",
+                         self.pool.name, name, view.frozen_s,
+                         "stuck" if view.stuck else "not stuck", m.running, m.waiting,
+                         100 * m.kv_usage, self.clock() - started)
+        else:
+            self._logs[name].failed(f"{outcome}: {detail}")
+        self._last[name] = outcome
+
+    async def settled(self) -> None:
+        """Until the probes in flight have ended."""
+        tasks = list(self._inflight.values())
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -9,7 +9,7 @@ with figures that are no longer true:
   nearly full (vLLM issues #22545 and #29928, in vLLM's tracker). kvgate counts that usage as
   the node's (foreign work it must leave room for), gives the node no work, and with no work
   no step runs to correct the page: without a probe the node is lost until its server
-  restarts.
+  restarts, and with the default zone aggregate (the fullest node) the whole pool stays RED.
 - **A node judged stuck whose engine was only paused** (a weight update, a long pause of its
   process). The gateways end the requests it held, which aborts them; once the engine runs
   again it has nothing to step on, and its page stays as it froze (scheduler.stuck: a stuck

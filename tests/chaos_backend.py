@@ -18,7 +18,10 @@ as running after their clients leave; those that come are not counted).
 waits for one), as a vLLM engine that hung between two requests: its frozen page says it holds
 nothing, and every generation that comes waits until its client leaves. ``POST
 /chaos/resume`` lets generations that come answer again, as an engine paused, not hung; its
-page stays frozen until it answers one, since vLLM's page changes only at a step.
+page stays frozen until it answers one, since vLLM's page changes only at a step. ``POST
+/chaos/ghost`` leaves the page a vLLM engine leaves when every request it held was aborted
+at once: 106 running, 15 waiting and its KV cache at 90.4%, frozen until it answers a
+generation, which shows it empty again.
 """
 
 from __future__ import annotations
@@ -83,7 +86,14 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
         engine.stuck.clear()
         return web.json_response({"frozen_page": engine.frozen_page})
 
+    async def ghost(request: web.Request) -> web.Response:
+        engine.held, engine.answered_then = 106, engine.answered
+        backend.waiting, backend.kv_usage = 15, 0.904
+        engine.frozen_page = True
+        return web.json_response({"held": engine.held})
+
     app.router.add_post("/chaos/stuck", stuck)
+    app.router.add_post("/chaos/ghost", ghost)
     app.router.add_post("/chaos/resume", resume)
 
     @web.middleware
@@ -100,7 +110,9 @@ def make_app(delay_s: float, hold_after: int | None, model: str) -> web.Applicat
                     await asyncio.Event().wait()  # until the client leaves
                 response = await handler(request)
                 engine.answered += 1
-                engine.frozen_page = False
+                if engine.frozen_page:  # a step: the page tells the truth again
+                    engine.frozen_page = False
+                    backend.waiting, backend.kv_usage = 0, 0.0
                 return response
             finally:
                 engine.active -= 1

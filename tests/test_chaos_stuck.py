@@ -222,3 +222,77 @@ async def test_a_stuck_engine_that_runs_again_rejoins_through_a_probe(
                {"rejoined after the resume (s)": round(rejoined_after, 3),
                 "probes answered": probes_ok, "probes timed out": probes_timeout,
                 "task states": states}))
+
+
+async def test_a_page_left_stale_by_aborted_requests_is_corrected_by_a_probe(
+    redis_factory: Callable[..., LocalRedis], procs: Processes
+) -> None:
+    """vLLM's page after every request it held was aborted at once: still counting them, its
+    cache nearly full, and frozen, since an idle engine takes no step. kvgate leaves room for
+    that usage and sends the node nothing, which would keep it so; with the default zone
+    aggregate (the fullest node) the whole pool is RED and refuses Normal work meanwhile. The
+    leader's probe makes the engine step, and the pool serves again."""
+    server = redis_factory()
+    redis: Any = aioredis.Redis.from_url(server.url)
+    try:
+        nodes = [procs.chaos_backend(f"node-{i}", delay_ms=20) for i in range(2)]
+        config = procs.write_config(chaos_config(
+            server.url, [url for _, url in nodes],
+            scheduler={"stuck_after_ms": STUCK_AFTER_MS}))
+        scheduler = procs.scheduler(config, "sched")
+        gateway = procs.gateway(config, "gw")
+        leader = f"http://127.0.0.1:{scheduler.port}"
+
+        async def both_in() -> bool:
+            return bool(await redis.hlen(KEYS_OF.node_capacity) == 2)
+
+        await until(both_in, 10)
+        async with aiohttp.ClientSession() as http, \
+                http.post(nodes[0][1] + "/chaos/ghost") as response:
+            assert response.status == 200
+        ghosted = time.time()
+
+        async def ghost_read() -> bool:  # else a request admitted meanwhile would end it
+            return bool(await metric(leader, "kvgate_scheduler_kv_usage",
+                                     node="node-0") == 0.904)
+
+        await until(ghost_read, 10)
+        load = Load(gateway.url, "normal", "normal", workers=4, pace_s=0.02, timeout_s=30.0)
+        stop = asyncio.Event()
+        background = await run_for([load], 30.0, stop)
+
+        async def node_0_serves() -> bool:
+            records = await task_records(redis)
+            return any(r.status == 200
+                       and records.get(r.task_id or "", {}).get("node") == "node-0"
+                       for r in load.results)
+
+        back_after = await until(node_0_serves, 15, 0.05)
+        stop.set()
+        await background
+        await settled(redis, 10)
+        states = await assert_conserved(redis)
+        records = await task_records(redis)
+        probes_ok = await metric(leader, "kvgate_scheduler_probes_total", node="node-0",
+                                 outcome="ok")
+    finally:
+        await redis.aclose()
+    on_node_0 = sorted(float(rec["released_us"]) / 1e6 - ghosted for rec in records.values()
+                       if rec.get("node") == "node-0" and "released_us" in rec)
+    assert answered(load.results) and probes_ok == 1
+    refused = [r for r in load.results if r.status != 200]
+    assert all((r.status, r.code) == (429, "capacity_exceeded") for r in refused)
+    # Nothing went to it while its page stood still: the first task came after the probe,
+    # which the leader sends once the page has not changed for stuck_after_ms.
+    assert on_node_0 and on_node_0[0] >= STUCK_AFTER_MS / 1000 - 0.1, on_node_0[:3]
+    assert back_after <= STUCK_AFTER_MS / 1000 + 10 * POLL_MS / 1000 + 2.0
+    report(Row("backend page left stale by aborted requests (106 running, KV 90.4%, frozen)",
+               f"2 nodes x 20 ms per request, 4 Normal workers ({len(load.results)} "
+               f"requests), stuck_after_ms {STUCK_AFTER_MS}",
+               "no work for it while the page stands still, and the pool RED (the fullest "
+               "node sets the zone: Normal gets 429); the leader probes it after "
+               "stuck_after_ms, the engine steps, the page shows it empty, and it takes work",
+               {"first task on it after the page froze (s)": round(on_node_0[0], 3),
+                "serving again after (s)": round(back_after, 3),
+                "Normal refused meanwhile (429)": len(refused), "probes answered": probes_ok,
+                "task states": states}))

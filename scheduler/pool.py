@@ -136,11 +136,11 @@ class PoolScheduler:
     ) -> None:
         self.store = store
         self.may_judge_stuck = may_judge_stuck
-        self.prober = prober
-        """Probes the nodes whose page stands still (scheduler.probe); None: off."""
         """False while a dead gateway's tasks may still be in the running index (the reaper held
         back after Redis failures, or not yet run since): no node is judged stuck then
         (scheduler.stuck)."""
+        self.prober = prober
+        """Probes the nodes whose page stands still (scheduler.probe); None: off."""
         self._inherit = True
         """The next tick reads which nodes the last leader published stuck (once per term)."""
         self._index_now_us: int | None = None
@@ -150,7 +150,6 @@ class PoolScheduler:
         the releases."""
         self.clock_match = ClockMatch()
         """The pool clock on ours, for judging a frozen page (scheduler.stuck)."""
-        """The last read of the nodes holding old tasks, and when (monotonic)."""
         self.pool = pool
         self.settings = settings
         self.poller = poller
@@ -233,6 +232,8 @@ class PoolScheduler:
         self.drains = DrainRates()
         self._preemptions.clear()
         self.poller.forget()
+        if self.prober is not None:
+            self.prober.forget()
         self._first_poll = True
         self._resume = self._inherit = True
         self._aged = None
@@ -251,7 +252,8 @@ class PoolScheduler:
         self._index_now_us = None
         if reading.running is not None:
             now_us = self._index_now_us = await self._redis_now_us(reading.frozen_us)
-            self.clock_match.sample(now_us, self.clock())
+            if reading.frozen_us is not None:  # a test's frozen clock: no call to time
+                self.clock_match.sample(now_us, self.clock())
             running, self._indexed = tasks_by_node(reading.running, now_us, self._indexed,
                                                    self.pool.engine)
             if control:
@@ -261,24 +263,26 @@ class PoolScheduler:
                         reading.vip_reports, reading.vip_histogram, prefill, reading.guests,
                         reading.held)
 
-    async def _aged_nodes(self) -> dict[str, float]:
-        """For each node holding a task released `stuck_after_ms` ago or more, the latest such
+    async def _aged_nodes(self, nodes: set[str], age_s: float) -> dict[str, float]:
+        """For each of `nodes` holding a task released `age_s` ago or more, the latest such
         release, on this process's monotonic clock (scheduler.stuck): from the running index
         this tick read, if it read it; else read, at most once a second (a candidate that
         never holds such a task would read it at every tick)."""
-        age_us = self.settings.stuck_after_ms * 1000
+        age_us = int(age_s * 1_000_000)
         if self._index_now_us is not None:
             latest = latest_by_node(((e.node, e.released_us) for e in self._indexed.values()
-                                     if e is not None), self._index_now_us - age_us)
+                                     if e is not None and e.node in nodes),
+                                    self._index_now_us - age_us)
         else:
             now = self.clock()
             if self._aged is None or now - self._aged[0] >= AGED_READ_S:
+                before = self.clock()
                 now_us, releases = await self.store.latest_releases_older_than(age_us)
-                self.clock_match.sample(now_us, self.clock())
+                self.clock_match.sample(now_us, before)
                 self._aged = (now, releases)
             latest = self._aged[1]
         return {node: at for node, released_us in latest.items()
-                if (at := self.clock_match.local(released_us)) is not None}
+                if node in nodes and (at := self.clock_match.local(released_us)) is not None}
 
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
@@ -292,8 +296,9 @@ class PoolScheduler:
         if frozen is not None:
             return int(frozen)
         if self._redis_at is None:
+            before = self.clock()
             self._redis_at = (await self.store.redis_time_us(), self.clock())
-            self.clock_match.sample(*self._redis_at)
+            self.clock_match.sample(self._redis_at[0], before)
         redis_us, local_s = self._redis_at
         return redis_us + int((self.clock() - local_s) * 1_000_000)
 
@@ -480,8 +485,11 @@ class PoolScheduler:
         self._resume = False
         snap = await self.read_snapshot()
         if self.may_judge_stuck():
-            views = await self.poller.judge_stuck(views, self._aged_nodes)
-        if self.prober is not None:
+            views = await self.poller.judge_stuck(
+                views, self._aged_nodes, self.prober.hung if self.prober is not None else None)
+        else:
+            self.clock_match.clear()  # Redis may have failed over to another clock
+        if self.prober is not None and leading():
             self.prober.start(views)
         now = self.clock()
         plans = self.plan(views, snap, now)
@@ -506,11 +514,12 @@ class PoolScheduler:
                 result.calm_p99_ms, vips)
         if not leading():
             return result
+        before = self.clock()
         written_us = await self.store.publish_state(epoch, zone, budgets(plans),
                                                     self._extra(result), result.prefill,
                                                     refill_ms=self.refill_ms)
         self._redis_at = (written_us, self.clock())
-        self.clock_match.sample(*self._redis_at)
+        self.clock_match.sample(written_us, before)
         result.published = True
         if not leading() or not any(snap.depths):
             self.policy.share_observe(zone, (), False)  # nothing waits: Batch is owed nothing

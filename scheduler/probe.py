@@ -15,15 +15,19 @@ with figures that are no longer true:
   again it has nothing to step on, and its page stays as it froze (scheduler.stuck: a stuck
   node rejoins only when its page changes).
 
-So the leader probes a node whose page none of whose figures has changed for
-`stuck_after_ms`, read well (not failing, not stale), that is judged stuck or shows requests
-running or waiting, or KV usage above 0; then again every `stuck_after_ms` while that lasts.
-A live engine answers within a step, its figures change at once, and the node is judged on
-them: a stale page is corrected, a stuck node rejoins. A hung engine does not answer: the
-probe is given up after `PROBE_TIMEOUT_S` (or `stuck_after_ms`, if shorter), which closes the
-connection and tells vLLM to drop it, and changes nothing. A probe's answer never decides
-anything by itself: a data-parallel server sends it to one of its engines, and the page says
-which engines moved.
+So the leader probes a node none of whose page figures has changed for `stuck_after_ms`,
+read well (not failing, not stale), that is judged stuck or shows requests running or
+waiting; then again every `stuck_after_ms` while that lasts. A live engine answers within a
+step, its figures change at once, and the node is judged on them: a stale page is corrected,
+a stuck node rejoins. A hung engine does not answer: the probe is given up after
+`PROBE_TIMEOUT_S` (or `stuck_after_ms`, if shorter), which closes the connection and tells
+vLLM to drop it, and changes nothing. A probe's answer does not rejoin a node by itself: a
+data-parallel server sends it to one of its engines, and the page says which engines moved.
+
+A probe also confirms an engine hung while idle before it is judged stuck (`Prober.hung`,
+scheduler.stuck): a request can wait in a live server's front end longer than
+`stuck_after_ms` (a video being fetched) while its idle engine's page stands still, and a
+live engine answers a probe at once.
 
 The probe is `POST /v1/completions` with the pool's served model name, the prompt ".", and
 `max_tokens` 1, and the pool's backend API key (`backend_api_key_env`) when the scheduler's
@@ -54,8 +58,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.scheduler.probe")
 
 PROBE_TIMEOUT_S = 10.0
-"""Longest wait for a probe's answer: a live engine answers one token within a step or two,
-however busy (a probe waits in its queue like any request)."""
+"""Longest wait for a probe's answer (or `stuck_after_ms`, if shorter). The nodes probed show
+a page that has not changed for `stuck_after_ms`: a live engine among them has nothing else to
+step on, and answers one token within a step or two."""
 PROBE_OUTCOMES = ("ok", "refused", "error", "timeout", "connect")
 """`ok`: answered 200; `refused`: 401, 403 or 404 (credentials or model name); `error`: any
 other status; `timeout`: no answer within the timeout; `connect`: no connection."""
@@ -79,15 +84,30 @@ def probe_headers(pool: PoolSettings, env: Mapping[str, str]) -> dict[str, str]:
     return headers
 
 
+def key_warning(pool: PoolSettings, env: Mapping[str, str]) -> str | None:
+    """What the scheduler logs at start when the pool's backends take a key it lacks (the
+    variable `backend_api_key_env` names is unset, empty, or holds a line break): its probes
+    will be refused."""
+    variable = pool.backend_api_key_env
+    if variable is None or "Authorization" in probe_headers(pool, env):
+        return None
+    return (f"pool {pool.name}: backend_api_key_env names {variable}, which is not set (or "
+            "not usable) in the scheduler's environment: nodes that require the key will "
+            "refuse its probes (give the scheduler the variable, as the gateways have it; "
+            "Helm: scheduler.extraEnv)")
+
+
 def wants_probe(view: NodeView, after_s: float) -> bool:
-    """Whether the node's page has stood still for `after_s` while it shows work (the module
-    docstring), on a good, fresh reading."""
+    """Whether the node's page has stood still for `after_s` while it shows requests running
+    or waiting, or it is judged stuck (the module docstring), on a good, fresh reading. KV
+    usage alone does not count: some engines report a little at rest (a reserved block), and
+    a page left stale by aborted requests still counts them."""
     m = view.metrics
     if m is None or view.stale or (view.ejected and not view.stuck):
         return False
     if view.frozen_s < after_s:
         return False
-    return view.stuck or m.running + m.waiting > 0 or m.kv_usage > 0
+    return view.stuck or m.running + m.waiting > 0
 
 
 class Prober:
@@ -109,7 +129,10 @@ class Prober:
         """node -> when its last probe started (this process's clock)."""
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._last: dict[str, str] = {}
-        """node -> its last probe's outcome (a run of answered probes is logged once)."""
+        """node -> its last probe's outcome while it wants probes (a run of answered probes
+        is logged once)."""
+        self._done: dict[str, tuple[float, str]] = {}
+        """node -> when its last ended probe started, and its outcome (`hung`)."""
         self._logs = {
             name: FailureLog(f"pool {pool.name}: probe of node {name}", clock, log,
                              recovered=f"pool {pool.name}: node {name} answers probes again")
@@ -127,19 +150,45 @@ class Prober:
         """Start the due probes (not awaited: a hung node's probe must not hold the tick);
         the nodes probed."""
         nodes = self.due(views)
+        for view in views:
+            if not wants_probe(view, self.after_s):
+                self._last.pop(view.name, None)
         by_name = {v.name: v for v in views}
         for name in nodes:
-            self._started[name] = self.clock()
-            task = asyncio.create_task(self._probe(by_name[name]), name=f"probe:{name}")
-            self._inflight[name] = task
-            task.add_done_callback(functools.partial(self._ended, name))
+            self._launch(by_name[name])
         return nodes
 
-    def _ended(self, name: str, _: asyncio.Task[None]) -> None:
-        self._inflight.pop(name, None)
+    def hung(self, view: NodeView, since: float) -> bool | None:
+        """For judging a frozen page (scheduler.stuck): whether a probe of the node started at
+        `since` (monotonic) or later went unanswered. An idle live engine answers a token at
+        once, however slowly its server takes in other requests (a video being fetched), so
+        an answer says the page is still only because nothing reached the engine. True: it
+        timed out or found no connection, or it could not tell (refused, an error status: the
+        node is then judged as without probes); False: answered; None: not known yet (a
+        probe is in flight, started now if none was)."""
+        if view.name not in self.urls:
+            return True
+        if view.name in self._inflight:
+            return None
+        done = self._done.get(view.name)
+        if done is not None and done[0] >= since:
+            return done[1] != "ok"
+        self._launch(view)
+        return None
+
+    def _launch(self, view: NodeView) -> None:
+        self._started[view.name] = self.clock()
+        task = asyncio.create_task(self._probe(view), name=f"probe:{view.name}")
+        self._inflight[view.name] = task
+        task.add_done_callback(functools.partial(self._ended, view.name))
+
+    def _ended(self, name: str, task: asyncio.Task[None]) -> None:
+        if self._inflight.get(name) is task:  # not a later probe of the node's
+            del self._inflight[name]
 
     async def _probe(self, view: NodeView) -> None:
         name = view.name
+        begun = self._started[name]
         body = {"model": self.pool.served_model_name or self.pool.name,
                 "prompt": PROBE_PROMPT, "max_tokens": 1}
         headers = {**self.headers, "X-Request-Id": f"kvgate-probe-{uuid.uuid4().hex[:16]}"}
@@ -160,6 +209,7 @@ class Prober:
             outcome, detail = "timeout", f"no answer in {self.timeout.total:g} s"
         except aiohttp.ClientError as exc:
             outcome, detail = "connect", type(exc).__name__
+        self._done[name] = (begun, outcome)
         if self.on_probe is not None:
             self.on_probe(name, outcome)
         if outcome == "ok":
@@ -180,6 +230,15 @@ class Prober:
         tasks = list(self._inflight.values())
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def forget(self) -> None:
+        """A new leadership starts: the probes of an earlier term are dropped (their answers
+        say nothing of the page this term reads)."""
+        for task in self._inflight.values():
+            task.cancel()
+        self._inflight.clear()
+        self._done.clear()
+        self._last.clear()
 
     async def close(self) -> None:
         tasks = list(self._inflight.values())

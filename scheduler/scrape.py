@@ -449,19 +449,32 @@ class Poller:
             frozen=self.stuck_watch.frozen(node.name),
         )
 
-    async def judge_stuck(self, views: list[NodeView],
-                          aged: Callable[[], Awaitable[dict[str, float]]]) -> list[NodeView]:
-        """`views` with the candidates for stuck judged (scheduler.stuck): `aged` reads, for
-        each node holding a task released `stuck_after_ms` ago or more, the latest such
-        release (monotonic, this process's clock); read only if there is a candidate."""
+    async def judge_stuck(
+        self, views: list[NodeView],
+        aged: Callable[[set[str], float], Awaitable[dict[str, float]]],
+        hung: Callable[[NodeView, float], bool | None] | None = None,
+    ) -> list[NodeView]:
+        """`views` with the candidates for stuck judged (scheduler.stuck): `aged(nodes, age_s)`
+        reads, for those of `nodes` holding a task released `age_s` ago or more, the latest
+        such release (monotonic, this process's clock); read only if there is a candidate.
+        `age_s` is `stuck_after_ms` plus the age of the oldest candidate's last good reading:
+        a frozen page is judged on a reading taken `stuck_after_ms` after the release, not on
+        the task's age alone. `hung(view, since)` (scheduler.probe `Prober.hung`), if given,
+        confirms a frozen page: whether a probe sent at `since` or later went unanswered
+        (None: not known yet)."""
         watch = self.stuck_watch
         busy = {v.name for v in views if watch.candidate(v.name, v.still_s)}
-        frozen = {v.name for v in views if watch.frozen_candidate(v.name, v.frozen_s)}
+        # A frozen page is judged on readings taken after the release: none while stale.
+        frozen = {v.name for v in views
+                  if not v.stale and watch.frozen_candidate(v.name, v.frozen_s)}
         if not busy and not frozen:
             return views
-        held = await aged()
-        # A scrape that ended during the read may show the node moving again.
         nodes = {n.name: n for n in self.nodes}
+        now = self.clock()
+        lag = max(now - nodes[name].ok_at for name in busy | frozen)
+        held = await aged(busy | frozen, watch.after_s + max(lag, 0.0))
+        # A scrape that ended during the read may show the node moving again.
+        by_name = {v.name: v for v in views}
         judged: set[str] = set()
         for name in busy & held.keys():
             node = nodes[name]
@@ -470,9 +483,15 @@ class Poller:
                 judged.add(name)
         for name in (frozen & held.keys()) - judged:
             node = nodes[name]
-            if watch.frozen_candidate(name, watch.frozen_s(name, node.metrics, node.ok_at)) \
-                    and watch.judge_frozen(name, held[name]):
-                judged.add(name)
+            if not watch.frozen_candidate(name, watch.frozen_s(name, node.metrics, node.ok_at)):
+                continue
+            released = watch.frozen_release(name, held[name])
+            if released is None:
+                continue
+            if hung is not None and not hung(by_name[name], released + watch.after_s):
+                continue
+            watch.judge_frozen(name)
+            judged.add(name)
         return [dataclasses.replace(v, stuck=True, ejected=True, frozen=watch.frozen(v.name))
                 if v.name in judged else v for v in views]
 

@@ -34,7 +34,7 @@ from admission.store import PoolStore
 from scheduler.leader import Elector
 from scheduler.metrics import SchedulerMetrics
 from scheduler.pool import PoolScheduler, TickResult
-from scheduler.probe import Prober, probe_headers
+from scheduler.probe import Prober, key_warning, probe_headers
 from scheduler.scrape import Poller
 
 log = logging.getLogger("kvgate.scheduler")
@@ -130,6 +130,8 @@ class SchedulerService:
                               self.config.pool_policy(pool.name))
             prober = None
             if s.stuck_after_ms and s.probe_still_nodes:
+                if (warning := key_warning(pool, os.environ)) is not None:
+                    log.warning("%s", warning)
                 prober = Prober(pool, self.session, s.stuck_after_ms / 1000,
                                 headers=probe_headers(pool, os.environ),
                                 on_probe=self._probe_hook(pool.name), clock=self.clock)

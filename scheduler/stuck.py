@@ -34,10 +34,13 @@ An engine that froze while idle says it holds nothing, and its page stays still:
 idle engine's does too. What tells them apart is a request sent to it: an engine that takes
 one steps, and its token counters move. So a node is also judged stuck, as a frozen page,
 when none of its page has changed for `stuck_after_ms` and it holds a task kvgate released
-more than `FROZEN_SLACK_S` after the page last changed and at least `stuck_after_ms` ago. A
-reading that shows a request's work ends after its release, so a request the engine took
-leaves the page's last change after its release, however slowly its client reads the answer.
-It stays stuck until the page changes. Not judged that way: a data-parallel server whose other
+more than `FROZEN_SLACK_S` after the page last changed, as a good reading taken at least
+`stuck_after_ms` after the release shows (Poller.judge_stuck; none while its readings are
+stale), and, with probes on, a probe sent then has gone unanswered (scheduler.probe: a live
+server can hold a request in its front end that long, fetching a video). A reading that
+shows a request's work ends after its release, so a request the engine took leaves the page's
+last change after its release, however slowly its client reads the answer. It stays stuck
+until the page changes. Not judged that way: a data-parallel server whose other
 engines go on stepping (the page changes; which engine a request went to is not on it), and a
 page with neither the generated-token counter nor the histogram (a request of one token could
 leave no trace between two readings). Nor does a new leader inherit a frozen page that shows
@@ -57,7 +60,7 @@ if TYPE_CHECKING:
 FROZEN_SLACK_S = 0.1
 """A task counts against a frozen page only if released this long after its last change: the
 release is stamped on the pool clock (Redis TIME) and the change on the leader's, matched by
-`ClockMatch` to within the fastest answer of its recent samples."""
+`ClockMatch` no later than it was, to within the fastest round trip of its recent samples."""
 CLOCK_SAMPLES_S = 10.0
 """How long a `ClockMatch` sample is kept: long enough to hold one that came back fast, short
 enough that the two clocks' rates (NTP slews Redis's by at most 0.05%) cannot part them by
@@ -165,14 +168,22 @@ class StuckWatch:
         return (self.after_s > 0 and frozen_s >= self.after_s
                 and node is not None and not node.stuck)
 
-    def judge_frozen(self, name: str, latest_release: float) -> bool:
-        """Judged stuck if `latest_release` (monotonic, the leader's clock) came more than
-        FROZEN_SLACK_S after the page last changed; whether it was."""
+    def frozen_release(self, name: str, latest_release: float) -> float | None:
+        """`latest_release` (monotonic, the leader's clock), if it counts against the frozen
+        page: more than FROZEN_SLACK_S after the page last changed; else None. The caller
+        reads releases old enough that the node's last good reading came `after_s` after
+        them (Poller.judge_stuck)."""
         node = self._nodes.get(name)
         if node is None or latest_release <= node.changed_at + FROZEN_SLACK_S:
-            return False
-        node.stuck, node.frozen_since = True, node.changed_at
-        return True
+            return None
+        return latest_release
+
+    def judge_frozen(self, name: str) -> None:
+        """A frozen candidate with a release that counts (`frozen_release`), and, if probes
+        are on, a probe sent since then unanswered."""
+        node = self._nodes.get(name)
+        if node is not None:
+            node.stuck, node.frozen_since = True, node.changed_at
 
     def inherit(self, names: Iterable[str]) -> None:
         """Nodes the last leader published stuck, for a new leader: stuck from its first
@@ -197,24 +208,27 @@ class ClockMatch:
     """The pool clock (Redis TIME, µs) on this process's monotonic clock, for comparing a
     task's release with the time of a reading.
 
-    Each sample pairs a Redis time with the local clock read once its answer was in: late by
-    the answer's way and by the event loop's lag, never early. So each sample's offset (local
-    minus pool) is at least the true one, and the least offset of recent samples is the
-    closest; a release matched with it comes no later than it was, the side on which a frozen
-    page is judged less often, never more."""
+    Each sample pairs a Redis time with the local clock read before the call that returned
+    it was sent: so the local reading comes no later than the Redis time, and each sample's
+    offset (local minus pool) is at most the true one. The greatest offset of recent samples
+    is the closest, and a release matched with it comes no later than it was: on the side on
+    which a frozen page is judged less often, never more. After a failover to a server whose
+    clock runs behind, the old samples would err the other way: the pool clears them while
+    it may not judge (`clear`)."""
 
     def __init__(self, keep_s: float = CLOCK_SAMPLES_S) -> None:
         self.keep_s = keep_s
         self._samples: deque[tuple[float, float]] = deque()
-        """(local time, offset), offsets increasing: a sample with a larger offset than a
-        later one's can never be the least again, and is dropped."""
+        """(local time, offset), offsets decreasing: a sample with a smaller offset than a
+        later one's can never be the greatest again, and is dropped."""
 
-    def sample(self, pool_us: int, local_s: float) -> None:
-        offset = local_s - pool_us / 1_000_000
-        while self._samples and self._samples[-1][1] >= offset:
+    def sample(self, pool_us: int, local_before_s: float) -> None:
+        """A Redis time, and the local clock read before the call that returned it."""
+        offset = local_before_s - pool_us / 1_000_000
+        while self._samples and self._samples[-1][1] <= offset:
             self._samples.pop()
-        self._samples.append((local_s, offset))
-        while self._samples[0][0] < local_s - self.keep_s:
+        self._samples.append((local_before_s, offset))
+        while self._samples[0][0] < local_before_s - self.keep_s:
             self._samples.popleft()
 
     def local(self, pool_us: int) -> float | None:
@@ -223,3 +237,5 @@ class ClockMatch:
             return None
         return pool_us / 1_000_000 + self._samples[0][1]
 
+    def clear(self) -> None:
+        self._samples.clear()

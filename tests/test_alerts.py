@@ -344,6 +344,12 @@ CASES = [
                                                 'pool="p", node="n1", outcome="timeout"',
                                                 "0 0+1x10")
          | sched("kvgate_scheduler_node_stuck", 'pool="p", node="n1"', "1x10"), "4m"),
+    # Stuck, probed in vain, restarted at 4m and back: the window's timeouts are the stuck
+    # node's, already told.
+    Case("KvgateNodeProbesFail", LEADER | sched("kvgate_scheduler_probes_total",
+                                                'pool="p", node="n1", outcome="timeout"',
+                                                "0 1 2 3 3x10")
+         | sched("kvgate_scheduler_node_stuck", 'pool="p", node="n1"', "1 1 1 1 0x10"), "6m"),
     Case("KvgateNodeProbesFail", LEADER | sched("kvgate_scheduler_probes_total",
                                                 'pool="p", node="n1", outcome="ok"',
                                                 "0+1x10"), "5m"),

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from scheduler.scrape import parse_vllm_metrics
-from scheduler.stuck import FROZEN_SLACK_S, StuckWatch
+from scheduler.stuck import FROZEN_SLACK_S, ClockMatch, StuckWatch
 from tests.scheduler_stub import FakeVllm, always, state
 from tests.stuck_support import STUCK_AFTER_MS, busy, stuck_pool
 
@@ -156,11 +156,55 @@ def test_the_watch_judges_a_frozen_page_on_the_latest_release_after_its_last_cha
     assert not watch.frozen_candidate("n1", 4.0)
     watch.reading("n1", page, 105.0)
     assert watch.frozen_candidate("n1", watch.frozen_s("n1", page, 105.0))
-    assert not watch.judge_frozen("n1", 100.0 + FROZEN_SLACK_S)
-    assert watch.judge_frozen("n1", 100.0 + FROZEN_SLACK_S + 0.01)
+    assert watch.frozen_release("n1", 100.0 + FROZEN_SLACK_S) is None
+    counts = 100.0 + FROZEN_SLACK_S + 0.01
+    assert watch.frozen_release("n1", counts) == counts
+    watch.judge_frozen("n1")
     assert watch.frozen("n1") and watch.stuck("n1", 0.0)
     watch.reading("n1", page, 106.0)
     assert watch.stuck("n1", 0.0)
     watch.reading("n1", parse_vllm_metrics(idle(prompt_tokens=1_001.0).render()), 107.0)
     assert not watch.stuck("n1", 0.0) and not watch.frozen("n1")
     assert watch.frozen_s("n1", page, 107.0) == 0.0
+
+
+async def test_a_node_whose_scrapes_fail_after_the_release_is_not_judged_frozen(
+    redis_client: Any, redis_url: str
+) -> None:
+    """Without a good reading taken stuck_after_ms after the release, nothing says the engine
+    left the request untouched (a node too busy to answer /metrics is ejected for that)."""
+    node = idle()
+    async with stuck_pool(redis_client, redis_url, {"n1": node}) as (ps, clock):
+        await ps.tick(1, always)
+        await clock.advance(AFTER_S)
+        await ps.tick(1, always)  # still for AFTER_S: a candidate, as read
+        await clock.advance(1.0)
+        await clock.hold_task("n1")
+        node.status = 500
+        reasons = []
+        for _ in range(4):
+            await clock.advance(AFTER_S / 2)
+            reasons.append((await ps.tick(1, always)).plans[0].reason)
+        node.status = 200  # answers again, unchanged: now the page says it
+        await clock.advance(0.05)
+        reasons.append((await ps.tick(1, always)).plans[0].reason)
+    assert reasons == ["stale", "stale", "ejected", "ejected", "stuck"]
+
+
+def test_the_clock_match_errs_towards_an_earlier_release() -> None:
+    """Each sample's local time is read before its call: at most the true offset, whatever
+    the call's way and the loop's lag; the greatest recent one is kept."""
+    true_offset = 50.0  # local = pool + 50 s
+    match = ClockMatch(keep_s=10.0)
+    assert match.local(1_000_000) is None
+    for local_before, delay in ((100.0, 0.030), (100.5, 0.002), (101.0, 0.200)):
+        pool_us = int((local_before + delay - true_offset) * 1_000_000)
+        match.sample(pool_us, local_before)
+    mapped = match.local(int((101.0 - true_offset) * 1_000_000))
+    assert mapped is not None and 101.0 - 0.002 - 1e-6 <= mapped <= 101.0
+    # A sample older than keep_s is forgotten, even the best one.
+    match.sample(int((120.0 + 0.1 - true_offset) * 1_000_000), 120.0)
+    mapped = match.local(int((120.0 - true_offset) * 1_000_000))
+    assert mapped is not None and abs(mapped - (120.0 - 0.1)) < 1e-6
+    match.clear()
+    assert match.local(0) is None

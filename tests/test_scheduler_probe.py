@@ -14,7 +14,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from admission.config import parse_config
-from scheduler.probe import PROBE_PROMPT, Prober, probe_headers, wants_probe
+from scheduler.probe import PROBE_PROMPT, Prober, key_warning, probe_headers, wants_probe
 from scheduler.scrape import NodeView, parse_vllm_metrics
 from tests.scheduler_stub import FakeVllm, always
 from tests.stuck_support import STUCK_AFTER_MS, busy, stuck_pool
@@ -157,7 +157,8 @@ async def test_a_failed_probe_is_counted_logged_once_and_changes_nothing(
     page = ghost()
     engine = Engine(page, mode=mode)
     async with stuck_pool(redis_client, redis_url, {"n1": page},
-                          completions={"n1": engine.handle}) as (ps, clock):
+                          completions={"n1": engine.handle},
+                          pool_extra={"backend_api_key_env": KEY_ENV}) as (ps, clock):
         prober = attach(ps, timeout_s=0.2)
         await tick(ps)
         for _ in range(3):
@@ -169,7 +170,8 @@ async def test_a_failed_probe_is_counted_logged_once_and_changes_nothing(
     assert plan.measured == 0.904
     lines = probe_lines(caplog)
     assert len(lines) == 1 and lines[0].startswith(f"pool p: probe of node n1 failed: {says}")
-    assert "sk-" not in lines[0]
+    assert engine.probes[0][1]["Authorization"] == "Bearer sk-probe"
+    assert "sk-probe" not in lines[0]
 
 
 def view(m: Any, *, frozen_s: float = AFTER_S, stale: bool = False, ejected: bool = False,
@@ -180,8 +182,8 @@ def view(m: Any, *, frozen_s: float = AFTER_S, stale: bool = False, ejected: boo
 
 @pytest.mark.parametrize(("what", "node", "wanted"), [
     ("a still page showing requests", view(parse_vllm_metrics(busy().render())), True),
-    ("a still page showing KV usage only",
-     view(parse_vllm_metrics(busy(running=0, usage=0.2).render())), True),
+    ("a still page showing KV usage only (some engines keep a block at rest)",
+     view(parse_vllm_metrics(busy(running=0, usage=0.2).render())), False),
     ("a still idle page", view(parse_vllm_metrics(busy(running=0, usage=0.0).render())), False),
     ("a still idle page judged stuck (frozen)",
      view(parse_vllm_metrics(busy(running=0, usage=0.0).render()), stuck=True, ejected=True),
@@ -206,3 +208,35 @@ def test_the_probe_carries_the_pool_key_only_when_the_scheduler_has_it() -> None
     assert "Authorization" not in probe_headers(pool, {})
     assert "Authorization" not in probe_headers(pool, {KEY_ENV: "sk-1\nX-Other: 1"})
     assert config.scheduler.probe_still_nodes is True
+    assert key_warning(pool, {KEY_ENV: "sk-1"}) is None
+    assert key_warning(config.pools["p"].__class__(name="q"), {}) is None  # no key needed
+    warning = key_warning(pool, {KEY_ENV: ""})
+    assert warning is not None and warning.startswith(
+        f"pool p: backend_api_key_env names {KEY_ENV}, which is not set")
+
+
+@pytest.mark.parametrize(("mode", "judged"), [("answer", False), ("hang", True)])
+async def test_a_frozen_idle_page_is_judged_only_once_a_probe_goes_unanswered(
+    redis_client: Any, redis_url: str, mode: str, judged: bool
+) -> None:
+    """A request can sit in a live server's front end longer than stuck_after_ms (a video
+    being fetched) while its idle engine's page stands still: a probe, which an idle live
+    engine answers at once, tells that node from a hung one."""
+    page = busy(running=0, usage=0.0)
+    engine = Engine(page, mode=mode)
+    async with stuck_pool(redis_client, redis_url, {"n1": page},
+                          completions={"n1": engine.handle}) as (ps, clock):
+        prober = attach(ps, timeout_s=0.2)
+        await tick(ps)
+        await clock.advance(1.0)
+        await clock.hold_task("n1")  # the slow request: its task stays
+        await clock.advance(AFTER_S)
+        reasons = [(await tick(ps))["n1"].reason]  # the probe is sent
+        await prober.settled()
+        reasons.append((await tick(ps))["n1"].reason)
+        await clock.advance(1.0)
+        reasons.append((await tick(ps))["n1"].reason)
+        engine.released.set()
+    assert len(engine.probes) == 1
+    assert reasons == (["", "stuck", "stuck"] if judged else ["", "", ""])
+    assert count(ps, "n1", "timeout" if judged else "ok") == 1

@@ -371,7 +371,7 @@ async def test_a_node_whose_page_moves_during_the_read_is_not_judged() -> None:
         views = await poller.poll(1.0)
         assert views[0].still_s > 0
 
-        async def moved_meanwhile() -> dict[str, float]:
+        async def moved_meanwhile(nodes: set[str], age_s: float) -> dict[str, float]:
             fake.generation_tokens = 401.0
             await poller.poll(1.0)  # a scrape that ends while the tick reads Redis
             return {"n1": 0.0}
@@ -379,7 +379,7 @@ async def test_a_node_whose_page_moves_during_the_read_is_not_judged() -> None:
         judged = await poller.judge_stuck(views, moved_meanwhile)
         assert not judged[0].stuck and not judged[0].ejected
 
-        async def still_meanwhile() -> dict[str, float]:
+        async def still_meanwhile(nodes: set[str], age_s: float) -> dict[str, float]:
             await poller.poll(1.0)
             return {"n1": 0.0}
 

@@ -302,18 +302,17 @@ def latest_by_node(releases: Iterable[tuple[str, int]], cutoff_us: int) -> dict[
     return latest
 
 
-async def latest_releases_older_than(client: Any, keys: PoolKeys, age_us: int
-                                     ) -> tuple[int, dict[str, int]]:
-    """The pool clock now (Redis TIME, or the frozen_us of a test that froze it), µs, and for
-    each node holding a task in the running index released `age_us` ago or more, the latest
-    such release: tasks kvgate released there that have not ended."""
+async def releases_older_than(client: Any, keys: PoolKeys, age_us: int
+                              ) -> tuple[int, list[tuple[str, int]]]:
+    """The pool clock now (Redis TIME, or the frozen_us of a test that froze it), µs, and the
+    node and release (µs) of each task in the running index released `age_us` ago or more:
+    tasks kvgate released there that have not ended."""
     now_us = await redis_time_us(client, keys.state)
     if frozen_clock_allowed() and (frozen := await client.hget(keys.clock, "frozen_us")):
         now_us = int(frozen)
     members = await client.zrangebyscore(keys.running, "-inf", now_us - age_us, withscores=True)
-    return now_us, latest_by_node(
-        ((entry.node, entry.released_us) for raw, score in members
-         if (entry := running_member(raw, score)) is not None), now_us - age_us)
+    return now_us, [(entry.node, entry.released_us) for raw, score in members
+                    if (entry := running_member(raw, score)) is not None]
 
 
 async def published_state(client: Any, keys: PoolKeys) -> dict[str, str]:

@@ -418,10 +418,10 @@ class PoolStore:
         """node -> VIP placements there so far (admission.reads.vip_placements)."""
         return await reads.vip_placements(self.client, self.keys)
 
-    async def latest_releases_older_than(self, age_us: int) -> tuple[int, dict[str, int]]:
-        """The pool clock (µs) and, per node with a task released `age_us` ago or more and not
-        yet ended, the latest such release (admission.reads.latest_releases_older_than)."""
-        return await reads.latest_releases_older_than(self.client, self.keys, age_us)
+    async def releases_older_than(self, age_us: int) -> tuple[int, list[tuple[str, int]]]:
+        """The pool clock (µs) and the node and release (µs) of each task released `age_us`
+        ago or more and not yet ended (admission.reads.releases_older_than)."""
+        return await reads.releases_older_than(self.client, self.keys, age_us)
 
     async def nodes_out(self) -> dict[str, str]:
         """Node -> why the last leader took it out (admission.reads.nodes_out)."""

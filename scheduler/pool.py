@@ -119,6 +119,10 @@ class TickResult:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
 
 
+def _not_known(view: NodeView, since: float) -> bool | None:
+    return None
+
+
 class PoolScheduler:
     def __init__(
         self,
@@ -145,9 +149,9 @@ class PoolScheduler:
         """The next tick reads which nodes the last leader published stuck (once per term)."""
         self._index_now_us: int | None = None
         """The pool clock when this tick read the running index (None: not read)."""
-        self._aged: tuple[float, dict[str, int]] | None = None
-        """The last read of old tasks' latest releases (`_aged_nodes`): when (monotonic), and
-        the releases."""
+        self._aged: tuple[float, int, list[tuple[str, int]]] | None = None
+        """The last read of old tasks (`_aged_nodes`): when (monotonic), the pool clock then
+        (µs), and each task's node and release (µs)."""
         self.clock_match = ClockMatch()
         """The pool clock on ours, for judging a frozen page (scheduler.stuck)."""
         self.pool = pool
@@ -264,25 +268,29 @@ class PoolScheduler:
                         reading.held)
 
     async def _aged_nodes(self, nodes: set[str], age_s: float) -> dict[str, float]:
-        """For each of `nodes` holding a task released `age_s` ago or more, the latest such
-        release, on this process's monotonic clock (scheduler.stuck): from the running index
-        this tick read, if it read it; else read, at most once a second (a candidate that
-        never holds such a task would read it at every tick)."""
+        """For each of `nodes` holding a task released `age_s` ago or more (`age_s` at least
+        `stuck_after_ms`), the latest such release, on this process's monotonic clock
+        (scheduler.stuck): from the running index this tick read, if it read it; else from
+        the tasks released `stuck_after_ms` ago or more, read at most once a second (a
+        candidate that never holds such a task would read them at every tick)."""
         age_us = int(age_s * 1_000_000)
         if self._index_now_us is not None:
-            latest = latest_by_node(((e.node, e.released_us) for e in self._indexed.values()
-                                     if e is not None and e.node in nodes),
-                                    self._index_now_us - age_us)
+            now_us = self._index_now_us
+            pairs: list[tuple[str, int]] = [(e.node, e.released_us) for e in self._indexed.values()
+                                            if e is not None and e.node in nodes]
         else:
             now = self.clock()
             if self._aged is None or now - self._aged[0] >= AGED_READ_S:
                 before = self.clock()
-                now_us, releases = await self.store.latest_releases_older_than(age_us)
-                self.clock_match.sample(now_us, before)
-                self._aged = (now, releases)
-            latest = self._aged[1]
+                read_us, releases = await self.store.releases_older_than(
+                    self.settings.stuck_after_ms * 1000)
+                self.clock_match.sample(read_us, before)
+                self._aged = (now, read_us, releases)
+            _, now_us, pairs = self._aged
+        latest = latest_by_node(((node, at) for node, at in pairs if node in nodes),
+                                now_us - age_us)
         return {node: at for node, released_us in latest.items()
-                if node in nodes and (at := self.clock_match.local(released_us)) is not None}
+                if (at := self.clock_match.local(released_us)) is not None}
 
     async def _redis_now_us(self, frozen: Any) -> int:
         """The pool clock the scripts use, without a TIME call on every tick (Redis Cluster
@@ -457,6 +465,11 @@ class PoolScheduler:
                     extra["dedicated_guests_closed"] = " ".join(result.guests_closed)
         return extra
 
+    def stand_by(self) -> None:
+        """This replica does not lead: the probes it sent are dropped (scheduler.probe)."""
+        if self.prober is not None:
+            self.prober.forget()
+
     async def tick(self, epoch: int, leading: Callable[[], bool]) -> TickResult:
         """One poll and release; raises FencedError (step down) or Redis errors."""
         started = self.clock()
@@ -485,8 +498,11 @@ class PoolScheduler:
         self._resume = False
         snap = await self.read_snapshot()
         if self.may_judge_stuck():
-            views = await self.poller.judge_stuck(
-                views, self._aged_nodes, self.prober.hung if self.prober is not None else None)
+            hung = None
+            if self.prober is not None:
+                # A replica that stopped leading sends no probe, and so judges no frozen page.
+                hung = self.prober.hung if leading() else _not_known
+            views = await self.poller.judge_stuck(views, self._aged_nodes, hung)
         else:
             self.clock_match.clear()  # Redis may have failed over to another clock
         if self.prober is not None and leading():

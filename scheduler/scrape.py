@@ -457,11 +457,12 @@ class Poller:
         """`views` with the candidates for stuck judged (scheduler.stuck): `aged(nodes, age_s)`
         reads, for those of `nodes` holding a task released `age_s` ago or more, the latest
         such release (monotonic, this process's clock); read only if there is a candidate.
-        `age_s` is `stuck_after_ms` plus the age of the oldest candidate's last good reading:
-        a frozen page is judged on a reading taken `stuck_after_ms` after the release, not on
-        the task's age alone. `hung(view, since)` (scheduler.probe `Prober.hung`), if given,
-        confirms a frozen page: whether a probe sent at `since` or later went unanswered
-        (None: not known yet)."""
+        For the busy rule `age_s` is `stuck_after_ms`; for a frozen page, `stuck_after_ms`
+        plus the age of the oldest frozen candidate's last good reading (never stale, so at
+        most the stale bound): it is judged on a reading taken `stuck_after_ms` after the
+        release, not on the task's age alone. `hung(view, since)` (scheduler.probe
+        `Prober.hung`), if given, confirms a frozen page: whether a probe sent at `since` (the
+        release) or later went unanswered (None: not known yet)."""
         watch = self.stuck_watch
         busy = {v.name for v in views if watch.candidate(v.name, v.still_s)}
         # A frozen page is judged on readings taken after the release: none while stale.
@@ -470,28 +471,34 @@ class Poller:
         if not busy and not frozen:
             return views
         nodes = {n.name: n for n in self.nodes}
-        now = self.clock()
-        lag = max(now - nodes[name].ok_at for name in busy | frozen)
-        held = await aged(busy | frozen, watch.after_s + max(lag, 0.0))
-        # A scrape that ended during the read may show the node moving again.
         by_name = {v.name: v for v in views}
         judged: set[str] = set()
-        for name in busy & held.keys():
-            node = nodes[name]
-            if watch.candidate(name, watch.still_s(name, node.metrics, node.ok_at)):
-                watch.judge(name)
+        # Each rule reads, then looks again: a scrape that ended during the read may show the
+        # node moving again.
+        if busy:
+            held = await aged(busy, watch.after_s)
+            for name in busy & held.keys():
+                node = nodes[name]
+                if watch.candidate(name, watch.still_s(name, node.metrics, node.ok_at)):
+                    watch.judge(name)
+                    judged.add(name)
+        frozen -= judged
+        if frozen:
+            lag = max(self.clock() - nodes[name].ok_at for name in frozen)
+            frozen_held = await aged(frozen, watch.after_s + max(lag, 0.0))
+            for name in frozen & frozen_held.keys():
+                node = nodes[name]
+                if not watch.frozen_candidate(
+                        name, watch.frozen_s(name, node.metrics, node.ok_at)):
+                    continue
+                released = watch.frozen_release(name, frozen_held[name])
+                # A probe sent after the release: while requests keep coming, the latest
+                # release moves on, and a probe must not have to outlast them.
+                if released is None or (hung is not None
+                                        and not hung(by_name[name], released)):
+                    continue
+                watch.judge_frozen(name)
                 judged.add(name)
-        for name in (frozen & held.keys()) - judged:
-            node = nodes[name]
-            if not watch.frozen_candidate(name, watch.frozen_s(name, node.metrics, node.ok_at)):
-                continue
-            released = watch.frozen_release(name, held[name])
-            if released is None:
-                continue
-            if hung is not None and not hung(by_name[name], released + watch.after_s):
-                continue
-            watch.judge_frozen(name)
-            judged.add(name)
         return [dataclasses.replace(v, stuck=True, ejected=True, frozen=watch.frozen(v.name))
                 if v.name in judged else v for v in views]
 

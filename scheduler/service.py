@@ -232,6 +232,8 @@ class SchedulerService:
         term: int | None = None
         while True:
             self._sync_leader_metrics()
+            if not self.elector.leading:
+                pool.stand_by()
             epoch = await self.elector.wait_leading()
             if epoch != term:
                 term = epoch

@@ -213,8 +213,8 @@ class ClockMatch:
     offset (local minus pool) is at most the true one. The greatest offset of recent samples
     is the closest, and a release matched with it comes no later than it was: on the side on
     which a frozen page is judged less often, never more. After a failover to a server whose
-    clock runs behind, the old samples would err the other way: the pool clears them while
-    it may not judge (`clear`)."""
+    clock runs ahead, the old samples would err the other way: the pool clears them while it
+    may not judge (`clear`)."""
 
     def __init__(self, keep_s: float = CLOCK_SAMPLES_S) -> None:
         self.keep_s = keep_s

@@ -40,10 +40,12 @@ class PoolClock:
         self.us += int(seconds * 1_000_000)
         await self.client.hset(self.store.keys.clock, "frozen_us", self.us)
 
-    async def hold_task(self, node: str) -> None:
+    async def hold_task(self, node: str, task: str = "") -> None:
         """A task released to `node` now and not ended: the running index's member as the
-        scripts write it ("node prompt max task"), scored by its release time."""
-        await self.client.zadd(self.store.keys.running, {f"{node} 100 100 held-{node}": self.us})
+        scripts write it ("node prompt max task"), scored by its release time. The same
+        `task` again moves its release."""
+        await self.client.zadd(self.store.keys.running,
+                               {f"{node} 100 100 {task or 'held-' + node}": self.us})
 
 
 @asynccontextmanager

@@ -350,6 +350,15 @@ CASES = [
                                                 'pool="p", node="n1", outcome="timeout"',
                                                 "0 1 2 3 3x10")
          | sched("kvgate_scheduler_node_stuck", 'pool="p", node="n1"', "1 1 1 1 0x10"), "6m"),
+    # The leader that judged it stuck and probed it in vain hands over at 4m (a standby
+    # clears its gauges): the new leader has not judged it yet, and its history is the old's.
+    Case("KvgateNodeProbesFail",
+         sched("kvgate_scheduler_leader", "", "1 1 1 1 0x10")
+         | sched("kvgate_scheduler_leader", "", "0 0 0 0 1x10", "s1")
+         | sched("kvgate_scheduler_probes_total", 'pool="p", node="n1", outcome="timeout"',
+                 "0 1 2 3 3x10")
+         | sched("kvgate_scheduler_node_stuck", 'pool="p", node="n1"', "1 1 1 1 0x10")
+         | sched("kvgate_scheduler_node_stuck", 'pool="p", node="n1"', "0x14", "s1"), "6m"),
     Case("KvgateNodeProbesFail", LEADER | sched("kvgate_scheduler_probes_total",
                                                 'pool="p", node="n1", outcome="ok"',
                                                 "0+1x10"), "5m"),

@@ -9,8 +9,11 @@ node; the budget is conserved."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -37,7 +40,7 @@ from tests.chaos_support import (
     until,
 )
 from tests.gateway_harness import POOL
-from tests.live import Processes
+from tests.live import Gateway, Processes
 
 pytestmark = pytest.mark.slow
 
@@ -46,35 +49,67 @@ STUCK_AFTER_MS = 1_500
 UPSTREAM_TIMEOUT_MS = 60_000
 
 
+@dataclass
+class Stack:
+    """Two stand-in nodes, a scheduler and a gateway on a private redis-server."""
+
+    redis: Any
+    nodes: list[str]
+    """The stand-ins' base URLs, node-0 first."""
+    gateway: Gateway
+    leader: str
+    """The scheduler's base URL (its /metrics)."""
+
+
+@asynccontextmanager
+async def stack(redis_factory: Callable[..., LocalRedis], procs: Processes, *,
+                delay_ms: float, gateway: dict[str, Any] | None = None
+                ) -> AsyncIterator[Stack]:
+    """The processes up, both nodes in the pool (`stuck_after_ms` STUCK_AFTER_MS)."""
+    server = redis_factory()
+    redis: Any = aioredis.Redis.from_url(server.url)
+    try:
+        nodes = [procs.chaos_backend(f"node-{i}", delay_ms=delay_ms)[1] for i in range(2)]
+        config = procs.write_config(chaos_config(
+            server.url, nodes, gateway=gateway or {},
+            scheduler={"stuck_after_ms": STUCK_AFTER_MS}))
+        scheduler = procs.scheduler(config, "sched")
+        running = Stack(redis, nodes, procs.gateway(config, "gw"),
+                        f"http://127.0.0.1:{scheduler.port}")
+        await until(functools.partial(both_in, redis), 10)
+        yield running
+    finally:
+        await redis.aclose()
+
+
+async def vip_load(st: Stack, seconds: float
+                   ) -> tuple[Load, asyncio.Event, asyncio.Task[Any]]:
+    """6 VIP workers for `seconds` (or until the event is set), once 20 have been answered."""
+    load = Load(st.gateway.url, "vip", "vip", workers=6, pace_s=0.02, timeout_s=30.0)
+    stop = asyncio.Event()
+    background = await run_for([load], seconds, stop)
+
+    async def serving() -> bool:
+        return sum(1 for r in load.results if r.status == 200) >= 20
+
+    await until(serving, 10)
+    return load, stop, background
+
+
+async def both_in(redis: Any) -> bool:
+    return {k.decode() for k in await redis.hkeys(KEYS_OF.node_capacity)} == {"node-0", "node-1"}
+
+
 @pytest.mark.parametrize("idle", [False, True], ids=["inside a step", "between requests"])
 async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
     redis_factory: Callable[..., LocalRedis], procs: Processes, idle: bool
 ) -> None:
-    server = redis_factory()
-    redis: Any = aioredis.Redis.from_url(server.url)
-    try:
-        nodes = [procs.chaos_backend(f"node-{i}", delay_ms=100) for i in range(2)]
-        config = procs.write_config(chaos_config(
-            server.url, [url for _, url in nodes],
-            gateway={"upstream_timeout_ms": UPSTREAM_TIMEOUT_MS},
-            scheduler={"stuck_after_ms": STUCK_AFTER_MS}))
-        scheduler = procs.scheduler(config, "sched")
-        gateway = procs.gateway(config, "gw")
-
-        async def both_in() -> bool:
-            return bool(await redis.hlen(KEYS_OF.node_capacity) == 2)
-
-        await until(both_in, 10)
-        load = Load(gateway.url, "vip", "vip", workers=6, pace_s=0.02, timeout_s=30.0)
-        stop = asyncio.Event()
-        background = await run_for([load], 5.0, stop)
-
-        async def serving() -> bool:
-            return sum(1 for r in load.results if r.status == 200) >= 20
-
-        await until(serving, 10)
+    async with stack(redis_factory, procs, delay_ms=100,
+                     gateway={"upstream_timeout_ms": UPSTREAM_TIMEOUT_MS}) as st:
+        redis = st.redis
+        load, _, background = await vip_load(st, 5.0)
         async with aiohttp.ClientSession() as http, \
-                http.post(nodes[0][1] + "/chaos/stuck" + ("?idle=1" if idle else "")) as response:
+                http.post(st.nodes[0] + "/chaos/stuck" + ("?idle=1" if idle else "")) as response:
             assert response.status == 200
             held_at_start = (await response.json())["held"]
         broken = time.monotonic()
@@ -89,13 +124,10 @@ async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
         await settled(redis, 10)
         states = await assert_conserved(redis)
         records = await task_records(redis)
-        stuck_errors = await metric(gateway.url, "kvgate_gateway_upstream_errors_total",
+        stuck_errors = await metric(st.gateway.url, "kvgate_gateway_upstream_errors_total",
                                     kind="stuck")
         still_out = await redis.hget(KEYS_OF.state, "nodes_out")
-        stuck_gauge = await metric(f"http://127.0.0.1:{scheduler.port}",
-                                   "kvgate_scheduler_node_stuck", node="node-0")
-    finally:
-        await redis.aclose()
+        stuck_gauge = await metric(st.leader, "kvgate_scheduler_node_stuck", node="node-0")
     assert answered(load.results)
     failed = [r for r in load.results if r.status != 200]
     assert failed, "no request was held by the stuck node"
@@ -139,34 +171,12 @@ async def test_a_stuck_engine_that_runs_again_rejoins_through_a_probe(
     """An engine paused, not hung: once it runs again its page stays frozen (vLLM's changes
     only at a step, and the gateways ended the requests it held), so only the leader's probe
     (scheduler.probe) makes it step and brings the node back."""
-    server = redis_factory()
-    redis: Any = aioredis.Redis.from_url(server.url)
-    try:
-        nodes = [procs.chaos_backend(f"node-{i}", delay_ms=100) for i in range(2)]
-        config = procs.write_config(chaos_config(
-            server.url, [url for _, url in nodes],
-            gateway={"upstream_timeout_ms": UPSTREAM_TIMEOUT_MS},
-            scheduler={"stuck_after_ms": STUCK_AFTER_MS}))
-        scheduler = procs.scheduler(config, "sched")
-        gateway = procs.gateway(config, "gw")
-
-        async def capacity() -> set[str]:
-            return {k.decode() for k in await redis.hkeys(KEYS_OF.node_capacity)}
-
-        async def both_in() -> bool:
-            return await capacity() == {"node-0", "node-1"}
-
-        await until(both_in, 10)
-        load = Load(gateway.url, "vip", "vip", workers=6, pace_s=0.02, timeout_s=30.0)
-        stop = asyncio.Event()
-        background = await run_for([load], 30.0, stop)
-
-        async def serving() -> bool:
-            return sum(1 for r in load.results if r.status == 200) >= 20
-
-        await until(serving, 10)
+    async with stack(redis_factory, procs, delay_ms=100,
+                     gateway={"upstream_timeout_ms": UPSTREAM_TIMEOUT_MS}) as st:
+        redis, leader = st.redis, st.leader
+        load, stop, background = await vip_load(st, 30.0)
         async with aiohttp.ClientSession() as http:
-            async with http.post(nodes[0][1] + "/chaos/stuck") as response:
+            async with http.post(st.nodes[0] + "/chaos/stuck") as response:
                 assert response.status == 200
 
             async def ejected() -> bool:
@@ -178,8 +188,6 @@ async def test_a_stuck_engine_that_runs_again_rejoins_through_a_probe(
                 return any(r.code == "upstream_stuck" for r in load.results)
 
             await until(held_ended, 10, 0.01)
-            leader = f"http://127.0.0.1:{scheduler.port}"
-
             async def probe_timed_out() -> bool:
                 return bool(await metric(leader, "kvgate_scheduler_probes_total",
                                          node="node-0", outcome="timeout") >= 1)
@@ -187,9 +195,9 @@ async def test_a_stuck_engine_that_runs_again_rejoins_through_a_probe(
             # Paused a while: the first probe gets no answer, and the node stays out.
             await until(probe_timed_out, 10, 0.05)
             assert await redis.hget(KEYS_OF.state, "nodes_out") == b"node-0:stuck"
-            async with http.post(nodes[0][1] + "/chaos/resume") as response:
+            async with http.post(st.nodes[0] + "/chaos/resume") as response:
                 assert (await response.json())["frozen_page"] is True
-            rejoined_after = await until(both_in, 10, 0.01)
+            rejoined_after = await until(functools.partial(both_in, redis), 10, 0.01)
             rejoined = time.monotonic()
 
             async def node_0_serves() -> bool:
@@ -207,8 +215,6 @@ async def test_a_stuck_engine_that_runs_again_rejoins_through_a_probe(
                                  outcome="ok")
         probes_timeout = await metric(leader, "kvgate_scheduler_probes_total", node="node-0",
                                       outcome="timeout")
-    finally:
-        await redis.aclose()
     # Probed every stuck_after_ms while stuck: the next probe came within one interval of
     # the resume, answered after the stand-in's 100 ms, and the node rejoined at the next
     # reading.
@@ -233,23 +239,10 @@ async def test_a_page_left_stale_by_aborted_requests_is_corrected_by_a_probe(
     that usage and sends the node nothing, which would keep it so; with the default zone
     aggregate (the fullest node) the whole pool is RED and refuses Normal work meanwhile. The
     leader's probe makes the engine step, and the pool serves again."""
-    server = redis_factory()
-    redis: Any = aioredis.Redis.from_url(server.url)
-    try:
-        nodes = [procs.chaos_backend(f"node-{i}", delay_ms=20) for i in range(2)]
-        config = procs.write_config(chaos_config(
-            server.url, [url for _, url in nodes],
-            scheduler={"stuck_after_ms": STUCK_AFTER_MS}))
-        scheduler = procs.scheduler(config, "sched")
-        gateway = procs.gateway(config, "gw")
-        leader = f"http://127.0.0.1:{scheduler.port}"
-
-        async def both_in() -> bool:
-            return bool(await redis.hlen(KEYS_OF.node_capacity) == 2)
-
-        await until(both_in, 10)
+    async with stack(redis_factory, procs, delay_ms=20) as st:
+        redis, leader = st.redis, st.leader
         async with aiohttp.ClientSession() as http, \
-                http.post(nodes[0][1] + "/chaos/ghost") as response:
+                http.post(st.nodes[0] + "/chaos/ghost") as response:
             assert response.status == 200
         ghosted = time.time()
 
@@ -258,7 +251,7 @@ async def test_a_page_left_stale_by_aborted_requests_is_corrected_by_a_probe(
                                      node="node-0") == 0.904)
 
         await until(ghost_read, 10)
-        load = Load(gateway.url, "normal", "normal", workers=4, pace_s=0.02, timeout_s=30.0)
+        load = Load(st.gateway.url, "normal", "normal", workers=4, pace_s=0.02, timeout_s=30.0)
         stop = asyncio.Event()
         background = await run_for([load], 30.0, stop)
 
@@ -276,8 +269,6 @@ async def test_a_page_left_stale_by_aborted_requests_is_corrected_by_a_probe(
         records = await task_records(redis)
         probes_ok = await metric(leader, "kvgate_scheduler_probes_total", node="node-0",
                                  outcome="ok")
-    finally:
-        await redis.aclose()
     on_node_0 = sorted(float(rec["released_us"]) / 1e6 - ghosted for rec in records.values()
                        if rec.get("node") == "node-0" and "released_us" in rec)
     assert answered(load.results) and probes_ok == 1

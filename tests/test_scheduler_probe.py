@@ -38,10 +38,13 @@ class Engine:
         self.released = asyncio.Event()
         """Ends the probes it holds (`hang`): set before its server stops, which waits for
         them."""
+        self.probed = asyncio.Event()
+        """Set at its first probe."""
         self.probes: list[tuple[dict[str, Any], CIMultiDict[str]]] = []
 
     async def handle(self, request: web.Request) -> web.Response:
         self.probes.append((await request.json(), CIMultiDict(request.headers)))
+        self.probed.set()
         if self.mode == "hang":
             await self.released.wait()
         if isinstance(self.mode, int):
@@ -215,13 +218,14 @@ def test_the_probe_carries_the_pool_key_only_when_the_scheduler_has_it() -> None
         f"pool p: backend_api_key_env names {KEY_ENV}, which is not set")
 
 
-@pytest.mark.parametrize(("mode", "judged"), [("answer", False), ("hang", True)])
+@pytest.mark.parametrize(("mode", "judged"), [("answer", False), ("hang", True), (401, True)])
 async def test_a_frozen_idle_page_is_judged_only_once_a_probe_goes_unanswered(
-    redis_client: Any, redis_url: str, mode: str, judged: bool
+    redis_client: Any, redis_url: str, mode: str | int, judged: bool
 ) -> None:
     """A request can sit in a live server's front end longer than stuck_after_ms (a video
     being fetched) while its idle engine's page stands still: a probe, which an idle live
-    engine answers at once, tells that node from a hung one."""
+    engine answers at once, tells that node from a hung one. A refused probe tells nothing:
+    the node is judged as without probes."""
     page = busy(running=0, usage=0.0)
     engine = Engine(page, mode=mode)
     async with stuck_pool(redis_client, redis_url, {"n1": page},
@@ -239,4 +243,52 @@ async def test_a_frozen_idle_page_is_judged_only_once_a_probe_goes_unanswered(
         engine.released.set()
     assert len(engine.probes) == 1
     assert reasons == (["", "stuck", "stuck"] if judged else ["", "", ""])
-    assert count(ps, "n1", "timeout" if judged else "ok") == 1
+    outcome = {"answer": "ok", "hang": "timeout", 401: "refused"}[mode]
+    assert count(ps, "n1", outcome) == 1
+
+
+async def test_a_hung_idle_node_is_judged_while_requests_keep_reaching_it(
+    redis_client: Any, redis_url: str
+) -> None:
+    """It looks idle, so work keeps coming: the probe that confirms it must follow the
+    release it judges on, not outlast the requests that come after."""
+    page = busy(running=0, usage=0.0)
+    engine = Engine(page, mode="hang")
+    async with stuck_pool(redis_client, redis_url, {"n1": page},
+                          completions={"n1": engine.handle}) as (ps, clock):
+        prober = attach(ps, timeout_s=0.2)
+        await tick(ps)
+        reasons = []
+        for i in range(int(AFTER_S) + 4):
+            await clock.advance(1.0)
+            await clock.hold_task("n1", f"t{i}")
+            reasons.append((await tick(ps))["n1"].reason)
+            await prober.settled()
+        engine.released.set()
+    assert reasons[-1] == "stuck" and reasons.index("stuck") <= int(AFTER_S) + 2, reasons
+
+
+async def test_a_replica_that_does_not_lead_sends_no_probe_and_drops_its_own(
+    redis_client: Any, redis_url: str
+) -> None:
+    page = busy(running=0, usage=0.0)
+    engine = Engine(page, mode="hang")
+    async with stuck_pool(redis_client, redis_url, {"n1": page},
+                          completions={"n1": engine.handle}) as (ps, clock):
+        prober = attach(ps, timeout_s=30.0)
+        await tick(ps)
+        await clock.advance(1.0)
+        await clock.hold_task("n1")
+        await clock.advance(AFTER_S)
+        result = await ps.tick(1, lambda: False)
+        assert [p.reason for p in result.plans] == [""] and not prober._inflight
+        await tick(ps)  # leading: the confirming probe goes out, and hangs
+        await asyncio.wait_for(engine.probed.wait(), 10)
+        inflight = list(prober._inflight.values())
+        assert len(inflight) == 1
+        ps.stand_by()
+        await asyncio.gather(*inflight, return_exceptions=True)
+        assert inflight[0].cancelled() and not prober._inflight
+        engine.released.set()
+    assert sum(count(ps, "n1", o) for o in ("ok", "timeout", "refused", "error", "connect")) == 0
+

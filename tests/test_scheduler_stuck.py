@@ -386,3 +386,25 @@ async def test_a_node_whose_page_moves_during_the_read_is_not_judged() -> None:
         await poller.poll(1.0)
         judged = await poller.judge_stuck(await poller.poll(1.0), still_meanwhile)
         assert judged[0].stuck and judged[0].ejected  # unchanged: judged
+
+
+async def test_a_node_whose_scrapes_fail_does_not_hold_back_the_judgement_of_others(
+    redis_client: Any, redis_url: str
+) -> None:
+    """n1's page shows requests no task of kvgate's stands behind, and its scrapes then fail:
+    its stillness, measured to its last good reading, must not lengthen the age n2's tasks
+    need."""
+    failing, hung = busy(), busy()
+    after_s = STUCK_AFTER_MS / 1000
+    async with stuck_pool(redis_client, redis_url, {"n1": failing, "n2": hung}) as (
+            ps, clock):
+        await ps.tick(1, always)
+        await clock.advance(after_s)
+        # n1 still for after_s, with no task of kvgate's; n2 takes a task and a last step.
+        await clock.hold_task("n2")
+        hung.generation_tokens = 401.0
+        await ps.tick(1, always)
+        failing.status = 500
+        await clock.advance(after_s)
+        reasons = {p.name: p.reason for p in (await ps.tick(1, always)).plans}
+    assert reasons == {"n1": "stale", "n2": "stuck"}

@@ -11,6 +11,7 @@ the epoch it passes is the second line of defence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -119,8 +120,9 @@ class TickResult:
         return sum(1 for t in self.released if t.node is not None and t.tier is tier)
 
 
-def _not_known(view: NodeView, since: float) -> bool | None:
-    return None
+def _hung_if_leading(prober: Prober, leading: Callable[[], bool], view: NodeView,
+                     since: float) -> bool | None:
+    return prober.hung(view, since) if leading() else None
 
 
 class PoolScheduler:
@@ -500,8 +502,9 @@ class PoolScheduler:
         if self.may_judge_stuck():
             hung = None
             if self.prober is not None:
-                # A replica that stopped leading sends no probe, and so judges no frozen page.
-                hung = self.prober.hung if leading() else _not_known
+                # A replica that stopped leading sends no probe, and so judges no frozen page
+                # (asked at each call: the lease may lapse during the tick's reads).
+                hung = functools.partial(_hung_if_leading, self.prober, leading)
             views = await self.poller.judge_stuck(views, self._aged_nodes, hung)
         else:
             self.clock_match.clear()  # Redis may have failed over to another clock

@@ -20,14 +20,16 @@ read well (not failing, not stale), that is judged stuck or shows requests runni
 waiting; then again every `stuck_after_ms` while that lasts. A live engine answers within a
 step, its figures change at once, and the node is judged on them: a stale page is corrected,
 a stuck node rejoins. A hung engine does not answer: the probe is given up after
-`PROBE_TIMEOUT_S` (or `stuck_after_ms`, if shorter), which closes the connection and tells
-vLLM to drop it, and changes nothing. A probe's answer does not rejoin a node by itself: a
-data-parallel server sends it to one of its engines, and the page says which engines moved.
+`PROBE_TIMEOUT_S` (or half of `stuck_after_ms`, if shorter), which closes the connection
+and tells vLLM to drop it, and changes nothing. A probe's answer does not rejoin a node by
+itself: a data-parallel server sends it to one of its engines, and the page says which
+engines moved.
 
 A probe also confirms an engine hung while idle before it is judged stuck (`Prober.hung`,
 scheduler.stuck): a request can wait in a live server's front end longer than
 `stuck_after_ms` (a video being fetched) while its idle engine's page stands still, and a
-live engine answers a probe at once.
+live engine answers a probe at once. Such a probe goes to a node whose page shows nothing
+held, and counts in the same metric and alert.
 
 The probe is `POST /v1/completions` with the pool's served model name, the prompt ".", and
 `max_tokens` 1, and the pool's backend API key (`backend_api_key_env`) when the scheduler's
@@ -58,9 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvgate.scheduler.probe")
 
 PROBE_TIMEOUT_S = 10.0
-"""Longest wait for a probe's answer (or `stuck_after_ms`, if shorter). The nodes probed show
-a page that has not changed for `stuck_after_ms`: a live engine among them has nothing else to
-step on, and answers one token within a step or two."""
+"""Longest wait for a probe's answer (or half of `stuck_after_ms`, if shorter). The nodes
+probed show a page that has not changed for `stuck_after_ms`: a live engine among them has
+nothing else to step on, and answers one token within a step or two."""
 PROBE_OUTCOMES = ("ok", "refused", "error", "timeout", "connect")
 """`ok`: answered 200; `refused`: 401, 403 or 404 (credentials or model name); `error`: any
 other status; `timeout`: no answer within the timeout; `connect`: no connection."""
@@ -123,7 +125,9 @@ class Prober:
         self.headers = dict(headers)
         self.on_probe = on_probe
         self.clock = clock
-        self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, after_s))
+        # At most half the interval: a confirming probe (`hung`) must end, timed out, before
+        # the releases it follows age past it, with ticks to spare.
+        self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, after_s / 2))
         self.urls = {b.name: b.url for b in pool.backends}
         self._started: dict[str, float] = {}
         """node -> when its last probe started (this process's clock)."""
@@ -232,13 +236,15 @@ class Prober:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def forget(self) -> None:
-        """A new leadership starts: the probes of an earlier term are dropped (their answers
-        say nothing of the page this term reads)."""
+        """A leadership ends or starts: the probes of the earlier term are dropped (their
+        answers say nothing of the page the next term reads), and the next term probes on
+        its own schedule."""
         for task in self._inflight.values():
             task.cancel()
         self._inflight.clear()
         self._done.clear()
         self._last.clear()
+        self._started.clear()
 
     async def close(self) -> None:
         tasks = list(self._inflight.values())

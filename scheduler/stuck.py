@@ -162,8 +162,9 @@ class StuckWatch:
             node.stuck = True
 
     def frozen_candidate(self, name: str, frozen_s: float) -> bool:
-        """A page that has not changed for `after_s`, not judged yet: `judge_frozen` it with
-        the latest release among the node's tasks released `after_s` ago or more."""
+        """A page that has not changed for `after_s`, not judged yet: judged if the latest
+        release among the node's tasks old enough (Poller.judge_stuck: `after_s` plus the
+        reading's lag) counts (`frozen_release`), and a probe sent since went unanswered."""
         node = self._nodes.get(name)
         return (self.after_s > 0 and frozen_s >= self.after_s
                 and node is not None and not node.stuck)
@@ -212,7 +213,10 @@ class ClockMatch:
     it was sent: so the local reading comes no later than the Redis time, and each sample's
     offset (local minus pool) is at most the true one. The greatest offset of recent samples
     is the closest, and a release matched with it comes no later than it was: on the side on
-    which a frozen page is judged less often, never more. After a failover to a server whose
+    which a frozen page is judged less often. (The matched release is also the time after
+    which a confirming probe must have started, `Prober.hung`: one started up to a round trip
+    before the true release may count, which a node that does not answer it is judged on
+    rightly all the same.) After a failover to a server whose
     clock runs ahead, the old samples would err the other way: the pool clears them while it
     may not judge (`clear`)."""
 

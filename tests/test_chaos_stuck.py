@@ -139,7 +139,7 @@ async def test_a_stuck_engine_is_ejected_and_the_requests_it_holds_end_early(
     # the gateway's next round once silent for CUT_QUIET_S: seconds, not the upstream timeout.
     # Frozen while idle, it is judged on a request sent more than FROZEN_SLACK_S after its
     # page last changed (the next one the load sends it: within a second more), once the
-    # leader's probe has gone unanswered (its timeout: stuck_after_ms here).
+    # leader's probe has gone unanswered (its timeout: half of stuck_after_ms here).
     slowest = max(r.ended for r in failed) - broken
     bound = (STUCK_AFTER_MS / 1000 + CUT_QUIET_S + 2 * RENEW_MS / 1000 + 10 * POLL_MS / 1000
              + 1.0 + (FROZEN_SLACK_S + 1.0 + STUCK_AFTER_MS / 1000 if idle else 0.0))

@@ -9,6 +9,8 @@ import httpx
 import pytest
 
 from kvgate_client import parse_hints, parse_retry_after, parse_should_retry
+from kvgate_client.errors import status_error
+from kvgate_client.hints import parse_retry_after_ms
 
 NOW = 1_700_000_000.0
 
@@ -76,3 +78,16 @@ def test_should_retry(value: str, expected: bool | None) -> None:
 
 def test_should_retry_absent() -> None:
     assert parse_should_retry({"retry-after": "1"}) is None
+
+
+@pytest.mark.parametrize("ms", ["1011", "1", "333", "4001", "987654"])
+def test_the_millisecond_hint_is_kept_exactly(ms: str) -> None:
+    """Not through seconds and back (1011 / 1000 * 1000 is 1010.9999999999999)."""
+    assert parse_retry_after_ms({"retry-after-ms": ms}, wall_clock=lambda: 0.0) == float(ms)
+    error = status_error(429, {"error": {"message": "m"}}, {"retry-after-ms": ms})
+    assert error.retry_after_ms == float(ms)
+
+
+def test_the_millisecond_hint_falls_back_on_retry_after() -> None:
+    assert parse_retry_after_ms({"retry-after": "2"}, wall_clock=lambda: 0.0) == 2_000.0
+    assert parse_retry_after_ms({}, wall_clock=lambda: 0.0) is None

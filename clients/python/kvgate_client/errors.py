@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from .hints import header, parse_retry_after
+from .hints import header, parse_retry_after_ms
 
 REQUEST_ID_HEADER = "x-request-id"
 BACKPRESSURE_LEVEL_HEADER = "x-ratelimit-backpressure-level"
@@ -166,8 +166,7 @@ def _body_retry_ms(value: Any) -> float | None:
 
 
 def _header_retry_ms(headers: Mapping[str, str]) -> float | None:
-    seconds = parse_retry_after(headers, wall_clock=time.time)
-    return None if seconds is None else seconds * 1000.0
+    return parse_retry_after_ms(headers, wall_clock=time.time)
 
 
 def status_error(status_code: int, body: Any, headers: Mapping[str, str]) -> APIStatusError:

@@ -78,6 +78,21 @@ def parse_retry_after(
     return max(0.0, when - now)
 
 
+def parse_retry_after_ms(
+    headers: Mapping[str, str], *, wall_clock: Callable[[], float]
+) -> float | None:
+    """Milliseconds to wait per the headers, or None: `retry-after-ms` as sent (through
+    seconds and back, 1011 would come out 1010.9999999999999), else `parse_retry_after`'s
+    seconds in milliseconds."""
+    raw_ms = header(headers, "retry-after-ms")
+    if raw_ms is not None:
+        ms = _parse_number(raw_ms)
+        if ms is not None:
+            return ms if math.isfinite(ms) else _FOREVER
+    seconds = parse_retry_after(headers, wall_clock=wall_clock)
+    return None if seconds is None else seconds * 1000.0
+
+
 # The formats of RFC 9110's HTTP-date (section 5.6.7), case-sensitive as its grammar is: the
 # IMF-fixdate senders use, and the obsolete RFC 850 and asctime dates a recipient must still
 # accept. The Go SDK matches the same patterns (clients/go/hints.go). [0-9], not \d, which

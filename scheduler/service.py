@@ -33,9 +33,10 @@ from admission.servicemetrics import watch_gc
 from admission.store import PoolStore
 from scheduler.leader import Elector
 from scheduler.metrics import SchedulerMetrics
-from scheduler.pool import PoolScheduler, TickResult
+from scheduler.pool import PoolScheduler
 from scheduler.probe import Prober, key_warning, probe_headers
 from scheduler.scrape import Poller
+from scheduler.tick import TickResult
 
 log = logging.getLogger("kvgate.scheduler")
 RECANCEL_S = 0.5

@@ -17,7 +17,7 @@ each in one round trip, so that no service names a key or sends a command of its
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -291,15 +291,6 @@ def parse_nodes_out(raw: str) -> dict[str, str]:
 async def nodes_out(client: Any, keys: PoolKeys) -> dict[str, str]:
     """The nodes the last leader took out of the pool, and why (one field of the state)."""
     return parse_nodes_out(_text(await client.hget(keys.state, "nodes_out")))
-
-
-def latest_by_node(releases: Iterable[tuple[str, int]], cutoff_us: int) -> dict[str, int]:
-    """Of (node, released_us) pairs, each node's latest release at or before `cutoff_us`."""
-    latest: dict[str, int] = {}
-    for node, released_us in releases:
-        if released_us <= cutoff_us and released_us > latest.get(node, -1):
-            latest[node] = released_us
-    return latest
 
 
 async def releases_older_than(client: Any, keys: PoolKeys, age_us: int

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from admission.config import PoolSettings, SchedulerSettings
-from admission.reads import NODE_STUCK, latest_by_node
+from admission.reads import NODE_STUCK
 from admission.store import PoolStore
 from admission.tiers import Tier, Zone
 from scheduler.budget import (
@@ -39,7 +39,7 @@ from scheduler.policy import DrainRates, ReleasePolicy
 from scheduler.probe import Prober
 from scheduler.running import Indexed, prefill_tasks, tasks_by_node
 from scheduler.scrape import NodeView, Poller
-from scheduler.stuck import ClockMatch
+from scheduler.stuck import ClockMatch, latest_by_node
 from scheduler.tick import Snapshot, TickResult
 from scheduler.transitions import TransitionLog
 from scheduler.zones import RedClearance, ZoneTracker, published_zone

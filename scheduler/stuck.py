@@ -205,6 +205,15 @@ class StuckWatch:
         self._nodes.clear()
 
 
+def latest_by_node(releases: Iterable[tuple[str, int]], cutoff_us: int) -> dict[str, int]:
+    """Of (node, released_us) pairs, each node's latest release at or before `cutoff_us`."""
+    latest: dict[str, int] = {}
+    for node, released_us in releases:
+        if released_us <= cutoff_us and released_us > latest.get(node, -1):
+            latest[node] = released_us
+    return latest
+
+
 class ClockMatch:
     """The pool clock (Redis TIME, µs) on this process's monotonic clock, for comparing a
     task's release with the time of a reading.

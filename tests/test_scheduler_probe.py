@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -17,7 +19,7 @@ from admission.config import parse_config
 from scheduler.probe import PROBE_PROMPT, Prober, key_warning, probe_headers, wants_probe
 from scheduler.scrape import NodeView, parse_vllm_metrics
 from tests.scheduler_stub import FakeVllm, always
-from tests.stuck_support import STUCK_AFTER_MS, busy, stuck_pool
+from tests.stuck_support import STUCK_AFTER_MS, PoolClock, busy, stuck_pool
 
 AFTER_S = STUCK_AFTER_MS / 1000
 KEY_ENV = "KVGATE_TEST_PROBE_KEY"
@@ -218,6 +220,23 @@ def test_the_probe_carries_the_pool_key_only_when_the_scheduler_has_it() -> None
         f"pool p: backend_api_key_env names {KEY_ENV}, which is not set")
 
 
+@asynccontextmanager
+async def idle_node(redis_client: Any, redis_url: str, mode: str | int, timeout_s: float
+                    ) -> AsyncIterator[tuple[Any, PoolClock, Prober, Engine]]:
+    """One idle node whose engine answers probes as `mode` says, a prober on its pool, one
+    tick taken; the probes it holds are let go at the end."""
+    page = busy(running=0, usage=0.0)
+    engine = Engine(page, mode=mode)
+    async with stuck_pool(redis_client, redis_url, {"n1": page},
+                          completions={"n1": engine.handle}) as (ps, clock):
+        prober = attach(ps, timeout_s=timeout_s)
+        await tick(ps)
+        try:
+            yield ps, clock, prober, engine
+        finally:
+            engine.released.set()
+
+
 @pytest.mark.parametrize(("mode", "judged"), [("answer", False), ("hang", True), (401, True)])
 async def test_a_frozen_idle_page_is_judged_only_once_a_probe_goes_unanswered(
     redis_client: Any, redis_url: str, mode: str | int, judged: bool
@@ -226,12 +245,7 @@ async def test_a_frozen_idle_page_is_judged_only_once_a_probe_goes_unanswered(
     being fetched) while its idle engine's page stands still: a probe, which an idle live
     engine answers at once, tells that node from a hung one. A refused probe tells nothing:
     the node is judged as without probes."""
-    page = busy(running=0, usage=0.0)
-    engine = Engine(page, mode=mode)
-    async with stuck_pool(redis_client, redis_url, {"n1": page},
-                          completions={"n1": engine.handle}) as (ps, clock):
-        prober = attach(ps, timeout_s=0.2)
-        await tick(ps)
+    async with idle_node(redis_client, redis_url, mode, 0.2) as (ps, clock, prober, engine):
         await clock.advance(1.0)
         await clock.hold_task("n1")  # the slow request: its task stays
         await clock.advance(AFTER_S)
@@ -240,7 +254,6 @@ async def test_a_frozen_idle_page_is_judged_only_once_a_probe_goes_unanswered(
         reasons.append((await tick(ps))["n1"].reason)
         await clock.advance(1.0)
         reasons.append((await tick(ps))["n1"].reason)
-        engine.released.set()
     assert len(engine.probes) == 1
     assert reasons == (["", "stuck", "stuck"] if judged else ["", "", ""])
     outcome = {"answer": "ok", "hang": "timeout", 401: "refused"}[mode]
@@ -252,31 +265,20 @@ async def test_a_hung_idle_node_is_judged_while_requests_keep_reaching_it(
 ) -> None:
     """It looks idle, so work keeps coming: the probe that confirms it must follow the
     release it judges on, not outlast the requests that come after."""
-    page = busy(running=0, usage=0.0)
-    engine = Engine(page, mode="hang")
-    async with stuck_pool(redis_client, redis_url, {"n1": page},
-                          completions={"n1": engine.handle}) as (ps, clock):
-        prober = attach(ps, timeout_s=0.2)
-        await tick(ps)
+    async with idle_node(redis_client, redis_url, "hang", 0.2) as (ps, clock, prober, _):
         reasons = []
         for i in range(int(AFTER_S) + 4):
             await clock.advance(1.0)
             await clock.hold_task("n1", f"t{i}")
             reasons.append((await tick(ps))["n1"].reason)
             await prober.settled()
-        engine.released.set()
     assert reasons[-1] == "stuck" and reasons.index("stuck") <= int(AFTER_S) + 2, reasons
 
 
 async def test_a_replica_that_does_not_lead_sends_no_probe_and_drops_its_own(
     redis_client: Any, redis_url: str
 ) -> None:
-    page = busy(running=0, usage=0.0)
-    engine = Engine(page, mode="hang")
-    async with stuck_pool(redis_client, redis_url, {"n1": page},
-                          completions={"n1": engine.handle}) as (ps, clock):
-        prober = attach(ps, timeout_s=30.0)
-        await tick(ps)
+    async with idle_node(redis_client, redis_url, "hang", 30.0) as (ps, clock, prober, engine):
         await clock.advance(1.0)
         await clock.hold_task("n1")
         await clock.advance(AFTER_S)
@@ -289,6 +291,5 @@ async def test_a_replica_that_does_not_lead_sends_no_probe_and_drops_its_own(
         ps.stand_by()
         await asyncio.gather(*inflight, return_exceptions=True)
         assert inflight[0].cancelled() and not prober._inflight and not prober._started
-        engine.released.set()
     assert sum(count(ps, "n1", o) for o in ("ok", "timeout", "refused", "error", "connect")) == 0
 
